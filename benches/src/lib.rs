@@ -1,0 +1,1 @@
+//! Benchmark support crate: the benches live in `benches/benches/`.

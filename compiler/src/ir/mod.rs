@@ -1,0 +1,21 @@
+//! The tensor IR: typed values produced by ops in a [`Graph`], a text form that prints and
+//! parses back, and a verifier run after every pass.
+
+mod error;
+mod graph;
+mod ids;
+mod op;
+mod text;
+mod types;
+mod verify;
+
+pub use error::IrError;
+pub use graph::{Graph, Node};
+pub use ids::{Float, ValueId};
+pub use op::{
+    dims, AttnSpec, AxisName, Op, ParamSource, ParamView, RopeScaling, RopeSpec, RopeStyle,
+    ShardSpec, UnaryOp,
+};
+pub use text::parse_graph;
+pub use types::{DType, Dim, Role, TensorType};
+pub use verify::{verify, verify_if_debug};

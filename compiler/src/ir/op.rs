@@ -1,0 +1,810 @@
+//! The op set and each op's type rule. The CPU reference kernel of each op (in `shardc-runtime`)
+//! is its one definition of semantics; the comments here state it in words.
+
+use super::{DType, Dim, Float, IrError, Role, TensorType};
+use serde::{Deserialize, Serialize};
+
+/// A mesh axis named by a collective (`tp`, `dp`, ...).
+pub type AxisName = String;
+
+/// Elementwise unary functions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnaryOp {
+    /// GeLU, tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
+    GeluTanh,
+    /// GeLU, exact (erf).
+    GeluErf,
+    /// x·sigmoid(x).
+    Silu,
+    /// max(x, 0).
+    Relu,
+    /// eˣ.
+    Exp,
+    /// −x.
+    Neg,
+}
+
+impl UnaryOp {
+    /// All unary ops, for parsing.
+    pub const ALL: [UnaryOp; 6] = [
+        UnaryOp::GeluTanh,
+        UnaryOp::GeluErf,
+        UnaryOp::Silu,
+        UnaryOp::Relu,
+        UnaryOp::Exp,
+        UnaryOp::Neg,
+    ];
+    /// Text name.
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::GeluErf => "gelu_erf",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Neg => "neg",
+        }
+    }
+    /// Parses a text name.
+    pub fn from_name(s: &str) -> Option<UnaryOp> {
+        UnaryOp::ALL.into_iter().find(|u| u.name() == s)
+    }
+}
+
+/// How rotary embedding pairs the elements of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeStyle {
+    /// HF / GPT-NeoX `rotate_half`: element i pairs with i + d/2.
+    Half,
+    /// GPT-J / Meta original: element 2i pairs with 2i+1.
+    Interleaved,
+}
+
+/// Rotary-frequency scaling (HF `rope_scaling` / `rope_parameters`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// Llama 3.1 "llama3": wavelength-dependent interpolation.
+    Llama3 {
+        /// `factor`.
+        factor: Float,
+        /// `low_freq_factor`.
+        low_freq_factor: Float,
+        /// `high_freq_factor`.
+        high_freq_factor: Float,
+        /// `original_max_position_embeddings`.
+        original_max_positions: usize,
+    },
+    /// "linear": positions divided by `factor`.
+    Linear {
+        /// `factor`.
+        factor: Float,
+    },
+}
+
+/// Rotary position embedding parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RopeSpec {
+    /// Base θ.
+    pub theta: Float,
+    /// Pairing convention.
+    pub style: RopeStyle,
+    /// Frequency scaling, if any.
+    pub scaling: Option<RopeScaling>,
+}
+
+impl RopeSpec {
+    /// Inverse frequencies for a head of width `head_dim` (length `head_dim / 2`), HF semantics.
+    pub fn inv_freq(&self, head_dim: usize) -> Vec<f32> {
+        let half = head_dim / 2;
+        let mut inv: Vec<f64> = (0..half)
+            .map(|i| 1.0 / (self.theta.0 as f64).powf((2 * i) as f64 / head_dim as f64))
+            .collect();
+        // HF computes inv_freq in float32: round once to match it.
+        for f in &mut inv {
+            *f = *f as f32 as f64;
+        }
+        match self.scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => {
+                for f in &mut inv {
+                    *f /= factor.0 as f64;
+                }
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_positions,
+            }) => {
+                let (factor, lo, hi) = (
+                    factor.0 as f64,
+                    low_freq_factor.0 as f64,
+                    high_freq_factor.0 as f64,
+                );
+                let old = original_max_positions as f64;
+                let low_wavelen = old / lo;
+                let high_wavelen = old / hi;
+                for f in &mut inv {
+                    let wavelen = 2.0 * std::f64::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old / wavelen - lo) / (hi - lo);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+        inv.into_iter().map(|f| f as f32).collect()
+    }
+}
+
+/// Attention parameters. Heads and head width come from the operand shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AttnSpec {
+    /// Query t sees keys s ≤ t only.
+    pub causal: bool,
+    /// Sliding window: query t sees keys s with t − s < window.
+    pub window: Option<usize>,
+    /// Score scale (usually 1/√head_dim).
+    pub scale: Float,
+}
+
+/// A sub-block of a stored tensor: `len` elements from `start` along `dim`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParamView {
+    /// Dim of the stored tensor.
+    pub dim: usize,
+    /// First index.
+    pub start: usize,
+    /// Number of indices.
+    pub len: usize,
+}
+
+/// One split of a tensor over a mesh axis: this rank holds chunk `coord(axis)` of `parts`
+/// along `dim`. A list of them applies major to minor.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ShardSpec {
+    /// Tensor dim.
+    pub dim: usize,
+    /// Mesh axis.
+    pub axis: AxisName,
+    /// Axis size.
+    pub parts: usize,
+}
+
+/// Where a parameter's data lives in the checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParamSource {
+    /// Stored tensor name. With `stack`, a template where `{}` stands for the stack index.
+    pub name: String,
+    /// Only this sub-block of the stored tensor (fused QKV, fused gate/up).
+    pub view: Option<ParamView>,
+    /// Stack this many stored tensors along a new dim 0 (MoE experts stored one per tensor).
+    pub stack: Option<usize>,
+    /// Stored layout is the transpose of the graph's 2-D layout.
+    pub transposed: bool,
+    /// After sharding: the chunk of the (global, graph-layout) tensor this rank holds.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<ShardSpec>,
+}
+
+impl ParamSource {
+    /// A whole stored tensor.
+    pub fn whole(name: impl Into<String>) -> ParamSource {
+        ParamSource {
+            name: name.into(),
+            view: None,
+            stack: None,
+            transposed: false,
+            shards: Vec::new(),
+        }
+    }
+    /// The stored name of stack entry `i` (the name itself when not stacked).
+    pub fn stored_name(&self, i: usize) -> String {
+        if self.stack.is_some() {
+            self.name.replace("{}", &i.to_string())
+        } else {
+            self.name.clone()
+        }
+    }
+}
+
+/// The ops of the IR. Every op produces one value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// A graph input, fed by the caller (`input_ids`, `position_ids`, `attention_mask`).
+    Input {
+        /// Input name.
+        name: String,
+        /// After sharding: the chunk of the caller's (global) tensor this rank holds.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        shards: Vec<ShardSpec>,
+    },
+    /// A parameter, loaded from the checkpoint.
+    Param(ParamSource),
+    /// `(table[V,H], ids[..]) -> [.., H]`: row lookup. Ids outside `[0, V)` give zero rows
+    /// (so a vocabulary shard contributes only its own rows).
+    Embedding,
+    /// `(a[.., M, K], b) -> [.., M, N]` with `b` `[K, N]` (or `[N, K]` when `transpose_b`),
+    /// or batched: `b` `[E, K, N]` with `a` `[E, .., M, K]`.
+    MatMul {
+        /// `b` is stored `[.., N, K]` (a PyTorch `nn.Linear` weight).
+        transpose_b: bool,
+    },
+    /// `a + b`, `b`'s shape a suffix of `a`'s (bias broadcast) or equal.
+    Add,
+    /// `a · b`, broadcast as `Add`.
+    Mul,
+    /// `f(x)` elementwise.
+    Unary(UnaryOp),
+    /// `x · c`.
+    Scale(Float),
+    /// Change of dtype.
+    Cast(DType),
+    /// `(x[.., H], w[H]) -> x / rms(x) · w`, over the last dim, in f32.
+    RmsNorm {
+        /// ε added to the mean square.
+        eps: Float,
+    },
+    /// `(x[.., H], w[H], b[H])`: (x − mean) / √(var + ε) · w + b over the last dim.
+    LayerNorm {
+        /// ε added to the variance.
+        eps: Float,
+    },
+    /// `(x[B, T, N, D], pos[B, T] i32) -> [B, T, N, D]`: rotary embedding of each head.
+    Rope(RopeSpec),
+    /// `(q[B,T,Hq,D], k[B,S,Hkv,D], v[B,S,Hkv,D] [, mask[B,S]]) -> [B,T,Hq,D]`:
+    /// softmax(q·kᵀ·scale + masks)·v per head; query head h reads KV head h / (Hq/Hkv).
+    /// `mask` (f32, 1 keep / 0 drop) masks keys. A query with no visible key gives zeros.
+    Attention(AttnSpec),
+    /// Softmax over the last dim.
+    Softmax,
+    /// Same elements, new shape (the node's declared type).
+    Reshape,
+    /// Permutes dims: output dim i is input dim `perm[i]`.
+    Transpose {
+        /// The permutation.
+        perm: Vec<usize>,
+    },
+    /// `len` indices from `start` along `dim`.
+    Slice {
+        /// Dim.
+        dim: usize,
+        /// First index.
+        start: usize,
+        /// Count.
+        len: usize,
+    },
+    /// Concatenation along `dim`.
+    Concat {
+        /// Dim.
+        dim: usize,
+    },
+    /// Each index along `dim` repeated `times` times in place (`repeat_interleave`).
+    Repeat {
+        /// Dim.
+        dim: usize,
+        /// Repeat count.
+        times: usize,
+    },
+    /// `(logits[.., E]) -> gates[.., E]`: softmax over experts, keep the `top_k` largest (ties to
+    /// the lower index), others 0; with `normalize`, the kept ones rescaled to sum 1.
+    Router {
+        /// Experts per token.
+        top_k: usize,
+        /// Renormalise the kept gates.
+        normalize: bool,
+    },
+    /// `(x[B,T,H], gates[B,T,E]) -> [E,B,T,H]`: row (b,t) copied into expert e's slot where
+    /// `gates[b,t,e] != 0`, zeros elsewhere.
+    Dispatch,
+    /// `(y[E,B,T,H], gates[B,T,E]) -> [B,T,H]`: Σₑ gates[b,t,e] · y[e,b,t].
+    Combine,
+    /// `(logits[B,T,V], labels[B,T] i32) -> f32[]`: Σ over positions with label ≥ 0 of
+    /// −log softmax(logits)[label], divided by `denom`.
+    CrossEntropy {
+        /// Normaliser (number of predicted tokens in the whole batch).
+        denom: usize,
+    },
+    /// Sum over the ranks of `axis` (every rank gets the sum).
+    AllReduce {
+        /// Mesh axis.
+        axis: AxisName,
+    },
+    /// Sum over the ranks of `axis`, each keeping its `1/parts` chunk of `dim`.
+    ReduceScatter {
+        /// Mesh axis.
+        axis: AxisName,
+        /// Scattered dim.
+        dim: usize,
+        /// Axis size.
+        parts: usize,
+    },
+    /// Concatenation of every rank's value along `dim`, in rank order.
+    AllGather {
+        /// Mesh axis.
+        axis: AxisName,
+        /// Gathered dim.
+        dim: usize,
+        /// Axis size.
+        parts: usize,
+    },
+    /// Chunk j of `split_dim` goes to rank j; received chunks concatenated along `concat_dim`.
+    AllToAll {
+        /// Mesh axis.
+        axis: AxisName,
+        /// Dim split into `parts` chunks and sent.
+        split_dim: usize,
+        /// Dim the received chunks are concatenated along.
+        concat_dim: usize,
+        /// Axis size.
+        parts: usize,
+    },
+    /// The value of rank `root` of `axis` on every rank.
+    Broadcast {
+        /// Mesh axis.
+        axis: AxisName,
+        /// Root coordinate on the axis.
+        root: usize,
+    },
+    /// `ids − coord(axis) · stride` on i32 values: token ids made local to a vocabulary shard.
+    RankOffset {
+        /// Mesh axis.
+        axis: AxisName,
+        /// Rows per shard.
+        stride: usize,
+    },
+    /// This rank's `1/parts` chunk of `dim` (replicated → sharded; no communication).
+    LocalSlice {
+        /// Mesh axis.
+        axis: AxisName,
+        /// Sliced dim.
+        dim: usize,
+        /// Axis size.
+        parts: usize,
+    },
+}
+
+fn mul(op: &'static str, a: usize, b: usize) -> Result<usize, IrError> {
+    a.checked_mul(b)
+        .ok_or_else(|| shape_err(op, format!("size {a} × {b} overflows")))
+}
+
+fn shape_err(op: &'static str, detail: String) -> IrError {
+    IrError::Shape { op, detail }
+}
+
+fn arity(op: &Op, inputs: &[&TensorType], n: usize, expected: &'static str) -> Result<(), IrError> {
+    if inputs.len() == n {
+        Ok(())
+    } else {
+        Err(IrError::Arity {
+            op: op.mnemonic(),
+            expected,
+            found: inputs.len(),
+        })
+    }
+}
+
+fn want_dtype(op: &Op, inputs: &[&TensorType], i: usize, dt: DType) -> Result<(), IrError> {
+    if inputs[i].dtype == dt {
+        Ok(())
+    } else {
+        Err(IrError::DType {
+            op: op.mnemonic(),
+            operand: i,
+            expected: dt,
+            found: inputs[i].dtype,
+        })
+    }
+}
+
+impl Op {
+    /// The text-form mnemonic.
+    pub fn mnemonic(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Param(_) => "param",
+            Op::Embedding => "embedding",
+            Op::MatMul { .. } => "matmul",
+            Op::Add => "add",
+            Op::Mul => "mul",
+            Op::Unary(_) => "unary",
+            Op::Scale(_) => "scale",
+            Op::Cast(_) => "cast",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::Rope(_) => "rope",
+            Op::Attention(_) => "attention",
+            Op::Softmax => "softmax",
+            Op::Reshape => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Slice { .. } => "slice",
+            Op::Concat { .. } => "concat",
+            Op::Repeat { .. } => "repeat",
+            Op::Router { .. } => "router",
+            Op::Dispatch => "dispatch",
+            Op::Combine => "combine",
+            Op::CrossEntropy { .. } => "cross_entropy",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllGather { .. } => "all_gather",
+            Op::AllToAll { .. } => "all_to_all",
+            Op::Broadcast { .. } => "broadcast",
+            Op::LocalSlice { .. } => "local_slice",
+            Op::RankOffset { .. } => "rank_offset",
+        }
+    }
+
+    /// True for ops that move data between ranks.
+    pub fn is_collective(&self) -> bool {
+        matches!(
+            self,
+            Op::AllReduce { .. }
+                | Op::ReduceScatter { .. }
+                | Op::AllGather { .. }
+                | Op::AllToAll { .. }
+                | Op::Broadcast { .. }
+        )
+    }
+
+    /// The mesh axis of a collective or local slice.
+    pub fn axis(&self) -> Option<&str> {
+        match self {
+            Op::AllReduce { axis }
+            | Op::ReduceScatter { axis, .. }
+            | Op::AllGather { axis, .. }
+            | Op::AllToAll { axis, .. }
+            | Op::Broadcast { axis, .. }
+            | Op::LocalSlice { axis, .. }
+            | Op::RankOffset { axis, .. } => Some(axis),
+            _ => None,
+        }
+    }
+
+    /// True for ops whose type must be declared (it does not follow from the operands).
+    pub fn needs_declared_type(&self) -> bool {
+        matches!(self, Op::Input { .. } | Op::Param(_) | Op::Reshape)
+    }
+
+    /// The result type from operand types. `declared` is the node's own type, required by ops
+    /// for which [`Op::needs_declared_type`] holds.
+    pub fn infer(
+        &self,
+        inputs: &[&TensorType],
+        declared: Option<&TensorType>,
+    ) -> Result<TensorType, IrError> {
+        let m = self.mnemonic();
+        match self {
+            Op::Input { .. } | Op::Param(_) => {
+                arity(self, inputs, 0, "0")?;
+                declared
+                    .cloned()
+                    .ok_or_else(|| shape_err(m, "needs a declared type".into()))
+            }
+            Op::Reshape => {
+                arity(self, inputs, 1, "1")?;
+                let d = declared.ok_or_else(|| shape_err(m, "needs a declared type".into()))?;
+                if d.checked_numel() != inputs[0].checked_numel() || d.dtype != inputs[0].dtype {
+                    return Err(shape_err(
+                        m,
+                        format!("cannot reshape {} to {}", inputs[0], d),
+                    ));
+                }
+                Ok(d.clone())
+            }
+            Op::Embedding => {
+                arity(self, inputs, 2, "2")?;
+                want_dtype(self, inputs, 1, DType::I32)?;
+                let (t, ids) = (inputs[0], inputs[1]);
+                if t.rank() != 2 {
+                    return Err(shape_err(m, format!("table must be 2-D, got {t}")));
+                }
+                let mut dims = ids.dims.clone();
+                dims.push(t.dims[1]);
+                Ok(TensorType::new(t.dtype, dims))
+            }
+            Op::MatMul { transpose_b } => {
+                arity(self, inputs, 2, "2")?;
+                let (a, b) = (inputs[0], inputs[1]);
+                if a.rank() < 2 || !(b.rank() == 2 || b.rank() == 3) {
+                    return Err(shape_err(m, format!("bad ranks: {a} × {b}")));
+                }
+                let br = b.rank();
+                let (kb, nd) = if *transpose_b {
+                    (b.dims[br - 1], b.dims[br - 2])
+                } else {
+                    (b.dims[br - 2], b.dims[br - 1])
+                };
+                let ka = a.last();
+                if ka != kb.size {
+                    return Err(shape_err(
+                        m,
+                        format!("contracted dims differ: {a} × {b} (K {ka} vs {})", kb.size),
+                    ));
+                }
+                if br == 3 && (a.rank() < 3 || a.dims[0].size != b.dims[0].size) {
+                    return Err(shape_err(
+                        m,
+                        format!("batched operands need the same leading dim: {a} × {b}"),
+                    ));
+                }
+                if a.dtype != b.dtype {
+                    return Err(shape_err(m, format!("dtypes differ: {a} × {b}")));
+                }
+                let mut dims = a.dims.clone();
+                *dims.last_mut().expect("invariant: rank >= 2") = nd;
+                Ok(TensorType::new(a.dtype, dims))
+            }
+            Op::Add | Op::Mul => {
+                arity(self, inputs, 2, "2")?;
+                let (a, b) = (inputs[0], inputs[1]);
+                let ok = b.rank() <= a.rank()
+                    && a.dims[a.rank() - b.rank()..]
+                        .iter()
+                        .zip(&b.dims)
+                        .all(|(x, y)| x.size == y.size);
+                if !ok || a.dtype != b.dtype {
+                    return Err(shape_err(m, format!("cannot broadcast {b} onto {a}")));
+                }
+                Ok(a.clone())
+            }
+            Op::RankOffset { .. } => {
+                arity(self, inputs, 1, "1")?;
+                want_dtype(self, inputs, 0, DType::I32)?;
+                Ok(inputs[0].clone())
+            }
+            Op::Unary(_) | Op::Scale(_) | Op::Softmax => {
+                arity(self, inputs, 1, "1")?;
+                Ok(inputs[0].clone())
+            }
+            Op::Cast(dt) => {
+                arity(self, inputs, 1, "1")?;
+                Ok(inputs[0].with_dtype(*dt))
+            }
+            Op::RmsNorm { .. } | Op::LayerNorm { .. } => {
+                let n = if matches!(self, Op::RmsNorm { .. }) {
+                    2
+                } else {
+                    3
+                };
+                arity(self, inputs, n, if n == 2 { "2" } else { "3" })?;
+                let h = inputs[0].last();
+                for w in &inputs[1..] {
+                    if w.rank() != 1 || w.dims[0].size != h {
+                        return Err(shape_err(
+                            m,
+                            format!("weight {w} does not match last dim of {}", inputs[0]),
+                        ));
+                    }
+                }
+                Ok(inputs[0].clone())
+            }
+            Op::Rope(_) => {
+                arity(self, inputs, 2, "2")?;
+                want_dtype(self, inputs, 1, DType::I32)?;
+                let (x, p) = (inputs[0], inputs[1]);
+                if x.rank() != 4 || p.rank() != 2 || x.shape()[..2] != p.shape()[..] {
+                    return Err(shape_err(
+                        m,
+                        format!("expects x[B,T,N,D] and pos[B,T], got {x} and {p}"),
+                    ));
+                }
+                if x.last() % 2 != 0 {
+                    return Err(shape_err(m, format!("head dim of {x} is odd")));
+                }
+                Ok(x.clone())
+            }
+            Op::Attention(_) => {
+                if inputs.len() != 3 && inputs.len() != 4 {
+                    return Err(IrError::Arity {
+                        op: m,
+                        expected: "3 or 4",
+                        found: inputs.len(),
+                    });
+                }
+                let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+                let qs = q.shape();
+                let ks = k.shape();
+                if q.rank() != 4 || k.rank() != 4 || !k.same_shape(v) {
+                    return Err(shape_err(
+                        m,
+                        format!("expects q,k,v of rank 4: {q}, {k}, {v}"),
+                    ));
+                }
+                if qs[0] != ks[0] || qs[3] != ks[3] || ks[2] == 0 || qs[2] % ks[2] != 0 {
+                    return Err(shape_err(
+                        m,
+                        format!("q {q} and k {k}: batch/head_dim differ or heads not a multiple of kv heads"),
+                    ));
+                }
+                if let Some(mask) = inputs.get(3) {
+                    if mask.shape() != [ks[0], ks[1]] {
+                        return Err(shape_err(m, format!("mask {mask} must be [B, S] of k {k}")));
+                    }
+                }
+                Ok(q.clone())
+            }
+            Op::Transpose { perm } => {
+                arity(self, inputs, 1, "1")?;
+                let x = inputs[0];
+                let mut seen = vec![false; x.rank()];
+                if perm.len() != x.rank()
+                    || perm
+                        .iter()
+                        .any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true))
+                {
+                    return Err(shape_err(m, format!("bad permutation {perm:?} of {x}")));
+                }
+                Ok(TensorType::new(
+                    x.dtype,
+                    perm.iter().map(|&p| x.dims[p]).collect(),
+                ))
+            }
+            Op::Slice { dim, start, len } => {
+                arity(self, inputs, 1, "1")?;
+                let x = inputs[0];
+                if *dim >= x.rank() || start.checked_add(*len).is_none_or(|e| e > x.dim(*dim)) {
+                    return Err(shape_err(
+                        m,
+                        format!("slice {start}+{len} of dim {dim} out of range for {x}"),
+                    ));
+                }
+                let mut t = x.clone();
+                t.dims[*dim].size = *len;
+                Ok(t)
+            }
+            Op::Concat { dim } => {
+                if inputs.is_empty() {
+                    return Err(IrError::Arity {
+                        op: m,
+                        expected: "at least 1",
+                        found: 0,
+                    });
+                }
+                let x = inputs[0];
+                if *dim >= x.rank() {
+                    return Err(shape_err(m, format!("dim {dim} out of range for {x}")));
+                }
+                let mut t = x.clone();
+                t.dims[*dim].size = 0;
+                for y in inputs {
+                    let same = y.rank() == x.rank()
+                        && y.dtype == x.dtype
+                        && (0..x.rank()).all(|i| i == *dim || y.dim(i) == x.dim(i));
+                    if !same {
+                        return Err(shape_err(m, format!("cannot concat {y} with {x}")));
+                    }
+                    t.dims[*dim].size = t.dims[*dim]
+                        .size
+                        .checked_add(y.dim(*dim))
+                        .ok_or_else(|| shape_err(m, "concatenated size overflows".into()))?;
+                }
+                Ok(t)
+            }
+            Op::Repeat { dim, times } => {
+                arity(self, inputs, 1, "1")?;
+                let x = inputs[0];
+                if *dim >= x.rank() || *times == 0 {
+                    return Err(shape_err(
+                        m,
+                        format!("bad repeat of dim {dim} ×{times} of {x}"),
+                    ));
+                }
+                let mut t = x.clone();
+                t.dims[*dim].size = mul(m, x.dim(*dim), *times)?;
+                Ok(t)
+            }
+            Op::Router { top_k, .. } => {
+                arity(self, inputs, 1, "1")?;
+                if *top_k == 0 || *top_k > inputs[0].last() {
+                    return Err(shape_err(
+                        m,
+                        format!("top_k {top_k} out of range for {}", inputs[0]),
+                    ));
+                }
+                Ok(inputs[0].clone())
+            }
+            Op::Dispatch => {
+                arity(self, inputs, 2, "2")?;
+                let (x, g) = (inputs[0], inputs[1]);
+                if x.rank() != 3 || g.rank() != 3 || x.shape()[..2] != g.shape()[..2] {
+                    return Err(shape_err(
+                        m,
+                        format!("expects x[B,T,H], gates[B,T,E]: {x}, {g}"),
+                    ));
+                }
+                let mut dims = vec![g.dims[2]];
+                dims.extend_from_slice(&x.dims);
+                Ok(TensorType::new(x.dtype, dims))
+            }
+            Op::Combine => {
+                arity(self, inputs, 2, "2")?;
+                let (y, g) = (inputs[0], inputs[1]);
+                if y.rank() != 4
+                    || g.rank() != 3
+                    || y.shape()[1..3] != g.shape()[..2]
+                    || y.dim(0) != g.dim(2)
+                {
+                    return Err(shape_err(
+                        m,
+                        format!("expects y[E,B,T,H], gates[B,T,E]: {y}, {g}"),
+                    ));
+                }
+                Ok(TensorType::new(y.dtype, y.dims[1..].to_vec()))
+            }
+            Op::CrossEntropy { .. } => {
+                arity(self, inputs, 2, "2")?;
+                want_dtype(self, inputs, 1, DType::I32)?;
+                let (l, y) = (inputs[0], inputs[1]);
+                if l.rank() != y.rank() + 1 || l.shape()[..y.rank()] != y.shape()[..] {
+                    return Err(shape_err(m, format!("logits {l} and labels {y} differ")));
+                }
+                Ok(TensorType::new(DType::F32, vec![]))
+            }
+            Op::AllReduce { .. } | Op::Broadcast { .. } => {
+                arity(self, inputs, 1, "1")?;
+                Ok(inputs[0].clone())
+            }
+            Op::ReduceScatter { dim, parts, .. } | Op::LocalSlice { dim, parts, .. } => {
+                arity(self, inputs, 1, "1")?;
+                let x = inputs[0];
+                if *dim >= x.rank() || *parts == 0 || x.dim(*dim) % parts != 0 {
+                    return Err(shape_err(
+                        m,
+                        format!("dim {dim} of {x} does not divide into {parts} parts"),
+                    ));
+                }
+                let mut t = x.clone();
+                t.dims[*dim].size /= parts;
+                Ok(t)
+            }
+            Op::AllGather { dim, parts, .. } => {
+                arity(self, inputs, 1, "1")?;
+                let x = inputs[0];
+                if *dim >= x.rank() || *parts == 0 {
+                    return Err(shape_err(
+                        m,
+                        format!("bad gather of dim {dim} into {parts} parts of {x}"),
+                    ));
+                }
+                let mut t = x.clone();
+                t.dims[*dim].size = mul(m, x.dim(*dim), *parts)?;
+                Ok(t)
+            }
+            Op::AllToAll {
+                split_dim,
+                concat_dim,
+                parts,
+                ..
+            } => {
+                arity(self, inputs, 1, "1")?;
+                let x = inputs[0];
+                if *split_dim >= x.rank()
+                    || *concat_dim >= x.rank()
+                    || *parts == 0
+                    || x.dim(*split_dim) % parts != 0
+                {
+                    return Err(shape_err(
+                        m,
+                        format!("cannot split dim {split_dim} of {x} into {parts}"),
+                    ));
+                }
+                let mut t = x.clone();
+                t.dims[*split_dim].size /= parts;
+                t.dims[*concat_dim].size = mul(m, t.dims[*concat_dim].size, *parts)?;
+                Ok(t)
+            }
+        }
+    }
+}
+
+/// A 1-D dim helper for builders.
+pub fn dims(spec: &[(Role, usize)]) -> Vec<Dim> {
+    spec.iter().map(|&(r, s)| Dim::new(r, s)).collect()
+}

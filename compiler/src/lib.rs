@@ -1,0 +1,10 @@
+//! shardc-compiler: the tensor IR, model import, sharding, rewriting, planning and cost model.
+//! No GPU dependency.
+#![deny(missing_docs)]
+
+pub mod ir;
+pub mod model;
+pub mod pipeline;
+pub mod plan;
+pub mod schedule;
+pub mod shard;

@@ -1,0 +1,497 @@
+//! Builds the forward graph of a [`ModelConfig`] for a fixed batch and sequence length, with
+//! the HF tensor names of each architecture as parameter sources.
+//!
+//! Inputs: `input_ids` i32[B,T], `position_ids` i32[B,T], `attention_mask` f32[B,T] (1 keep,
+//! 0 padding). Outputs: `logits` f32[B,T,V] and `hidden` (after the final norm).
+
+use super::config::{Arch, ModelConfig, NormKind};
+use crate::ir::{
+    AttnSpec, DType, Dim, Float, Graph, IrError, Op, ParamSource, ParamView, Role, TensorType,
+    ValueId,
+};
+
+/// Batch and sequence length of the graph to build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BuildOptions {
+    /// Sequences per batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Each KV head repeated this many times after projection (1: none). Tensor parallelism
+    /// with more ranks than KV heads uses it, as Megatron-LM and vLLM replicate KV heads.
+    pub kv_repeat: usize,
+}
+
+impl BuildOptions {
+    /// Batch × seq, no KV repeat.
+    pub fn new(batch: usize, seq: usize) -> BuildOptions {
+        BuildOptions {
+            batch,
+            seq,
+            kv_repeat: 1,
+        }
+    }
+}
+
+struct Builder<'a> {
+    g: Graph,
+    cfg: &'a ModelConfig,
+    b: usize,
+    t: usize,
+    kv_repeat: usize,
+}
+
+fn d(role: Role, size: usize) -> Dim {
+    Dim::new(role, size)
+}
+
+impl Builder<'_> {
+    fn param(&mut self, src: ParamSource, dims: Vec<Dim>, label: &str) -> Result<ValueId, IrError> {
+        self.g.add_typed(
+            Op::Param(src),
+            &[],
+            Some(TensorType::new(DType::F32, dims)),
+            label,
+        )
+    }
+
+    fn whole(&mut self, name: String, dims: Vec<Dim>, label: &str) -> Result<ValueId, IrError> {
+        self.param(ParamSource::whole(name), dims, label)
+    }
+
+    fn act(&self, last: Dim) -> TensorType {
+        TensorType::new(
+            DType::F32,
+            vec![d(Role::Batch, self.b), d(Role::Seq, self.t), last],
+        )
+    }
+
+    /// `x · Wᵀ (+ b)` for a PyTorch Linear weight `[out, in]`.
+    fn linear(
+        &mut self,
+        x: ValueId,
+        prefix: &str,
+        out: Dim,
+        inp: Dim,
+        bias: bool,
+        label: &str,
+    ) -> Result<ValueId, IrError> {
+        let w = self.whole(
+            format!("{prefix}.weight"),
+            vec![out, inp],
+            &format!("{label}.weight"),
+        )?;
+        let mut y = self.g.add_typed(
+            Op::MatMul { transpose_b: true },
+            &[x, w],
+            Some(self.act(out)),
+            label,
+        )?;
+        if bias {
+            let bv = self.whole(
+                format!("{prefix}.bias"),
+                vec![out],
+                &format!("{label}.bias"),
+            )?;
+            y = self.g.add(Op::Add, &[y, bv], format!("{label}.add_bias"))?;
+        }
+        Ok(y)
+    }
+
+    fn norm(&mut self, x: ValueId, prefix: &str, label: &str) -> Result<ValueId, IrError> {
+        let h = d(Role::Hidden, self.cfg.hidden);
+        let eps = Float(self.cfg.eps);
+        let w = self.whole(
+            format!("{prefix}.weight"),
+            vec![h],
+            &format!("{label}.weight"),
+        )?;
+        match self.cfg.norm {
+            NormKind::Rms => self.g.add(Op::RmsNorm { eps }, &[x, w], label),
+            NormKind::Layer => {
+                let b = self.whole(format!("{prefix}.bias"), vec![h], &format!("{label}.bias"))?;
+                self.g.add(Op::LayerNorm { eps }, &[x, w, b], label)
+            }
+        }
+    }
+
+    fn split_heads(&mut self, x: ValueId, heads: Dim, label: &str) -> Result<ValueId, IrError> {
+        let ty = TensorType::new(
+            DType::F32,
+            vec![
+                d(Role::Batch, self.b),
+                d(Role::Seq, self.t),
+                heads,
+                d(Role::HeadDim, self.cfg.head_dim),
+            ],
+        );
+        self.g.add_typed(Op::Reshape, &[x], Some(ty), label)
+    }
+}
+
+/// Builds the forward graph.
+pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrError> {
+    let (b, t) = (opts.batch, opts.seq);
+    let mut bl = Builder {
+        g: Graph::new(),
+        cfg,
+        b,
+        t,
+        kv_repeat: opts.kv_repeat.max(1),
+    };
+    let bt = |dt: DType| TensorType::new(dt, vec![d(Role::Batch, b), d(Role::Seq, t)]);
+    let ids = bl.g.input("input_ids", bt(DType::I32));
+    let pos = bl.g.input("position_ids", bt(DType::I32));
+    let mask = bl.g.input("attention_mask", bt(DType::F32));
+
+    let hd = d(Role::Hidden, cfg.hidden);
+    let vd = d(Role::Vocab, cfg.vocab);
+    let gpt2 = cfg.arch == Arch::Gpt2;
+    let (embed_name, prefix) = if gpt2 {
+        ("transformer.wte.weight", "transformer.h")
+    } else {
+        ("model.embed_tokens.weight", "model.layers")
+    };
+    let table = bl.whole(embed_name.into(), vec![vd, hd], "embed")?;
+    let mut x = bl.g.add(Op::Embedding, &[table, ids], "embed.lookup")?;
+    if gpt2 {
+        let wpe = bl.whole(
+            "transformer.wpe.weight".into(),
+            vec![d(Role::Other, cfg.max_positions), hd],
+            "pos_embed",
+        )?;
+        let p = bl.g.add(Op::Embedding, &[wpe, pos], "pos_embed.lookup")?;
+        x = bl.g.add(Op::Add, &[x, p], "embed.add_pos")?;
+    }
+
+    for layer in 0..cfg.layers {
+        bl.g.current_layer = Some(layer as u32);
+        let lp = format!("{prefix}.{layer}");
+        let l = format!("layers.{layer}");
+        x = attention_block(&mut bl, x, pos, mask, &lp, &l)?;
+        x = if cfg.moe.is_some() {
+            moe_block(&mut bl, x, &lp, &l)?
+        } else {
+            mlp_block(&mut bl, x, &lp, &l)?
+        };
+    }
+    bl.g.current_layer = None;
+
+    let final_norm = if gpt2 {
+        "transformer.ln_f"
+    } else {
+        "model.norm"
+    };
+    let h = bl.norm(x, final_norm, "final_norm")?;
+    let head = if cfg.tied {
+        table
+    } else {
+        bl.whole("lm_head.weight".into(), vec![vd, hd], "lm_head")?
+    };
+    let logits = bl.g.add_typed(
+        Op::MatMul { transpose_b: true },
+        &[h, head],
+        Some(bl.act(vd)),
+        "lm_head.matmul",
+    )?;
+    bl.g.set_output("logits", logits);
+    bl.g.set_output("hidden", h);
+    crate::ir::verify_if_debug(&bl.g, "build_forward");
+    Ok(bl.g)
+}
+
+fn attention_block(
+    bl: &mut Builder,
+    x: ValueId,
+    pos: ValueId,
+    mask: ValueId,
+    lp: &str,
+    l: &str,
+) -> Result<ValueId, IrError> {
+    let cfg = bl.cfg;
+    let hd = d(Role::Hidden, cfg.hidden);
+    let qd = d(Role::Heads, cfg.heads * cfg.head_dim);
+    let kd = d(Role::KvHeads, cfg.kv_heads * cfg.head_dim);
+    let gpt2 = cfg.arch == Arch::Gpt2;
+    let h = if gpt2 {
+        bl.norm(x, &format!("{lp}.ln_1"), &format!("{l}.attn_norm"))?
+    } else {
+        bl.norm(
+            x,
+            &format!("{lp}.input_layernorm"),
+            &format!("{l}.attn_norm"),
+        )?
+    };
+    let (q, k, v) = if gpt2 {
+        // Conv1D: weight stored [in, out] = [H, 3H]; q, k, v are column blocks.
+        let mut out = Vec::new();
+        for (i, name) in ["q", "k", "v"].iter().enumerate() {
+            let view = ParamView {
+                dim: 1,
+                start: i * cfg.hidden,
+                len: cfg.hidden,
+            };
+            let w = bl.param(
+                ParamSource {
+                    view: Some(view),
+                    ..ParamSource::whole(format!("{lp}.attn.c_attn.weight"))
+                },
+                vec![hd, if i == 0 { qd } else { kd }],
+                &format!("{l}.attn.{name}_proj.weight"),
+            )?;
+            let od = if i == 0 { qd } else { kd };
+            let y = bl.g.add_typed(
+                Op::MatMul { transpose_b: false },
+                &[h, w],
+                Some(bl.act(od)),
+                format!("{l}.attn.{name}_proj"),
+            )?;
+            let bview = ParamView { dim: 0, ..view };
+            let bias = bl.param(
+                ParamSource {
+                    view: Some(bview),
+                    ..ParamSource::whole(format!("{lp}.attn.c_attn.bias"))
+                },
+                vec![od],
+                &format!("{l}.attn.{name}_proj.bias"),
+            )?;
+            out.push(bl.g.add(
+                Op::Add,
+                &[y, bias],
+                format!("{l}.attn.{name}_proj.add_bias"),
+            )?);
+        }
+        (out[0], out[1], out[2])
+    } else {
+        let sa = format!("{lp}.self_attn");
+        let q = bl.linear(
+            h,
+            &format!("{sa}.q_proj"),
+            qd,
+            hd,
+            cfg.qkv_bias,
+            &format!("{l}.attn.q_proj"),
+        )?;
+        let k = bl.linear(
+            h,
+            &format!("{sa}.k_proj"),
+            kd,
+            hd,
+            cfg.qkv_bias,
+            &format!("{l}.attn.k_proj"),
+        )?;
+        let v = bl.linear(
+            h,
+            &format!("{sa}.v_proj"),
+            kd,
+            hd,
+            cfg.qkv_bias,
+            &format!("{l}.attn.v_proj"),
+        )?;
+        (q, k, v)
+    };
+    let heads = d(Role::Heads, cfg.heads);
+    let kv_heads = d(Role::KvHeads, cfg.kv_heads);
+    let mut q = bl.split_heads(q, heads, &format!("{l}.attn.q_heads"))?;
+    let mut k = bl.split_heads(k, kv_heads, &format!("{l}.attn.k_heads"))?;
+    let mut v = bl.split_heads(v, kv_heads, &format!("{l}.attn.v_heads"))?;
+    if let Some(rope) = cfg.rope {
+        q =
+            bl.g.add(Op::Rope(rope), &[q, pos], format!("{l}.attn.q_rope"))?;
+        k =
+            bl.g.add(Op::Rope(rope), &[k, pos], format!("{l}.attn.k_rope"))?;
+    }
+    if bl.kv_repeat > 1 {
+        let rep = Op::Repeat {
+            dim: 2,
+            times: bl.kv_repeat,
+        };
+        k = bl.g.add(rep.clone(), &[k], format!("{l}.attn.k_repeat"))?;
+        v = bl.g.add(rep, &[v], format!("{l}.attn.v_repeat"))?;
+    }
+    let spec = AttnSpec {
+        causal: true,
+        window: cfg.window,
+        scale: Float(1.0 / (cfg.head_dim as f32).sqrt()),
+    };
+    let a = bl.g.add(
+        Op::Attention(spec),
+        &[q, k, v, mask],
+        format!("{l}.attn.sdpa"),
+    )?;
+    let a = bl.g.add_typed(
+        Op::Reshape,
+        &[a],
+        Some(bl.act(qd)),
+        format!("{l}.attn.merge_heads"),
+    )?;
+    let o = if gpt2 {
+        let w = bl.whole(
+            format!("{lp}.attn.c_proj.weight"),
+            vec![qd, hd],
+            &format!("{l}.attn.o_proj.weight"),
+        )?;
+        let y = bl.g.add_typed(
+            Op::MatMul { transpose_b: false },
+            &[a, w],
+            Some(bl.act(hd)),
+            format!("{l}.attn.o_proj"),
+        )?;
+        let bias = bl.whole(
+            format!("{lp}.attn.c_proj.bias"),
+            vec![hd],
+            &format!("{l}.attn.o_proj.bias"),
+        )?;
+        bl.g.add(Op::Add, &[y, bias], format!("{l}.attn.o_proj.add_bias"))?
+    } else {
+        bl.linear(
+            a,
+            &format!("{lp}.self_attn.o_proj"),
+            hd,
+            qd,
+            cfg.o_bias,
+            &format!("{l}.attn.o_proj"),
+        )?
+    };
+    bl.g.add(Op::Add, &[x, o], format!("{l}.attn.residual"))
+}
+
+fn mlp_block(bl: &mut Builder, x: ValueId, lp: &str, l: &str) -> Result<ValueId, IrError> {
+    let cfg = bl.cfg;
+    let hd = d(Role::Hidden, cfg.hidden);
+    let fd = d(Role::Ffn, cfg.ffn);
+    let act = Op::Unary(cfg.act);
+    let y = if cfg.arch == Arch::Gpt2 {
+        let h = bl.norm(x, &format!("{lp}.ln_2"), &format!("{l}.mlp_norm"))?;
+        let w1 = bl.whole(
+            format!("{lp}.mlp.c_fc.weight"),
+            vec![hd, fd],
+            &format!("{l}.mlp.up_proj.weight"),
+        )?;
+        let u = bl.g.add_typed(
+            Op::MatMul { transpose_b: false },
+            &[h, w1],
+            Some(bl.act(fd)),
+            format!("{l}.mlp.up_proj"),
+        )?;
+        let b1 = bl.whole(
+            format!("{lp}.mlp.c_fc.bias"),
+            vec![fd],
+            &format!("{l}.mlp.up_proj.bias"),
+        )?;
+        let u =
+            bl.g.add(Op::Add, &[u, b1], format!("{l}.mlp.up_proj.add_bias"))?;
+        let a = bl.g.add(act, &[u], format!("{l}.mlp.act"))?;
+        let w2 = bl.whole(
+            format!("{lp}.mlp.c_proj.weight"),
+            vec![fd, hd],
+            &format!("{l}.mlp.down_proj.weight"),
+        )?;
+        let y = bl.g.add_typed(
+            Op::MatMul { transpose_b: false },
+            &[a, w2],
+            Some(bl.act(hd)),
+            format!("{l}.mlp.down_proj"),
+        )?;
+        let b2 = bl.whole(
+            format!("{lp}.mlp.c_proj.bias"),
+            vec![hd],
+            &format!("{l}.mlp.down_proj.bias"),
+        )?;
+        bl.g.add(Op::Add, &[y, b2], format!("{l}.mlp.down_proj.add_bias"))?
+    } else {
+        let h = bl.norm(
+            x,
+            &format!("{lp}.post_attention_layernorm"),
+            &format!("{l}.mlp_norm"),
+        )?;
+        let mb = cfg.mlp_bias;
+        let g = bl.linear(
+            h,
+            &format!("{lp}.mlp.gate_proj"),
+            fd,
+            hd,
+            mb,
+            &format!("{l}.mlp.gate_proj"),
+        )?;
+        let u = bl.linear(
+            h,
+            &format!("{lp}.mlp.up_proj"),
+            fd,
+            hd,
+            mb,
+            &format!("{l}.mlp.up_proj"),
+        )?;
+        let a = bl.g.add(act, &[g], format!("{l}.mlp.act"))?;
+        let m = bl.g.add(Op::Mul, &[a, u], format!("{l}.mlp.gate_mul"))?;
+        bl.linear(
+            m,
+            &format!("{lp}.mlp.down_proj"),
+            hd,
+            fd,
+            mb,
+            &format!("{l}.mlp.down_proj"),
+        )?
+    };
+    bl.g.add(Op::Add, &[x, y], format!("{l}.mlp.residual"))
+}
+
+fn moe_block(bl: &mut Builder, x: ValueId, lp: &str, l: &str) -> Result<ValueId, IrError> {
+    let cfg = bl.cfg;
+    let moe = cfg.moe.expect("invariant: moe_block only for MoE configs");
+    let (b, t) = (bl.b, bl.t);
+    let hd = d(Role::Hidden, cfg.hidden);
+    let fd = d(Role::Ffn, cfg.ffn);
+    let ed = d(Role::Expert, moe.experts);
+    let h = bl.norm(
+        x,
+        &format!("{lp}.post_attention_layernorm"),
+        &format!("{l}.mlp_norm"),
+    )?;
+    let bsm = format!("{lp}.block_sparse_moe");
+    let logits = bl.linear(
+        h,
+        &format!("{bsm}.gate"),
+        ed,
+        hd,
+        false,
+        &format!("{l}.moe.router_logits"),
+    )?;
+    let gates = bl.g.add(
+        Op::Router {
+            top_k: moe.top_k,
+            normalize: true,
+        },
+        &[logits],
+        format!("{l}.moe.router"),
+    )?;
+    let xe =
+        bl.g.add(Op::Dispatch, &[h, gates], format!("{l}.moe.dispatch"))?;
+    let ety = |last: Dim| {
+        TensorType::new(
+            DType::F32,
+            vec![ed, d(Role::Batch, b), d(Role::Seq, t), last],
+        )
+    };
+    let expert = |bl: &mut Builder, w: &str, out: Dim, inp: Dim, xin: ValueId, label: &str| {
+        let src = ParamSource {
+            stack: Some(moe.experts),
+            ..ParamSource::whole(format!("{bsm}.experts.{{}}.{w}.weight"))
+        };
+        let wv = bl.param(src, vec![ed, out, inp], &format!("{l}.moe.{label}.weight"))?;
+        bl.g.add_typed(
+            Op::MatMul { transpose_b: true },
+            &[xin, wv],
+            Some(ety(out)),
+            format!("{l}.moe.{label}"),
+        )
+    };
+    let g = expert(bl, "w1", fd, hd, xe, "gate_proj")?;
+    let u = expert(bl, "w3", fd, hd, xe, "up_proj")?;
+    let a = bl.g.add(Op::Unary(cfg.act), &[g], format!("{l}.moe.act"))?;
+    let m = bl.g.add(Op::Mul, &[a, u], format!("{l}.moe.gate_mul"))?;
+    let y = expert(bl, "w2", hd, fd, m, "down_proj")?;
+    let y =
+        bl.g.add(Op::Combine, &[y, gates], format!("{l}.moe.combine"))?;
+    bl.g.add(Op::Add, &[x, y], format!("{l}.moe.residual"))
+}

@@ -1,0 +1,261 @@
+//! The Plan: the versioned, serialisable, deterministic artifact a compile produces and a
+//! runtime or simulator consumes (DESIGN §6). Same inputs ⇒ byte-identical JSON.
+
+use crate::ir::{Graph, Op, ValueId};
+use crate::pipeline::Compiled;
+use crate::schedule::{self, BufferSlot, Step};
+use crate::shard::{Mesh, Provenance, TensorSharding};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use thiserror::Error;
+
+/// Version of the plan format; bumped on any incompatible change.
+pub const PLAN_FORMAT_VERSION: u32 = 1;
+
+/// What the plan was compiled from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanModel {
+    /// Model source as given (path).
+    pub source: String,
+    /// HF model_type.
+    pub model_type: String,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Sequences per batch (global).
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+}
+
+/// Per-rank memory, from the program.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanMemory {
+    /// Parameter bytes per rank.
+    pub param_bytes: u64,
+    /// Activation arena bytes per rank (peak of live activations).
+    pub activation_arena_bytes: u64,
+    /// Sum of all activation bytes (without reuse).
+    pub activation_total_bytes: u64,
+}
+
+/// The plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// [`PLAN_FORMAT_VERSION`].
+    pub format_version: u32,
+    /// Source model.
+    pub model: PlanModel,
+    /// Mesh.
+    pub mesh: Mesh,
+    /// Strategies applied.
+    pub strategies: Vec<String>,
+    /// The SPMD program every rank runs (local shapes; rank-dependent slices come from the
+    /// rank's mesh coordinates).
+    pub program: Graph,
+    /// Layout of each program value.
+    pub shardings: Vec<TensorSharding>,
+    /// Why each collective exists.
+    pub provenance: BTreeMap<u32, Provenance>,
+    /// Streams by id.
+    pub streams: Vec<String>,
+    /// Steps in issue order.
+    pub steps: Vec<Step>,
+    /// Activation buffers in the arena.
+    pub buffers: Vec<BufferSlot>,
+    /// Memory per rank.
+    pub memory: PlanMemory,
+}
+
+/// A plan that fails a static check or cannot be read.
+#[derive(Debug, Error)]
+pub enum PlanError {
+    /// Ranks of a group would issue different collective sequences (a deadlock).
+    #[error("ranks {a} and {b} of `{axis}` group {group:?} issue different collectives at position {pos}: {left} vs {right}")]
+    CollectiveOrder {
+        /// Axis.
+        axis: String,
+        /// The group's ranks.
+        group: Vec<usize>,
+        /// First rank.
+        a: usize,
+        /// Second rank.
+        b: usize,
+        /// Position in the sequence.
+        pos: usize,
+        /// What rank `a` issues.
+        left: String,
+        /// What rank `b` issues.
+        right: String,
+    },
+    /// Wrong format version.
+    #[error("plan format version {found}, this shardc reads version {expected}")]
+    Version {
+        /// Found.
+        found: u32,
+        /// Expected.
+        expected: u32,
+    },
+    /// Malformed JSON.
+    #[error("malformed plan: {0}")]
+    Json(String),
+}
+
+/// Collectives of one layer: (op mnemonic, axis, bytes, value).
+pub type LayerCollectives = Vec<(String, String, u64, ValueId)>;
+
+/// A collective as a rank issues it, for the order check.
+fn collective_sig(g: &Graph, v: ValueId) -> String {
+    let n = g.node(v);
+    format!("{}({} → {})", n.op.mnemonic(), g.ty(n.inputs[0]), n.ty)
+}
+
+impl Plan {
+    /// Builds the plan of a compiled program.
+    pub fn new(c: &Compiled, source: &str, model_type: &str, layers: usize) -> Plan {
+        let g = &c.sharded.graph;
+        let steps = schedule::schedule(g);
+        let (buffers, arena) = schedule::arena(g);
+        let param_bytes = g.params().map(|v| g.ty(v).size_bytes() as u64).sum();
+        let activation_total_bytes = buffers.iter().map(|b| b.size).sum();
+        let provenance = c
+            .sharded
+            .provenance
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.clone().map(|p| (i as u32, p)))
+            .collect();
+        let batch = c
+            .logical
+            .input_named("input_ids")
+            .map_or(0, |v| c.logical.ty(v).dim(0));
+        let seq = c
+            .logical
+            .input_named("input_ids")
+            .map_or(0, |v| c.logical.ty(v).dim(1));
+        Plan {
+            format_version: PLAN_FORMAT_VERSION,
+            model: PlanModel {
+                source: source.to_string(),
+                model_type: model_type.to_string(),
+                layers,
+                batch,
+                seq,
+            },
+            mesh: c.sharded.mesh.clone(),
+            strategies: c.strategies.iter().map(|s| s.name().to_string()).collect(),
+            program: g.clone(),
+            shardings: c.sharded.shardings.clone(),
+            provenance,
+            streams: vec!["compute".into(), "comm".into()],
+            steps,
+            buffers,
+            memory: PlanMemory {
+                param_bytes,
+                activation_arena_bytes: arena,
+                activation_total_bytes,
+            },
+        }
+    }
+
+    /// Deterministic pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("invariant: a plan serialises")
+    }
+
+    /// Reads a plan, checking its version.
+    pub fn from_json(s: &str) -> Result<Plan, PlanError> {
+        let v: serde_json::Value =
+            serde_json::from_str(s).map_err(|e| PlanError::Json(e.to_string()))?;
+        let found = v
+            .get("format_version")
+            .and_then(|x| x.as_u64())
+            .unwrap_or(0) as u32;
+        if found != PLAN_FORMAT_VERSION {
+            return Err(PlanError::Version {
+                found,
+                expected: PLAN_FORMAT_VERSION,
+            });
+        }
+        serde_json::from_value(v).map_err(|e| PlanError::Json(e.to_string()))
+    }
+
+    /// The collectives rank `rank` issues on each axis, in order. Every rank runs the same
+    /// SPMD program here; a schedule that differs per rank (pipelines) plugs in its own.
+    pub fn collectives_of(&self, _rank: usize) -> BTreeMap<String, Vec<String>> {
+        let mut m: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for s in &self.steps {
+            if let Step::Collective { value, axis, .. } = s {
+                m.entry(axis.clone())
+                    .or_default()
+                    .push(collective_sig(&self.program, *value));
+            }
+        }
+        m
+    }
+
+    /// Static check: every rank of every group issues the same collectives in the same order.
+    pub fn check_collective_order(&self) -> Result<(), PlanError> {
+        let per_rank: Vec<_> = (0..self.mesh.world_size())
+            .map(|r| self.collectives_of(r))
+            .collect();
+        for a in self.mesh.axis_ids() {
+            let name = self.mesh.axis_name(a).to_string();
+            for group in self.mesh.groups(a) {
+                let first = per_rank[group[0]].get(&name).cloned().unwrap_or_default();
+                for &r in &group[1..] {
+                    let other = per_rank[r].get(&name).cloned().unwrap_or_default();
+                    let n = first.len().max(other.len());
+                    for pos in 0..n {
+                        let (l, rr) = (first.get(pos), other.get(pos));
+                        if l != rr {
+                            return Err(PlanError::CollectiveOrder {
+                                axis: name.clone(),
+                                group: group.clone(),
+                                a: group[0],
+                                b: r,
+                                pos,
+                                left: l.cloned().unwrap_or_else(|| "nothing".into()),
+                                right: rr.cloned().unwrap_or_else(|| "nothing".into()),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Collectives per layer (`None`: outside layers): (op, axis, bytes, value).
+    pub fn collectives_by_layer(&self) -> BTreeMap<Option<u32>, LayerCollectives> {
+        let mut m: BTreeMap<Option<u32>, Vec<_>> = BTreeMap::new();
+        for s in &self.steps {
+            if let Step::Collective {
+                value, axis, bytes, ..
+            } = s
+            {
+                let n = self.program.node(*value);
+                m.entry(n.layer).or_default().push((
+                    n.op.mnemonic().to_string(),
+                    axis.clone(),
+                    *bytes,
+                    *value,
+                ));
+            }
+        }
+        m
+    }
+
+    /// Bytes of values produced by norms and residual adds (per rank): the activations that
+    /// sequence parallelism shards.
+    pub fn norm_residual_bytes(&self) -> u64 {
+        self.program
+            .ids()
+            .filter(|&v| {
+                let n = self.program.node(v);
+                matches!(n.op, Op::RmsNorm { .. } | Op::LayerNorm { .. })
+                    || (matches!(n.op, Op::Add) && n.name.ends_with(".residual"))
+            })
+            .map(|v| self.program.ty(v).size_bytes() as u64)
+            .sum()
+    }
+}

@@ -1,0 +1,212 @@
+//! Scheduling: streams and events for a program, and a buffer arena from liveness.
+//!
+//! Compute runs on stream 0 and collectives on stream 1. A collective waits on an event
+//! recorded after its operand's producer; its first consumer waits on an event recorded after
+//! it, so communication overlaps independent compute. Activation buffers are placed in one
+//! arena by first-fit over their live ranges (parameters are held separately).
+
+use crate::ir::{Graph, Op, ValueId};
+use serde::{Deserialize, Serialize};
+
+/// The compute stream.
+pub const COMPUTE_STREAM: u32 = 0;
+/// The communication stream.
+pub const COMM_STREAM: u32 = 1;
+
+/// One step of a rank's program.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Step {
+    /// A kernel (non-GEMM op) producing `value`.
+    Kernel {
+        /// The node.
+        value: ValueId,
+        /// Stream.
+        stream: u32,
+    },
+    /// A GEMM producing `value`.
+    Gemm {
+        /// The node.
+        value: ValueId,
+        /// Stream.
+        stream: u32,
+    },
+    /// A collective producing `value`.
+    Collective {
+        /// The node.
+        value: ValueId,
+        /// Stream.
+        stream: u32,
+        /// Mesh axis.
+        axis: String,
+        /// Bytes of the larger of its send / receive buffers (nccl-tests' "size").
+        bytes: u64,
+    },
+    /// Record `event` on `stream`.
+    Record {
+        /// Event id.
+        event: u32,
+        /// Stream.
+        stream: u32,
+    },
+    /// `stream` waits for `event`.
+    Wait {
+        /// Event id.
+        event: u32,
+        /// Stream.
+        stream: u32,
+    },
+}
+
+/// Where an activation lives in the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferSlot {
+    /// The value.
+    pub value: ValueId,
+    /// Byte offset in the arena.
+    pub offset: u64,
+    /// Bytes.
+    pub size: u64,
+}
+
+/// Bytes of the larger buffer of a collective node.
+pub fn collective_bytes(g: &Graph, v: ValueId) -> u64 {
+    let n = g.node(v);
+    let out = n.ty.size_bytes() as u64;
+    let inp = n.inputs.first().map_or(0, |&i| g.ty(i).size_bytes() as u64);
+    out.max(inp)
+}
+
+/// The steps of `g`: nodes in order, collectives on the comm stream with events.
+pub fn schedule(g: &Graph) -> Vec<Step> {
+    let users = g.users();
+    let mut steps = Vec::new();
+    let mut next_event = 0u32;
+    // Events a node must wait on before it runs (collective results it consumes).
+    let mut pending: Vec<Vec<u32>> = vec![Vec::new(); g.len()];
+    for v in g.ids() {
+        let node = g.node(v);
+        if matches!(node.op, Op::Input { .. } | Op::Param(_)) {
+            continue;
+        }
+        for e in std::mem::take(&mut pending[v.index()]) {
+            steps.push(Step::Wait {
+                event: e,
+                stream: if node.op.is_collective() {
+                    COMM_STREAM
+                } else {
+                    COMPUTE_STREAM
+                },
+            });
+        }
+        if node.op.is_collective() {
+            let ready = next_event;
+            next_event += 1;
+            steps.push(Step::Record {
+                event: ready,
+                stream: COMPUTE_STREAM,
+            });
+            steps.push(Step::Wait {
+                event: ready,
+                stream: COMM_STREAM,
+            });
+            steps.push(Step::Collective {
+                value: v,
+                stream: COMM_STREAM,
+                axis: node.op.axis().unwrap_or_default().to_string(),
+                bytes: collective_bytes(g, v),
+            });
+            let done = next_event;
+            next_event += 1;
+            steps.push(Step::Record {
+                event: done,
+                stream: COMM_STREAM,
+            });
+            match users[v.index()].first() {
+                Some(&u) => pending[u.index()].push(done),
+                None => steps.push(Step::Wait {
+                    event: done,
+                    stream: COMPUTE_STREAM,
+                }),
+            }
+        } else if matches!(node.op, Op::MatMul { .. }) {
+            steps.push(Step::Gemm {
+                value: v,
+                stream: COMPUTE_STREAM,
+            });
+        } else {
+            steps.push(Step::Kernel {
+                value: v,
+                stream: COMPUTE_STREAM,
+            });
+        }
+    }
+    steps
+}
+
+/// Places every activation (non-input, non-param value) in one arena by first-fit over live
+/// ranges `[def, last use]` (outputs live to the end). Returns the slots and the arena size.
+pub fn arena(g: &Graph) -> (Vec<BufferSlot>, u64) {
+    const ALIGN: u64 = 256;
+    let n = g.len();
+    let mut last = vec![0usize; n];
+    for v in g.ids() {
+        last[v.index()] = v.index();
+        for &i in &g.node(v).inputs {
+            last[i.index()] = v.index();
+        }
+    }
+    for &(_, v) in &g.outputs {
+        last[v.index()] = n;
+    }
+    let mut live: Vec<(usize, u64, u64)> = Vec::new(); // (end, offset, size)
+    let mut slots = Vec::new();
+    let mut total = 0u64;
+    for v in g.ids() {
+        let node = g.node(v);
+        if matches!(node.op, Op::Input { .. } | Op::Param(_)) {
+            continue;
+        }
+        live.retain(|&(end, _, _)| end >= v.index());
+        let size = (node.ty.size_bytes() as u64).div_ceil(ALIGN) * ALIGN;
+        live.sort_by_key(|&(_, off, _)| off);
+        let mut offset = 0u64;
+        for &(_, off, sz) in &live {
+            if offset + size <= off {
+                break;
+            }
+            offset = offset.max(off + sz);
+        }
+        live.push((last[v.index()], offset, size));
+        total = total.max(offset + size);
+        slots.push(BufferSlot {
+            value: v,
+            offset,
+            size,
+        });
+    }
+    (slots, total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{DType, TensorType, UnaryOp};
+
+    #[test]
+    fn arena_reuses_dead_buffers() {
+        let mut g = Graph::new();
+        let x = g.input("x", TensorType::plain(DType::F32, &[64]));
+        let a = g.add(Op::Unary(UnaryOp::Exp), &[x], "a").unwrap();
+        let b = g.add(Op::Unary(UnaryOp::Exp), &[a], "b").unwrap();
+        let c = g.add(Op::Unary(UnaryOp::Exp), &[b], "c").unwrap();
+        g.set_output("c", c);
+        let (slots, total) = arena(&g);
+        assert_eq!(slots.len(), 3);
+        // a dies when c is defined, so c reuses a's slot; peak is two buffers.
+        assert_eq!(total, 512);
+        assert_eq!(slots[0].offset, slots[2].offset);
+        // No two simultaneously live buffers overlap.
+        assert_ne!(slots[0].offset, slots[1].offset);
+    }
+}

@@ -1,0 +1,292 @@
+//! Device mesh: named axes with sizes and link classes. Ranks are row-major over the axes (the
+//! last axis varies fastest), so with `dp=2,tp=4` ranks 0..4 form the first `tp` group.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use thiserror::Error;
+
+/// Index of an axis in its mesh. Displays as `a0`; use [`Mesh::axis_name`] for the name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct AxisId(pub u8);
+
+impl fmt::Display for AxisId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a{}", self.0)
+    }
+}
+
+/// The interconnect an axis' collectives run over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkClass {
+    /// Inside a node (NVLink / NVSwitch).
+    Nvlink,
+    /// Across nodes (InfiniBand / RoCE).
+    Ib,
+    /// PCIe inside a node.
+    Pcie,
+}
+
+impl LinkClass {
+    /// Text name.
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkClass::Nvlink => "nvlink",
+            LinkClass::Ib => "ib",
+            LinkClass::Pcie => "pcie",
+        }
+    }
+}
+
+/// One mesh axis.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MeshAxis {
+    /// Name (`dp`, `tp`, `ep`, `pp`, ...).
+    pub name: String,
+    /// Number of ranks along it.
+    pub size: usize,
+    /// Link class of its groups.
+    pub link: LinkClass,
+}
+
+/// A mesh that could not be built.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum MeshError {
+    /// The text form is malformed.
+    #[error("bad mesh {text:?}: {msg} (expected e.g. `dp=2,tp=4`)")]
+    Syntax {
+        /// Input.
+        text: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// An axis name is used twice.
+    #[error("mesh axis `{0}` appears twice")]
+    Duplicate(String),
+    /// An axis name is not known.
+    #[error("unknown mesh axis `{name}`; valid axes: {valid}")]
+    UnknownAxis {
+        /// The name.
+        name: String,
+        /// Valid names, comma-separated.
+        valid: String,
+    },
+}
+
+/// Axis names the strategies understand.
+pub const KNOWN_AXES: [&str; 6] = ["dp", "tp", "ep", "pp", "cp", "fsdp"];
+
+/// A device mesh.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Mesh {
+    /// Axes, outermost first.
+    pub axes: Vec<MeshAxis>,
+    /// GPUs that share a node (NVLink domain).
+    pub gpus_per_node: usize,
+}
+
+impl Mesh {
+    /// Parses `dp=2,tp=4`. Link classes are assigned from the innermost axis outwards: axes
+    /// whose cumulative size fits in `gpus_per_node` are `nvlink`, the rest `ib`.
+    pub fn parse(text: &str, gpus_per_node: usize) -> Result<Mesh, MeshError> {
+        let syntax = |msg: String| MeshError::Syntax {
+            text: text.to_string(),
+            msg,
+        };
+        let mut axes: Vec<MeshAxis> = Vec::new();
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (name, size) = part
+                .split_once('=')
+                .ok_or_else(|| syntax(format!("`{part}` is not `name=size`")))?;
+            let name = name.trim();
+            if !KNOWN_AXES.contains(&name) {
+                return Err(MeshError::UnknownAxis {
+                    name: name.to_string(),
+                    valid: KNOWN_AXES.join(", "),
+                });
+            }
+            let size: usize =
+                size.trim().parse().ok().filter(|&s| s > 0).ok_or_else(|| {
+                    syntax(format!("size of `{name}` must be a positive integer"))
+                })?;
+            if axes.iter().any(|a| a.name == name) {
+                return Err(MeshError::Duplicate(name.to_string()));
+            }
+            axes.push(MeshAxis {
+                name: name.to_string(),
+                size,
+                link: LinkClass::Nvlink,
+            });
+        }
+        if axes.is_empty() {
+            return Err(syntax("no axes".into()));
+        }
+        let mut m = Mesh {
+            axes,
+            gpus_per_node: gpus_per_node.max(1),
+        };
+        m.assign_links();
+        Ok(m)
+    }
+
+    /// A single-rank mesh with no axes (unsharded).
+    pub fn single() -> Mesh {
+        Mesh {
+            axes: Vec::new(),
+            gpus_per_node: 8,
+        }
+    }
+
+    fn assign_links(&mut self) {
+        let mut inner = 1usize;
+        for a in self.axes.iter_mut().rev() {
+            inner *= a.size;
+            a.link = if inner <= self.gpus_per_node {
+                LinkClass::Nvlink
+            } else {
+                LinkClass::Ib
+            };
+        }
+    }
+
+    /// Total ranks.
+    pub fn world_size(&self) -> usize {
+        self.axes.iter().map(|a| a.size).product()
+    }
+
+    /// The id of the axis named `name`.
+    pub fn axis(&self, name: &str) -> Option<AxisId> {
+        self.axes
+            .iter()
+            .position(|a| a.name == name)
+            .map(|i| AxisId(i as u8))
+    }
+
+    /// The name of axis `a`.
+    pub fn axis_name(&self, a: AxisId) -> &str {
+        &self.axes[a.0 as usize].name
+    }
+
+    /// The size of axis `a`.
+    pub fn axis_size(&self, a: AxisId) -> usize {
+        self.axes[a.0 as usize].size
+    }
+
+    /// Axis ids in order.
+    pub fn axis_ids(&self) -> impl Iterator<Item = AxisId> {
+        (0..self.axes.len() as u8).map(AxisId)
+    }
+
+    /// Coordinates of `rank`, one per axis.
+    pub fn coords(&self, rank: usize) -> Vec<usize> {
+        let mut c = vec![0; self.axes.len()];
+        let mut r = rank;
+        for (i, a) in self.axes.iter().enumerate().rev() {
+            c[i] = r % a.size;
+            r /= a.size;
+        }
+        c
+    }
+
+    /// The rank at `coords`.
+    pub fn rank_of(&self, coords: &[usize]) -> usize {
+        self.axes
+            .iter()
+            .zip(coords)
+            .fold(0, |r, (a, &c)| r * a.size + c)
+    }
+
+    /// The groups of `axis`: sets of ranks that differ only in that coordinate, each ordered by
+    /// the coordinate; groups ordered by their first rank.
+    pub fn groups(&self, axis: AxisId) -> Vec<Vec<usize>> {
+        let i = axis.0 as usize;
+        let mut out = Vec::new();
+        for r in 0..self.world_size() {
+            let c = self.coords(r);
+            if c[i] != 0 {
+                continue;
+            }
+            out.push(
+                (0..self.axes[i].size)
+                    .map(|k| {
+                        let mut cc = c.clone();
+                        cc[i] = k;
+                        self.rank_of(&cc)
+                    })
+                    .collect(),
+            );
+        }
+        out
+    }
+}
+
+impl fmt::Display for Mesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.axes.is_empty() {
+            return f.write_str("single");
+        }
+        for (i, a) in self.axes.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{}={}", a.name, a.size)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_ranks_row_major() {
+        let m = Mesh::parse("dp=2,tp=4", 8).unwrap();
+        assert_eq!(m.world_size(), 8);
+        assert_eq!(m.coords(5), vec![1, 1]);
+        assert_eq!(m.rank_of(&[1, 1]), 5);
+        let tp = m.axis("tp").unwrap();
+        assert_eq!(m.groups(tp), vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        let dp = m.axis("dp").unwrap();
+        assert_eq!(
+            m.groups(dp),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
+        assert_eq!(m.to_string(), "dp=2,tp=4");
+    }
+
+    #[test]
+    fn links_from_node_size() {
+        let m = Mesh::parse("dp=4,tp=8", 8).unwrap();
+        assert_eq!(m.axes[1].link, LinkClass::Nvlink);
+        assert_eq!(m.axes[0].link, LinkClass::Ib);
+        let m = Mesh::parse("dp=2,tp=4", 8).unwrap();
+        assert!(m.axes.iter().all(|a| a.link == LinkClass::Nvlink));
+    }
+
+    #[test]
+    fn errors() {
+        assert!(matches!(
+            Mesh::parse("xx=2", 8),
+            Err(MeshError::UnknownAxis { .. })
+        ));
+        assert!(Mesh::parse("xx=2", 8)
+            .unwrap_err()
+            .to_string()
+            .contains("dp, tp"));
+        assert!(matches!(
+            Mesh::parse("tp=2,tp=2", 8),
+            Err(MeshError::Duplicate(_))
+        ));
+        assert!(matches!(
+            Mesh::parse("tp=0", 8),
+            Err(MeshError::Syntax { .. })
+        ));
+        assert!(matches!(
+            Mesh::parse("tp", 8),
+            Err(MeshError::Syntax { .. })
+        ));
+        assert!(matches!(Mesh::parse("", 8), Err(MeshError::Syntax { .. })));
+    }
+}

@@ -1,0 +1,66 @@
+//! Sharding: device mesh, per-tensor layouts, one factor rule per op, SPMD partitioning with
+//! `reshard` as the one place collectives are created, and strategy presets.
+
+mod mesh;
+mod partition;
+mod presets;
+mod reshard;
+mod rules;
+mod sharding;
+
+pub use mesh::{AxisId, LinkClass, Mesh, MeshAxis, MeshError, KNOWN_AXES};
+pub use partition::{partition, Annotations, Provenance, ShardedGraph};
+pub use presets::{annotate, check_model, kv_repeat, resolve, Strategy};
+pub use reshard::{apply_public as apply_reshard_step, reshard};
+pub use rules::{rule, FactorRule, PartialRule};
+pub use sharding::TensorSharding;
+
+use thiserror::Error;
+
+/// An error sharding a model.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum ShardError {
+    /// A model dimension does not divide over a mesh axis.
+    #[error("{what}={size} is not divisible by {axis}={parts}")]
+    ModelIndivisible {
+        /// The model dimension (`heads`, `vocab`, `batch`, ...).
+        what: String,
+        /// Its size.
+        size: usize,
+        /// The mesh axis.
+        axis: String,
+        /// The axis size.
+        parts: usize,
+    },
+    /// An annotated tensor does not divide.
+    #[error("tensor `{tensor}`: dim {dim}={size} is not divisible by {axes} ({parts} parts)")]
+    Indivisible {
+        /// Tensor (node label).
+        tensor: String,
+        /// Dim role.
+        dim: String,
+        /// Dim size.
+        size: usize,
+        /// Axes, `tp=3`.
+        axes: String,
+        /// Product of their sizes.
+        parts: usize,
+    },
+    /// Unknown strategy name.
+    #[error("unknown strategy `{name}`; valid strategies: {valid}")]
+    UnknownStrategy {
+        /// The name.
+        name: String,
+        /// Valid names.
+        valid: String,
+    },
+    /// Mesh error.
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
+    /// Not supported in this version.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A compiler invariant failed (a bug).
+    #[error("internal error: {0}")]
+    Internal(String),
+}

@@ -1,0 +1,476 @@
+//! SPMD partitioning: from a logical graph, a mesh and annotations, the per-rank program with
+//! local shapes and explicit collectives.
+//!
+//! Pre: the graph verifies; annotations divide the tensors they annotate (checked here).
+//! Post: the result verifies; each op's operands arrive in the layout its factor rule needs
+//! (inserted by [`super::reshard`], memoised per value and layout); each collective carries a
+//! [`Provenance`] saying which op's rule required it.
+
+use super::mesh::{AxisId, Mesh};
+use super::reshard::reshard;
+use super::rules::{rule, FactorRule, PartialRule};
+use super::sharding::TensorSharding;
+use super::ShardError;
+use crate::ir::{Graph, Op, ShardSpec, TensorType, ValueId};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+
+/// Layout constraints written by strategy presets (or a user): values and outputs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Annotations {
+    /// Required layout of logical values (params, inputs, chosen intermediates).
+    pub values: BTreeMap<ValueId, TensorSharding>,
+    /// Required layout of named outputs (replicated when absent).
+    pub outputs: BTreeMap<String, TensorSharding>,
+    /// Why each value annotation was written (preset and role), for `explain`.
+    pub why: BTreeMap<ValueId, String>,
+}
+
+impl Annotations {
+    /// Sets the layout of `v`, with a reason.
+    pub fn set(&mut self, v: ValueId, s: TensorSharding, why: impl Into<String>) {
+        self.values.insert(v, s);
+        self.why.insert(v, why.into());
+    }
+}
+
+/// Why a collective (or local slice) exists.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// The logical value that was resharded.
+    pub value: String,
+    /// Its layout before.
+    pub from: String,
+    /// The layout required.
+    pub to: String,
+    /// Who required it: the consuming op and operand, an annotation, or an output.
+    pub required_by: String,
+}
+
+/// The SPMD program and its side tables (indexed by the new graph's value ids).
+#[derive(Clone, Debug)]
+pub struct ShardedGraph {
+    /// Per-rank program: local shapes, collectives explicit.
+    pub graph: Graph,
+    /// Layout of each value.
+    pub shardings: Vec<TensorSharding>,
+    /// For collectives and local slices, why they exist.
+    pub provenance: Vec<Option<Provenance>>,
+    /// The mesh.
+    pub mesh: Mesh,
+}
+
+struct Ctx<'a> {
+    g: &'a Graph,
+    mesh: &'a Mesh,
+    out: Graph,
+    shardings: Vec<TensorSharding>,
+    provenance: Vec<Option<Provenance>>,
+    /// (logical value, layout) → value in `out`.
+    versions: HashMap<(ValueId, TensorSharding), ValueId>,
+    /// Current layout of each logical value (its primary version).
+    cur: Vec<TensorSharding>,
+    offsets: HashMap<(ValueId, AxisId), ValueId>,
+}
+
+fn shard_specs(mesh: &Mesh, s: &TensorSharding) -> Vec<ShardSpec> {
+    let mut v = Vec::new();
+    for (d, axes) in s.dims.iter().enumerate() {
+        for &a in axes {
+            v.push(ShardSpec {
+                dim: d,
+                axis: mesh.axis_name(a).to_string(),
+                parts: mesh.axis_size(a),
+            });
+        }
+    }
+    v
+}
+
+fn local_type(mesh: &Mesh, ty: &TensorType, s: &TensorSharding) -> Option<TensorType> {
+    let shape = s.local_shape(mesh, &ty.shape()).ok()?;
+    Some(ty.with_shape_of(&shape))
+}
+
+impl Ctx<'_> {
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        op: Op,
+        inputs: &[ValueId],
+        ty: Option<TensorType>,
+        name: String,
+        layer: Option<u32>,
+        s: TensorSharding,
+        prov: Option<Provenance>,
+    ) -> Result<ValueId, ShardError> {
+        self.out.current_layer = layer;
+        let v = self
+            .out
+            .add_typed(op, inputs, ty, name.clone())
+            .map_err(|e| ShardError::Internal(format!("building `{name}`: {e}")))?;
+        self.shardings.push(s);
+        self.provenance.push(prov);
+        Ok(v)
+    }
+
+    /// The version of logical `v` laid out as `to`, inserting the reshard if needed.
+    fn version(
+        &mut self,
+        v: ValueId,
+        to: &TensorSharding,
+        required_by: &str,
+    ) -> Result<ValueId, ShardError> {
+        let from = self.cur[v.index()].clone();
+        if let Some(&x) = self.versions.get(&(v, to.clone())) {
+            return Ok(x);
+        }
+        let node = self.g.node(v);
+        let ops = reshard(self.mesh, &from, to).ok_or_else(|| {
+            ShardError::Internal(format!(
+                "no reshard of `{}` from {} to {}",
+                node.name,
+                from.display(self.mesh),
+                to.display(self.mesh)
+            ))
+        })?;
+        let mut x = *self
+            .versions
+            .get(&(v, from.clone()))
+            .expect("invariant: current version exists");
+        let mut s = from.clone();
+        let layer = self.out.node(x).layer;
+        for op in ops {
+            s = super::reshard::apply_public(self.mesh, &s, &op);
+            let prov = Provenance {
+                value: node.name.clone(),
+                from: from.display(self.mesh),
+                to: to.display(self.mesh),
+                required_by: required_by.to_string(),
+            };
+            let name = format!("{}.{}", node.name, op.mnemonic());
+            let ty = self.out.ty(x).clone();
+            let res = op
+                .infer(&[&ty], None)
+                .map_err(|e| indivisible(self.g, v, &e.to_string(), self.mesh, to))?;
+            x = self.push(op, &[x], Some(res), name, layer, s.clone(), Some(prov))?;
+            self.versions.insert((v, s.clone()), x);
+        }
+        Ok(x)
+    }
+}
+
+fn indivisible(g: &Graph, v: ValueId, detail: &str, mesh: &Mesh, s: &TensorSharding) -> ShardError {
+    let node = g.node(v);
+    ShardError::Internal(format!(
+        "`{}` {} cannot be laid out as {}: {detail}",
+        node.name,
+        node.ty,
+        s.display(mesh)
+    ))
+}
+
+/// Checks that `s` divides `v`'s type; the error names the tensor, the dim role and sizes.
+fn check_divides(g: &Graph, mesh: &Mesh, v: ValueId, s: &TensorSharding) -> Result<(), ShardError> {
+    let ty = &g.node(v).ty;
+    if s.dims.len() != ty.rank() {
+        return Err(ShardError::Internal(format!(
+            "annotation of `{}` has {} dims, the tensor {}",
+            g.node(v).name,
+            s.dims.len(),
+            ty.rank()
+        )));
+    }
+    if let Err((d, size, parts)) = s.local_shape(mesh, &ty.shape()) {
+        let axes: Vec<String> = s.dims[d]
+            .iter()
+            .map(|&a| format!("{}={}", mesh.axis_name(a), mesh.axis_size(a)))
+            .collect();
+        return Err(ShardError::Indivisible {
+            tensor: g.node(v).name.clone(),
+            dim: ty.dims[d].role.name().to_string(),
+            size,
+            axes: axes.join("*"),
+            parts,
+        });
+    }
+    Ok(())
+}
+
+/// Factor → axes assignment for one op: the result's annotation first, then operands in the
+/// rule's priority order; a factor keeps the first layout offered that is consistent
+/// (unused axes, not fixed, divides every tensor that has the factor).
+fn assign_factors(
+    mesh: &Mesh,
+    r: &FactorRule,
+    ins: &[&TensorType],
+    out: &TensorType,
+    offers: &[(Vec<Option<usize>>, TensorSharding)],
+    single_axis: &[usize],
+) -> (Vec<Vec<AxisId>>, Vec<AxisId>) {
+    let mut fa: Vec<Vec<AxisId>> = vec![Vec::new(); r.factors];
+    let mut used: Vec<AxisId> = Vec::new();
+    // Sizes of the dims of each factor, over every tensor.
+    let mut sizes: Vec<Vec<usize>> = vec![Vec::new(); r.factors];
+    for (fm, t) in r
+        .operands
+        .iter()
+        .zip(ins)
+        .chain(std::iter::once((&r.result, &out)))
+    {
+        for (d, f) in fm.iter().enumerate() {
+            if let Some(f) = f {
+                sizes[*f].push(t.dim(d));
+            }
+        }
+    }
+    for (fm, s) in offers {
+        for (d, axes) in s.dims.iter().enumerate() {
+            let Some(Some(f)) = fm.get(d).copied() else {
+                continue;
+            };
+            if axes.is_empty() || r.fixed.contains(&f) || !fa[f].is_empty() {
+                continue;
+            }
+            if axes.iter().any(|a| used.contains(a)) {
+                continue;
+            }
+            if single_axis.contains(&f) && axes.len() != 1 {
+                continue;
+            }
+            let p: usize = axes.iter().map(|&a| mesh.axis_size(a)).product();
+            if sizes[f].iter().any(|&n| n % p != 0) {
+                continue;
+            }
+            fa[f] = axes.clone();
+            used.extend(axes);
+        }
+    }
+    (fa, used)
+}
+
+fn layout(fm: &[Option<usize>], fa: &[Vec<AxisId>], partial: Vec<AxisId>) -> TensorSharding {
+    TensorSharding {
+        dims: fm
+            .iter()
+            .map(|f| f.map(|f| fa[f].clone()).unwrap_or_default())
+            .collect(),
+        partial,
+    }
+}
+
+/// Partitions `g` over `mesh` under `ann`.
+pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGraph, ShardError> {
+    for (&v, s) in &ann.values {
+        check_divides(g, mesh, v, s)?;
+    }
+    let mut cx = Ctx {
+        g,
+        mesh,
+        out: Graph::new(),
+        shardings: Vec::new(),
+        provenance: Vec::new(),
+        versions: HashMap::new(),
+        cur: Vec::with_capacity(g.len()),
+        offsets: HashMap::new(),
+    };
+    for v in g.ids() {
+        let node = g.node(v);
+        let annotated = ann.values.get(&v).cloned();
+        let ins: Vec<&TensorType> = node.inputs.iter().map(|&i| g.ty(i)).collect();
+        let r = rule(&node.op, &ins, &node.ty).ok_or_else(|| {
+            ShardError::Internal(format!(
+                "`{}`: {} in a logical graph",
+                node.name,
+                node.op.mnemonic()
+            ))
+        })?;
+        if node.inputs.is_empty() {
+            let s = annotated.unwrap_or_else(|| TensorSharding::replicated(node.ty.rank()));
+            let ty =
+                local_type(mesh, &node.ty, &s).ok_or_else(|| indivisible(g, v, "", mesh, &s))?;
+            let op = match &node.op {
+                Op::Param(src) => {
+                    let mut src = src.clone();
+                    src.shards = shard_specs(mesh, &s);
+                    Op::Param(src)
+                }
+                Op::Input { name, .. } => Op::Input {
+                    name: name.clone(),
+                    shards: shard_specs(mesh, &s),
+                },
+                other => other.clone(),
+            };
+            let x = cx.push(
+                op,
+                &[],
+                Some(ty),
+                node.name.clone(),
+                node.layer,
+                s.clone(),
+                None,
+            )?;
+            cx.versions.insert((v, s.clone()), x);
+            cx.cur.push(s);
+            continue;
+        }
+
+        // Offers: parameters' layouts (they are fixed), the result's annotation, then the
+        // other operands by the rule's priority.
+        let is_param = |i: usize| matches!(g.node(node.inputs[i]).op, Op::Param(_));
+        let mut offers = Vec::new();
+        let operand_offer = |i: usize| {
+            (
+                r.operands[i].clone(),
+                cx.cur[node.inputs[i].index()].clone(),
+            )
+        };
+        for &i in r.priority.iter().filter(|&&i| is_param(i)) {
+            offers.push(operand_offer(i));
+        }
+        if let Some(a) = &annotated {
+            offers.push((r.result.clone(), a.clone()));
+        }
+        for &i in r.priority.iter().filter(|&&i| !is_param(i)) {
+            offers.push(operand_offer(i));
+        }
+        let single: Vec<usize> = match node.op {
+            Op::Embedding => r.operands[0][..1].iter().flatten().copied().collect(),
+            _ => vec![],
+        };
+        let (fa, used) = assign_factors(mesh, &r, &ins, &node.ty, &offers, &single);
+
+        // Partial operands the op may keep.
+        let op_partial: Vec<Vec<AxisId>> = node
+            .inputs
+            .iter()
+            .map(|&i| cx.cur[i.index()].partial.clone())
+            .collect();
+        let clean = |p: &Vec<AxisId>| !p.is_empty() && p.iter().all(|a| !used.contains(a));
+        let mut keep: Vec<Vec<AxisId>> = vec![Vec::new(); node.inputs.len()];
+        match &r.partial {
+            PartialRule::None => {}
+            PartialRule::AllSame => {
+                let mut p0 = op_partial[0].clone();
+                p0.sort();
+                let same = op_partial.iter().all(|p| {
+                    let mut q = p.clone();
+                    q.sort();
+                    q == p0
+                });
+                if same && clean(&op_partial[0]) {
+                    keep = op_partial.clone();
+                }
+            }
+            PartialRule::OneOf(list) => {
+                if let Some(&i) = r
+                    .priority
+                    .iter()
+                    .filter(|i| list.contains(i))
+                    .find(|&&i| clean(&op_partial[i]))
+                {
+                    keep[i] = op_partial[i].clone();
+                }
+            }
+        }
+
+        // Operands in the required layouts.
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for (i, &x) in node.inputs.iter().enumerate() {
+            let req = layout(&r.operands[i], &fa, keep[i].clone());
+            let why = format!("operand {i} of `{}` ({})", node.name, node.op.mnemonic());
+            inputs.push(cx.version(x, &req, &why)?);
+        }
+        // Vocabulary-parallel lookup: ids made local to this rank's rows.
+        if let Op::Embedding = node.op {
+            if let Some(f) = r.operands[0][0] {
+                if let [a] = fa[f][..] {
+                    let key = (node.inputs[1], a);
+                    let rows = cx.out.ty(inputs[0]).dim(0);
+                    let ids = match cx.offsets.get(&key) {
+                        Some(&x) => x,
+                        None => {
+                            let s = cx.shardings[inputs[1].index()].clone();
+                            let op = Op::RankOffset {
+                                axis: mesh.axis_name(a).to_string(),
+                                stride: rows,
+                            };
+                            let name = format!("{}.rank_offset", g.node(node.inputs[1]).name);
+                            let x = cx.push(op, &[inputs[1]], None, name, node.layer, s, None)?;
+                            cx.offsets.insert(key, x);
+                            x
+                        }
+                    };
+                    inputs[1] = ids;
+                }
+            }
+        }
+
+        // The result: dims from factors; partial from kept partials and contracted factors.
+        let mut partial: Vec<AxisId> = keep
+            .iter()
+            .find(|p| !p.is_empty())
+            .cloned()
+            .unwrap_or_default();
+        let in_result: Vec<usize> = r.result.iter().flatten().copied().collect();
+        let mut contracted: Vec<usize> = r
+            .operands
+            .iter()
+            .flatten()
+            .flatten()
+            .copied()
+            .filter(|f| !in_result.contains(f))
+            .collect();
+        contracted.sort();
+        contracted.dedup();
+        for f in contracted {
+            partial.extend(&fa[f]);
+        }
+        let s = layout(&r.result, &fa, partial);
+        let declared = if node.op.needs_declared_type() {
+            Some(local_type(mesh, &node.ty, &s).ok_or_else(|| indivisible(g, v, "", mesh, &s))?)
+        } else {
+            None
+        };
+        let x = cx.push(
+            node.op.clone(),
+            &inputs,
+            declared,
+            node.name.clone(),
+            node.layer,
+            s.clone(),
+            None,
+        )?;
+        cx.versions.insert((v, s.clone()), x);
+        cx.cur.push(s.clone());
+        if let Some(a) = annotated {
+            if a != s {
+                let why = ann
+                    .why
+                    .get(&v)
+                    .cloned()
+                    .unwrap_or_else(|| "annotation".into());
+                let y = cx.version(v, &a, &format!("annotation of `{}` ({why})", node.name))?;
+                cx.cur[v.index()] = a.clone();
+                cx.versions.insert((v, a), y);
+            }
+        }
+    }
+    for (name, v) in &g.outputs {
+        let want = ann
+            .outputs
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| TensorSharding::replicated(g.ty(*v).rank()));
+        let x = cx.version(*v, &want, &format!("output `{name}`"))?;
+        cx.out.set_output(name, x);
+    }
+    cx.out.current_layer = None;
+    crate::ir::verify_if_debug(&cx.out, "partition");
+    Ok(ShardedGraph {
+        graph: cx.out,
+        shardings: cx.shardings,
+        provenance: cx.provenance,
+        mesh: mesh.clone(),
+    })
+}

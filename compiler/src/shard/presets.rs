@@ -1,0 +1,320 @@
+//! Strategy presets: they only write [`Annotations`] (and choose the KV-head replication
+//! factor the graph is built with); propagation and `reshard` do the rest. They compose on a
+//! multi-axis mesh.
+//!
+//! - `dp`: the batch dim of inputs and of the residual stream split over the data axes
+//!   (`dp`, and `ep`, whose ranks hold different tokens outside the experts).
+//! - `tp` (Megatron): QKV / gate / up column-parallel, O / down row-parallel, vocabulary-parallel
+//!   embedding and lm_head; with more `tp` ranks than KV heads, KV heads are replicated.
+//! - `sp` (Megatron sequence parallelism): the residual stream, norms and residual adds on
+//!   sequence shards of the `tp` axis.
+//! - `ep`: MoE experts split over `ep`, tokens dispatched and combined by all-to-all.
+
+use super::mesh::{AxisId, Mesh};
+use super::partition::Annotations;
+use super::sharding::TensorSharding;
+use super::ShardError;
+use crate::ir::{Graph, Op, ValueId};
+use crate::model::ModelConfig;
+use std::fmt;
+
+/// A parallelization strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Strategy {
+    /// Data parallel.
+    Dp,
+    /// Megatron tensor parallel.
+    Tp,
+    /// Megatron sequence parallel (on the `tp` axis).
+    Sp,
+    /// Expert parallel.
+    Ep,
+}
+
+impl Strategy {
+    /// All strategies this version implements.
+    pub const ALL: [Strategy; 4] = [Strategy::Dp, Strategy::Tp, Strategy::Sp, Strategy::Ep];
+
+    /// Text name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Dp => "dp",
+            Strategy::Tp => "tp",
+            Strategy::Sp => "sp",
+            Strategy::Ep => "ep",
+        }
+    }
+
+    /// Parses a name.
+    pub fn from_name(s: &str) -> Result<Strategy, ShardError> {
+        Strategy::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| ShardError::UnknownStrategy {
+                name: s.to_string(),
+                valid: Strategy::ALL.map(Strategy::name).join(", "),
+            })
+    }
+
+    /// The default strategy of a mesh axis name.
+    pub fn for_axis(axis: &str) -> Option<Strategy> {
+        match axis {
+            "dp" => Some(Strategy::Dp),
+            "tp" => Some(Strategy::Tp),
+            "ep" => Some(Strategy::Ep),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The strategies for a mesh: one per axis from its name, plus `extra` (e.g. `sp`), sorted
+/// and deduplicated. Errors name an axis with no strategy or a strategy without its axis.
+pub fn resolve(mesh: &Mesh, extra: &[String]) -> Result<Vec<Strategy>, ShardError> {
+    let mut out = Vec::new();
+    for a in &mesh.axes {
+        match Strategy::for_axis(&a.name) {
+            Some(s) => out.push(s),
+            None if a.size == 1 => {}
+            None => {
+                return Err(ShardError::Unsupported(format!(
+                    "mesh axis `{}` has no strategy in this version (supported axes: dp, tp, ep)",
+                    a.name
+                )))
+            }
+        }
+    }
+    for e in extra {
+        for name in e.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            out.push(Strategy::from_name(name)?);
+        }
+    }
+    out.sort();
+    out.dedup();
+    for s in &out {
+        let needs = match s {
+            Strategy::Dp => "dp",
+            Strategy::Tp | Strategy::Sp => "tp",
+            Strategy::Ep => "ep",
+        };
+        if mesh.axis(needs).is_none() {
+            return Err(ShardError::Unsupported(format!(
+                "strategy `{s}` needs a `{needs}` axis in the mesh (mesh is {mesh})"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Model-level divisibility checks, with the dimension and sizes in the message.
+pub fn check_model(
+    cfg: &ModelConfig,
+    mesh: &Mesh,
+    strategies: &[Strategy],
+    batch: usize,
+    seq: usize,
+) -> Result<(), ShardError> {
+    let size = |n: &str| mesh.axis(n).map(|a| mesh.axis_size(a)).unwrap_or(1);
+    let need = |what: &str, n: usize, axis: &str, p: usize| -> Result<(), ShardError> {
+        if p > 1 && n % p != 0 {
+            Err(ShardError::ModelIndivisible {
+                what: what.to_string(),
+                size: n,
+                axis: axis.to_string(),
+                parts: p,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    if strategies.contains(&Strategy::Ep) && cfg.moe.is_none() {
+        return Err(ShardError::Unsupported(format!(
+            "strategy `ep` needs a mixture-of-experts model; {} has none",
+            cfg.arch.name()
+        )));
+    }
+    let data = data_parts(mesh, strategies);
+    need("batch", batch, &data.1, data.0)?;
+    if strategies.contains(&Strategy::Tp) {
+        let tp = size("tp");
+        need("heads", cfg.heads, "tp", tp)?;
+        if cfg.kv_heads % tp != 0 && tp % cfg.kv_heads != 0 {
+            return Err(ShardError::ModelIndivisible {
+                what: "kv_heads (and tp is not a multiple of it)".into(),
+                size: cfg.kv_heads,
+                axis: "tp".into(),
+                parts: tp,
+            });
+        }
+        need("ffn", cfg.ffn, "tp", tp)?;
+        need("vocab", cfg.vocab, "tp", tp)?;
+        if strategies.contains(&Strategy::Sp) {
+            need("seq", seq, "tp", tp)?;
+        }
+    }
+    if let (true, Some(moe)) = (strategies.contains(&Strategy::Ep), cfg.moe) {
+        need("experts", moe.experts, "ep", size("ep"))?;
+    }
+    Ok(())
+}
+
+/// How many times each KV head is repeated so heads split evenly over `tp`.
+pub fn kv_repeat(cfg: &ModelConfig, mesh: &Mesh, strategies: &[Strategy]) -> usize {
+    if !strategies.contains(&Strategy::Tp) {
+        return 1;
+    }
+    let tp = mesh.axis("tp").map(|a| mesh.axis_size(a)).unwrap_or(1);
+    if cfg.kv_heads % tp == 0 {
+        1
+    } else {
+        tp / cfg.kv_heads
+    }
+}
+
+fn data_axes(mesh: &Mesh, strategies: &[Strategy]) -> Vec<AxisId> {
+    mesh.axis_ids()
+        .filter(|&a| match mesh.axis_name(a) {
+            "dp" => strategies.contains(&Strategy::Dp),
+            "ep" => strategies.contains(&Strategy::Ep),
+            _ => false,
+        })
+        .collect()
+}
+
+fn data_parts(mesh: &Mesh, strategies: &[Strategy]) -> (usize, String) {
+    let axes = data_axes(mesh, strategies);
+    let p = axes.iter().map(|&a| mesh.axis_size(a)).product();
+    let names: Vec<&str> = axes.iter().map(|&a| mesh.axis_name(a)).collect();
+    (p, names.join("*"))
+}
+
+/// Writes the annotations of `strategies` for a graph built by [`crate::model::build_forward`].
+pub fn annotate(g: &Graph, mesh: &Mesh, strategies: &[Strategy]) -> Annotations {
+    let mut ann = Annotations::default();
+    let data = data_axes(mesh, strategies);
+    let tp = mesh
+        .axis("tp")
+        .filter(|_| strategies.contains(&Strategy::Tp));
+    let ep = mesh
+        .axis("ep")
+        .filter(|_| strategies.contains(&Strategy::Ep));
+    let sp = strategies.contains(&Strategy::Sp);
+    let users = g.users();
+    let named = |n: &str| g.ids().find(|&u| g.node(u).name == n);
+    let embed_out = named("embed.add_pos").or_else(|| named("embed.lookup"));
+    let stream = |rank: usize| {
+        let mut s = TensorSharding::replicated(rank);
+        s.dims[0] = data.clone();
+        if sp {
+            if let Some(t) = tp {
+                s.dims[1] = vec![t];
+            }
+        }
+        s
+    };
+    let stream_why = if sp {
+        "residual stream: batch over data axes, sequence over tp (sp)"
+    } else {
+        "residual stream: batch over data axes"
+    };
+    for v in g.ids() {
+        let node = g.node(v);
+        let name = node.name.as_str();
+        match &node.op {
+            Op::Input { .. } if !data.is_empty() => {
+                ann.set(
+                    v,
+                    TensorSharding::split(node.ty.rank(), 0, &data),
+                    "dp: batch split over the data axes",
+                );
+            }
+            Op::Param(_) => {
+                if let Some((s, why)) = param_layout(g, &users, v, tp, ep) {
+                    ann.set(v, s, why);
+                }
+            }
+            _ => {}
+        }
+        // The residual stream: embedding output, residual adds and the branches added to them.
+        if name.ends_with(".residual") || Some(v) == embed_out {
+            ann.set(v, stream(node.ty.rank()), stream_why);
+            if name.ends_with(".residual") {
+                let branch = node.inputs[1];
+                ann.set(
+                    branch,
+                    stream(g.ty(branch).rank()),
+                    format!("branch added to the {stream_why}"),
+                );
+            }
+        }
+    }
+    ann
+}
+
+/// The tp / ep layout of a parameter, from the matmul that uses it.
+fn param_layout(
+    g: &Graph,
+    users: &[Vec<ValueId>],
+    v: ValueId,
+    tp: Option<AxisId>,
+    ep: Option<AxisId>,
+) -> Option<(TensorSharding, String)> {
+    let node = g.node(v);
+    let label = node.name.as_str();
+    let rank = node.ty.rank();
+    let mut s = TensorSharding::replicated(rank);
+    let mut why = Vec::new();
+    if rank == 3 {
+        if let Some(e) = ep {
+            s.dims[0] = vec![e];
+            why.push("ep: experts split");
+        }
+    }
+    if let Some(t) = tp {
+        let column = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+            .iter()
+            .any(|p| label.contains(&format!(".{p}.")));
+        let row = label.contains(".o_proj.") || label.contains(".down_proj.");
+        let vocab = label == "embed" || label == "lm_head";
+        let is_bias = label.ends_with(".bias");
+        let kv = label.contains(".k_proj.") || label.contains(".v_proj.");
+        // With replicated KV heads (the graph repeats them) the projection is whole on every rank.
+        let repeated_kv = kv && g.ids().any(|u| matches!(g.node(u).op, Op::Repeat { .. }));
+        if vocab {
+            s.dims[0] = vec![t];
+            why.push("tp: vocabulary-parallel");
+        } else if (column || row) && !repeated_kv {
+            // The matmul consuming this weight (directly, or through the bias add).
+            let mm = users[v.index()].iter().find_map(|&u| match g.node(u).op {
+                Op::MatMul { transpose_b } => Some(transpose_b),
+                _ => None,
+            });
+            if is_bias {
+                if column {
+                    s.dims[0] = vec![t];
+                    why.push("tp: column-parallel bias");
+                }
+            } else if let Some(tb) = mm {
+                // Dims of the weight: [.., K, N] or [.., N, K] when transposed.
+                let (k, n) = if tb {
+                    (rank - 1, rank - 2)
+                } else {
+                    (rank - 2, rank - 1)
+                };
+                if column {
+                    s.dims[n] = vec![t];
+                    why.push("tp: column-parallel");
+                } else {
+                    s.dims[k] = vec![t];
+                    why.push("tp: row-parallel");
+                }
+            }
+        }
+    }
+    (!why.is_empty()).then(|| (s, why.join(", ")))
+}

@@ -1,0 +1,377 @@
+//! One sharding rule per op, in einsum-factor form (Shardy's `OpShardingRule`): each dim of
+//! each operand and of the result names a factor; a factor sharded on an axis is sharded so in
+//! every tensor that has it; a factor absent from the result (contracted) makes the result a
+//! partial sum over its axes; `fixed` factors (reduced by a non-linear function, or needing the
+//! whole extent, like attention's sequence) cannot be sharded.
+//!
+//! Example, `matmul (m,k),(k,n)->(m,n)`: `k` sharded on `tp` in both operands gives a result
+//! partial over `tp` (Megatron's row-parallel layer).
+
+use crate::ir::{Op, TensorType};
+
+/// Which operands may arrive as partial sums (the op is linear in them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PartialRule {
+    /// None may be partial.
+    None,
+    /// Every operand partial over the same axes (addition).
+    AllSame,
+    /// At most one of these operands may be partial (linear in each separately).
+    OneOf(Vec<usize>),
+}
+
+/// The factor form of one op instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FactorRule {
+    /// Factor of each dim of each operand (`None`: the dim must be replicated).
+    pub operands: Vec<Vec<Option<usize>>>,
+    /// Factor of each result dim.
+    pub result: Vec<Option<usize>>,
+    /// Number of factors.
+    pub factors: usize,
+    /// Factors that must stay unsharded.
+    pub fixed: Vec<usize>,
+    /// Operands that may be partial.
+    pub partial: PartialRule,
+    /// Operands in the order their shardings are preferred when they disagree (after the
+    /// result's own annotation). Parameters come first where the op has one.
+    pub priority: Vec<usize>,
+}
+
+struct B {
+    n: usize,
+}
+
+impl B {
+    fn fresh(&mut self, k: usize) -> Vec<Option<usize>> {
+        let v = (self.n..self.n + k).map(Some).collect();
+        self.n += k;
+        v
+    }
+}
+
+fn ident(ranks: &[usize], same: bool) -> FactorRule {
+    // Elementwise over equal shapes (or suffix broadcast when `same` is false).
+    let r = ranks[0];
+    let mut b = B { n: 0 };
+    let f = b.fresh(r);
+    let operands = ranks.iter().map(|&k| f[r - k..].to_vec()).collect();
+    let _ = same;
+    FactorRule {
+        operands,
+        result: f,
+        factors: b.n,
+        fixed: vec![],
+        partial: PartialRule::None,
+        priority: (0..ranks.len()).collect(),
+    }
+}
+
+/// Reshape factors: dims grouped into runs of equal element count on both sides; in each run
+/// the major dims share a factor, the other dims are fixed.
+fn reshape(inp: &[usize], out: &[usize]) -> FactorRule {
+    let mut b = B { n: 0 };
+    let mut fi = vec![None; inp.len()];
+    let mut fo = vec![None; out.len()];
+    let mut fixed = Vec::new();
+    let (mut i, mut o) = (0, 0);
+    while i < inp.len() || o < out.len() {
+        // Size-1 dims on one side form their own fixed runs.
+        if i < inp.len() && inp[i] == 1 && !(o < out.len() && out[o] == 1) {
+            i += 1;
+            continue;
+        }
+        if o < out.len() && out[o] == 1 && !(i < inp.len() && inp[i] == 1) {
+            o += 1;
+            continue;
+        }
+        if i >= inp.len() || o >= out.len() {
+            break;
+        }
+        let (i0, o0) = (i, o);
+        let (mut pi, mut po) = (inp[i], out[o]);
+        i += 1;
+        o += 1;
+        while pi != po {
+            if pi < po && i < inp.len() {
+                pi *= inp[i];
+                i += 1;
+            } else if po < pi && o < out.len() {
+                po *= out[o];
+                o += 1;
+            } else {
+                break;
+            }
+        }
+        let f = b.fresh(1)[0].expect("invariant: fresh factor");
+        fi[i0] = Some(f);
+        fo[o0] = Some(f);
+        for f in fi.iter_mut().take(i).skip(i0 + 1) {
+            let g = b.fresh(1)[0].expect("invariant");
+            *f = Some(g);
+            fixed.push(g);
+        }
+        for f in fo.iter_mut().take(o).skip(o0 + 1) {
+            let g = b.fresh(1)[0].expect("invariant");
+            *f = Some(g);
+            fixed.push(g);
+        }
+    }
+    FactorRule {
+        operands: vec![fi],
+        result: fo,
+        factors: b.n,
+        fixed,
+        partial: PartialRule::OneOf(vec![0]),
+        priority: vec![0],
+    }
+}
+
+/// The factor rule of `op` with operand types `ins` and result type `out`. `None` for ops
+/// that never appear in a logical graph (collectives).
+pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule> {
+    let ranks: Vec<usize> = ins.iter().map(|t| t.rank()).collect();
+    let mut b = B { n: 0 };
+    Some(match op {
+        Op::Input { .. } | Op::Param(_) => FactorRule {
+            operands: vec![],
+            result: b.fresh(out.rank()),
+            factors: b.n,
+            fixed: vec![],
+            partial: PartialRule::None,
+            priority: vec![],
+        },
+        Op::Unary(_) | Op::Softmax | Op::Router { .. } => {
+            let mut r = ident(&ranks, true);
+            if !matches!(op, Op::Unary(_)) {
+                let last = r.result.last().copied().flatten();
+                r.fixed.extend(last);
+            }
+            r
+        }
+        Op::Scale(_) | Op::Cast(_) => {
+            let mut r = ident(&ranks, true);
+            r.partial = PartialRule::OneOf(vec![0]);
+            r
+        }
+        Op::RankOffset { .. } => ident(&ranks, true),
+        Op::Add | Op::Mul => {
+            let mut r = ident(&ranks, false);
+            r.partial = if matches!(op, Op::Add) && ranks[0] == ranks[1] {
+                PartialRule::AllSame
+            } else if matches!(op, Op::Mul) {
+                PartialRule::OneOf(vec![0, 1])
+            } else {
+                PartialRule::None
+            };
+            r
+        }
+        Op::RmsNorm { .. } | Op::LayerNorm { .. } => {
+            let f = b.fresh(ranks[0]);
+            let h = *f.last().expect("invariant: norm input has a last dim");
+            let mut operands = vec![f.clone()];
+            for _ in 1..ins.len() {
+                operands.push(vec![h]);
+            }
+            FactorRule {
+                operands,
+                result: f,
+                factors: b.n,
+                fixed: vec![h.expect("invariant")],
+                partial: PartialRule::None,
+                priority: (0..ins.len()).collect(),
+            }
+        }
+        Op::Rope(_) => {
+            let f = b.fresh(4);
+            FactorRule {
+                operands: vec![f.clone(), f[..2].to_vec()],
+                result: f.clone(),
+                factors: b.n,
+                fixed: vec![f[3].expect("invariant")],
+                partial: PartialRule::None,
+                priority: vec![0, 1],
+            }
+        }
+        Op::Attention(_) => {
+            // q [b,t,h,d], k/v [b,s,h',d], mask [b,s]; heads of q and kv share a factor.
+            let f = b.fresh(4); // b, t, h, d
+            let s = b.fresh(1)[0];
+            let kv = vec![f[0], s, f[2], f[3]];
+            let mut operands = vec![f.clone(), kv.clone(), kv];
+            if ins.len() == 4 {
+                operands.push(vec![f[0], s]);
+            }
+            FactorRule {
+                operands,
+                result: f.clone(),
+                factors: b.n,
+                fixed: vec![
+                    f[1].expect("invariant"),
+                    f[3].expect("invariant"),
+                    s.expect("invariant"),
+                ],
+                partial: PartialRule::None,
+                priority: (0..ins.len()).collect(),
+            }
+        }
+        Op::Embedding => {
+            // table [v, h], ids [..] -> [.., h]; v contracted (with ids made shard-local).
+            let vh = b.fresh(2);
+            let ids = b.fresh(ranks[1]);
+            let mut result = ids.clone();
+            result.push(vh[1]);
+            FactorRule {
+                operands: vec![vh, ids],
+                result,
+                factors: b.n,
+                fixed: vec![],
+                partial: PartialRule::None,
+                priority: vec![0, 1],
+            }
+        }
+        Op::MatMul { transpose_b } => {
+            let a = b.fresh(ranks[0]);
+            let k = a[ranks[0] - 1];
+            let n = b.fresh(1)[0];
+            let mut bb = if *transpose_b { vec![n, k] } else { vec![k, n] };
+            if ranks[1] == 3 {
+                bb.insert(0, a[0]);
+            }
+            let mut result = a.clone();
+            *result.last_mut().expect("invariant") = n;
+            FactorRule {
+                operands: vec![a, bb],
+                result,
+                factors: b.n,
+                fixed: vec![],
+                partial: PartialRule::OneOf(vec![0, 1]),
+                priority: vec![1, 0],
+            }
+        }
+        Op::Reshape => reshape(&ins[0].shape(), &out.shape()),
+        Op::Transpose { perm } => {
+            let f = b.fresh(ranks[0]);
+            FactorRule {
+                operands: vec![f.clone()],
+                result: perm.iter().map(|&p| f[p]).collect(),
+                factors: b.n,
+                fixed: vec![],
+                partial: PartialRule::OneOf(vec![0]),
+                priority: vec![0],
+            }
+        }
+        Op::Slice { dim, .. } | Op::Concat { dim } => {
+            let mut r = ident(&ranks, true);
+            r.fixed.push(r.result[*dim].expect("invariant"));
+            r.partial = if matches!(op, Op::Slice { .. }) {
+                PartialRule::OneOf(vec![0])
+            } else {
+                PartialRule::AllSame
+            };
+            r
+        }
+        Op::Repeat { .. } => {
+            let mut r = ident(&ranks, true);
+            r.partial = PartialRule::OneOf(vec![0]);
+            r
+        }
+        Op::Dispatch => {
+            // x [b,t,h], gates [b,t,e] -> [e,b,t,h]
+            let f = b.fresh(4); // b t h e
+            FactorRule {
+                operands: vec![f[..3].to_vec(), vec![f[0], f[1], f[3]]],
+                result: vec![f[3], f[0], f[1], f[2]],
+                factors: b.n,
+                fixed: vec![],
+                partial: PartialRule::OneOf(vec![0]),
+                priority: vec![1, 0],
+            }
+        }
+        Op::Combine => {
+            // y [e,b,t,h], gates [b,t,e] -> [b,t,h]; e contracted.
+            let f = b.fresh(4); // e b t h
+            FactorRule {
+                operands: vec![f.clone(), vec![f[1], f[2], f[0]]],
+                result: f[1..].to_vec(),
+                factors: b.n,
+                fixed: vec![],
+                partial: PartialRule::OneOf(vec![0]),
+                priority: vec![1, 0],
+            }
+        }
+        Op::CrossEntropy { .. } => {
+            // logits [.., v], labels [..] -> []: the leading dims are summed over.
+            let lead = b.fresh(ranks[1]);
+            let v = b.fresh(1)[0];
+            let mut l = lead.clone();
+            l.push(v);
+            FactorRule {
+                operands: vec![l, lead],
+                result: vec![],
+                factors: b.n,
+                fixed: vec![v.expect("invariant")],
+                partial: PartialRule::None,
+                priority: vec![0, 1],
+            }
+        }
+        Op::AllReduce { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGather { .. }
+        | Op::AllToAll { .. }
+        | Op::Broadcast { .. }
+        | Op::LocalSlice { .. } => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::DType;
+
+    fn t(shape: &[usize]) -> TensorType {
+        TensorType::plain(DType::F32, shape)
+    }
+
+    #[test]
+    fn matmul_contracts_k() {
+        let r = rule(
+            &Op::MatMul { transpose_b: true },
+            &[&t(&[2, 3, 4]), &t(&[5, 4])],
+            &t(&[2, 3, 5]),
+        )
+        .unwrap();
+        let k = r.operands[0][2];
+        assert_eq!(r.operands[1], vec![r.result[2], k]);
+        assert!(!r.result.contains(&k));
+    }
+
+    #[test]
+    fn reshape_maps_major_dims() {
+        let r = reshape(&[2, 3, 12], &[2, 3, 4, 3]);
+        assert_eq!(r.operands[0][2], r.result[2]);
+        assert!(r.fixed.contains(&r.result[3].unwrap()));
+        let r = reshape(&[2, 3, 4, 3], &[2, 3, 12]);
+        assert_eq!(r.operands[0][2], r.result[2]);
+        assert!(r.fixed.contains(&r.operands[0][3].unwrap()));
+    }
+
+    #[test]
+    fn attention_ties_heads() {
+        let q = t(&[1, 8, 4, 2]);
+        let k = t(&[1, 8, 2, 2]);
+        let m = t(&[1, 8]);
+        let r = rule(
+            &Op::Attention(crate::ir::AttnSpec {
+                causal: true,
+                window: None,
+                scale: crate::ir::Float(1.0),
+            }),
+            &[&q, &k, &k, &m],
+            &q,
+        )
+        .unwrap();
+        assert_eq!(r.operands[0][2], r.operands[1][2]);
+        assert!(r.fixed.contains(&r.operands[1][1].unwrap()));
+    }
+}

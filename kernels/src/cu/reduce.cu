@@ -1,0 +1,44 @@
+// reduce.cu: local reductions used to build collectives (local-gpu communicator, ring steps).
+// Grid-stride, any launch shape, f32 arithmetic with one rounding to T per element.
+//
+// reduce_add_{f32,bf16}(const T* a, const T* b, T* out, i64 n)       out = a + b (out may alias a or b)
+// reduce_accumulate_{f32,bf16}(T* acc, const T* x, i64 n)            acc += x
+// reduce_average_{f32,bf16}(T* acc, const T* x, i64 n, float scale)  acc = (acc + x) * scale
+//     the last step of a sum-then-average (scale = 1 / ranks), fused so bf16 rounds once.
+#include "common.cuh"
+
+template <typename T>
+__device__ __forceinline__ void reduce_add_impl(const T* a, const T* b, T* out, i64 n) {
+    for (i64 i = global_thread_id(); i < n; i += grid_stride()) store(out, i, load(a, i) + load(b, i));
+}
+
+template <typename T>
+__device__ __forceinline__ void reduce_accumulate_impl(T* acc, const T* x, i64 n) {
+    for (i64 i = global_thread_id(); i < n; i += grid_stride()) store(acc, i, load(acc, i) + load(x, i));
+}
+
+template <typename T>
+__device__ __forceinline__ void reduce_average_impl(T* acc, const T* x, i64 n, float scale) {
+    for (i64 i = global_thread_id(); i < n; i += grid_stride()) {
+        store(acc, i, (load(acc, i) + load(x, i)) * scale);
+    }
+}
+
+extern "C" __global__ void reduce_add_f32(const float* a, const float* b, float* out, i64 n) {
+    reduce_add_impl(a, b, out, n);
+}
+extern "C" __global__ void reduce_add_bf16(const bf16* a, const bf16* b, bf16* out, i64 n) {
+    reduce_add_impl(a, b, out, n);
+}
+extern "C" __global__ void reduce_accumulate_f32(float* acc, const float* x, i64 n) {
+    reduce_accumulate_impl(acc, x, n);
+}
+extern "C" __global__ void reduce_accumulate_bf16(bf16* acc, const bf16* x, i64 n) {
+    reduce_accumulate_impl(acc, x, n);
+}
+extern "C" __global__ void reduce_average_f32(float* acc, const float* x, i64 n, float scale) {
+    reduce_average_impl(acc, x, n, scale);
+}
+extern "C" __global__ void reduce_average_bf16(bf16* acc, const bf16* x, i64 n, float scale) {
+    reduce_average_impl(acc, x, n, scale);
+}

@@ -1,0 +1,307 @@
+//! Every hand-written kernel source, embedded with `include_str!`, and its entry points.
+//!
+//! Post-condition: [`KernelSource::source`] is self-contained (the shared `common.cuh` pasted in
+//! place of its `#include`), so NVRTC needs no include path. The entry lists are checked
+//! against the sources by a unit test, and against the compiled PTX by `tests/ptx.rs`.
+
+use crate::{compile, CompiledPtx, KernelError};
+
+/// The shared header every `.cu` source includes: bf16 bit casts, typed load/store, grid-stride
+/// helpers, the scalar activation functions and warp/block reductions.
+pub const COMMON_CUH: &str = include_str!("cu/common.cuh");
+
+/// The include line that [`expand_includes`] replaces with [`COMMON_CUH`].
+const COMMON_INCLUDE: &str = "#include \"common.cuh\"";
+
+/// One `.cu` file: an op family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelSource {
+    /// Family name, e.g. `norm`.
+    pub name: &'static str,
+    /// File name under `kernels/src/cu/`, used as the NVRTC program name (e.g. `norm.cu`).
+    pub file: &'static str,
+    /// Every `extern "C" __global__` entry point the file defines.
+    pub entries: &'static [&'static str],
+    raw: &'static str,
+}
+
+impl KernelSource {
+    /// The file as written (with its `#include "common.cuh"` line).
+    pub fn raw(&self) -> &'static str {
+        self.raw
+    }
+
+    /// The self-contained source handed to NVRTC.
+    pub fn source(&self) -> String {
+        expand_includes(self.raw)
+    }
+
+    /// Whether this file defines `entry`.
+    pub fn has_entry(&self, entry: &str) -> bool {
+        self.entries.contains(&entry)
+    }
+
+    /// Compiles the family for `arch` (e.g. `sm_90`) through the on-disk cache
+    /// (see [`compile`](crate::compile)).
+    pub fn compile(&self, arch: &'static str) -> Result<CompiledPtx, KernelError> {
+        compile(self.file, &self.source(), arch, &[])
+    }
+}
+
+/// Replaces the `#include "common.cuh"` line with the header's text. Other lines are kept.
+pub fn expand_includes(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len() + COMMON_CUH.len());
+    for line in raw.lines() {
+        if line.trim() == COMMON_INCLUDE {
+            out.push_str(COMMON_CUH);
+            if !COMMON_CUH.ends_with('\n') {
+                out.push('\n');
+            }
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+macro_rules! kernel_source {
+    ($name:literal, [$($entry:literal),* $(,)?]) => {
+        KernelSource {
+            name: $name,
+            file: concat!($name, ".cu"),
+            entries: &[$($entry),*],
+            raw: include_str!(concat!("cu/", $name, ".cu")),
+        }
+    };
+}
+
+/// Every kernel family, in a fixed order.
+pub static KERNELS: &[KernelSource] = &[
+    kernel_source!("embedding", ["embedding_f32", "embedding_bf16"]),
+    kernel_source!(
+        "norm",
+        [
+            "rmsnorm_f32",
+            "rmsnorm_bf16",
+            "layernorm_f32",
+            "layernorm_bf16",
+            "add_rmsnorm_f32",
+            "add_rmsnorm_bf16",
+        ]
+    ),
+    kernel_source!(
+        "rope",
+        [
+            "rope_half_f32",
+            "rope_half_bf16",
+            "rope_interleaved_f32",
+            "rope_interleaved_bf16",
+        ]
+    ),
+    kernel_source!("softmax", ["softmax_f32", "softmax_bf16"]),
+    kernel_source!(
+        "elementwise",
+        [
+            "gelu_tanh_f32",
+            "gelu_tanh_bf16",
+            "gelu_erf_f32",
+            "gelu_erf_bf16",
+            "silu_f32",
+            "silu_bf16",
+            "relu_f32",
+            "relu_bf16",
+            "exp_f32",
+            "exp_bf16",
+            "neg_f32",
+            "neg_bf16",
+            "scale_f32",
+            "scale_bf16",
+            "add_f32",
+            "add_bf16",
+            "mul_f32",
+            "mul_bf16",
+            "swiglu_f32",
+            "swiglu_bf16",
+        ]
+    ),
+    kernel_source!("cast", ["cast_f32_bf16", "cast_bf16_f32"]),
+    kernel_source!("attention", ["attention_f32", "attention_bf16"]),
+    kernel_source!(
+        "moe",
+        [
+            "router_f32",
+            "router_bf16",
+            "dispatch_f32",
+            "dispatch_bf16",
+            "combine_f32",
+            "combine_bf16",
+        ]
+    ),
+    kernel_source!(
+        "reduce",
+        [
+            "reduce_add_f32",
+            "reduce_add_bf16",
+            "reduce_accumulate_f32",
+            "reduce_accumulate_bf16",
+            "reduce_average_f32",
+            "reduce_average_bf16",
+        ]
+    ),
+    kernel_source!(
+        "loss",
+        ["cross_entropy_f32", "cross_entropy_bf16", "loss_sum_f32"]
+    ),
+];
+
+/// The family named `name` (`"norm"`), if registered.
+pub fn kernel_source(name: &str) -> Result<&'static KernelSource, KernelError> {
+    KERNELS
+        .iter()
+        .find(|k| k.name == name)
+        .ok_or_else(|| KernelError::UnknownKernel {
+            name: name.to_owned(),
+        })
+}
+
+/// The family that defines entry point `entry` (`"rmsnorm_bf16"` gives `norm`).
+pub fn source_for_entry(entry: &str) -> Result<&'static KernelSource, KernelError> {
+    KERNELS
+        .iter()
+        .find(|k| k.has_entry(entry))
+        .ok_or_else(|| KernelError::UnknownKernel {
+            name: entry.to_owned(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// Identifiers that start right after `prefix` and run to the next non-identifier char.
+    fn idents_after<'a>(src: &'a str, prefix: &str, out: &mut BTreeSet<&'a str>) {
+        let mut rest = src;
+        while let Some(p) = rest.find(prefix) {
+            let tail = &rest[p + prefix.len()..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(tail.len());
+            out.insert(&tail[..end]);
+            rest = &tail[end..];
+        }
+    }
+
+    /// The entry points a source defines, found textually: `extern "C" __global__ void NAME(`
+    /// (possibly with `__launch_bounds__(..)` and a line break) and `SHARDC_XXX(NAME, ...)`
+    /// macro invocations.
+    fn defined_entries(src: &str) -> BTreeSet<&str> {
+        let mut found = BTreeSet::new();
+        for (i, _) in src.match_indices("extern \"C\" __global__") {
+            let decl = &src[i..];
+            let paren = decl
+                .find('(')
+                .expect("invariant: a declaration has a parameter list");
+            let head = &decl[..paren];
+            let head = if head.contains("__launch_bounds__") {
+                // skip `__launch_bounds__(N)` and take the identifier before the next '('
+                let after = &decl[decl.find(')').expect("invariant: closed") + 1..];
+                &after[..after.find('(').expect("invariant: parameter list")]
+            } else {
+                head
+            };
+            let name = head.split_whitespace().last().expect("invariant: a name");
+            if name != "NAME" {
+                found.insert(name);
+            }
+        }
+        let macro_uses: BTreeSet<&str> = {
+            let mut m = BTreeSet::new();
+            for mac in [
+                "SHARDC_UNARY(",
+                "SHARDC_SCALE(",
+                "SHARDC_BINARY(",
+                "SHARDC_SWIGLU(",
+            ] {
+                idents_after(src, mac, &mut m);
+            }
+            m
+        };
+        found.extend(macro_uses.into_iter().filter(|n| *n != "NAME"));
+        found
+    }
+
+    #[test]
+    fn entries_match_sources() {
+        for k in KERNELS {
+            let listed: BTreeSet<&str> = k.entries.iter().copied().collect();
+            assert_eq!(listed.len(), k.entries.len(), "{}: duplicate entry", k.name);
+            assert_eq!(
+                defined_entries(k.raw),
+                listed,
+                "{}: registry out of sync",
+                k.file
+            );
+        }
+    }
+
+    #[test]
+    fn entries_are_unique_across_families() {
+        let mut seen = BTreeSet::new();
+        for k in KERNELS {
+            for e in k.entries {
+                assert!(seen.insert(*e), "{e} defined twice");
+            }
+        }
+    }
+
+    #[test]
+    fn dtype_entries_come_in_pairs() {
+        // Every `_f32` op has a `_bf16` twin, except the listed f32-only ones.
+        let f32_only = ["loss_sum_f32", "cast_f32_bf16", "cast_bf16_f32"];
+        for k in KERNELS {
+            for e in k.entries.iter().filter(|e| !f32_only.contains(e)) {
+                if let Some(op) = e.strip_suffix("_f32") {
+                    assert!(k.has_entry(&format!("{op}_bf16")), "{e} has no bf16 twin");
+                }
+            }
+        }
+    }
+
+    fn has_include(src: &str) -> bool {
+        src.lines().any(|l| l.trim_start().starts_with("#include"))
+    }
+
+    #[test]
+    fn expanded_sources_need_no_include_path() {
+        for k in KERNELS {
+            let src = k.source();
+            assert!(
+                !has_include(&src),
+                "{}: include left after expansion",
+                k.file
+            );
+            assert!(src.contains("bf16_to_f32"), "{}: header not pasted", k.file);
+            assert!(
+                k.raw().contains(COMMON_INCLUDE),
+                "{} must include common.cuh",
+                k.file
+            );
+        }
+        assert!(!has_include(COMMON_CUH));
+    }
+
+    #[test]
+    fn lookup_by_name_and_entry() {
+        assert_eq!(kernel_source("norm").map(|k| k.file).ok(), Some("norm.cu"));
+        assert_eq!(
+            source_for_entry("rmsnorm_bf16").map(|k| k.name).ok(),
+            Some("norm")
+        );
+        assert!(matches!(
+            source_for_entry("nope_f32"),
+            Err(KernelError::UnknownKernel { .. })
+        ));
+    }
+}

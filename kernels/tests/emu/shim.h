@@ -1,0 +1,66 @@
+// Minimal SIMT emulation of the CUDA features the shardc kernels use: one std::thread per CUDA
+// thread, blocks run one at a time, barriers for __syncthreads and for every warp shuffle.
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::max;
+using std::min;
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 gridDim, blockDim;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(x)
+float g_smem[1 << 16];
+struct WarpCtx { std::barrier<>* bar; unsigned long long slots[32]; };
+thread_local WarpCtx* tw;
+thread_local std::barrier<>* tb;
+inline void __syncthreads() { tb->arrive_and_wait(); }
+template <class T> T shfl_impl(T v, int src) {
+    int lane = threadIdx.x & 31;
+    std::memcpy(&tw->slots[lane], &v, sizeof(T));
+    tw->bar->arrive_and_wait();
+    T r; std::memcpy(&r, &tw->slots[src & 31], sizeof(T));
+    tw->bar->arrive_and_wait();
+    return r;
+}
+inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl_impl(v, (threadIdx.x & 31) ^ o); }
+inline int __shfl_xor_sync(unsigned, int v, int o) { return shfl_impl(v, (threadIdx.x & 31) ^ o); }
+inline float __shfl_sync(unsigned, float v, int s) { return shfl_impl(v, s); }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline void __trap() { std::fprintf(stderr, "__trap\n"); std::abort(); }
+
+template <class F> void launch(dim3 grid, dim3 block, F kernel) {
+    gridDim = grid; blockDim = block;
+    const unsigned n = block.x;
+    for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+    for (unsigned x = 0; x < grid.x; ++x) {
+        std::barrier<> bb(n);
+        unsigned nw = (n + 31) / 32;
+        std::vector<std::unique_ptr<std::barrier<>>> wb;
+        std::vector<WarpCtx> wc(nw);
+        for (unsigned w = 0; w < nw; ++w) {
+            wb.emplace_back(new std::barrier<>(std::min(32u, n - 32 * w)));
+            wc[w].bar = wb.back().get();
+        }
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < n; ++t) ts.emplace_back([&, t] {
+            threadIdx = dim3{t, 0, 0}; blockIdx = dim3{x, y, z};
+            tw = &wc[t / 32]; tb = &bb; kernel();
+        });
+        for (auto& t : ts) t.join();
+    }
+}

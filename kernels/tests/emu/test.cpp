@@ -1,0 +1,291 @@
+// CPU checks of the kernels under the SIMT emulation in shim.h, against double-precision
+// references. Run with ./run.sh (needs g++ >= 12); not part of `cargo test`.
+#include "shim.h"
+#include <random>
+#include <cfloat>
+#include "cu/embedding.cu"
+#include "cu/norm.cu"
+#include "cu/rope.cu"
+#include "cu/softmax.cu"
+#include "cu/elementwise.cu"
+#include "cu/cast.cu"
+#include "cu/attention.cu"
+#include "cu/moe.cu"
+#include "cu/reduce.cu"
+#include "cu/loss.cu"
+
+static int failures = 0;
+static std::mt19937 rng(42);
+std::vector<float> randv(size_t n, float lo = -2, float hi = 2) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n); for (auto& x : v) x = d(rng); return v;
+}
+void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double atol, double rtol) {
+    double worst = 0; size_t wi = 0; bool bad = false;
+    if (got.size() != want.size()) { printf("FAIL %s size\n", what); failures++; return; }
+    for (size_t i = 0; i < got.size(); ++i) {
+        double g = got[i], w = want[i];
+        if (std::isnan(w) && std::isnan(g)) continue;
+        if (std::isinf(w) && g == w) continue;
+        double err = std::fabs(g - w);
+        if (!(err <= atol + rtol * std::fabs(w))) { if (!bad || err > worst) { worst = err; wi = i; } bad = true; }
+    }
+    if (bad) { printf("FAIL %s: at %zu got %g want %g\n", what, wi, got[wi], want[wi]); failures++; }
+    else printf("ok   %s (%zu values)\n", what, got.size());
+}
+// host bf16 reference: nearest with ties to even, computed by comparing candidates in double
+unsigned short host_bf16(float f) {
+    if (std::isnan(f)) { unsigned u; memcpy(&u, &f, 4); return (u >> 16) | 0x40; }
+    unsigned u; memcpy(&u, &f, 4);
+    unsigned short lo = u >> 16, hi = lo + 1;
+    // bf16 value in double; the pattern past the largest finite one counts as 2^128 (IEEE
+    // rounding with an unbounded exponent, then overflow to inf).
+    auto val = [](unsigned short b) { if ((b & 0x7fff) == 0x7f80) return std::copysign(std::ldexp(1.0, 128), (b & 0x8000) ? -1.0 : 1.0);
+        unsigned v = (unsigned)b << 16; float r; memcpy(&r, &v, 4); return (double)r; };
+    if ((u & 0xffff) == 0) return lo;
+    double dl = std::fabs((double)f - val(lo)), dh = std::fabs(val(hi) - (double)f);
+    if (dl < dh) return lo; if (dh < dl) return hi; return (lo & 1) ? hi : lo;
+}
+float host_bf16_f(unsigned short b) { unsigned v = (unsigned)b << 16; float r; memcpy(&r, &v, 4); return r; }
+std::vector<double> dv(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+void test_cast() {
+    auto x = randv(5000, -1e4, 1e4);
+    std::vector<float> sp = {0.0f, -0.0f, 1.0f, INFINITY, -INFINITY, NAN, FLT_MAX, 1e-40f, 3.0f, 1.00390625f, 1.01171875f, 1.005859375f};
+    x.insert(x.end(), sp.begin(), sp.end());
+    for (int i = 0; i < 1000; ++i) { unsigned u = rng(); float f; memcpy(&f, &u, 4); x.push_back(f); }
+    std::vector<bf16> out(x.size()); std::vector<float> back(x.size());
+    launch({3}, {64}, [&] { cast_f32_bf16(x.data(), out.data(), x.size()); });
+    int bad = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+        unsigned short w = host_bf16(x[i]);
+        if (std::isnan(x[i])) { if (!std::isnan(host_bf16_f(out[i]))) bad++; continue; }
+        if (out[i] != w) { if (bad < 3) printf("  cast %a -> %04x want %04x\n", x[i], out[i], w); bad++; }
+    }
+    printf("%s cast_f32_bf16 (%d mismatches)\n", bad ? "FAIL" : "ok  ", bad); failures += bad != 0;
+    launch({2}, {32}, [&] { cast_bf16_f32(out.data(), back.data(), x.size()); });
+    std::vector<double> want(x.size()); for (size_t i = 0; i < x.size(); ++i) want[i] = host_bf16_f(out[i]);
+    check("cast_bf16_f32", back, want, 0, 0);
+}
+
+void test_embedding() {
+    const int V = 7, H = 5, N = 6; const long long off = 10;
+    auto table = randv(V * H);
+    std::vector<int> ids = {10, 16, 9, 17, 12, -1};
+    std::vector<float> out(N * H, 99);
+    launch({1}, {32}, [&] { embedding_f32(table.data(), ids.data(), out.data(), N, V, H, off); });
+    std::vector<double> want(N * H, 0);
+    for (int n = 0; n < N; ++n) { long long r = ids[n] - off; if (r >= 0 && r < V) for (int c = 0; c < H; ++c) want[n * H + c] = table[r * H + c]; }
+    check("embedding_f32 (offset, out-of-range rows zero)", out, want, 0, 0);
+}
+
+void test_norms() {
+    const int R = 5, H = 300; const float eps = 1e-5f;
+    auto x = randv(R * H), res = randv(R * H), w = randv(H), b = randv(H);
+    std::vector<float> out(R * H), sum(R * H);
+    launch({2}, {64}, [&] { rmsnorm_f32(x.data(), w.data(), out.data(), R, H, eps); });
+    std::vector<double> want(R * H);
+    for (int r = 0; r < R; ++r) { double ss = 0; for (int c = 0; c < H; ++c) ss += (double)x[r*H+c]*x[r*H+c];
+        double inv = 1 / std::sqrt(ss / H + eps); for (int c = 0; c < H; ++c) want[r*H+c] = x[r*H+c] * inv * w[c]; }
+    check("rmsnorm_f32", out, want, 1e-5, 1e-5);
+    launch({3}, {96}, [&] { layernorm_f32(x.data(), w.data(), b.data(), out.data(), R, H, eps); });
+    for (int r = 0; r < R; ++r) { double m = 0; for (int c = 0; c < H; ++c) m += x[r*H+c]; m /= H;
+        double v = 0; for (int c = 0; c < H; ++c) v += (x[r*H+c]-m)*(x[r*H+c]-m); v /= H;
+        for (int c = 0; c < H; ++c) want[r*H+c] = (x[r*H+c]-m)/std::sqrt(v+eps)*w[c]+b[c]; }
+    check("layernorm_f32", out, want, 1e-5, 1e-5);
+    // add_rmsnorm in place on the residual stream (sum_out aliases residual)
+    auto resid = res;
+    launch({2}, {128}, [&] { add_rmsnorm_f32(x.data(), resid.data(), resid.data(), w.data(), out.data(), R, H, eps); });
+    std::vector<double> wsum(R * H);
+    for (int r = 0; r < R; ++r) { double ss = 0; for (int c = 0; c < H; ++c) { float s = x[r*H+c] + res[r*H+c]; wsum[r*H+c] = s; ss += (double)s*s; }
+        double inv = 1 / std::sqrt(ss / H + eps); for (int c = 0; c < H; ++c) want[r*H+c] = wsum[r*H+c] * inv * w[c]; }
+    check("add_rmsnorm_f32 sum (in place)", resid, wsum, 0, 0);
+    check("add_rmsnorm_f32 out", out, want, 1e-5, 1e-5);
+    // bf16: sum rounded before the norm
+    std::vector<bf16> xb(R*H), rb(R*H), wb(H), sb(R*H), ob(R*H);
+    for (int i = 0; i < R*H; ++i) { xb[i] = host_bf16(x[i]); rb[i] = host_bf16(res[i]); }
+    for (int c = 0; c < H; ++c) wb[c] = host_bf16(w[c]);
+    launch({5}, {64}, [&] { add_rmsnorm_bf16(xb.data(), rb.data(), sb.data(), wb.data(), ob.data(), R, H, eps); });
+    std::vector<float> gs(R*H), go(R*H);
+    for (int r = 0; r < R; ++r) { double ss = 0; for (int c = 0; c < H; ++c) { float s = host_bf16_f(host_bf16(host_bf16_f(xb[r*H+c]) + host_bf16_f(rb[r*H+c]))); wsum[r*H+c] = s; ss += (double)s*s; }
+        double inv = 1 / std::sqrt(ss / H + eps); for (int c = 0; c < H; ++c) want[r*H+c] = wsum[r*H+c] * inv * host_bf16_f(wb[c]); }
+    for (int i = 0; i < R*H; ++i) { gs[i] = host_bf16_f(sb[i]); go[i] = host_bf16_f(ob[i]); }
+    check("add_rmsnorm_bf16 sum", gs, wsum, 0, 0);
+    check("add_rmsnorm_bf16 out", go, want, 1e-2, 1e-2);
+}
+
+void test_rope() {
+    const int B = 2, T = 3, N = 2, D = 10, ROT = 6;
+    auto x = randv(B*T*N*D); std::vector<int> pos = {0, 5, 100, 7, 1, 3000};
+    std::vector<float> inv(ROT / 2); for (int j = 0; j < ROT/2; ++j) inv[j] = 1.0 / std::pow(10000.0, 2.0*j/ROT);
+    for (int style = 0; style < 2; ++style) {
+        std::vector<float> out = x;  // in place
+        if (style == 0) launch({2}, {32}, [&] { rope_half_f32(out.data(), out.data(), pos.data(), inv.data(), B, T, N, D, ROT); });
+        else launch({2}, {32}, [&] { rope_interleaved_f32(out.data(), out.data(), pos.data(), inv.data(), B, T, N, D, ROT); });
+        std::vector<double> want(dv(x));
+        for (int bt = 0; bt < B*T; ++bt) for (int h = 0; h < N; ++h) {
+            int base = (bt*N + h)*D;
+            for (int j = 0; j < ROT/2; ++j) {
+                int ia = style == 0 ? base + j : base + 2*j, ib = style == 0 ? base + j + ROT/2 : base + 2*j + 1;
+                double a = (float)((float)pos[bt] * inv[j]); double c = std::cos(a), s = std::sin(a);
+                want[ia] = x[ia]*c - x[ib]*s; want[ib] = x[ib]*c + x[ia]*s;
+            }
+        }
+        check(style == 0 ? "rope_half_f32 (partial, in place)" : "rope_interleaved_f32 (partial, in place)", out, want, 1e-5, 1e-5);
+    }
+}
+
+void test_softmax() {
+    const int R = 4, C = 77;
+    auto x = randv(R*C, -5, 5);
+    for (int c = 0; c < C; ++c) x[2*C + c] = -INFINITY;   // all -inf row
+    x[3*C + 5] = -INFINITY;
+    std::vector<float> out(R*C);
+    launch({3}, {64}, [&] { softmax_f32(x.data(), out.data(), R, C); });
+    std::vector<double> want(R*C, 0);
+    for (int r = 0; r < R; ++r) { if (r == 2) continue; double m = -INFINITY; for (int c = 0; c < C; ++c) m = std::max(m, (double)x[r*C+c]);
+        double s = 0; for (int c = 0; c < C; ++c) s += std::exp(x[r*C+c]-m); for (int c = 0; c < C; ++c) want[r*C+c] = std::exp(x[r*C+c]-m)/s; }
+    check("softmax_f32 (incl. all -inf row -> 0)", out, want, 1e-6, 1e-5);
+}
+
+void test_elementwise() {
+    const int n = 1000, nb = 40;
+    auto a = randv(n, -4, 4), b = randv(nb);
+    std::vector<float> out(n); std::vector<double> want(n);
+    launch({2}, {64}, [&] { add_f32(a.data(), b.data(), out.data(), n, nb); });
+    for (int i = 0; i < n; ++i) want[i] = (double)a[i] + b[i % nb];
+    check("add_f32 suffix broadcast", out, want, 1e-6, 1e-6);
+    launch({2}, {64}, [&] { mul_f32(a.data(), a.data(), out.data(), n, n); });
+    for (int i = 0; i < n; ++i) want[i] = (double)a[i] * a[i];
+    check("mul_f32 same shape", out, want, 1e-6, 1e-6);
+    auto g = randv(n);
+    launch({1}, {32}, [&] { swiglu_f32(a.data(), g.data(), out.data(), n); });
+    for (int i = 0; i < n; ++i) want[i] = a[i] / (1 + std::exp(-(double)a[i])) * g[i];
+    check("swiglu_f32", out, want, 1e-6, 1e-5);
+    launch({1}, {32}, [&] { gelu_tanh_f32(a.data(), out.data(), n); });
+    for (int i = 0; i < n; ++i) { double x = a[i]; want[i] = 0.5*x*(1+std::tanh(std::sqrt(2/M_PI)*(x+0.044715*x*x*x))); }
+    check("gelu_tanh_f32", out, want, 1e-6, 1e-5);
+    launch({1}, {32}, [&] { gelu_erf_f32(a.data(), out.data(), n); });
+    for (int i = 0; i < n; ++i) { double x = a[i]; want[i] = 0.5*x*(1+std::erf(x/std::sqrt(2.0))); }
+    check("gelu_erf_f32", out, want, 1e-6, 1e-5);
+    launch({1}, {32}, [&] { scale_f32(a.data(), out.data(), n, -0.25f); });
+    for (int i = 0; i < n; ++i) want[i] = a[i] * -0.25;
+    check("scale_f32", out, want, 0, 0);
+}
+
+// attention reference in double
+std::vector<double> attn_ref(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v, const float* mask,
+    int B, int T, int S, int Hq, int Hkv, int D, float scale, int causal, int window, int qoff) {
+    std::vector<double> out(B*T*Hq*D, 0);
+    for (int b = 0; b < B; ++b) for (int t = 0; t < T; ++t) for (int h = 0; h < Hq; ++h) {
+        int hk = h / (Hq / Hkv); int tp = t + qoff;
+        std::vector<double> sc(S, -INFINITY); double m = -INFINITY;
+        for (int s = 0; s < S; ++s) {
+            bool vis = (!causal || s <= tp) && (window <= 0 || tp - s < window) && (!mask || mask[b*S+s] != 0);
+            if (!vis) continue;
+            double d = 0; for (int i = 0; i < D; ++i) d += (double)q[((b*T+t)*Hq+h)*D+i] * k[((b*S+s)*Hkv+hk)*D+i];
+            sc[s] = d * scale; m = std::max(m, sc[s]);
+        }
+        if (m == -INFINITY) continue;
+        double l = 0; for (int s = 0; s < S; ++s) if (sc[s] != -INFINITY) l += std::exp(sc[s]-m);
+        for (int s = 0; s < S; ++s) if (sc[s] != -INFINITY) { double p = std::exp(sc[s]-m)/l;
+            for (int i = 0; i < D; ++i) out[((b*T+t)*Hq+h)*D+i] += p * v[((b*S+s)*Hkv+hk)*D+i]; }
+    }
+    return out;
+}
+void attn_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D, int causal, int window, int qoff, bool use_mask, bool bf) {
+    auto q = randv(B*T*Hq*D), k = randv(B*S*Hkv*D), v = randv(B*S*Hkv*D);
+    std::vector<float> mask(B*S, 1.0f);
+    if (use_mask) { for (int s = 0; s < S; ++s) mask[s] = (s % 3 == 1) ? 0.f : 1.f; for (int s = 0; s < S; ++s) mask[(B-1)*S + s] = 0.f; }
+    const float scale = 1.0f / std::sqrt((float)D);
+    dim3 grid{(unsigned)((T + 15) / 16), (unsigned)Hq, (unsigned)B};
+    std::vector<float> got(B*T*Hq*D, 12345.f);
+    if (!bf) {
+        launch(grid, {128}, [&] { attention_f32(q.data(), k.data(), v.data(), got.data(), use_mask ? mask.data() : nullptr, B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+        check(name, got, attn_ref(q, k, v, use_mask ? mask.data() : nullptr, B, T, S, Hq, Hkv, D, scale, causal, window, qoff), 1e-5, 1e-4);
+    } else {
+        auto tob = [](std::vector<float>& x) { std::vector<bf16> r(x.size()); for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); } return r; };
+        auto qb = tob(q), kb = tob(k), vb = tob(v); std::vector<bf16> ob(got.size());
+        launch(grid, {128}, [&] { attention_bf16(qb.data(), kb.data(), vb.data(), ob.data(), use_mask ? mask.data() : nullptr, B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+        for (size_t i = 0; i < got.size(); ++i) got[i] = host_bf16_f(ob[i]);
+        check(name, got, attn_ref(q, k, v, use_mask ? mask.data() : nullptr, B, T, S, Hq, Hkv, D, scale, causal, window, qoff), 1e-2, 1e-2);
+    }
+}
+void test_attention() {
+    attn_case("attention_f32 causal GQA D=80 T=S=37", 2, 37, 37, 4, 2, 80, 1, 0, 0, false, false);
+    attn_case("attention_f32 causal window=5 mask (batch 1 fully masked) D=64", 2, 19, 19, 2, 1, 64, 1, 5, 0, true, false);
+    attn_case("attention_f32 decode T=1 S=70 q_offset=69 D=128", 1, 1, 70, 8, 2, 128, 1, 0, 69, false, false);
+    attn_case("attention_f32 non-causal cross S=50 D=3", 1, 17, 50, 3, 3, 3, 0, 0, 0, false, false);
+    attn_case("attention_f32 D=256 causal window=40", 1, 33, 33, 2, 2, 256, 1, 40, 0, false, false);
+    attn_case("attention_bf16 causal GQA D=96 mask", 2, 21, 21, 4, 1, 96, 1, 0, 0, true, true);
+    attn_case("attention_f32 chunk q_offset=32 T=16 S=48", 1, 16, 48, 2, 1, 32, 1, 0, 32, false, false);
+}
+
+void test_router() {
+    const int N = 7, E = 40;
+    for (int topk : {1, 2, 3, 40, 50}) for (int norm = 0; norm < 2; ++norm) {
+        auto lg = randv(N*E, -3, 3);
+        // ties: token 0 has experts 3, 35, 36 equal maxima; token 1 all equal
+        lg[0*E+3] = lg[0*E+35] = lg[0*E+36] = 5.0f;
+        for (int e = 0; e < E; ++e) lg[1*E+e] = 0.5f;
+        std::vector<float> gates(N*E, 7.f);
+        launch({2}, {64}, [&] { router_f32(lg.data(), gates.data(), N, E, topk, norm); });
+        std::vector<double> want(N*E, 0);
+        for (int n = 0; n < N; ++n) {
+            std::vector<double> p(E); double m = -INFINITY; for (int e = 0; e < E; ++e) m = std::max(m, (double)lg[n*E+e]);
+            double s = 0; for (int e = 0; e < E; ++e) { p[e] = std::exp(lg[n*E+e]-m); s += p[e]; } for (auto& x : p) x /= s;
+            std::vector<int> idx(E); for (int e = 0; e < E; ++e) idx[e] = e;
+            std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return lg[n*E+a] > lg[n*E+b]; });
+            int k = std::min(topk, E); double ks = 0; for (int i = 0; i < k; ++i) ks += p[idx[i]];
+            for (int i = 0; i < k; ++i) want[n*E+idx[i]] = norm ? p[idx[i]]/ks : p[idx[i]];
+        }
+        char name[64]; snprintf(name, 64, "router_f32 top_k=%d normalize=%d", topk, norm);
+        check(name, gates, want, 1e-6, 1e-5);
+    }
+}
+
+void test_moe() {
+    const int N = 6, E = 3, H = 5;
+    auto x = randv(N*H); std::vector<float> gates(N*E, 0.f);
+    for (int n = 0; n < N; ++n) { gates[n*E + n % E] = 0.7f; gates[n*E + (n+1) % E] = 0.3f; }
+    std::vector<float> disp(E*N*H, 9.f);
+    launch({2}, {32}, [&] { dispatch_f32(x.data(), gates.data(), disp.data(), N, E, H); });
+    std::vector<double> want(E*N*H, 0);
+    for (int e = 0; e < E; ++e) for (int n = 0; n < N; ++n) if (gates[n*E+e] != 0) for (int c = 0; c < H; ++c) want[(e*N+n)*H+c] = x[n*H+c];
+    check("dispatch_f32", disp, want, 0, 0);
+    auto y = randv(E*N*H); y[(2*N+0)*H] = NAN;  // expert 2 not routed for token 0: must not leak
+    std::vector<float> comb(N*H);
+    launch({1}, {32}, [&] { combine_f32(y.data(), gates.data(), comb.data(), N, E, H); });
+    std::vector<double> wc(N*H, 0);
+    for (int n = 0; n < N; ++n) for (int c = 0; c < H; ++c) for (int e = 0; e < E; ++e) if (gates[n*E+e] != 0) wc[n*H+c] += gates[n*E+e] * y[(e*N+n)*H+c];
+    check("combine_f32 (unrouted NaN ignored)", comb, wc, 1e-6, 1e-6);
+}
+
+void test_reduce_loss() {
+    const int n = 333; auto a = randv(n), b = randv(n);
+    std::vector<float> out(n); std::vector<double> want(n);
+    launch({2}, {32}, [&] { reduce_add_f32(a.data(), b.data(), out.data(), n); });
+    for (int i = 0; i < n; ++i) want[i] = a[i] + b[i];
+    check("reduce_add_f32", out, want, 1e-6, 0);
+    auto acc = a; launch({1}, {64}, [&] { reduce_average_f32(acc.data(), b.data(), n, 0.5f); });
+    for (int i = 0; i < n; ++i) want[i] = ((double)a[i] + b[i]) * 0.5;
+    check("reduce_average_f32", acc, want, 1e-6, 0);
+    const int R = 5, V = 1000; auto lg = randv(R*V, -8, 8); std::vector<int> lab = {3, -100, 999, 0, 1000};
+    std::vector<float> loss(R), tot(1);
+    launch({2}, {128}, [&] { cross_entropy_f32(lg.data(), lab.data(), loss.data(), R, V); });
+    std::vector<double> wl(R, 0);
+    for (int r = 0; r < R; ++r) { if (lab[r] < 0) continue; if (lab[r] >= V) { wl[r] = NAN; continue; }
+        double m = -INFINITY; for (int c = 0; c < V; ++c) m = std::max(m, (double)lg[r*V+c]);
+        double s = 0; for (int c = 0; c < V; ++c) s += std::exp(lg[r*V+c]-m); wl[r] = m + std::log(s) - lg[r*V+lab[r]]; }
+    check("cross_entropy_f32 (ignore -100, NaN for label>=V)", loss, wl, 1e-5, 1e-5);
+    std::vector<float> l4(loss.begin(), loss.begin() + 4);
+    launch({1}, {1024}, [&] { loss_sum_f32(l4.data(), tot.data(), 4, 0.25f); });
+    check("loss_sum_f32", tot, {(wl[0]+wl[1]+wl[2]+wl[3])*0.25}, 1e-5, 1e-5);
+}
+
+int main() {
+    test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
+    test_attention(); test_router(); test_moe(); test_reduce_loss();
+    printf("%d failure(s)\n", failures);
+    return failures != 0;
+}

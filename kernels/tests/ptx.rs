@@ -1,0 +1,207 @@
+//! Compiles every kernel source and some generated fused kernels to PTX for sm_90 and checks
+//! that each expected `.entry` is present.
+//!
+//! Needs libnvrtc (CUDA 13). Without it each test prints `skipped: libnvrtc not found` and
+//! passes, unless `SHARDC_REQUIRE_NVRTC=1` (CI), where it fails. Set up NVRTC with
+//! `kernels/ci-nvrtc.sh DIR` and run
+//! `LD_LIBRARY_PATH=$(kernels/ci-nvrtc.sh DIR) SHARDC_REQUIRE_NVRTC=1 cargo test -p shardc-kernels`.
+
+use shardc_kernels::{
+    generate_fused_kernel, nvrtc_version, CacheOutcome, FusedBinary, FusedExpr, FusedUnary,
+    KernelDType, KernelError, PtxCache, KERNELS,
+};
+
+const ARCH: &str = "sm_90";
+
+/// True when NVRTC is usable. Otherwise: panics under `SHARDC_REQUIRE_NVRTC=1`, else prints
+/// the skip line and returns false.
+fn nvrtc_present() -> bool {
+    match nvrtc_version() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var("SHARDC_REQUIRE_NVRTC").as_deref() == Ok("1") {
+                panic!("SHARDC_REQUIRE_NVRTC=1 but NVRTC cannot be used: {e}");
+            }
+            eprintln!("skipped: libnvrtc not found ({e})");
+            false
+        }
+    }
+}
+
+fn temp_cache() -> (tempfile::TempDir, PtxCache) {
+    let dir = tempfile::tempdir().expect("invariant: a temp dir");
+    let cache = PtxCache::new(dir.path().join("ptx"));
+    (dir, cache)
+}
+
+fn assert_targets(ptx: &str, what: &str) {
+    assert!(
+        ptx.lines().any(|l| l.trim() == format!(".target {ARCH}")),
+        "{what}: PTX does not target {ARCH}"
+    );
+}
+
+#[test]
+fn every_kernel_source_compiles_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let (_dir, cache) = temp_cache();
+    let (major, minor) = nvrtc_version().expect("invariant: probed above");
+    eprintln!("NVRTC {major}.{minor}");
+    // Two cores in CI: compile the families on two threads.
+    let results: Vec<(&str, Result<Vec<String>, KernelError>)> = std::thread::scope(|s| {
+        let chunks: Vec<_> = KERNELS.chunks(KERNELS.len().div_ceil(2)).collect();
+        let handles: Vec<_> = chunks
+            .into_iter()
+            .map(|chunk| {
+                let cache = &cache;
+                s.spawn(move || {
+                    chunk
+                        .iter()
+                        .map(|k| {
+                            let r = cache.compile(k.file, &k.source(), ARCH, &[]).map(|c| {
+                                assert_targets(&c.ptx, k.file);
+                                c.entries().into_iter().map(str::to_owned).collect()
+                            });
+                            (k.file, r)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("invariant: compile thread did not panic"))
+            .collect()
+    });
+
+    let mut failures = Vec::new();
+    for (file, result) in &results {
+        let kernel = KERNELS
+            .iter()
+            .find(|k| k.file == *file)
+            .expect("invariant: from KERNELS");
+        match result {
+            Ok(entries) => {
+                for e in kernel.entries {
+                    if !entries.iter().any(|x| x == e) {
+                        failures.push(format!("{file}: entry `{e}` missing from PTX"));
+                    }
+                }
+                eprintln!("{file}: {} entries ok", kernel.entries.len());
+            }
+            Err(err) => failures.push(format!("{err}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+fn sample_fused() -> Vec<(&'static str, FusedExpr)> {
+    let x = FusedExpr::input;
+    vec![
+        ("swiglu", FusedExpr::unary(FusedUnary::Silu, x(0)) * x(1)),
+        (
+            "bias_gelu_erf",
+            FusedExpr::unary(FusedUnary::GeluErf, x(0) + x(1)),
+        ),
+        (
+            "everything",
+            FusedExpr::binary(
+                FusedBinary::Div,
+                FusedExpr::binary(
+                    FusedBinary::Sub,
+                    FusedExpr::unary(
+                        FusedUnary::Exp,
+                        FusedExpr::unary(FusedUnary::Neg, FusedExpr::scale(x(2), 0.5)),
+                    ),
+                    FusedExpr::unary(
+                        FusedUnary::Relu,
+                        FusedExpr::unary(FusedUnary::GeluTanh, x(0)),
+                    ),
+                ),
+                FusedExpr::constant(1e-6) + x(1),
+            ),
+        ),
+        ("constant", FusedExpr::constant(f32::INFINITY)),
+    ]
+}
+
+#[test]
+fn generated_fused_kernels_compile_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let (_dir, cache) = temp_cache();
+    for (label, expr) in sample_fused() {
+        for dtype in KernelDType::ALL {
+            let name = expr.kernel_name(dtype);
+            let src = generate_fused_kernel(&name, &expr, dtype);
+            let file = format!("{label}_{dtype}.cu");
+            let ptx = cache
+                .compile(&file, &src, ARCH, &[])
+                .unwrap_or_else(|e| panic!("{file} ({expr}):\n{e}"));
+            assert_targets(&ptx.ptx, &file);
+            assert_eq!(ptx.entries(), vec![name.as_str()], "{file}");
+        }
+    }
+}
+
+#[test]
+fn second_compile_hits_the_cache() {
+    if !nvrtc_present() {
+        return;
+    }
+    let (_dir, cache) = temp_cache();
+    let k = shardc_kernels::kernel_source("cast").expect("invariant: registered");
+    let first = cache
+        .compile(k.file, &k.source(), ARCH, &[])
+        .expect("compiles");
+    assert_eq!(first.cache, CacheOutcome::Stored);
+    let second = cache
+        .compile(k.file, &k.source(), ARCH, &[])
+        .expect("compiles");
+    assert_eq!(second.cache, CacheOutcome::Hit);
+    assert_eq!(first.ptx, second.ptx);
+    assert_eq!(first.key, second.key);
+    // Different options: a different entry.
+    let third = cache
+        .compile(k.file, &k.source(), ARCH, &["--fmad=false"])
+        .expect("compiles");
+    assert_ne!(third.key, first.key);
+    assert_eq!(third.cache, CacheOutcome::Stored);
+    // -lineinfo is always passed: the PTX carries file/line debug info.
+    assert!(first.ptx.contains(".file"), "no line info in PTX");
+}
+
+#[test]
+fn compile_error_carries_log_and_excerpt() {
+    if !nvrtc_present() {
+        return;
+    }
+    let src =
+        "extern \"C\" __global__ void broken(float* out) {\n    out[0] = undefined_fn(1.0f);\n}\n";
+    let err = PtxCache::disabled()
+        .compile("broken.cu", src, ARCH, &[])
+        .expect_err("must not compile");
+    match &err {
+        KernelError::Compile {
+            kernel,
+            log,
+            source_excerpt,
+        } => {
+            assert_eq!(kernel, "broken.cu");
+            assert!(log.contains("undefined_fn"), "{log}");
+            assert!(
+                source_excerpt.contains("> 2 |     out[0] = undefined_fn(1.0f);"),
+                "{source_excerpt}"
+            );
+            assert!(
+                source_excerpt.starts_with("broken.cu:2: error:"),
+                "{source_excerpt}"
+            );
+        }
+        other => panic!("expected a compile error, got {other}"),
+    }
+    eprintln!("{err}");
+}

@@ -1,0 +1,163 @@
+//! Attention: `softmax(q·kᵀ·scale + masks)·v` per (batch, head), HF eager semantics.
+//!
+//! Visibility of key `s` to query `t` (with `off = S − T`, so the last query is the last
+//! position when T ≠ S): causal `s ≤ t + off`; window `t + off − s < window`; mask
+//! `mask[b, s] != 0`. Masked keys get probability exactly 0; a query with no visible key
+//! outputs zeros. Query head `h` reads KV head `h / (Hq / Hkv)`.
+
+use super::layout::permute;
+use super::{f32_of, shape_err};
+use crate::{RuntimeError, Tensor};
+use rayon::prelude::*;
+use shardc_compiler::ir::AttnSpec;
+
+/// `Attention(spec)`: `q[B,T,Hq,D]`, `k[B,S,Hkv,D]`, `v[B,S,Hkv,D]`, optional `mask[B,S]`.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    spec: &AttnSpec,
+) -> Result<Tensor, RuntimeError> {
+    const OP: &str = "attention";
+    let mut all = vec![q, k, v];
+    all.extend(mask);
+    let (qd, kd, vd) = (f32_of(OP, q, 0)?, f32_of(OP, k, 1)?, f32_of(OP, v, 2)?);
+    let md = mask.map(|m| f32_of(OP, m, 3)).transpose()?;
+    if q.shape.len() != 4 || k.shape.len() != 4 || k.shape != v.shape {
+        return Err(shape_err(
+            OP,
+            &all,
+            "expects q, k, v of rank 4 with k and v alike",
+        ));
+    }
+    let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let (s, hkv) = (k.shape[1], k.shape[2]);
+    if k.shape[0] != b || k.shape[3] != d || hkv == 0 || hq % hkv != 0 {
+        return Err(shape_err(
+            OP,
+            &all,
+            "batch/head_dim differ or heads not a multiple of kv heads",
+        ));
+    }
+    if mask.is_some_and(|m| m.shape != [b, s]) {
+        return Err(shape_err(OP, &all, "mask must be [B, S]"));
+    }
+    let rep = hq / hkv;
+    let off = s as isize - t as isize;
+    let scale = spec.scale.0;
+    let visible = |bi: usize, ti: usize, si: usize| -> bool {
+        let qpos = ti as isize + off;
+        let si = si as isize;
+        (!spec.causal || si <= qpos)
+            && spec.window.is_none_or(|w| qpos - si < w as isize)
+            && md.is_none_or(|m| m[bi * s + si as usize] != 0.0)
+    };
+    // Per (b, h): [T, D] blocks, laid out [B, Hq, T, D]; permuted to [B, T, Hq, D] at the end.
+    let mut tmp = vec![0.0f32; b * hq * t * d];
+    if tmp.is_empty() {
+        return Ok(Tensor::f32(q.shape.clone(), tmp));
+    }
+    tmp.par_chunks_mut(t * d).enumerate().for_each(|(i, o)| {
+        let (bi, h) = (i / hq, i % hq);
+        let kh = h / rep;
+        let q0 = bi * t * hq * d + h * d;
+        let k0 = bi * s * hkv * d + kh * d;
+        let mut p = vec![0.0f32; t * s];
+        if s > 0 {
+            // scores[t, s] = q[t, :] · k[s, :]
+            strided_gemm(
+                t,
+                d,
+                s,
+                &qd[q0..],
+                (hq * d, 1),
+                &kd[k0..],
+                (1, hkv * d),
+                &mut p,
+                s,
+            );
+        }
+        for (ti, row) in p.chunks_mut(s.max(1)).enumerate().take(t) {
+            let mut max = f32::NEG_INFINITY;
+            let mut any = false;
+            for (si, x) in row.iter_mut().enumerate() {
+                if visible(bi, ti, si) {
+                    *x *= scale;
+                    max = max.max(*x);
+                    any = true;
+                } else {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+            if !any {
+                row.fill(0.0);
+                continue;
+            }
+            let mut sum = 0.0f64;
+            for x in row.iter_mut() {
+                *x = if *x == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    ((*x - max) as f64).exp() as f32
+                };
+                sum += *x as f64;
+            }
+            for x in row.iter_mut() {
+                *x = (*x as f64 / sum) as f32;
+            }
+        }
+        // o[t, :] = p[t, :] · v
+        strided_gemm(t, s, d, &p, (s, 1), &vd[k0..], (hkv * d, 1), o, d);
+    });
+    let out = permute(&tmp, &[b, hq, t, d], &[0, 2, 1, 3]);
+    Ok(Tensor::f32(q.shape.clone(), out))
+}
+
+/// `c[m×n] (row stride ldc) = a · b` with `a` `m×k` at strides `sa` and `b` `k×n` at `sb`.
+#[allow(clippy::too_many_arguments)]
+fn strided_gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    c: &mut [f32],
+    ldc: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        c.fill(0.0);
+        return;
+    }
+    let last =
+        |rows: usize, cols: usize, (rs, cs): (usize, usize)| (rows - 1) * rs + (cols - 1) * cs;
+    assert!(
+        last(m, k, sa) < a.len() && last(k, n, sb) < b.len() && last(m, n, (ldc, 1)) < c.len(),
+        "invariant: strided gemm operands in bounds"
+    );
+    // SAFETY: the assert bounds the largest index sgemm reads or writes in each operand; `c`
+    // is a unique borrow (no aliasing with `a`/`b`) and beta = 0 means it is only written.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            sa.0 as isize,
+            sa.1 as isize,
+            b.as_ptr(),
+            sb.0 as isize,
+            sb.1 as isize,
+            0.0,
+            c.as_mut_ptr(),
+            ldc as isize,
+            1,
+        );
+    }
+}

@@ -1,0 +1,454 @@
+//! The CPU executor: runs a [`Graph`]'s nodes in order on host tensors, one rank at a time.
+//!
+//! Pre: the graph is in topological order (operands before users) and the caller supplies
+//! every `Input` by name as the GLOBAL tensor (each rank takes its own chunk per the input's
+//! `shards`). A rank's [`RankCtx`] holds one [`Communicator`] per mesh axis the graph uses
+//! (an empty context runs an unsharded graph); `coord(axis)` is the communicator's rank.
+//! Post: the graph's named outputs, each of its node's declared shape. Intermediates are
+//! freed after their last use; parameters are loaded once per call (or once per
+//! [`ParamCache`] with [`execute_with_params`]).
+
+use crate::comm::{CommError, Communicator};
+use crate::cpu::{self, collective, elementwise, layout, vocab};
+use crate::weights::round_to;
+use crate::{RuntimeError, Tensor, Weights};
+use shardc_compiler::ir::{DType, Graph, IrError, Node, Op, ParamSource, ShardSpec, ValueId};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+
+/// One rank's view of the mesh: a communicator per mesh axis.
+#[derive(Default)]
+pub struct RankCtx<'a> {
+    comms: BTreeMap<String, &'a dyn Communicator>,
+}
+
+impl std::fmt::Debug for RankCtx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut m = f.debug_map();
+        for (axis, c) in &self.comms {
+            m.entry(axis, &format_args!("{}/{}", c.rank(), c.size()));
+        }
+        m.finish()
+    }
+}
+
+impl<'a> RankCtx<'a> {
+    /// An empty context: an unsharded run.
+    pub fn new() -> RankCtx<'a> {
+        RankCtx::default()
+    }
+
+    /// This context with `comm` serving mesh axis `axis`.
+    pub fn with_axis(mut self, axis: impl Into<String>, comm: &'a dyn Communicator) -> RankCtx<'a> {
+        self.insert(axis, comm);
+        self
+    }
+
+    /// Sets the communicator of mesh axis `axis`.
+    pub fn insert(&mut self, axis: impl Into<String>, comm: &'a dyn Communicator) {
+        self.comms.insert(axis.into(), comm);
+    }
+
+    /// The communicator of `axis`, or [`RuntimeError::MissingAxis`].
+    pub fn comm(&self, axis: &str) -> Result<&'a dyn Communicator, RuntimeError> {
+        self.comms
+            .get(axis)
+            .copied()
+            .ok_or_else(|| RuntimeError::MissingAxis {
+                axis: axis.to_string(),
+            })
+    }
+
+    /// `(coord, size)` of this rank on `axis`, if the axis is in the context.
+    pub fn coord(&self, axis: &str) -> Option<(usize, usize)> {
+        self.comms.get(axis).map(|c| (c.rank(), c.size()))
+    }
+}
+
+/// Parameters loaded for one graph on one rank, keyed by the Param node. Identical sources
+/// (same [`ParamSource`] and type) share one tensor.
+#[derive(Debug, Default)]
+pub struct ParamCache {
+    slots: Vec<Option<usize>>,
+    tensors: Vec<Tensor>,
+}
+
+impl ParamCache {
+    /// The tensor of Param node `v`.
+    pub fn get(&self, v: ValueId) -> Option<&Tensor> {
+        self.slots
+            .get(v.index())
+            .copied()
+            .flatten()
+            .map(|i| &self.tensors[i])
+    }
+
+    /// Number of distinct tensors held.
+    pub fn num_tensors(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Bytes held (4 per element: every tensor is stored as f32).
+    pub fn bytes(&self) -> usize {
+        self.tensors.iter().map(|t| 4 * t.numel()).sum()
+    }
+}
+
+/// Loads every Param of `graph` for the rank described by `ctx` (its shards of each).
+pub fn load_params(
+    graph: &Graph,
+    weights: &Weights,
+    ctx: &RankCtx,
+) -> Result<ParamCache, RuntimeError> {
+    let mut cache = ParamCache {
+        slots: vec![None; graph.len()],
+        tensors: Vec::new(),
+    };
+    let mut seen: HashMap<(&ParamSource, Vec<usize>, DType), usize> = HashMap::new();
+    for v in graph.params() {
+        let node = graph.node(v);
+        let Op::Param(src) = &node.op else {
+            unreachable!("invariant: Graph::params yields Param nodes")
+        };
+        let key = (src, node.ty.shape(), node.ty.dtype);
+        let slot = match seen.get(&key) {
+            Some(&i) => i,
+            None => {
+                let t = weights.load(src, &node.ty, &|axis| ctx.coord(axis))?;
+                cache.tensors.push(t);
+                seen.insert(key, cache.tensors.len() - 1);
+                cache.tensors.len() - 1
+            }
+        };
+        cache.slots[v.index()] = Some(slot);
+    }
+    Ok(cache)
+}
+
+/// Runs `graph` on this rank: loads its parameters from `weights`, then
+/// [`execute_with_params`].
+pub fn execute(
+    graph: &Graph,
+    weights: &Weights,
+    inputs: &BTreeMap<String, Tensor>,
+    ctx: &RankCtx,
+) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+    let params = load_params(graph, weights, ctx)?;
+    execute_with_params(graph, &params, inputs, ctx)
+}
+
+/// Runs `graph` on this rank with parameters already loaded by [`load_params`] (for the same
+/// graph and rank). Returns the named outputs.
+pub fn execute_with_params(
+    graph: &Graph,
+    params: &ParamCache,
+    inputs: &BTreeMap<String, Tensor>,
+    ctx: &RankCtx,
+) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+    Run::new(graph, params, inputs, ctx)?.run()
+}
+
+/// State of one execution.
+struct Run<'g, 'p> {
+    graph: &'g Graph,
+    params: &'p ParamCache,
+    inputs: &'p BTreeMap<String, Tensor>,
+    ctx: &'g RankCtx<'g>,
+    /// Node index of each value's last user (its own index when unused).
+    last_use: Vec<usize>,
+    /// Values that are graph outputs (never freed).
+    is_output: Vec<bool>,
+    /// Values derived from a `RankOffset` (vocabulary-local token ids).
+    local_ids: Vec<bool>,
+    vals: Vec<Option<Cow<'p, Tensor>>>,
+}
+
+impl<'g, 'p> Run<'g, 'p> {
+    fn new(
+        graph: &'g Graph,
+        params: &'p ParamCache,
+        inputs: &'p BTreeMap<String, Tensor>,
+        ctx: &'g RankCtx<'g>,
+    ) -> Result<Self, RuntimeError> {
+        let n = graph.len();
+        let mut last_use: Vec<usize> = (0..n).collect();
+        let mut local_ids = vec![false; n];
+        for v in graph.ids() {
+            let node = graph.node(v);
+            for &i in &node.inputs {
+                if i.index() >= v.index() {
+                    return Err(IrError::Undefined {
+                        node: v,
+                        operand: i,
+                    }
+                    .into());
+                }
+                last_use[i.index()] = v.index();
+            }
+            local_ids[v.index()] = match node.op {
+                Op::RankOffset { .. } => true,
+                Op::Reshape
+                | Op::Transpose { .. }
+                | Op::Slice { .. }
+                | Op::Concat { .. }
+                | Op::Repeat { .. }
+                | Op::Cast(_)
+                | Op::Add
+                | Op::LocalSlice { .. }
+                | Op::AllGather { .. }
+                | Op::AllToAll { .. }
+                | Op::Broadcast { .. } => node.inputs.iter().any(|i| local_ids[i.index()]),
+                _ => false,
+            };
+        }
+        let mut is_output = vec![false; n];
+        for (name, v) in &graph.outputs {
+            if v.index() >= n {
+                return Err(RuntimeError::BadOutput {
+                    name: name.clone(),
+                    value: *v,
+                });
+            }
+            is_output[v.index()] = true;
+        }
+        Ok(Run {
+            graph,
+            params,
+            inputs,
+            ctx,
+            last_use,
+            is_output,
+            local_ids,
+            vals: (0..n).map(|_| None).collect(),
+        })
+    }
+
+    fn run(mut self) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        for v in self.graph.ids() {
+            let node = self.graph.node(v);
+            let val = self.node(v, node)?;
+            check_type(v, node, &val)?;
+            for &i in &node.inputs {
+                if self.last_use[i.index()] == v.index() && !self.is_output[i.index()] {
+                    self.vals[i.index()] = None;
+                }
+            }
+            if self.last_use[v.index()] > v.index() || self.is_output[v.index()] {
+                self.vals[v.index()] = Some(val);
+            }
+        }
+        let outputs = &self.graph.outputs;
+        let mut out = BTreeMap::new();
+        for (k, (name, v)) in outputs.iter().enumerate() {
+            let last = !outputs[k + 1..].iter().any(|(_, w)| w == v);
+            let t = if last {
+                self.vals[v.index()].take()
+            } else {
+                self.vals[v.index()].clone()
+            };
+            out.insert(
+                name.clone(),
+                t.expect("invariant: outputs are kept").into_owned(),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Computes one node.
+    fn node(&self, v: ValueId, node: &'g Node) -> Result<Cow<'p, Tensor>, RuntimeError> {
+        let args: Vec<&Tensor> = node
+            .inputs
+            .iter()
+            .map(|i| {
+                self.vals[i.index()]
+                    .as_deref()
+                    .expect("invariant: operands are alive until their last use")
+            })
+            .collect();
+        let at_node = |e: RuntimeError| match e {
+            RuntimeError::Shape { .. }
+            | RuntimeError::OperandDType { .. }
+            | RuntimeError::Unsupported { .. } => RuntimeError::InNode {
+                node: v,
+                name: node.name.clone(),
+                source: Box::new(e),
+            },
+            other => other,
+        };
+        let wrap = |source: CommError| RuntimeError::Comm {
+            node: v,
+            name: node.name.clone(),
+            op: node.op.mnemonic(),
+            source: Box::new(source),
+        };
+        let owned = |r: Result<Tensor, RuntimeError>| r.map(Cow::Owned).map_err(at_node);
+        match &node.op {
+            Op::Input { name, shards } => self.input(name, shards, node),
+            Op::Param(_) => {
+                self.params
+                    .get(v)
+                    .map(Cow::Borrowed)
+                    .ok_or_else(|| RuntimeError::ParamNotLoaded {
+                        node: v,
+                        name: node.name.clone(),
+                    })
+            }
+            Op::AllReduce { axis } => {
+                owned(collective::all_reduce(self.ctx.comm(axis)?, args[0], &wrap))
+            }
+            Op::ReduceScatter { axis, dim, parts } => owned(collective::reduce_scatter(
+                self.ctx.comm(axis)?,
+                args[0],
+                *dim,
+                *parts,
+                &wrap,
+            )),
+            Op::AllGather { axis, dim, parts } => owned(collective::all_gather(
+                self.ctx.comm(axis)?,
+                args[0],
+                *dim,
+                *parts,
+                &wrap,
+            )),
+            Op::AllToAll {
+                axis,
+                split_dim,
+                concat_dim,
+                parts,
+            } => owned(collective::all_to_all(
+                self.ctx.comm(axis)?,
+                args[0],
+                *split_dim,
+                *concat_dim,
+                *parts,
+                &wrap,
+            )),
+            Op::Broadcast { axis, root } => owned(collective::broadcast(
+                self.ctx.comm(axis)?,
+                args[0],
+                *root,
+                &wrap,
+            )),
+            Op::LocalSlice { axis, dim, parts } => {
+                let spec = ShardSpec {
+                    dim: *dim,
+                    axis: axis.clone(),
+                    parts: *parts,
+                };
+                owned(self.take_chunk(args[0], &spec))
+            }
+            Op::RankOffset { axis, stride } => {
+                let (coord, _) = self.coord(axis)?;
+                owned(elementwise::rank_offset(args[0], coord, *stride))
+            }
+            Op::Embedding => {
+                let (table, ids) = (args[0], args[1]);
+                if !self.local_ids[node.inputs[1].index()] && table.shape.len() == 2 {
+                    vocab::check_ids(ids, table.shape[0]).map_err(at_node)?;
+                }
+                owned(cpu::eval_op(&node.op, &args, &node.ty))
+            }
+            op => owned(cpu::eval_op(op, &args, &node.ty)),
+        }
+    }
+
+    fn coord(&self, axis: &str) -> Result<(usize, usize), RuntimeError> {
+        self.ctx
+            .coord(axis)
+            .ok_or_else(|| RuntimeError::MissingAxis {
+                axis: axis.to_string(),
+            })
+    }
+
+    /// This rank's chunk `coord(axis)` of `spec.parts` along `spec.dim`.
+    fn take_chunk(&self, x: &Tensor, spec: &ShardSpec) -> Result<Tensor, RuntimeError> {
+        let (coord, size) = self.coord(&spec.axis)?;
+        if size != spec.parts {
+            return Err(RuntimeError::AxisSize {
+                axis: spec.axis.clone(),
+                expected: spec.parts,
+                found: size,
+            });
+        }
+        if spec.dim >= x.shape.len() || x.shape[spec.dim] % spec.parts != 0 {
+            return Err(cpu::shape_err(
+                "local_slice",
+                &[x],
+                "dim out of range or not divisible by the axis size",
+            ));
+        }
+        let chunk = x.shape[spec.dim] / spec.parts;
+        layout::slice(x, spec.dim, coord * chunk, chunk)
+    }
+
+    /// An `Input` node: the caller's global tensor, checked, then this rank's chunk of it.
+    fn input(
+        &self,
+        name: &str,
+        shards: &[ShardSpec],
+        node: &Node,
+    ) -> Result<Cow<'p, Tensor>, RuntimeError> {
+        let t = self
+            .inputs
+            .get(name)
+            .ok_or_else(|| RuntimeError::MissingInput {
+                name: name.to_string(),
+            })?;
+        let want_i32 = node.ty.dtype == DType::I32;
+        if want_i32 != t.as_i32().is_some() {
+            return Err(RuntimeError::InputDType {
+                name: name.to_string(),
+                expected: node.ty.dtype,
+                found: t.dtype_name(),
+            });
+        }
+        let mut global = node.ty.shape();
+        for s in shards {
+            if let Some(d) = global.get_mut(s.dim) {
+                *d *= s.parts;
+            }
+        }
+        if t.shape != global {
+            return Err(RuntimeError::InputShape {
+                name: name.to_string(),
+                expected: global,
+                found: t.shape.clone(),
+            });
+        }
+        let mut cur = Cow::Borrowed(t);
+        for s in shards {
+            cur = Cow::Owned(self.take_chunk(&cur, s)?);
+        }
+        if matches!(node.ty.dtype, DType::Bf16 | DType::F16) {
+            let mut owned = cur.into_owned();
+            if let crate::Buffer::F32(v) = &mut owned.data {
+                round_to(node.ty.dtype, v);
+            }
+            cur = Cow::Owned(owned);
+        }
+        Ok(cur)
+    }
+}
+
+/// Checks a computed value against the node's declared type.
+fn check_type(v: ValueId, node: &Node, t: &Tensor) -> Result<(), RuntimeError> {
+    let shape_ok = t.shape.len() == node.ty.rank()
+        && t.shape.iter().zip(&node.ty.dims).all(|(a, d)| *a == d.size);
+    let dtype_ok = (node.ty.dtype == DType::I32) == t.as_i32().is_some();
+    if shape_ok && dtype_ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::NodeType {
+            node: v,
+            name: node.name.clone(),
+            expected_dtype: node.ty.dtype,
+            expected: node.ty.shape(),
+            found_dtype: if t.as_i32().is_some() {
+                DType::I32
+            } else {
+                DType::F32
+            },
+            found: t.shape.clone(),
+        })
+    }
+}

@@ -1,0 +1,16 @@
+//! shardc-runtime: executes graphs and plans. The CPU backend is the reference (every rank a
+//! thread); communicators implement the collectives.
+
+pub mod comm;
+mod cpu;
+mod error;
+mod exec;
+pub mod spmd;
+pub mod tensor;
+mod weights;
+
+pub use cpu::eval_op;
+pub use error::RuntimeError;
+pub use exec::{execute, execute_with_params, load_params, ParamCache, RankCtx};
+pub use tensor::{Buffer, Tensor};
+pub use weights::Weights;

@@ -1,0 +1,451 @@
+//! The TCP communicator (ranks as threads, each with its own sockets on 127.0.0.1) against the
+//! naive definitions of its collectives and, bit for bit, against the in-process communicator
+//! (same algorithms, so same reduction order); plus its failure modes.
+
+use shardc_runtime::comm::tcp::TcpComm;
+use shardc_runtime::comm::thread::group;
+use shardc_runtime::comm::{CollectiveKind, CommError, Communicator, ReduceOp};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Barrier;
+use std::thread;
+use std::time::{Duration, Instant};
+
+const COUNTS: [usize; 7] = [0, 1, 3, 7, 50, 783, 4097];
+const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Max,
+    ReduceOp::Min,
+    ReduceOp::Avg,
+];
+/// Generous: only a failing test ever waits this long.
+const LONG: Duration = Duration::from_secs(20);
+
+/// xorshift64*: a tiny seeded RNG.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [lo, hi).
+    fn f32_in(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+}
+
+/// Rank `rank`'s input for case `case`: values near ±1 for `Prod` so products stay tame.
+fn input(case: usize, rank: usize, len: usize, op: ReduceOp) -> Vec<f32> {
+    let mut rng = Rng::new(case as u64 * 1000 + rank as u64 + 1);
+    (0..len)
+        .map(|_| match op {
+            ReduceOp::Prod => {
+                let sign = if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
+                sign * rng.f32_in(0.5, 1.5)
+            }
+            _ => rng.f32_in(-2.0, 2.0),
+        })
+        .collect()
+}
+
+fn inputs(case: usize, size: usize, len: usize, op: ReduceOp) -> Vec<Vec<f32>> {
+    (0..size).map(|r| input(case, r, len, op)).collect()
+}
+
+/// Sequential rank-order reduction.
+fn naive(op: ReduceOp, inputs: &[Vec<f32>]) -> Vec<f32> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        for (a, b) in acc.iter_mut().zip(x) {
+            *a = match op {
+                ReduceOp::Sum | ReduceOp::Avg => *a + b,
+                ReduceOp::Prod => *a * b,
+                ReduceOp::Max => a.max(*b),
+                ReduceOp::Min => a.min(*b),
+            };
+        }
+    }
+    if op == ReduceOp::Avg {
+        acc.iter_mut().for_each(|a| *a /= inputs.len() as f32);
+    }
+    acc
+}
+
+fn cases() -> Vec<(usize, ReduceOp)> {
+    COUNTS
+        .iter()
+        .flat_map(|&len| OPS.iter().map(move |&op| (len, op)))
+        .collect()
+}
+
+/// One labelled output of [`program`], and how to compare it with the naive result.
+struct Out {
+    label: String,
+    /// `Some(op)`: a reduction (exact for Max/Min, else to a tolerance). `None`: exact.
+    op: Option<ReduceOp>,
+    data: Vec<f32>,
+}
+
+fn out(label: String, op: Option<ReduceOp>, data: Vec<f32>) -> Out {
+    Out { label, op, data }
+}
+
+/// Every collective on every case, as run by one rank of any communicator.
+fn program<C: Communicator>(comm: &C) -> Vec<Out> {
+    let (rank, n) = (comm.rank(), comm.size());
+    let mut outs = Vec::new();
+    for (case, &(len, op)) in cases().iter().enumerate() {
+        let mut buf = input(case, rank, len, op);
+        comm.all_reduce(&mut buf, op).expect("all_reduce");
+        outs.push(out(format!("all_reduce {len} {op:?}"), Some(op), buf));
+
+        let root = case % n;
+        let send = input(case, rank, len, op);
+        let mut recv = vec![f32::NAN; if rank == root { len } else { 0 }];
+        comm.reduce(&send, &mut recv, op, root).expect("reduce");
+        if rank == root {
+            outs.push(out(format!("reduce {len} {op:?}"), Some(op), recv));
+        }
+
+        let send = input(case, rank, len * n, op);
+        let mut recv = vec![f32::NAN; len];
+        comm.reduce_scatter(&send, &mut recv, op)
+            .expect("reduce_scatter");
+        outs.push(out(format!("reduce_scatter {len} {op:?}"), Some(op), recv));
+    }
+    for (case, m) in COUNTS.into_iter().enumerate() {
+        let root = (case + 1) % n;
+        let mut buf = input(case, rank, m, ReduceOp::Sum);
+        comm.broadcast(&mut buf, root).expect("broadcast");
+        outs.push(out(format!("broadcast {m}"), None, buf));
+
+        let send = input(case, rank, m, ReduceOp::Sum);
+        let mut all = vec![f32::NAN; m * n];
+        comm.all_gather(&send, &mut all).expect("all_gather");
+        outs.push(out(format!("all_gather {m}"), None, all));
+
+        let mut gathered = vec![f32::NAN; if rank == root { m * n } else { 0 }];
+        comm.gather(&send, &mut gathered, root).expect("gather");
+        if rank == root {
+            outs.push(out(format!("gather {m}"), None, gathered));
+        }
+
+        let full = input(case, rank, m * n, ReduceOp::Sum);
+        let mut recv = vec![f32::NAN; m];
+        comm.scatter(&full, &mut recv, root).expect("scatter");
+        outs.push(out(format!("scatter {m}"), None, recv));
+
+        let mut recv = vec![f32::NAN; m * n];
+        comm.all_to_all(&full, &mut recv).expect("all_to_all");
+        outs.push(out(format!("all_to_all {m}"), None, recv));
+
+        let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+        comm.send(&send, right).expect("send");
+        let mut recv = vec![f32::NAN; m];
+        comm.recv(&mut recv, left).expect("recv");
+        outs.push(out(format!("send/recv {m}"), None, recv));
+    }
+    outs
+}
+
+/// What [`program`] must return on `rank` of a group of `n`.
+fn expected(rank: usize, n: usize) -> Vec<Out> {
+    let mut outs = Vec::new();
+    for (case, &(len, op)) in cases().iter().enumerate() {
+        let reduced = naive(op, &inputs(case, n, len, op));
+        outs.push(out(
+            format!("all_reduce {len} {op:?}"),
+            Some(op),
+            reduced.clone(),
+        ));
+        if rank == case % n {
+            outs.push(out(format!("reduce {len} {op:?}"), Some(op), reduced));
+        }
+        let reduced = naive(op, &inputs(case, n, len * n, op));
+        let mine = reduced[rank * len..(rank + 1) * len].to_vec();
+        outs.push(out(format!("reduce_scatter {len} {op:?}"), Some(op), mine));
+    }
+    for (case, m) in COUNTS.into_iter().enumerate() {
+        let root = (case + 1) % n;
+        let chunk = |v: &[f32], i: usize| v[i * m..(i + 1) * m].to_vec();
+        outs.push(out(
+            format!("broadcast {m}"),
+            None,
+            input(case, root, m, ReduceOp::Sum),
+        ));
+        let all = inputs(case, n, m, ReduceOp::Sum).concat();
+        outs.push(out(format!("all_gather {m}"), None, all.clone()));
+        if rank == root {
+            outs.push(out(format!("gather {m}"), None, all));
+        }
+        let fulls = inputs(case, n, m * n, ReduceOp::Sum);
+        outs.push(out(format!("scatter {m}"), None, chunk(&fulls[root], rank)));
+        let a2a = (0..n).flat_map(|src| chunk(&fulls[src], rank)).collect();
+        outs.push(out(format!("all_to_all {m}"), None, a2a));
+        let left = (rank + n - 1) % n;
+        outs.push(out(
+            format!("send/recv {m}"),
+            None,
+            input(case, left, m, ReduceOp::Sum),
+        ));
+    }
+    outs
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn assert_matches(got: &Out, want: &Out, what: &str) {
+    assert_eq!(got.label, want.label, "{what}: output order");
+    assert_eq!(
+        got.data.len(),
+        want.data.len(),
+        "{what} {}: length",
+        got.label
+    );
+    for (i, (g, w)) in got.data.iter().zip(&want.data).enumerate() {
+        let ok = match got.op {
+            Some(ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Avg) => {
+                (g - w).abs() <= 1e-5 + 1e-5 * w.abs()
+            }
+            _ => g.to_bits() == w.to_bits(),
+        };
+        assert!(ok, "{what} {}: element {i}: got {g}, want {w}", got.label);
+    }
+}
+
+/// Binds one ephemeral 127.0.0.1 listener per rank, then runs `body` on every rank of a
+/// group built with [`TcpComm::from_listener`], each in its own thread.
+fn run_tcp<R: Send>(size: usize, timeout: Duration, body: impl Fn(TcpComm) -> R + Sync) -> Vec<R> {
+    let listeners: Vec<TcpListener> = (0..size)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port"))
+        .collect();
+    let addrs: Vec<SocketAddr> = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("local address"))
+        .collect();
+    let (body, addrs) = (&body, &addrs);
+    thread::scope(|s| {
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(rank, listener)| {
+                s.spawn(move || {
+                    let comm = TcpComm::from_listener("tp", rank, size, listener, addrs, timeout)
+                        .expect("join the group");
+                    body(comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+#[test]
+fn collectives_match_naive_and_the_thread_communicator_bit_for_bit() {
+    for size in [2, 3, 4] {
+        let tcp = run_tcp(size, LONG, |comm| program(&comm));
+        let threads: Vec<Vec<Out>> = thread::scope(|s| {
+            let handles: Vec<_> = group("tp", size, LONG)
+                .into_iter()
+                .map(|comm| s.spawn(move || program(&comm)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread panicked"))
+                .collect()
+        });
+        for rank in 0..size {
+            let want = expected(rank, size);
+            assert_eq!(tcp[rank].len(), want.len(), "size {size} rank {rank}");
+            for ((got, want), local) in tcp[rank].iter().zip(&want).zip(&threads[rank]) {
+                assert_matches(got, want, &format!("size {size} rank {rank}"));
+                assert_eq!(
+                    bits(&got.data),
+                    bits(&local.data),
+                    "size {size} rank {rank} {}: tcp and thread differ",
+                    got.label
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn connect_binds_the_given_addresses() {
+    // Reserve two ports, then free them for `connect` to bind (a benign race in a test).
+    let addrs: Vec<SocketAddr> = (0..2)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect::<Vec<_>>()
+        .iter()
+        .map(|l| l.local_addr().expect("local address"))
+        .collect();
+    let outs: Vec<Vec<f32>> = thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let addrs = &addrs;
+                s.spawn(move || {
+                    let comm = TcpComm::connect("pp", rank, 2, addrs, LONG).expect("connect");
+                    let mut buf = vec![rank as f32 + 1.0; 3];
+                    comm.all_reduce(&mut buf, ReduceOp::Sum)
+                        .expect("all_reduce");
+                    buf
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    });
+    assert_eq!(outs, vec![vec![3.0; 3], vec![3.0; 3]]);
+}
+
+#[test]
+fn a_missing_rank_times_out_naming_rank_collective_seq_and_group() {
+    let timeout = Duration::from_millis(800);
+    let done = Barrier::new(3);
+    let outs = run_tcp(3, timeout, |comm| {
+        let mut buf = [1.0; 5];
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+            .expect("collective #0");
+        let result = (comm.rank() != 2).then(|| {
+            let start = Instant::now();
+            let err = comm.broadcast(&mut buf, 2).unwrap_err();
+            (err, start.elapsed())
+        });
+        done.wait(); // Rank 2 keeps its sockets open until the others gave up.
+        result
+    });
+    for (rank, (err, elapsed)) in outs.into_iter().flatten().enumerate() {
+        let CommError::Timeout {
+            kind,
+            seq,
+            rank: r,
+            ref group,
+            ..
+        } = err
+        else {
+            panic!("rank {rank}: expected a timeout, got {err}");
+        };
+        assert_eq!(
+            (kind, seq, r, group.as_str()),
+            (CollectiveKind::Broadcast, 1, rank, "tp")
+        );
+        let msg = err.to_string();
+        for part in ["broadcast", "#1", &format!("rank {rank}"), "`tp`"] {
+            assert!(msg.contains(part), "`{msg}` lacks `{part}`");
+        }
+        assert!(elapsed >= timeout, "rank {rank} gave up early: {elapsed:?}");
+        assert!(
+            elapsed < timeout + Duration::from_millis(1500),
+            "rank {rank}: {elapsed:?}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_drops_its_comm_makes_the_others_error_not_hang() {
+    let timeout = Duration::from_secs(3);
+    let outs = run_tcp(4, timeout, |comm| {
+        let mut buf = vec![1.0; 1000];
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+            .expect("collective #0");
+        if comm.rank() == 2 {
+            return None; // Drops its communicator between collectives of the others.
+        }
+        let start = Instant::now();
+        let result = (0..3).try_for_each(|_| comm.all_reduce(&mut buf, ReduceOp::Sum));
+        Some((result.unwrap_err(), start.elapsed()))
+    });
+    let mut names_rank_2 = false;
+    for (err, elapsed) in outs.into_iter().flatten() {
+        assert!(
+            elapsed < timeout + Duration::from_secs(1),
+            "{err} after {elapsed:?}"
+        );
+        if let CommError::Aborted { reason, .. } = &err {
+            names_rank_2 |= reason.contains("rank 2");
+        }
+    }
+    assert!(names_rank_2, "some rank should name the departed rank 2");
+}
+
+#[test]
+fn abort_reaches_every_rank_promptly() {
+    let outs = run_tcp(3, LONG, |comm| {
+        let start = Instant::now();
+        if comm.rank() == 1 {
+            thread::sleep(Duration::from_millis(50));
+            comm.abort("rank 1 ran out of memory");
+            let mut buf = [0.0; 2];
+            return (
+                comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err(),
+                start.elapsed(),
+            );
+        }
+        let mut buf = [0.0; 2];
+        (comm.broadcast(&mut buf, 1).unwrap_err(), start.elapsed())
+    });
+    for (rank, (err, elapsed)) in outs.into_iter().enumerate() {
+        let CommError::Aborted {
+            rank: r,
+            ref reason,
+            ..
+        } = err
+        else {
+            panic!("rank {rank}: expected Aborted, got {err}");
+        };
+        assert_eq!(r, rank);
+        assert!(
+            reason.contains("rank 1") && reason.contains("out of memory"),
+            "{reason}"
+        );
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "rank {rank} took {elapsed:?}"
+        );
+    }
+}
+
+#[test]
+fn setup_failures_are_transport_errors() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("local address");
+    let err = TcpComm::from_listener("tp", 2, 2, listener, &[addr, addr], LONG).unwrap_err();
+    assert!(
+        matches!(err, CommError::Transport(ref m) if m.contains("rank < size")),
+        "{err}"
+    );
+
+    // Rank 0 never shows up: rank 1 retries until its timeout.
+    let dead = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let dead_addr = dead.local_addr().expect("local address");
+    drop(dead);
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addrs = [dead_addr, listener.local_addr().expect("local address")];
+    let timeout = Duration::from_millis(200);
+    let start = Instant::now();
+    let err = TcpComm::from_listener("tp", 1, 2, listener, &addrs, timeout).unwrap_err();
+    assert!(start.elapsed() >= timeout && start.elapsed() < timeout * 10);
+    assert!(
+        matches!(err, CommError::Transport(ref m) if m.contains("rank 0") && m.contains("timed out")),
+        "{err}"
+    );
+}
+
+#[test]
+fn handles_are_send() {
+    fn assert_send<T: Send>() {}
+    assert_send::<TcpComm>();
+}

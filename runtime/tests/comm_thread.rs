@@ -1,0 +1,580 @@
+//! The in-process communicator against the naive definitions of its collectives, plus its
+//! failure modes (timeout, abort, departed rank, size mismatches).
+//!
+//! Every rank derives every rank's input from a seed, so expected results are computed
+//! directly from all inputs; ranks return their outputs and the test thread compares.
+
+use shardc_runtime::comm::thread::{group, ThreadComm};
+use shardc_runtime::comm::{CollectiveKind, CommError, Communicator, ReduceOp};
+use std::sync::Barrier;
+use std::thread;
+use std::time::{Duration, Instant};
+
+const SIZES: [usize; 6] = [1, 2, 3, 4, 5, 8];
+const COUNTS: [usize; 7] = [0, 1, 3, 7, 50, 783, 4097];
+const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Max,
+    ReduceOp::Min,
+    ReduceOp::Avg,
+];
+/// Generous: only a failing test ever waits this long.
+const LONG: Duration = Duration::from_secs(20);
+
+/// xorshift64*: a tiny seeded RNG.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [lo, hi).
+    fn f32_in(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+}
+
+/// Rank `rank`'s input for case `case`: values near ±1 for `Prod` so products stay tame.
+fn input(case: u64, rank: usize, len: usize, op: ReduceOp) -> Vec<f32> {
+    let mut rng = Rng::new(case * 1000 + rank as u64 + 1);
+    (0..len)
+        .map(|_| match op {
+            ReduceOp::Prod => {
+                let sign = if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
+                sign * rng.f32_in(0.5, 1.5)
+            }
+            _ => rng.f32_in(-2.0, 2.0),
+        })
+        .collect()
+}
+
+/// Sequential rank-order reduction of `inputs`.
+fn naive(op: ReduceOp, inputs: &[Vec<f32>]) -> Vec<f32> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        for (a, b) in acc.iter_mut().zip(x) {
+            *a = match op {
+                ReduceOp::Sum | ReduceOp::Avg => *a + b,
+                ReduceOp::Prod => *a * b,
+                ReduceOp::Max => a.max(*b),
+                ReduceOp::Min => a.min(*b),
+            };
+        }
+    }
+    if op == ReduceOp::Avg {
+        acc.iter_mut().for_each(|a| *a /= inputs.len() as f32);
+    }
+    acc
+}
+
+/// Max/Min exactly, the rest to a tolerance (the ring order differs from rank order).
+fn assert_close(op: ReduceOp, got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let ok = match op {
+            ReduceOp::Max | ReduceOp::Min => g.to_bits() == w.to_bits(),
+            _ => (g - w).abs() <= 1e-5 + 1e-5 * w.abs(),
+        };
+        assert!(ok, "{what}: element {i}: got {g}, want {w}");
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Runs `body(comm)` on every rank of a fresh group, each in its own thread; returns the
+/// results in rank order.
+fn run<R: Send>(size: usize, timeout: Duration, body: impl Fn(ThreadComm) -> R + Sync) -> Vec<R> {
+    let body = &body;
+    thread::scope(|s| {
+        let handles: Vec<_> = group("tp", size, timeout)
+            .into_iter()
+            .map(|comm| s.spawn(move || body(comm)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// Every (count, op) case of `all_reduce` on a group of `size`: outputs[rank][case].
+fn all_reduce_outputs(size: usize) -> Vec<Vec<Vec<f32>>> {
+    run(size, LONG, |comm| {
+        let mut outs = Vec::new();
+        for (case, &(len, op)) in cases().iter().enumerate() {
+            let mut buf = input(case as u64, comm.rank(), len, op);
+            comm.all_reduce(&mut buf, op).expect("all_reduce");
+            outs.push(buf);
+        }
+        outs
+    })
+}
+
+fn cases() -> Vec<(usize, ReduceOp)> {
+    COUNTS
+        .iter()
+        .flat_map(|&len| OPS.iter().map(move |&op| (len, op)))
+        .collect()
+}
+
+fn all_inputs(case: usize, size: usize, len: usize, op: ReduceOp) -> Vec<Vec<f32>> {
+    (0..size).map(|r| input(case as u64, r, len, op)).collect()
+}
+
+#[test]
+fn all_reduce_matches_naive_and_is_bitwise_identical_across_ranks_and_runs() {
+    for size in SIZES {
+        let first = all_reduce_outputs(size);
+        let second = all_reduce_outputs(size);
+        for (case, &(len, op)) in cases().iter().enumerate() {
+            let want = naive(op, &all_inputs(case, size, len, op));
+            for rank in 0..size {
+                let what = format!("size {size} len {len} {op:?} rank {rank}");
+                assert_close(op, &first[rank][case], &want, &what);
+                assert_eq!(
+                    bits(&first[rank][case]),
+                    bits(&first[0][case]),
+                    "{what}: differs from rank 0"
+                );
+                assert_eq!(
+                    bits(&second[rank][case]),
+                    bits(&first[rank][case]),
+                    "{what}: differs between runs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_matches_naive_for_every_root() {
+    for size in SIZES {
+        let outs = run(size, LONG, |comm| {
+            let mut outs = Vec::new();
+            for root in 0..comm.size() {
+                for (case, &(len, op)) in cases().iter().enumerate() {
+                    let send = input(case as u64, comm.rank(), len, op);
+                    let mut recv = vec![f32::NAN; if comm.rank() == root { len } else { 0 }];
+                    comm.reduce(&send, &mut recv, op, root).expect("reduce");
+                    outs.push(recv);
+                }
+            }
+            outs
+        });
+        for root in 0..size {
+            for (case, &(len, op)) in cases().iter().enumerate() {
+                let want = naive(op, &all_inputs(case, size, len, op));
+                let got = &outs[root][root * cases().len() + case];
+                assert_close(
+                    op,
+                    got,
+                    &want,
+                    &format!("size {size} root {root} len {len} {op:?}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_copies_the_root_buffer_for_every_root() {
+    for size in SIZES {
+        let outs = run(size, LONG, |comm| {
+            let mut outs = Vec::new();
+            for root in 0..comm.size() {
+                for (case, len) in COUNTS.into_iter().enumerate() {
+                    let mut buf = input(case as u64, comm.rank(), len, ReduceOp::Sum);
+                    comm.broadcast(&mut buf, root).expect("broadcast");
+                    outs.push((root, case, buf));
+                }
+            }
+            outs
+        });
+        for rank_outs in &outs {
+            for (root, case, buf) in rank_outs {
+                let want = input(*case as u64, *root, buf.len(), ReduceOp::Sum);
+                assert_eq!(
+                    bits(buf),
+                    bits(&want),
+                    "size {size} root {root} case {case}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gather_and_all_gather_concatenate_in_rank_order() {
+    for size in SIZES {
+        let outs = run(size, LONG, |comm| {
+            let (rank, n) = (comm.rank(), comm.size());
+            let mut outs = Vec::new();
+            for (case, m) in COUNTS.into_iter().enumerate() {
+                let send = input(case as u64, rank, m, ReduceOp::Sum);
+                let mut all = vec![f32::NAN; m * n];
+                comm.all_gather(&send, &mut all).expect("all_gather");
+                let root = case % n;
+                let mut gathered = vec![f32::NAN; if rank == root { m * n } else { 0 }];
+                comm.gather(&send, &mut gathered, root).expect("gather");
+                outs.push((case, m, all, gathered));
+            }
+            outs
+        });
+        for (rank, rank_outs) in outs.iter().enumerate() {
+            for (case, m, all, gathered) in rank_outs {
+                let want: Vec<f32> = all_inputs(*case, size, *m, ReduceOp::Sum).concat();
+                assert_eq!(
+                    bits(all),
+                    bits(&want),
+                    "all_gather size {size} m {m} rank {rank}"
+                );
+                if rank == case % size {
+                    assert_eq!(bits(gathered), bits(&want), "gather size {size} m {m}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn scatter_hands_chunk_i_to_rank_i() {
+    for size in SIZES {
+        let outs = run(size, LONG, |comm| {
+            let (rank, n) = (comm.rank(), comm.size());
+            let mut outs = Vec::new();
+            for (case, m) in COUNTS.into_iter().enumerate() {
+                let root = (case + 1) % n;
+                let send = if rank == root {
+                    input(case as u64, root, m * n, ReduceOp::Sum)
+                } else {
+                    Vec::new()
+                };
+                let mut recv = vec![f32::NAN; m];
+                comm.scatter(&send, &mut recv, root).expect("scatter");
+                outs.push((case, m, recv));
+            }
+            outs
+        });
+        for (rank, rank_outs) in outs.iter().enumerate() {
+            for (case, m, recv) in rank_outs {
+                let root = (case + 1) % size;
+                let full = input(*case as u64, root, m * size, ReduceOp::Sum);
+                let want = &full[rank * m..(rank + 1) * m];
+                assert_eq!(bits(recv), bits(want), "size {size} m {m} rank {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_keeps_chunk_i_of_the_reduction_on_rank_i() {
+    for size in SIZES {
+        let outs = run(size, LONG, |comm| {
+            let n = comm.size();
+            let mut outs = Vec::new();
+            for (case, &(m, op)) in cases().iter().enumerate() {
+                let send = input(case as u64, comm.rank(), m * n, op);
+                let mut recv = vec![f32::NAN; m];
+                comm.reduce_scatter(&send, &mut recv, op)
+                    .expect("reduce_scatter");
+                outs.push(recv);
+            }
+            outs
+        });
+        for (case, &(m, op)) in cases().iter().enumerate() {
+            let want = naive(op, &all_inputs(case, size, m * size, op));
+            for (rank, rank_outs) in outs.iter().enumerate() {
+                let what = format!("size {size} m {m} {op:?} rank {rank}");
+                assert_close(op, &rank_outs[case], &want[rank * m..(rank + 1) * m], &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn all_to_all_transposes_chunks() {
+    for size in SIZES {
+        let outs = run(size, LONG, |comm| {
+            let n = comm.size();
+            let mut outs = Vec::new();
+            for (case, m) in [0, 1, 3, 7, 50].into_iter().enumerate() {
+                let send = input(case as u64, comm.rank(), m * n, ReduceOp::Sum);
+                let mut recv = vec![f32::NAN; m * n];
+                comm.all_to_all(&send, &mut recv).expect("all_to_all");
+                outs.push((case, m, recv));
+            }
+            outs
+        });
+        for (rank, rank_outs) in outs.iter().enumerate() {
+            for (case, m, recv) in rank_outs {
+                let inputs = all_inputs(*case, size, m * size, ReduceOp::Sum);
+                let want: Vec<f32> = (0..size)
+                    .flat_map(|src| inputs[src][rank * m..(rank + 1) * m].to_vec())
+                    .collect();
+                assert_eq!(bits(recv), bits(&want), "size {size} m {m} rank {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn send_recv_match_in_order_per_pair_and_interleave_with_collectives() {
+    let outs = run(4, LONG, |comm| {
+        let (rank, n) = (comm.rank(), comm.size());
+        let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+        // Three messages around the ring, then one all_reduce, then one more message.
+        for k in 0..3 {
+            comm.send(&[rank as f32, k as f32], right).expect("send");
+        }
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            let mut buf = [f32::NAN; 2];
+            comm.recv(&mut buf, left).expect("recv");
+            got.extend(buf);
+        }
+        let mut sum = [1.0];
+        comm.all_reduce(&mut sum, ReduceOp::Sum)
+            .expect("all_reduce");
+        // Rank 0 also receives a message from every rank, out of arrival order.
+        if rank != 0 {
+            comm.send(&[10.0 * rank as f32], 0).expect("send to 0");
+        } else {
+            for src in (1..n).rev() {
+                let mut buf = [0.0];
+                comm.recv(&mut buf, src).expect("recv from src");
+                got.push(buf[0]);
+            }
+        }
+        (got, sum[0])
+    });
+    for (rank, (got, sum)) in outs.iter().enumerate() {
+        let left = ((rank + 3) % 4) as f32;
+        let mut want = vec![left, 0.0, left, 1.0, left, 2.0];
+        if rank == 0 {
+            want.extend([30.0, 20.0, 10.0]);
+        }
+        assert_eq!(got, &want, "rank {rank}");
+        assert_eq!(*sum, 4.0);
+    }
+}
+
+#[test]
+fn a_missing_rank_times_out_naming_rank_collective_seq_and_group() {
+    let timeout = Duration::from_millis(200);
+    let done = Barrier::new(3);
+    let outs = run(3, timeout, |comm| {
+        let mut warmup = [1.0; 5];
+        comm.all_reduce(&mut warmup, ReduceOp::Sum)
+            .expect("collective #0");
+        let result = if comm.rank() == 2 {
+            None // Rank 2 never calls collective #1 but keeps its handle alive.
+        } else {
+            let start = Instant::now();
+            let mut buf = [1.0; 5];
+            let err = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+            Some((err, start.elapsed()))
+        };
+        done.wait();
+        result
+    });
+    for (rank, out) in outs.into_iter().enumerate().take(2) {
+        let (err, elapsed) = out.expect("ranks 0 and 1 call the collective");
+        let CommError::Timeout {
+            kind,
+            seq,
+            rank: r,
+            waiting_for,
+            ref group,
+            timeout_ms,
+        } = err
+        else {
+            panic!("rank {rank}: expected a timeout, got {err}");
+        };
+        assert_eq!(
+            (kind, seq, r, group.as_str(), timeout_ms),
+            (CollectiveKind::AllReduce, 1, rank, "tp", 200)
+        );
+        if rank == 0 {
+            assert_eq!(waiting_for, 2, "rank 0 waits on its ring neighbour");
+        }
+        let msg = err.to_string();
+        for part in [
+            "all_reduce",
+            "#1",
+            &format!("rank {rank}"),
+            "`tp`",
+            "200 ms",
+        ] {
+            assert!(msg.contains(part), "`{msg}` lacks `{part}`");
+        }
+        assert!(elapsed >= timeout, "rank {rank} gave up early: {elapsed:?}");
+        assert!(
+            elapsed < timeout + Duration::from_millis(1500),
+            "rank {rank} too slow: {elapsed:?}"
+        );
+    }
+}
+
+#[test]
+fn abort_wakes_every_waiting_rank_promptly() {
+    let outs = run(4, LONG, |comm| {
+        let start = Instant::now();
+        if comm.rank() == 0 {
+            thread::sleep(Duration::from_millis(50));
+            comm.abort("rank 0 hit an OOM");
+            let mut buf = [0.0; 3];
+            // The aborting rank's own next collective fails too.
+            return (comm.broadcast(&mut buf, 0).unwrap_err(), start.elapsed());
+        }
+        let mut buf = [1.0; 9];
+        (
+            comm.all_reduce(&mut buf, ReduceOp::Max).unwrap_err(),
+            start.elapsed(),
+        )
+    });
+    for (rank, (err, elapsed)) in outs.into_iter().enumerate() {
+        let CommError::Aborted {
+            rank: r,
+            ref reason,
+            ..
+        } = err
+        else {
+            panic!("rank {rank}: expected Aborted, got {err}");
+        };
+        assert_eq!(r, rank);
+        assert!(
+            reason.contains("rank 0") && reason.contains("OOM"),
+            "{reason}"
+        );
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "rank {rank} took {elapsed:?}"
+        );
+    }
+}
+
+#[test]
+fn a_dropped_rank_fails_its_peers_fast() {
+    let outs = run(3, LONG, |comm| {
+        let mut buf = [2.0; 4];
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+            .expect("collective #0");
+        if comm.rank() == 1 {
+            drop(comm);
+            return None;
+        }
+        let start = Instant::now();
+        let err = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+        Some((err, start.elapsed()))
+    });
+    let mut names_rank_1 = false;
+    for (err, elapsed) in outs.into_iter().flatten() {
+        assert!(elapsed < Duration::from_secs(5), "{err} after {elapsed:?}");
+        let CommError::Aborted { ref reason, .. } = err else {
+            panic!("expected Aborted, got {err}");
+        };
+        names_rank_1 |= reason.contains("rank 1 left");
+    }
+    assert!(names_rank_1, "some rank should name the departed rank 1");
+}
+
+#[test]
+fn misuse_is_an_error_not_a_panic() {
+    let comms = group("dp", 3, Duration::from_millis(100));
+    let c = &comms[1];
+    let size_err = |r: Result<(), CommError>, kind: CollectiveKind| match r {
+        Err(CommError::Size {
+            kind: k,
+            rank: 1,
+            detail,
+        }) if k == kind => detail,
+        other => panic!("{kind}: expected a size error, got {other:?}"),
+    };
+    let d = size_err(
+        c.all_gather(&[0.0; 2], &mut [0.0; 5]),
+        CollectiveKind::AllGather,
+    );
+    assert!(d.contains('5') && d.contains('2') && d.contains('3'), "{d}");
+    size_err(
+        c.reduce_scatter(&[0.0; 7], &mut [0.0; 2], ReduceOp::Sum),
+        CollectiveKind::ReduceScatter,
+    );
+    size_err(
+        c.all_to_all(&[0.0; 4], &mut [0.0; 4]),
+        CollectiveKind::AllToAll,
+    );
+    size_err(
+        c.all_to_all(&[0.0; 3], &mut [0.0; 6]),
+        CollectiveKind::AllToAll,
+    );
+    size_err(
+        c.gather(&[0.0; 2], &mut [0.0; 2], 1),
+        CollectiveKind::Gather,
+    );
+    size_err(
+        c.scatter(&[0.0; 2], &mut [0.0; 2], 1),
+        CollectiveKind::Scatter,
+    );
+    size_err(
+        c.reduce(&[0.0; 2], &mut [0.0; 3], ReduceOp::Sum, 1),
+        CollectiveKind::Reduce,
+    );
+    let bad_peer = |r: Result<(), CommError>, peer: usize| {
+        assert!(
+            matches!(r, Err(CommError::BadPeer { rank: 1, peer: p, size: 3, .. }) if p == peer),
+            "peer {peer}: {r:?}"
+        )
+    };
+    bad_peer(c.broadcast(&mut [0.0], 3), 3);
+    bad_peer(c.reduce(&[0.0], &mut [0.0], ReduceOp::Min, 7), 7);
+    bad_peer(c.gather(&[0.0], &mut [0.0; 3], 3), 3);
+    bad_peer(c.scatter(&[0.0; 3], &mut [0.0], 9), 9);
+    bad_peer(c.send(&[0.0], 1), 1); // To itself.
+    bad_peer(c.recv(&mut [0.0], 3), 3);
+}
+
+#[test]
+fn mismatched_sizes_across_ranks_are_reported() {
+    let outs = run(2, Duration::from_millis(200), |comm| {
+        let mut buf = vec![1.0; 4 + comm.rank()];
+        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err()
+    });
+    // Rank 1 splits 5 elements as 3 + 2 and expects chunk 0 (3 elements) from rank 0, which
+    // splits 4 as 2 + 2 and sends 2. Rank 0 then waits for a message rank 1 never sends.
+    match &outs[1] {
+        CommError::Size {
+            kind: CollectiveKind::AllReduce,
+            rank: 1,
+            detail,
+        } => {
+            assert!(
+                detail.contains("received 2 elements from rank 0 where 3"),
+                "{detail}"
+            )
+        }
+        other => panic!("expected a size error on rank 1, got {other}"),
+    }
+    assert!(
+        matches!(
+            outs[0],
+            CommError::Aborted { .. } | CommError::Timeout { .. }
+        ),
+        "{}",
+        outs[0]
+    );
+}
+
+#[test]
+fn handles_are_send() {
+    fn assert_send<T: Send>() {}
+    assert_send::<ThreadComm>();
+}

@@ -1,0 +1,24 @@
+//! The `shardc` command line. Argument parsing, progress and printing only; the work is done
+//! by the library crates.
+
+mod cli;
+
+use clap::Parser;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    // Die quietly on a closed pipe (`shardc explain plan.json | head`), like other Unix tools.
+    #[cfg(unix)]
+    // SAFETY: restoring the default SIGPIPE disposition before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    let args = cli::Cli::parse();
+    match cli::dispatch(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

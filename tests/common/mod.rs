@@ -1,0 +1,152 @@
+//! Shared helpers for the end-to-end tests: fixture loading and comparison.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use shardc::runtime::Tensor;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// The repository's fixture directory.
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny")
+}
+
+/// One reference case.
+pub struct Case {
+    pub model: String,
+    pub name: String,
+    pub batch: usize,
+    pub seq: usize,
+    pub ids: Vec<i32>,
+    pub mask: Vec<f32>,
+    pub pos: Vec<i32>,
+    pub logits: Vec<f32>,
+    pub hidden: Vec<f32>,
+    pub json: Value,
+}
+
+fn flat_i64(v: &Value) -> Vec<i64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()))
+        .collect()
+}
+
+fn flat_f32(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// Every `reference_*.json` of every fixture model.
+pub fn cases() -> Vec<Case> {
+    let mut out = Vec::new();
+    for model in ["gpt2", "llama", "mixtral"] {
+        let dir = fixtures().join(model);
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                let n = p.file_name().unwrap().to_string_lossy().to_string();
+                n.starts_with("reference_") && n.ends_with(".json")
+            })
+            .collect();
+        files.sort();
+        for f in files {
+            let json: Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+            let shape: Vec<usize> = json["logits_shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as usize)
+                .collect();
+            let (b, t) = (shape[0], shape[1]);
+            let ids: Vec<i32> = flat_i64(&json["input_ids"])
+                .into_iter()
+                .map(|x| x as i32)
+                .collect();
+            let mask = match json.get("attention_mask") {
+                Some(m) => flat_i64(m).into_iter().map(|x| x as f32).collect(),
+                None => vec![1.0; b * t],
+            };
+            let pos = match json.get("position_ids") {
+                Some(p) => flat_i64(p).into_iter().map(|x| x as i32).collect(),
+                None => (0..b).flat_map(|_| 0..t as i32).collect(),
+            };
+            out.push(Case {
+                model: model.to_string(),
+                name: f.file_stem().unwrap().to_string_lossy().to_string(),
+                batch: b,
+                seq: t,
+                ids,
+                mask,
+                pos,
+                logits: flat_f32(&json["logits"]),
+                hidden: flat_f32(&json["hidden"]),
+                json,
+            });
+        }
+    }
+    out
+}
+
+impl Case {
+    /// The graph inputs.
+    pub fn inputs(&self) -> BTreeMap<String, Tensor> {
+        let (b, t) = (self.batch, self.seq);
+        BTreeMap::from([
+            (
+                "input_ids".to_string(),
+                Tensor::i32(vec![b, t], self.ids.clone()),
+            ),
+            (
+                "position_ids".to_string(),
+                Tensor::i32(vec![b, t], self.pos.clone()),
+            ),
+            (
+                "attention_mask".to_string(),
+                Tensor::f32(vec![b, t], self.mask.clone()),
+            ),
+        ])
+    }
+
+    /// Max |Δ| over positions whose mask is 1 (rows of `width` values per token).
+    pub fn max_diff(&self, got: &[f32], want: &[f32], width: usize) -> f32 {
+        assert_eq!(
+            got.len(),
+            want.len(),
+            "{} {}: output size",
+            self.model,
+            self.name
+        );
+        let mut m = 0f32;
+        for (tok, (g, w)) in got.chunks(width).zip(want.chunks(width)).enumerate() {
+            if self.mask[tok] == 0.0 {
+                continue;
+            }
+            for (a, b) in g.iter().zip(w) {
+                m = m.max((a - b).abs());
+            }
+        }
+        m
+    }
+
+    /// Checks logits and hidden states against the reference (< 1e-4).
+    pub fn check(&self, outputs: &BTreeMap<String, Tensor>, what: &str) {
+        let logits = outputs["logits"].as_f32().unwrap();
+        let hidden = outputs["hidden"].as_f32().unwrap();
+        let vocab = self.logits.len() / (self.batch * self.seq);
+        let width = self.hidden.len() / (self.batch * self.seq);
+        let dl = self.max_diff(logits, &self.logits, vocab);
+        let dh = self.max_diff(hidden, &self.hidden, width);
+        assert!(
+            dl < 1e-4 && dh < 1e-4,
+            "{} {} {what}: max |Δlogit| {dl}, max |Δhidden| {dh}",
+            self.model,
+            self.name
+        );
+    }
+}
