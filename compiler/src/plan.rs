@@ -195,17 +195,23 @@ impl Plan {
 
     /// Static check: every rank of every group issues the same collectives in the same order.
     pub fn check_collective_order(&self) -> Result<(), PlanError> {
-        let per_rank: Vec<_> = (0..self.mesh.world_size())
-            .map(|r| self.collectives_of(r))
-            .collect();
+        self.check_collective_order_with(&|r| self.collectives_of(r))
+    }
+
+    /// The order check over per-rank collective sequences given by `seqs` (rank → axis →
+    /// signatures in issue order), for schedules whose ranks run different programs.
+    pub fn check_collective_order_with(
+        &self,
+        seqs: &dyn Fn(usize) -> BTreeMap<String, Vec<String>>,
+    ) -> Result<(), PlanError> {
+        let per_rank: Vec<_> = (0..self.mesh.world_size()).map(seqs).collect();
         for a in self.mesh.axis_ids() {
             let name = self.mesh.axis_name(a).to_string();
             for group in self.mesh.groups(a) {
                 let first = per_rank[group[0]].get(&name).cloned().unwrap_or_default();
                 for &r in &group[1..] {
                     let other = per_rank[r].get(&name).cloned().unwrap_or_default();
-                    let n = first.len().max(other.len());
-                    for pos in 0..n {
+                    for pos in 0..first.len().max(other.len()) {
                         let (l, rr) = (first.get(pos), other.get(pos));
                         if l != rr {
                             return Err(PlanError::CollectiveOrder {

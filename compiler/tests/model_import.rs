@@ -20,6 +20,7 @@ fn published_parameter_counts() {
         ("llama-2-7b.json", 6_738_415_616),
         ("llama-3-8b.json", 8_030_261_248),
         ("mixtral-8x7b.json", 46_702_792_704),
+        ("llama-3-70b.json", 70_553_706_496),
     ];
     for (file, want) in cases {
         assert_eq!(params_of(root().join("models").join(file)), want, "{file}");

@@ -1,0 +1,124 @@
+//! Plans: byte-identical for the same inputs, JSON round trip, the collective-order check, and
+//! the per-rank activation savings of sequence parallelism.
+
+use shardc_compiler::model::ModelConfig;
+use shardc_compiler::pipeline::{compile_forward, CompileOptions};
+use shardc_compiler::plan::{Plan, PlanError};
+use shardc_compiler::shard::Mesh;
+use std::path::PathBuf;
+
+fn plan(model: &str, mesh: &str, extra: &[&str], b: usize, t: usize) -> Plan {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let p = if model.ends_with(".json") {
+        root.join("models").join(model)
+    } else {
+        root.join("tests/fixtures/hf-tiny").join(model)
+    };
+    let cfg = ModelConfig::from_path(&p).unwrap();
+    let opts = CompileOptions {
+        batch: b,
+        seq: t,
+        mesh: Mesh::parse(mesh, 8).unwrap(),
+        extra_strategies: extra.iter().map(|s| s.to_string()).collect(),
+    };
+    let c = compile_forward(&cfg, &opts).unwrap();
+    Plan::new(&c, model, cfg.arch.name(), cfg.layers)
+}
+
+#[test]
+fn same_inputs_give_byte_identical_plans() {
+    for (model, mesh, extra) in [
+        ("llama-3-8b.json", "dp=2,tp=4", vec!["sp"]),
+        ("mixtral", "ep=2,tp=2", vec![]),
+        ("gpt2", "tp=2", vec![]),
+    ] {
+        let a = plan(model, mesh, &extra, 2, 16).to_json();
+        let b = plan(model, mesh, &extra, 2, 16).to_json();
+        assert_eq!(a, b, "{model} {mesh}");
+        assert!(a.contains("\"format_version\": 1"));
+    }
+}
+
+#[test]
+fn plan_json_round_trips() {
+    let p = plan("llama", "dp=2,tp=2", &["sp"], 2, 16);
+    let back = Plan::from_json(&p.to_json()).unwrap();
+    assert_eq!(back, p);
+    assert_eq!(back.to_json(), p.to_json());
+    let mut v: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
+    v["format_version"] = 99.into();
+    assert!(matches!(
+        Plan::from_json(&v.to_string()),
+        Err(PlanError::Version { found: 99, .. })
+    ));
+    assert!(matches!(Plan::from_json("{"), Err(PlanError::Json(_))));
+}
+
+#[test]
+fn collective_order_check_catches_divergent_ranks() {
+    let p = plan("llama", "dp=2,tp=2", &["sp"], 2, 16);
+    p.check_collective_order().unwrap();
+    // Rank 3 skips its last tp collective: the check names the axis, group and position.
+    let err = p
+        .check_collective_order_with(&|r| {
+            let mut s = p.collectives_of(r);
+            if r == 3 {
+                s.get_mut("tp").unwrap().pop();
+            }
+            s
+        })
+        .unwrap_err();
+    let n = p.collectives_of(0)["tp"].len();
+    match &err {
+        PlanError::CollectiveOrder {
+            axis,
+            group,
+            b,
+            pos,
+            right,
+            ..
+        } => {
+            assert_eq!(
+                (axis.as_str(), group.as_slice(), *b, *pos),
+                ("tp", &[2, 3][..], 3, n - 1)
+            );
+            assert_eq!(right, "nothing");
+        }
+        e => panic!("unexpected {e}"),
+    }
+    // Rank 1 swaps two dp collectives of different sizes.
+    let err = p
+        .check_collective_order_with(&|r| {
+            let mut s = p.collectives_of(r);
+            if r == 1 {
+                let dp = s.get_mut("dp").unwrap();
+                let k = dp.len();
+                dp.swap(0, k - 1);
+            }
+            s
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("`dp`"), "{err}");
+}
+
+#[test]
+fn sequence_parallel_divides_norm_and_residual_activations_by_tp() {
+    for tp in [2usize, 4] {
+        let mesh = format!("tp={tp}");
+        let plain = plan("llama-3-8b.json", &mesh, &[], 2, 64);
+        let sp = plan("llama-3-8b.json", &mesh, &["sp"], 2, 64);
+        assert_eq!(
+            plain.norm_residual_bytes(),
+            tp as u64 * sp.norm_residual_bytes(),
+            "tp={tp}"
+        );
+    }
+}
+
+#[test]
+fn per_rank_params_shrink_with_tp() {
+    let one = plan("llama", "dp=2", &[], 2, 16).memory.param_bytes;
+    let two = plan("llama", "tp=2", &[], 2, 16).memory.param_bytes;
+    // Everything but norms (replicated) halves.
+    assert!(two < one && two * 2 > one, "{one} vs {two}");
+}
