@@ -1,6 +1,6 @@
 //! Collective counts of the presets on the bundled and fixture models.
 
-use shardc_compiler::ir::{Graph, Op};
+use shardc_compiler::ir::Graph;
 use shardc_compiler::model::ModelConfig;
 use shardc_compiler::pipeline::{compile_forward, CompileOptions};
 use shardc_compiler::shard::Mesh;
@@ -42,7 +42,6 @@ fn compile(name: &str, mesh: &str, extra: &[&str], b: usize, t: usize) -> Graph 
 fn megatron_tp_two_all_reduces_per_layer() {
     for model in ["llama", "gpt2", "llama-3-8b.json"] {
         let g = compile(model, "tp=2", &[], 2, 16);
-        eprintln!("{g}");
         for l in 0..2 {
             assert_eq!(
                 counts(&g, Some(l)),
@@ -63,9 +62,6 @@ fn megatron_tp_two_all_reduces_per_layer() {
 fn sequence_parallel_two_rs_two_ag_per_layer() {
     for model in ["llama", "gpt2", "llama-3-8b.json"] {
         let g = compile(model, "tp=2", &["sp"], 2, 16);
-        if model == "llama" {
-            eprintln!("{g}");
-        }
         for l in 0..2 {
             assert_eq!(
                 counts(&g, Some(l)),
