@@ -64,6 +64,9 @@ pub struct Plan {
     pub buffers: Vec<BufferSlot>,
     /// Memory per rank.
     pub memory: PlanMemory,
+    /// The pipeline schedule, when the mesh has a `pp` axis.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<crate::schedule::pipeline::PipelineSchedule>,
 }
 
 /// A plan that fails a static check or cannot be read.
@@ -154,6 +157,7 @@ impl Plan {
                 activation_arena_bytes: arena,
                 activation_total_bytes,
             },
+            pipeline: None,
         }
     }
 

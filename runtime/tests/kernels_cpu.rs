@@ -573,6 +573,39 @@ struct AttnCase {
     mask: bool,
 }
 
+impl AttnCase {
+    /// Causal attention, no window or mask, of sizes `[B, T, S, Hq, Hkv, D]`.
+    fn causal([b, t, s, hq, hkv, d]: [usize; 6]) -> AttnCase {
+        AttnCase {
+            b,
+            t,
+            s,
+            hq,
+            hkv,
+            d,
+            causal: true,
+            window: None,
+            mask: false,
+        }
+    }
+    fn non_causal(self) -> AttnCase {
+        AttnCase {
+            causal: false,
+            ..self
+        }
+    }
+    fn window(self, w: usize) -> AttnCase {
+        AttnCase {
+            window: Some(w),
+            ..self
+        }
+    }
+    /// A random key mask; the last batch row masks every key.
+    fn masked(self) -> AttnCase {
+        AttnCase { mask: true, ..self }
+    }
+}
+
 fn naive_attention(
     q: &[f32],
     k: &[f32],
@@ -653,35 +686,9 @@ fn check_attention(seed: u64, c: AttnCase) -> Tensor {
 #[test]
 fn attention_gqa_causal_matches_naive() {
     for (t, d) in [(1, 8), (7, 8), (50, 3), (13, 64)] {
-        check_attention(
-            20,
-            AttnCase {
-                b: 2,
-                t,
-                s: t,
-                hq: 8,
-                hkv: 2,
-                d,
-                causal: true,
-                window: None,
-                mask: false,
-            },
-        );
+        check_attention(20, AttnCase::causal([2, t, t, 8, 2, d]));
     }
-    check_attention(
-        21,
-        AttnCase {
-            b: 1,
-            t: 7,
-            s: 7,
-            hq: 3,
-            hkv: 3,
-            d: 5,
-            causal: false,
-            window: None,
-            mask: false,
-        },
-    );
+    check_attention(21, AttnCase::causal([1, 7, 7, 3, 3, 5]).non_causal());
 }
 
 #[test]
@@ -689,85 +696,32 @@ fn attention_window_and_mask_match_naive() {
     for window in [1, 3, 50] {
         check_attention(
             22,
-            AttnCase {
-                b: 3,
-                t: 11,
-                s: 11,
-                hq: 4,
-                hkv: 1,
-                d: 8,
-                causal: true,
-                window: Some(window),
-                mask: true,
-            },
+            AttnCase::causal([3, 11, 11, 4, 1, 8])
+                .window(window)
+                .masked(),
         );
     }
     check_attention(
         23,
-        AttnCase {
-            b: 2,
-            t: 9,
-            s: 9,
-            hq: 2,
-            hkv: 2,
-            d: 4,
-            causal: false,
-            window: Some(3),
-            mask: true,
-        },
+        AttnCase::causal([2, 9, 9, 2, 2, 4])
+            .non_causal()
+            .window(3)
+            .masked(),
     );
 }
 
 #[test]
 fn attention_fully_masked_rows_are_zero() {
-    let c = AttnCase {
-        b: 2,
-        t: 5,
-        s: 5,
-        hq: 2,
-        hkv: 1,
-        d: 3,
-        causal: true,
-        window: None,
-        mask: true,
-    };
-    let (t, hq, d) = (c.t, c.hq, c.d);
-    let y = check_attention(24, c);
+    let y = check_attention(24, AttnCase::causal([2, 5, 5, 2, 1, 3]).masked());
     // Batch row 1 has an all-zero mask.
-    assert!(f(&y)[t * hq * d..].iter().all(|&v| v == 0.0));
+    assert!(f(&y)[5 * 2 * 3..].iter().all(|&v| v == 0.0));
 }
 
 #[test]
 fn attention_more_keys_than_queries_aligns_the_last_query() {
     // T < S: query t sits at position t + S − T (decode with a KV cache).
-    check_attention(
-        25,
-        AttnCase {
-            b: 2,
-            t: 3,
-            s: 7,
-            hq: 4,
-            hkv: 2,
-            d: 8,
-            causal: true,
-            window: None,
-            mask: false,
-        },
-    );
-    check_attention(
-        26,
-        AttnCase {
-            b: 1,
-            t: 1,
-            s: 50,
-            hq: 2,
-            hkv: 1,
-            d: 8,
-            causal: true,
-            window: Some(7),
-            mask: false,
-        },
-    );
+    check_attention(25, AttnCase::causal([2, 3, 7, 4, 2, 8]));
+    check_attention(26, AttnCase::causal([1, 1, 50, 2, 1, 8]).window(7));
 }
 
 // ---------------------------------------------------------------------------------------------

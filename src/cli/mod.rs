@@ -5,6 +5,7 @@ mod explain;
 mod fmt;
 mod inspect;
 mod run;
+mod schedule;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -30,6 +31,8 @@ enum Command {
     Explain(explain::ExplainArgs),
     /// Run a model on token ids (CPU reference; `--mesh` runs the sharded plan on thread ranks).
     Run(run::RunArgs),
+    /// Show a pipeline schedule: per-stage timeline, bubble fraction, in-flight micro-batches.
+    Schedule(schedule::ScheduleArgs),
 }
 
 /// Runs a parsed command line.
@@ -39,6 +42,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Compile(a) => compile::run(a),
         Command::Explain(a) => explain::run(a),
         Command::Run(a) => run::run(a),
+        Command::Schedule(a) => schedule::run(a),
     }
 }
 

@@ -5,6 +5,8 @@
 //! it, so communication overlaps independent compute. Activation buffers are placed in one
 //! arena by first-fit over their live ranges (parameters are held separately).
 
+pub mod pipeline;
+
 use crate::ir::{Graph, Op, ValueId};
 use serde::{Deserialize, Serialize};
 

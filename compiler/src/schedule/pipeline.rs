@@ -1,0 +1,705 @@
+//! Pipeline schedules as data: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B (Megatron-LM
+//! virtual pipeline) and ZB-H1 (Qi et al. 2023, zero-bubble with the weight gradient split
+//! out of the backward pass), plus stage partitioning, a replay that times a schedule and
+//! checks it cannot deadlock, and renderings (text diagram, Chrome/Perfetto trace).
+//!
+//! A schedule is, per pipeline rank, the ordered list of [`Slot`]s it executes. Model chunk
+//! `j` (of `p·v`) lives on rank `j mod p`; activations of micro-batch `i` flow chunk `j → j+1`
+//! (a send/recv pair per boundary) and gradients back.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use thiserror::Error;
+
+/// Which schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// All forwards, then all backwards.
+    Gpipe,
+    /// One forward, one backward (PipeDream-Flush).
+    OneFOneB,
+    /// 1F1B over `v` model chunks per rank (Megatron-LM interleaved).
+    Interleaved,
+    /// Zero-bubble ZB-H1: 1F1B with weight-gradient passes deferred into the bubbles.
+    ZbH1,
+}
+
+impl ScheduleKind {
+    /// All kinds, for parsing.
+    pub const ALL: [ScheduleKind; 4] = [
+        ScheduleKind::Gpipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved,
+        ScheduleKind::ZbH1,
+    ];
+    /// Text name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScheduleKind::Gpipe => "gpipe",
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Interleaved => "interleaved",
+            ScheduleKind::ZbH1 => "zb-h1",
+        }
+    }
+    /// Parses a name.
+    pub fn from_name(s: &str) -> Result<ScheduleKind, PipelineError> {
+        ScheduleKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| PipelineError::UnknownSchedule(s.to_string()))
+    }
+}
+
+/// The pass a slot runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Phase {
+    /// Forward.
+    F,
+    /// Backward (input gradient; also the weight gradient unless the schedule splits it).
+    B,
+    /// Weight gradient (split schedules only).
+    W,
+}
+
+/// One unit of work on a pipeline rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Slot {
+    /// Pass.
+    pub phase: Phase,
+    /// Micro-batch.
+    pub micro: usize,
+    /// Model chunk (`0..p·v`); it lives on rank `chunk mod p`.
+    pub chunk: usize,
+}
+
+/// A schedule that cannot be built or replayed.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum PipelineError {
+    /// Unknown schedule name.
+    #[error("unknown pipeline schedule `{0}`; valid: gpipe, 1f1b, interleaved, zb-h1")]
+    UnknownSchedule(String),
+    /// Bad sizes.
+    #[error("{0}")]
+    Invalid(String),
+    /// The replay found ranks waiting on each other.
+    #[error("deadlock: no rank can progress; rank {rank} waits at slot {slot} ({what})")]
+    Deadlock {
+        /// A stuck rank.
+        rank: usize,
+        /// Its next slot index.
+        slot: usize,
+        /// The slot, e.g. `F3 chunk 1`.
+        what: String,
+    },
+}
+
+/// A pipeline schedule.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineSchedule {
+    /// Kind.
+    pub kind: ScheduleKind,
+    /// Pipeline ranks `p`.
+    pub stages: usize,
+    /// Micro-batches `m`.
+    pub micro_batches: usize,
+    /// Model chunks per rank `v` (1 unless interleaved).
+    pub virtual_stages: usize,
+    /// Slots of each rank in execution order.
+    pub per_rank: Vec<Vec<Slot>>,
+}
+
+impl fmt::Display for Slot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}{} chunk {}", self.phase, self.micro, self.chunk)
+    }
+}
+
+fn f(micro: usize, chunk: usize) -> Slot {
+    Slot {
+        phase: Phase::F,
+        micro,
+        chunk,
+    }
+}
+fn b(micro: usize, chunk: usize) -> Slot {
+    Slot {
+        phase: Phase::B,
+        micro,
+        chunk,
+    }
+}
+fn w(micro: usize, chunk: usize) -> Slot {
+    Slot {
+        phase: Phase::W,
+        micro,
+        chunk,
+    }
+}
+
+impl PipelineSchedule {
+    /// Builds a schedule for `p` ranks, `m` micro-batches and `v` chunks per rank (`v` is used
+    /// by the interleaved schedule only and must then divide nothing but need `m % p == 0`).
+    pub fn new(
+        kind: ScheduleKind,
+        p: usize,
+        m: usize,
+        v: usize,
+    ) -> Result<PipelineSchedule, PipelineError> {
+        if p == 0 || m == 0 {
+            return Err(PipelineError::Invalid(format!(
+                "a pipeline needs at least one stage and one micro-batch (got pp={p}, micro-batches={m})"
+            )));
+        }
+        let v = if kind == ScheduleKind::Interleaved {
+            v.max(1)
+        } else {
+            1
+        };
+        if kind == ScheduleKind::Interleaved && v > 1 && m % p != 0 {
+            return Err(PipelineError::Invalid(format!(
+                "the interleaved schedule needs micro-batches divisible by pp: {m} % {p} != 0"
+            )));
+        }
+        let per_rank = match kind {
+            ScheduleKind::ZbH1 => zb_h1_all(p, m),
+            _ => (0..p)
+                .map(|s| match kind {
+                    ScheduleKind::Gpipe => (0..m)
+                        .map(|i| f(i, s))
+                        .chain((0..m).map(|i| b(i, s)))
+                        .collect(),
+                    ScheduleKind::Interleaved => interleaved(s, p, m, v),
+                    _ => one_f_one_b(s, p, m),
+                })
+                .collect(),
+        };
+        Ok(PipelineSchedule {
+            kind,
+            stages: p,
+            micro_batches: m,
+            virtual_stages: v,
+            per_rank,
+        })
+    }
+
+    /// Total model chunks `p·v`.
+    pub fn chunks(&self) -> usize {
+        self.stages * self.virtual_stages
+    }
+}
+
+fn one_f_one_b(s: usize, p: usize, m: usize) -> Vec<Slot> {
+    let warm = (p - s - 1).min(m);
+    let mut out: Vec<Slot> = (0..warm).map(|i| f(i, s)).collect();
+    for i in 0..m - warm {
+        out.push(f(warm + i, s));
+        out.push(b(i, s));
+    }
+    out.extend((m - warm..m).map(|i| b(i, s)));
+    out
+}
+
+/// ZB-H1: the 1F1B order of F and B on every rank; a rank runs a deferred weight-gradient
+/// pass W only when its next F or B is not ready yet (filling what 1F1B leaves idle), and the
+/// rest at the end. Derived by a greedy replay with F = B = W.
+fn zb_h1_all(p: usize, m: usize) -> Vec<Vec<Slot>> {
+    let fb: Vec<Vec<Slot>> = (0..p).map(|s| one_f_one_b(s, p, m)).collect();
+    let idx = |ph: Phase, i: usize, c: usize| (ph as usize * m + i) * p + c;
+    let mut done: Vec<Option<f64>> = vec![None; 3 * m * p];
+    let mut next = vec![0usize; p];
+    let mut free = vec![0f64; p];
+    let mut pending: Vec<std::collections::VecDeque<usize>> = vec![Default::default(); p];
+    let mut out: Vec<Vec<Slot>> = vec![Vec::new(); p];
+    loop {
+        // The rank that can act earliest; an F/B whose input is known, else a pending W.
+        let mut best: Option<(f64, usize, bool)> = None;
+        for r in 0..p {
+            let ready = fb[r].get(next[r]).and_then(
+                |&Slot {
+                     phase,
+                     micro: i,
+                     chunk: c,
+                 }| match phase {
+                    Phase::F if c == 0 => Some(0.0),
+                    Phase::F => done[idx(Phase::F, i, c - 1)],
+                    Phase::B if c + 1 == p => done[idx(Phase::F, i, c)],
+                    _ => done[idx(Phase::B, i, c + 1)]
+                        .zip(done[idx(Phase::F, i, c)])
+                        .map(|(a, b)| a.max(b)),
+                },
+            );
+            let cand = match ready {
+                Some(t) if t <= free[r] || pending[r].is_empty() => {
+                    Some((t.max(free[r]), r, false))
+                }
+                _ if !pending[r].is_empty() => Some((free[r], r, true)),
+                _ => None,
+            };
+            if let Some(c) = cand {
+                if best.is_none_or(|b| c.0 < b.0) {
+                    best = Some(c);
+                }
+            }
+        }
+        let Some((start, r, is_w)) = best else { break };
+        let slot = if is_w {
+            w(pending[r].pop_front().expect("invariant: pending W"), r)
+        } else {
+            let s = fb[r][next[r]];
+            next[r] += 1;
+            if s.phase == Phase::B {
+                pending[r].push_back(s.micro);
+            }
+            s
+        };
+        free[r] = start + 1.0;
+        done[idx(slot.phase, slot.micro, slot.chunk)] = Some(free[r]);
+        out[r].push(slot);
+    }
+    out
+}
+
+/// Megatron-LM's interleaved schedule: forward k (0..m·v) runs chunk `(k / p) mod v` of
+/// micro-batch `(k / (p·v))·p + k mod p`; backwards visit chunks in reverse.
+fn interleaved(s: usize, p: usize, m: usize, v: usize) -> Vec<Slot> {
+    let total = m * v;
+    let fwd = |k: usize| {
+        let group = k / (p * v);
+        let local = (k / p) % v;
+        (group * p + k % p, local * p + s)
+    };
+    let bwd = |k: usize| {
+        let group = k / (p * v);
+        let local = v - 1 - (k / p) % v;
+        (group * p + k % p, local * p + s)
+    };
+    let warm = if v == 1 {
+        (p - s - 1).min(m)
+    } else {
+        ((p - s - 1) * 2 + (v - 1) * p).min(total)
+    };
+    let mut out: Vec<Slot> = (0..warm)
+        .map(|k| {
+            let (i, c) = fwd(k);
+            f(i, c)
+        })
+        .collect();
+    for k in 0..total - warm {
+        let (i, c) = fwd(warm + k);
+        out.push(f(i, c));
+        let (i, c) = bwd(k);
+        out.push(b(i, c));
+    }
+    out.extend((total - warm..total).map(|k| {
+        let (i, c) = bwd(k);
+        b(i, c)
+    }));
+    out
+}
+
+/// Durations of the passes of one chunk, in any unit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PassCosts {
+    /// Forward.
+    pub f: f64,
+    /// Backward (input + weight gradient when not split).
+    pub b: f64,
+    /// Weight gradient when split (ZB); the backward then costs `b − w`.
+    pub w: f64,
+}
+
+impl PassCosts {
+    /// The usual ratio: backward = 2 × forward; split evenly for zero-bubble schedules.
+    pub fn uniform(forward: f64) -> PassCosts {
+        PassCosts {
+            f: forward,
+            b: 2.0 * forward,
+            w: forward,
+        }
+    }
+}
+
+/// One executed slot, timed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timed {
+    /// The slot.
+    pub slot: Slot,
+    /// Rank.
+    pub rank: usize,
+    /// Start.
+    pub start: f64,
+    /// End.
+    pub end: f64,
+}
+
+/// The result of replaying a schedule.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Replay {
+    /// Every slot with its times.
+    pub timeline: Vec<Timed>,
+    /// Time of the last slot's end.
+    pub makespan: f64,
+    /// Idle time over total time, averaged over ranks.
+    pub bubble_fraction: f64,
+    /// Peak number of micro-batches whose activations a rank holds (forwards run, backwards
+    /// not yet), per rank, in units of whole micro-batches (chunk forwards / v).
+    pub peak_in_flight: Vec<f64>,
+}
+
+impl PipelineSchedule {
+    /// Replays the schedule with `costs` per chunk pass (a chunk's cost is the stage cost over
+    /// `v`) and zero-latency transfers: each rank runs its slots in order, a slot starting when
+    /// the rank is free and its inputs have arrived. Errors on deadlock (no rank can progress).
+    pub fn replay(&self, costs: PassCosts) -> Result<Replay, PipelineError> {
+        let (p, v, m) = (self.stages, self.virtual_stages, self.micro_batches);
+        let chunks = p * v;
+        let split = self.per_rank.iter().flatten().any(|s| s.phase == Phase::W);
+        let dur = |ph: Phase| -> f64 {
+            let c = match ph {
+                Phase::F => costs.f,
+                Phase::B if split => costs.b - costs.w,
+                Phase::B => costs.b,
+                Phase::W => costs.w,
+            };
+            c / v as f64
+        };
+        // done[phase][micro][chunk] = end time.
+        let idx = |ph: Phase, i: usize, c: usize| (ph as usize * m + i) * chunks + c;
+        let mut done: Vec<Option<f64>> = vec![None; 3 * m * chunks];
+        let mut next = vec![0usize; p];
+        let mut free = vec![0f64; p];
+        let mut timeline = Vec::new();
+        let mut in_flight = vec![0i64; p];
+        let mut peak = vec![0i64; p];
+        loop {
+            let mut progressed = false;
+            let mut all_done = true;
+            for r in 0..p {
+                while let Some(&slot) = self.per_rank[r].get(next[r]) {
+                    all_done = false;
+                    let Slot {
+                        phase,
+                        micro: i,
+                        chunk: c,
+                    } = slot;
+                    let dep = match phase {
+                        Phase::F if c == 0 => Some(0.0),
+                        Phase::F => done[idx(Phase::F, i, c - 1)],
+                        Phase::B if c + 1 == chunks => done[idx(Phase::F, i, c)],
+                        Phase::B => done[idx(Phase::B, i, c + 1)]
+                            .zip(done[idx(Phase::F, i, c)])
+                            .map(|(a, b)| a.max(b)),
+                        Phase::W => done[idx(Phase::B, i, c)],
+                    };
+                    let Some(ready) = dep else { break };
+                    let start = ready.max(free[r]);
+                    let end = start + dur(phase);
+                    free[r] = end;
+                    done[idx(phase, i, c)] = Some(end);
+                    timeline.push(Timed {
+                        slot,
+                        rank: r,
+                        start,
+                        end,
+                    });
+                    match phase {
+                        Phase::F => in_flight[r] += 1,
+                        Phase::B => in_flight[r] -= 1,
+                        Phase::W => {}
+                    }
+                    peak[r] = peak[r].max(in_flight[r]);
+                    next[r] += 1;
+                    progressed = true;
+                }
+                if next[r] < self.per_rank[r].len() {
+                    all_done = false;
+                }
+            }
+            if all_done {
+                break;
+            }
+            if !progressed {
+                let r = (0..p)
+                    .find(|&r| next[r] < self.per_rank[r].len())
+                    .expect("invariant: a rank has work");
+                return Err(PipelineError::Deadlock {
+                    rank: r,
+                    slot: next[r],
+                    what: self.per_rank[r][next[r]].to_string(),
+                });
+            }
+        }
+        // Every (phase, micro, chunk) ran exactly once.
+        let expected = if split { 3 } else { 2 } * m * chunks;
+        if timeline.len() != expected {
+            return Err(PipelineError::Invalid(format!(
+                "schedule runs {} slots, expected {expected}",
+                timeline.len()
+            )));
+        }
+        let makespan = timeline.iter().map(|t| t.end).fold(0.0, f64::max);
+        let busy: f64 = timeline.iter().map(|t| t.end - t.start).sum();
+        Ok(Replay {
+            makespan,
+            bubble_fraction: 1.0 - busy / (p as f64 * makespan),
+            peak_in_flight: peak.iter().map(|&x| x as f64 / v as f64).collect(),
+            timeline,
+        })
+    }
+}
+
+impl Replay {
+    /// A text diagram: one row per rank, one cell per `unit` of time, `F3`/`B3`/`W3` for the
+    /// micro-batch running (chunk shown as a suffix when interleaved), `.` when idle.
+    pub fn diagram(&self, stages: usize, unit: f64, interleaved: bool) -> String {
+        let cells = (self.makespan / unit).round() as usize;
+        let width = self
+            .timeline
+            .iter()
+            .map(|t| label(t, stages, interleaved).len())
+            .max()
+            .unwrap_or(2);
+        let mut rows = vec![vec![format!("{:>width$}", ".", width = width); cells]; stages];
+        for t in &self.timeline {
+            let (a, z) = (
+                (t.start / unit).round() as usize,
+                (t.end / unit).round() as usize,
+            );
+            for cell in rows[t.rank].iter_mut().take(z.min(cells)).skip(a) {
+                *cell = format!("{:>width$}", label(t, stages, interleaved), width = width);
+            }
+        }
+        rows.iter()
+            .enumerate()
+            .map(|(r, row)| format!("stage {r:<2}|{}|", row.join(" ")))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Chrome trace events (Perfetto): one process per rank, slices named by pass.
+    pub fn trace_events(&self, stages: usize, us_per_unit: f64) -> serde_json::Value {
+        let mut events: Vec<serde_json::Value> = (0..stages)
+            .map(|r| {
+                serde_json::json!({"ph": "M", "pid": r, "name": "process_name",
+                    "args": {"name": format!("pipeline stage {r}")}})
+            })
+            .collect();
+        for t in &self.timeline {
+            events.push(serde_json::json!({
+                "ph": "X", "pid": t.rank, "tid": 0,
+                "name": format!("{:?}{}", t.slot.phase, t.slot.micro),
+                "ts": t.start * us_per_unit, "dur": (t.end - t.start) * us_per_unit,
+                "args": {"micro_batch": t.slot.micro, "chunk": t.slot.chunk},
+            }));
+        }
+        serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+    }
+}
+
+fn label(t: &Timed, stages: usize, interleaved: bool) -> String {
+    let base = format!("{:?}{}", t.slot.phase, t.slot.micro);
+    if interleaved {
+        format!("{base}.{}", t.slot.chunk / stages)
+    } else {
+        base
+    }
+}
+
+/// Splits `costs` (one per layer, in order) into `parts` contiguous stages minimising the most
+/// expensive stage (ties: earlier stages take fewer layers). Returns layers per stage.
+pub fn balance(costs: &[f64], parts: usize) -> Result<Vec<usize>, PipelineError> {
+    let n = costs.len();
+    if parts == 0 || parts > n {
+        return Err(PipelineError::Invalid(format!(
+            "cannot split {n} layers into {parts} pipeline stages (each stage needs a layer)"
+        )));
+    }
+    // Binary search on the bottleneck, greedy feasibility from the back.
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(costs.iter().scan(0.0, |a, &c| {
+            *a += c;
+            Some(*a)
+        }))
+        .collect();
+    let feasible = |cap: f64| -> Option<Vec<usize>> {
+        let mut out = Vec::new();
+        let mut end = n;
+        for k in (0..parts).rev() {
+            // Take as many layers as fit, leaving at least one per earlier stage.
+            let mut start = end;
+            while start > k && prefix[end] - prefix[start - 1] <= cap + 1e-9 {
+                start -= 1;
+            }
+            if start == end {
+                return None;
+            }
+            out.push(end - start);
+            end = start;
+        }
+        (end == 0).then(|| {
+            out.reverse();
+            out
+        })
+    };
+    let (mut lo, mut hi) = (costs.iter().cloned().fold(0.0, f64::max), prefix[n]);
+    for _ in 0..100 {
+        let mid = 0.5 * (lo + hi);
+        if feasible(mid).is_some() {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    feasible(hi).ok_or_else(|| PipelineError::Invalid("no balanced split found".into()))
+}
+
+/// Parses and checks a `--stage-layers 9,8,8,7` override.
+pub fn parse_stage_layers(
+    text: &str,
+    layers: usize,
+    parts: usize,
+) -> Result<Vec<usize>, PipelineError> {
+    let v: Vec<usize> = text
+        .split(',')
+        .map(|x| {
+            x.trim().parse::<usize>().map_err(|_| {
+                PipelineError::Invalid(format!("--stage-layers: `{x}` is not a number"))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    if v.len() != parts {
+        return Err(PipelineError::Invalid(format!(
+            "--stage-layers gives {} stages, the pipeline has {parts} (pp × virtual stages)",
+            v.len()
+        )));
+    }
+    let sum: usize = v.iter().sum();
+    if sum != layers || v.contains(&0) {
+        return Err(PipelineError::Invalid(format!(
+            "--stage-layers {text} covers {sum} layers (each stage ≥ 1), the model has {layers}"
+        )));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bubble(kind: ScheduleKind, p: usize, m: usize, v: usize) -> Replay {
+        PipelineSchedule::new(kind, p, m, v)
+            .unwrap()
+            .replay(PassCosts::uniform(1.0))
+            .unwrap()
+    }
+
+    #[test]
+    fn gpipe_and_1f1b_bubble_is_textbook() {
+        for p in 1..=6 {
+            for m in 1..=8 {
+                let want = (p - 1) as f64 / (m + p - 1) as f64;
+                for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
+                    let r = bubble(kind, p, m, 1);
+                    assert!(
+                        (r.bubble_fraction - want).abs() < 1e-9,
+                        "{kind:?} p={p} m={m}: {} vs {want}",
+                        r.bubble_fraction
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn interleaved_bubble_is_textbook() {
+        for p in [2, 3, 4] {
+            for v in [1, 2, 3] {
+                for m in [p, 2 * p, 3 * p] {
+                    let want = (p - 1) as f64 / (v * m + p - 1) as f64;
+                    let r = bubble(ScheduleKind::Interleaved, p, m, v);
+                    assert!(
+                        (r.bubble_fraction - want).abs() < 1e-9,
+                        "p={p} v={v} m={m}: {} vs {want}",
+                        r.bubble_fraction
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn in_flight_micro_batches() {
+        for p in 1..=5 {
+            for m in 1..=8 {
+                let g = bubble(ScheduleKind::Gpipe, p, m, 1);
+                assert_eq!(g.peak_in_flight[0], m as f64);
+                let o = bubble(ScheduleKind::OneFOneB, p, m, 1);
+                assert_eq!(o.peak_in_flight[0], p.min(m) as f64, "p={p} m={m}");
+                assert!(o.peak_in_flight.iter().all(|&x| x <= p as f64));
+            }
+        }
+    }
+
+    #[test]
+    fn zero_bubble_beats_1f1b_at_the_same_memory() {
+        for p in [2, 4] {
+            for m in [4, 8] {
+                let zb = bubble(ScheduleKind::ZbH1, p, m, 1);
+                let one = bubble(ScheduleKind::OneFOneB, p, m, 1);
+                assert!(
+                    zb.bubble_fraction < one.bubble_fraction,
+                    "p={p} m={m}: {} vs {}",
+                    zb.bubble_fraction,
+                    one.bubble_fraction
+                );
+                assert_eq!(zb.peak_in_flight[0], one.peak_in_flight[0]);
+                eprintln!(
+                    "p={p} m={m}: zb-h1 {:.3} vs 1f1b {:.3}",
+                    zb.bubble_fraction, one.bubble_fraction
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_order_is_a_deadlock() {
+        let mut s = PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+        // The last stage runs B1 before F1: it waits on itself.
+        s.per_rank[1] = vec![f(0, 1), b(1, 1), f(1, 1), b(0, 1)];
+        let e = s.replay(PassCosts::uniform(1.0)).unwrap_err();
+        assert!(matches!(e, PipelineError::Deadlock { .. }), "{e}");
+        assert!(e.to_string().contains("waits at slot"), "{e}");
+    }
+
+    #[test]
+    fn balance_and_override() {
+        assert_eq!(balance(&[1.0; 32], 4).unwrap(), vec![8, 8, 8, 8]);
+        // Embedding and head make the outer stages heavier.
+        let mut c = vec![1.0; 30];
+        c[0] += 1.0;
+        c[29] += 1.5;
+        let s = balance(&c, 4).unwrap();
+        assert_eq!(s.iter().sum::<usize>(), 30);
+        assert!(s[0] < s[1] && s[3] < s[2], "{s:?}");
+        assert!(balance(&[1.0; 3], 4).is_err());
+        assert_eq!(
+            parse_stage_layers("9,8,8,7", 32, 4).unwrap(),
+            vec![9, 8, 8, 7]
+        );
+        assert!(parse_stage_layers("9,8,8", 32, 4).is_err());
+        assert!(parse_stage_layers("9,8,8,8", 32, 4)
+            .unwrap_err()
+            .to_string()
+            .contains("33"));
+    }
+
+    #[test]
+    fn diagram_shows_idle_slots() {
+        let r = bubble(ScheduleKind::OneFOneB, 2, 2, 1);
+        let d = r.diagram(2, 1.0, false);
+        assert_eq!(d.lines().count(), 2);
+        assert!(d.lines().nth(1).unwrap().starts_with("stage 1 | ."), "{d}");
+        assert!(d.contains("B1"));
+    }
+}

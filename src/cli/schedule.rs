@@ -1,0 +1,93 @@
+//! `shardc schedule`: a pipeline schedule as a text diagram (one row per stage, F/B/W per
+//! micro-batch, idle as dots), its bubble fraction and peak in-flight micro-batches, and a
+//! Perfetto trace.
+
+use anyhow::Context;
+use clap::Args;
+use shardc::compiler::plan::Plan;
+use shardc::compiler::schedule::pipeline::{PassCosts, PipelineSchedule, ScheduleKind};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct ScheduleArgs {
+    /// A plan with a pipeline schedule (else the schedule is built from the flags).
+    plan: Option<PathBuf>,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 4)]
+    pp: usize,
+    /// Micro-batches per step.
+    #[arg(long, default_value_t = 8)]
+    micro_batches: usize,
+    /// gpipe, 1f1b, interleaved or zb-h1.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    /// Model chunks per stage (interleaved).
+    #[arg(long, default_value_t = 2)]
+    virtual_stages: usize,
+    /// Write a Chrome/Perfetto trace here.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+}
+
+pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
+    let sched = match &a.plan {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let plan = Plan::from_json(&text)?;
+            plan.pipeline.with_context(|| {
+                format!(
+                    "{} has no pipeline schedule (its mesh has no pp axis)",
+                    p.display()
+                )
+            })?
+        }
+        None => PipelineSchedule::new(
+            ScheduleKind::from_name(&a.schedule)?,
+            a.pp,
+            a.micro_batches,
+            a.virtual_stages,
+        )?,
+    };
+    let replay = sched.replay(PassCosts::uniform(1.0))?;
+    let unit = 1.0 / sched.virtual_stages as f64;
+    println!(
+        "{} schedule: {} stages, {} micro-batches{}; forward = 1 unit per stage, backward = 2{}",
+        sched.kind.name(),
+        sched.stages,
+        sched.micro_batches,
+        if sched.virtual_stages > 1 {
+            format!(", {} chunks per stage", sched.virtual_stages)
+        } else {
+            String::new()
+        },
+        if sched.kind == ScheduleKind::ZbH1 {
+            " (B = 1 input-gradient + W = 1 weight-gradient)"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "{}",
+        replay.diagram(sched.stages, unit, sched.virtual_stages > 1)
+    );
+    let peaks: Vec<String> = replay
+        .peak_in_flight
+        .iter()
+        .map(|x| format!("{x}"))
+        .collect();
+    println!(
+        "makespan {} units, bubble fraction {:.4}, peak in-flight micro-batches per stage [{}]",
+        replay.makespan,
+        replay.bubble_fraction,
+        peaks.join(", ")
+    );
+    if let Some(t) = &a.trace {
+        // One unit = 1 ms in the trace.
+        let json = replay.trace_events(sched.stages, 1000.0);
+        std::fs::write(t, serde_json::to_string(&json)?)
+            .with_context(|| format!("writing {}", t.display()))?;
+        println!("wrote {} (open in https://ui.perfetto.dev)", t.display());
+    }
+    Ok(())
+}
