@@ -2,9 +2,13 @@
 //! No GPU dependency.
 #![deny(missing_docs)]
 
+pub mod autodiff;
+pub mod cost;
 pub mod ir;
 pub mod model;
 pub mod pipeline;
 pub mod plan;
+pub mod rewrite;
 pub mod schedule;
 pub mod shard;
+pub mod train;

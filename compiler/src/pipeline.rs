@@ -1,9 +1,11 @@
 //! The compile driver: each pass in order, one line each.
 //!
 //! config ─► forward graph ─► annotations (presets) ─► SPMD graph (partition + reshard)
+//! ─► rewritten SPMD graph (egg rules + cost extraction; optional, off by default)
 
 use crate::ir::Graph;
 use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
+use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
 use crate::shard::{self, Mesh, ShardError, ShardedGraph, Strategy};
 use thiserror::Error;
 
@@ -29,6 +31,8 @@ pub struct Compiled {
     pub strategies: Vec<Strategy>,
     /// The SPMD program.
     pub sharded: ShardedGraph,
+    /// The rewrite pass's report, when rules ran.
+    pub report: Option<RewriteReport>,
 }
 
 /// A compile error.
@@ -40,10 +44,22 @@ pub enum CompileError {
     /// Sharding.
     #[error(transparent)]
     Shard(#[from] ShardError),
+    /// Rewriting.
+    #[error(transparent)]
+    Rewrite(#[from] RewriteError),
 }
 
-/// Compiles the forward pass of `cfg` for `opts`.
+/// Compiles the forward pass of `cfg` for `opts` (no rewriting).
 pub fn compile_forward(cfg: &ModelConfig, opts: &CompileOptions) -> Result<Compiled, CompileError> {
+    compile_forward_with(cfg, opts, &RewriteOptions::default())
+}
+
+/// Compiles the forward pass of `cfg` for `opts`, then rewrites it under `rw`.
+pub fn compile_forward_with(
+    cfg: &ModelConfig,
+    opts: &CompileOptions,
+    rw: &RewriteOptions,
+) -> Result<Compiled, CompileError> {
     // 1. Strategies: mesh axis defaults plus extras; model-level divisibility.
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
     shard::check_model(cfg, &opts.mesh, &strategies, opts.batch, opts.seq)?;
@@ -59,9 +75,17 @@ pub fn compile_forward(cfg: &ModelConfig, opts: &CompileOptions) -> Result<Compi
     let ann = shard::annotate(&logical, &opts.mesh, &strategies);
     // 4. SPMD partitioning: propagate layouts, insert reshards.
     let sharded = shard::partition(&logical, &opts.mesh, &ann)?;
+    // 5. Rewriting: collectives split, moved, cancelled, overlapped; kernels fused.
+    let (sharded, report) = if rw.rules.resolve()?.is_empty() {
+        (sharded, None)
+    } else {
+        let r = rewrite::rewrite(&sharded, rw)?;
+        (r.sharded, Some(r.report))
+    };
     Ok(Compiled {
         logical,
         strategies,
         sharded,
+        report,
     })
 }

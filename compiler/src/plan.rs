@@ -36,6 +36,10 @@ pub struct PlanMemory {
     pub activation_arena_bytes: u64,
     /// Sum of all activation bytes (without reuse).
     pub activation_total_bytes: u64,
+    /// Training step accounting: parameters, gradients, optimizer states, activations kept
+    /// for backward (per layer), communication buffers, peak (training plans only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train: Option<crate::train::TrainMemory>,
 }
 
 /// The plan.
@@ -67,6 +71,12 @@ pub struct Plan {
     /// The pipeline schedule, when the mesh has a `pp` axis.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<crate::schedule::pipeline::PipelineSchedule>,
+    /// Communication volume per rank per step (training plans only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm: Option<crate::train::CommVolume>,
+    /// What the rewrite pass did (when rules ran).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rewrite: Option<crate::rewrite::RewriteReport>,
 }
 
 /// A plan that fails a static check or cannot be read.
@@ -156,8 +166,11 @@ impl Plan {
                 param_bytes,
                 activation_arena_bytes: arena,
                 activation_total_bytes,
+                train: None,
             },
             pipeline: None,
+            comm: None,
+            rewrite: c.report.clone(),
         }
     }
 

@@ -9,7 +9,7 @@
 //! [`ParamCache`] with [`execute_with_params`]).
 
 use crate::comm::{CommError, Communicator};
-use crate::cpu::{self, collective, elementwise, layout, vocab};
+use crate::cpu::{self, collective, collective_matmul, elementwise, layout, vocab};
 use crate::weights::round_to;
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::ir::{DType, Graph, IrError, Node, Op, ParamSource, ShardSpec, ValueId};
@@ -337,6 +337,34 @@ impl<'g, 'p> Run<'g, 'p> {
                 };
                 owned(self.take_chunk(args[0], &spec))
             }
+            Op::AgMatMul {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => owned(collective_matmul::ag_matmul(
+                self.ctx.comm(axis)?,
+                args[0],
+                args[1],
+                *dim,
+                *parts,
+                *transpose_b,
+                &wrap,
+            )),
+            Op::MatMulRs {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => owned(collective_matmul::matmul_rs(
+                self.ctx.comm(axis)?,
+                args[0],
+                args[1],
+                *dim,
+                *parts,
+                *transpose_b,
+                &wrap,
+            )),
             Op::RankOffset { axis, stride } => {
                 let (coord, _) = self.coord(axis)?;
                 owned(elementwise::rank_offset(args[0], coord, *stride))

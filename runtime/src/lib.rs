@@ -3,10 +3,13 @@
 
 pub mod comm;
 mod cpu;
+pub mod cuda;
 mod error;
 mod exec;
+pub mod launch;
 pub mod spmd;
 pub mod tensor;
+pub mod train;
 mod weights;
 
 pub use cpu::eval_op;

@@ -4,8 +4,9 @@ use super::fmt::{bytes, thousands};
 use anyhow::Context;
 use clap::Args;
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::pipeline::{compile_forward, CompileOptions};
+use shardc::compiler::pipeline::{compile_forward_with, CompileOptions};
 use shardc::compiler::plan::Plan;
+use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc::compiler::shard::Mesh;
 use std::path::PathBuf;
 
@@ -35,6 +36,19 @@ pub struct CompileArgs {
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "plan.json")]
     pub output: PathBuf,
+    /// Cluster profile whose device memory every rank must fit (`dgx-h100`, a `.toml` path).
+    #[arg(long, default_value = "dgx-h100")]
+    pub cluster: String,
+    /// Write the plan even when a rank's memory exceeds the device's.
+    #[arg(long)]
+    pub allow_oom: bool,
+    /// Rewrite rules: `none`, `all`, `sequence-parallel`, or rule and group names,
+    /// comma-separated (e.g. `allreduce-split,gather-sink,collective-matmul`).
+    #[arg(long, default_value = "none")]
+    pub rewrite: String,
+    /// Weight of the rewriter's activation-memory term, µs per MiB (0: time only).
+    #[arg(long, default_value_t = shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB)]
+    pub memory_weight: f64,
 }
 
 /// Resolved inputs shared by `compile` and sharded `run`.
@@ -72,8 +86,10 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
         seq,
         a.gpus_per_node,
     )?;
+    let mut rw = RewriteOptions::with_rules(a.rewrite.parse::<RuleSelection>()?);
+    rw.cost.memory_us_per_mib = a.memory_weight;
     let t0 = std::time::Instant::now();
-    let compiled = compile_forward(&cfg, &opts)?;
+    let compiled = compile_forward_with(&cfg, &opts, &rw)?;
     let plan = Plan::new(
         &compiled,
         &path.display().to_string(),
@@ -81,10 +97,14 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
         cfg.layers,
     );
     plan.check_collective_order()?;
+    super::simulate::fit_check(&plan, &a.cluster, a.allow_oom)?;
     let elapsed = t0.elapsed();
     let json = plan.to_json();
     std::fs::write(&a.output, &json).with_context(|| format!("writing {}", a.output.display()))?;
     print_summary(&plan);
+    if let Some(r) = &compiled.report {
+        print!("{r}");
+    }
     println!(
         "compiled in {:.1} ms; wrote {} (plan format v{}, {} steps, {})",
         elapsed.as_secs_f64() * 1e3,

@@ -1,11 +1,16 @@
 //! Subcommands.
 
+mod bench;
+mod calibrate;
 mod compile;
 mod explain;
 mod fmt;
 mod inspect;
+mod launch;
 mod run;
 mod schedule;
+mod simulate;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -33,6 +38,19 @@ enum Command {
     Run(run::RunArgs),
     /// Show a pipeline schedule: per-stage timeline, bubble fraction, in-flight micro-batches.
     Schedule(schedule::ScheduleArgs),
+    /// Start one process per rank (torchrun-style env + TCP rendezvous) running a shardc
+    /// command, e.g. `shardc launch --nproc-per-node 2 -- run MODEL --mesh tp=2 ...`.
+    Launch(launch::LaunchArgs),
+    /// Benchmarks (`bench collectives`: nccl-tests-style bandwidth of each collective).
+    Bench(bench::BenchArgs),
+    /// Predict step time, TFLOP/s, MFU, communication and memory on a cluster profile
+    /// (`--train` for a training step), optionally with a Perfetto trace.
+    Simulate(simulate::SimulateArgs),
+    /// Fit a device/cluster profile to GEMM, copy and collective micro-benchmarks.
+    Calibrate(calibrate::CalibrateArgs),
+    /// Train on token ids (causal-LM loss, AdamW; CPU reference, `--mesh` on thread ranks):
+    /// prints the loss per step, `--save` writes the checkpoint.
+    Train(train::TrainArgs),
 }
 
 /// Runs a parsed command line.
@@ -42,7 +60,12 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Compile(a) => compile::run(a),
         Command::Explain(a) => explain::run(a),
         Command::Run(a) => run::run(a),
+        Command::Launch(a) => launch::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Simulate(a) => simulate::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
         Command::Schedule(a) => schedule::run(a),
+        Command::Train(a) => train::run(a),
     }
 }
 

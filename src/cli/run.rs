@@ -1,15 +1,32 @@
 //! `shardc run`: execute a model on the CPU reference backend, unsharded or as a sharded plan
 //! on thread ranks, with the `--tokens/--out` JSON contract.
+//!
+//! Multi-process: when `RANK`/`WORLD_SIZE` are set (by `shardc launch`, torchrun or mpirun;
+//! see `shardc::runtime::launch::env`) and `--mesh` is given, this process runs only its
+//! rank's program, with TCP communicators to the other ranks; rank 0 writes `--out`, after a
+//! world barrier. `--comm-timeout` bounds every wait on a peer (rendezvous, connection, each
+//! collective): a peer that dies or stalls makes this rank exit non-zero with an error naming
+//! its rank, the collective, its sequence number and the mesh axis.
+//!
+//! Test hook (for the fault-handling tests only): `SHARDC_TEST_FAIL_RANK=<rank>` with
+//! `SHARDC_TEST_FAIL_MODE=exit|hang` makes that rank, once connected and before its first
+//! collective, exit with status 3 without saying goodbye (as a crash) or sleep for 600 s (a
+//! stall).
 
 use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
 use shardc::compiler::model::{build_forward, BuildOptions, ModelConfig};
 use shardc::compiler::pipeline::compile_forward;
+use shardc::runtime::cuda::{
+    execute_cuda, run_spmd_local_gpu, CudaDevice, CudaOptions, GpuDType, ParamInit,
+};
+use shardc::runtime::launch::{ProcessGroup, WorldEnv};
 use shardc::runtime::spmd::run_spmd;
 use shardc::runtime::{execute, RankCtx, Tensor, Weights};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
@@ -28,18 +45,53 @@ pub struct RunArgs {
     /// Where to write logits and final hidden states.
     #[arg(long)]
     out: PathBuf,
-    /// Run the sharded plan for this mesh on thread ranks (e.g. `tp=2`, `dp=2,tp=2`).
+    /// Run the sharded plan for this mesh on thread ranks (e.g. `tp=2`, `dp=2,tp=2`), or,
+    /// when RANK/WORLD_SIZE are set (`shardc launch`), this process's rank of it.
     #[arg(long)]
     mesh: Option<String>,
     /// Strategies beyond the mesh axes' defaults (e.g. `sp`).
     #[arg(long)]
     strategy: Vec<String>,
-    /// Backend.
+    /// Backend: `cpu` (reference) or `cuda` (one GPU; with `--mesh`, every rank as a
+    /// virtual rank of GPU 0 with the local-gpu communicator).
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Seconds a rank waits for its peers in a collective before failing.
-    #[arg(long, default_value_t = 60)]
-    timeout: u64,
+    /// Element type of the CUDA backend (`f32` or `bf16`).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Seconds a rank waits for a peer (in a collective; multi-process: also at the
+    /// rendezvous and connection) before failing.
+    #[arg(long, alias = "timeout", value_parser = super::launch::parse_secs, default_value = "60")]
+    comm_timeout: Duration,
+}
+
+/// The test hook of the module docs.
+fn test_fault_hook(rank: usize) -> anyhow::Result<()> {
+    let Ok(which) = std::env::var("SHARDC_TEST_FAIL_RANK") else {
+        return Ok(());
+    };
+    if which.trim().parse::<usize>().ok() != Some(rank) {
+        return Ok(());
+    }
+    match std::env::var("SHARDC_TEST_FAIL_MODE").as_deref() {
+        Ok("exit") => {
+            eprintln!(
+                "rank {rank}: SHARDC_TEST_FAIL_MODE=exit: exiting before the first collective"
+            );
+            std::process::exit(3)
+        }
+        Ok("hang") => {
+            eprintln!(
+                "rank {rank}: SHARDC_TEST_FAIL_MODE=hang: stalling before the first collective"
+            );
+            std::thread::sleep(Duration::from_secs(600));
+            Ok(())
+        }
+        other => bail!(
+            "SHARDC_TEST_FAIL_MODE must be `exit` or `hang` (got {:?})",
+            other.unwrap_or_default()
+        ),
+    }
 }
 
 /// Reads a JSON `[[int, ...], ...]` file as a rectangular batch × seq matrix.
@@ -90,11 +142,27 @@ fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
-    if a.backend != "cpu" {
-        bail!(
-            "backend `{}` is not available in this build (available: cpu)",
-            a.backend
-        );
+    let cuda = match a.backend.as_str() {
+        "cpu" => None,
+        "cuda" => Some(cuda_backend(&a)?),
+        other => bail!("backend `{other}` is not available (available: cpu, cuda)"),
+    };
+    // A rank of a multi-process job (validated before any work).
+    let world = if WorldEnv::detected() {
+        Some(WorldEnv::from_env()?)
+    } else {
+        None
+    };
+    if let (None, Some(w)) = (&a.mesh, &world) {
+        if w.world_size > 1 {
+            bail!(
+                "this process is rank {} of {} (RANK/WORLD_SIZE are set) but no --mesh was given; \
+                 a multi-process run needs a mesh of {} ranks",
+                w.rank,
+                w.world_size,
+                w.world_size
+            );
+        }
     }
     let cfg = ModelConfig::from_path(&a.model)?;
     let (b, t, ids) = read_matrix(&a.tokens, "tokens")?;
@@ -158,11 +226,47 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let weights = Weights::open(&a.model)?;
     let t0 = Instant::now();
     let (outputs, how) = match &a.mesh {
+        _ if cuda.is_some() => {
+            if world.is_some() {
+                bail!("--backend cuda runs one process (--mesh runs every rank on GPU 0); multi-process CUDA runs are not wired into `shardc run` yet");
+            }
+            let (dev, opts) = cuda.as_ref().expect("invariant: matched");
+            run_cuda(dev, opts, &cfg, &a, &weights, &inputs, b, t)?
+        }
         None => {
             let g = build_forward(&cfg, BuildOptions::new(b, t))?;
             (
                 execute(&g, &weights, &inputs, &RankCtx::new())?,
                 "unsharded".to_string(),
+            )
+        }
+        Some(m) if world.is_some() => {
+            let env = world.as_ref().expect("invariant: matched");
+            let opts = super::compile::options(&cfg, Some(m), &a.strategy, b, t, 8)?;
+            let c = compile_forward(&cfg, &opts)?;
+            let pg = ProcessGroup::connect(env, &opts.mesh, None, a.comm_timeout)?;
+            test_fault_hook(env.rank)?;
+            let out = pg.run(&c.sharded.graph, &weights, &inputs)?;
+            let job: String = pg.bootstrap().iter().map(|x| format!("{x:02x}")).collect();
+            if env.rank != 0 {
+                println!(
+                    "rank {} ({}) of {} done; job {job}; rank 0 writes {}",
+                    env.rank,
+                    pg.coords(),
+                    env.world_size,
+                    a.out.display()
+                );
+                return Ok(());
+            }
+            let names: Vec<&str> = c.strategies.iter().map(|s| s.name()).collect();
+            (
+                out,
+                format!(
+                    "mesh {} ({}) as rank 0 of {} processes (tcp; job {job})",
+                    opts.mesh,
+                    names.join(","),
+                    env.world_size
+                ),
             )
         }
         Some(m) => {
@@ -173,7 +277,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 &opts.mesh,
                 &weights,
                 &inputs,
-                Duration::from_secs(a.timeout),
+                a.comm_timeout,
             )?;
             let names: Vec<&str> = c.strategies.iter().map(|s| s.name()).collect();
             (
@@ -212,4 +316,95 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         a.out.display()
     );
     Ok(())
+}
+
+/// The CUDA device and options for `--backend cuda`, or the clear error of a machine without
+/// a driver (checked before any other work).
+fn cuda_backend(a: &RunArgs) -> anyhow::Result<(Arc<CudaDevice>, CudaOptions)> {
+    let Some(dtype) = GpuDType::parse(&a.dtype) else {
+        bail!(
+            "--dtype {} is not supported by the CUDA backend (f32, bf16)",
+            a.dtype
+        );
+    };
+    // Probes for libcuda before any cudarc call: no driver is an error, never a panic.
+    let dev = CudaDevice::open(0).map_err(|e| anyhow::anyhow!("{e}; use --backend cpu"))?;
+    let opts = CudaOptions {
+        dtype,
+        timeout: a.comm_timeout,
+        ..CudaOptions::default()
+    };
+    Ok((dev, opts))
+}
+
+/// `--backend cuda`: the unsharded graph on GPU 0, or the plan for `--mesh` on virtual ranks
+/// of GPU 0 (local-gpu communicator). Returns rank 0's outputs and a description.
+#[allow(clippy::too_many_arguments)]
+fn run_cuda(
+    dev: &Arc<CudaDevice>,
+    opts: &CudaOptions,
+    cfg: &ModelConfig,
+    a: &RunArgs,
+    weights: &Weights,
+    inputs: &BTreeMap<String, Tensor>,
+    b: usize,
+    t: usize,
+) -> anyhow::Result<(BTreeMap<String, Tensor>, String)> {
+    let params = ParamInit::Weights(weights);
+    Ok(match &a.mesh {
+        None => {
+            let g = build_forward(cfg, BuildOptions::new(b, t))?;
+            let out = execute_cuda(dev, &g, &params, inputs, opts.clone())?;
+            (out, format!("unsharded on {} ({})", dev.name(), opts.dtype))
+        }
+        Some(m) => {
+            let o = super::compile::options(cfg, Some(m), &a.strategy, b, t, 8)?;
+            let c = compile_forward(cfg, &o)?;
+            let mut outs =
+                run_spmd_local_gpu(dev, &c.sharded.graph, &o.mesh, &params, inputs, opts)?;
+            (
+                outs.swap_remove(0),
+                format!(
+                    "mesh {} on {} virtual ranks of {} (local-gpu, {})",
+                    o.mesh,
+                    o.mesh.world_size(),
+                    dev.name(),
+                    opts.dtype
+                ),
+            )
+        }
+    })
+}
+
+#[cfg(test)]
+mod cuda_tests {
+    use super::*;
+    use shardc::runtime::cuda::CudaError;
+
+    /// `--backend cuda` on a machine without a driver fails first, with the clear message; on a
+    /// GPU machine it gets past the probe and fails on the (missing) model instead.
+    #[test]
+    fn cuda_backend_without_a_driver_is_a_clear_error() {
+        let args = RunArgs {
+            model: PathBuf::from("/nonexistent/model"),
+            tokens: PathBuf::from("/nonexistent/ids.json"),
+            attention_mask: None,
+            position_ids: None,
+            out: PathBuf::from("/nonexistent/out.json"),
+            mesh: None,
+            strategy: vec![],
+            backend: "cuda".into(),
+            dtype: "bf16".into(),
+            comm_timeout: Duration::from_secs(5),
+        };
+        let err = run(args).expect_err("no model here").to_string();
+        match shardc::runtime::cuda::cuda_device_count() {
+            Err(CudaError::NoDriver) => assert_eq!(
+                err,
+                "no CUDA driver found (libcuda.so not loadable); use --backend cpu"
+            ),
+            Err(_) => assert!(err.ends_with("; use --backend cpu"), "{err}"),
+            Ok(_) => assert!(err.contains("/nonexistent/model"), "{err}"),
+        }
+    }
 }

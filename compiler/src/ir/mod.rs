@@ -2,6 +2,8 @@
 //! parses back, and a verifier run after every pass.
 
 mod error;
+mod fused;
+mod grad;
 mod graph;
 mod ids;
 mod op;
@@ -10,6 +12,8 @@ mod types;
 mod verify;
 
 pub use error::IrError;
+pub use fused::{EwExpr, EwStep};
+pub use grad::{AdamWSpec, AttnWrt, CombineWrt, NormWrt};
 pub use graph::{Graph, Node};
 pub use ids::{Float, ValueId};
 pub use op::{

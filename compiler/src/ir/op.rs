@@ -1,7 +1,9 @@
 //! The op set and each op's type rule. The CPU reference kernel of each op (in `shardc-runtime`)
 //! is its one definition of semantics; the comments here state it in words.
 
-use super::{DType, Dim, Float, IrError, Role, TensorType};
+use super::{
+    AdamWSpec, AttnWrt, CombineWrt, DType, Dim, EwExpr, Float, IrError, NormWrt, Role, TensorType,
+};
 use serde::{Deserialize, Serialize};
 
 /// A mesh axis named by a collective (`tp`, `dp`, ...).
@@ -368,6 +370,149 @@ pub enum Op {
         /// Axis size.
         parts: usize,
     },
+    /// `(x₀, x₁, ..) -> expr(x₀, x₁, ..)`: an elementwise program run as one kernel, each
+    /// step with the semantics of its unfused op (see [`EwExpr`]). Made by the rewriter.
+    FusedElementwise {
+        /// The program.
+        expr: EwExpr,
+    },
+    /// `(a, b, x₁, ..) -> epilogue(a·b, x₁, ..)`: a GEMM (as `MatMul`) whose result is
+    /// operand 0 of an elementwise epilogue (bias, activation, gating). Made by the rewriter.
+    FusedMatMul {
+        /// `b` is stored transposed, as in `MatMul`.
+        transpose_b: bool,
+        /// The epilogue; its operand 0 is the GEMM result, operands 1.. are `x₁, ..`.
+        epilogue: EwExpr,
+    },
+    /// `(a, b, w) -> rms_norm(a + b, w)`: residual add and RMSNorm in one kernel (the sum
+    /// as `Add`, the norm as `RmsNorm`). Made by the rewriter.
+    AddRmsNorm {
+        /// ε added to the mean square.
+        eps: Float,
+    },
+    /// `(x, w) -> matmul(all_gather(x), w)`: the gather along row dim `dim` (not the last)
+    /// decomposed into a ring of partial GEMMs with send/recv, so communication overlaps
+    /// compute (collective matmul). Made by the rewriter.
+    AgMatMul {
+        /// Mesh axis.
+        axis: AxisName,
+        /// Gathered row dim of `x` (and of the result).
+        dim: usize,
+        /// Axis size.
+        parts: usize,
+        /// `w` is stored transposed, as in `MatMul`.
+        transpose_b: bool,
+    },
+    /// `(x, w) -> reduce_scatter(matmul(x, w))`: the scatter along row dim `dim` (not the
+    /// last) decomposed into a ring of partial GEMMs whose partial sums travel with
+    /// send/recv. Made by the rewriter.
+    MatMulRs {
+        /// Mesh axis.
+        axis: AxisName,
+        /// Scattered row dim of the product.
+        dim: usize,
+        /// Axis size.
+        parts: usize,
+        /// `w` is stored transposed, as in `MatMul`.
+        transpose_b: bool,
+    },
+    // Training ops (attribute types and type rules in `grad.rs`). A `…Grad` op is the
+    // gradient of one operand of its forward op given `dy`, the gradient of the forward result.
+    /// `(x, dy) -> dy · f'(x)`: the gradient of `Unary(f)` (f' in f64, rounded once).
+    UnaryGrad(UnaryOp),
+    /// `(dy[.., N], b[N]) -> [N]`: Σ of `dy` over every leading dim, the gradient of a bias
+    /// added by `Add`. `b` only gives the result's shape and layout.
+    BiasGrad,
+    /// `(a, dy, b) -> db`: the gradient of `MatMul { transpose_b }(a, b)` wrt `b`: aᵀ·dy
+    /// summed over every leading dim of `a` and `dy` (2-D `b`), or per leading index `E`
+    /// (batched 3-D `b`), laid out like `b`. `b` only gives the shape and layout.
+    WeightGrad {
+        /// As in the forward `MatMul`.
+        transpose_b: bool,
+    },
+    /// `(x, w, dy) -> dx` or `dw`: the gradient of `RmsNorm { eps }(x, w)`; `dw` sums over
+    /// every leading dim.
+    RmsNormGrad {
+        /// As in the forward op.
+        eps: Float,
+        /// The differentiated operand.
+        wrt: NormWrt,
+    },
+    /// `(x, w, dy) -> dx` or `dw`: the gradient of `LayerNorm { eps }(x, w, b)` (the bias
+    /// gradient is a `BiasGrad`).
+    LayerNormGrad {
+        /// As in the forward op.
+        eps: Float,
+        /// The differentiated operand.
+        wrt: NormWrt,
+    },
+    /// `(dy[B,T,N,D], pos[B,T]) -> dx`: the gradient of `Rope(spec)`, the rotation by the
+    /// negated angle.
+    RopeGrad(RopeSpec),
+    /// `(q[B,T,Hq,D], k[B,S,Hkv,D] [, mask[B,S]]) -> [B,Hq,T,S]`: the probabilities
+    /// `softmax(q·kᵀ·scale + masks)` of `Attention(spec)` exactly as it computes them
+    /// (masked keys 0; a query with no visible key a row of zeros). Saved by the forward pass
+    /// or recomputed in the backward pass.
+    AttentionProbs(AttnSpec),
+    /// `(q, k, v, dy, probs) -> dq | dk | dv`: the gradient of `Attention(spec)(q, k, v ..)`
+    /// given its probabilities (`AttentionProbs`); `dk`, `dv` sum over the query heads that
+    /// share a KV head.
+    AttentionGrad {
+        /// The forward attention's parameters.
+        spec: AttnSpec,
+        /// The differentiated operand.
+        wrt: AttnWrt,
+    },
+    /// `(ids[..], dy[.., H], table[V, H]) -> [V, H]`: row `i` is the sum of the rows of `dy`
+    /// whose id is `i` (ids outside `[0, V)` add nothing), the gradient of `Embedding` wrt its
+    /// table. `table` only gives the shape and layout.
+    EmbeddingGrad,
+    /// `(logits[.., E], dgates[.., E]) -> [.., E]`: the gradient of `Router { top_k,
+    /// normalize }` (through the softmax and the renormalisation of the kept gates; dropped
+    /// experts pass nothing back).
+    RouterGrad {
+        /// As in the forward op.
+        top_k: usize,
+        /// As in the forward op.
+        normalize: bool,
+    },
+    /// `(dxe[E,B,T,H], gates[B,T,E]) -> [B,T,H]`: Σₑ of `dxe[e,b,t]` over the experts with
+    /// `gates[b,t,e] != 0`, the gradient of `Dispatch` wrt `x`.
+    DispatchGrad,
+    /// `(y[E,B,T,H], gates[B,T,E], dy[B,T,H])`: the gradient of `Combine(y, gates)` wrt `y`
+    /// (`gates[b,t,e]·dy[b,t]` where the gate is non-zero, else 0) or wrt `gates`
+    /// (`dy[b,t]·y[e,b,t]` where the gate is non-zero, else 0).
+    CombineGrad {
+        /// The differentiated operand.
+        wrt: CombineWrt,
+    },
+    /// `(logits[.., V], labels[..]) -> [.., V]`: the gradient of `CrossEntropy { denom }`
+    /// wrt the logits, `(softmax(logits) − onehot(label)) / denom` on rows with label ≥ 0 and
+    /// zero rows elsewhere.
+    CrossEntropyGrad {
+        /// As in the forward op.
+        denom: usize,
+    },
+    /// `(dy) -> dx`: the gradient of `Repeat { dim, times }`: each run of `times` consecutive
+    /// indices along `dim` summed.
+    RepeatGrad {
+        /// As in the forward op.
+        dim: usize,
+        /// As in the forward op.
+        times: usize,
+    },
+    /// `(m, g) -> m + (1 − β)·(g − m)`, or with `squared` `β·m + (1 − β)·g·g`: an Adam moment
+    /// update in f32 (PyTorch's `lerp_` and `mul_(β).addcmul_`).
+    AdamMoment {
+        /// Decay β.
+        beta: Float,
+        /// Second moment (of `g²`).
+        squared: bool,
+    },
+    /// `(w, m, v, step[]) -> w·(1 − lr·λ) − lr/(1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)` with
+    /// `t = step` (PyTorch's AdamW; the updated moments `m`, `v` come from `AdamMoment`).
+    /// Computed in f64, rounded once.
+    AdamWUpdate(AdamWSpec),
 }
 
 fn mul(op: &'static str, a: usize, b: usize) -> Result<usize, IrError> {
@@ -438,6 +583,27 @@ impl Op {
             Op::Broadcast { .. } => "broadcast",
             Op::LocalSlice { .. } => "local_slice",
             Op::RankOffset { .. } => "rank_offset",
+            Op::FusedElementwise { .. } => "fused_elementwise",
+            Op::FusedMatMul { .. } => "fused_matmul",
+            Op::AddRmsNorm { .. } => "add_rms_norm",
+            Op::AgMatMul { .. } => "ag_matmul",
+            Op::MatMulRs { .. } => "matmul_rs",
+            Op::UnaryGrad(_) => "unary_grad",
+            Op::BiasGrad => "bias_grad",
+            Op::WeightGrad { .. } => "weight_grad",
+            Op::RmsNormGrad { .. } => "rms_norm_grad",
+            Op::LayerNormGrad { .. } => "layer_norm_grad",
+            Op::RopeGrad(_) => "rope_grad",
+            Op::AttentionProbs(_) => "attention_probs",
+            Op::AttentionGrad { .. } => "attention_grad",
+            Op::EmbeddingGrad => "embedding_grad",
+            Op::RouterGrad { .. } => "router_grad",
+            Op::DispatchGrad => "dispatch_grad",
+            Op::CombineGrad { .. } => "combine_grad",
+            Op::CrossEntropyGrad { .. } => "cross_entropy_grad",
+            Op::RepeatGrad { .. } => "repeat_grad",
+            Op::AdamMoment { .. } => "adam_moment",
+            Op::AdamWUpdate(_) => "adamw_update",
         }
     }
 
@@ -462,9 +628,17 @@ impl Op {
             | Op::AllToAll { axis, .. }
             | Op::Broadcast { axis, .. }
             | Op::LocalSlice { axis, .. }
-            | Op::RankOffset { axis, .. } => Some(axis),
+            | Op::RankOffset { axis, .. }
+            | Op::AgMatMul { axis, .. }
+            | Op::MatMulRs { axis, .. } => Some(axis),
             _ => None,
         }
+    }
+
+    /// True for ops that exchange data between ranks: the collectives and the fused GEMMs
+    /// with communication inside (`AgMatMul`, `MatMulRs`), which are not collectives.
+    pub fn communicates(&self) -> bool {
+        self.is_collective() || matches!(self, Op::AgMatMul { .. } | Op::MatMulRs { .. })
     }
 
     /// True for ops whose type must be declared (it does not follow from the operands).
@@ -480,6 +654,9 @@ impl Op {
         declared: Option<&TensorType>,
     ) -> Result<TensorType, IrError> {
         let m = self.mnemonic();
+        if let Some(r) = super::grad::infer(self, inputs) {
+            return r;
+        }
         match self {
             Op::Input { .. } | Op::Param(_) => {
                 arity(self, inputs, 0, "0")?;
@@ -800,6 +977,103 @@ impl Op {
                 t.dims[*concat_dim].size = mul(m, t.dims[*concat_dim].size, *parts)?;
                 Ok(t)
             }
+            Op::FusedElementwise { expr } => expr.infer(m, inputs),
+            Op::FusedMatMul {
+                transpose_b,
+                epilogue,
+            } => {
+                if inputs.len() < 2 {
+                    return Err(IrError::Arity {
+                        op: m,
+                        expected: "at least 2",
+                        found: inputs.len(),
+                    });
+                }
+                let mm = Op::MatMul {
+                    transpose_b: *transpose_b,
+                }
+                .infer(&inputs[..2], None)
+                .map_err(|e| shape_err(m, e.to_string()))?;
+                let mut ep: Vec<&TensorType> = vec![&mm];
+                ep.extend_from_slice(&inputs[2..]);
+                epilogue.infer(m, &ep)
+            }
+            Op::AddRmsNorm { eps } => {
+                arity(self, inputs, 3, "3")?;
+                let sum = Op::Add
+                    .infer(&inputs[..2], None)
+                    .map_err(|e| shape_err(m, e.to_string()))?;
+                Op::RmsNorm { eps: *eps }
+                    .infer(&[&sum, inputs[2]], None)
+                    .map_err(|e| shape_err(m, e.to_string()))
+            }
+            Op::AgMatMul {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => {
+                arity(self, inputs, 2, "2")?;
+                if *dim + 1 >= inputs[0].rank() {
+                    return Err(shape_err(
+                        m,
+                        format!("dim {dim} of {} is not a row dim", inputs[0]),
+                    ));
+                }
+                let ag = Op::AllGather {
+                    axis: axis.clone(),
+                    dim: *dim,
+                    parts: *parts,
+                };
+                let g = ag
+                    .infer(&inputs[..1], None)
+                    .map_err(|e| shape_err(m, e.to_string()))?;
+                Op::MatMul {
+                    transpose_b: *transpose_b,
+                }
+                .infer(&[&g, inputs[1]], None)
+                .map_err(|e| shape_err(m, e.to_string()))
+            }
+            Op::MatMulRs {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => {
+                arity(self, inputs, 2, "2")?;
+                let p = Op::MatMul {
+                    transpose_b: *transpose_b,
+                }
+                .infer(inputs, None)
+                .map_err(|e| shape_err(m, e.to_string()))?;
+                if *dim + 1 >= p.rank() {
+                    return Err(shape_err(m, format!("dim {dim} of {p} is not a row dim")));
+                }
+                let rs = Op::ReduceScatter {
+                    axis: axis.clone(),
+                    dim: *dim,
+                    parts: *parts,
+                };
+                rs.infer(&[&p], None)
+                    .map_err(|e| shape_err(m, e.to_string()))
+            }
+            // Typed by `grad::infer` above.
+            Op::UnaryGrad(_)
+            | Op::BiasGrad
+            | Op::WeightGrad { .. }
+            | Op::RmsNormGrad { .. }
+            | Op::LayerNormGrad { .. }
+            | Op::RopeGrad(_)
+            | Op::AttentionProbs(_)
+            | Op::AttentionGrad { .. }
+            | Op::EmbeddingGrad
+            | Op::RouterGrad { .. }
+            | Op::DispatchGrad
+            | Op::CombineGrad { .. }
+            | Op::CrossEntropyGrad { .. }
+            | Op::RepeatGrad { .. }
+            | Op::AdamMoment { .. }
+            | Op::AdamWUpdate(_) => Err(IrError::Invalid(format!("{m}: untyped training op"))),
         }
     }
 }

@@ -44,9 +44,10 @@ mod tests {
     use super::print::Lit;
     use super::*;
     use crate::ir::{
-        dims, AttnSpec, DType, Dim, Float, Op, ParamSource, ParamView, Role, RopeScaling, RopeSpec,
-        RopeStyle, ShardSpec, TensorType, UnaryOp, ValueId,
+        dims, AttnSpec, DType, Dim, EwExpr, EwStep, Float, Op, ParamSource, ParamView, Role,
+        RopeScaling, RopeSpec, RopeStyle, ShardSpec, TensorType, UnaryOp, ValueId,
     };
+    use crate::ir::{AdamWSpec, AttnWrt, CombineWrt, NormWrt};
     use proptest::prelude::*;
     use DType::{Bf16, F32, I32};
     use Role::{Batch, Expert, HeadDim, Heads, Hidden, Other, Seq, Vocab};
@@ -265,6 +266,103 @@ mod tests {
             &[bc],
             "",
         )?;
+        let ew = |steps: Vec<EwStep>| EwExpr { steps };
+        let fe = ew(vec![
+            EwStep::Add { a: 0, b: 1 },
+            EwStep::Unary {
+                f: UnaryOp::Silu,
+                x: 2,
+            },
+            EwStep::Mul { a: 3, b: 0 },
+            EwStep::Scale {
+                c: Float(0.5),
+                x: 4,
+            },
+            EwStep::Cast { to: Bf16, x: 5 },
+        ]);
+        g.add(Op::FusedElementwise { expr: fe }, &[m, wn], "fused")?;
+        let epilogue = ew(vec![
+            EwStep::Add { a: 0, b: 1 },
+            EwStep::Unary {
+                f: UnaryOp::GeluTanh,
+                x: 2,
+            },
+        ]);
+        let fm = Op::FusedMatMul {
+            transpose_b: true,
+            epilogue,
+        };
+        g.add(fm, &[m, wq, lb], "")?;
+        g.add(Op::AddRmsNorm { eps: Float(1e-6) }, &[x, a3, wn], "")?;
+        let (axis, dim, parts, transpose_b) = ("tp".to_string(), 1, 2, true);
+        let agm = Op::AgMatMul {
+            axis: axis.clone(),
+            dim,
+            parts,
+            transpose_b,
+        };
+        g.add(agm, &[m, wq], "")?;
+        let mrs = Op::MatMulRs {
+            axis,
+            dim,
+            parts,
+            transpose_b,
+        };
+        g.add(mrs, &[m, wq], "")?;
+        // Training ops.
+        let dm = g.add(Op::UnaryGrad(UnaryOp::GeluTanh), &[m, m], "")?;
+        g.add(Op::BiasGrad, &[dm, lb], "")?;
+        g.add(Op::WeightGrad { transpose_b: true }, &[xn, q, wq], "")?;
+        let rms_dx = Op::RmsNormGrad {
+            eps: Float(1e-6),
+            wrt: NormWrt::X,
+        };
+        g.add(rms_dx, &[x, wn, dm], "")?;
+        let ln_dw = Op::LayerNormGrad {
+            eps: Float(1e-5),
+            wrt: NormWrt::Weight,
+        };
+        g.add(ln_dw, &[m, wn, dm], "")?;
+        let rope_spec = RopeSpec {
+            theta: Float(1e4),
+            style: RopeStyle::Interleaved,
+            scaling: Some(RopeScaling::Linear { factor: Float(4.0) }),
+        };
+        g.add(Op::RopeGrad(rope_spec), &[q4, pos], "")?;
+        let spec = AttnSpec {
+            causal: true,
+            window: Some(3),
+            scale: Float(0.5),
+        };
+        let probs = g.add(Op::AttentionProbs(spec), &[qr, kr, mask], "probs")?;
+        let wrt = AttnWrt::K;
+        g.add(
+            Op::AttentionGrad { spec, wrt },
+            &[qr, kr, vr, att, probs],
+            "",
+        )?;
+        g.add(Op::EmbeddingGrad, &[ids, x, emb], "")?;
+        let router_grad = Op::RouterGrad {
+            top_k: 2,
+            normalize: true,
+        };
+        g.add(router_grad, &[le, le], "")?;
+        g.add(Op::DispatchGrad, &[disp, gates], "")?;
+        let wrt = CombineWrt::Gates;
+        g.add(Op::CombineGrad { wrt }, &[ey, gates, comb], "")?;
+        g.add(Op::CrossEntropyGrad { denom: 7 }, &[logits, labels], "")?;
+        g.add(Op::RepeatGrad { dim: 2, times: 2 }, &[q4], "")?;
+        let step = g.input("step", TensorType::plain(F32, &[]));
+        let moment = Op::AdamMoment {
+            beta: Float(0.9),
+            squared: true,
+        };
+        let mo = g.add(moment, &[wn, wn], "")?;
+        g.add(
+            Op::AdamWUpdate(AdamWSpec::default()),
+            &[wn, mo, mo, step],
+            "",
+        )?;
         g.set_output("loss", loss);
         g.set_output("logits", logits);
         g.set_output("weird \"name\"\n", ls);
@@ -286,7 +384,8 @@ mod tests {
         let g = every_op()?;
         let mnemonics: std::collections::HashSet<_> =
             g.nodes.iter().map(|n| n.op.mnemonic()).collect();
-        assert_eq!(mnemonics.len(), 30, "every Op variant is covered");
+        // 30 ops, plus the rewriter's 5 fused ones.
+        assert_eq!(mnemonics.len(), 30 + 5 + 16, "every Op variant is covered");
         round_trip(&g);
         Ok(())
     }

@@ -29,11 +29,29 @@ pub enum Strategy {
     Sp,
     /// Expert parallel.
     Ep,
+    /// ZeRO stage 1 (training): optimizer states sharded over `dp`.
+    Zero1,
+    /// ZeRO stage 2 (training): optimizer states and gradients sharded over `dp`.
+    Zero2,
+    /// ZeRO stage 3 (training): optimizer states, gradients and parameters sharded over `dp`;
+    /// parameters all-gathered before use (forward and backward) and freed after.
+    Zero3,
+    /// PyTorch FSDP (full sharding): ZeRO stage 3.
+    Fsdp,
 }
 
 impl Strategy {
     /// All strategies this version implements.
-    pub const ALL: [Strategy; 4] = [Strategy::Dp, Strategy::Tp, Strategy::Sp, Strategy::Ep];
+    pub const ALL: [Strategy; 8] = [
+        Strategy::Dp,
+        Strategy::Tp,
+        Strategy::Sp,
+        Strategy::Ep,
+        Strategy::Zero1,
+        Strategy::Zero2,
+        Strategy::Zero3,
+        Strategy::Fsdp,
+    ];
 
     /// Text name.
     pub fn name(self) -> &'static str {
@@ -42,6 +60,20 @@ impl Strategy {
             Strategy::Tp => "tp",
             Strategy::Sp => "sp",
             Strategy::Ep => "ep",
+            Strategy::Zero1 => "zero1",
+            Strategy::Zero2 => "zero2",
+            Strategy::Zero3 => "zero3",
+            Strategy::Fsdp => "fsdp",
+        }
+    }
+
+    /// The ZeRO stage of a ZeRO strategy (`fsdp` is stage 3); 0 for the others.
+    pub fn zero_stage(self) -> u8 {
+        match self {
+            Strategy::Zero1 => 1,
+            Strategy::Zero2 => 2,
+            Strategy::Zero3 | Strategy::Fsdp => 3,
+            _ => 0,
         }
     }
 
@@ -98,7 +130,9 @@ pub fn resolve(mesh: &Mesh, extra: &[String]) -> Result<Vec<Strategy>, ShardErro
     out.dedup();
     for s in &out {
         let needs = match s {
-            Strategy::Dp => "dp",
+            Strategy::Dp | Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp => {
+                "dp"
+            }
             Strategy::Tp | Strategy::Sp => "tp",
             Strategy::Ep => "ep",
         };

@@ -7,7 +7,7 @@
 //! Example, `matmul (m,k),(k,n)->(m,n)`: `k` sharded on `tp` in both operands gives a result
 //! partial over `tp` (Megatron's row-parallel layer).
 
-use crate::ir::{Op, TensorType};
+use crate::ir::{CombineWrt, NormWrt, Op, TensorType};
 
 /// Which operands may arrive as partial sums (the op is linear in them).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,7 +128,7 @@ fn reshape(inp: &[usize], out: &[usize]) -> FactorRule {
 }
 
 /// The factor rule of `op` with operand types `ins` and result type `out`. `None` for ops
-/// that never appear in a logical graph (collectives).
+/// that never appear in a logical graph (collectives, fused ops).
 pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule> {
     let ranks: Vec<usize> = ins.iter().map(|t| t.rank()).collect();
     let mut b = B { n: 0 };
@@ -320,8 +320,204 @@ pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule
         | Op::AllGather { .. }
         | Op::AllToAll { .. }
         | Op::Broadcast { .. }
-        | Op::LocalSlice { .. } => return None,
+        | Op::LocalSlice { .. }
+        | Op::FusedElementwise { .. }
+        | Op::FusedMatMul { .. }
+        | Op::AddRmsNorm { .. }
+        | Op::AgMatMul { .. }
+        | Op::MatMulRs { .. } => return None,
+        Op::UnaryGrad(_)
+        | Op::BiasGrad
+        | Op::WeightGrad { .. }
+        | Op::RmsNormGrad { .. }
+        | Op::LayerNormGrad { .. }
+        | Op::RopeGrad(_)
+        | Op::AttentionProbs(_)
+        | Op::AttentionGrad { .. }
+        | Op::EmbeddingGrad
+        | Op::RouterGrad { .. }
+        | Op::DispatchGrad
+        | Op::CombineGrad { .. }
+        | Op::CrossEntropyGrad { .. }
+        | Op::RepeatGrad { .. }
+        | Op::AdamMoment { .. }
+        | Op::AdamWUpdate(_) => train_rule(op, &ranks),
     })
+}
+
+/// Rules of the training ops. A gradient has the factors of the operand it differentiates;
+/// factors of the forward op that it sums over are contracted (so a weight gradient of a
+/// batch-split activation is a partial sum over the data axes), and the forward op's fixed
+/// factors stay fixed. Parameter-gradient ops read the parameter first, so the gradient is
+/// laid out like the parameter.
+fn train_rule(op: &Op, ranks: &[usize]) -> FactorRule {
+    let mut b = B { n: 0 };
+    let f = |i: Option<usize>| i.expect("invariant: fresh factor");
+    let mk = |operands: Vec<Vec<Option<usize>>>,
+              result: Vec<Option<usize>>,
+              n: usize,
+              fixed: Vec<usize>,
+              partial: PartialRule,
+              priority: Vec<usize>| FactorRule {
+        operands,
+        result,
+        factors: n,
+        fixed,
+        partial,
+        priority,
+    };
+    match op {
+        // Elementwise over equal shapes.
+        Op::UnaryGrad(_) | Op::AdamMoment { .. } => ident(ranks, true),
+        Op::RepeatGrad { .. } => {
+            let mut r = ident(ranks, true);
+            r.partial = PartialRule::OneOf(vec![0]);
+            r
+        }
+        Op::RouterGrad { .. } => {
+            let mut r = ident(ranks, true);
+            r.fixed.extend(r.result.last().copied().flatten());
+            r
+        }
+        Op::AdamWUpdate(_) => {
+            // (w, m, v, step[]): elementwise over w, m, v; the step is a scalar.
+            let x = b.fresh(ranks[0]);
+            let ops = vec![x.clone(), x.clone(), x.clone(), vec![]];
+            mk(ops, x, b.n, vec![], PartialRule::None, vec![0, 1, 2, 3])
+        }
+        Op::BiasGrad => {
+            // (dy[.., n], bias[n]) -> [n]: the leading dims are summed.
+            let x = b.fresh(ranks[0]);
+            let n = *x.last().expect("invariant: dy has a last dim");
+            let ops = vec![x, vec![n]];
+            mk(
+                ops,
+                vec![n],
+                b.n,
+                vec![],
+                PartialRule::OneOf(vec![0]),
+                vec![1, 0],
+            )
+        }
+        Op::WeightGrad { transpose_b } => {
+            // (a[.., m, k], dy[.., m, n], w) -> w: (k, n) or (n, k), batched (e, ..).
+            let a = b.fresh(ranks[0]);
+            let k = a[ranks[0] - 1];
+            let n = b.fresh(1)[0];
+            let mut dy = a.clone();
+            *dy.last_mut().expect("invariant: rank >= 2") = n;
+            let mut w = if *transpose_b { vec![n, k] } else { vec![k, n] };
+            if ranks[2] == 3 {
+                w.insert(0, a[0]);
+            }
+            let ops = vec![a, dy, w.clone()];
+            mk(ops, w, b.n, vec![], PartialRule::None, vec![2, 1, 0])
+        }
+        Op::RmsNormGrad { wrt, .. } | Op::LayerNormGrad { wrt, .. } => {
+            // (x, w[h], dy) -> dx (x's factors) or dw ([h], leading dims summed).
+            let x = b.fresh(ranks[0]);
+            let h = *x.last().expect("invariant: norm input has a last dim");
+            let result = match wrt {
+                NormWrt::X => x.clone(),
+                NormWrt::Weight => vec![h],
+            };
+            let ops = vec![x.clone(), vec![h], x];
+            mk(
+                ops,
+                result,
+                b.n,
+                vec![f(h)],
+                PartialRule::None,
+                vec![1, 0, 2],
+            )
+        }
+        Op::RopeGrad(_) => {
+            let x = b.fresh(4);
+            let ops = vec![x.clone(), x[..2].to_vec()];
+            let fixed = vec![f(x[3])];
+            mk(ops, x, b.n, fixed, PartialRule::OneOf(vec![0]), vec![0, 1])
+        }
+        Op::AttentionProbs(_) | Op::AttentionGrad { .. } => {
+            // q [b,t,h,d], k/v [b,s,h',d], dy [b,t,h,d], mask [b,s], probs [b,h,t,s].
+            let q = b.fresh(4);
+            let s = b.fresh(1)[0];
+            let kv = vec![q[0], s, q[2], q[3]];
+            let probs = vec![q[0], q[2], q[1], s];
+            let fixed = vec![f(q[1]), f(q[3]), f(s)];
+            match op {
+                Op::AttentionGrad { wrt, .. } => {
+                    let ops = vec![q.clone(), kv.clone(), kv, q, probs];
+                    let result = ops[wrt.operand()].clone();
+                    mk(
+                        ops,
+                        result,
+                        b.n,
+                        fixed,
+                        PartialRule::None,
+                        vec![0, 1, 2, 3, 4],
+                    )
+                }
+                _ => {
+                    let mut ops = vec![q, kv];
+                    if ranks.len() == 3 {
+                        ops.push(vec![probs[0], s]);
+                    }
+                    let prio = (0..ranks.len()).collect();
+                    mk(ops, probs, b.n, fixed, PartialRule::None, prio)
+                }
+            }
+        }
+        Op::EmbeddingGrad => {
+            // (ids[..], dy[.., h], table[v, h]) -> [v, h]: the ids' dims are summed.
+            let ids = b.fresh(ranks[0]);
+            let vh = b.fresh(2);
+            let mut dy = ids.clone();
+            dy.push(vh[1]);
+            let ops = vec![ids, dy, vh.clone()];
+            mk(
+                ops,
+                vh,
+                b.n,
+                vec![],
+                PartialRule::OneOf(vec![1]),
+                vec![2, 1, 0],
+            )
+        }
+        Op::DispatchGrad => {
+            // (dxe [e,b,t,h], gates [b,t,e]) -> [b,t,h]; e summed.
+            let x = b.fresh(4);
+            let ops = vec![x.clone(), vec![x[1], x[2], x[0]]];
+            let r = x[1..].to_vec();
+            mk(ops, r, b.n, vec![], PartialRule::OneOf(vec![0]), vec![1, 0])
+        }
+        Op::CombineGrad { wrt } => {
+            // (y [e,b,t,h], gates [b,t,e], dy [b,t,h]) -> dy_e [e,b,t,h] | dgates [b,t,e].
+            let y = b.fresh(4);
+            let g = vec![y[1], y[2], y[0]];
+            let result = match wrt {
+                CombineWrt::Y => y.clone(),
+                CombineWrt::Gates => g.clone(),
+            };
+            let ops = vec![y.clone(), g, y[1..].to_vec()];
+            mk(ops, result, b.n, vec![], PartialRule::None, vec![1, 0, 2])
+        }
+        Op::CrossEntropyGrad { .. } => {
+            // (logits [.., v], labels [..]) -> [.., v]; v whole (softmax over it).
+            let lead = b.fresh(ranks[1]);
+            let v = b.fresh(1)[0];
+            let mut l = lead.clone();
+            l.push(v);
+            mk(
+                vec![l.clone(), lead],
+                l,
+                b.n,
+                vec![f(v)],
+                PartialRule::None,
+                vec![0, 1],
+            )
+        }
+        _ => unreachable!("invariant: train_rule is called for training ops only"),
+    }
 }
 
 #[cfg(test)]

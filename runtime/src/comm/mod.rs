@@ -3,6 +3,9 @@
 //! order with the same sizes; implementations return [`CommError`] (never hang forever) when a
 //! peer fails or stalls past the group's timeout.
 
+pub mod device;
+pub mod local_gpu;
+pub mod nccl;
 pub mod tcp;
 pub mod thread;
 

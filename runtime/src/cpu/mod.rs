@@ -9,12 +9,15 @@
 
 pub(crate) mod attention;
 pub(crate) mod collective;
+pub(crate) mod collective_matmul;
 pub(crate) mod elementwise;
+pub(crate) mod fused;
 pub(crate) mod layout;
 pub(crate) mod linalg;
 pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod rope;
+pub(crate) mod train;
 pub(crate) mod vocab;
 
 use crate::{RuntimeError, Tensor};
@@ -24,12 +27,16 @@ use shardc_compiler::ir::{Op, TensorType};
 pub(crate) const PAR_MIN: usize = 1 << 15;
 
 /// Evaluates one context-free op on the CPU: every op except `Input`, `Param`, the
-/// collectives, `LocalSlice` and `RankOffset` (those need the executor's rank context).
+/// collectives, `AgMatMul`, `MatMulRs`, `LocalSlice` and `RankOffset` (those need the
+/// executor's rank context).
 /// `out` is the node's type: it supplies the shape of `Reshape` and the dtype of `Cast`.
 ///
 /// Embedding ids outside the table give zero rows here; the executor validates ids for
 /// unsharded tables.
 pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, RuntimeError> {
+    if let Some(r) = train::eval(op, inputs) {
+        return r;
+    }
     let m = op.mnemonic();
     let want = |n: usize| -> Result<(), RuntimeError> {
         if inputs.len() == n {
@@ -128,8 +135,19 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
             want(2)?;
             vocab::cross_entropy(inputs[0], inputs[1], *denom)
         }
+        Op::FusedElementwise { expr } => fused::elementwise(expr, inputs),
+        Op::FusedMatMul {
+            transpose_b,
+            epilogue,
+        } => fused::matmul(*transpose_b, epilogue, inputs),
+        Op::AddRmsNorm { eps } => {
+            want(3)?;
+            fused::add_rms_norm(inputs[0], inputs[1], inputs[2], eps.0)
+        }
         Op::Input { .. }
         | Op::Param(_)
+        | Op::AgMatMul { .. }
+        | Op::MatMulRs { .. }
         | Op::AllReduce { .. }
         | Op::ReduceScatter { .. }
         | Op::AllGather { .. }
@@ -139,6 +157,26 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
         | Op::RankOffset { .. } => Err(RuntimeError::Unsupported {
             op: m,
             detail: "needs the executor's rank context; use `execute`".into(),
+        }),
+        // Evaluated by `train::eval` above.
+        Op::UnaryGrad(_)
+        | Op::BiasGrad
+        | Op::WeightGrad { .. }
+        | Op::RmsNormGrad { .. }
+        | Op::LayerNormGrad { .. }
+        | Op::RopeGrad(_)
+        | Op::AttentionProbs(_)
+        | Op::AttentionGrad { .. }
+        | Op::EmbeddingGrad
+        | Op::RouterGrad { .. }
+        | Op::DispatchGrad
+        | Op::CombineGrad { .. }
+        | Op::CrossEntropyGrad { .. }
+        | Op::RepeatGrad { .. }
+        | Op::AdamMoment { .. }
+        | Op::AdamWUpdate(_) => Err(RuntimeError::Unsupported {
+            op: m,
+            detail: "a training op outside the training kernels".into(),
         }),
     }
 }

@@ -5,8 +5,9 @@
 
 use super::print::Quoted;
 use crate::ir::{
-    AttnSpec, DType, Dim, Float, Graph, IrError, Op, ParamSource, ParamView, Role, RopeScaling,
-    RopeSpec, RopeStyle, ShardSpec, TensorType, UnaryOp, ValueId,
+    AdamWSpec, AttnSpec, AttnWrt, CombineWrt, DType, Dim, EwExpr, EwStep, Float, Graph, IrError,
+    NormWrt, Op, ParamSource, ParamView, Role, RopeScaling, RopeSpec, RopeStyle, ShardSpec,
+    TensorType, UnaryOp, ValueId,
 };
 use std::str::FromStr;
 
@@ -364,6 +365,42 @@ fn scaling(v: Val) -> Result<RopeScaling, String> {
     a.finish(s)
 }
 
+fn ew_index(v: Val) -> Result<u32, String> {
+    let n = uint(v)?;
+    u32::try_from(n).map_err(|_| format!("value index {n} is out of range"))
+}
+fn ew_step(v: Val) -> Result<EwStep, String> {
+    let (tag, mut a) = record(v, &["add", "mul", "unary", "scale", "cast"])?;
+    let s = match tag.as_str() {
+        "add" => EwStep::Add {
+            a: a.req("a", ew_index)?,
+            b: a.req("b", ew_index)?,
+        },
+        "mul" => EwStep::Mul {
+            a: a.req("a", ew_index)?,
+            b: a.req("b", ew_index)?,
+        },
+        "unary" => EwStep::Unary {
+            f: a.req("fn", |v| named(v, "a unary function", UnaryOp::from_name))?,
+            x: a.req("x", ew_index)?,
+        },
+        "scale" => EwStep::Scale {
+            c: a.req("c", float)?,
+            x: a.req("x", ew_index)?,
+        },
+        _ => EwStep::Cast {
+            to: a.req("to", |v| named(v, "a dtype", DType::from_name))?,
+            x: a.req("x", ew_index)?,
+        },
+    };
+    a.finish(s)
+}
+fn ew_expr(v: Val) -> Result<EwExpr, String> {
+    Ok(EwExpr {
+        steps: list(v, ew_step)?,
+    })
+}
+
 /// The op named `m` from its attributes; `Ok(None)` for an unknown mnemonic.
 fn build_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
     let dim_parts = |a: &mut Attrs| -> Result<(String, usize, usize), String> {
@@ -471,6 +508,113 @@ fn build_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
             axis: a.req("axis", string)?,
             stride: a.req("stride", uint)?,
         },
+        "fused_elementwise" => Op::FusedElementwise {
+            expr: a.req("steps", ew_expr)?,
+        },
+        "fused_matmul" => Op::FusedMatMul {
+            transpose_b: a.req("transpose_b", boolean)?,
+            epilogue: a.req("epilogue", ew_expr)?,
+        },
+        "add_rms_norm" => Op::AddRmsNorm {
+            eps: a.req("eps", float)?,
+        },
+        "ag_matmul" | "matmul_rs" => {
+            let (axis, dim, parts) = dim_parts(&mut a)?;
+            let transpose_b = a.req("transpose_b", boolean)?;
+            if m == "ag_matmul" {
+                Op::AgMatMul {
+                    axis,
+                    dim,
+                    parts,
+                    transpose_b,
+                }
+            } else {
+                Op::MatMulRs {
+                    axis,
+                    dim,
+                    parts,
+                    transpose_b,
+                }
+            }
+        }
+        _ => return build_train_op(m, a),
+    };
+    a.finish(Some(op))
+}
+
+/// A training op (`grad.rs`) named `m` from its attributes; `Ok(None)` for an unknown
+/// mnemonic.
+fn build_train_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
+    let rope_spec = |a: &mut Attrs| -> Result<RopeSpec, String> {
+        Ok(RopeSpec {
+            theta: a.req("theta", float)?,
+            style: a.req("style", |v| {
+                named(v, "`half` or `interleaved`", |s| match s {
+                    "half" => Some(RopeStyle::Half),
+                    "interleaved" => Some(RopeStyle::Interleaved),
+                    _ => None,
+                })
+            })?,
+            scaling: a.opt("scaling", scaling)?,
+        })
+    };
+    let attn_spec = |a: &mut Attrs| -> Result<AttnSpec, String> {
+        Ok(AttnSpec {
+            causal: a.req("causal", boolean)?,
+            window: a.opt("window", uint)?,
+            scale: a.req("scale", float)?,
+        })
+    };
+    let norm_wrt = |v| named(v, "`x` or `weight`", NormWrt::from_name);
+    let op = match m {
+        "unary_grad" => {
+            Op::UnaryGrad(a.req("fn", |v| named(v, "a unary function", UnaryOp::from_name))?)
+        }
+        "bias_grad" => Op::BiasGrad,
+        "weight_grad" => Op::WeightGrad {
+            transpose_b: a.req("transpose_b", boolean)?,
+        },
+        "rms_norm_grad" => Op::RmsNormGrad {
+            eps: a.req("eps", float)?,
+            wrt: a.req("wrt", norm_wrt)?,
+        },
+        "layer_norm_grad" => Op::LayerNormGrad {
+            eps: a.req("eps", float)?,
+            wrt: a.req("wrt", norm_wrt)?,
+        },
+        "rope_grad" => Op::RopeGrad(rope_spec(&mut a)?),
+        "attention_probs" => Op::AttentionProbs(attn_spec(&mut a)?),
+        "attention_grad" => Op::AttentionGrad {
+            spec: attn_spec(&mut a)?,
+            wrt: a.req("wrt", |v| named(v, "`q`, `k` or `v`", AttnWrt::from_name))?,
+        },
+        "embedding_grad" => Op::EmbeddingGrad,
+        "router_grad" => Op::RouterGrad {
+            top_k: a.req("top_k", uint)?,
+            normalize: a.req("normalize", boolean)?,
+        },
+        "dispatch_grad" => Op::DispatchGrad,
+        "combine_grad" => Op::CombineGrad {
+            wrt: a.req("wrt", |v| named(v, "`y` or `gates`", CombineWrt::from_name))?,
+        },
+        "cross_entropy_grad" => Op::CrossEntropyGrad {
+            denom: a.req("denom", uint)?,
+        },
+        "repeat_grad" => Op::RepeatGrad {
+            dim: a.req("dim", uint)?,
+            times: a.req("times", uint)?,
+        },
+        "adam_moment" => Op::AdamMoment {
+            beta: a.req("beta", float)?,
+            squared: a.req("squared", boolean)?,
+        },
+        "adamw_update" => Op::AdamWUpdate(AdamWSpec {
+            lr: a.req("lr", float)?,
+            beta1: a.req("beta1", float)?,
+            beta2: a.req("beta2", float)?,
+            eps: a.req("eps", float)?,
+            weight_decay: a.req("weight_decay", float)?,
+        }),
         _ => return Ok(None),
     };
     a.finish(Some(op))
@@ -487,6 +631,7 @@ fn guard(op: &Op, tys: &[&TensorType]) -> Result<(), String> {
     let ok = match op {
         Op::AllToAll { parts: 0, .. } => return Err("parts must be positive".into()),
         Op::AllGather { dim, parts, .. }
+        | Op::AgMatMul { dim, parts, .. }
         | Op::AllToAll {
             concat_dim: dim,
             parts,

@@ -1,7 +1,7 @@
 //! Printing: `Display` for [`Op`] and [`Graph`] in the text form of [`super`]. Output is a
 //! function of the graph alone, so equal graphs print equal text.
 
-use crate::ir::{Float, Graph, Op, ParamView, RopeScaling, RopeStyle, ShardSpec};
+use crate::ir::{EwExpr, EwStep, Float, Graph, Op, ParamView, RopeScaling, RopeStyle, ShardSpec};
 use std::fmt::{self, Write as _};
 
 /// A string, always quoted.
@@ -114,6 +114,28 @@ impl Rec<'_, '_> {
     }
 }
 
+/// The steps of an elementwise program: `[add{a=0, b=1}, unary{fn=silu, x=2}]`.
+struct Steps<'a>(&'a EwExpr);
+
+impl fmt::Display for Steps<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_char('[')?;
+        for (i, s) in self.0.steps.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            match s {
+                EwStep::Add { a, b } => write!(f, "add{{a={a}, b={b}}}")?,
+                EwStep::Mul { a, b } => write!(f, "mul{{a={a}, b={b}}}")?,
+                EwStep::Unary { f: u, x } => write!(f, "unary{{fn={}, x={x}}}", u.name())?,
+                EwStep::Scale { c, x } => write!(f, "scale{{c={}, x={x}}}", Lit(*c))?,
+                EwStep::Cast { to, x } => write!(f, "cast{{to={to}, x={x}}}")?,
+            }
+        }
+        f.write_char(']')
+    }
+}
+
 fn style_name(s: RopeStyle) -> &'static str {
     match s {
         RopeStyle::Half => "half",
@@ -152,13 +174,22 @@ impl fmt::Display for Op {
             | Op::Softmax
             | Op::Reshape
             | Op::Dispatch
-            | Op::Combine => {}
-            Op::MatMul { transpose_b } => r.kv("transpose_b", transpose_b)?,
-            Op::Unary(u) => r.kv("fn", u.name())?,
+            | Op::Combine
+            | Op::BiasGrad
+            | Op::EmbeddingGrad
+            | Op::DispatchGrad => {}
+            Op::MatMul { transpose_b } | Op::WeightGrad { transpose_b } => {
+                r.kv("transpose_b", transpose_b)?
+            }
+            Op::Unary(u) | Op::UnaryGrad(u) => r.kv("fn", u.name())?,
             Op::Scale(c) => r.kv("c", Lit(*c))?,
             Op::Cast(dt) => r.kv("to", dt)?,
             Op::RmsNorm { eps } | Op::LayerNorm { eps } => r.kv("eps", Lit(*eps))?,
-            Op::Rope(s) => {
+            Op::RmsNormGrad { eps, wrt } | Op::LayerNormGrad { eps, wrt } => {
+                r.kv("eps", Lit(*eps))?;
+                r.kv("wrt", wrt.name())?;
+            }
+            Op::Rope(s) | Op::RopeGrad(s) => {
                 r.kv("theta", Lit(s.theta))?;
                 r.kv("style", style_name(s.style))?;
                 match s.scaling {
@@ -183,12 +214,15 @@ impl fmt::Display for Op {
                     )?,
                 }
             }
-            Op::Attention(a) => {
+            Op::Attention(a) | Op::AttentionProbs(a) | Op::AttentionGrad { spec: a, .. } => {
                 r.kv("causal", a.causal)?;
                 if let Some(w) = a.window {
                     r.kv("window", w)?;
                 }
                 r.kv("scale", Lit(a.scale))?;
+                if let Op::AttentionGrad { wrt, .. } = self {
+                    r.kv("wrt", wrt.name())?;
+                }
             }
             Op::Transpose { perm } => r.kv("perm", List(perm.iter()))?,
             Op::Slice { dim, start, len } => {
@@ -197,15 +231,27 @@ impl fmt::Display for Op {
                 r.kv("len", len)?;
             }
             Op::Concat { dim } => r.kv("dim", dim)?,
-            Op::Repeat { dim, times } => {
+            Op::Repeat { dim, times } | Op::RepeatGrad { dim, times } => {
                 r.kv("dim", dim)?;
                 r.kv("times", times)?;
             }
-            Op::Router { top_k, normalize } => {
+            Op::Router { top_k, normalize } | Op::RouterGrad { top_k, normalize } => {
                 r.kv("top_k", top_k)?;
                 r.kv("normalize", normalize)?;
             }
-            Op::CrossEntropy { denom } => r.kv("denom", denom)?,
+            Op::CrossEntropy { denom } | Op::CrossEntropyGrad { denom } => r.kv("denom", denom)?,
+            Op::CombineGrad { wrt } => r.kv("wrt", wrt.name())?,
+            Op::AdamMoment { beta, squared } => {
+                r.kv("beta", Lit(*beta))?;
+                r.kv("squared", squared)?;
+            }
+            Op::AdamWUpdate(a) => {
+                r.kv("lr", Lit(a.lr))?;
+                r.kv("beta1", Lit(a.beta1))?;
+                r.kv("beta2", Lit(a.beta2))?;
+                r.kv("eps", Lit(a.eps))?;
+                r.kv("weight_decay", Lit(a.weight_decay))?;
+            }
             Op::AllReduce { axis } => r.kv("axis", Word(axis))?,
             Op::ReduceScatter { axis, dim, parts }
             | Op::AllGather { axis, dim, parts }
@@ -232,6 +278,32 @@ impl fmt::Display for Op {
             Op::RankOffset { axis, stride } => {
                 r.kv("axis", Word(axis))?;
                 r.kv("stride", stride)?;
+            }
+            Op::FusedElementwise { expr } => r.kv("steps", Steps(expr))?,
+            Op::FusedMatMul {
+                transpose_b,
+                epilogue,
+            } => {
+                r.kv("transpose_b", transpose_b)?;
+                r.kv("epilogue", Steps(epilogue))?;
+            }
+            Op::AddRmsNorm { eps } => r.kv("eps", Lit(*eps))?,
+            Op::AgMatMul {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            }
+            | Op::MatMulRs {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => {
+                r.kv("axis", Word(axis))?;
+                r.kv("dim", dim)?;
+                r.kv("parts", parts)?;
+                r.kv("transpose_b", transpose_b)?;
             }
         }
         r.close()

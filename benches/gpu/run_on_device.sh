@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: finds libnvrtc/libcublasLt/libnccl (CUDA
+# toolkit or pip wheels), then runs the GPU tests, gpu_bench and torch_peer.py. Logs and tables
+# go to $OUT (the device tool's output folder) or /tmp/shardc-gpu.
+#
+#   bash benches/gpu/run_on_device.sh [all|test|bench] [--quick]
+#
+# Binaries come from .gpu-bin/ (benches/gpu/build.sh), or $SHARDC_GPU_BIN.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root"
+what="${1:-all}"
+quick="${2:-}"
+out="${OUT:-/tmp/shardc-gpu}"
+bin="${SHARDC_GPU_BIN:-$root/.gpu-bin}"
+mkdir -p "$out"
+
+# Libraries. cudarc dlopens libnvrtc.so.13 / libcublasLt.so.13 (CUDA 13) and libnccl.so
+# (the unversioned name: the wheel only ships libnccl.so.2, so link it).
+libs=/tmp/shardc-libs
+mkdir -p "$libs"
+site="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)"
+paths=()
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    "$site/nvidia/cu13/lib" "$site/nvidia/cublas/lib" "$site/nvidia/cuda_nvrtc/lib" \
+    "$site/nvidia/nccl/lib"; do
+    [[ -d "$d" ]] && paths+=("$d")
+done
+nccl="$(ls "$site"/nvidia/nccl/lib/libnccl.so* /usr/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null | head -n 1)"
+[[ -n "$nccl" ]] && ln -sf "$nccl" "$libs/libnccl.so"
+joined="$(IFS=:; echo "${paths[*]}")"
+export LD_LIBRARY_PATH="$libs${joined:+:$joined}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export SHARDC_CACHE_DIR=/tmp/shardc-cache
+export SHARDC_FIXTURES="$root/tests/fixtures/hf-tiny"
+{
+    nvidia-smi -L || true
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    echo "libnccl: ${nccl:-not found}"
+    python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())' 2>/dev/null || true
+} 2>&1 | tee "$out/env.txt"
+
+status=0
+if [[ "$what" == all || "$what" == test ]]; then
+    for t in cuda_nodriver cuda_kernels cuda_models cuda_comm; do
+        "$bin/$t" --include-ignored --test-threads=1 2>&1 | tee "$out/$t.log" || status=1
+    done
+    # Two NCCL ranks on one GPU need NCCL >= 2.30 and this variable (NOTES-cuda.md §5.2).
+    NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_MAX_CTAS="${NCCL_MAX_CTAS:-4}" \
+        "$bin/cuda_nccl" --include-ignored --test-threads=1 2>&1 | tee "$out/cuda_nccl.log" || status=1
+fi
+if [[ "$what" == all || "$what" == bench ]]; then
+    "$bin/gpu_bench" $quick 2>&1 | tee "$out/gpu_bench.txt" || status=1
+    PYTHONUNBUFFERED=1 python3 benches/gpu/torch_peer.py $quick 2>&1 | tee "$out/torch_peer.txt" || status=1
+fi
+exit $status

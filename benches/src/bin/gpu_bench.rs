@@ -1,0 +1,816 @@
+//! `gpu_bench`: shardc's CUDA backend on one GPU, as a table.
+//!
+//! Sections (each row: section, case, dtype, shape, ms, metric, value, % of ceiling):
+//! - `copy`: device-to-device copy bandwidth at 512 MiB (bytes read + written), the ceiling
+//!   of the memory-bound rows;
+//! - `membound`: add+RMSNorm, SwiGLU (fused and unfused), RoPE and softmax at Llama-3-8B
+//!   shapes (4096 tokens), *effective* GB/s (the minimal bytes the op must move, e.g. 4 tensors
+//!   for add+RMSNorm, whether or not it is fused) against the copy;
+//! - `gemm`: an 8192³ bf16 GEMM as the ceiling, then Llama-3-8B's layer GEMMs at 4096 tokens
+//!   in bf16 and a 4096³ true-fp32 GEMM;
+//! - `attention`: Llama-3-8B attention (32 query / 8 KV heads, head_dim 128, causal) at 4k and
+//!   16k tokens, TFLOP/s (causal FLOPs);
+//! - `layer`: one Llama-3-8B decoder layer forward, bf16, batch 1 × 4096, fused and unfused;
+//! - `overlap`: `AgMatMul` vs all-gather then GEMM, and `MatMulRs` vs GEMM then
+//!   reduce-scatter, on 2 virtual ranks of this GPU (local-gpu communicator), Llama-3-8B MLP
+//!   shapes.
+//!
+//! Times are CUDA-event milliseconds per run of the whole (one-op or one-layer) program on the
+//! compute stream, after warm-up. Usage: `gpu_bench [--quick] [--only SECTION]`. Without a GPU
+//! it prints why and exits with status 2. `benches/gpu/torch_peer.py` prints the same table
+//! for PyTorch eager and torch.compile.
+
+use cudarc::driver::{result as drv, sys, DevicePtr};
+use shardc_compiler::ir::{
+    AttnSpec, DType, Float, Graph, Op, ParamSource, RopeScaling, RopeSpec, RopeStyle, ShardSpec,
+    TensorType, UnaryOp, ValueId,
+};
+use shardc_runtime::comm::device::DeviceCommunicator;
+use shardc_runtime::comm::local_gpu::group;
+use shardc_runtime::cuda::{
+    CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, GpuDType, ParamInit,
+};
+use shardc_runtime::Tensor;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Llama-3-8B dimensions.
+const HIDDEN: usize = 4096;
+const HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const HEAD_DIM: usize = 128;
+const FFN: usize = 14336;
+
+struct Bench {
+    dev: Arc<CudaDevice>,
+    quick: bool,
+    rows: Vec<Row>,
+    copy_gbs: f64,
+    gemm_tflops: f64,
+}
+
+struct Row {
+    section: &'static str,
+    case: String,
+    dtype: &'static str,
+    shape: String,
+    ms: f64,
+    metric: &'static str,
+    value: f64,
+    ceiling: Option<f64>,
+}
+
+/// Deterministic inputs (xorshift), as host tensors.
+struct Rng(u64);
+
+impl Rng {
+    fn tensor(&mut self, shape: &[usize], scale: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v = (0..n)
+            .map(|_| {
+                self.0 ^= self.0 >> 12;
+                self.0 ^= self.0 << 25;
+                self.0 ^= self.0 >> 27;
+                let u = (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / 16_777_216.0;
+                (2.0 * u - 1.0) * scale
+            })
+            .collect();
+        Tensor::f32(shape.to_vec(), v)
+    }
+    fn positions(&mut self, b: usize, t: usize) -> Tensor {
+        Tensor::i32(vec![b, t], (0..b).flat_map(|_| 0..t as i32).collect())
+    }
+}
+
+fn ty(dt: DType, shape: &[usize]) -> TensorType {
+    TensorType::plain(dt, shape)
+}
+
+fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
+    g.add_typed(
+        Op::Param(ParamSource::whole(name)),
+        &[],
+        Some(ty(DType::F32, shape)),
+        name,
+    )
+    .expect("invariant: a parameter has no operands")
+}
+
+fn add(g: &mut Graph, op: Op, ins: &[ValueId], name: &str) -> ValueId {
+    g.add(op, ins, name)
+        .unwrap_or_else(|e| panic!("invariant: bench graph node `{name}` is well typed: {e}"))
+}
+
+fn reshape(g: &mut Graph, x: ValueId, shape: &[usize], name: &str) -> ValueId {
+    g.add_typed(Op::Reshape, &[x], Some(ty(DType::F32, shape)), name)
+        .unwrap_or_else(|e| panic!("invariant: reshape `{name}`: {e}"))
+}
+
+fn opts(dtype: GpuDType, fuse: bool) -> CudaOptions {
+    CudaOptions {
+        dtype,
+        fuse,
+        poison: false,
+        timeout: Duration::from_secs(300),
+    }
+}
+
+impl Bench {
+    fn iters(&self, heavy: bool) -> usize {
+        match (self.quick, heavy) {
+            (true, _) => 3,
+            (false, true) => 10,
+            (false, false) => 50,
+        }
+    }
+
+    /// Milliseconds per run of `g` (unsharded) with `inputs`.
+    fn time(
+        &self,
+        g: &Graph,
+        inputs: &BTreeMap<String, Tensor>,
+        dtype: GpuDType,
+        fuse: bool,
+        heavy: bool,
+    ) -> Result<f64, CudaError> {
+        let ctx = CudaRankCtx::new();
+        let mut p = CudaProgram::prepare(
+            self.dev.clone(),
+            g,
+            &ParamInit::Random {
+                seed: 7,
+                scale: 0.02,
+            },
+            &ctx,
+            opts(dtype, fuse),
+        )?;
+        p.upload_inputs(inputs)?;
+        let iters = self.iters(heavy);
+        p.time(&ctx, 2.min(iters), iters)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn row(
+        &mut self,
+        section: &'static str,
+        case: impl Into<String>,
+        dtype: GpuDType,
+        shape: impl Into<String>,
+        ms: f64,
+        metric: &'static str,
+        value: f64,
+        ceiling: Option<f64>,
+    ) {
+        let r = Row {
+            section,
+            case: case.into(),
+            dtype: dtype.name(),
+            shape: shape.into(),
+            ms,
+            metric,
+            value,
+            ceiling,
+        };
+        print_row(&r);
+        self.rows.push(r);
+    }
+
+    /// Device-to-device copy bandwidth (read + write bytes) of a 512 MiB buffer.
+    fn copy(&mut self) -> Result<(), CudaError> {
+        let bytes = if self.quick { 256 << 20 } else { 512 << 20 };
+        let s = self.dev.new_stream()?;
+        let drvr = |op: &'static str| {
+            move |error| CudaError::Driver {
+                op: op.to_string(),
+                error,
+            }
+        };
+        // SAFETY: scratch buffers whose contents are irrelevant to a bandwidth measurement.
+        let (a, b) = unsafe { (s.alloc::<u8>(bytes), s.alloc::<u8>(bytes)) };
+        let (a, b) = (a.map_err(drvr("alloc"))?, b.map_err(drvr("alloc"))?);
+        let (pa, pb) = (a.device_ptr(&s).0, b.device_ptr(&s).0);
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let iters = self.iters(false);
+        let copy = || {
+            // SAFETY: both buffers hold `bytes` bytes of this context.
+            unsafe { drv::memcpy_dtod_async(pb, pa, bytes, s.cu_stream()) }
+        };
+        for _ in 0..3 {
+            copy().map_err(drvr("copy"))?;
+        }
+        let start = s.record_event(timing).map_err(drvr("record event"))?;
+        for _ in 0..iters {
+            copy().map_err(drvr("copy"))?;
+        }
+        let end = s.record_event(timing).map_err(drvr("record event"))?;
+        let ms = start.elapsed_ms(&end).map_err(drvr("elapsed"))? as f64 / iters as f64;
+        self.copy_gbs = 2.0 * bytes as f64 / (ms * 1e-3) / 1e9;
+        let gbs = self.copy_gbs;
+        self.row(
+            "copy",
+            "device-to-device",
+            GpuDType::Bf16,
+            format!("{} MiB", bytes >> 20),
+            ms,
+            "GB/s",
+            gbs,
+            Some(100.0),
+        );
+        Ok(())
+    }
+
+    /// Memory-bound kernels at 4096 tokens, GB/s against the copy.
+    fn membound(&mut self) -> Result<(), CudaError> {
+        let t = if self.quick { 1024 } else { 4096 };
+        let mut rng = Rng(0x1234_5678);
+        let dt = GpuDType::Bf16;
+        let e = dt.size_bytes() as f64;
+        // add + RMSNorm (fused: one launch writing the sum and the norm).
+        let mut g = Graph::new();
+        let x = g.input("x", ty(DType::F32, &[1, t, HIDDEN]));
+        let r = g.input("r", ty(DType::F32, &[1, t, HIDDEN]));
+        let w = param(&mut g, "w", &[HIDDEN]);
+        let s = add(&mut g, Op::Add, &[x, r], "sum");
+        let n = add(&mut g, Op::RmsNorm { eps: Float(1e-5) }, &[s, w], "norm");
+        g.set_output("sum", s);
+        g.set_output("norm", n);
+        let ins = BTreeMap::from([
+            ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
+            ("r".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
+        ]);
+        let elems = (t * HIDDEN) as f64;
+        let bytes = 4.0 * elems * e; // minimal traffic: read x, r; write sum, norm
+        for fuse in [true, false] {
+            let ms = self.time(&g, &ins, dt, fuse, false)?;
+            let gbs = bytes / (ms * 1e-3) / 1e9;
+            let cop = self.copy_gbs;
+            self.row(
+                "membound",
+                if fuse {
+                    "add+rmsnorm fused"
+                } else {
+                    "add+rmsnorm unfused"
+                },
+                dt,
+                format!("[{t},{HIDDEN}]"),
+                ms,
+                "GB/s",
+                gbs,
+                pct(gbs, cop),
+            );
+        }
+        // SwiGLU: silu(gate) · up.
+        let mut g = Graph::new();
+        let gate = g.input("gate", ty(DType::F32, &[1, t, FFN]));
+        let up = g.input("up", ty(DType::F32, &[1, t, FFN]));
+        let sl = add(&mut g, Op::Unary(UnaryOp::Silu), &[gate], "silu");
+        let m = add(&mut g, Op::Mul, &[sl, up], "mul");
+        g.set_output("y", m);
+        let ins = BTreeMap::from([
+            ("gate".to_string(), rng.tensor(&[1, t, FFN], 2.0)),
+            ("up".to_string(), rng.tensor(&[1, t, FFN], 2.0)),
+        ]);
+        let elems = (t * FFN) as f64;
+        let bytes = 3.0 * elems * e; // minimal traffic: read gate, up; write out
+        for fuse in [true, false] {
+            let ms = self.time(&g, &ins, dt, fuse, false)?;
+            let gbs = bytes / (ms * 1e-3) / 1e9;
+            let cop = self.copy_gbs;
+            self.row(
+                "membound",
+                if fuse {
+                    "swiglu fused"
+                } else {
+                    "swiglu unfused"
+                },
+                dt,
+                format!("[{t},{FFN}]"),
+                ms,
+                "GB/s",
+                gbs,
+                pct(gbs, cop),
+            );
+        }
+        // RoPE on the query heads.
+        let mut g = Graph::new();
+        let q = g.input("q", ty(DType::F32, &[1, t, HEADS, HEAD_DIM]));
+        let pos = g.input("pos", ty(DType::I32, &[1, t]));
+        let y = add(&mut g, Op::Rope(llama3_rope()), &[q, pos], "rope");
+        g.set_output("y", y);
+        let ins = BTreeMap::from([
+            ("q".to_string(), rng.tensor(&[1, t, HEADS, HEAD_DIM], 1.0)),
+            ("pos".to_string(), rng.positions(1, t)),
+        ]);
+        let ms = self.time(&g, &ins, dt, true, false)?;
+        let gbs = 2.0 * (t * HEADS * HEAD_DIM) as f64 * e / (ms * 1e-3) / 1e9;
+        let cop = self.copy_gbs;
+        self.row(
+            "membound",
+            "rope",
+            dt,
+            format!("[{t},{HEADS},{HEAD_DIM}]"),
+            ms,
+            "GB/s",
+            gbs,
+            pct(gbs, cop),
+        );
+        // Softmax over 4096-wide rows.
+        let rows = 4 * t;
+        let mut g = Graph::new();
+        let x = g.input("x", ty(DType::F32, &[rows, 4096]));
+        let y = add(&mut g, Op::Softmax, &[x], "softmax");
+        g.set_output("y", y);
+        let ins = BTreeMap::from([("x".to_string(), rng.tensor(&[rows, 4096], 4.0))]);
+        let ms = self.time(&g, &ins, dt, true, false)?;
+        let gbs = 2.0 * (rows * 4096) as f64 * e / (ms * 1e-3) / 1e9;
+        let cop = self.copy_gbs;
+        self.row(
+            "membound",
+            "softmax",
+            dt,
+            format!("[{rows},4096]"),
+            ms,
+            "GB/s",
+            gbs,
+            pct(gbs, cop),
+        );
+        Ok(())
+    }
+
+    /// One GEMM `[m,k]·[n,k]ᵀ` in TFLOP/s.
+    fn gemm_case(
+        &mut self,
+        m: usize,
+        k: usize,
+        n: usize,
+        dt: GpuDType,
+    ) -> Result<(f64, f64), CudaError> {
+        let mut g = Graph::new();
+        let a = g.input("a", ty(DType::F32, &[m, k]));
+        let w = param(&mut g, "w", &[n, k]);
+        let y = add(&mut g, Op::MatMul { transpose_b: true }, &[a, w], "y");
+        g.set_output("y", y);
+        let ins = BTreeMap::from([("a".to_string(), Rng(99).tensor(&[m, k], 1.0))]);
+        let ms = self.time(&g, &ins, dt, true, true)?;
+        Ok((ms, 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12))
+    }
+
+    fn gemm(&mut self) -> Result<(), CudaError> {
+        let big = if self.quick { 4096 } else { 8192 };
+        let (ms, tf) = self.gemm_case(big, big, big, GpuDType::Bf16)?;
+        self.gemm_tflops = tf;
+        self.row(
+            "gemm",
+            "ceiling",
+            GpuDType::Bf16,
+            format!("{big}x{big}x{big}"),
+            ms,
+            "TFLOP/s",
+            tf,
+            Some(100.0),
+        );
+        let t = if self.quick { 1024 } else { 4096 };
+        let qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM;
+        for (name, n, k) in [
+            ("qkv_proj", qkv, HIDDEN),
+            ("o_proj", HIDDEN, HIDDEN),
+            ("gate_up_proj", 2 * FFN, HIDDEN),
+            ("down_proj", HIDDEN, FFN),
+        ] {
+            let (ms, tf) = self.gemm_case(t, k, n, GpuDType::Bf16)?;
+            let ceil = self.gemm_tflops;
+            self.row(
+                "gemm",
+                name,
+                GpuDType::Bf16,
+                format!("{t}x{k}x{n}"),
+                ms,
+                "TFLOP/s",
+                tf,
+                pct(tf, ceil),
+            );
+        }
+        let f = if self.quick { 1024 } else { 4096 };
+        let (ms, tf) = self.gemm_case(f, f, f, GpuDType::F32)?;
+        self.row(
+            "gemm",
+            "fp32 (no TF32)",
+            GpuDType::F32,
+            format!("{f}x{f}x{f}"),
+            ms,
+            "TFLOP/s",
+            tf,
+            None,
+        );
+        Ok(())
+    }
+
+    fn attention(&mut self) -> Result<(), CudaError> {
+        let lens: &[usize] = if self.quick { &[1024] } else { &[4096, 16384] };
+        for &t in lens {
+            let mut rng = Rng(0xabc);
+            let mut g = Graph::new();
+            let q = g.input("q", ty(DType::F32, &[1, t, HEADS, HEAD_DIM]));
+            let k = g.input("k", ty(DType::F32, &[1, t, KV_HEADS, HEAD_DIM]));
+            let v = g.input("v", ty(DType::F32, &[1, t, KV_HEADS, HEAD_DIM]));
+            let spec = AttnSpec {
+                causal: true,
+                window: None,
+                scale: Float(1.0 / (HEAD_DIM as f32).sqrt()),
+            };
+            let y = add(&mut g, Op::Attention(spec), &[q, k, v], "attn");
+            g.set_output("y", y);
+            let ins = BTreeMap::from([
+                ("q".to_string(), rng.tensor(&[1, t, HEADS, HEAD_DIM], 1.0)),
+                (
+                    "k".to_string(),
+                    rng.tensor(&[1, t, KV_HEADS, HEAD_DIM], 1.0),
+                ),
+                (
+                    "v".to_string(),
+                    rng.tensor(&[1, t, KV_HEADS, HEAD_DIM], 1.0),
+                ),
+            ]);
+            let ms = self.time(&g, &ins, GpuDType::Bf16, true, true)?;
+            // Causal: half of the 4·T·S·D·H multiply-adds of full attention.
+            let flops = 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
+            let tf = flops / (ms * 1e-3) / 1e12;
+            let ceil = self.gemm_tflops;
+            self.row(
+                "attention",
+                format!("causal {}k", t / 1024),
+                GpuDType::Bf16,
+                format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
+                ms,
+                "TFLOP/s",
+                tf,
+                pct(tf, ceil),
+            );
+        }
+        Ok(())
+    }
+
+    fn layer(&mut self) -> Result<(), CudaError> {
+        let t = if self.quick { 1024 } else { 4096 };
+        let g = llama_layer(t);
+        let mut rng = Rng(0x77);
+        let ins = BTreeMap::from([
+            ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
+            ("pos".to_string(), rng.positions(1, t)),
+        ]);
+        let flops = layer_flops(t);
+        for fuse in [true, false] {
+            let ms = self.time(&g, &ins, GpuDType::Bf16, fuse, true)?;
+            let tf = flops / (ms * 1e-3) / 1e12;
+            let ceil = self.gemm_tflops;
+            self.row(
+                "layer",
+                if fuse {
+                    "llama-3-8b layer fused"
+                } else {
+                    "llama-3-8b layer unfused"
+                },
+                GpuDType::Bf16,
+                format!("1x{t}"),
+                ms,
+                "TFLOP/s",
+                tf,
+                pct(tf, ceil),
+            );
+        }
+        Ok(())
+    }
+
+    /// Collective matmuls vs their unfused forms on 2 virtual ranks (local-gpu).
+    fn overlap(&mut self) -> Result<(), CudaError> {
+        let t = if self.quick { 1024 } else { 4096 };
+        let parts = 2;
+        let f = FFN / parts;
+        let tp = || "tp".to_string();
+        let shard = vec![ShardSpec {
+            dim: 1,
+            axis: tp(),
+            parts,
+        }];
+        let mut rng = Rng(0x55);
+        let x_global = rng.tensor(&[1, t, HIDDEN], 1.0);
+        let m_global = rng.tensor(&[1, t, f], 1.0);
+        // AgMatMul and AllGather + MatMul: x [1, t/2, H] per rank → [1, t, F/2].
+        let ag = |fused: bool| {
+            let mut g = Graph::new();
+            let x = g
+                .add_typed(
+                    Op::Input {
+                        name: "x".into(),
+                        shards: shard.clone(),
+                    },
+                    &[],
+                    Some(ty(DType::F32, &[1, t / parts, HIDDEN])),
+                    "x",
+                )
+                .expect("invariant: input");
+            let w = param(&mut g, "w_up", &[f, HIDDEN]);
+            let y = if fused {
+                add(
+                    &mut g,
+                    Op::AgMatMul {
+                        axis: tp(),
+                        dim: 1,
+                        parts,
+                        transpose_b: true,
+                    },
+                    &[x, w],
+                    "agmm",
+                )
+            } else {
+                let xg = add(
+                    &mut g,
+                    Op::AllGather {
+                        axis: tp(),
+                        dim: 1,
+                        parts,
+                    },
+                    &[x],
+                    "ag",
+                );
+                add(&mut g, Op::MatMul { transpose_b: true }, &[xg, w], "mm")
+            };
+            g.set_output("y", y);
+            g
+        };
+        // MatMulRs and MatMul + ReduceScatter: m [1, t, F/2] → [1, t/2, H].
+        let rs = |fused: bool| {
+            let mut g = Graph::new();
+            let m = g.input("m", ty(DType::F32, &[1, t, f]));
+            let w = param(&mut g, "w_down", &[HIDDEN, f]);
+            let y = if fused {
+                add(
+                    &mut g,
+                    Op::MatMulRs {
+                        axis: tp(),
+                        dim: 1,
+                        parts,
+                        transpose_b: true,
+                    },
+                    &[m, w],
+                    "mmrs",
+                )
+            } else {
+                let p = add(&mut g, Op::MatMul { transpose_b: true }, &[m, w], "mm");
+                add(
+                    &mut g,
+                    Op::ReduceScatter {
+                        axis: tp(),
+                        dim: 1,
+                        parts,
+                    },
+                    &[p],
+                    "rs",
+                )
+            };
+            g.set_output("y", y);
+            g
+        };
+        let gemm_flops = 2.0 * (t * f * HIDDEN) as f64;
+        for (label, g, ins) in [
+            (
+                "ag+gemm",
+                ag(false),
+                BTreeMap::from([("x".to_string(), x_global.clone())]),
+            ),
+            (
+                "AgMatMul",
+                ag(true),
+                BTreeMap::from([("x".to_string(), x_global.clone())]),
+            ),
+            (
+                "gemm+rs",
+                rs(false),
+                BTreeMap::from([("m".to_string(), m_global.clone())]),
+            ),
+            (
+                "MatMulRs",
+                rs(true),
+                BTreeMap::from([("m".to_string(), m_global.clone())]),
+            ),
+        ] {
+            let ms = self.time_ranks(&g, &ins, parts)?;
+            let tf = gemm_flops / (ms * 1e-3) / 1e12;
+            let ceil = self.gemm_tflops;
+            self.row(
+                "overlap",
+                format!("tp=2 {label}"),
+                GpuDType::Bf16,
+                format!("{t}x{HIDDEN}x{f}"),
+                ms,
+                "TFLOP/s",
+                tf,
+                pct(tf, ceil),
+            );
+        }
+        Ok(())
+    }
+
+    /// Milliseconds per run of `g` on `parts` virtual ranks (the slowest rank).
+    fn time_ranks(
+        &self,
+        g: &Graph,
+        inputs: &BTreeMap<String, Tensor>,
+        parts: usize,
+    ) -> Result<f64, CudaError> {
+        let comms = group(&self.dev, "tp", parts, Duration::from_secs(300));
+        let iters = self.iters(true);
+        let results: Vec<Result<f64, CudaError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let ctx = CudaRankCtx::new().with_axis("tp", &c as &dyn DeviceCommunicator);
+                        let mut p = CudaProgram::prepare(
+                            self.dev.clone(),
+                            g,
+                            &ParamInit::Random {
+                                seed: 3,
+                                scale: 0.02,
+                            },
+                            &ctx,
+                            opts(GpuDType::Bf16, true),
+                        )?;
+                        p.upload_inputs(inputs)?;
+                        let r = p.time(&ctx, 2.min(iters), iters);
+                        if r.is_err() {
+                            c.abort("a rank failed");
+                        }
+                        r
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or(Err(CudaError::NoDevice {
+                        reason: "a rank panicked".into(),
+                    }))
+                })
+                .collect()
+        });
+        let mut worst = 0f64;
+        for r in results {
+            worst = worst.max(r?);
+        }
+        Ok(worst)
+    }
+}
+
+fn pct(v: f64, ceiling: f64) -> Option<f64> {
+    (ceiling > 0.0).then(|| 100.0 * v / ceiling)
+}
+
+fn llama3_rope() -> RopeSpec {
+    RopeSpec {
+        theta: Float(500_000.0),
+        style: RopeStyle::Half,
+        scaling: Some(RopeScaling::Llama3 {
+            factor: Float(8.0),
+            low_freq_factor: Float(1.0),
+            high_freq_factor: Float(4.0),
+            original_max_positions: 8192,
+        }),
+    }
+}
+
+/// One Llama-3-8B decoder layer for `t` tokens (batch 1).
+fn llama_layer(t: usize) -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", ty(DType::F32, &[1, t, HIDDEN]));
+    let pos = g.input("pos", ty(DType::I32, &[1, t]));
+    let eps = Float(1e-5);
+    let ln1 = param(&mut g, "ln1", &[HIDDEN]);
+    let n1 = add(&mut g, Op::RmsNorm { eps }, &[x, ln1], "attn_norm");
+    let lin = |g: &mut Graph, x: ValueId, n: usize, k: usize, name: &str| {
+        let w = param(g, &format!("{name}.weight"), &[n, k]);
+        add(g, Op::MatMul { transpose_b: true }, &[x, w], name)
+    };
+    let q = lin(&mut g, n1, HEADS * HEAD_DIM, HIDDEN, "q_proj");
+    let k = lin(&mut g, n1, KV_HEADS * HEAD_DIM, HIDDEN, "k_proj");
+    let v = lin(&mut g, n1, KV_HEADS * HEAD_DIM, HIDDEN, "v_proj");
+    let q = reshape(&mut g, q, &[1, t, HEADS, HEAD_DIM], "q");
+    let k = reshape(&mut g, k, &[1, t, KV_HEADS, HEAD_DIM], "k");
+    let v = reshape(&mut g, v, &[1, t, KV_HEADS, HEAD_DIM], "v");
+    let q = add(&mut g, Op::Rope(llama3_rope()), &[q, pos], "q_rope");
+    let k = add(&mut g, Op::Rope(llama3_rope()), &[k, pos], "k_rope");
+    let spec = AttnSpec {
+        causal: true,
+        window: None,
+        scale: Float(1.0 / (HEAD_DIM as f32).sqrt()),
+    };
+    let a = add(&mut g, Op::Attention(spec), &[q, k, v], "attn");
+    let a = reshape(&mut g, a, &[1, t, HIDDEN], "attn_flat");
+    let o = lin(&mut g, a, HIDDEN, HIDDEN, "o_proj");
+    let h = add(&mut g, Op::Add, &[x, o], "attn_residual");
+    let ln2 = param(&mut g, "ln2", &[HIDDEN]);
+    let n2 = add(&mut g, Op::RmsNorm { eps }, &[h, ln2], "mlp_norm");
+    let gt = lin(&mut g, n2, FFN, HIDDEN, "gate_proj");
+    let up = lin(&mut g, n2, FFN, HIDDEN, "up_proj");
+    let s = add(&mut g, Op::Unary(UnaryOp::Silu), &[gt], "act");
+    let m = add(&mut g, Op::Mul, &[s, up], "gate_mul");
+    let d = lin(&mut g, m, HIDDEN, FFN, "down_proj");
+    let y = add(&mut g, Op::Add, &[h, d], "mlp_residual");
+    g.set_output("y", y);
+    g
+}
+
+/// GEMM FLOPs plus causal attention FLOPs of one layer.
+fn layer_flops(t: usize) -> f64 {
+    let qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM;
+    let gemm = 2.0 * t as f64 * (HIDDEN * qkv + HIDDEN * HIDDEN + 3 * HIDDEN * FFN) as f64;
+    gemm + 2.0 * (HEADS * t * t * HEAD_DIM) as f64
+}
+
+fn header() {
+    println!(
+        "{:<10} {:<28} {:<5} {:<22} {:>10} {:>8} {:>10} {:>9}",
+        "section", "case", "dtype", "shape", "ms", "metric", "value", "% ceil"
+    );
+}
+
+fn print_row(r: &Row) {
+    println!(
+        "{:<10} {:<28} {:<5} {:<22} {:>10.4} {:>8} {:>10.1} {:>9}",
+        r.section,
+        r.case,
+        r.dtype,
+        r.shape,
+        r.ms,
+        r.metric,
+        r.value,
+        r.ceiling.map_or("-".to_string(), |c| format!("{c:.1}"))
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1).cloned());
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("usage: gpu_bench [--quick] [--only copy|membound|gemm|attention|layer|overlap]");
+        return;
+    }
+    let dev = match CudaDevice::open(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpu_bench: {e}; this benchmark needs an NVIDIA GPU with its driver (run it on the GPU machine, see benches/gpu/README.md)");
+            std::process::exit(2);
+        }
+    };
+    println!(
+        "# shardc gpu_bench on {} ({}), {}",
+        dev.name(),
+        dev.arch(),
+        if quick {
+            "quick shapes"
+        } else {
+            "Llama-3-8B shapes"
+        }
+    );
+    header();
+    let mut b = Bench {
+        dev,
+        quick,
+        rows: Vec::new(),
+        copy_gbs: 0.0,
+        gemm_tflops: 0.0,
+    };
+    type Section = fn(&mut Bench) -> Result<(), CudaError>;
+    let sections: [(&str, Section); 6] = [
+        ("copy", Bench::copy),
+        ("membound", Bench::membound),
+        ("gemm", Bench::gemm),
+        ("attention", Bench::attention),
+        ("layer", Bench::layer),
+        ("overlap", Bench::overlap),
+    ];
+    let mut failed = false;
+    for (name, f) in sections {
+        // The ceilings are measured by their sections; keep them when another is selected.
+        let needed = only.as_deref().is_none_or(|o| o == name)
+            || (name == "copy" && only.as_deref() == Some("membound"))
+            || (name == "gemm"
+                && matches!(only.as_deref(), Some("attention" | "layer" | "overlap")));
+        if !needed {
+            continue;
+        }
+        if let Err(e) = f(&mut b) {
+            eprintln!("gpu_bench: section {name} failed: {e}");
+            failed = true;
+        }
+    }
+    println!("# {} rows", b.rows.len());
+    if failed {
+        std::process::exit(1);
+    }
+}

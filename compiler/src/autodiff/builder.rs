@@ -1,0 +1,519 @@
+//! The training-step graph: parameters as inputs, the forward and backward pass of each
+//! micro-batch, gradient accumulation and the AdamW step (see the module docs of
+//! [`crate::autodiff`]).
+
+use super::{AutodiffError, Recompute};
+use crate::ir::{AdamWSpec, DType, Graph, Op, ParamSource, TensorType, ValueId};
+use std::collections::HashMap;
+
+/// What [`build_train_graph`] builds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainGraphOptions {
+    /// Micro-batches per step (gradient accumulation); the forward graph is one micro-batch.
+    pub micro_batches: usize,
+    /// Predicted tokens in the whole step (all micro-batches and ranks): the loss divisor.
+    pub denom: usize,
+    /// Activation checkpointing.
+    pub recompute: Recompute,
+    /// Optimizer hyperparameters.
+    pub adamw: AdamWSpec,
+    /// Read parameters through one `gather.<label>` node per micro-batch and pass (forward,
+    /// backward) instead of directly: the places ZeRO-3 all-gathers them.
+    pub gather_params: bool,
+    /// End each micro-batch's gradient of a parameter with an identity node (`grad.<label>`,
+    /// the sum of its uses being `bwd.grad.<label>`): the value ZeRO-2/3 annotate, so the
+    /// sharding machinery reduce-scatters the gradient there rather than laying out the
+    /// gradient computation itself by the shard.
+    pub sync_grads: bool,
+}
+
+impl Default for TrainGraphOptions {
+    fn default() -> TrainGraphOptions {
+        TrainGraphOptions {
+            micro_batches: 1,
+            denom: 1,
+            recompute: Recompute::None,
+            adamw: AdamWSpec::default(),
+            gather_params: false,
+            sync_grads: false,
+        }
+    }
+}
+
+/// One trainable parameter and its nodes in the training graph.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainParam {
+    /// The forward graph's label (`layers.0.attn.q_proj.weight`, `embed`, ...).
+    pub label: String,
+    /// Where its data lives in the checkpoint (unsharded).
+    pub source: ParamSource,
+    /// Its (global) type, graph layout.
+    pub ty: TensorType,
+    /// The forward graph's `Param` node.
+    pub fwd: ValueId,
+    /// The input `param.<label>`.
+    pub input: ValueId,
+    /// Its gradient from each micro-batch (summed over the parameter's uses; with
+    /// `sync_grads`, the identity node after that sum).
+    pub mb_grads: Vec<ValueId>,
+    /// The accumulated gradient `grad.<label>` (output of the same name).
+    pub grad: ValueId,
+    /// Input `adam_m.<label>`.
+    pub m_in: ValueId,
+    /// Input `adam_v.<label>`.
+    pub v_in: ValueId,
+    /// Updated first moment (output `adam_m.<label>`).
+    pub m_out: ValueId,
+    /// Updated second moment (output `adam_v.<label>`).
+    pub v_out: ValueId,
+    /// Updated parameter (output `param.<label>`).
+    pub update: ValueId,
+}
+
+/// The graph of one training step and where each of its parts lives.
+#[derive(Clone, Debug)]
+pub struct TrainGraph {
+    /// The graph.
+    pub graph: Graph,
+    /// Parameters in forward order.
+    pub params: Vec<TrainParam>,
+    /// Micro-batches.
+    pub micro_batches: usize,
+    /// Per micro-batch, the node computing each forward value (`None` for parameters).
+    pub fwd_maps: Vec<Vec<Option<ValueId>>>,
+    /// Per micro-batch, the node holding each forward value's gradient (when it has one).
+    pub cotangents: Vec<Vec<Option<ValueId>>>,
+    /// `gather.<label>` nodes and the parameter (index into `params`) each reads.
+    pub gathers: Vec<(ValueId, usize)>,
+    /// The summed loss (output `loss`).
+    pub loss: ValueId,
+    /// The step-count input `step`.
+    pub step: ValueId,
+}
+
+impl TrainGraph {
+    /// The parameter labelled `label`.
+    pub fn param(&self, label: &str) -> Option<&TrainParam> {
+        self.params.iter().find(|p| p.label == label)
+    }
+}
+
+/// The name of batch input `base` (`input_ids`, `labels`, ...) of micro-batch `k`.
+pub fn input_name(base: &str, k: usize, micro_batches: usize) -> String {
+    if micro_batches <= 1 {
+        base.to_string()
+    } else {
+        format!("{base}.mb{k}")
+    }
+}
+
+/// Builder state. Per-micro-batch tables are reset by [`Builder::start_micro_batch`].
+pub(super) struct Builder<'f> {
+    pub(super) fwd: &'f Graph,
+    pub(super) g: Graph,
+    pub(super) opts: TrainGraphOptions,
+    /// Parameter index of each forward node that is a `Param`.
+    pub(super) param_of: Vec<Option<usize>>,
+    pub(super) params: Vec<TrainParam>,
+    pub(super) gathers: Vec<(ValueId, usize)>,
+    /// Name prefix of this micro-batch's nodes (`""` or `mb<k>.`).
+    pub(super) prefix: String,
+    /// Layer of the forward node whose gradient is being built.
+    pub(super) cur_layer: Option<u32>,
+    pub(super) map: Vec<Option<ValueId>>,
+    pub(super) ct: Vec<Vec<ValueId>>,
+    pub(super) cot: Vec<Option<ValueId>>,
+    pub(super) pgrads: Vec<Vec<ValueId>>,
+    /// `saved.*` node of each train value read by the backward.
+    pub(super) saved: HashMap<ValueId, ValueId>,
+    /// Recomputed forward values (full recomputation), by forward node.
+    pub(super) recomputed: HashMap<ValueId, ValueId>,
+    /// Probabilities computed in the forward pass, by forward attention node.
+    pub(super) probs: HashMap<ValueId, ValueId>,
+    /// Gather node of (parameter, backward phase).
+    pub(super) uses: HashMap<(usize, bool), ValueId>,
+}
+
+impl Builder<'_> {
+    /// Appends a node in layer `layer`.
+    pub(super) fn add(
+        &mut self,
+        op: Op,
+        inputs: &[ValueId],
+        ty: Option<TensorType>,
+        name: String,
+        layer: Option<u32>,
+    ) -> Result<ValueId, AutodiffError> {
+        self.g.current_layer = layer;
+        self.g
+            .add_typed(op, inputs, ty, name.clone())
+            .map_err(|source| AutodiffError::Build { node: name, source })
+    }
+
+    fn start_micro_batch(&mut self, k: usize) {
+        let n = self.fwd.len();
+        self.prefix = if self.opts.micro_batches > 1 {
+            format!("mb{k}.")
+        } else {
+            String::new()
+        };
+        self.map = vec![None; n];
+        self.ct = vec![Vec::new(); n];
+        self.cot = vec![None; n];
+        self.pgrads = vec![Vec::new(); self.params.len()];
+        self.saved.clear();
+        self.recomputed.clear();
+        self.probs.clear();
+        self.uses.clear();
+    }
+
+    /// The value of parameter `p` as read in the forward (`bwd` false) or backward pass.
+    pub(super) fn param_use(&mut self, p: usize, bwd: bool) -> Result<ValueId, AutodiffError> {
+        let input = self.params[p].input;
+        if !self.opts.gather_params {
+            return Ok(input);
+        }
+        if let Some(&x) = self.uses.get(&(p, bwd)) {
+            return Ok(x);
+        }
+        let phase = if bwd { "bwd.gather" } else { "gather" };
+        let name = format!("{}{phase}.{}", self.prefix, self.params[p].label);
+        let ty = self.params[p].ty.clone();
+        let x = self.add(Op::Reshape, &[input], Some(ty), name, self.cur_layer)?;
+        self.uses.insert((p, bwd), x);
+        self.gathers.push((x, p));
+        Ok(x)
+    }
+
+    /// The node a forward-pass operand reads.
+    fn fwd_operand(&mut self, v: ValueId) -> Result<ValueId, AutodiffError> {
+        match self.param_of[v.index()] {
+            Some(p) => self.param_use(p, false),
+            None => Ok(self.map[v.index()].expect("invariant: operands are copied first")),
+        }
+    }
+
+    /// Forward pass of one micro-batch; returns (logits, labels).
+    fn forward(&mut self, k: usize) -> Result<(ValueId, ValueId), AutodiffError> {
+        let fwd = self.fwd;
+        let kk = self.opts.micro_batches;
+        for v in fwd.ids() {
+            let node = fwd.node(v);
+            match &node.op {
+                Op::Param(_) => continue,
+                Op::Input { name, .. } => {
+                    let x = self.g.input(&input_name(name, k, kk), node.ty.clone());
+                    self.g.nodes[x.index()].layer = None;
+                    self.map[v.index()] = Some(x);
+                    continue;
+                }
+                _ => {}
+            }
+            self.cur_layer = node.layer;
+            let inputs = node
+                .inputs
+                .iter()
+                .map(|&i| self.fwd_operand(i))
+                .collect::<Result<Vec<_>, _>>()?;
+            let declared = node.op.needs_declared_type().then(|| node.ty.clone());
+            let name = format!("{}{}", self.prefix, node.name);
+            let x = self.add(node.op.clone(), &inputs, declared, name.clone(), node.layer)?;
+            self.map[v.index()] = Some(x);
+            if let (Op::Attention(spec), Recompute::None) = (&node.op, self.opts.recompute) {
+                let mut qk = vec![inputs[0], inputs[1]];
+                qk.extend(inputs.get(3).copied());
+                let p = self.add(
+                    Op::AttentionProbs(*spec),
+                    &qk,
+                    None,
+                    format!("{name}.probs"),
+                    node.layer,
+                )?;
+                self.probs.insert(v, p);
+            }
+        }
+        let ids = fwd
+            .input_named("input_ids")
+            .ok_or_else(|| AutodiffError::Forward("no `input_ids` input".into()))?;
+        let labels = self
+            .g
+            .input(&input_name("labels", k, kk), fwd.ty(ids).clone());
+        let logits = fwd
+            .output("logits")
+            .ok_or_else(|| AutodiffError::Forward("no `logits` output".into()))?;
+        Ok((logits, labels))
+    }
+
+    /// The sum of `parts` (in order); the last node is named `name`.
+    pub(super) fn sum(
+        &mut self,
+        parts: &[ValueId],
+        name: &str,
+        layer: Option<u32>,
+    ) -> Result<ValueId, AutodiffError> {
+        let mut acc = parts[0];
+        for (i, &p) in parts.iter().enumerate().skip(1) {
+            let n = if i + 1 == parts.len() {
+                name.to_string()
+            } else {
+                format!("{name}.part{i}")
+            };
+            acc = self.add(Op::Add, &[acc, p], None, n, layer)?;
+        }
+        Ok(acc)
+    }
+
+    /// Sums parameter `p`'s gradient contributions of this micro-batch and accumulates it.
+    fn finish_param(&mut self, p: usize, k: usize) -> Result<(), AutodiffError> {
+        let parts = std::mem::take(&mut self.pgrads[p]);
+        let label = self.params[p].label.clone();
+        if parts.is_empty() {
+            return Err(AutodiffError::Forward(format!(
+                "parameter `{label}` does not affect the loss"
+            )));
+        }
+        let kk = self.opts.micro_batches;
+        let own = if kk > 1 {
+            format!("mb{k}.grad.{label}")
+        } else {
+            format!("grad.{label}")
+        };
+        let sum_name = if self.opts.sync_grads {
+            format!("{}bwd.grad.{label}", self.prefix)
+        } else {
+            own.clone()
+        };
+        let layer = self
+            .g
+            .node(*parts.last().expect("invariant: non-empty"))
+            .layer;
+        let mut g = if parts.len() == 1 {
+            self.g.nodes[parts[0].index()].name = sum_name;
+            parts[0]
+        } else {
+            self.sum(&parts, &sum_name, layer)?
+        };
+        if self.opts.sync_grads {
+            let ty = self.params[p].ty.clone();
+            g = self.add(Op::Reshape, &[g], Some(ty), own, layer)?;
+        }
+        self.params[p].mb_grads.push(g);
+        if k > 0 {
+            let prev = self.params[p].grad;
+            let name = if k + 1 == kk {
+                format!("grad.{label}")
+            } else {
+                format!("grad.{label}.acc{k}")
+            };
+            let layer = self.g.node(g).layer;
+            self.params[p].grad = self.add(Op::Add, &[prev, g], None, name, layer)?;
+        } else {
+            self.params[p].grad = g;
+        }
+        Ok(())
+    }
+
+    /// Backward pass of one micro-batch.
+    fn backward(
+        &mut self,
+        k: usize,
+        logits: ValueId,
+        labels: ValueId,
+    ) -> Result<(), AutodiffError> {
+        let fwd = self.fwd;
+        // Each parameter's gradient is complete after its first user's gradient.
+        let mut finish_at: Vec<Vec<usize>> = vec![Vec::new(); fwd.len()];
+        let users = fwd.users();
+        let mut pending = vec![false; self.params.len()];
+        for (p, tp) in self.params.iter().enumerate() {
+            if let Some(&first) = users[tp.fwd.index()].first() {
+                finish_at[first.index()].push(p);
+                pending[p] = true;
+            }
+        }
+        self.cur_layer = None;
+        let l = self.saved_fwd(logits)?;
+        let d = self.add(
+            Op::CrossEntropyGrad {
+                denom: self.opts.denom,
+            },
+            &[l, labels],
+            None,
+            format!("{}bwd.loss.dlogits", self.prefix),
+            None,
+        )?;
+        self.ct[logits.index()].push(d);
+        for v in (0..fwd.len() as u32).rev().map(ValueId) {
+            let node = fwd.node(v);
+            if !self.ct[v.index()].is_empty() && !matches!(node.op, Op::Input { .. } | Op::Param(_))
+            {
+                self.cur_layer = node.layer;
+                let parts = std::mem::take(&mut self.ct[v.index()]);
+                let dy = if parts.len() == 1 {
+                    parts[0]
+                } else {
+                    let name = format!("{}bwd.{}.sum", self.prefix, node.name);
+                    self.sum(&parts, &name, node.layer)?
+                };
+                self.cot[v.index()] = Some(dy);
+                self.vjp(v, dy)?;
+            }
+            for p in std::mem::take(&mut finish_at[v.index()]) {
+                self.finish_param(p, k)?;
+                pending[p] = false;
+            }
+        }
+        if let Some(p) = pending.iter().position(|&x| x) {
+            return Err(AutodiffError::Forward(format!(
+                "parameter `{}` does not affect the loss",
+                self.params[p].label
+            )));
+        }
+        Ok(())
+    }
+
+    /// The AdamW step of every parameter; returns the step input.
+    fn optimizer(&mut self) -> Result<ValueId, AutodiffError> {
+        let step = self.g.input("step", TensorType::plain(DType::F32, &[]));
+        let spec = self.opts.adamw;
+        for p in 0..self.params.len() {
+            let (label, ty, input, grad) = {
+                let tp = &self.params[p];
+                (tp.label.clone(), tp.ty.clone(), tp.input, tp.grad)
+            };
+            let m_in = self.g.input(&format!("adam_m.{label}"), ty.clone());
+            let v_in = self.g.input(&format!("adam_v.{label}"), ty);
+            let moment = |beta, squared| Op::AdamMoment { beta, squared };
+            let m_out = self.add(
+                moment(spec.beta1, false),
+                &[m_in, grad],
+                None,
+                format!("opt.m.{label}"),
+                None,
+            )?;
+            let v_out = self.add(
+                moment(spec.beta2, true),
+                &[v_in, grad],
+                None,
+                format!("opt.v.{label}"),
+                None,
+            )?;
+            let update = self.add(
+                Op::AdamWUpdate(spec),
+                &[input, m_out, v_out, step],
+                None,
+                format!("opt.update.{label}"),
+                None,
+            )?;
+            let tp = &mut self.params[p];
+            (tp.m_in, tp.v_in, tp.m_out, tp.v_out, tp.update) = (m_in, v_in, m_out, v_out, update);
+        }
+        Ok(step)
+    }
+}
+
+/// Builds the training step of forward graph `fwd` (one micro-batch).
+pub fn build_train_graph(
+    fwd: &Graph,
+    opts: &TrainGraphOptions,
+) -> Result<TrainGraph, AutodiffError> {
+    if opts.micro_batches == 0 {
+        return Err(AutodiffError::Forward(
+            "micro_batches must be at least 1".into(),
+        ));
+    }
+    let mut b = Builder {
+        fwd,
+        g: Graph::new(),
+        opts: opts.clone(),
+        param_of: vec![None; fwd.len()],
+        params: Vec::new(),
+        gathers: Vec::new(),
+        prefix: String::new(),
+        cur_layer: None,
+        map: Vec::new(),
+        ct: Vec::new(),
+        cot: Vec::new(),
+        pgrads: Vec::new(),
+        saved: HashMap::new(),
+        recomputed: HashMap::new(),
+        probs: HashMap::new(),
+        uses: HashMap::new(),
+    };
+    // 1. Parameters become inputs, in forward order.
+    for v in fwd.params() {
+        let node = fwd.node(v);
+        let Op::Param(src) = &node.op else {
+            unreachable!("invariant: Graph::params yields Param nodes")
+        };
+        if b.params.iter().any(|p| p.label == node.name) {
+            return Err(AutodiffError::Forward(format!(
+                "two parameters are labelled `{}`",
+                node.name
+            )));
+        }
+        let input = b.g.input(&format!("param.{}", node.name), node.ty.clone());
+        b.param_of[v.index()] = Some(b.params.len());
+        b.params.push(TrainParam {
+            label: node.name.clone(),
+            source: src.clone(),
+            ty: node.ty.clone(),
+            fwd: v,
+            input,
+            mb_grads: Vec::new(),
+            grad: input,
+            m_in: input,
+            v_in: input,
+            m_out: input,
+            v_out: input,
+            update: input,
+        });
+    }
+    // 2–3. Forward, loss and backward of each micro-batch; gradients accumulate.
+    let mut fwd_maps = Vec::new();
+    let mut cotangents = Vec::new();
+    let mut losses = Vec::new();
+    for k in 0..opts.micro_batches {
+        b.start_micro_batch(k);
+        let (logits, labels) = b.forward(k)?;
+        let lv = b.map[logits.index()].expect("invariant: logits were computed");
+        let loss = b.add(
+            Op::CrossEntropy { denom: opts.denom },
+            &[lv, labels],
+            None,
+            format!("{}loss", b.prefix),
+            None,
+        )?;
+        losses.push(loss);
+        b.backward(k, logits, labels)?;
+        fwd_maps.push(std::mem::take(&mut b.map));
+        cotangents.push(std::mem::take(&mut b.cot));
+    }
+    let loss = if losses.len() == 1 {
+        losses[0]
+    } else {
+        b.sum(&losses, "loss", None)?
+    };
+    // 4. The optimizer.
+    let step = b.optimizer()?;
+    let mut g = std::mem::take(&mut b.g);
+    g.current_layer = None;
+    g.set_output("loss", loss);
+    for p in &b.params {
+        g.set_output(&format!("grad.{}", p.label), p.grad);
+        g.set_output(&format!("param.{}", p.label), p.update);
+        g.set_output(&format!("adam_m.{}", p.label), p.m_out);
+        g.set_output(&format!("adam_v.{}", p.label), p.v_out);
+    }
+    crate::ir::verify_if_debug(&g, "build_train_graph");
+    Ok(TrainGraph {
+        graph: g,
+        params: b.params,
+        micro_batches: opts.micro_batches,
+        fwd_maps,
+        cotangents,
+        gathers: b.gathers,
+        loss,
+        step,
+    })
+}

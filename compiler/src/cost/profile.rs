@@ -1,0 +1,513 @@
+//! Device and cluster profiles: data files (`profiles/*.toml`, embedded), every number with its
+//! source. A cluster profile names its device; `--cluster dgx-h100x128` is the `dgx-h100`
+//! profile with 128 nodes, and a path to a `.toml` file works wherever a name does.
+//!
+//! Pre: none. Post: a loaded profile has every number positive and finite, efficiencies in
+//! `(0, 1]`, and a non-empty source for each number (checked by [`DeviceProfile::check`] and
+//! [`ClusterProfile::check`]).
+
+use super::units::Bytes;
+use super::CostError;
+use crate::ir::DType;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// A number and where it comes from (a datasheet, a paper, a measurement, or "assumed").
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sourced<T> {
+    /// The value.
+    pub value: T,
+    /// Its source.
+    pub source: String,
+}
+
+impl<T> Sourced<T> {
+    /// A value with its source.
+    pub fn new(value: T, source: impl Into<String>) -> Sourced<T> {
+        Sourced {
+            value,
+            source: source.into(),
+        }
+    }
+}
+
+/// Dense peak FLOP/s by precision.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PeakFlops {
+    /// bfloat16 tensor core, dense.
+    pub bf16: Sourced<f64>,
+    /// fp16 tensor core, dense.
+    pub fp16: Sourced<f64>,
+    /// tf32 tensor core, dense.
+    pub tf32: Sourced<f64>,
+    /// fp32 (CUDA cores).
+    pub fp32: Sourced<f64>,
+}
+
+/// Fractions of peak that kernel classes reach: the roofline's efficiency factors.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Efficiency {
+    /// GEMMs whose smallest dim is ≥ 1024.
+    pub gemm_large: Sourced<f64>,
+    /// GEMMs whose smallest dim is 256..1023.
+    pub gemm_medium: Sourced<f64>,
+    /// GEMMs whose smallest dim is 64..255.
+    pub gemm_small: Sourced<f64>,
+    /// GEMMs whose smallest dim is below 64.
+    pub gemm_tiny: Sourced<f64>,
+    /// Memory-bound kernels: fraction of HBM bandwidth.
+    pub memory: Sourced<f64>,
+    /// Collectives inside the NVLink domain: busbw as a fraction of per-direction NVLink bandwidth.
+    pub nvlink: Sourced<f64>,
+}
+
+/// One GPU model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceProfile {
+    /// Always `"device"`.
+    pub kind: String,
+    /// Short name (`h100-sxm`).
+    pub name: String,
+    /// What it is.
+    pub description: String,
+    /// Device memory capacity, bytes.
+    pub memory_bytes: Sourced<f64>,
+    /// HBM bandwidth, bytes/s.
+    pub hbm_bandwidth: Sourced<f64>,
+    /// NVLink bandwidth per GPU, bytes/s, both directions together (as datasheets quote it).
+    pub nvlink_bandwidth: Sourced<f64>,
+    /// Minimum time of a kernel (launch + ramp), seconds.
+    pub launch_floor: Sourced<f64>,
+    /// Dense peak FLOP/s.
+    pub peak_flops: PeakFlops,
+    /// Efficiency factors.
+    pub efficiency: Efficiency,
+}
+
+/// A kind of node and its network.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterProfile {
+    /// Always `"cluster"`.
+    pub kind: String,
+    /// Short name (`dgx-h100`).
+    pub name: String,
+    /// The device profile: a built-in name or a path (relative to this file).
+    pub device: String,
+    /// What it is.
+    pub description: String,
+    /// GPUs in one node.
+    pub gpus_per_node: Sourced<u32>,
+    /// GPUs in one NVLink / NVSwitch domain (≤ a node for DGX systems).
+    pub nvlink_domain: Sourced<u32>,
+    /// Network adapters per node used for collectives.
+    pub nics_per_node: Sourced<u32>,
+    /// Bandwidth of one adapter, bytes/s per direction.
+    pub nic_bandwidth: Sourced<f64>,
+    /// Per-step latency across the network (alpha), seconds.
+    pub network_latency: Sourced<f64>,
+    /// Per-step latency inside the NVLink domain (alpha), seconds.
+    pub nvlink_latency: Sourced<f64>,
+    /// Fraction of the adapters' bandwidth collectives reach.
+    pub network_efficiency: Sourced<f64>,
+}
+
+/// A concrete machine: a cluster profile, its device and a node count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cluster {
+    /// The node and network description.
+    pub profile: ClusterProfile,
+    /// The GPU.
+    pub device: DeviceProfile,
+    /// Number of nodes.
+    pub nodes: usize,
+}
+
+/// Built-in profiles: (file name, text).
+pub const BUILTIN_PROFILES: [(&str, &str); 6] = [
+    ("a100-80gb-sxm", include_str!("profiles/a100-80gb-sxm.toml")),
+    ("h100-sxm", include_str!("profiles/h100-sxm.toml")),
+    ("h200-sxm", include_str!("profiles/h200-sxm.toml")),
+    ("dgx-a100", include_str!("profiles/dgx-a100.toml")),
+    ("dgx-h100", include_str!("profiles/dgx-h100.toml")),
+    ("dgx-h200", include_str!("profiles/dgx-h200.toml")),
+];
+
+fn builtin(name: &str) -> Option<&'static str> {
+    BUILTIN_PROFILES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, t)| *t)
+}
+
+fn builtin_names(kind: &str) -> String {
+    BUILTIN_PROFILES
+        .iter()
+        .filter(|(_, t)| t.contains(&format!("kind = \"{kind}\"")))
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The text of a profile: a built-in name or a path. Returns the text and the directory that
+/// relative paths inside it resolve against.
+fn profile_text(spec: &str, base: Option<&Path>) -> Result<(String, Option<PathBuf>), CostError> {
+    if let Some(t) = builtin(spec) {
+        return Ok((t.to_string(), None));
+    }
+    let path = match base {
+        Some(b) if Path::new(spec).is_relative() => b.join(spec),
+        _ => PathBuf::from(spec),
+    };
+    if path.exists() || spec.ends_with(".toml") || spec.contains('/') {
+        let text = std::fs::read_to_string(&path).map_err(|e| CostError::Profile {
+            profile: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
+        return Ok((text, path.parent().map(Path::to_path_buf)));
+    }
+    Err(CostError::UnknownProfile {
+        name: spec.to_string(),
+        valid: format!(
+            "clusters: {}; devices: {}; or a path to a .toml profile",
+            builtin_names("cluster"),
+            builtin_names("device")
+        ),
+    })
+}
+
+fn parse<T: serde::de::DeserializeOwned>(name: &str, text: &str) -> Result<T, CostError> {
+    toml::from_str(text).map_err(|e| CostError::Profile {
+        profile: name.to_string(),
+        msg: e.to_string().trim().replace('\n', " "),
+    })
+}
+
+fn kind_of(name: &str, text: &str) -> Result<String, CostError> {
+    let v: toml::Value = parse(name, text)?;
+    Ok(v.get("kind")
+        .and_then(|k| k.as_str())
+        .unwrap_or("")
+        .to_string())
+}
+
+struct Checker<'a> {
+    profile: &'a str,
+}
+
+impl Checker<'_> {
+    fn err(&self, field: &str, msg: String) -> CostError {
+        CostError::Profile {
+            profile: self.profile.to_string(),
+            msg: format!("`{field}`: {msg}"),
+        }
+    }
+    fn source<T>(&self, field: &str, s: &Sourced<T>) -> Result<(), CostError> {
+        if s.source.trim().is_empty() {
+            return Err(self.err(field, "every number needs a non-empty `source`".into()));
+        }
+        Ok(())
+    }
+    fn positive(&self, field: &str, s: &Sourced<f64>) -> Result<(), CostError> {
+        self.source(field, s)?;
+        if !(s.value.is_finite() && s.value > 0.0) {
+            return Err(self.err(field, format!("must be positive, found {}", s.value)));
+        }
+        Ok(())
+    }
+    fn fraction(&self, field: &str, s: &Sourced<f64>) -> Result<(), CostError> {
+        self.positive(field, s)?;
+        if s.value > 1.0 {
+            return Err(self.err(field, format!("must be in (0, 1], found {}", s.value)));
+        }
+        Ok(())
+    }
+    fn count(&self, field: &str, s: &Sourced<u32>) -> Result<(), CostError> {
+        self.source(field, s)?;
+        if s.value == 0 {
+            return Err(self.err(field, "must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+impl DeviceProfile {
+    /// A built-in device profile by name, or a device profile file.
+    pub fn load(spec: &str) -> Result<DeviceProfile, CostError> {
+        let (text, _) = profile_text(spec, None)?;
+        DeviceProfile::from_toml(spec, &text)
+    }
+
+    /// Parses and checks a device profile.
+    pub fn from_toml(name: &str, text: &str) -> Result<DeviceProfile, CostError> {
+        let kind = kind_of(name, text)?;
+        if kind != "device" {
+            return Err(CostError::Profile {
+                profile: name.to_string(),
+                msg: format!("expected `kind = \"device\"`, found {kind:?}"),
+            });
+        }
+        let d: DeviceProfile = parse(name, text)?;
+        d.check()?;
+        Ok(d)
+    }
+
+    /// Checks ranges and sources.
+    pub fn check(&self) -> Result<(), CostError> {
+        let c = Checker {
+            profile: &self.name,
+        };
+        c.positive("memory_bytes", &self.memory_bytes)?;
+        c.positive("hbm_bandwidth", &self.hbm_bandwidth)?;
+        c.positive("nvlink_bandwidth", &self.nvlink_bandwidth)?;
+        c.positive("launch_floor", &self.launch_floor)?;
+        let p = &self.peak_flops;
+        c.positive("peak_flops.bf16", &p.bf16)?;
+        c.positive("peak_flops.fp16", &p.fp16)?;
+        c.positive("peak_flops.tf32", &p.tf32)?;
+        c.positive("peak_flops.fp32", &p.fp32)?;
+        let e = &self.efficiency;
+        c.fraction("efficiency.gemm_large", &e.gemm_large)?;
+        c.fraction("efficiency.gemm_medium", &e.gemm_medium)?;
+        c.fraction("efficiency.gemm_small", &e.gemm_small)?;
+        c.fraction("efficiency.gemm_tiny", &e.gemm_tiny)?;
+        c.fraction("efficiency.memory", &e.memory)?;
+        c.fraction("efficiency.nvlink", &e.nvlink)?;
+        Ok(())
+    }
+
+    /// Dense tensor-core peak for a compute dtype (fp32 means tf32 tensor cores, as PyTorch
+    /// and cuBLAS use for f32 GEMMs by default on Ampere and later).
+    pub fn peak(&self, dtype: DType) -> f64 {
+        match dtype {
+            DType::Bf16 => self.peak_flops.bf16.value,
+            DType::F16 => self.peak_flops.fp16.value,
+            DType::F32 | DType::I32 => self.peak_flops.tf32.value,
+        }
+    }
+
+    /// Device memory.
+    pub fn memory(&self) -> Bytes {
+        Bytes(self.memory_bytes.value as u64)
+    }
+
+    /// NVLink bandwidth per direction, bytes/s.
+    pub fn nvlink_per_direction(&self) -> f64 {
+        self.nvlink_bandwidth.value / 2.0
+    }
+
+    /// The profile as TOML (what `shardc calibrate` writes).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("invariant: a device profile serialises")
+    }
+}
+
+impl ClusterProfile {
+    /// The profile as TOML (what `shardc calibrate` writes).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("invariant: a cluster profile serialises")
+    }
+
+    /// Checks ranges and sources.
+    pub fn check(&self) -> Result<(), CostError> {
+        let c = Checker {
+            profile: &self.name,
+        };
+        c.count("gpus_per_node", &self.gpus_per_node)?;
+        c.count("nvlink_domain", &self.nvlink_domain)?;
+        c.count("nics_per_node", &self.nics_per_node)?;
+        c.positive("nic_bandwidth", &self.nic_bandwidth)?;
+        c.positive("network_latency", &self.network_latency)?;
+        c.positive("nvlink_latency", &self.nvlink_latency)?;
+        c.fraction("network_efficiency", &self.network_efficiency)?;
+        if self.nvlink_domain.value > self.gpus_per_node.value {
+            return Err(c.err(
+                "nvlink_domain",
+                format!(
+                    "{} GPUs exceeds gpus_per_node = {} (multi-node NVLink domains are not modelled)",
+                    self.nvlink_domain.value, self.gpus_per_node.value
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Cluster {
+    /// Resolves `<profile>[xNODES]`: a built-in cluster name or a `.toml` path, optionally
+    /// followed by `x` and a node count (`dgx-h100x128`). Without a count, `nodes` is 1.
+    pub fn resolve(spec: &str) -> Result<Cluster, CostError> {
+        let (name, nodes) = split_nodes(spec)?;
+        let (text, dir) = profile_text(name, None)?;
+        let kind = kind_of(name, &text)?;
+        if kind == "device" {
+            return Err(CostError::UnknownProfile {
+                name: name.to_string(),
+                valid: format!(
+                    "`{name}` is a device profile; --cluster takes a cluster profile ({}) that names its device",
+                    builtin_names("cluster")
+                ),
+            });
+        }
+        if kind != "cluster" {
+            return Err(CostError::Profile {
+                profile: name.to_string(),
+                msg: format!("expected `kind = \"cluster\"`, found {kind:?}"),
+            });
+        }
+        let profile: ClusterProfile = parse(name, &text)?;
+        profile.check()?;
+        let (dtext, _) = profile_text(&profile.device, dir.as_deref())?;
+        let device = DeviceProfile::from_toml(&profile.device, &dtext)?;
+        Ok(Cluster {
+            profile,
+            device,
+            nodes: nodes.unwrap_or(1),
+        })
+    }
+
+    /// As [`Cluster::resolve`], but without an explicit node count the cluster gets just
+    /// enough nodes for `gpus` ranks.
+    pub fn resolve_for(spec: &str, gpus: usize) -> Result<Cluster, CostError> {
+        let explicit = split_nodes(spec)?.1.is_some();
+        let c = Cluster::resolve(spec)?;
+        if explicit {
+            Ok(c)
+        } else {
+            let n = gpus.div_ceil(c.gpus_per_node()).max(1);
+            Ok(c.with_nodes(n))
+        }
+    }
+
+    /// The same cluster with `n` nodes.
+    pub fn with_nodes(mut self, n: usize) -> Cluster {
+        self.nodes = n.max(1);
+        self
+    }
+
+    /// GPUs in one node.
+    pub fn gpus_per_node(&self) -> usize {
+        self.profile.gpus_per_node.value as usize
+    }
+
+    /// Total GPUs.
+    pub fn gpus(&self) -> usize {
+        self.nodes * self.gpus_per_node()
+    }
+
+    /// Network bandwidth one GPU gets when every GPU of its node communicates at once
+    /// (the node's adapters shared evenly), bytes/s per direction, after efficiency.
+    pub fn net_bw_per_gpu(&self) -> f64 {
+        let p = &self.profile;
+        p.nic_bandwidth.value * p.nics_per_node.value as f64 / p.gpus_per_node.value as f64
+            * p.network_efficiency.value
+    }
+
+    /// NVLink busbw one GPU reaches in a collective, bytes/s per direction, after efficiency.
+    pub fn nvlink_bw(&self) -> f64 {
+        self.device.nvlink_per_direction() * self.device.efficiency.nvlink.value
+    }
+
+    /// `"dgx-h100x128"`.
+    pub fn label(&self) -> String {
+        format!("{}x{}", self.profile.name, self.nodes)
+    }
+}
+
+/// `dgx-h100x128` → (`dgx-h100`, Some(128)); `dgx-h100` → (`dgx-h100`, None).
+fn split_nodes(spec: &str) -> Result<(&str, Option<usize>), CostError> {
+    if let Some((name, n)) = spec.rsplit_once('x') {
+        if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) && !name.is_empty() {
+            let nodes: usize = n.parse().map_err(|_| CostError::Profile {
+                profile: spec.to_string(),
+                msg: format!("node count `{n}` is not a number"),
+            })?;
+            if nodes == 0 {
+                return Err(CostError::Profile {
+                    profile: spec.to_string(),
+                    msg: "node count must be positive".into(),
+                });
+            }
+            return Ok((name, Some(nodes)));
+        }
+    }
+    Ok((spec, None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtins_load_and_carry_sources() {
+        for (name, text) in BUILTIN_PROFILES {
+            if text.contains("kind = \"device\"") {
+                let d = DeviceProfile::load(name).unwrap();
+                assert_eq!(d.name, name);
+                assert!(d.peak_flops.bf16.source.contains("datasheet"));
+            } else {
+                let c = Cluster::resolve(&format!("{name}x4")).unwrap();
+                assert_eq!(c.nodes, 4);
+                assert_eq!(c.gpus(), 32);
+            }
+        }
+        let a100 = DeviceProfile::load("a100-80gb-sxm").unwrap();
+        assert_eq!(a100.peak(DType::Bf16), 312e12);
+        assert_eq!(a100.hbm_bandwidth.value, 2039e9);
+        let h100 = DeviceProfile::load("h100-sxm").unwrap();
+        assert_eq!(h100.peak(DType::Bf16), 989.4e12);
+        assert_eq!(h100.hbm_bandwidth.value, 3.35e12);
+        assert_eq!(h100.nvlink_bandwidth.value, 900e9);
+        let h200 = DeviceProfile::load("h200-sxm").unwrap();
+        assert_eq!(h200.hbm_bandwidth.value, 4.8e12);
+        assert_eq!(h200.memory(), Bytes(141_000_000_000));
+    }
+
+    #[test]
+    fn node_suffix_and_errors() {
+        assert_eq!(
+            split_nodes("dgx-h100x128").unwrap(),
+            ("dgx-h100", Some(128))
+        );
+        assert_eq!(split_nodes("dgx-h100").unwrap(), ("dgx-h100", None));
+        assert!(split_nodes("dgx-h100x0").is_err());
+        let e = Cluster::resolve("nope").unwrap_err().to_string();
+        assert!(e.contains("dgx-h100"), "{e}");
+        let e = Cluster::resolve("h100-sxm").unwrap_err().to_string();
+        assert!(e.contains("device profile"), "{e}");
+    }
+
+    #[test]
+    fn missing_source_is_rejected() {
+        let text = BUILTIN_PROFILES[1].1.replace(
+            "source = \"NVIDIA H100 datasheet: 3.35 TB/s GPU memory bandwidth (H100 SXM)\"",
+            "source = \"\"",
+        );
+        let e = DeviceProfile::from_toml("x", &text)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hbm_bandwidth") && e.contains("source"), "{e}");
+        let text = BUILTIN_PROFILES[1].1.replace("value = 0.85", "value = 1.5");
+        let e = DeviceProfile::from_toml("x", &text)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("(0, 1]"), "{e}");
+    }
+
+    #[test]
+    fn user_profile_by_path_round_trips() {
+        let dir = std::env::temp_dir().join(format!("shardc-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut d = DeviceProfile::load("h100-sxm").unwrap();
+        d.name = "my-gpu".into();
+        d.hbm_bandwidth.value = 1e12;
+        std::fs::write(dir.join("my-gpu.toml"), d.to_toml()).unwrap();
+        let cluster = BUILTIN_PROFILES[4]
+            .1
+            .replace("device = \"h100-sxm\"", "device = \"my-gpu.toml\"");
+        std::fs::write(dir.join("c.toml"), cluster).unwrap();
+        let c = Cluster::resolve(&format!("{}x2", dir.join("c.toml").display())).unwrap();
+        assert_eq!(c.device, d);
+        assert_eq!(c.nodes, 2);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

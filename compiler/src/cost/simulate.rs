@@ -1,0 +1,247 @@
+//! Layer (a) of the simulator: a compiled plan replayed over every rank, and the memory of a
+//! forward plan (what `compile`'s fit check uses).
+
+use super::collective::{collective_time, CollectiveKind, GroupTopology};
+use super::memory::MemoryBreakdown;
+use super::profile::Cluster;
+use super::program::{ProgKind, Program};
+use super::replay::{replay, RankReplay, Replay, Topology};
+use super::report::{SimReport, Simulation, Slice, Timeline};
+use super::roofline::{sim_bytes, ComputeOptions};
+use super::units::Bytes;
+use super::CostError;
+use crate::ir::{DType, Op};
+use crate::plan::Plan;
+use crate::shard::Mesh;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+/// Memory of each rank of a forward plan at `dtype` (`f32` values costed at `dtype`):
+/// parameters, and the activation arena scaled from the plan's `f32` arena.
+pub fn forward_plan_memory(plan: &Plan, dtype: DType) -> MemoryBreakdown {
+    let g = &plan.program;
+    let params: f64 = g.params().map(|v| sim_bytes(g.ty(v), dtype)).sum();
+    let scale = dtype.size_bytes() as f64 / DType::F32.size_bytes() as f64;
+    MemoryBreakdown {
+        params: Bytes(params as u64),
+        activations: Bytes((plan.memory.activation_arena_bytes as f64 * scale) as u64),
+        ..MemoryBreakdown::default()
+    }
+}
+
+/// Checks that the cluster has the mesh's GPUs.
+pub(crate) fn check_gpus(mesh: &Mesh, cluster: &Cluster) -> Result<(), CostError> {
+    let world = mesh.world_size();
+    if world > cluster.gpus() {
+        return Err(CostError::TooFewGpus {
+            mesh: mesh.to_string(),
+            needed: world,
+            cluster: cluster.label(),
+            available: cluster.gpus(),
+            name: cluster.profile.name.clone(),
+            nodes: world.div_ceil(cluster.gpus_per_node()),
+        });
+    }
+    Ok(())
+}
+
+/// `dp=0,tp=3` for each rank.
+pub(crate) fn rank_labels(mesh: &Mesh) -> Vec<String> {
+    (0..mesh.world_size())
+        .map(|r| {
+            let c = mesh.coords(r);
+            mesh.axes
+                .iter()
+                .zip(c)
+                .map(|(a, i)| format!("{}={i}", a.name))
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect()
+}
+
+fn signature(r: &RankReplay) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for o in &r.ops {
+        (o.op, o.start.to_bits(), o.end.to_bits()).hash(&mut h);
+    }
+    for &(t, b) in &r.memory {
+        (t.to_bits(), b).hash(&mut h);
+    }
+    h.finish()
+}
+
+/// Distinct rank timelines of a replay, and each rank's index into them.
+pub(crate) fn timelines(
+    program: &Program,
+    rep: &Replay,
+    base_memory: u64,
+) -> (Vec<Timeline>, Vec<u32>) {
+    let mut by_sig: HashMap<u64, Vec<usize>> = HashMap::new();
+    let mut reps: Vec<usize> = Vec::new();
+    let mut of = Vec::with_capacity(rep.ranks.len());
+    for (r, rr) in rep.ranks.iter().enumerate() {
+        let sig = signature(rr);
+        let cands = by_sig.entry(sig).or_default();
+        let found = cands.iter().copied().find(|&t| {
+            let o = &rep.ranks[reps[t]];
+            o.ops == rr.ops && o.memory == rr.memory
+        });
+        match found {
+            Some(t) => of.push(t as u32),
+            None => {
+                cands.push(reps.len());
+                of.push(reps.len() as u32);
+                reps.push(r);
+            }
+        }
+    }
+    let tls = reps
+        .iter()
+        .map(|&r| {
+            let rr = &rep.ranks[r];
+            let slices = rr
+                .ops
+                .iter()
+                .map(|o| {
+                    let op = &program.ops[o.op as usize];
+                    let (cat, name, bytes, flops) = match &op.kind {
+                        ProgKind::Kernel { work, gemm } => (
+                            if *gemm { "gemm" } else { "kernel" },
+                            op.label.clone(),
+                            work.bytes as u64,
+                            work.flops,
+                        ),
+                        ProgKind::Collective { kind, bytes, axis } => (
+                            "collective",
+                            format!("{} {}({axis})", op.label, kind.name()),
+                            *bytes,
+                            0.0,
+                        ),
+                        _ => ("event", String::new(), 0, 0.0),
+                    };
+                    Slice {
+                        track: op.stream,
+                        name,
+                        cat: cat.to_string(),
+                        start: o.start,
+                        dur: o.end - o.start,
+                        bytes,
+                        flops,
+                    }
+                })
+                .collect();
+            Timeline {
+                tracks: program.streams.clone(),
+                slices,
+                memory: rr
+                    .memory
+                    .iter()
+                    .map(|&(t, b)| (t, b + base_memory))
+                    .collect(),
+            }
+        })
+        .collect();
+    (tls, of)
+}
+
+/// Replays a compiled (forward) plan over every rank of its mesh on `cluster`.
+pub fn simulate_plan(
+    plan: &Plan,
+    cluster: &Cluster,
+    opts: &ComputeOptions,
+) -> Result<Simulation, CostError> {
+    let mesh = &plan.mesh;
+    check_gpus(mesh, cluster)?;
+    let dev = &cluster.device;
+    let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
+        collective_time(
+            cluster,
+            kind,
+            Bytes(bytes),
+            GroupTopology::of_axis(mesh, axis, cluster),
+        )
+    };
+    let program = Program::from_steps(&plan.program, &plan.steps, dev, opts, &|_| true, &comm);
+    let topo = Topology::new(mesh, cluster);
+    let rep = replay(&program, &topo, cluster, true)?;
+    let world = mesh.world_size();
+    let step = rep.end().0;
+    let g = &plan.program;
+    let params = Bytes(
+        g.ids()
+            .filter(|&v| matches!(g.node(v).op, Op::Param(_)))
+            .map(|v| sim_bytes(g.ty(v), opts.dtype))
+            .sum::<f64>() as u64,
+    );
+    let crit = rep.critical_rank();
+    let cr = &rep.ranks[crit];
+    // The first rank with the largest peak.
+    let (mut worst, mut worst_live) = (0, Bytes::ZERO);
+    for (i, r) in rep.ranks.iter().enumerate() {
+        if r.peak_live > worst_live {
+            (worst, worst_live) = (i, r.peak_live);
+        }
+    }
+    let memory = MemoryBreakdown {
+        params,
+        activations: worst_live,
+        ..MemoryBreakdown::default()
+    };
+    let flops = program.flops() * world as f64;
+    let tokens = (plan.model.batch * plan.model.seq) as f64;
+    let peak = dev.peak(opts.dtype);
+    let per_gpu = |f: f64| {
+        if step > 0.0 {
+            f / step / world as f64
+        } else {
+            0.0
+        }
+    };
+    let exposed = cr.exposed_comm().0.min(cr.comm.0);
+    let (tls, of) = timelines(&program, &rep, params.0);
+    let device_memory = dev.memory();
+    let report = SimReport {
+        mode: "forward".into(),
+        model: plan.model.source.clone(),
+        mesh: mesh.to_string(),
+        strategies: plan.strategies.clone(),
+        cluster: cluster.label(),
+        device: dev.name.clone(),
+        gpus: world,
+        dtype: opts.dtype.name().into(),
+        global_batch: plan.model.batch,
+        seq: plan.model.seq,
+        micro_batch: None,
+        micro_batches: None,
+        schedule: None,
+        recompute: None,
+        zero: None,
+        step_time_s: step,
+        tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
+        flops_per_step: flops,
+        model_flops_per_step: flops,
+        tflops_per_gpu: per_gpu(flops) / 1e12,
+        model_tflops_per_gpu: per_gpu(flops) / 1e12,
+        mfu: per_gpu(flops) / peak,
+        compute_s: cr.compute.0,
+        comm_s: cr.comm.0,
+        exposed_comm_s: exposed,
+        hidden_comm_s: (cr.comm.0 - exposed).max(0.0),
+        bubble_fraction: 0.0,
+        pipeline_s: 0.0,
+        optimizer_s: 0.0,
+        peak_memory_bytes_per_rank: memory.total().0,
+        peak_memory_rank: worst,
+        memory_breakdown: memory,
+        device_memory_bytes: device_memory.0,
+        fits: memory.total() <= device_memory,
+        stages: Vec::new(),
+    };
+    Ok(Simulation {
+        report,
+        timelines: tls,
+        rank_timeline: of,
+        rank_labels: rank_labels(mesh),
+    })
+}

@@ -1,0 +1,106 @@
+//! Communication volume of a step: for each collective of the SPMD program, the elements one
+//! rank sends with the textbook ring algorithms over an axis of `n` ranks — all-reduce of `N`
+//! elements `2N(n−1)/n`, reduce-scatter of `N` (input) and all-gather to `N` (output)
+//! `N(n−1)/n` each, all-to-all of `N` `N(n−1)/n`, broadcast `N`. Data-parallel training
+//! therefore sends `2Ψ(n−1)/n` per step (Ψ gradient elements all-reduced) and ZeRO-3
+//! `3Ψ(n−1)/n` (parameters gathered for forward and backward, gradients reduce-scattered).
+
+use crate::ir::Op;
+use crate::shard::ShardedGraph;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The collectives of one kind on one axis.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectiveVolume {
+    /// Op mnemonic (`all_reduce`, ...).
+    pub op: String,
+    /// Mesh axis.
+    pub axis: String,
+    /// Ranks on the axis.
+    pub ranks: usize,
+    /// Number of collectives.
+    pub count: usize,
+    /// Σ of their sizes `N` (elements; the input of a reduce-scatter, the output of an
+    /// all-gather).
+    pub elements: u64,
+    /// Elements one rank sends (ring algorithms), rounded down.
+    pub sent_elements: u64,
+    /// Bytes one rank sends.
+    pub sent_bytes: u64,
+}
+
+/// Per-rank communication of one step.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommVolume {
+    /// By (op, axis), sorted.
+    pub collectives: Vec<CollectiveVolume>,
+    /// Σ elements sent by one rank.
+    pub sent_elements: u64,
+    /// Σ bytes sent by one rank.
+    pub sent_bytes: u64,
+}
+
+impl CommVolume {
+    /// Elements sent on `axis` (all kinds).
+    pub fn sent_on(&self, axis: &str) -> u64 {
+        self.collectives
+            .iter()
+            .filter(|c| c.axis == axis)
+            .map(|c| c.sent_elements)
+            .sum()
+    }
+}
+
+/// Counts the collectives of `sg` (every rank runs the same program).
+pub fn comm_volume(sg: &ShardedGraph) -> CommVolume {
+    let g = &sg.graph;
+    // (op, axis) → (ranks, count, elements, n · elements sent, bytes per element)
+    type Acc = (usize, usize, u64, u128, u64);
+    let mut acc: BTreeMap<(String, String), Acc> = BTreeMap::new();
+    for v in g.ids() {
+        let node = g.node(v);
+        if !node.op.communicates() {
+            continue;
+        }
+        let Some(axis) = node.op.axis() else { continue };
+        let Some(a) = sg.mesh.axis(axis) else {
+            continue;
+        };
+        let n = sg.mesh.axis_size(a) as u64;
+        let input = node.inputs.first().map_or(0, |&i| g.ty(i).numel()) as u64;
+        let output = node.ty.numel() as u64;
+        let (elements, sent_x_n) = match &node.op {
+            Op::AllReduce { .. } => (output, 2 * output * (n - 1)),
+            Op::ReduceScatter { .. } | Op::AllToAll { .. } => (input, input * (n - 1)),
+            Op::AllGather { .. } => (output, output * (n - 1)),
+            Op::Broadcast { .. } => (output, output * n),
+            // Collective matmuls move the gathered operand or the scattered product.
+            Op::AgMatMul { .. } => (input * n, input * n * (n - 1)),
+            Op::MatMulRs { .. } => (output * n, output * n * (n - 1)),
+            _ => continue,
+        };
+        let e = acc
+            .entry((node.op.mnemonic().to_string(), axis.to_string()))
+            .or_insert((n as usize, 0, 0, 0, node.ty.dtype.size_bytes() as u64));
+        e.1 += 1;
+        e.2 += elements;
+        e.3 += sent_x_n as u128;
+    }
+    let mut out = CommVolume::default();
+    for ((op, axis), (n, count, elements, weighted, bytes)) in acc {
+        let sent = (weighted / n as u128) as u64;
+        out.sent_elements += sent;
+        out.sent_bytes += sent * bytes;
+        out.collectives.push(CollectiveVolume {
+            op,
+            axis,
+            ranks: n,
+            count,
+            elements,
+            sent_elements: sent,
+            sent_bytes: sent * bytes,
+        });
+    }
+    out
+}

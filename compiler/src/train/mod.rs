@@ -1,0 +1,238 @@
+//! The training compile driver: one optimizer step of a model as an SPMD program.
+//!
+//! ```text
+//! config ─► forward graph (one micro-batch) ─► training graph (autodiff: forward + backward
+//!   per micro-batch, accumulation, AdamW) ─► annotations (forward presets carried over, plus
+//!   gradients, optimizer state and ZeRO layouts) ─► SPMD graph (partition + reshard)
+//!   ─► passes: output reshards of gradients dropped, vocabulary-shard ids for embedding
+//!   gradients, DDP gradient buckets ─► memory and communication accounting
+//! ```
+//!
+//! How the strategies become annotations (the sharding machinery inserts the collectives):
+//! - every strategy's forward annotations apply to each micro-batch's forward values, and the
+//!   same layouts to their gradients;
+//! - a gradient of a replicated parameter is a partial sum over the data axes; `dp` annotates
+//!   the accumulated gradient like its parameter, so it is all-reduced as soon as it is
+//!   complete, then a pass groups those all-reduces into DDP buckets;
+//! - `zero1`: optimizer state sharded over `dp` (one dim of each tensor); the gradient is
+//!   reduce-scattered into it after the backward pass, the updated shard all-gathered;
+//! - `zero2`: as `zero1`, and each micro-batch's gradient is reduce-scattered as soon as it is
+//!   complete (gradients live sharded);
+//! - `zero3`/`fsdp`: as `zero2`, and parameters live sharded: every forward and backward pass
+//!   reads them through a `gather.<label>` node, all-gathered there and freed after use.
+
+mod annotate;
+mod comm;
+mod memory;
+mod passes;
+
+pub use comm::{comm_volume, CollectiveVolume, CommVolume};
+pub use memory::{memory_report, LayerActivations, Precision, TrainMemory};
+pub use passes::{Bucket, BucketCaps};
+
+use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};
+use crate::ir::{AdamWSpec, Graph, Op};
+use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
+use crate::plan::Plan;
+use crate::shard::{self, Annotations, Mesh, ShardError, ShardedGraph, Strategy};
+use thiserror::Error;
+
+/// What to compile.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainOptions {
+    /// Sequences per step (global, all micro-batches).
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// The mesh.
+    pub mesh: Mesh,
+    /// Strategies beyond the mesh axes' defaults (`sp`, `zero1`, ...).
+    pub extra_strategies: Vec<String>,
+    /// Micro-batches per step (gradient accumulation).
+    pub micro_batches: usize,
+    /// Activation checkpointing.
+    pub recompute: Recompute,
+    /// Optimizer.
+    pub adamw: AdamWSpec,
+    /// Predicted tokens per step (the loss divisor); `None`: `batch · (seq − 1)`.
+    pub denom: Option<usize>,
+    /// DDP bucket sizes.
+    pub buckets: BucketCaps,
+}
+
+impl TrainOptions {
+    /// Defaults for a batch × seq step on `mesh`: one micro-batch, no recomputation, PyTorch
+    /// AdamW defaults of the fixtures (lr 1e-3, betas 0.9/0.95, eps 1e-8, weight decay 0.1),
+    /// DDP's bucket sizes.
+    pub fn new(batch: usize, seq: usize, mesh: Mesh) -> TrainOptions {
+        TrainOptions {
+            batch,
+            seq,
+            mesh,
+            extra_strategies: Vec::new(),
+            micro_batches: 1,
+            recompute: Recompute::None,
+            adamw: AdamWSpec::default(),
+            denom: None,
+            buckets: BucketCaps::default(),
+        }
+    }
+}
+
+/// A compiled training step.
+#[derive(Clone, Debug)]
+pub struct CompiledTrain {
+    /// The forward graph of one micro-batch.
+    pub forward: Graph,
+    /// The logical training graph.
+    pub train: TrainGraph,
+    /// Strategies applied.
+    pub strategies: Vec<Strategy>,
+    /// ZeRO stage (0: none).
+    pub zero_stage: u8,
+    /// The annotations the training graph was partitioned under.
+    pub annotations: Annotations,
+    /// The SPMD program.
+    pub sharded: ShardedGraph,
+    /// DDP gradient buckets (empty unless plain `dp`), in reduction order.
+    pub buckets: Vec<Bucket>,
+    /// What was compiled.
+    pub options: TrainOptions,
+}
+
+impl CompiledTrain {
+    /// The plan of this step, with its memory and communication accounting under `precision`.
+    pub fn plan(
+        &self,
+        source: &str,
+        model_type: &str,
+        layers: usize,
+        precision: Precision,
+    ) -> Plan {
+        let compiled = crate::pipeline::Compiled {
+            logical: self.train.graph.clone(),
+            strategies: self.strategies.clone(),
+            sharded: self.sharded.clone(),
+            report: None,
+        };
+        let mut plan = Plan::new(&compiled, source, model_type, layers);
+        plan.model.batch = self.options.batch;
+        plan.model.seq = self.options.seq;
+        // Parameters are the program's `param.*` inputs (local, program dtype).
+        let g = &self.sharded.graph;
+        plan.memory.param_bytes = g
+            .ids()
+            .filter(
+                |&v| matches!(&g.node(v).op, Op::Input { name, .. } if name.starts_with("param.")),
+            )
+            .map(|v| g.ty(v).size_bytes() as u64)
+            .sum();
+        plan.memory.train = Some(memory_report(self, precision));
+        plan.comm = Some(comm_volume(&self.sharded));
+        plan
+    }
+}
+
+/// A training compile error.
+#[derive(Debug, Error)]
+pub enum TrainCompileError {
+    /// Model config or forward graph.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Sharding.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// Differentiation.
+    #[error(transparent)]
+    Autodiff(#[from] AutodiffError),
+    /// Options that do not fit together.
+    #[error("{0}")]
+    Options(String),
+}
+
+/// Compiles one training step of `cfg` for `opts`.
+pub fn compile_train(
+    cfg: &ModelConfig,
+    opts: &TrainOptions,
+) -> Result<CompiledTrain, TrainCompileError> {
+    // 1. Strategies: mesh axis defaults plus extras; the micro-batch must divide.
+    let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
+    let k = opts.micro_batches;
+    if k == 0 || opts.batch % k != 0 {
+        return Err(TrainCompileError::Options(format!(
+            "batch {} does not split into {k} micro-batches",
+            opts.batch
+        )));
+    }
+    if opts.seq < 2 {
+        return Err(TrainCompileError::Options(format!(
+            "sequence length {} leaves no token to predict (need at least 2)",
+            opts.seq
+        )));
+    }
+    let micro = opts.batch / k;
+    shard::check_model(cfg, &opts.mesh, &strategies, micro, opts.seq).map_err(|e| match e {
+        ShardError::ModelIndivisible {
+            what,
+            size,
+            axis,
+            parts,
+        } if what == "batch" && k > 1 => ShardError::ModelIndivisible {
+            what: "micro-batch".into(),
+            size,
+            axis,
+            parts,
+        },
+        e => e,
+    })?;
+    let zero_stage = strategies.iter().map(|s| s.zero_stage()).max().unwrap_or(0);
+    // 2. The forward graph of one micro-batch (KV heads repeated when tp exceeds them).
+    let build = BuildOptions {
+        batch: micro,
+        seq: opts.seq,
+        kv_repeat: shard::kv_repeat(cfg, &opts.mesh, &strategies),
+    };
+    let forward = build_forward(cfg, build)
+        .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;
+    // 3. The training graph: forward, loss, backward per micro-batch, accumulation, AdamW.
+    let denom = opts.denom.unwrap_or(opts.batch * (opts.seq - 1));
+    let train = build_train_graph(
+        &forward,
+        &TrainGraphOptions {
+            micro_batches: k,
+            denom,
+            recompute: opts.recompute,
+            adamw: opts.adamw,
+            gather_params: zero_stage == 3,
+            sync_grads: zero_stage >= 2,
+        },
+    )?;
+    // 4. Annotations: the forward presets per micro-batch, gradients, optimizer, ZeRO.
+    let fwd_ann = shard::annotate(&forward, &opts.mesh, &strategies);
+    let annotations = annotate::train_annotations(&train, &fwd_ann, &opts.mesh, zero_stage);
+    // 5. SPMD partitioning: propagate layouts, insert reshards.
+    let sharded = shard::partition(&train.graph, &opts.mesh, &annotations)?;
+    // 6. Gradients and the loss are read in their natural layout (partial sums included).
+    let sharded =
+        passes::strip_output_reshards(sharded, |n| n == "loss" || n.starts_with("grad."))?;
+    // 7. Vocabulary-sharded embedding gradients read shard-local token ids.
+    let sharded = passes::embedding_grad_offsets(sharded)?;
+    // 8. DDP: gradient all-reduces over `dp` grouped into buckets, each reduced when ready.
+    let ddp = zero_stage == 0 && strategies.contains(&Strategy::Dp);
+    let (sharded, buckets) = if ddp {
+        passes::ddp_buckets(sharded, &train, &opts.buckets)?
+    } else {
+        (sharded, Vec::new())
+    };
+    crate::ir::verify_if_debug(&sharded.graph, "compile_train");
+    Ok(CompiledTrain {
+        forward,
+        train,
+        strategies,
+        zero_stage,
+        annotations,
+        sharded,
+        buckets,
+        options: opts.clone(),
+    })
+}

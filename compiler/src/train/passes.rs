@@ -1,0 +1,467 @@
+//! Passes over the SPMD training program, after partitioning.
+//!
+//! - [`strip_output_reshards`]: outputs read in their natural layout (the runner assembles
+//!   partial sums and shards), so the step carries no collective only an output needed.
+//! - [`embedding_grad_offsets`]: an `EmbeddingGrad` whose table is vocabulary-sharded reads
+//!   shard-local ids (`RankOffset`), as the forward `Embedding` does.
+//! - [`ddp_buckets`]: PyTorch DDP's gradient buckets: the `dp` all-reduces of the parameters'
+//!   gradients grouped in reverse parameter order into buckets of at least 25 MiB (the first
+//!   1 MiB), each one all-reduce of the concatenated gradients issued as soon as the last of
+//!   them is computed.
+
+use crate::autodiff::TrainGraph;
+use crate::ir::{Graph, Op, TensorType, ValueId};
+use crate::shard::{Provenance, ShardError, ShardedGraph, TensorSharding};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// DDP bucket size caps, in bytes (PyTorch: `bucket_cap_mb = 25`, first bucket 1 MiB).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketCaps {
+    /// Cap of the first bucket (the last gradients computed).
+    pub first_bytes: u64,
+    /// Cap of every other bucket.
+    pub bytes: u64,
+}
+
+impl Default for BucketCaps {
+    fn default() -> BucketCaps {
+        BucketCaps {
+            first_bytes: 1 << 20,
+            bytes: 25 << 20,
+        }
+    }
+}
+
+/// One DDP gradient bucket.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bucket {
+    /// Parameter labels, in bucket order (reverse parameter order).
+    pub params: Vec<String>,
+    /// Bytes per rank (local gradient sizes).
+    pub bytes: u64,
+    /// The node after which the bucket is reduced (the last of its gradients computed).
+    pub ready_after: String,
+}
+
+/// Rebuilds a sharded graph node by node with remapped operands.
+struct Rebuild {
+    g: Graph,
+    shardings: Vec<TensorSharding>,
+    provenance: Vec<Option<Provenance>>,
+    map: Vec<Option<ValueId>>,
+}
+
+impl Rebuild {
+    fn new(n: usize) -> Rebuild {
+        Rebuild {
+            g: Graph::new(),
+            shardings: Vec::new(),
+            provenance: Vec::new(),
+            map: vec![None; n],
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        op: Op,
+        inputs: &[ValueId],
+        ty: Option<TensorType>,
+        name: String,
+        layer: Option<u32>,
+        s: TensorSharding,
+        prov: Option<Provenance>,
+    ) -> Result<ValueId, ShardError> {
+        self.g.current_layer = layer;
+        let v = self
+            .g
+            .add_typed(op, inputs, ty, name.clone())
+            .map_err(|e| ShardError::Internal(format!("rebuilding `{name}`: {e}")))?;
+        self.shardings.push(s);
+        self.provenance.push(prov);
+        Ok(v)
+    }
+
+    /// Copies node `v` of `old` with its operands remapped.
+    fn copy(&mut self, old: &ShardedGraph, v: ValueId) -> Result<ValueId, ShardError> {
+        let node = old.graph.node(v);
+        let inputs: Vec<ValueId> = node
+            .inputs
+            .iter()
+            .map(|i| self.map[i.index()].expect("invariant: operands are copied first"))
+            .collect();
+        let x = self.push(
+            node.op.clone(),
+            &inputs,
+            Some(node.ty.clone()),
+            node.name.clone(),
+            node.layer,
+            old.shardings[v.index()].clone(),
+            old.provenance[v.index()].clone(),
+        )?;
+        self.map[v.index()] = Some(x);
+        Ok(x)
+    }
+
+    fn finish(mut self, old: ShardedGraph) -> ShardedGraph {
+        for (name, v) in &old.graph.outputs {
+            let x = self.map[v.index()].expect("invariant: outputs are kept");
+            self.g.set_output(name, x);
+        }
+        self.g.current_layer = None;
+        ShardedGraph {
+            graph: self.g,
+            shardings: self.shardings,
+            provenance: self.provenance,
+            mesh: old.mesh,
+        }
+    }
+}
+
+/// Points the outputs named by `strip` at the value before the reshards the partitioner added
+/// for them, and drops reshards no output needs any more.
+pub(super) fn strip_output_reshards(
+    sg: ShardedGraph,
+    strip: impl Fn(&str) -> bool,
+) -> Result<ShardedGraph, ShardError> {
+    let n = sg.graph.len();
+    let boundary = (0..n)
+        .find(|&i| {
+            sg.provenance[i]
+                .as_ref()
+                .is_some_and(|p| p.required_by.starts_with("output `"))
+        })
+        .unwrap_or(n);
+    let mut outputs = sg.graph.outputs.clone();
+    for (name, v) in outputs.iter_mut() {
+        if strip(name) {
+            while v.index() >= boundary {
+                *v = sg.graph.node(*v).inputs[0];
+            }
+        }
+    }
+    let mut keep = vec![false; n];
+    keep[..boundary].fill(true);
+    for (_, v) in &outputs {
+        let mut x = *v;
+        while x.index() >= boundary && !keep[x.index()] {
+            keep[x.index()] = true;
+            x = sg.graph.node(x).inputs[0];
+        }
+    }
+    let mut r = Rebuild::new(n);
+    for v in sg.graph.ids().filter(|v| keep[v.index()]) {
+        r.copy(&sg, v)?;
+    }
+    for (name, v) in &outputs {
+        let x = r.map[v.index()].expect("invariant: kept");
+        r.g.set_output(name, x);
+    }
+    r.g.current_layer = None;
+    Ok(ShardedGraph {
+        graph: r.g,
+        shardings: r.shardings,
+        provenance: r.provenance,
+        mesh: sg.mesh,
+    })
+}
+
+/// Gives every `EmbeddingGrad` whose table is vocabulary-sharded shard-local ids.
+pub(super) fn embedding_grad_offsets(sg: ShardedGraph) -> Result<ShardedGraph, ShardError> {
+    let g = &sg.graph;
+    let mut fixes: BTreeMap<ValueId, (String, usize)> = BTreeMap::new();
+    for v in g.ids() {
+        if !matches!(g.node(v).op, Op::EmbeddingGrad) {
+            continue;
+        }
+        let s = &sg.shardings[v.index()];
+        match s.dims[0][..] {
+            [] => {}
+            [a] => {
+                let axis = sg.mesh.axis_name(a).to_string();
+                fixes.insert(v, (axis, g.ty(v).dim(0)));
+            }
+            _ => {
+                return Err(ShardError::Unsupported(format!(
+                    "gradient `{}`: vocabulary sharded over several axes ({})",
+                    g.node(v).name,
+                    s.display(&sg.mesh)
+                )))
+            }
+        }
+    }
+    if fixes.is_empty() {
+        return Ok(sg);
+    }
+    let mut r = Rebuild::new(g.len());
+    // (ids value in the new graph, axis, stride) → offset ids.
+    let mut offsets: BTreeMap<(ValueId, String, usize), ValueId> = BTreeMap::new();
+    for v in g.ids() {
+        let node = g.node(v);
+        if let Op::RankOffset { axis, stride } = &node.op {
+            let x = r.copy(&sg, v)?;
+            let ids = r.map[node.inputs[0].index()].expect("invariant: copied");
+            offsets.entry((ids, axis.clone(), *stride)).or_insert(x);
+            continue;
+        }
+        let Some((axis, stride)) = fixes.get(&v) else {
+            r.copy(&sg, v)?;
+            continue;
+        };
+        let ids = r.map[node.inputs[0].index()].expect("invariant: copied");
+        let key = (ids, axis.clone(), *stride);
+        let local = match offsets.get(&key) {
+            Some(&x) => x,
+            None => {
+                let op = Op::RankOffset {
+                    axis: axis.clone(),
+                    stride: *stride,
+                };
+                let s = sg.shardings[node.inputs[0].index()].clone();
+                let name = format!("{}.rank_offset", g.node(node.inputs[0]).name);
+                let x = r.push(op, &[ids], None, name, node.layer, s, None)?;
+                offsets.insert(key, x);
+                x
+            }
+        };
+        let mut inputs: Vec<ValueId> = node
+            .inputs
+            .iter()
+            .map(|i| r.map[i.index()].expect("invariant: copied"))
+            .collect();
+        inputs[0] = local;
+        let x = r.push(
+            node.op.clone(),
+            &inputs,
+            Some(node.ty.clone()),
+            node.name.clone(),
+            node.layer,
+            sg.shardings[v.index()].clone(),
+            sg.provenance[v.index()].clone(),
+        )?;
+        r.map[v.index()] = Some(x);
+    }
+    Ok(r.finish(sg))
+}
+
+/// DDP's bucket assignment: parameters in reverse order, a bucket closes once its size reaches
+/// its cap (the first cap for the first bucket). Returns indices into `sizes`.
+pub(super) fn assign_buckets(sizes: &[u64], caps: &BucketCaps) -> Vec<Vec<usize>> {
+    let mut out = Vec::new();
+    let mut cur = Vec::new();
+    let mut bytes = 0u64;
+    for i in (0..sizes.len()).rev() {
+        cur.push(i);
+        bytes += sizes[i];
+        let cap = if out.is_empty() {
+            caps.first_bytes
+        } else {
+            caps.bytes
+        };
+        if bytes >= cap {
+            out.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Groups the `dp` all-reduces of gradients into DDP buckets.
+pub(super) fn ddp_buckets(
+    sg: ShardedGraph,
+    tg: &TrainGraph,
+    caps: &BucketCaps,
+) -> Result<(ShardedGraph, Vec<Bucket>), ShardError> {
+    let g = &sg.graph;
+    // The dp all-reduce of each parameter's gradient (the annotation's reshard).
+    let mut ar_of: BTreeMap<String, ValueId> = BTreeMap::new();
+    for v in g.ids() {
+        let node = g.node(v);
+        let (Op::AllReduce { axis }, Some(p)) = (&node.op, &sg.provenance[v.index()]) else {
+            continue;
+        };
+        if axis == "dp" && p.value.starts_with("grad.") && p.required_by.starts_with("annotation") {
+            ar_of.insert(p.value["grad.".len()..].to_string(), v);
+        }
+    }
+    let members: Vec<(usize, ValueId)> = tg
+        .params
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| ar_of.get(&p.label).map(|&v| (i, v)))
+        .collect();
+    if members.is_empty() {
+        return Ok((sg, Vec::new()));
+    }
+    let sizes: Vec<u64> = members
+        .iter()
+        .map(|&(_, v)| g.ty(v).size_bytes() as u64)
+        .collect();
+    let groups = assign_buckets(&sizes, caps);
+    // Each bucket is reduced right after the last operand of its members is computed.
+    let mut at: BTreeMap<ValueId, Vec<usize>> = BTreeMap::new();
+    let mut buckets = Vec::new();
+    let mut skip: BTreeSet<ValueId> = BTreeSet::new();
+    for (b, group) in groups.iter().enumerate() {
+        let ready = group
+            .iter()
+            .map(|&i| g.node(members[i].1).inputs[0])
+            .max()
+            .expect("invariant: buckets are not empty");
+        at.entry(ready).or_default().push(b);
+        for &i in group {
+            skip.insert(members[i].1);
+        }
+        buckets.push(Bucket {
+            params: group
+                .iter()
+                .map(|&i| tg.params[members[i].0].label.clone())
+                .collect(),
+            bytes: group.iter().map(|&i| sizes[i]).sum(),
+            ready_after: g.node(ready).name.clone(),
+        });
+    }
+    // Nodes that read a reduced gradient before its bucket (e.g. a further reduction over
+    // another axis) wait until the bucket is emitted; order is otherwise kept.
+    let mut r = Rebuild::new(g.len());
+    let mut pending: Vec<ValueId> = Vec::new();
+    let ready_inputs =
+        |r: &Rebuild, v: ValueId| g.node(v).inputs.iter().all(|i| r.map[i.index()].is_some());
+    for v in g.ids() {
+        if skip.contains(&v) {
+            continue;
+        }
+        pending.push(v);
+        while let Some(pos) = pending.iter().position(|&u| ready_inputs(&r, u)) {
+            let u = pending.remove(pos);
+            r.copy(&sg, u)?;
+            for &b in at.get(&u).map(Vec::as_slice).unwrap_or(&[]) {
+                emit_bucket(&mut r, &sg, b, &groups[b], &members, &buckets[b])?;
+            }
+        }
+    }
+    if let Some(&u) = pending.first() {
+        return Err(ShardError::Internal(format!(
+            "`{}` waits for a gradient bucket that is never reduced",
+            g.node(u).name
+        )));
+    }
+    Ok((r.finish(sg), buckets))
+}
+
+/// Flatten, concatenate, one all-reduce, split: the bucket's reduction.
+fn emit_bucket(
+    r: &mut Rebuild,
+    sg: &ShardedGraph,
+    b: usize,
+    group: &[usize],
+    members: &[(usize, ValueId)],
+    bucket: &Bucket,
+) -> Result<(), ShardError> {
+    let g = &sg.graph;
+    let layer = None;
+    let flat_s = |partial: bool| {
+        let mut s = TensorSharding::replicated(1);
+        if partial {
+            s.partial = sg.mesh.axis("dp").into_iter().collect();
+        }
+        s
+    };
+    let mut flats = Vec::with_capacity(group.len());
+    for &i in group {
+        let ar = members[i].1;
+        let src = g.node(ar).inputs[0];
+        let x = r.map[src.index()].expect("invariant: ready before the bucket");
+        let n = g.ty(ar).numel();
+        let ty = TensorType::plain(g.ty(ar).dtype, &[n]);
+        let name = format!("{}.flat", g.node(src).name);
+        flats.push(r.push(Op::Reshape, &[x], Some(ty), name, layer, flat_s(true), None)?);
+    }
+    let cat = r.push(
+        Op::Concat { dim: 0 },
+        &flats,
+        None,
+        format!("ddp.bucket{b}"),
+        layer,
+        flat_s(true),
+        None,
+    )?;
+    let prov = Provenance {
+        value: format!("ddp.bucket{b}"),
+        from: "partial(dp)".into(),
+        to: "replicated".into(),
+        required_by: format!(
+            "DDP bucket {b} ({} bytes): gradients of {} ready after `{}`",
+            bucket.bytes,
+            bucket.params.join(", "),
+            bucket.ready_after
+        ),
+    };
+    let op = Op::AllReduce { axis: "dp".into() };
+    let red = r.push(
+        op,
+        &[cat],
+        None,
+        format!("ddp.bucket{b}.all_reduce"),
+        layer,
+        flat_s(false),
+        Some(prov),
+    )?;
+    let mut start = 0;
+    for &i in group {
+        let ar = members[i].1;
+        let ty = g.ty(ar).clone();
+        let n = ty.numel();
+        let slice = Op::Slice {
+            dim: 0,
+            start,
+            len: n,
+        };
+        let name = g.node(ar).name.clone();
+        let part = r.push(
+            slice,
+            &[red],
+            None,
+            format!("{name}.slice"),
+            layer,
+            flat_s(false),
+            None,
+        )?;
+        let x = r.push(
+            Op::Reshape,
+            &[part],
+            Some(ty),
+            name,
+            layer,
+            sg.shardings[ar.index()].clone(),
+            None,
+        )?;
+        r.map[ar.index()] = Some(x);
+        start += n;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_follow_ddp_reverse_order_and_caps() {
+        let mib = 1u64 << 20;
+        let caps = BucketCaps::default();
+        // Reverse order: 5 (0.5 MiB), 4 (0.75 MiB) → 1.25 MiB ≥ 1 MiB closes the first bucket;
+        // then 3, 2 (20 + 10 MiB) close the second; 1, 0 remain.
+        let sizes = [mib, 2 * mib, 10 * mib, 20 * mib, 3 * mib / 4, mib / 2];
+        assert_eq!(
+            assign_buckets(&sizes, &caps),
+            vec![vec![5, 4], vec![3, 2], vec![1, 0]]
+        );
+        // Everything fits the first bucket.
+        assert_eq!(assign_buckets(&[10, 20], &caps), vec![vec![1, 0]]);
+    }
+}

@@ -1,0 +1,844 @@
+//! The `nccl` device communicator: cudarc's raw NCCL bindings, one communicator per mesh axis.
+//!
+//! Setup: one process (or, for tests, one thread) per GPU rank. Rank 0 creates an
+//! [`NcclId`] and ships its 128 bytes to the others (the launcher's rendezvous does this);
+//! every rank calls [`NcclComm::init`] for the world, then [`NcclComm::for_mesh`] splits it
+//! (`ncclCommSplit`, color = the rank's group on the axis, key = its coordinate) into one
+//! communicator per mesh axis.
+//!
+//! Every communicator is created non-blocking (`config.blocking = 0`): each NCCL call that
+//! reports `ncclInProgress` is polled with `ncclCommGetAsyncError` up to the timeout, and each
+//! enqueued collective records an event that [`DeviceCommunicator::poll`] checks. A call that
+//! stays in progress or a collective that does not complete within the timeout aborts the
+//! communicator (`ncclCommAbort`) and fails with [`CommError::Timeout`] naming the rank, the
+//! collective, its sequence number and the axis. cudarc's `NcclError` has no `Display`; it is
+//! wrapped in [`NcclCallError`].
+//!
+//! Library: cudarc looks for `libnccl.so` (not the wheel's `libnccl.so.2`); see
+//! NOTES-cuda.md §1.3. Several ranks on one GPU need NCCL ≥ 2.30 with
+//! `NCCL_MULTI_RANK_GPU_ENABLE=1` (§5.2).
+
+use super::device::{check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
+use super::{CollectiveKind, CommError, ReduceOp};
+use crate::cuda::{CudaDevice, CudaError};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::nccl::result as nres;
+use cudarc::nccl::sys as nsys;
+use shardc_compiler::shard::Mesh;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::ffi::{c_void, CStr};
+use std::mem::MaybeUninit;
+use std::panic::catch_unwind;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A failed NCCL call (cudarc's `NcclError`, which has no `Display`, with its error string).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("NCCL {call} failed: {code:?} ({text})")]
+pub struct NcclCallError {
+    /// The NCCL function.
+    pub call: &'static str,
+    /// NCCL's result code.
+    pub code: nsys::ncclResult_t,
+    /// `ncclGetErrorString` of the code.
+    pub text: String,
+}
+
+impl NcclCallError {
+    fn new(call: &'static str, code: nsys::ncclResult_t) -> NcclCallError {
+        // SAFETY: ncclGetErrorString returns a static NUL-terminated string (or null).
+        let text = unsafe {
+            let p = nsys::ncclGetErrorString(code);
+            if p.is_null() {
+                String::new()
+            } else {
+                CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
+        };
+        NcclCallError { call, code, text }
+    }
+}
+
+impl From<NcclCallError> for CommError {
+    fn from(e: NcclCallError) -> CommError {
+        CommError::Transport(e.to_string())
+    }
+}
+
+/// The NCCL version code (`23007` for 2.30.7), probing for `libnccl.so` first.
+pub fn nccl_version() -> Result<i32, CudaError> {
+    // SAFETY: a `dlopen` probe only.
+    if !unsafe { nsys::is_culib_present() } {
+        return Err(CudaError::MissingLibrary {
+            library: "libnccl",
+            hint: "cudarc loads libnccl.so: symlink the wheel's libnccl.so.2 to libnccl.so on LD_LIBRARY_PATH (NOTES-cuda.md §1.3)",
+        });
+    }
+    match catch_unwind(nres::get_nccl_version) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(CudaError::NoDevice {
+            reason: NcclCallError::new("ncclGetVersion", e.0).to_string(),
+        }),
+        Err(_) => Err(CudaError::MissingLibrary {
+            library: "libnccl",
+            hint: "cudarc could not load an NCCL symbol (version mismatch?)",
+        }),
+    }
+}
+
+/// An `ncclUniqueId`: 128 bytes rank 0 creates and every rank passes to [`NcclComm::init`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclId(pub [u8; 128]);
+
+impl std::fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclId({:02x?}..)", &self.0[..8])
+    }
+}
+
+impl NcclId {
+    /// A fresh id (`ncclGetUniqueId`; works without a GPU when libnccl is present).
+    pub fn new() -> Result<NcclId, CudaError> {
+        nccl_version()?;
+        let id = catch_unwind(nres::get_uniqueid)
+            .map_err(|_| CudaError::MissingLibrary {
+                library: "libnccl",
+                hint: "cudarc could not load ncclGetUniqueId",
+            })?
+            .map_err(|e| CudaError::NoDevice {
+                reason: NcclCallError::new("ncclGetUniqueId", e.0).to_string(),
+            })?;
+        let mut bytes = [0u8; 128];
+        for (b, c) in bytes.iter_mut().zip(id.internal.iter()) {
+            *b = *c as u8;
+        }
+        Ok(NcclId(bytes))
+    }
+
+    fn raw(&self) -> nsys::ncclUniqueId {
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (c, b) in internal.iter_mut().zip(self.0.iter()) {
+            *c = *b as std::ffi::c_char;
+        }
+        nsys::ncclUniqueId { internal }
+    }
+}
+
+/// `NCCL_CONFIG_INITIALIZER` of the 2.30 header with `blocking = 0`.
+fn nonblocking_config() -> nsys::ncclConfig_t {
+    const UNDEF: i32 = i32::MIN;
+    nsys::ncclConfig_t {
+        size: std::mem::size_of::<nsys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 2 * 10_000 + 30 * 100, // NCCL_VERSION(2, 30, 0): the bindings' header
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    }
+}
+
+/// A collective enqueued and not yet seen complete.
+struct Pending {
+    seq: u64,
+    kind: CollectiveKind,
+    event: CudaEvent,
+    issued: Instant,
+}
+
+/// One rank's NCCL communicator over one group (the world, or a mesh axis). Not `Send`: use
+/// it on the thread that created it.
+pub struct NcclComm {
+    comm: nsys::ncclComm_t,
+    ctx: Arc<CudaContext>,
+    rank: usize,
+    size: usize,
+    name: String,
+    timeout: Duration,
+    seq: Cell<u64>,
+    pending: RefCell<VecDeque<Pending>>,
+    failed: RefCell<Option<CommError>>,
+    aborted: Cell<bool>,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclComm(`{}` rank {}/{})",
+            self.name, self.rank, self.size
+        )
+    }
+}
+
+fn nccl_type(d: DeviceDType) -> nsys::ncclDataType_t {
+    match d {
+        DeviceDType::F32 => nsys::ncclDataType_t::ncclFloat32,
+        DeviceDType::Bf16 => nsys::ncclDataType_t::ncclBfloat16,
+        DeviceDType::F16 => nsys::ncclDataType_t::ncclFloat16,
+        DeviceDType::I32 => nsys::ncclDataType_t::ncclInt32,
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> nsys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => nsys::ncclRedOp_t::ncclSum,
+        ReduceOp::Prod => nsys::ncclRedOp_t::ncclProd,
+        ReduceOp::Max => nsys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => nsys::ncclRedOp_t::ncclMin,
+        ReduceOp::Avg => nsys::ncclRedOp_t::ncclAvg,
+    }
+}
+
+fn ok_or_progress(r: nsys::ncclResult_t) -> bool {
+    matches!(
+        r,
+        nsys::ncclResult_t::ncclSuccess | nsys::ncclResult_t::ncclInProgress
+    )
+}
+
+impl NcclComm {
+    /// Joins the world communicator as `rank` of `size` (`ncclCommInitRankConfig`,
+    /// non-blocking), on `dev`, named `name`. Every rank must call it with the same `id`.
+    pub fn init(
+        dev: &CudaDevice,
+        rank: usize,
+        size: usize,
+        id: NcclId,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<NcclComm, CudaError> {
+        nccl_version()?;
+        let ctx = dev.context().clone();
+        ctx.bind_to_thread()
+            .map_err(CudaError::driver("bind context for NCCL"))?;
+        let mut config = nonblocking_config();
+        let mut raw = MaybeUninit::<nsys::ncclComm_t>::zeroed();
+        // SAFETY: out-pointer to a live local; the config is a fully initialised struct of the
+        // bindings' layout; rank/size fit in i32 (checked by the casts' callers: mesh sizes).
+        let r = unsafe {
+            nsys::ncclCommInitRankConfig(
+                raw.as_mut_ptr(),
+                size as i32,
+                id.raw(),
+                rank as i32,
+                &mut config,
+            )
+        };
+        // SAFETY: zero-initialised above; NCCL writes the handle before returning.
+        let comm = unsafe { raw.assume_init() };
+        let c = NcclComm::wrap(comm, ctx, rank, size, name, timeout);
+        if !ok_or_progress(r) {
+            let e: CommError = NcclCallError::new("ncclCommInitRankConfig", r).into();
+            return Err(comm_err(c.fail(e)));
+        }
+        c.wait_ready(CollectiveKind::Broadcast, 0, "ncclCommInitRankConfig")
+            .map_err(comm_err)?;
+        Ok(c)
+    }
+
+    fn wrap(
+        comm: nsys::ncclComm_t,
+        ctx: Arc<CudaContext>,
+        rank: usize,
+        size: usize,
+        name: &str,
+        timeout: Duration,
+    ) -> NcclComm {
+        NcclComm {
+            comm,
+            ctx,
+            rank,
+            size,
+            name: name.to_string(),
+            timeout,
+            seq: Cell::new(0),
+            pending: RefCell::new(VecDeque::new()),
+            failed: RefCell::new(None),
+            aborted: Cell::new(comm.is_null()),
+        }
+    }
+
+    /// A sub-communicator of the ranks that pass the same `color`, ordered by `key`
+    /// (`ncclCommSplit`, non-blocking). Collective over this communicator: every rank calls
+    /// it, in the same order.
+    pub fn split(&self, name: &str, color: usize, key: usize) -> Result<NcclComm, CommError> {
+        self.check_failed()?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CommError::Transport(format!("bind context: {e}")))?;
+        let mut config = nonblocking_config();
+        let mut raw = MaybeUninit::<nsys::ncclComm_t>::zeroed();
+        // SAFETY: live parent communicator; out-pointer and config are live locals.
+        let r = unsafe {
+            nsys::ncclCommSplit(
+                self.comm,
+                color as i32,
+                key as i32,
+                raw.as_mut_ptr(),
+                &mut config,
+            )
+        };
+        if !ok_or_progress(r) {
+            return Err(NcclCallError::new("ncclCommSplit", r).into());
+        }
+        self.wait_ready(CollectiveKind::Broadcast, 0, "ncclCommSplit (parent)")?;
+        // SAFETY: zero-initialised; NCCL writes the handle (null when the rank is excluded).
+        let comm = unsafe { raw.assume_init() };
+        if comm.is_null() {
+            return Err(CommError::Transport(format!(
+                "ncclCommSplit of `{}` gave rank {} no communicator",
+                self.name, self.rank
+            )));
+        }
+        let mut c = NcclComm::wrap(comm, self.ctx.clone(), 0, 0, name, self.timeout);
+        c.wait_ready(CollectiveKind::Broadcast, 0, "ncclCommSplit")?;
+        // SAFETY: `comm` is a live, initialised communicator.
+        let (size, rank) = unsafe { (nres::comm_count(comm), nres::comm_user_rank(comm)) };
+        let size = size.map_err(|e| c.fail(NcclCallError::new("ncclCommCount", e.0).into()))?;
+        let rank = rank.map_err(|e| c.fail(NcclCallError::new("ncclCommUserRank", e.0).into()))?;
+        c.size = size as usize;
+        c.rank = rank as usize;
+        Ok(c)
+    }
+
+    /// One communicator per axis of `mesh` for this world rank, in the mesh's axis order.
+    /// `self` must be the world communicator (rank = the mesh rank).
+    pub fn for_mesh(&self, mesh: &Mesh) -> Result<Vec<(String, NcclComm)>, CommError> {
+        let mut out = Vec::new();
+        for a in mesh.axis_ids() {
+            let name = mesh.axis_name(a).to_string();
+            let groups = mesh.groups(a);
+            let (color, key) = groups
+                .iter()
+                .enumerate()
+                .find_map(|(g, ranks)| ranks.iter().position(|&r| r == self.rank).map(|k| (g, k)))
+                .ok_or_else(|| CommError::BadPeer {
+                    kind: CollectiveKind::Broadcast,
+                    rank: self.rank,
+                    peer: self.rank,
+                    size: mesh.world_size(),
+                })?;
+            out.push((name.clone(), self.split(&name, color, key)?));
+        }
+        Ok(out)
+    }
+
+    fn check_failed(&self) -> Result<(), CommError> {
+        match &*self.failed.borrow() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&self, e: CommError) -> CommError {
+        self.abort_raw();
+        self.failed.borrow_mut().get_or_insert_with(|| e.clone());
+        e
+    }
+
+    fn abort_raw(&self) {
+        if !self.aborted.replace(true) {
+            // SAFETY: live communicator, aborted once.
+            unsafe {
+                let _ = nsys::ncclCommAbort(self.comm);
+            }
+        }
+    }
+
+    /// Polls `ncclCommGetAsyncError` until the communicator is no longer in progress.
+    fn wait_ready(
+        &self,
+        kind: CollectiveKind,
+        seq: u64,
+        call: &'static str,
+    ) -> Result<(), CommError> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let mut state = nsys::ncclResult_t::ncclInProgress;
+            // SAFETY: live communicator; out-pointer to a live local.
+            let r = unsafe { nsys::ncclCommGetAsyncError(self.comm, &mut state) };
+            if r != nsys::ncclResult_t::ncclSuccess {
+                return Err(self.fail(NcclCallError::new("ncclCommGetAsyncError", r).into()));
+            }
+            match state {
+                nsys::ncclResult_t::ncclSuccess => return Ok(()),
+                nsys::ncclResult_t::ncclInProgress => {}
+                other => return Err(self.fail(NcclCallError::new(call, other).into())),
+            }
+            if Instant::now() > deadline {
+                return Err(self.fail(CommError::Timeout {
+                    kind,
+                    seq,
+                    rank: self.rank,
+                    waiting_for: self.rank,
+                    group: self.name.clone(),
+                    timeout_ms: self.timeout.as_millis() as u64,
+                }));
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Runs one enqueue call (`f`) as collective `kind`: checks, polls, records completion.
+    fn issue(
+        &self,
+        kind: CollectiveKind,
+        call: &'static str,
+        stream: &CudaStream,
+        f: impl FnOnce(nsys::cudaStream_t) -> nsys::ncclResult_t,
+    ) -> Result<(), CommError> {
+        self.check_failed()?;
+        let seq = self.seq.get();
+        self.seq.set(seq + 1);
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.fail(CommError::Transport(format!("bind context: {e}"))))?;
+        let r = f(stream.cu_stream() as nsys::cudaStream_t);
+        if !ok_or_progress(r) {
+            return Err(self.fail(NcclCallError::new(call, r).into()));
+        }
+        self.wait_ready(kind, seq, call)?;
+        let event = stream
+            .record_event(None)
+            .map_err(|e| self.fail(CommError::Transport(format!("record event: {e}"))))?;
+        self.pending.borrow_mut().push_back(Pending {
+            seq,
+            kind,
+            event,
+            issued: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// `ncclGroupStart` … `f` … `ncclGroupEnd` as one collective (all-to-all as send/recv).
+    fn grouped(
+        &self,
+        kind: CollectiveKind,
+        stream: &CudaStream,
+        f: impl FnOnce(nsys::cudaStream_t) -> nsys::ncclResult_t,
+    ) -> Result<(), CommError> {
+        self.issue(kind, "ncclGroupEnd", stream, |s| {
+            // SAFETY: group calls take no pointers; `f` issues calls on this communicator.
+            unsafe {
+                let r = nsys::ncclGroupStart();
+                if r != nsys::ncclResult_t::ncclSuccess {
+                    return r;
+                }
+                let r = f(s);
+                let end = nsys::ncclGroupEnd();
+                if ok_or_progress(r) {
+                    end
+                } else {
+                    r
+                }
+            }
+        })
+    }
+}
+
+fn comm_err(e: CommError) -> CudaError {
+    CudaError::CommPoll {
+        axis: "world".to_string(),
+        source: Box::new(e),
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if self.aborted.get() {
+            return;
+        }
+        // Healthy teardown: finalize (flushes outstanding work), wait, destroy. Anything
+        // unexpected falls back to abort. Errors cannot be reported from Drop.
+        // SAFETY: live communicator, destroyed once.
+        unsafe {
+            let r = nsys::ncclCommFinalize(self.comm);
+            if ok_or_progress(r)
+                && self
+                    .wait_ready(
+                        CollectiveKind::Broadcast,
+                        self.seq.get(),
+                        "ncclCommFinalize",
+                    )
+                    .is_ok()
+            {
+                let _ = nsys::ncclCommDestroy(self.comm);
+            } else {
+                self.abort_raw();
+            }
+        }
+    }
+}
+
+impl DeviceCommunicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn kind(&self) -> &'static str {
+        "nccl"
+    }
+
+    unsafe fn all_reduce(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        op: ReduceOp,
+        stream: &CudaStream,
+    ) -> Result<(), CommError> {
+        let kind = CollectiveKind::AllReduce;
+        check_sizes(kind, self.rank, self.size, &send, &recv)?;
+        self.issue(kind, "ncclAllReduce", stream, |s| {
+            // SAFETY: caller guarantees the buffers (trait contract).
+            unsafe {
+                nsys::ncclAllReduce(
+                    send.ptr as *const c_void,
+                    recv.ptr as *mut c_void,
+                    send.len,
+                    nccl_type(send.dtype),
+                    nccl_op(op),
+                    self.comm,
+                    s,
+                )
+            }
+        })
+    }
+
+    unsafe fn reduce_scatter(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        op: ReduceOp,
+        stream: &CudaStream,
+    ) -> Result<(), CommError> {
+        let kind = CollectiveKind::ReduceScatter;
+        check_sizes(kind, self.rank, self.size, &send, &recv)?;
+        self.issue(kind, "ncclReduceScatter", stream, |s| {
+            // SAFETY: caller guarantees the buffers (trait contract).
+            unsafe {
+                nsys::ncclReduceScatter(
+                    send.ptr as *const c_void,
+                    recv.ptr as *mut c_void,
+                    recv.len,
+                    nccl_type(send.dtype),
+                    nccl_op(op),
+                    self.comm,
+                    s,
+                )
+            }
+        })
+    }
+
+    unsafe fn all_gather(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        stream: &CudaStream,
+    ) -> Result<(), CommError> {
+        let kind = CollectiveKind::AllGather;
+        check_sizes(kind, self.rank, self.size, &send, &recv)?;
+        self.issue(kind, "ncclAllGather", stream, |s| {
+            // SAFETY: caller guarantees the buffers (trait contract).
+            unsafe {
+                nsys::ncclAllGather(
+                    send.ptr as *const c_void,
+                    recv.ptr as *mut c_void,
+                    send.len,
+                    nccl_type(send.dtype),
+                    self.comm,
+                    s,
+                )
+            }
+        })
+    }
+
+    unsafe fn all_to_all(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        stream: &CudaStream,
+    ) -> Result<(), CommError> {
+        let kind = CollectiveKind::AllToAll;
+        check_sizes(kind, self.rank, self.size, &send, &recv)?;
+        let c = send.len / self.size;
+        let ty = nccl_type(send.dtype);
+        self.grouped(kind, stream, |s| {
+            for peer in 0..self.size {
+                let (sb, rb) = (send.sub(peer * c, c), recv.sub(peer * c, c));
+                // SAFETY: sub-buffers of caller-guaranteed buffers (trait contract).
+                let r = unsafe {
+                    let r =
+                        nsys::ncclSend(sb.ptr as *const c_void, c, ty, peer as i32, self.comm, s);
+                    if !ok_or_progress(r) {
+                        return r;
+                    }
+                    nsys::ncclRecv(rb.ptr as *mut c_void, c, ty, peer as i32, self.comm, s)
+                };
+                if !ok_or_progress(r) {
+                    return r;
+                }
+            }
+            nsys::ncclResult_t::ncclSuccess
+        })
+    }
+
+    unsafe fn broadcast(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        root: usize,
+        stream: &CudaStream,
+    ) -> Result<(), CommError> {
+        let kind = CollectiveKind::Broadcast;
+        check_sizes(kind, self.rank, self.size, &send, &recv)?;
+        if root >= self.size {
+            return Err(CommError::BadPeer {
+                kind,
+                rank: self.rank,
+                peer: root,
+                size: self.size,
+            });
+        }
+        self.issue(kind, "ncclBroadcast", stream, |s| {
+            // SAFETY: caller guarantees the buffers (trait contract).
+            unsafe {
+                nsys::ncclBroadcast(
+                    send.ptr as *const c_void,
+                    recv.ptr as *mut c_void,
+                    recv.len,
+                    nccl_type(recv.dtype),
+                    root as i32,
+                    self.comm,
+                    s,
+                )
+            }
+        })
+    }
+
+    unsafe fn send(
+        &self,
+        buf: DeviceBuffer,
+        peer: usize,
+        stream: &CudaStream,
+    ) -> Result<(), CommError> {
+        let kind = CollectiveKind::Send;
+        if peer >= self.size {
+            return Err(CommError::BadPeer {
+                kind,
+                rank: self.rank,
+                peer,
+                size: self.size,
+            });
+        }
+        self.issue(kind, "ncclSend", stream, |s| {
+            // SAFETY: caller guarantees the buffer (trait contract).
+            unsafe {
+                nsys::ncclSend(
+                    buf.ptr as *const c_void,
+                    buf.len,
+                    nccl_type(buf.dtype),
+                    peer as i32,
+                    self.comm,
+                    s,
+                )
+            }
+        })
+    }
+
+    unsafe fn recv(
+        &self,
+        buf: DeviceBuffer,
+        peer: usize,
+        stream: &CudaStream,
+    ) -> Result<(), CommError> {
+        let kind = CollectiveKind::Recv;
+        if peer >= self.size {
+            return Err(CommError::BadPeer {
+                kind,
+                rank: self.rank,
+                peer,
+                size: self.size,
+            });
+        }
+        self.issue(kind, "ncclRecv", stream, |s| {
+            // SAFETY: caller guarantees the buffer (trait contract).
+            unsafe {
+                nsys::ncclRecv(
+                    buf.ptr as *mut c_void,
+                    buf.len,
+                    nccl_type(buf.dtype),
+                    peer as i32,
+                    self.comm,
+                    s,
+                )
+            }
+        })
+    }
+
+    unsafe fn send_recv(
+        &self,
+        send: DeviceBuffer,
+        to: usize,
+        recv: DeviceBuffer,
+        from: usize,
+        stream: &CudaStream,
+    ) -> Result<(), CommError> {
+        let kind = CollectiveKind::Send;
+        for peer in [to, from] {
+            if peer >= self.size {
+                return Err(CommError::BadPeer {
+                    kind,
+                    rank: self.rank,
+                    peer,
+                    size: self.size,
+                });
+            }
+        }
+        self.grouped(kind, stream, |s| {
+            // SAFETY: caller guarantees the buffers (trait contract).
+            unsafe {
+                let r = nsys::ncclSend(
+                    send.ptr as *const c_void,
+                    send.len,
+                    nccl_type(send.dtype),
+                    to as i32,
+                    self.comm,
+                    s,
+                );
+                if !ok_or_progress(r) {
+                    return r;
+                }
+                nsys::ncclRecv(
+                    recv.ptr as *mut c_void,
+                    recv.len,
+                    nccl_type(recv.dtype),
+                    from as i32,
+                    self.comm,
+                    s,
+                )
+            }
+        })
+    }
+
+    fn poll(&self) -> Result<bool, CommError> {
+        self.check_failed()?;
+        let mut state = nsys::ncclResult_t::ncclSuccess;
+        // SAFETY: live communicator; out-pointer to a live local.
+        let r = unsafe { nsys::ncclCommGetAsyncError(self.comm, &mut state) };
+        if r != nsys::ncclResult_t::ncclSuccess {
+            return Err(self.fail(NcclCallError::new("ncclCommGetAsyncError", r).into()));
+        }
+        if !ok_or_progress(state) {
+            return Err(self.fail(NcclCallError::new("asynchronous collective", state).into()));
+        }
+        let mut pending = self.pending.borrow_mut();
+        while let Some(p) = pending.front() {
+            match p.event.try_is_complete() {
+                Ok(true) => {
+                    pending.pop_front();
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    let e = CommError::Transport(format!("{} #{}: {e}", p.kind, p.seq));
+                    drop(pending);
+                    return Err(self.fail(e));
+                }
+            }
+        }
+        if let Some(p) = pending.front() {
+            if p.issued.elapsed() > self.timeout {
+                let e = CommError::Timeout {
+                    kind: p.kind,
+                    seq: p.seq,
+                    rank: self.rank,
+                    waiting_for: self.rank,
+                    group: self.name.clone(),
+                    timeout_ms: self.timeout.as_millis() as u64,
+                };
+                drop(pending);
+                return Err(self.fail(e));
+            }
+        }
+        Ok(pending.is_empty())
+    }
+
+    fn abort(&self, reason: &str) {
+        let seq = self.seq.get();
+        let e = CommError::Aborted {
+            kind: CollectiveKind::AllReduce,
+            seq,
+            rank: self.rank,
+            group: self.name.clone(),
+            reason: reason.to_string(),
+        };
+        self.fail(e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_is_the_2_30_initializer_made_nonblocking() {
+        let c = nonblocking_config();
+        assert_eq!(c.size, std::mem::size_of::<nsys::ncclConfig_t>());
+        assert_eq!((c.magic, c.version, c.blocking), (0xcafe_beef, 23000, 0));
+        assert_eq!(c.maxCTAs, i32::MIN);
+        assert!(c.netName.is_null() && c.commName.is_null());
+    }
+
+    #[test]
+    fn dtype_and_op_mapping() {
+        assert_eq!(
+            nccl_type(DeviceDType::Bf16),
+            nsys::ncclDataType_t::ncclBfloat16
+        );
+        assert_eq!(nccl_type(DeviceDType::I32), nsys::ncclDataType_t::ncclInt32);
+        assert_eq!(nccl_op(ReduceOp::Avg), nsys::ncclRedOp_t::ncclAvg);
+        let e = NcclCallError {
+            call: "ncclAllReduce",
+            code: nsys::ncclResult_t::ncclInvalidUsage,
+            text: "invalid usage".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "NCCL ncclAllReduce failed: ncclInvalidUsage (invalid usage)"
+        );
+    }
+
+    /// Without libnccl the probe is a clean error, never a panic.
+    #[test]
+    fn probe_never_panics() {
+        match nccl_version() {
+            Ok(v) => assert!(v >= 20000),
+            Err(e) => assert!(
+                e.is_unavailable() || matches!(e, CudaError::NoDevice { .. }),
+                "{e}"
+            ),
+        }
+    }
+}

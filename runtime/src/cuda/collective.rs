@@ -1,0 +1,355 @@
+//! Communication on the GPU: the IR's collectives on the comm stream (with chunk packing
+//! around them when the collective's dim is not the outermost), and the collective matmuls
+//! `AgMatMul` / `MatMulRs` as rings of partial GEMMs on the compute stream overlapped with
+//! `send_recv` on the comm stream (the CPU reference's ring, `cpu/collective_matmul.rs`).
+//!
+//! Ring buffers: `AgMatMul` alternates two receive buffers; a buffer is received into only after
+//! the GEMM that read it (the previous step's) finished, so each transfer overlaps one GEMM. `MatMulRs` alternates two partial-sum and
+//! two receive buffers with the same rule. Both end by joining the streams both ways, so no
+//! comm work of the op outlives it.
+
+use super::gemm::{Epilogue, GemmKey};
+use super::ops::Launcher;
+use super::program::{CudaProgram, CudaRankCtx};
+use super::strided::{split3, StridedSpec};
+use super::CudaError;
+use crate::comm::device::{DeviceBuffer, DeviceCommunicator};
+use crate::comm::{CommError, ReduceOp};
+use crate::RuntimeError;
+use cudarc::driver::{CudaEvent, CudaStream};
+use shardc_compiler::ir::{Op, ValueId};
+
+impl CudaProgram {
+    /// Enqueues one collective on the comm stream (packing chunks around it when the
+    /// collective's dim is not the outermost).
+    pub(super) fn run_collective(
+        &mut self,
+        v: ValueId,
+        ctx: &CudaRankCtx,
+        lm: &Launcher,
+    ) -> Result<(), CudaError> {
+        let node = self.graph.node(v).clone();
+        let axis = node.op.axis().unwrap_or_default().to_string();
+        let comm = ctx.comm(&axis)?;
+        let x = node.inputs[0];
+        let st = self.storage[v.index()];
+        let elem = st.size_bytes();
+        let in_shape = self.shape(x);
+        let send = DeviceBuffer::new(self.ptr(x), self.numel(x), st.device());
+        let recv = DeviceBuffer::new(self.ptr(v), self.numel(v), st.device());
+        let (a, b) = (
+            self.comm_scratch.ptr,
+            self.comm_scratch.ptr + self.comm_half,
+        );
+        let wrap = |e: CommError| CudaError::Comm {
+            node: v,
+            name: node.name.clone(),
+            op: node.op.mnemonic(),
+            axis: axis.clone(),
+            source: Box::new(e),
+        };
+        let check_parts = |parts: usize| -> Result<(), CudaError> {
+            if comm.size() == parts {
+                Ok(())
+            } else {
+                Err(RuntimeError::AxisSize {
+                    axis: axis.clone(),
+                    expected: parts,
+                    found: comm.size(),
+                }
+                .into())
+            }
+        };
+        let spec = |s| self.strided_spec(v, s);
+        let s = lm.stream;
+        // SAFETY (every call below): `send`, `recv` and the scratch halves are live device
+        // buffers of the sizes given; they stay allocated until the program is dropped, after
+        // the streams drained.
+        match &node.op {
+            Op::AllReduce { .. } => {
+                unsafe { comm.all_reduce(send, recv, ReduceOp::Sum, s) }.map_err(wrap)
+            }
+            Op::Broadcast { root, .. } => {
+                unsafe { comm.broadcast(send, recv, *root, s) }.map_err(wrap)
+            }
+            Op::ReduceScatter { dim, parts, .. } => {
+                check_parts(*parts)?;
+                let src = if split3(&in_shape, *dim).0 == 1 {
+                    send
+                } else {
+                    lm.strided(
+                        elem,
+                        send.ptr,
+                        a,
+                        &spec(StridedSpec::pack_chunks(&in_shape, *dim, *parts))?,
+                    )?;
+                    DeviceBuffer::new(a, send.len, send.dtype)
+                };
+                unsafe { comm.reduce_scatter(src, recv, ReduceOp::Sum, s) }.map_err(wrap)
+            }
+            Op::AllGather { dim, parts, .. } => {
+                check_parts(*parts)?;
+                if split3(&in_shape, *dim).0 == 1 {
+                    unsafe { comm.all_gather(send, recv, s) }.map_err(wrap)
+                } else {
+                    let tmp = DeviceBuffer::new(a, recv.len, recv.dtype);
+                    unsafe { comm.all_gather(send, tmp, s) }.map_err(wrap)?;
+                    lm.strided(
+                        elem,
+                        a,
+                        recv.ptr,
+                        &spec(StridedSpec::unpack_chunks(&in_shape, *dim, *parts))?,
+                    )
+                }
+            }
+            Op::AllToAll {
+                split_dim,
+                concat_dim,
+                parts,
+                ..
+            } => {
+                check_parts(*parts)?;
+                let src = if split3(&in_shape, *split_dim).0 == 1 {
+                    send
+                } else {
+                    lm.strided(
+                        elem,
+                        send.ptr,
+                        a,
+                        &spec(StridedSpec::pack_chunks(&in_shape, *split_dim, *parts))?,
+                    )?;
+                    DeviceBuffer::new(a, send.len, send.dtype)
+                };
+                let mut chunk = in_shape.clone();
+                chunk[*split_dim] /= parts;
+                if split3(&chunk, *concat_dim).0 == 1 {
+                    unsafe { comm.all_to_all(src, recv, s) }.map_err(wrap)
+                } else {
+                    let tmp = DeviceBuffer::new(b, recv.len, recv.dtype);
+                    unsafe { comm.all_to_all(src, tmp, s) }.map_err(wrap)?;
+                    lm.strided(
+                        elem,
+                        b,
+                        recv.ptr,
+                        &spec(StridedSpec::unpack_chunks(&chunk, *concat_dim, *parts))?,
+                    )
+                }
+            }
+            _ => Err(self.unsupported(v, "not a collective")),
+        }
+    }
+
+    fn ring_comm<'a>(
+        &self,
+        v: ValueId,
+        ctx: &CudaRankCtx<'a>,
+        axis: &str,
+        parts: usize,
+    ) -> Result<&'a dyn DeviceCommunicator, CudaError> {
+        let comm = ctx.comm(axis)?;
+        if comm.size() != parts {
+            return Err(RuntimeError::AxisSize {
+                axis: axis.to_string(),
+                expected: parts,
+                found: comm.size(),
+            }
+            .into());
+        }
+        let _ = v;
+        Ok(comm)
+    }
+
+    fn comm_error(&self, v: ValueId, axis: &str) -> impl Fn(CommError) -> CudaError + 'static {
+        let node = self.graph.node(v);
+        let (name, op, axis) = (node.name.clone(), node.op.mnemonic(), axis.to_string());
+        move |e| CudaError::Comm {
+            node: v,
+            name: name.clone(),
+            op,
+            axis: axis.clone(),
+            source: Box::new(e),
+        }
+    }
+
+    /// `AgMatMul`: `matmul(all_gather(x, dim), w)` as a ring (module docs).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn ag_matmul(
+        &mut self,
+        v: ValueId,
+        ctx: &CudaRankCtx,
+        axis: &str,
+        dim: usize,
+        parts: usize,
+        transpose_b: bool,
+        l: &Launcher,
+    ) -> Result<(), CudaError> {
+        let comm = self.ring_comm(v, ctx, axis, parts)?;
+        let wrap = self.comm_error(v, axis);
+        let node = self.graph.node(v).clone();
+        let (x, w) = (node.inputs[0], node.inputs[1]);
+        let (n, r) = (parts, comm.rank());
+        let st = self.storage[v.index()];
+        let elem = st.size_bytes();
+        let x_len = self.numel(x);
+        let out_shape = node.ty.shape();
+        if dim + 1 >= out_shape.len() || n == 0 {
+            return Err(self.unsupported(v, "the ring dim must be a row dim"));
+        }
+        let mut chunk_out = out_shape.clone();
+        chunk_out[dim] /= n;
+        let chunk_len: usize = chunk_out.iter().product();
+        let key = GemmKey::for_matmul(
+            &self.shape(x),
+            &self.shape(w),
+            transpose_b,
+            self.opts.dtype,
+            Epilogue::None,
+        )?;
+        let out = self.ptr(v);
+        let direct = split3(&out_shape, dim).0 == 1;
+        let prod = if direct { out } else { self.scratch.ptr };
+        let half = (x_len * elem).div_ceil(256) as u64 * 256;
+        let ring = [self.ring.ptr, self.ring.ptr + half];
+        let (cs, ms): (&CudaStream, &CudaStream) = (l.stream, &self.comm.clone());
+        let wptr = self.ptr(w);
+        let ev = |s: &CudaStream| {
+            s.record_event(None)
+                .map_err(CudaError::driver("record a ring event"))
+        };
+        let wait = |s: &CudaStream, e: &CudaEvent| {
+            s.wait(e)
+                .map_err(CudaError::driver("wait for a ring event"))
+        };
+        wait(ms, &ev(cs)?)?; // x is ready
+        let mut cur = self.ptr(x);
+        let mut recv_done: Vec<CudaEvent> = Vec::new();
+        let mut gemm_done: Vec<CudaEvent> = Vec::new();
+        for s in 0..n {
+            let src = (r + n - s) % n;
+            if s + 1 < n {
+                let next = ring[s % 2];
+                if s >= 2 {
+                    // `next` is ring[s % 2] = ring[(s - 2) % 2], the operand of step s - 1's GEMM.
+                    wait(ms, &gemm_done[s - 1])?;
+                }
+                let send = DeviceBuffer::new(cur, x_len, st.device());
+                let recv = DeviceBuffer::new(next, x_len, st.device());
+                // SAFETY: `cur` (x or a ring buffer) and `next` are live device buffers of x_len
+                // elements; the ring buffers outlive the program's streams.
+                unsafe { comm.send_recv(send, (r + 1) % n, recv, (r + n - 1) % n, ms) }
+                    .map_err(&wrap)?;
+                recv_done.push(ev(ms)?);
+            }
+            if s >= 1 {
+                wait(cs, &recv_done[s - 1])?;
+            }
+            let dst = prod + (src * chunk_len * elem) as u64;
+            let gemm = self
+                .gemm
+                .as_mut()
+                .expect("invariant: created for graphs with GEMMs");
+            // SAFETY: `cur` holds a chunk of x, `dst` a chunk of the product (output or scratch).
+            unsafe { gemm.gemm(&key, cur, wptr, None, dst, cs) }?;
+            gemm_done.push(ev(cs)?);
+            if s + 1 < n {
+                cur = ring[s % 2];
+            }
+        }
+        if !direct {
+            let spec = self.strided_spec(v, StridedSpec::unpack_chunks(&chunk_out, dim, n))?;
+            l.strided(elem, prod, out, &spec)?;
+        }
+        wait(ms, &ev(cs)?)?;
+        wait(cs, &ev(ms)?)
+    }
+
+    /// `MatMulRs`: `reduce_scatter(matmul(x, w), dim)` as a ring (module docs).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_rs(
+        &mut self,
+        v: ValueId,
+        ctx: &CudaRankCtx,
+        axis: &str,
+        dim: usize,
+        parts: usize,
+        transpose_b: bool,
+        l: &Launcher,
+    ) -> Result<(), CudaError> {
+        let comm = self.ring_comm(v, ctx, axis, parts)?;
+        let wrap = self.comm_error(v, axis);
+        let node = self.graph.node(v).clone();
+        let (x, w) = (node.inputs[0], node.inputs[1]);
+        let (n, r) = (parts, comm.rank());
+        let st = self.storage[v.index()];
+        let elem = st.size_bytes();
+        let xs = self.shape(x);
+        if dim + 1 >= xs.len() || n == 0 || xs[dim] % n != 0 {
+            return Err(self.unsupported(v, "the ring dim must be a row dim divisible by the axis"));
+        }
+        let rows = xs[dim] / n;
+        let mut x_chunk = xs.clone();
+        x_chunk[dim] = rows;
+        let x_chunk_len: usize = x_chunk.iter().product();
+        let out = self.ptr(v);
+        let p_len = self.numel(v);
+        let key = GemmKey::for_matmul(
+            &x_chunk,
+            &self.shape(w),
+            transpose_b,
+            self.opts.dtype,
+            Epilogue::None,
+        )?;
+        let direct = split3(&xs, dim).0 == 1;
+        let q = (p_len * elem).div_ceil(256) as u64 * 256;
+        let pbuf = [self.ring.ptr, self.ring.ptr + q];
+        let rbuf = [self.ring.ptr + 2 * q, self.ring.ptr + 3 * q];
+        let (cs, ms): (&CudaStream, &CudaStream) = (l.stream, &self.comm.clone());
+        let (xptr, wptr) = (self.ptr(x), self.ptr(w));
+        let dt = self.dt();
+        let ev = |s: &CudaStream| {
+            s.record_event(None)
+                .map_err(CudaError::driver("record a ring event"))
+        };
+        let wait = |s: &CudaStream, e: &CudaEvent| {
+            s.wait(e)
+                .map_err(CudaError::driver("wait for a ring event"))
+        };
+        let mut sr_done: Vec<CudaEvent> = Vec::new();
+        for s in 0..n {
+            let c = (r + 2 * n - s - 1) % n;
+            let a = if direct {
+                xptr + (c * x_chunk_len * elem) as u64
+            } else {
+                let spec = self.strided_spec(v, StridedSpec::slice(&xs, dim, c * rows, rows))?;
+                l.strided(elem, xptr, self.scratch.ptr, &spec)?;
+                self.scratch.ptr
+            };
+            let last = s + 1 == n;
+            let dst = if last { out } else { pbuf[s % 2] };
+            if s >= 2 && !last {
+                wait(cs, &sr_done[s - 2])?; // pbuf[s % 2] was sent at step s - 2
+            }
+            let gemm = self
+                .gemm
+                .as_mut()
+                .expect("invariant: created for graphs with GEMMs");
+            // SAFETY: `a` holds a row chunk of x, `dst` a partial product of p_len elements.
+            unsafe { gemm.gemm(&key, a, wptr, None, dst, cs) }?;
+            if s > 0 {
+                wait(cs, &sr_done[s - 1])?;
+                l.accumulate(dt, dst, rbuf[(s - 1) % 2], p_len)?;
+            }
+            if !last {
+                wait(ms, &ev(cs)?)?;
+                let send = DeviceBuffer::new(dst, p_len, st.device());
+                let recv = DeviceBuffer::new(rbuf[s % 2], p_len, st.device());
+                // SAFETY: ring buffers of p_len elements, live for the program's lifetime.
+                unsafe { comm.send_recv(send, (r + 1) % n, recv, (r + n - 1) % n, ms) }
+                    .map_err(&wrap)?;
+                sr_done.push(ev(ms)?);
+            }
+        }
+        wait(ms, &ev(cs)?)?;
+        wait(cs, &ev(ms)?)
+    }
+}

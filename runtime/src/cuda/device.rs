@@ -1,0 +1,270 @@
+//! One GPU: the driver probe, the context (event tracking off), the NVRTC arch, and the kernels
+//! loaded for it.
+//!
+//! Pre: none. [`CudaDevice::open`] probes for `libcuda` (a plain `dlopen`) before the first
+//! cudarc call, so a machine without a driver gets [`CudaError::NoDriver`], never a panic.
+//! Post: the context has cudarc's automatic event tracking disabled (the executor orders its
+//! streams with explicit events), and every kernel is compiled by NVRTC for this device's
+//! `sm_XY` through the on-disk PTX cache the first time it is asked for.
+
+use super::CudaError;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use shardc_kernels::{
+    arch_for_compute_capability, expand_includes, generate_fused_kernel, source_for_entry,
+    FusedExpr, KernelDType,
+};
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+/// The backend's own kernels (layout.cu): data movement the registry does not provide.
+pub(crate) const LAYOUT_CU: &str = include_str!("layout.cu");
+/// NVRTC program name of [`LAYOUT_CU`].
+const LAYOUT_NAME: &str = "shardc_layout.cu";
+/// Entry points of [`LAYOUT_CU`].
+pub(crate) const LAYOUT_ENTRIES: &[&str] = &[
+    "strided_copy_b2",
+    "strided_copy_b4",
+    "rank_offset_i32",
+    "round_bf16_f32",
+];
+
+/// Number of CUDA devices, or why CUDA cannot be used here. Never panics: `libcuda` is
+/// `dlopen`ed before any cudarc call (see `shardc_kernels::cuda_available`).
+pub fn cuda_device_count() -> Result<usize, CudaError> {
+    shardc_kernels::cuda_available().map_err(CudaError::from_probe)
+}
+
+/// A GPU with its context and loaded kernels. Shared (`Arc`) by every rank thread that runs
+/// on it.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    name: String,
+    capability: (i32, i32),
+    arch: &'static str,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaDevice({}: {}, {})",
+            self.ordinal, self.name, self.arch
+        )
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: probe, primary context, event tracking off, arch.
+    pub fn open(ordinal: usize) -> Result<Arc<CudaDevice>, CudaError> {
+        let count = cuda_device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::BadOrdinal { ordinal, count });
+        }
+        let ctx = match catch_unwind(|| CudaContext::new(ordinal)) {
+            Ok(Ok(ctx)) => ctx,
+            Ok(Err(e)) => {
+                return Err(CudaError::NoDevice {
+                    reason: format!("creating the context of device {ordinal}: {e}"),
+                })
+            }
+            Err(_) => return Err(CudaError::NoDriver),
+        };
+        // SAFETY: called before this context allocated anything; from now on the executor
+        // orders every cross-stream use with explicit events (see `program.rs`).
+        unsafe { ctx.disable_event_tracking() };
+        let capability = ctx
+            .compute_capability()
+            .map_err(CudaError::driver("query compute capability"))?;
+        let name = ctx.name().map_err(CudaError::driver("query device name"))?;
+        let arch = arch_for_compute_capability(capability.0, capability.1)?;
+        Ok(Arc::new(CudaDevice {
+            ctx,
+            ordinal,
+            name,
+            capability,
+            arch,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// The context (event tracking disabled).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Marketing name (`NVIDIA H100 80GB HBM3`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Compute capability `(major, minor)`.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.capability
+    }
+
+    /// NVRTC target (`sm_90`).
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    /// A new non-blocking stream.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>, CudaError> {
+        self.ctx
+            .new_stream()
+            .map_err(CudaError::driver("create a stream"))
+    }
+
+    /// The kernel `entry` (`rmsnorm_bf16`, `strided_copy_b4`, ...), compiling and loading its
+    /// source on first use.
+    pub fn function(&self, entry: &str) -> Result<CudaFunction, CudaError> {
+        if let Some(f) = self
+            .functions
+            .lock()
+            .expect("invariant: kernel table lock not poisoned")
+            .get(entry)
+        {
+            return Ok(f.clone());
+        }
+        let module = self.module_for(entry)?;
+        let f = module
+            .load_function(entry)
+            .map_err(CudaError::driver(format!("load kernel {entry}")))?;
+        self.functions
+            .lock()
+            .expect("invariant: kernel table lock not poisoned")
+            .insert(entry.to_owned(), f.clone());
+        Ok(f)
+    }
+
+    /// The generated kernel of a fused elementwise expression (`shardc_kernels`'
+    /// `generate_fused_kernel`), compiled and loaded on first use.
+    pub fn fused_function(
+        &self,
+        expr: &FusedExpr,
+        dt: KernelDType,
+    ) -> Result<CudaFunction, CudaError> {
+        let name = expr.kernel_name(dt);
+        if let Some(f) = self
+            .functions
+            .lock()
+            .expect("invariant: kernel table lock not poisoned")
+            .get(&name)
+        {
+            return Ok(f.clone());
+        }
+        let src = generate_fused_kernel(&name, expr, dt);
+        let ptx = shardc_kernels::compile(&format!("{name}.cu"), &src, self.arch, &[])?.to_ptx();
+        let module = catch_unwind(AssertUnwindSafe(|| self.ctx.load_module(ptx)))
+            .map_err(|_| CudaError::NoDriver)?
+            .map_err(CudaError::driver(format!("load module {name}")))?;
+        let f = module
+            .load_function(&name)
+            .map_err(CudaError::driver(format!("load kernel {name}")))?;
+        self.functions
+            .lock()
+            .expect("invariant: kernel table lock not poisoned")
+            .insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// Compiles (through the PTX cache) and loads the source defining `entry`.
+    fn module_for(&self, entry: &str) -> Result<Arc<CudaModule>, CudaError> {
+        let layout = LAYOUT_ENTRIES.contains(&entry);
+        let key = if layout {
+            LAYOUT_NAME
+        } else {
+            source_for_entry(entry)?.file
+        };
+        let mut modules = self
+            .modules
+            .lock()
+            .expect("invariant: module table lock not poisoned");
+        if let Some(m) = modules.get(key) {
+            return Ok(m.clone());
+        }
+        let ptx = if layout {
+            shardc_kernels::compile(LAYOUT_NAME, &expand_includes(LAYOUT_CU), self.arch, &[])?
+        } else {
+            source_for_entry(entry)?.compile(self.arch)?
+        };
+        let ptx = ptx.to_ptx();
+        let module = catch_unwind(AssertUnwindSafe(|| self.ctx.load_module(ptx)))
+            .map_err(|_| CudaError::NoDriver)?
+            .map_err(CudaError::driver(format!("load module {key}")))?;
+        modules.insert(key, module.clone());
+        Ok(module)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a driver (this CI machine) opening fails cleanly; with one it succeeds.
+    #[test]
+    fn open_never_panics() {
+        match CudaDevice::open(0) {
+            Ok(dev) => assert!(dev.arch().starts_with("sm_")),
+            Err(e) => assert!(e.is_unavailable(), "{e}"),
+        }
+    }
+
+    /// NVRTC-gated like `shardc-kernels`' PTX tests: skipped (loudly) without libnvrtc unless
+    /// `SHARDC_REQUIRE_NVRTC=1`. Checks every entry and the by-value `StridedSpec` parameter
+    /// size against the Rust mirror.
+    #[test]
+    fn layout_kernels_compile_to_ptx() {
+        if shardc_kernels::nvrtc_version().is_err()
+            && std::env::var_os("SHARDC_REQUIRE_NVRTC").is_none()
+        {
+            eprintln!("skipped: libnvrtc not found (kernels/ci-nvrtc.sh installs it)");
+            return;
+        }
+        let ptx = shardc_kernels::PtxCache::disabled()
+            .compile(LAYOUT_NAME, &expand_includes(LAYOUT_CU), "sm_90", &[])
+            .unwrap_or_else(|e| panic!("{e}"));
+        for e in LAYOUT_ENTRIES {
+            assert!(ptx.has_entry(e), "{e} missing from the PTX");
+        }
+        let size = std::mem::size_of::<super::super::strided::StridedSpec>();
+        assert!(
+            ptx.ptx
+                .contains(&format!("strided_copy_b4_param_2[{size}]")),
+            "the StridedSpec parameter is not {size} bytes in the PTX"
+        );
+        // A generated fused kernel of the kind `FusedElementwise` produces.
+        let e = FusedExpr::unary(shardc_kernels::FusedUnary::Silu, FusedExpr::input(0))
+            * FusedExpr::input(1)
+            + FusedExpr::input(2);
+        for dt in KernelDType::ALL {
+            let name = e.kernel_name(dt);
+            let src = generate_fused_kernel(&name, &e, dt);
+            let ptx = shardc_kernels::PtxCache::disabled()
+                .compile(&format!("{name}.cu"), &src, "sm_90", &[])
+                .unwrap_or_else(|err| panic!("{err}"));
+            assert!(ptx.has_entry(&name));
+        }
+    }
+
+    #[test]
+    fn layout_entries_are_defined() {
+        for e in LAYOUT_ENTRIES {
+            assert!(
+                LAYOUT_CU.contains(&format!("void {e}(")),
+                "{e} missing from layout.cu"
+            );
+        }
+        let src = expand_includes(LAYOUT_CU);
+        assert!(!src.lines().any(|l| l.trim_start().starts_with("#include")));
+    }
+}

@@ -1,0 +1,46 @@
+//! The CUDA backend: runs an SPMD [`Graph`](shardc_compiler::ir::Graph) — the same programs
+//! the CPU executor runs — on NVIDIA GPUs, in f32 or bf16.
+//!
+//! - [`CudaDevice`]: driver probe (a `dlopen`, before any cudarc call: no driver gives
+//!   [`CudaError::NoDriver`], never a panic), context with event tracking off, the `sm_XY`
+//!   arch, kernels from `shardc_kernels`' registry compiled by NVRTC through the PTX cache.
+//! - [`CudaProgram`]: one rank's graph prepared on a device — activation arena from liveness,
+//!   fused groups, parameters uploaded in the run's dtype, cuBLASLt GEMMs with cached
+//!   per-shape plans, compute and comm streams ordered by the plan's events.
+//! - [`run_spmd_local_gpu`] / [`run_spmd_nccl_threads`]: every rank of a mesh on one GPU,
+//!   with the `local-gpu` or `nccl` device communicator.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), shardc_runtime::cuda::CudaError> {
+//! use shardc_runtime::cuda::{execute_cuda, CudaDevice, CudaOptions, GpuDType, ParamInit};
+//! # let (graph, weights, inputs): (shardc_compiler::ir::Graph, shardc_runtime::Weights,
+//! #     std::collections::BTreeMap<String, shardc_runtime::Tensor>) = todo!();
+//! let dev = CudaDevice::open(0)?; // Err(NoDriver) on a machine without a GPU
+//! let opts = CudaOptions { dtype: GpuDType::Bf16, ..CudaOptions::default() };
+//! let outputs = execute_cuda(&dev, &graph, &ParamInit::Weights(&weights), &inputs, opts)?;
+//! # Ok(()) }
+//! ```
+
+mod collective;
+mod device;
+mod error;
+mod gemm;
+mod host;
+mod node;
+pub(crate) mod ops;
+mod plan;
+mod program;
+mod spmd;
+mod strided;
+
+pub use device::{cuda_device_count, CudaDevice};
+pub use error::CudaError;
+pub use gemm::{Epilogue, GemmCache, GemmKey};
+pub use node::{cublas_epilogue, fused_expr};
+pub use plan::{
+    early_write_ok, last_uses, plan_arena, plan_memory, retyped, Action, ArenaPlan, FusedGroup,
+    FusionPlan, GpuDType, Slot, Storage,
+};
+pub use program::{execute_cuda, CudaOptions, CudaProgram, CudaRankCtx, ParamInit};
+pub use spmd::{run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
+pub use strided::{contiguous_strides, StridedSpec, MAX_RANK};

@@ -1,0 +1,551 @@
+//! Compute nodes on the compute stream: one kernel (or cuBLASLt call) per node, the fused
+//! groups of `plan.rs`, and the rewriter's fused ops (`FusedElementwise` through a generated
+//! kernel, `FusedMatMul` as a GEMM with a cuBLASLt epilogue or a generated epilogue kernel,
+//! `AddRmsNorm`).
+//!
+//! Pre: every operand was produced earlier on the compute stream (or waited for, for
+//! collective results); the output slot is free (`CudaProgram::guard` ran).
+
+use super::gemm::{Epilogue, GemmKey};
+use super::ops::Launcher;
+use super::plan::{FusedGroup, GpuDType};
+use super::program::{check_labels, CudaProgram, CudaRankCtx};
+use super::strided::StridedSpec;
+use super::CudaError;
+use crate::cpu::vocab;
+use crate::RuntimeError;
+use shardc_compiler::ir::{DType, EwExpr, EwStep, Node, Op, UnaryOp, ValueId};
+use shardc_kernels::{FusedExpr, FusedUnary};
+
+/// The kernel expression of an IR elementwise program over `n_inputs` operands, when the
+/// generator can express it: `Cast` to the storage precision (f32, or bf16 when the run is
+/// bf16) is the identity; other casts are not expressible (`None`).
+pub fn fused_expr(expr: &EwExpr, n_inputs: usize, dt: GpuDType) -> Option<FusedExpr> {
+    let mut vals: Vec<FusedExpr> = (0..n_inputs).map(FusedExpr::input).collect();
+    for s in &expr.steps {
+        let arg = |i: u32| vals.get(i as usize).cloned();
+        let e = match *s {
+            EwStep::Add { a, b } => arg(a)? + arg(b)?,
+            EwStep::Mul { a, b } => arg(a)? * arg(b)?,
+            EwStep::Unary { f, x } => FusedExpr::unary(fused_unary(f), arg(x)?),
+            EwStep::Scale { c, x } => FusedExpr::scale(arg(x)?, c.0),
+            EwStep::Cast { to, x } => match (to, dt) {
+                (DType::F32, _) | (DType::Bf16, GpuDType::Bf16) => arg(x)?,
+                _ => return None,
+            },
+        };
+        vals.push(e);
+    }
+    (!expr.steps.is_empty()).then(|| vals.pop()).flatten()
+}
+
+fn fused_unary(u: UnaryOp) -> FusedUnary {
+    match u {
+        UnaryOp::GeluTanh => FusedUnary::GeluTanh,
+        UnaryOp::GeluErf => FusedUnary::GeluErf,
+        UnaryOp::Silu => FusedUnary::Silu,
+        UnaryOp::Relu => FusedUnary::Relu,
+        UnaryOp::Exp => FusedUnary::Exp,
+        UnaryOp::Neg => FusedUnary::Neg,
+    }
+}
+
+/// The cuBLASLt epilogue equal to a `FusedMatMul` epilogue program, if any: `x0 + x1` with a
+/// 1-D `x1` of length N (bias), that then `gelu_tanh`, or `gelu_tanh(x0)`.
+pub fn cublas_epilogue(
+    epilogue: &EwExpr,
+    operand_shapes: &[Vec<usize>],
+    n: usize,
+) -> Option<Epilogue> {
+    let bias_ok = operand_shapes.len() == 1 && operand_shapes[0] == [n];
+    let gelu = |f: UnaryOp| f == UnaryOp::GeluTanh;
+    match epilogue.steps.as_slice() {
+        [EwStep::Add { a: 0, b: 1 }] if bias_ok => Some(Epilogue::Bias),
+        [EwStep::Add { a: 0, b: 1 }, EwStep::Unary { f, x: 2 }] if bias_ok && gelu(*f) => {
+            Some(Epilogue::GeluBias)
+        }
+        [EwStep::Unary { f, x: 0 }] if operand_shapes.is_empty() && gelu(*f) => {
+            Some(Epilogue::Gelu)
+        }
+        _ => None,
+    }
+}
+
+impl CudaProgram {
+    pub(super) fn dt(&self) -> shardc_kernels::KernelDType {
+        self.opts.dtype.kernel()
+    }
+
+    pub(super) fn elem(&self, v: ValueId) -> usize {
+        self.storage[v.index()].size_bytes()
+    }
+
+    pub(super) fn unsupported(&self, v: ValueId, detail: impl Into<String>) -> CudaError {
+        let node = self.graph.node(v);
+        CudaError::Unsupported {
+            node: v,
+            name: node.name.clone(),
+            op: node.op.mnemonic(),
+            detail: detail.into(),
+        }
+    }
+
+    pub(super) fn strided_spec(
+        &self,
+        v: ValueId,
+        spec: Result<StridedSpec, super::strided::RankTooHigh>,
+    ) -> Result<StridedSpec, CudaError> {
+        spec.map_err(|r| self.unsupported(v, format!("rank {} above 8", r.0)))
+    }
+
+    /// Enqueues one node on the compute stream.
+    pub(super) fn run_node(
+        &mut self,
+        v: ValueId,
+        ctx: &CudaRankCtx,
+        l: &Launcher,
+    ) -> Result<(), CudaError> {
+        let node = self.graph.node(v).clone();
+        let ins = &node.inputs;
+        let out = self.ptr(v);
+        let n = node.ty.numel();
+        let dt = self.dt();
+        let x = ins.first().map(|&i| self.ptr(i)).unwrap_or(0);
+        match &node.op {
+            Op::Reshape => l.copy(out, x, n * self.elem(v)),
+            Op::Transpose { perm } => {
+                let spec =
+                    self.strided_spec(v, StridedSpec::transpose(&self.shape(ins[0]), perm))?;
+                l.strided(self.elem(v), x, out, &spec)
+            }
+            Op::Slice { dim, start, len } => {
+                let spec = self.strided_spec(
+                    v,
+                    StridedSpec::slice(&self.shape(ins[0]), *dim, *start, *len),
+                )?;
+                l.strided(self.elem(v), x, out, &spec)
+            }
+            Op::LocalSlice { axis, dim, parts } => {
+                let (coord, size) = self.coord(axis)?;
+                if size != *parts {
+                    return Err(RuntimeError::AxisSize {
+                        axis: axis.clone(),
+                        expected: *parts,
+                        found: size,
+                    }
+                    .into());
+                }
+                let shape = self.shape(ins[0]);
+                let chunk = shape[*dim] / parts;
+                let spec =
+                    self.strided_spec(v, StridedSpec::slice(&shape, *dim, coord * chunk, chunk))?;
+                l.strided(self.elem(v), x, out, &spec)
+            }
+            Op::Concat { dim } => {
+                let out_shape = node.ty.shape();
+                let mut offset = 0;
+                for &i in ins {
+                    let s = self.shape(i);
+                    let spec =
+                        self.strided_spec(v, StridedSpec::place(&s, &out_shape, *dim, offset))?;
+                    l.strided(self.elem(v), self.ptr(i), out, &spec)?;
+                    offset += s[*dim];
+                }
+                Ok(())
+            }
+            Op::Repeat { dim, times } => {
+                let spec =
+                    self.strided_spec(v, StridedSpec::repeat(&self.shape(ins[0]), *dim, *times))?;
+                l.strided(self.elem(v), x, out, &spec)
+            }
+            Op::RankOffset { axis, stride } => {
+                let (coord, _) = self.coord(axis)?;
+                l.rank_offset(x, out, n, (coord * stride) as i32)
+            }
+            Op::Embedding => {
+                let table = self.shape(ins[0]);
+                if !self.local_ids[ins[1].index()] {
+                    if let Some(ids) = &self.host_i32[ins[1].index()] {
+                        vocab::check_ids(ids, table[0])?;
+                    }
+                }
+                l.embedding(
+                    dt,
+                    x,
+                    self.ptr(ins[1]),
+                    out,
+                    self.numel(ins[1]),
+                    table[0],
+                    table[1],
+                )
+            }
+            Op::MatMul { transpose_b } => {
+                let key = GemmKey::for_matmul(
+                    &self.shape(ins[0]),
+                    &self.shape(ins[1]),
+                    *transpose_b,
+                    self.opts.dtype,
+                    Epilogue::None,
+                )?;
+                let w = self.ptr(ins[1]);
+                let gemm = self
+                    .gemm
+                    .as_mut()
+                    .expect("invariant: created for graphs with MatMul");
+                // SAFETY: pointers of live buffers with the key's sizes; out is its own slot.
+                unsafe { gemm.gemm(&key, x, w, None, out, l.stream) }
+            }
+            Op::Add | Op::Mul => {
+                let op = if matches!(node.op, Op::Add) {
+                    "add"
+                } else {
+                    "mul"
+                };
+                l.binary(op, dt, x, self.ptr(ins[1]), out, n, self.numel(ins[1]))
+            }
+            Op::Unary(u) => l.unary(*u, dt, x, out, n),
+            Op::Scale(c) => l.scale(dt, x, out, n, c.0),
+            Op::Cast(to) => match (self.opts.dtype, to) {
+                (GpuDType::F32, DType::Bf16) => l.convert("round_bf16_f32", x, out, n),
+                (_, DType::F32 | DType::Bf16) => l.copy(out, x, n * self.elem(v)),
+                _ => Err(self.unsupported(v, format!("cast to {to}"))),
+            },
+            Op::RmsNorm { eps } => {
+                let h = node.ty.last();
+                l.rmsnorm(dt, x, self.ptr(ins[1]), out, n / h.max(1), h, eps.0)
+            }
+            Op::LayerNorm { eps } => {
+                let h = node.ty.last();
+                l.layernorm(
+                    dt,
+                    x,
+                    self.ptr(ins[1]),
+                    self.ptr(ins[2]),
+                    out,
+                    n / h.max(1),
+                    h,
+                    eps.0,
+                )
+            }
+            Op::Rope(spec) => {
+                let s = node.ty.shape();
+                let inv = self.rope[v.index()]
+                    .as_ref()
+                    .expect("invariant: rope tables are loaded")
+                    .ptr;
+                l.rope(
+                    spec.style,
+                    dt,
+                    x,
+                    out,
+                    self.ptr(ins[1]),
+                    inv,
+                    [s[0], s[1], s[2], s[3]],
+                )
+            }
+            Op::Attention(spec) => {
+                let (q, k) = (self.shape(ins[0]), self.shape(ins[1]));
+                let mask = match ins.get(3) {
+                    None => 0,
+                    Some(&m) if self.opts.dtype == GpuDType::F32 => self.ptr(m),
+                    Some(&m) => {
+                        l.convert(
+                            "cast_bf16_f32",
+                            self.ptr(m),
+                            self.scratch.ptr,
+                            self.numel(m),
+                        )?;
+                        self.scratch.ptr
+                    }
+                };
+                let dims = [q[0], q[1], k[1], q[2], k[2], q[3]];
+                l.attention(
+                    dt,
+                    x,
+                    self.ptr(ins[1]),
+                    self.ptr(ins[2]),
+                    out,
+                    mask,
+                    dims,
+                    spec.scale.0,
+                    spec.causal,
+                    spec.window,
+                    k[1] as i64 - q[1] as i64,
+                )
+            }
+            Op::Softmax => {
+                let c = node.ty.last();
+                l.softmax(dt, x, out, n / c.max(1), c)
+            }
+            Op::Router { top_k, normalize } => {
+                let e = node.ty.last();
+                l.router(dt, x, out, n / e.max(1), e, *top_k, *normalize)
+            }
+            Op::Dispatch => {
+                let s = self.shape(ins[0]);
+                let e = self.shape(ins[1])[2];
+                l.moe_move(
+                    "dispatch",
+                    dt,
+                    x,
+                    self.ptr(ins[1]),
+                    out,
+                    s[0] * s[1],
+                    e,
+                    s[2],
+                )
+            }
+            Op::Combine => {
+                let s = self.shape(ins[0]);
+                l.moe_move(
+                    "combine",
+                    dt,
+                    x,
+                    self.ptr(ins[1]),
+                    out,
+                    s[1] * s[2],
+                    s[0],
+                    s[3],
+                )
+            }
+            Op::CrossEntropy { denom } => {
+                let vocab_n = self.graph.ty(ins[0]).last();
+                let rows = self.numel(ins[1]);
+                if let Some(labels) = &self.host_i32[ins[1].index()] {
+                    check_labels(labels, vocab_n)?;
+                }
+                let loss = self.scratch.ptr;
+                let sum = self.scratch.ptr + (rows as u64 * 4).div_ceil(256) * 256;
+                l.cross_entropy(dt, x, self.ptr(ins[1]), loss, rows, vocab_n)?;
+                let scale = 1.0 / (*denom).max(1) as f32;
+                if self.opts.dtype == GpuDType::F32 {
+                    l.loss_sum(loss, out, rows, scale)
+                } else {
+                    l.loss_sum(loss, sum, rows, scale)?;
+                    l.convert("cast_f32_bf16", sum, out, 1)
+                }
+            }
+            Op::FusedElementwise { expr } => {
+                let operands: Vec<(u64, usize)> =
+                    ins.iter().map(|&i| (self.ptr(i), self.numel(i))).collect();
+                self.fused_elementwise(v, expr, &operands, out, n, l)
+            }
+            Op::FusedMatMul {
+                transpose_b,
+                epilogue,
+            } => self.fused_matmul(v, &node, *transpose_b, epilogue, l),
+            Op::AddRmsNorm { eps } => {
+                let h = node.ty.last();
+                // The sum is not a value of the graph: it goes to scratch.
+                let sum = self.scratch.ptr;
+                let (a, b, w) = (x, self.ptr(ins[1]), self.ptr(ins[2]));
+                l.add_rmsnorm(dt, a, b, sum, w, out, n / h.max(1), h, eps.0)
+            }
+            Op::AgMatMul {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => self.ag_matmul(v, ctx, axis, *dim, *parts, *transpose_b, l),
+            Op::MatMulRs {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => self.matmul_rs(v, ctx, axis, *dim, *parts, *transpose_b, l),
+            _ => Err(self.unsupported(v, "no CUDA kernel for this op")),
+        }
+    }
+
+    /// Enqueues one fused group on the compute stream.
+    pub(super) fn run_group(&mut self, group: &FusedGroup, l: &Launcher) -> Result<(), CudaError> {
+        let dt = self.dt();
+        match group {
+            FusedGroup::Gemm {
+                mm,
+                bias,
+                out,
+                epilogue,
+            } => {
+                let node = self.graph.node(*mm);
+                let (a, b) = (node.inputs[0], node.inputs[1]);
+                let Op::MatMul { transpose_b } = node.op else {
+                    unreachable!("invariant: a GEMM group starts at a MatMul")
+                };
+                let key = GemmKey::for_matmul(
+                    &self.shape(a),
+                    &self.shape(b),
+                    transpose_b,
+                    self.opts.dtype,
+                    *epilogue,
+                )?;
+                let (pa, pb, po) = (self.ptr(a), self.ptr(b), self.ptr(*out));
+                let pbias = bias.map(|x| self.ptr(x));
+                let gemm = self
+                    .gemm
+                    .as_mut()
+                    .expect("invariant: created for graphs with MatMul");
+                // SAFETY: live buffers with the key's sizes; the output slot was checked free
+                // of every value live between the MatMul and the group's tail (plan.rs).
+                unsafe { gemm.gemm(&key, pa, pb, pbias, po, l.stream) }
+            }
+            FusedGroup::AddRmsNorm { add, norm } => {
+                let a = self.graph.node(*add);
+                let nn = self.graph.node(*norm);
+                let Op::RmsNorm { eps } = nn.op else {
+                    unreachable!("invariant: add+rmsnorm ends at an RmsNorm")
+                };
+                let h = nn.ty.last();
+                let rows = nn.ty.numel() / h.max(1);
+                l.add_rmsnorm(
+                    dt,
+                    self.ptr(a.inputs[0]),
+                    self.ptr(a.inputs[1]),
+                    self.ptr(*add),
+                    self.ptr(nn.inputs[1]),
+                    self.ptr(*norm),
+                    rows,
+                    h,
+                    eps.0,
+                )
+            }
+            FusedGroup::SwiGlu { mul, gate, up, .. } => l.swiglu(
+                dt,
+                self.ptr(*gate),
+                self.ptr(*up),
+                self.ptr(*mul),
+                self.numel(*mul),
+            ),
+        }
+    }
+
+    /// `FusedElementwise`: one generated kernel.
+    fn fused_elementwise(
+        &self,
+        v: ValueId,
+        expr: &EwExpr,
+        operands: &[(u64, usize)],
+        out: u64,
+        n: usize,
+        l: &Launcher,
+    ) -> Result<(), CudaError> {
+        let fe = fused_expr(expr, operands.len(), self.opts.dtype)
+            .ok_or_else(|| self.unsupported(v, "a cast inside the fused program"))?;
+        let k = fe.num_inputs();
+        let f = self.dev.fused_function(&fe, self.dt())?;
+        l.fused(&f, &operands[..k], out, n)
+    }
+
+    /// `FusedMatMul`: the GEMM with a cuBLASLt epilogue when one matches, else the plain GEMM
+    /// into the output followed by the epilogue kernel in place.
+    fn fused_matmul(
+        &mut self,
+        v: ValueId,
+        node: &Node,
+        transpose_b: bool,
+        epilogue: &EwExpr,
+        l: &Launcher,
+    ) -> Result<(), CudaError> {
+        let ins = &node.inputs;
+        let (a, b) = (self.shape(ins[0]), self.shape(ins[1]));
+        let extra: Vec<Vec<usize>> = ins[2..].iter().map(|&i| self.shape(i)).collect();
+        let n = node.ty.last();
+        let lt = if b.len() == 2 {
+            cublas_epilogue(epilogue, &extra, n)
+        } else {
+            None
+        };
+        let out = self.ptr(v);
+        let key = GemmKey::for_matmul(
+            &a,
+            &b,
+            transpose_b,
+            self.opts.dtype,
+            lt.unwrap_or(Epilogue::None),
+        )?;
+        let (pa, pb) = (self.ptr(ins[0]), self.ptr(ins[1]));
+        let bias = ins.get(2).map(|&i| self.ptr(i));
+        let gemm = self
+            .gemm
+            .as_mut()
+            .expect("invariant: created for graphs with GEMMs");
+        // SAFETY: live buffers with the key's sizes; the output is this node's slot.
+        unsafe { gemm.gemm(&key, pa, pb, bias.filter(|_| lt.is_some()), out, l.stream) }?;
+        if lt.is_some() {
+            return Ok(());
+        }
+        let mut operands = vec![(out, node.ty.numel())];
+        operands.extend(ins[2..].iter().map(|&i| (self.ptr(i), self.numel(i))));
+        self.fused_elementwise(v, epilogue, &operands, out, node.ty.numel(), l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardc_compiler::ir::Float;
+
+    #[test]
+    fn ir_programs_become_kernel_expressions() {
+        let e = EwExpr {
+            steps: vec![
+                EwStep::Unary {
+                    f: UnaryOp::Silu,
+                    x: 0,
+                },
+                EwStep::Mul { a: 2, b: 1 },
+                EwStep::Scale {
+                    c: Float(0.5),
+                    x: 3,
+                },
+            ],
+        };
+        let f = fused_expr(&e, 2, GpuDType::F32).unwrap();
+        assert_eq!(f.to_string(), "mul(mul(silu(x0), x1), 0.5)");
+        let cast = EwExpr {
+            steps: vec![EwStep::Cast {
+                to: DType::Bf16,
+                x: 0,
+            }],
+        };
+        assert!(fused_expr(&cast, 1, GpuDType::F32).is_none());
+        assert_eq!(
+            fused_expr(&cast, 1, GpuDType::Bf16).unwrap().to_string(),
+            "x0"
+        );
+        assert!(fused_expr(&EwExpr { steps: vec![] }, 1, GpuDType::F32).is_none());
+    }
+
+    #[test]
+    fn epilogues_map_to_cublaslt_only_when_equal() {
+        let bias = EwExpr {
+            steps: vec![EwStep::Add { a: 0, b: 1 }],
+        };
+        assert_eq!(
+            cublas_epilogue(&bias, &[vec![64]], 64),
+            Some(Epilogue::Bias)
+        );
+        // A bias of another shape (a residual [T, N]) is not a cuBLASLt bias.
+        assert_eq!(cublas_epilogue(&bias, &[vec![16, 64]], 64), None);
+        let gelu_bias = EwExpr {
+            steps: vec![
+                EwStep::Add { a: 0, b: 1 },
+                EwStep::Unary {
+                    f: UnaryOp::GeluTanh,
+                    x: 2,
+                },
+            ],
+        };
+        assert_eq!(
+            cublas_epilogue(&gelu_bias, &[vec![64]], 64),
+            Some(Epilogue::GeluBias)
+        );
+        let erf = EwExpr {
+            steps: vec![EwStep::Unary {
+                f: UnaryOp::GeluErf,
+                x: 0,
+            }],
+        };
+        assert_eq!(cublas_epilogue(&erf, &[], 64), None);
+    }
+}

@@ -1,0 +1,605 @@
+//! Host-side planning of a CUDA run, with no GPU involved (unit-tested on CPU): the storage
+//! dtype of each value, the activation arena, and which node chains run as one fused launch.
+//!
+//! - Storage: `i32` values stay `i32`; every float value (whatever the graph declares) is
+//!   stored in the backend's dtype, f32 or bf16.
+//! - Arena: [`shardc_compiler::schedule::arena`] (first-fit over live ranges) on the graph
+//!   retyped to the storage dtypes, so a bf16 run needs half the bytes. Inputs and parameters
+//!   live outside the arena.
+//! - Fusion: a group is issued at its *head* node and writes its *tail* node's slot early;
+//!   the nodes in between are skipped. A group is only formed when (a) its intermediates have
+//!   no other users and are not outputs, (b) every extra operand is available at the head
+//!   (a parameter, or a non-collective value defined before the head), and (c) the tail's slot
+//!   overlaps no other value live between head and tail ([`early_write_ok`]), so writing it
+//!   early clobbers nothing. [`plan_memory`] makes (c) hold for the operands of the head: the
+//!   arena is planned with the tail also "using" them, so their bytes are not reused by it.
+
+use super::gemm::Epilogue;
+use crate::comm::device::DeviceDType;
+use shardc_compiler::ir::{DType, Graph, Op, UnaryOp, ValueId};
+use shardc_compiler::schedule::arena;
+use shardc_kernels::KernelDType;
+use std::fmt;
+
+/// Element type the CUDA backend computes float tensors in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GpuDType {
+    /// IEEE binary32 everywhere (GEMMs with true fp32 compute, no TF32).
+    #[default]
+    F32,
+    /// bfloat16 storage, f32 accumulation.
+    Bf16,
+}
+
+impl GpuDType {
+    /// Parses `f32` / `bf16`.
+    pub fn parse(s: &str) -> Option<GpuDType> {
+        match s {
+            "f32" | "fp32" | "float32" => Some(GpuDType::F32),
+            "bf16" | "bfloat16" => Some(GpuDType::Bf16),
+            _ => None,
+        }
+    }
+
+    /// `f32` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuDType::F32 => "f32",
+            GpuDType::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            GpuDType::F32 => 4,
+            GpuDType::Bf16 => 2,
+        }
+    }
+
+    /// The kernels' dtype (entry suffix).
+    pub fn kernel(self) -> KernelDType {
+        match self {
+            GpuDType::F32 => KernelDType::F32,
+            GpuDType::Bf16 => KernelDType::Bf16,
+        }
+    }
+
+    /// The IR dtype.
+    pub fn ir(self) -> DType {
+        match self {
+            GpuDType::F32 => DType::F32,
+            GpuDType::Bf16 => DType::Bf16,
+        }
+    }
+}
+
+impl fmt::Display for GpuDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How one value is stored on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// A float value in the backend's dtype.
+    Float(GpuDType),
+    /// Token ids, positions, labels.
+    I32,
+}
+
+impl Storage {
+    /// The storage of a value declared `dtype` under backend dtype `dt`.
+    pub fn of(dtype: DType, dt: GpuDType) -> Storage {
+        if dtype == DType::I32 {
+            Storage::I32
+        } else {
+            Storage::Float(dt)
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            Storage::Float(d) => d.size_bytes(),
+            Storage::I32 => 4,
+        }
+    }
+
+    /// The communicator dtype.
+    pub fn device(self) -> DeviceDType {
+        match self {
+            Storage::Float(GpuDType::F32) => DeviceDType::F32,
+            Storage::Float(GpuDType::Bf16) => DeviceDType::Bf16,
+            Storage::I32 => DeviceDType::I32,
+        }
+    }
+}
+
+/// A byte range of the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    /// Offset from the arena base (256-byte aligned).
+    pub offset: u64,
+    /// Bytes (rounded up to 256).
+    pub size: u64,
+}
+
+impl Slot {
+    /// Whether two slots share a byte.
+    pub fn overlaps(&self, other: &Slot) -> bool {
+        self.offset < other.offset + other.size && other.offset < self.offset + self.size
+    }
+}
+
+/// The activation arena of a graph: a slot per computed value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArenaPlan {
+    /// Slot of each value (None for inputs and parameters).
+    pub slots: Vec<Option<Slot>>,
+    /// Arena size in bytes (the peak of live activations).
+    pub total: u64,
+}
+
+/// The graph with every float value retyped to `dt` (what the device stores).
+pub fn retyped(g: &Graph, dt: GpuDType) -> Graph {
+    let mut r = g.clone();
+    for n in &mut r.nodes {
+        if n.ty.dtype != DType::I32 {
+            n.ty.dtype = dt.ir();
+        }
+    }
+    r
+}
+
+/// The arena of `g` stored in `dt`, by `shardc_compiler::schedule::arena`.
+pub fn plan_arena(g: &Graph, dt: GpuDType) -> ArenaPlan {
+    let (slots, total) = arena(&retyped(g, dt));
+    let mut out = vec![None; g.len()];
+    for s in slots {
+        out[s.value.index()] = Some(Slot {
+            offset: s.offset,
+            size: s.size,
+        });
+    }
+    ArenaPlan { slots: out, total }
+}
+
+/// Index of each value's last use (its own index when unused; `len` for graph outputs), the
+/// live ranges `schedule::arena` allocates by.
+pub fn last_uses(g: &Graph) -> Vec<usize> {
+    let n = g.len();
+    let mut last: Vec<usize> = (0..n).collect();
+    for v in g.ids() {
+        for &i in &g.node(v).inputs {
+            last[i.index()] = last[i.index()].max(v.index());
+        }
+    }
+    for &(_, v) in &g.outputs {
+        last[v.index()] = n;
+    }
+    last
+}
+
+/// A chain of nodes run as one launch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FusedGroup {
+    /// `MatMul` [→ `Add(bias)`] [→ `gelu_tanh`] as one cuBLASLt call with an epilogue.
+    Gemm {
+        /// The MatMul (head).
+        mm: ValueId,
+        /// The bias parameter, with a bias epilogue.
+        bias: Option<ValueId>,
+        /// The last node of the chain, whose slot receives the result.
+        out: ValueId,
+        /// The epilogue.
+        epilogue: Epilogue,
+    },
+    /// `Add(x, r)` → `RmsNorm(sum, w)` as one `add_rmsnorm` launch writing both.
+    AddRmsNorm {
+        /// The Add (head); its value is still materialised.
+        add: ValueId,
+        /// The RmsNorm (tail).
+        norm: ValueId,
+    },
+    /// `Unary(silu)(g)` → `Mul(·, u)` as one `swiglu` launch.
+    SwiGlu {
+        /// The silu (head).
+        silu: ValueId,
+        /// The Mul (tail).
+        mul: ValueId,
+        /// The silu's operand.
+        gate: ValueId,
+        /// The Mul's other operand.
+        up: ValueId,
+    },
+}
+
+impl FusedGroup {
+    /// The node the group is issued at.
+    pub fn head(&self) -> ValueId {
+        match self {
+            FusedGroup::Gemm { mm, .. } => *mm,
+            FusedGroup::AddRmsNorm { add, .. } => *add,
+            FusedGroup::SwiGlu { silu, .. } => *silu,
+        }
+    }
+
+    /// The node whose slot is written early.
+    pub fn tail(&self) -> ValueId {
+        match self {
+            FusedGroup::Gemm { out, .. } => *out,
+            FusedGroup::AddRmsNorm { norm, .. } => *norm,
+            FusedGroup::SwiGlu { mul, .. } => *mul,
+        }
+    }
+
+    /// Short name for reports (`gemm+bias+gelu`, `add+rmsnorm`, `swiglu`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            FusedGroup::Gemm { epilogue, .. } => match epilogue {
+                Epilogue::None => "gemm",
+                Epilogue::Bias => "gemm+bias",
+                Epilogue::GeluBias => "gemm+bias+gelu",
+                Epilogue::Gelu => "gemm+gelu",
+            },
+            FusedGroup::AddRmsNorm { .. } => "add+rmsnorm",
+            FusedGroup::SwiGlu { .. } => "swiglu",
+        }
+    }
+}
+
+/// What the executor does at a node's step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Compute the node by itself.
+    Run,
+    /// Nothing: a fused group computed it (or made it unnecessary).
+    Skip,
+    /// Issue fused group `i` (this node is its head).
+    Fused(usize),
+}
+
+/// The fusion decisions for a graph.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FusionPlan {
+    /// Per node.
+    pub actions: Vec<Action>,
+    /// The groups, in head order.
+    pub groups: Vec<FusedGroup>,
+}
+
+/// Whether writing `tail`'s slot while issuing `head` is safe: no value other than those in
+/// `exclude` that is live somewhere in `[head, tail)` (defined before `tail`, last used at or
+/// after `head`) overlaps `tail`'s slot.
+pub fn early_write_ok(
+    arena: &ArenaPlan,
+    last: &[usize],
+    head: ValueId,
+    tail: ValueId,
+    exclude: &[ValueId],
+) -> bool {
+    let Some(t) = arena.slots[tail.index()] else {
+        return false;
+    };
+    (0..tail.index()).all(|w| {
+        let live = last[w] >= head.index();
+        let excluded = exclude.iter().any(|e| e.index() == w);
+        match arena.slots[w] {
+            Some(s) if live && !excluded => !s.overlaps(&t),
+            _ => true,
+        }
+    })
+}
+
+/// The arena and the fused groups of `g` stored in `dt` (no groups when `fuse` is false).
+///
+/// Candidates come from pattern matching; the arena is planned on the graph with each
+/// candidate's tail also using its head's operands (the fused launch reads them while writing
+/// the tail); each candidate is then kept only if [`early_write_ok`] holds in that arena.
+pub fn plan_memory(g: &Graph, dt: GpuDType, fuse: bool) -> (ArenaPlan, FusionPlan) {
+    let n = g.len();
+    let candidates = if fuse {
+        candidate_groups(g)
+    } else {
+        Vec::new()
+    };
+    let mut ag = retyped(g, dt);
+    for (group, _) in &candidates {
+        let head_ops = g.node(group.head()).inputs.clone();
+        ag.nodes[group.tail().index()].inputs.extend(head_ops);
+    }
+    let (slots, total) = arena(&ag);
+    let mut out = vec![None; n];
+    for s in slots {
+        out[s.value.index()] = Some(Slot {
+            offset: s.offset,
+            size: s.size,
+        });
+    }
+    let arena = ArenaPlan { slots: out, total };
+    let last = last_uses(&ag);
+    let mut plan = FusionPlan {
+        actions: vec![Action::Run; n],
+        groups: Vec::new(),
+    };
+    for (group, members) in candidates {
+        let mut exclude = members.clone();
+        exclude.push(group.head());
+        if !early_write_ok(&arena, &last, group.head(), group.tail(), &exclude) {
+            continue;
+        }
+        let gi = plan.groups.len();
+        plan.actions[group.head().index()] = Action::Fused(gi);
+        for m in &members {
+            plan.actions[m.index()] = Action::Skip;
+        }
+        plan.groups.push(group);
+    }
+    (arena, plan)
+}
+
+/// Pattern-matched fused groups (non-overlapping, in head order) with their skipped members.
+fn candidate_groups(g: &Graph) -> Vec<(FusedGroup, Vec<ValueId>)> {
+    let n = g.len();
+    let users = g.users();
+    let is_output = |v: ValueId| g.outputs.iter().any(|&(_, o)| o == v);
+    let only_user = |v: ValueId| -> Option<ValueId> {
+        match users[v.index()].as_slice() {
+            [u] if !is_output(v) => Some(*u),
+            _ => None,
+        }
+    };
+    let is_param = |v: ValueId| matches!(g.node(v).op, Op::Param(_));
+    let mut taken = vec![false; n];
+    let mut out = Vec::new();
+    for v in g.ids() {
+        if taken[v.index()] {
+            continue;
+        }
+        let group = match &g.node(v).op {
+            Op::MatMul { .. } => gemm_group(g, v, &only_user, &is_param),
+            Op::Add => add_rmsnorm_group(g, v, &users, &is_param),
+            Op::Unary(UnaryOp::Silu) => swiglu_group(g, v, &only_user),
+            _ => None,
+        };
+        let Some((group, members)) = group else {
+            continue;
+        };
+        if members.iter().any(|m| taken[m.index()]) {
+            continue;
+        }
+        taken[group.head().index()] = true;
+        for m in &members {
+            taken[m.index()] = true;
+        }
+        out.push((group, members));
+    }
+    out
+}
+
+/// `MatMul` → `Add(bias param [N])` → `gelu_tanh`, any suffix of which exists.
+fn gemm_group(
+    g: &Graph,
+    mm: ValueId,
+    only_user: &dyn Fn(ValueId) -> Option<ValueId>,
+    is_param: &dyn Fn(ValueId) -> bool,
+) -> Option<(FusedGroup, Vec<ValueId>)> {
+    let node = g.node(mm);
+    if g.ty(node.inputs[1]).rank() != 2 {
+        return None; // batched GEMMs take no epilogue
+    }
+    let n_out = node.ty.last();
+    let mut members = Vec::new();
+    let mut out = mm;
+    let mut bias = None;
+    if let Some(add) = only_user(mm) {
+        let a = g.node(add);
+        if matches!(a.op, Op::Add)
+            && a.inputs[0] == mm
+            && is_param(a.inputs[1])
+            && g.ty(a.inputs[1]).shape() == [n_out]
+        {
+            bias = Some(a.inputs[1]);
+            members.push(add);
+            out = add;
+        }
+    }
+    let mut gelu = false;
+    if let Some(u) = only_user(out) {
+        if matches!(g.node(u).op, Op::Unary(UnaryOp::GeluTanh)) {
+            gelu = true;
+            members.push(u);
+            out = u;
+        }
+    }
+    let epilogue = match (bias.is_some(), gelu) {
+        (false, false) => return None,
+        (true, false) => Epilogue::Bias,
+        (true, true) => Epilogue::GeluBias,
+        (false, true) => Epilogue::Gelu,
+    };
+    Some((
+        FusedGroup::Gemm {
+            mm,
+            bias,
+            out,
+            epilogue,
+        },
+        members,
+    ))
+}
+
+/// `Add(x, r)` (same shapes) → its first `RmsNorm(sum, w param)` user.
+fn add_rmsnorm_group(
+    g: &Graph,
+    add: ValueId,
+    users: &[Vec<ValueId>],
+    is_param: &dyn Fn(ValueId) -> bool,
+) -> Option<(FusedGroup, Vec<ValueId>)> {
+    let a = g.node(add);
+    if !g.ty(a.inputs[0]).same_shape(g.ty(a.inputs[1])) {
+        return None;
+    }
+    let norm = *users[add.index()].iter().find(|&&u| {
+        let un = g.node(u);
+        matches!(un.op, Op::RmsNorm { .. }) && un.inputs[0] == add && is_param(un.inputs[1])
+    })?;
+    Some((FusedGroup::AddRmsNorm { add, norm }, vec![norm]))
+}
+
+/// `silu(gate)` → `Mul(silu, up)` (or `Mul(up, silu)`), `up` of the same shape, defined before
+/// the silu and not a collective result.
+fn swiglu_group(
+    g: &Graph,
+    silu: ValueId,
+    only_user: &dyn Fn(ValueId) -> Option<ValueId>,
+) -> Option<(FusedGroup, Vec<ValueId>)> {
+    let mul = only_user(silu)?;
+    let m = g.node(mul);
+    if !matches!(m.op, Op::Mul) {
+        return None;
+    }
+    let up = if m.inputs[0] == silu {
+        m.inputs[1]
+    } else {
+        m.inputs[0]
+    };
+    let ok = up != silu
+        && up.index() < silu.index()
+        && g.ty(up).same_shape(g.ty(silu))
+        && !g.node(up).op.is_collective();
+    ok.then(|| {
+        (
+            FusedGroup::SwiGlu {
+                silu,
+                mul,
+                gate: g.node(silu).inputs[0],
+                up,
+            },
+            vec![mul],
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardc_compiler::ir::{Float, ParamSource, TensorType};
+    use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
+
+    fn fixture(model: &str) -> ModelConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hf-tiny")
+            .join(model);
+        ModelConfig::from_path(&dir).expect("fixture config")
+    }
+
+    fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
+        g.add_typed(
+            Op::Param(ParamSource::whole(name)),
+            &[],
+            Some(TensorType::plain(DType::F32, shape)),
+            name,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn arena_is_reused_and_halved_for_bf16() {
+        let cfg = fixture("llama");
+        let g = build_forward(&cfg, BuildOptions::new(2, 16)).unwrap();
+        let a32 = plan_arena(&g, GpuDType::F32);
+        let a16 = plan_arena(&g, GpuDType::Bf16);
+        let sum: u64 = a32.slots.iter().flatten().map(|s| s.size).sum();
+        // Liveness reuse: the peak is far below the sum of every activation.
+        assert!(a32.total * 4 < sum, "arena {} vs sum {sum}", a32.total);
+        // bf16 storage needs about half (256-byte rounding aside).
+        assert!(
+            a16.total <= a32.total / 2 + 256 * 64,
+            "{} vs {}",
+            a16.total,
+            a32.total
+        );
+        // i32 values keep 4 bytes; floats shrink.
+        assert_eq!(Storage::of(DType::I32, GpuDType::Bf16).size_bytes(), 4);
+        assert_eq!(Storage::of(DType::F32, GpuDType::Bf16).size_bytes(), 2);
+        // With fusion the arena grows by little (the tails' early live ranges).
+        let (fused, _) = plan_memory(&g, GpuDType::F32, true);
+        assert!(
+            fused.total <= a32.total * 3 / 2,
+            "{} vs {}",
+            fused.total,
+            a32.total
+        );
+        // No two values live at once share bytes, with and without fusion.
+        let last = last_uses(&g);
+        for arena in [&a32, &fused] {
+            for (v, &lv) in last.iter().enumerate() {
+                for w in v + 1..=lv.min(g.len() - 1) {
+                    if let (Some(a), Some(b)) = (arena.slots[v], arena.slots[w]) {
+                        assert!(!a.overlaps(&b), "%{v} and %{w} overlap while both live");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn llama_fuses_add_rmsnorm_and_swiglu() {
+        let cfg = fixture("llama");
+        let g = build_forward(&cfg, BuildOptions::new(2, 16)).unwrap();
+        let (_, plan) = plan_memory(&g, GpuDType::F32, true);
+        let count = |l: &str| plan.groups.iter().filter(|x| x.label() == l).count();
+        // 3 layers: each has a SwiGLU, and each layer's attention residual feeds the MLP norm.
+        assert_eq!(count("swiglu"), cfg.layers, "{:?}", plan.groups);
+        assert!(count("add+rmsnorm") >= cfg.layers, "{:?}", plan.groups);
+        // Members are skipped, heads issue their group.
+        for (i, grp) in plan.groups.iter().enumerate() {
+            assert_eq!(plan.actions[grp.head().index()], Action::Fused(i));
+            assert_eq!(plan.actions[grp.tail().index()], Action::Skip);
+        }
+        let (plain, off) = plan_memory(&g, GpuDType::F32, false);
+        assert!(off.groups.is_empty() && off.actions.iter().all(|a| *a == Action::Run));
+        assert_eq!(plain, plan_arena(&g, GpuDType::F32));
+    }
+
+    #[test]
+    fn gpt2_fuses_bias_and_gelu_epilogues() {
+        let cfg = fixture("gpt2");
+        let g = build_forward(&cfg, BuildOptions::new(2, 16)).unwrap();
+        let (_, plan) = plan_memory(&g, GpuDType::Bf16, true);
+        let count = |l: &str| plan.groups.iter().filter(|x| x.label() == l).count();
+        assert_eq!(count("gemm+bias+gelu"), cfg.layers, "{:?}", plan.groups);
+        assert!(count("gemm+bias") >= cfg.layers, "{:?}", plan.groups);
+    }
+
+    #[test]
+    fn early_write_refuses_clobbering_a_live_value() {
+        // x → a = exp(x) ; b = 2a ; c = mm(b, w) ; d = c + bias. Writing d while the GEMM still
+        // reads b is only safe if d's slot avoids b's.
+        let mut g = Graph::new();
+        let x = g.input("x", TensorType::plain(DType::F32, &[4, 64]));
+        let a = g.add(Op::Unary(UnaryOp::Exp), &[x], "a").unwrap();
+        let b = g.add(Op::Scale(Float(2.0)), &[a], "b").unwrap();
+        let w = param(&mut g, "w", &[64, 64]);
+        let c = g
+            .add(Op::MatMul { transpose_b: false }, &[b, w], "c")
+            .unwrap();
+        let bias = param(&mut g, "bias", &[64]);
+        let d = g.add(Op::Add, &[c, bias], "d").unwrap();
+        g.set_output("d", d);
+        // Without the extended live ranges first-fit hands d the bytes of b (dead after c).
+        let plain = plan_arena(&g, GpuDType::F32);
+        let last = last_uses(&g);
+        assert_eq!(plain.slots[d.index()], plain.slots[b.index()]);
+        assert!(!early_write_ok(&plain, &last, c, d, &[c]));
+        // plan_memory keeps b alive until d, so the group is safe and formed.
+        let (arena, plan) = plan_memory(&g, GpuDType::F32, true);
+        assert_eq!(plan.groups.len(), 1, "{:?}", plan.groups);
+        assert!(!arena.slots[d.index()]
+            .unwrap()
+            .overlaps(&arena.slots[b.index()].unwrap()));
+    }
+}

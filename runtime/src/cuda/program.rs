@@ -1,0 +1,920 @@
+//! The CUDA executor: one rank's SPMD [`Graph`] (the same programs the CPU executor runs)
+//! prepared on one GPU and run in f32 or bf16.
+//!
+//! [`CudaProgram::prepare`] plans the storage dtypes, the activation arena (one allocation,
+//! views into it), the fused groups and the stream/event steps (`schedule::schedule`: compute
+//! on stream 0, collectives on stream 1), uploads the parameters (cast to the run's dtype)
+//! and the rope frequency tables. [`CudaProgram::run`] uploads the inputs (each rank's chunk,
+//! as the CPU executor takes it), enqueues every step, waits with a watchdog that polls the
+//! communicators, and downloads the named outputs as f32/i32 host tensors.
+//!
+//! Stream safety (event tracking is off): the plan's events order a collective after its
+//! operand's producer and its first consumer after the collective. The arena reuses bytes by
+//! liveness in program order, which does not cover a collective still reading its operand on
+//! the comm stream while the compute stream reuses those bytes; before every compute launch the
+//! executor therefore makes the compute stream wait for any in-flight collective whose buffers
+//! overlap what the launch writes.
+
+use super::gemm::GemmCache;
+use super::host::{alloc, download, random_values, DevBuf, HostData};
+use super::ops::Launcher;
+use super::plan::{
+    plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType, Slot, Storage,
+};
+use super::{CudaDevice, CudaError};
+use crate::comm::device::DeviceCommunicator;
+use crate::cpu::{layout, vocab};
+use crate::{RuntimeError, Tensor, Weights};
+use cudarc::driver::{CudaEvent, CudaStream};
+use shardc_compiler::ir::{DType, Graph, Op, ParamSource, ShardSpec, ValueId};
+use shardc_compiler::schedule::{schedule, Step, COMM_STREAM};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How a program runs on the GPU.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// Element type of every float tensor on the device.
+    pub dtype: GpuDType,
+    /// Run fused groups (GEMM epilogues, add+RMSNorm, SwiGLU) as single launches.
+    pub fuse: bool,
+    /// Fill the activation arena with NaN bytes (0xFF) before every run, so a kernel that
+    /// leaves part of its output unwritten shows up in the results (tests).
+    pub poison: bool,
+    /// How long the host waits for the GPU (and collectives) before failing.
+    pub timeout: Duration,
+}
+
+impl Default for CudaOptions {
+    fn default() -> CudaOptions {
+        CudaOptions {
+            dtype: GpuDType::F32,
+            fuse: true,
+            poison: false,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Where parameters come from.
+#[derive(Clone, Copy, Debug)]
+pub enum ParamInit<'a> {
+    /// A checkpoint (each rank loads its shards).
+    Weights(&'a Weights),
+    /// Deterministic uniform values in `[-scale, scale]` (benchmarks).
+    Random {
+        /// Generator seed.
+        seed: u64,
+        /// Half-width of the distribution.
+        scale: f32,
+    },
+}
+
+/// One GPU rank's view of the mesh: a device communicator per mesh axis (empty: unsharded).
+#[derive(Default)]
+pub struct CudaRankCtx<'a> {
+    comms: BTreeMap<String, &'a dyn DeviceCommunicator>,
+}
+
+impl<'a> CudaRankCtx<'a> {
+    /// An empty context (an unsharded run).
+    pub fn new() -> CudaRankCtx<'a> {
+        CudaRankCtx::default()
+    }
+
+    /// Sets the communicator of mesh axis `axis`.
+    pub fn insert(&mut self, axis: impl Into<String>, comm: &'a dyn DeviceCommunicator) {
+        self.comms.insert(axis.into(), comm);
+    }
+
+    /// This context with `comm` serving `axis`.
+    pub fn with_axis(mut self, axis: impl Into<String>, comm: &'a dyn DeviceCommunicator) -> Self {
+        self.insert(axis, comm);
+        self
+    }
+
+    /// The communicator of `axis`.
+    pub fn comm(&self, axis: &str) -> Result<&'a dyn DeviceCommunicator, RuntimeError> {
+        self.comms
+            .get(axis)
+            .copied()
+            .ok_or_else(|| RuntimeError::MissingAxis {
+                axis: axis.to_string(),
+            })
+    }
+
+    /// `(coord, size)` of this rank on every axis.
+    pub fn coords(&self) -> BTreeMap<String, (usize, usize)> {
+        self.comms
+            .iter()
+            .map(|(a, c)| (a.clone(), (c.rank(), c.size())))
+            .collect()
+    }
+
+    /// Every communicator, by axis.
+    pub fn comms(&self) -> impl Iterator<Item = (&str, &'a dyn DeviceCommunicator)> + '_ {
+        self.comms.iter().map(|(a, c)| (a.as_str(), *c))
+    }
+}
+
+/// A collective in flight on the comm stream: its done event and the arena bytes it touches.
+struct InFlight {
+    event: usize,
+    slots: Vec<Slot>,
+}
+
+/// One rank's graph prepared on a GPU. See the module docs.
+pub struct CudaProgram {
+    pub(super) dev: Arc<CudaDevice>,
+    pub(super) compute: Arc<CudaStream>,
+    pub(super) comm: Arc<CudaStream>,
+    pub(super) graph: Graph,
+    pub(super) opts: CudaOptions,
+    pub(super) storage: Vec<Storage>,
+    pub(super) arena_plan: ArenaPlan,
+    pub(super) fusion: FusionPlan,
+    pub(super) steps: Vec<Step>,
+    pub(super) local_ids: Vec<bool>,
+    pub(super) coords: BTreeMap<String, (usize, usize)>,
+    pub(super) arena: DevBuf,
+    pub(super) scratch: DevBuf,
+    pub(super) comm_scratch: DevBuf,
+    pub(super) comm_half: u64,
+    pub(super) ring: DevBuf,
+    pub(super) params: Vec<Option<u64>>,
+    pub(super) param_bufs: Vec<DevBuf>,
+    pub(super) param_bytes: usize,
+    pub(super) rope: Vec<Option<DevBuf>>,
+    pub(super) events: Vec<CudaEvent>,
+    pub(super) gemm: Option<GemmCache>,
+    pub(super) inputs: Vec<Option<DevBuf>>,
+    pub(super) host_i32: Vec<Option<Tensor>>,
+}
+
+impl std::fmt::Debug for CudaProgram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaProgram")
+            .field("device", &self.dev)
+            .field("nodes", &self.graph.len())
+            .field("dtype", &self.opts.dtype)
+            .field("arena_bytes", &self.arena_plan.total)
+            .field("fused_groups", &self.fusion.groups.len())
+            .finish()
+    }
+}
+
+impl CudaProgram {
+    /// Prepares `graph` for this rank on `dev`: plans, allocates, uploads parameters.
+    pub fn prepare(
+        dev: Arc<CudaDevice>,
+        graph: &Graph,
+        params: &ParamInit,
+        ctx: &CudaRankCtx,
+        opts: CudaOptions,
+    ) -> Result<CudaProgram, CudaError> {
+        let coords = ctx.coords();
+        for v in graph.ids() {
+            check_supported(graph, v, &coords, opts.dtype)?;
+        }
+        let dt = opts.dtype;
+        let storage: Vec<Storage> = graph
+            .nodes
+            .iter()
+            .map(|n| Storage::of(n.ty.dtype, dt))
+            .collect();
+        let (arena_plan, fusion) = plan_memory(graph, dt, opts.fuse);
+        let steps = schedule(graph);
+        let n_events = steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Record { event, .. } | Step::Wait { event, .. } => Some(*event as usize + 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let compute = dev.new_stream()?;
+        let comm = dev.new_stream()?;
+        let arena = alloc(&compute, arena_plan.total as usize, "activation arena")?;
+        let (scratch_bytes, comm_half, ring_bytes) = scratch_sizes(graph, &storage);
+        let scratch = alloc(&compute, scratch_bytes, "compute scratch")?;
+        let ring = alloc(&compute, ring_bytes, "collective-matmul ring buffers")?;
+        let comm_scratch = alloc(&compute, 2 * comm_half as usize, "collective scratch")?;
+        let ctx_ref = dev.context();
+        let events = (0..n_events)
+            .map(|_| ctx_ref.new_event(None))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(CudaError::driver("create events"))?;
+        let gemm = if graph.nodes.iter().any(|n| {
+            matches!(
+                n.op,
+                Op::MatMul { .. }
+                    | Op::FusedMatMul { .. }
+                    | Op::AgMatMul { .. }
+                    | Op::MatMulRs { .. }
+            )
+        }) {
+            Some(GemmCache::new(&compute, dev.compute_capability().0)?)
+        } else {
+            None
+        };
+        let mut p = CudaProgram {
+            dev,
+            compute,
+            comm,
+            graph: graph.clone(),
+            opts,
+            storage,
+            arena_plan,
+            fusion,
+            steps,
+            local_ids: local_ids(graph),
+            coords,
+            arena,
+            scratch,
+            comm_scratch,
+            comm_half,
+            ring,
+            params: vec![None; graph.len()],
+            param_bufs: Vec::new(),
+            param_bytes: 0,
+            rope: (0..graph.len()).map(|_| None).collect(),
+            events,
+            gemm,
+            inputs: (0..graph.len()).map(|_| None).collect(),
+            host_i32: vec![None; graph.len()],
+        };
+        p.load_params(params)?;
+        p.load_rope_tables()?;
+        p.compute
+            .synchronize()
+            .map_err(CudaError::driver("synchronize after uploading parameters"))?;
+        Ok(p)
+    }
+
+    fn load_params(&mut self, init: &ParamInit) -> Result<(), CudaError> {
+        let mut seen: HashMap<(ParamSource, Vec<usize>, DType), u64> = HashMap::new();
+        let coords = self.coords.clone();
+        for v in self.graph.params().collect::<Vec<_>>() {
+            let node = self.graph.node(v);
+            let Op::Param(src) = &node.op else {
+                unreachable!("invariant: Graph::params yields Param nodes")
+            };
+            let key = (src.clone(), node.ty.shape(), node.ty.dtype);
+            if let Some(&ptr) = seen.get(&key) {
+                self.params[v.index()] = Some(ptr);
+                continue;
+            }
+            let t = match init {
+                ParamInit::Weights(w) => {
+                    w.load(src, &node.ty, &|axis| coords.get(axis).copied())?
+                }
+                ParamInit::Random { seed, scale } => {
+                    let s = seed ^ (self.param_bufs.len() as u64 + 1).wrapping_mul(0x9e37_79b9);
+                    Tensor::f32(node.ty.shape(), random_values(s, node.ty.numel(), *scale))
+                }
+            };
+            let data = HostData::of(&t, self.storage[v.index()], node.ty.dtype);
+            let buf = data.upload(&self.compute, &format!("parameter `{}`", src.name))?;
+            self.param_bytes += t.numel() * self.storage[v.index()].size_bytes();
+            seen.insert(key, buf.ptr);
+            self.params[v.index()] = Some(buf.ptr);
+            self.param_bufs.push(buf);
+        }
+        Ok(())
+    }
+
+    fn load_rope_tables(&mut self) -> Result<(), CudaError> {
+        for v in self.graph.ids() {
+            let node = self.graph.node(v);
+            if let Op::Rope(spec) = &node.op {
+                let d = node.ty.last();
+                let inv = HostData::F32(spec.inv_freq(d));
+                self.rope[v.index()] = Some(inv.upload(&self.compute, "rope frequencies")?);
+            }
+        }
+        Ok(())
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.dev
+    }
+
+    /// Bytes of the activation arena.
+    pub fn arena_bytes(&self) -> u64 {
+        self.arena_plan.total
+    }
+
+    /// Bytes of the distinct parameters uploaded.
+    pub fn param_bytes(&self) -> usize {
+        self.param_bytes
+    }
+
+    /// The fused groups in use.
+    pub fn fused_groups(&self) -> &[FusedGroup] {
+        &self.fusion.groups
+    }
+
+    /// `(GEMM plans built, GEMM calls served from the plan cache)`.
+    pub fn gemm_stats(&self) -> (usize, usize) {
+        self.gemm.as_ref().map_or((0, 0), GemmCache::stats)
+    }
+
+    /// Runs the program: inputs up, every step, wait (watchdog), outputs down.
+    pub fn run(
+        &mut self,
+        inputs: &BTreeMap<String, Tensor>,
+        ctx: &CudaRankCtx,
+    ) -> Result<BTreeMap<String, Tensor>, CudaError> {
+        self.upload_inputs(inputs)?;
+        self.enqueue(ctx)?;
+        self.synchronize(ctx)?;
+        self.outputs()
+    }
+
+    /// Uploads the graph inputs: each rank's chunk of the caller's global tensors, checked as
+    /// the CPU executor checks them.
+    pub fn upload_inputs(&mut self, inputs: &BTreeMap<String, Tensor>) -> Result<(), CudaError> {
+        for v in self.graph.ids().collect::<Vec<_>>() {
+            let node = self.graph.node(v);
+            let Op::Input { name, shards } = &node.op else {
+                continue;
+            };
+            let t = self.input_chunk(name, shards, v, inputs)?;
+            if t.as_i32().is_some() {
+                self.host_i32[v.index()] = Some(t.clone());
+            }
+            let data = HostData::of(&t, self.storage[v.index()], node.ty.dtype);
+            self.inputs[v.index()] = Some(data.upload(&self.compute, &format!("input `{name}`"))?);
+        }
+        Ok(())
+    }
+
+    fn input_chunk(
+        &self,
+        name: &str,
+        shards: &[ShardSpec],
+        v: ValueId,
+        inputs: &BTreeMap<String, Tensor>,
+    ) -> Result<Tensor, CudaError> {
+        let node = self.graph.node(v);
+        let t = inputs.get(name).ok_or_else(|| RuntimeError::MissingInput {
+            name: name.to_string(),
+        })?;
+        if (node.ty.dtype == DType::I32) != t.as_i32().is_some() {
+            return Err(RuntimeError::InputDType {
+                name: name.to_string(),
+                expected: node.ty.dtype,
+                found: t.dtype_name(),
+            }
+            .into());
+        }
+        let mut global = node.ty.shape();
+        for s in shards {
+            if let Some(d) = global.get_mut(s.dim) {
+                *d *= s.parts;
+            }
+        }
+        if t.shape != global {
+            return Err(RuntimeError::InputShape {
+                name: name.to_string(),
+                expected: global,
+                found: t.shape.clone(),
+            }
+            .into());
+        }
+        let mut cur = t.clone();
+        for s in shards {
+            let (coord, size) = self.coord(&s.axis)?;
+            if size != s.parts {
+                return Err(RuntimeError::AxisSize {
+                    axis: s.axis.clone(),
+                    expected: s.parts,
+                    found: size,
+                }
+                .into());
+            }
+            let chunk = cur.shape[s.dim] / s.parts;
+            cur = layout::slice(&cur, s.dim, coord * chunk, chunk)?;
+        }
+        Ok(cur)
+    }
+
+    pub(super) fn coord(&self, axis: &str) -> Result<(usize, usize), RuntimeError> {
+        self.coords
+            .get(axis)
+            .copied()
+            .ok_or_else(|| RuntimeError::MissingAxis {
+                axis: axis.to_string(),
+            })
+    }
+
+    /// The device address of value `v` (parameter, input or arena slot).
+    pub(super) fn ptr(&self, v: ValueId) -> u64 {
+        match &self.graph.node(v).op {
+            Op::Param(_) => self.params[v.index()].expect("invariant: parameters are loaded"),
+            Op::Input { .. } => {
+                self.inputs[v.index()]
+                    .as_ref()
+                    .expect("invariant: inputs are uploaded before enqueue")
+                    .ptr
+            }
+            _ => {
+                self.arena.ptr
+                    + self.arena_plan.slots[v.index()]
+                        .expect("invariant: computed values have a slot")
+                        .offset
+            }
+        }
+    }
+
+    pub(super) fn shape(&self, v: ValueId) -> Vec<usize> {
+        self.graph.ty(v).shape()
+    }
+
+    pub(super) fn numel(&self, v: ValueId) -> usize {
+        self.graph.ty(v).numel()
+    }
+
+    /// Enqueues every step on the streams (no host synchronisation). Inputs must have been
+    /// uploaded. When it returns, the compute stream's tail covers all work of the run.
+    pub fn enqueue(&mut self, ctx: &CudaRankCtx) -> Result<(), CudaError> {
+        for v in self.graph.ids() {
+            if matches!(self.graph.node(v).op, Op::Input { .. }) && self.inputs[v.index()].is_none()
+            {
+                return Err(RuntimeError::MissingInput {
+                    name: self.graph.node(v).name.clone(),
+                }
+                .into());
+            }
+        }
+        let (dev, compute, comm) = (self.dev.clone(), self.compute.clone(), self.comm.clone());
+        let lc = Launcher {
+            dev: &dev,
+            stream: &compute,
+        };
+        let lm = Launcher {
+            dev: &dev,
+            stream: &comm,
+        };
+        if self.opts.poison {
+            lc.memset(self.arena.ptr, 0xff, self.arena_plan.total as usize)?;
+        }
+        // The comm stream sees the uploads, the poison and the previous run.
+        comm.join(&compute)
+            .map_err(CudaError::driver("order the comm stream after the uploads"))?;
+        let steps = std::mem::take(&mut self.steps);
+        let r = self.enqueue_steps(&steps, ctx, &lc, &lm);
+        self.steps = steps;
+        r?;
+        compute
+            .join(&comm)
+            .map_err(CudaError::driver("join the comm stream"))
+    }
+
+    fn enqueue_steps(
+        &mut self,
+        steps: &[Step],
+        ctx: &CudaRankCtx,
+        lc: &Launcher,
+        lm: &Launcher,
+    ) -> Result<(), CudaError> {
+        let mut inflight: VecDeque<InFlight> = VecDeque::new();
+        let mut last_collective: Option<Vec<Slot>> = None;
+        for step in steps {
+            match step {
+                Step::Kernel { value, .. } | Step::Gemm { value, .. } => {
+                    let v = *value;
+                    match self.fusion.actions[v.index()] {
+                        Action::Skip => {}
+                        Action::Run => {
+                            self.guard(&mut inflight, &[v])?;
+                            self.run_node(v, ctx, lc).map_err(|e| self.at_node(v, e))?;
+                            if self.graph.node(v).op.communicates() {
+                                // The ring joined both streams: every earlier collective is done.
+                                inflight.clear();
+                            }
+                        }
+                        Action::Fused(g) => {
+                            let group = self.fusion.groups[g].clone();
+                            let writes: Vec<ValueId> = match &group {
+                                FusedGroup::AddRmsNorm { add, norm } => vec![*add, *norm],
+                                other => vec![other.tail()],
+                            };
+                            self.guard(&mut inflight, &writes)?;
+                            self.run_group(&group, lc)
+                                .map_err(|e| self.at_node(group.head(), e))?;
+                        }
+                    }
+                }
+                Step::Collective { value, .. } => {
+                    let v = *value;
+                    self.run_collective(v, ctx, lm)?;
+                    let x = self.graph.node(v).inputs[0];
+                    last_collective = Some(
+                        [x, v]
+                            .iter()
+                            .filter_map(|w| self.arena_plan.slots[w.index()])
+                            .collect(),
+                    );
+                }
+                Step::Record { event, stream } => {
+                    let s = if *stream == COMM_STREAM { lm } else { lc };
+                    self.events[*event as usize]
+                        .record(s.stream)
+                        .map_err(CudaError::driver("record an event"))?;
+                    if *stream == COMM_STREAM {
+                        if let Some(slots) = last_collective.take() {
+                            inflight.push_back(InFlight {
+                                event: *event as usize,
+                                slots,
+                            });
+                        }
+                    }
+                }
+                Step::Wait { event, stream } => {
+                    let s = if *stream == COMM_STREAM { lm } else { lc };
+                    s.stream
+                        .wait(&self.events[*event as usize])
+                        .map_err(CudaError::driver("wait for an event"))?;
+                    if *stream != COMM_STREAM {
+                        if let Some(i) = inflight.iter().position(|f| f.event == *event as usize) {
+                            inflight.drain(..=i);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the compute stream wait for the newest in-flight collective whose buffers overlap
+    /// the slots of `writes` (and, the comm stream being in order, for all older ones).
+    fn guard(
+        &self,
+        inflight: &mut VecDeque<InFlight>,
+        writes: &[ValueId],
+    ) -> Result<(), CudaError> {
+        let ws: Vec<Slot> = writes
+            .iter()
+            .filter_map(|w| self.arena_plan.slots[w.index()])
+            .collect();
+        let hit = inflight
+            .iter()
+            .rposition(|f| f.slots.iter().any(|s| ws.iter().any(|w| w.overlaps(s))));
+        if let Some(i) = hit {
+            self.compute
+                .wait(&self.events[inflight[i].event])
+                .map_err(CudaError::driver("wait for a collective"))?;
+            inflight.drain(..=i);
+        }
+        Ok(())
+    }
+
+    /// Adds the node to a driver/kernel error's description.
+    fn at_node(&self, v: ValueId, e: CudaError) -> CudaError {
+        let node = self.graph.node(v);
+        match e {
+            CudaError::Driver { op, error } => CudaError::Driver {
+                op: format!("{op} (node {v} `{}`)", node.name),
+                error,
+            },
+            CudaError::Runtime(
+                r @ (RuntimeError::Shape { .. } | RuntimeError::Unsupported { .. }),
+            ) => CudaError::Runtime(RuntimeError::InNode {
+                node: v,
+                name: node.name.clone(),
+                source: Box::new(r),
+            }),
+            other => other,
+        }
+    }
+
+    /// Waits until the run's work is done, polling every communicator (whose watchdog fails a
+    /// stalled collective, naming it) and failing after the options' timeout.
+    pub fn synchronize(&self, ctx: &CudaRankCtx) -> Result<(), CudaError> {
+        let done = self
+            .compute
+            .record_event(None)
+            .map_err(CudaError::driver("record the end of the run"))?;
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut nap = Duration::from_micros(20);
+        loop {
+            let finished = done
+                .try_is_complete()
+                .map_err(CudaError::driver("wait for the run"))?;
+            for (axis, c) in ctx.comms() {
+                c.poll().map_err(|e| CudaError::CommPoll {
+                    axis: axis.to_string(),
+                    source: Box::new(e),
+                })?;
+            }
+            if finished {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                for (_, c) in ctx.comms() {
+                    c.abort("the run timed out");
+                }
+                return Err(CudaError::Timeout {
+                    timeout_ms: self.opts.timeout.as_millis() as u64,
+                });
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// The graph's named outputs of the last run, as host tensors (float values as f32).
+    pub fn outputs(&self) -> Result<BTreeMap<String, Tensor>, CudaError> {
+        let mut out = BTreeMap::new();
+        for (name, v) in &self.graph.outputs {
+            let t = download(
+                &self.compute,
+                self.ptr(*v),
+                self.shape(*v),
+                self.storage[v.index()],
+                &format!("output `{name}`"),
+            )?;
+            out.insert(name.clone(), t);
+        }
+        Ok(out)
+    }
+
+    /// Device milliseconds per enqueue of the whole program, averaged over `iters` runs after
+    /// `warmup` (inputs must be uploaded; measured with CUDA events on the compute stream).
+    pub fn time(
+        &mut self,
+        ctx: &CudaRankCtx,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<f64, CudaError> {
+        for _ in 0..warmup {
+            self.enqueue(ctx)?;
+        }
+        self.synchronize(ctx)?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .compute
+            .record_event(timing)
+            .map_err(CudaError::driver("record a timing event"))?;
+        for _ in 0..iters {
+            self.enqueue(ctx)?;
+        }
+        let end = self
+            .compute
+            .record_event(timing)
+            .map_err(CudaError::driver("record a timing event"))?;
+        self.synchronize(ctx)?;
+        let ms = start
+            .elapsed_ms(&end)
+            .map_err(CudaError::driver("read a timing event"))?;
+        Ok(ms as f64 / iters.max(1) as f64)
+    }
+}
+
+impl Drop for CudaProgram {
+    /// Buffers are freed stream-ordered on the compute stream; after a failed run the comm
+    /// stream may still hold work that reads them, so drain both first (best effort: a failed
+    /// run has aborted its communicators, so nothing waits forever).
+    fn drop(&mut self) {
+        let _ = self.comm.synchronize();
+        let _ = self.compute.synchronize();
+    }
+}
+
+/// Runs an unsharded graph on `dev` once: prepare, run, return the outputs.
+pub fn execute_cuda(
+    dev: &Arc<CudaDevice>,
+    graph: &Graph,
+    params: &ParamInit,
+    inputs: &BTreeMap<String, Tensor>,
+    opts: CudaOptions,
+) -> Result<BTreeMap<String, Tensor>, CudaError> {
+    let ctx = CudaRankCtx::new();
+    CudaProgram::prepare(dev.clone(), graph, params, &ctx, opts)?.run(inputs, &ctx)
+}
+
+/// Rejects, before anything is allocated, what the CUDA backend cannot run.
+fn check_supported(
+    g: &Graph,
+    v: ValueId,
+    coords: &BTreeMap<String, (usize, usize)>,
+    dt: GpuDType,
+) -> Result<(), CudaError> {
+    let node = g.node(v);
+    let bad = |detail: String| CudaError::Unsupported {
+        node: v,
+        name: node.name.clone(),
+        op: node.op.mnemonic(),
+        detail,
+    };
+    if let Some(axis) = node.op.axis() {
+        if !coords.contains_key(axis) {
+            return Err(RuntimeError::MissingAxis {
+                axis: axis.to_string(),
+            }
+            .into());
+        }
+    }
+    let known = matches!(
+        node.op,
+        Op::Input { .. }
+            | Op::Param(_)
+            | Op::Embedding
+            | Op::MatMul { .. }
+            | Op::Add
+            | Op::Mul
+            | Op::Unary(_)
+            | Op::Scale(_)
+            | Op::Cast(_)
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::Rope(_)
+            | Op::Attention(_)
+            | Op::Softmax
+            | Op::Reshape
+            | Op::Transpose { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Repeat { .. }
+            | Op::Router { .. }
+            | Op::Dispatch
+            | Op::Combine
+            | Op::CrossEntropy { .. }
+            | Op::AllReduce { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
+            | Op::AllToAll { .. }
+            | Op::Broadcast { .. }
+            | Op::RankOffset { .. }
+            | Op::LocalSlice { .. }
+            | Op::FusedElementwise { .. }
+            | Op::FusedMatMul { .. }
+            | Op::AddRmsNorm { .. }
+            | Op::AgMatMul { .. }
+            | Op::MatMulRs { .. }
+    );
+    if !known {
+        return Err(bad(
+            "no CUDA kernel for this op (training ops run on the CPU backend)".into(),
+        ));
+    }
+    let float_only = matches!(
+        node.op,
+        Op::Add
+            | Op::Mul
+            | Op::Unary(_)
+            | Op::Scale(_)
+            | Op::MatMul { .. }
+            | Op::RmsNorm { .. }
+            | Op::LayerNorm { .. }
+            | Op::Softmax
+            | Op::FusedElementwise { .. }
+            | Op::FusedMatMul { .. }
+            | Op::AddRmsNorm { .. }
+            | Op::AgMatMul { .. }
+            | Op::MatMulRs { .. }
+    );
+    if float_only && node.ty.dtype == DType::I32 {
+        return Err(bad("i32 arithmetic (the kernels are f32/bf16)".into()));
+    }
+    match &node.op {
+        Op::FusedElementwise { expr } | Op::FusedMatMul { epilogue: expr, .. } => {
+            let k = node.inputs.len()
+                - if matches!(node.op, Op::FusedMatMul { .. }) {
+                    1
+                } else {
+                    0
+                };
+            if super::node::fused_expr(expr, k, dt).is_none() {
+                return Err(bad("a cast inside the fused program".into()));
+            }
+        }
+        Op::Cast(to) => {
+            let from = g.ty(node.inputs[0]).dtype;
+            if matches!(to, DType::I32 | DType::F16) || from == DType::I32 {
+                return Err(bad(format!("cast {from} → {to}")));
+            }
+        }
+        Op::Attention(_) => {
+            let d = node.ty.last();
+            if d > shardc_kernels::launch::ATTENTION_MAX_HEAD_DIM {
+                return Err(bad(format!("head_dim {d} above 256")));
+            }
+        }
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } if node.ty.dtype == DType::I32 => {
+            // NCCL sums i32 natively; local-gpu refuses at run time with a clear error.
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Values derived from a `RankOffset` (vocabulary-local token ids), as the CPU executor tracks
+/// them: their ids are not checked against the (sharded) table.
+fn local_ids(g: &Graph) -> Vec<bool> {
+    let mut local = vec![false; g.len()];
+    for v in g.ids() {
+        let node = g.node(v);
+        local[v.index()] = match node.op {
+            Op::RankOffset { .. } => true,
+            Op::Reshape
+            | Op::Transpose { .. }
+            | Op::Slice { .. }
+            | Op::Concat { .. }
+            | Op::Repeat { .. }
+            | Op::Cast(_)
+            | Op::Add
+            | Op::LocalSlice { .. }
+            | Op::AllGather { .. }
+            | Op::AllToAll { .. }
+            | Op::Broadcast { .. } => node.inputs.iter().any(|i| local[i.index()]),
+            _ => false,
+        };
+    }
+    local
+}
+
+/// A label ≥ the vocabulary, as the CPU reference reports it.
+pub(super) fn check_labels(labels: &Tensor, vocab_n: usize) -> Result<(), RuntimeError> {
+    let Some(l) = labels.as_i32() else {
+        return Ok(());
+    };
+    match l.iter().position(|&x| x >= 0 && x as usize >= vocab_n) {
+        None => Ok(()),
+        Some(i) => {
+            let (batch, pos) = vocab::batch_pos(&labels.shape, i);
+            Err(RuntimeError::LabelOutOfRange {
+                label: l[i],
+                vocab: vocab_n,
+                batch,
+                pos,
+            })
+        }
+    }
+}
+
+/// `(compute scratch bytes, bytes of each of the two collective scratch halves, ring buffer
+/// bytes of the collective matmuls)`.
+fn scratch_sizes(g: &Graph, storage: &[Storage]) -> (usize, u64, usize) {
+    let align = |b: usize| b.div_ceil(256) * 256;
+    let mut compute = 256usize;
+    let mut comm = 256u64;
+    let mut ring = 256usize;
+    for v in g.ids() {
+        let node = g.node(v);
+        let e = storage[v.index()].size_bytes();
+        let x_bytes = node.inputs.first().map_or(0, |&x| g.ty(x).numel() * e);
+        let out_bytes = node.ty.numel() * e;
+        match &node.op {
+            Op::Attention(_) if node.inputs.len() == 4 => {
+                compute = compute.max(4 * g.ty(node.inputs[3]).numel());
+            }
+            Op::CrossEntropy { .. } => {
+                let rows = g.ty(node.inputs[1]).numel();
+                compute = compute.max(align(rows * 4) + 256);
+            }
+            Op::AddRmsNorm { .. } => compute = compute.max(out_bytes),
+            Op::AgMatMul { parts, .. } => {
+                compute = compute.max(out_bytes);
+                ring = ring.max(2 * align(x_bytes));
+                let _ = parts;
+            }
+            Op::MatMulRs { parts, .. } => {
+                compute = compute.max(x_bytes / (*parts).max(1));
+                ring = ring.max(4 * align(out_bytes));
+            }
+            op if op.is_collective() => {
+                comm = comm.max(align(out_bytes.max(x_bytes)) as u64);
+            }
+            _ => {}
+        }
+    }
+    (compute, comm, ring)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_beyond_the_vocabulary_are_reported() {
+        let l = Tensor::i32(vec![2, 3], vec![0, 1, -1, 2, 9, 0]);
+        let e = check_labels(&l, 5).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                RuntimeError::LabelOutOfRange {
+                    label: 9,
+                    batch: 1,
+                    pos: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(check_labels(&l, 10).is_ok());
+    }
+}

@@ -1,0 +1,183 @@
+//! Every rank of a mesh on one GPU: one host thread per rank, each with its own
+//! [`CudaProgram`] (streams, arena, parameters), connected by `local-gpu` or `nccl`
+//! communicators, one per mesh-axis group. The GPU counterpart of `spmd::run_spmd`.
+
+use super::{CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, ParamInit};
+use crate::comm::device::DeviceCommunicator;
+use crate::comm::local_gpu::{group, LocalGpuComm};
+use crate::comm::nccl::{NcclComm, NcclId};
+use crate::Tensor;
+use shardc_compiler::ir::Graph;
+use shardc_compiler::shard::Mesh;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use thiserror::Error;
+
+/// A GPU rank failed.
+#[derive(Debug, Error)]
+#[error("rank {rank} (mesh coordinates {coords}): {error}")]
+pub struct CudaRankError {
+    /// The failing rank.
+    pub rank: usize,
+    /// Its coordinates, `dp=0,tp=1`.
+    pub coords: String,
+    /// What went wrong.
+    pub error: CudaError,
+}
+
+fn coords_of(mesh: &Mesh, rank: usize) -> String {
+    mesh.coords(rank)
+        .iter()
+        .zip(&mesh.axes)
+        .map(|(c, a)| format!("{}={c}", a.name))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The first root-cause error (not a peer's "aborted"), or every rank's outputs.
+fn collect(
+    mesh: &Mesh,
+    results: Vec<Result<BTreeMap<String, Tensor>, CudaError>>,
+) -> Result<Vec<BTreeMap<String, Tensor>>, CudaRankError> {
+    let mut first_abort = None;
+    let mut outs = Vec::with_capacity(results.len());
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(o) => outs.push(o),
+            Err(error) => {
+                let aborted = error.to_string().contains("aborted");
+                let e = CudaRankError {
+                    rank,
+                    coords: coords_of(mesh, rank),
+                    error,
+                };
+                if !aborted {
+                    return Err(e);
+                }
+                first_abort.get_or_insert(e);
+            }
+        }
+    }
+    match first_abort {
+        Some(e) => Err(e),
+        None => Ok(outs),
+    }
+}
+
+/// Runs one rank: prepare, run; on failure abort the rank's communicators so peers stop.
+fn run_rank(
+    dev: &Arc<CudaDevice>,
+    program: &Graph,
+    params: &ParamInit,
+    inputs: &BTreeMap<String, Tensor>,
+    opts: &CudaOptions,
+    comms: &[(String, &dyn DeviceCommunicator)],
+) -> Result<BTreeMap<String, Tensor>, CudaError> {
+    let mut ctx = CudaRankCtx::new();
+    for (axis, c) in comms {
+        ctx.insert(axis.clone(), *c);
+    }
+    let out = CudaProgram::prepare(dev.clone(), program, params, &ctx, opts.clone())
+        .and_then(|mut p| p.run(inputs, &ctx));
+    if let Err(e) = &out {
+        for (_, c) in comms {
+            c.abort(&e.to_string());
+        }
+    }
+    out
+}
+
+/// Runs `program` on `mesh.world_size()` virtual ranks on `dev` with the `local-gpu`
+/// communicator; each rank takes its shard of the global `inputs`.
+pub fn run_spmd_local_gpu(
+    dev: &Arc<CudaDevice>,
+    program: &Graph,
+    mesh: &Mesh,
+    params: &ParamInit,
+    inputs: &BTreeMap<String, Tensor>,
+    opts: &CudaOptions,
+) -> Result<Vec<BTreeMap<String, Tensor>>, CudaRankError> {
+    let world = mesh.world_size();
+    let mut comms: Vec<Vec<(String, LocalGpuComm)>> = (0..world).map(|_| Vec::new()).collect();
+    for a in mesh.axis_ids() {
+        let name = mesh.axis_name(a).to_string();
+        for ranks in mesh.groups(a) {
+            for (k, h) in group(dev, &name, ranks.len(), opts.timeout)
+                .into_iter()
+                .enumerate()
+            {
+                comms[ranks[k]].push((name.clone(), h));
+            }
+        }
+    }
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|mine| {
+                s.spawn(move || {
+                    let refs: Vec<(String, &dyn DeviceCommunicator)> = mine
+                        .iter()
+                        .map(|(a, c)| (a.clone(), c as &dyn DeviceCommunicator))
+                        .collect();
+                    run_rank(dev, program, params, inputs, opts, &refs)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
+            .collect::<Vec<_>>()
+    });
+    collect(mesh, results)
+}
+
+fn panicked() -> CudaError {
+    CudaError::NoDevice {
+        reason: "a rank thread panicked".to_string(),
+    }
+}
+
+/// Runs `program` on `mesh.world_size()` ranks on `dev` with real NCCL communicators, one
+/// thread per rank in this process (a world communicator, split per mesh axis). Several ranks
+/// on one GPU need NCCL ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1` (NOTES-cuda.md §5.2).
+pub fn run_spmd_nccl_threads(
+    dev: &Arc<CudaDevice>,
+    program: &Graph,
+    mesh: &Mesh,
+    params: &ParamInit,
+    inputs: &BTreeMap<String, Tensor>,
+    opts: &CudaOptions,
+) -> Result<Vec<BTreeMap<String, Tensor>>, CudaRankError> {
+    let world = mesh.world_size();
+    let id = NcclId::new().map_err(|error| CudaRankError {
+        rank: 0,
+        coords: coords_of(mesh, 0),
+        error,
+    })?;
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                s.spawn(move || {
+                    let world_comm = NcclComm::init(dev, rank, world, id, "world", opts.timeout)?;
+                    let axes = world_comm.for_mesh(mesh).map_err(|e| CudaError::CommPoll {
+                        axis: "world".to_string(),
+                        source: Box::new(e),
+                    })?;
+                    let refs: Vec<(String, &dyn DeviceCommunicator)> = axes
+                        .iter()
+                        .map(|(a, c)| (a.clone(), c as &dyn DeviceCommunicator))
+                        .collect();
+                    let out = run_rank(dev, program, params, inputs, opts, &refs);
+                    drop(refs);
+                    drop(axes);
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
+            .collect::<Vec<_>>()
+    });
+    collect(mesh, results)
+}

@@ -1,0 +1,506 @@
+//! Training on the CPU reference backend: the state of a run (weights in graph layout, AdamW
+//! moments, step count), one compiled step ([`shardc_compiler::train::CompiledTrain`]) on
+//! thread ranks, and checkpoints in the checkpoint's own tensor names and layouts.
+//!
+//! A step feeds every rank the global state and batch (each takes its shard), runs the SPMD
+//! program, and assembles each output from the ranks' local values by its layout: shards are
+//! concatenated, partial sums added (so gradients are the reduced gradients whatever layout
+//! they end the step in), replicas read once.
+
+use crate::cpu::layout::permute;
+use crate::spmd::{run_spmd, RankError};
+use crate::{execute_with_params, ParamCache, RankCtx, RuntimeError, Tensor, Weights};
+use shardc_compiler::autodiff::input_name;
+use shardc_compiler::ir::ParamSource;
+use shardc_compiler::shard::{Mesh, TensorSharding};
+use shardc_compiler::train::CompiledTrain;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use thiserror::Error;
+
+/// The label PyTorch's cross-entropy ignores.
+pub const IGNORE_INDEX: i32 = -100;
+
+/// An error training or saving.
+#[derive(Debug, Error)]
+pub enum TrainError {
+    /// Loading, executing or a kernel failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// A rank failed.
+    #[error(transparent)]
+    Rank(#[from] RankError),
+    /// The batch does not fit the compiled step.
+    #[error("batch is [{batch}, {seq}] but the step was compiled for [{want_batch}, {want_seq}]")]
+    BatchShape {
+        /// Sequences given.
+        batch: usize,
+        /// Tokens per sequence given.
+        seq: usize,
+        /// Sequences compiled for.
+        want_batch: usize,
+        /// Tokens compiled for.
+        want_seq: usize,
+    },
+    /// The program lacks an output the runner reads (a compiler bug).
+    #[error("the training program has no output `{0}`")]
+    MissingOutput(String),
+    /// A checkpoint could not be written.
+    #[error("writing {}: {msg}", path.display())]
+    Save {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        msg: String,
+    },
+}
+
+/// One step's batch: token ids, positions, attention mask and causal-LM labels, `[B, T]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Token ids.
+    pub ids: Vec<i32>,
+    /// Position ids.
+    pub positions: Vec<i32>,
+    /// Attention mask (1 keep, 0 padding).
+    pub mask: Vec<f32>,
+    /// Labels: the next token, [`IGNORE_INDEX`] at the last position.
+    pub labels: Vec<i32>,
+}
+
+impl Batch {
+    /// A causal-LM batch as transformers builds it from `labels = input_ids`: position `t`
+    /// predicts token `t + 1`; positions `0..T`, no padding.
+    /// `ids` holds `batch · seq` ids, row-major ([`train_step`] rejects a batch that does not).
+    pub fn causal_lm(ids: Vec<i32>, batch: usize, seq: usize) -> Batch {
+        let labels = (0..batch * seq)
+            .map(|i| match ids.get(i + 1) {
+                Some(&next) if i % seq + 1 < seq => next,
+                _ => IGNORE_INDEX,
+            })
+            .collect();
+        Batch {
+            batch,
+            seq,
+            positions: (0..batch).flat_map(|_| 0..seq as i32).collect(),
+            mask: vec![1.0; batch * seq],
+            labels,
+            ids,
+        }
+    }
+
+    /// Labels that count (≥ 0): the loss divisor.
+    pub fn predicted_tokens(&self) -> usize {
+        self.labels.iter().filter(|&&y| y >= 0).count()
+    }
+
+    /// Rows `[lo, lo + n)` of a `[B, T]` field.
+    fn rows<T: Copy>(&self, v: &[T], lo: usize, n: usize) -> Vec<T> {
+        v[lo * self.seq..(lo + n) * self.seq].to_vec()
+    }
+}
+
+/// The state of a training run: weights (global, graph layout) and AdamW moments per
+/// parameter label, and the number of steps taken.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainState {
+    /// Weights by parameter label.
+    pub params: BTreeMap<String, Tensor>,
+    /// First moments.
+    pub m: BTreeMap<String, Tensor>,
+    /// Second moments.
+    pub v: BTreeMap<String, Tensor>,
+    /// Steps taken.
+    pub step: u64,
+}
+
+impl TrainState {
+    /// The initial state: the checkpoint's weights, zero moments, step 0.
+    pub fn load(c: &CompiledTrain, weights: &Weights) -> Result<TrainState, RuntimeError> {
+        let mut s = TrainState {
+            params: BTreeMap::new(),
+            m: BTreeMap::new(),
+            v: BTreeMap::new(),
+            step: 0,
+        };
+        for p in &c.train.params {
+            let src = ParamSource {
+                shards: Vec::new(),
+                ..p.source.clone()
+            };
+            let t = weights.load(&src, &p.ty, &|_| None)?;
+            let zeros = Tensor::zeros(p.ty.dtype, p.ty.shape());
+            s.params.insert(p.label.clone(), t);
+            s.m.insert(p.label.clone(), zeros.clone());
+            s.v.insert(p.label.clone(), zeros);
+        }
+        Ok(s)
+    }
+}
+
+/// What one step returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutput {
+    /// The loss (mean over predicted tokens) before the update.
+    pub loss: f32,
+    /// Gradients by parameter label (global, graph layout).
+    pub grads: BTreeMap<String, Tensor>,
+}
+
+/// Adds local tensor `x` of rank coordinates `coords` into `out` (the global tensor), at the
+/// block its layout `s` gives it.
+fn add_block(
+    out: &mut [f64],
+    global: &[usize],
+    x: &Tensor,
+    s: &TensorSharding,
+    mesh: &Mesh,
+    coords: &[usize],
+) {
+    let local = &x.shape;
+    let xd = x.as_f32().map(<[f32]>::to_vec).unwrap_or_else(|| {
+        x.as_i32()
+            .map(|v| v.iter().map(|&e| e as f32).collect())
+            .unwrap_or_default()
+    });
+    let r = local.len();
+    // Block offset along each dim: the shard index (major to minor axes) times the local size.
+    let offset: Vec<usize> = (0..r)
+        .map(|d| {
+            let idx = s.dims[d]
+                .iter()
+                .fold(0, |acc, &a| acc * mesh.axis_size(a) + coords[a.0 as usize]);
+            idx * local[d]
+        })
+        .collect();
+    let mut gstride = vec![1usize; r];
+    for d in (0..r.saturating_sub(1)).rev() {
+        gstride[d] = gstride[d + 1] * global[d + 1];
+    }
+    for (i, &val) in xd.iter().enumerate() {
+        let mut rem = i;
+        let mut gi = 0;
+        for d in (0..r).rev() {
+            let c = rem % local[d].max(1);
+            rem /= local[d].max(1);
+            gi += (c + offset[d]) * gstride[d];
+        }
+        out[gi] += val as f64;
+    }
+}
+
+/// The global value of an output from every rank's local value (rank order) and its layout.
+pub fn assemble(mesh: &Mesh, s: &TensorSharding, locals: &[&Tensor]) -> Tensor {
+    let local = &locals[0].shape;
+    let global: Vec<usize> = (0..local.len())
+        .map(|d| local[d] * s.parts(mesh, d))
+        .collect();
+    let used = s.used_axes();
+    let mut out = vec![0.0f64; global.iter().product()];
+    for (rank, x) in locals.iter().enumerate() {
+        let coords = mesh.coords(rank);
+        // One replica of every replicated axis.
+        let replica = mesh
+            .axis_ids()
+            .all(|a| used.contains(&a) || coords[a.0 as usize] == 0);
+        if replica {
+            add_block(&mut out, &global, x, s, mesh, &coords);
+        }
+    }
+    let data = out.into_iter().map(|v| v as f32).collect();
+    if locals[0].as_i32().is_some() {
+        let v: Vec<f32> = data;
+        return Tensor::i32(global, v.into_iter().map(|e| e as i32).collect());
+    }
+    Tensor::f32(global, data)
+}
+
+/// Runs one training step on thread ranks (an axis-less mesh: in this thread) and updates
+/// `state`.
+/// `weights` is the model's checkpoint (a training program reads its parameters as inputs,
+/// not from the checkpoint).
+pub fn train_step(
+    c: &CompiledTrain,
+    state: &mut TrainState,
+    batch: &Batch,
+    weights: &Weights,
+    timeout: Duration,
+) -> Result<StepOutput, TrainError> {
+    let o = &c.options;
+    let n = o.batch * o.seq;
+    let lens = [
+        batch.ids.len(),
+        batch.positions.len(),
+        batch.mask.len(),
+        batch.labels.len(),
+    ];
+    if (batch.batch, batch.seq) != (o.batch, o.seq) || lens.iter().any(|&l| l != n) {
+        return Err(TrainError::BatchShape {
+            batch: batch.batch,
+            seq: batch.seq,
+            want_batch: o.batch,
+            want_seq: o.seq,
+        });
+    }
+    let k = c.train.micro_batches;
+    let mb = o.batch / k;
+    let mut inputs: BTreeMap<String, Tensor> = BTreeMap::new();
+    for i in 0..k {
+        let shape = vec![mb, o.seq];
+        let name = |base: &str| input_name(base, i, k);
+        let lo = i * mb;
+        inputs.insert(
+            name("input_ids"),
+            Tensor::i32(shape.clone(), batch.rows(&batch.ids, lo, mb)),
+        );
+        inputs.insert(
+            name("position_ids"),
+            Tensor::i32(shape.clone(), batch.rows(&batch.positions, lo, mb)),
+        );
+        inputs.insert(
+            name("attention_mask"),
+            Tensor::f32(shape.clone(), batch.rows(&batch.mask, lo, mb)),
+        );
+        inputs.insert(
+            name("labels"),
+            Tensor::i32(shape, batch.rows(&batch.labels, lo, mb)),
+        );
+    }
+    for p in &c.train.params {
+        let l = &p.label;
+        inputs.insert(format!("param.{l}"), state.params[l].clone());
+        inputs.insert(format!("adam_m.{l}"), state.m[l].clone());
+        inputs.insert(format!("adam_v.{l}"), state.v[l].clone());
+    }
+    inputs.insert(
+        "step".into(),
+        Tensor::f32(vec![], vec![(state.step + 1) as f32]),
+    );
+
+    let sg = &c.sharded;
+    let outs = if sg.mesh.axes.is_empty() {
+        vec![execute_with_params(
+            &sg.graph,
+            &ParamCache::default(),
+            &inputs,
+            &RankCtx::new(),
+        )?]
+    } else {
+        run_spmd(&sg.graph, &sg.mesh, weights, &inputs, timeout)?
+    };
+    let get = |name: &str| -> Result<Tensor, TrainError> {
+        let v = sg
+            .graph
+            .output(name)
+            .ok_or_else(|| TrainError::MissingOutput(name.to_string()))?;
+        let locals = outs
+            .iter()
+            .map(|o| {
+                o.get(name)
+                    .ok_or_else(|| TrainError::MissingOutput(name.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(assemble(&sg.mesh, &sg.shardings[v.index()], &locals))
+    };
+    let loss = get("loss")?.as_f32().map_or(f32::NAN, |v| v[0]);
+    let mut grads = BTreeMap::new();
+    for p in &c.train.params {
+        let l = &p.label;
+        grads.insert(l.clone(), get(&format!("grad.{l}"))?);
+        state.params.insert(l.clone(), get(&format!("param.{l}"))?);
+        state.m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
+        state.v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
+    }
+    state.step += 1;
+    Ok(StepOutput { loss, grads })
+}
+
+/// What fills the parts of a stored tensor no parameter covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    /// The checkpoint's own values (saving weights).
+    Original,
+    /// Zeros (saving gradients).
+    Zeros,
+}
+
+/// The tensors of a checkpoint, by stored name and in stored layout, from per-label values in
+/// graph layout (weights or gradients): stacked parameters split back into their tensors,
+/// transposed ones transposed back, views written into their block. With [`Fill::Original`],
+/// stored tensors no parameter reads are copied from `weights` unchanged.
+pub fn stored_tensors(
+    c: &CompiledTrain,
+    values: &BTreeMap<String, Tensor>,
+    weights: &Weights,
+    fill: Fill,
+) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+    let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
+    for p in &c.train.params {
+        let Some(val) = values.get(&p.label) else {
+            continue;
+        };
+        let src = &p.source;
+        let data = val.as_f32().unwrap_or(&[]);
+        let n = src.stack.unwrap_or(1);
+        let per = if src.stack.is_some() {
+            &val.shape[1..]
+        } else {
+            &val.shape[..]
+        };
+        let per_len: usize = per.iter().product();
+        for i in 0..n {
+            let name = src.stored_name(i);
+            let mut block = data[i * per_len..(i + 1) * per_len].to_vec();
+            let mut shape = per.to_vec();
+            if src.transposed && shape.len() >= 2 {
+                let r = shape.len();
+                let mut perm: Vec<usize> = (0..r).collect();
+                perm.swap(r - 2, r - 1);
+                block = permute(&block, &shape, &perm);
+                shape.swap(r - 2, r - 1);
+            }
+            match src.view {
+                None => {
+                    out.insert(name, Tensor::f32(shape, block));
+                }
+                Some(view) => {
+                    if !out.contains_key(&name) {
+                        let base = match fill {
+                            Fill::Original => weights.get(&name)?,
+                            Fill::Zeros => {
+                                let s = weights.shape(&name).ok_or_else(|| {
+                                    RuntimeError::MissingTensor {
+                                        name: name.clone(),
+                                        file: weights.path().to_path_buf(),
+                                    }
+                                })?;
+                                Tensor::zeros(shardc_compiler::ir::DType::F32, s)
+                            }
+                        };
+                        out.insert(name.clone(), base);
+                    }
+                    let t = out.get_mut(&name).expect("invariant: inserted above");
+                    write_block(t, &block, &shape, view.dim, view.start)?;
+                }
+            }
+        }
+    }
+    if fill == Fill::Original {
+        for name in weights.names() {
+            if let std::collections::btree_map::Entry::Vacant(e) = out.entry(name) {
+                let t = weights.get(e.key())?;
+                e.insert(t);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Writes `block` (shaped `shape`) into `t` at offset `start` along `dim`.
+fn write_block(
+    t: &mut Tensor,
+    block: &[f32],
+    shape: &[usize],
+    dim: usize,
+    start: usize,
+) -> Result<(), RuntimeError> {
+    let ok = t.shape.len() == shape.len()
+        && dim < shape.len()
+        && (0..shape.len()).all(|d| d == dim || t.shape[d] == shape[d])
+        && start + shape[dim] <= t.shape[dim];
+    if !ok {
+        return Err(RuntimeError::TensorShape {
+            name: "view".into(),
+            expected: shape.to_vec(),
+            found: t.shape.clone(),
+        });
+    }
+    let outer: usize = shape[..dim].iter().product();
+    let inner: usize = shape[dim + 1..].iter().product();
+    let (mid, tmid) = (shape[dim], t.shape[dim]);
+    if let crate::Buffer::F32(dst) = &mut t.data {
+        for o in 0..outer {
+            let src = &block[o * mid * inner..(o + 1) * mid * inner];
+            let d0 = (o * tmid + start) * inner;
+            dst[d0..d0 + mid * inner].copy_from_slice(src);
+        }
+    }
+    Ok(())
+}
+
+/// Writes `tensors` as an f32 safetensors file (metadata `format: pt`, as transformers
+/// writes it).
+pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+    let err = |msg: String| TrainError::Save {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .iter()
+        .map(|(k, t)| {
+            let data: Vec<u8> = t
+                .as_f32()
+                .unwrap_or(&[])
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            (k.clone(), data, t.shape.clone())
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(k, d, s)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)
+                .map(|v| (k.clone(), v))
+                .map_err(|e| err(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let buf = safetensors::tensor::serialize(views, Some(meta)).map_err(|e| err(e.to_string()))?;
+    std::fs::write(path, buf).map_err(|e| err(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn assemble_concatenates_shards_and_sums_partials() {
+        let mesh = Mesh::parse("dp=2,tp=2", 8).unwrap();
+        let (dp, tp) = (mesh.axis("dp").unwrap(), mesh.axis("tp").unwrap());
+        // Dim 1 split over tp, partial over dp: rank (d, t) holds (d+1) × block t.
+        let mut s = TensorSharding::split(2, 1, &[tp]);
+        s.partial = vec![dp];
+        let locals: Vec<Tensor> = (0..4)
+            .map(|r| {
+                let (d, t) = (r / 2, r % 2);
+                let base = [[1.0, 2.0], [3.0, 4.0]][t];
+                Tensor::f32(
+                    vec![1, 2],
+                    base.iter().map(|x| x * (d + 1) as f32).collect(),
+                )
+            })
+            .collect();
+        let refs: Vec<&Tensor> = locals.iter().collect();
+        let g = assemble(&mesh, &s, &refs);
+        assert_eq!(g.shape, vec![1, 4]);
+        assert_eq!(g.as_f32().unwrap(), &[3.0, 6.0, 9.0, 12.0]);
+        // Replicated: one copy.
+        let r = TensorSharding::replicated(2);
+        let g = assemble(&mesh, &r, &refs);
+        assert_eq!(g.as_f32().unwrap(), &[1.0, 2.0]);
+    }
+
+    #[test]
+    fn causal_lm_labels_are_shifted_ids() {
+        let b = Batch::causal_lm(vec![5, 6, 7, 8, 9, 10], 2, 3);
+        assert_eq!(b.labels, vec![6, 7, -100, 9, 10, -100]);
+        assert_eq!(b.predicted_tokens(), 4);
+        assert_eq!(b.positions, vec![0, 1, 2, 0, 1, 2]);
+    }
+}

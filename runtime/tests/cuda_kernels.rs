@@ -1,0 +1,569 @@
+//! Every CUDA kernel against the CPU reference (`shardc_runtime::eval_op`), in f32 and bf16,
+//! on seeded random inputs at odd sizes (3, 50, 783, 4097), each run with the activation
+//! arena poisoned with NaN first (a kernel that leaves part of its output unwritten fails).
+//!
+//! Needs a GPU: `cargo test -p shardc-runtime --test cuda_kernels -- --include-ignored`.
+
+mod cuda_common;
+
+use cuda_common::*;
+use shardc_compiler::ir::{
+    AttnSpec, DType, EwExpr, EwStep, Float, Graph, Op, RopeScaling, RopeSpec, RopeStyle,
+    TensorType, UnaryOp,
+};
+use shardc_runtime::cuda::{execute_cuda, CudaProgram, CudaRankCtx, GpuDType, ParamInit};
+use shardc_runtime::{execute, RankCtx, Tensor};
+use std::collections::BTreeMap;
+
+const SIZES: [usize; 4] = [3, 50, 783, 4097];
+const DTYPES: [GpuDType; 2] = [GpuDType::F32, GpuDType::Bf16];
+
+/// `(atol, rtol)` for plain elementwise / row kernels.
+fn tol(dt: GpuDType) -> (f32, f32) {
+    match dt {
+        GpuDType::F32 => (1e-5, 1e-5),
+        GpuDType::Bf16 => (1e-2, 1.0 / 64.0),
+    }
+}
+
+fn check(op: &Op, ins: &[&Tensor], dt: GpuDType, atol: f32, rtol: f32, what: &str) {
+    let dev = device();
+    let (got, want) = gpu_and_cpu(&dev, op, ins, None, dt);
+    assert_close(&format!("{what} {dt}"), &got, &want, atol, rtol);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn unary_scale_and_binary() {
+    let mut rng = Rng::new(1);
+    for dt in DTYPES {
+        let (a, r) = tol(dt);
+        for n in SIZES {
+            let x = rng.tensor(&[n], 4.0);
+            for u in UnaryOp::ALL {
+                let (a, r) = if u == UnaryOp::Exp {
+                    (a, r.max(2e-5))
+                } else {
+                    (a, r)
+                };
+                check(
+                    &Op::Unary(u),
+                    &[&x],
+                    dt,
+                    a,
+                    r,
+                    &format!("{} n={n}", u.name()),
+                );
+            }
+            check(
+                &Op::Scale(Float(0.37)),
+                &[&x],
+                dt,
+                a,
+                r,
+                &format!("scale n={n}"),
+            );
+            let y = rng.tensor(&[n], 2.0);
+            check(&Op::Add, &[&x, &y], dt, a, r, &format!("add n={n}"));
+            check(&Op::Mul, &[&x, &y], dt, a, r, &format!("mul n={n}"));
+            // suffix broadcast of a bias
+            let m = rng.tensor(&[7, n], 2.0);
+            check(&Op::Add, &[&m, &y], dt, a, r, &format!("add bias n={n}"));
+            check(&Op::Mul, &[&m, &y], dt, a, r, &format!("mul bias n={n}"));
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn norms_and_softmax() {
+    let mut rng = Rng::new(2);
+    for dt in DTYPES {
+        let (a, r) = tol(dt);
+        for h in SIZES {
+            let x = rng.tensor(&[3, h], 3.0);
+            let w = rng.tensor(&[h], 1.5);
+            let b = rng.tensor(&[h], 0.5);
+            let eps = Float(1e-5);
+            check(
+                &Op::RmsNorm { eps },
+                &[&x, &w],
+                dt,
+                a,
+                r,
+                &format!("rmsnorm h={h}"),
+            );
+            check(
+                &Op::LayerNorm { eps },
+                &[&x, &w, &b],
+                dt,
+                a,
+                r.max(2e-5),
+                &format!("layernorm h={h}"),
+            );
+            check(&Op::Softmax, &[&x], dt, a, r, &format!("softmax cols={h}"));
+            let y = rng.tensor(&[3, h], 3.0);
+            check(
+                &Op::AddRmsNorm { eps },
+                &[&x, &y, &w],
+                dt,
+                a,
+                r,
+                &format!("add_rms_norm h={h}"),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn rope_both_styles_with_scaling() {
+    let mut rng = Rng::new(3);
+    let scalings = [
+        None,
+        Some(RopeScaling::Llama3 {
+            factor: Float(8.0),
+            low_freq_factor: Float(1.0),
+            high_freq_factor: Float(4.0),
+            original_max_positions: 8192,
+        }),
+        Some(RopeScaling::Linear { factor: Float(2.0) }),
+    ];
+    for dt in DTYPES {
+        let (a, r) = tol(dt);
+        for (d, t) in [(8, 3), (64, 50), (80, 7), (128, 33)] {
+            let x = rng.tensor(&[2, t, 3, d], 2.0);
+            let pos = rng.ids(&[2, t], 0, 4097);
+            for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+                for scaling in scalings {
+                    let spec = RopeSpec {
+                        theta: Float(500_000.0),
+                        style,
+                        scaling,
+                    };
+                    // Large positions: sin/cos of f32 angles agree to ~1e-4 absolute.
+                    let at = if dt == GpuDType::F32 { 2e-4 } else { a };
+                    check(
+                        &Op::Rope(spec),
+                        &[&x, &pos],
+                        dt,
+                        at,
+                        r,
+                        &format!("rope {style:?} d={d}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn attention_causal_window_mask_gqa_decode() {
+    let mut rng = Rng::new(4);
+    // (batch, t, s, heads_q, heads_kv, head_dim, causal, window, masked)
+    type Case = (
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        bool,
+        Option<usize>,
+        bool,
+    );
+    let cases: &[Case] = &[
+        (1, 3, 3, 2, 2, 64, true, None, false),
+        (2, 50, 50, 8, 2, 80, true, None, true),
+        (1, 37, 37, 4, 1, 128, true, Some(8), false),
+        (2, 17, 17, 4, 4, 256, false, None, true),
+        (1, 1, 50, 8, 2, 128, true, None, false), // decode: q_offset = 49
+        (1, 5, 783, 4, 2, 64, true, Some(100), true),
+        (2, 9, 9, 3, 1, 3, false, None, false), // odd head_dim
+    ];
+    for dt in DTYPES {
+        for &(b, t, s, hq, hkv, d, causal, window, masked) in cases {
+            let q = rng.tensor(&[b, t, hq, d], 1.0);
+            let k = rng.tensor(&[b, s, hkv, d], 1.0);
+            let v = rng.tensor(&[b, s, hkv, d], 1.0);
+            let spec = AttnSpec {
+                causal,
+                window,
+                scale: Float(1.0 / (d as f32).sqrt()),
+            };
+            let what = format!("attention b{b} t{t} s{s} h{hq}/{hkv} d{d} causal={causal} window={window:?} mask={masked}");
+            let (a, r) = match dt {
+                GpuDType::F32 => (3e-5, 1e-4),
+                GpuDType::Bf16 => (2e-2, 1.0 / 32.0),
+            };
+            if masked {
+                // Drop a few keys, including every key of batch 0 up to position 2.
+                let mut m = vec![1.0f32; b * s];
+                for (i, x) in m.iter_mut().enumerate() {
+                    if i % s < 3 || rng.below(5) == 0 {
+                        *x = 0.0;
+                    }
+                }
+                let mask = Tensor::f32(vec![b, s], m);
+                check(&Op::Attention(spec), &[&q, &k, &v, &mask], dt, a, r, &what);
+            } else {
+                check(&Op::Attention(spec), &[&q, &k, &v], dt, a, r, &what);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn embedding_router_dispatch_combine_cross_entropy() {
+    let mut rng = Rng::new(5);
+    for dt in DTYPES {
+        let (a, r) = tol(dt);
+        for h in SIZES {
+            let table = rng.tensor(&[50, h], 1.0);
+            let ids = rng.ids(&[2, 7], 0, 50);
+            check(
+                &Op::Embedding,
+                &[&table, &ids],
+                dt,
+                0.0,
+                0.0,
+                &format!("embedding h={h}"),
+            );
+        }
+        for (e, k) in [(8, 2), (50, 3), (3, 1)] {
+            let mut logits = rng.tensor(&[2, 5, e], 2.0);
+            if let shardc_runtime::Buffer::F32(v) = &mut logits.data {
+                v[1] = v[0]; // a tie: goes to the lower index
+            }
+            for normalize in [false, true] {
+                check(
+                    &Op::Router {
+                        top_k: k,
+                        normalize,
+                    },
+                    &[&logits],
+                    dt,
+                    a,
+                    r,
+                    &format!("router e{e} k{k}"),
+                );
+            }
+            let gates = shardc_runtime::eval_op(
+                &Op::Router {
+                    top_k: k,
+                    normalize: true,
+                },
+                &[&round_bf16(&logits)],
+                &ty_of(&logits),
+            )
+            .expect("cpu router");
+            let x = rng.tensor(&[2, 5, 783], 1.0);
+            check(
+                &Op::Dispatch,
+                &[&x, &gates],
+                dt,
+                0.0,
+                0.0,
+                &format!("dispatch e{e}"),
+            );
+            let y = rng.tensor(&[e, 2, 5, 783], 1.0);
+            check(
+                &Op::Combine,
+                &[&y, &gates],
+                dt,
+                a,
+                r,
+                &format!("combine e{e}"),
+            );
+        }
+        for v in [3, 50, 783, 4097] {
+            let logits = rng.tensor(&[2, 7, v], 3.0);
+            let mut labels = rng.ids(&[2, 7], 0, v as i32);
+            if let shardc_runtime::Buffer::I32(l) = &mut labels.data {
+                l[3] = -1; // ignored position
+            }
+            let (a, r) = match dt {
+                GpuDType::F32 => (1e-5, 1e-5),
+                GpuDType::Bf16 => (1e-2, 1e-2),
+            };
+            check(
+                &Op::CrossEntropy { denom: 13 },
+                &[&logits, &labels],
+                dt,
+                a,
+                r,
+                &format!("cross_entropy v={v}"),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn layout_ops_and_cast_are_exact() {
+    let mut rng = Rng::new(6);
+    let dev = device();
+    for dt in DTYPES {
+        let x = rng.tensor(&[3, 50, 7, 4], 1.0);
+        for op in [
+            Op::Transpose {
+                perm: vec![0, 2, 1, 3],
+            },
+            Op::Transpose {
+                perm: vec![3, 2, 1, 0],
+            },
+            Op::Slice {
+                dim: 1,
+                start: 13,
+                len: 29,
+            },
+            Op::Repeat { dim: 2, times: 3 },
+        ] {
+            check(&op, &[&x], dt, 0.0, 0.0, op.mnemonic());
+        }
+        let y = rng.tensor(&[3, 11, 7, 4], 1.0);
+        check(
+            &Op::Concat { dim: 1 },
+            &[&x, &y, &x],
+            dt,
+            0.0,
+            0.0,
+            "concat",
+        );
+        let declared = TensorType::plain(DType::F32, &[150, 28]);
+        let (got, want) = gpu_and_cpu(&dev, &Op::Reshape, &[&x], Some(declared), dt);
+        assert_close("reshape", &got, &want, 0.0, 0.0);
+        // Cast to bf16 rounds to nearest even in both paths.
+        let c = rng.tensor(&[4097], 3.0);
+        check(&Op::Cast(DType::Bf16), &[&c], dt, 0.0, 0.0, "cast bf16");
+        check(&Op::Cast(DType::F32), &[&c], dt, 0.0, 0.0, "cast f32");
+        // i32 data moves bit-exactly.
+        let ids = rng.ids(&[3, 50, 7], -1000, 1000);
+        check(
+            &Op::Transpose {
+                perm: vec![2, 0, 1],
+            },
+            &[&ids],
+            dt,
+            0.0,
+            0.0,
+            "transpose i32",
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gemms_plain_transposed_batched_and_fused_ops() {
+    let mut rng = Rng::new(7);
+    for dt in DTYPES {
+        for (m, k, n) in [(3, 50, 783), (50, 783, 3), (7, 4097, 50), (783, 3, 50)] {
+            let a = rng.tensor(&[m, k], 1.0);
+            let (at, rt) = match dt {
+                GpuDType::F32 => (1e-5 * (k as f32).sqrt(), 1e-5),
+                GpuDType::Bf16 => (2e-2 * (k as f32).sqrt() / 8.0, 1.0 / 32.0),
+            };
+            for tb in [false, true] {
+                let shape = if tb { [n, k] } else { [k, n] };
+                let b = rng.tensor(&shape, 1.0);
+                check(
+                    &Op::MatMul { transpose_b: tb },
+                    &[&a, &b],
+                    dt,
+                    at,
+                    rt,
+                    &format!("matmul {m}x{k}x{n} tb={tb}"),
+                );
+            }
+            // FusedMatMul with a bias (cuBLASLt epilogue) and with a generic epilogue kernel.
+            let w = rng.tensor(&[n, k], 1.0);
+            let bias = rng.tensor(&[n], 1.0);
+            let bias_gelu = EwExpr {
+                steps: vec![
+                    EwStep::Add { a: 0, b: 1 },
+                    EwStep::Unary {
+                        f: UnaryOp::GeluTanh,
+                        x: 2,
+                    },
+                ],
+            };
+            check(
+                &Op::FusedMatMul {
+                    transpose_b: true,
+                    epilogue: bias_gelu,
+                },
+                &[&a, &w, &bias],
+                dt,
+                at,
+                rt,
+                &format!("fused_matmul bias+gelu {m}x{k}x{n}"),
+            );
+            let resid = rng.tensor(&[m, n], 1.0);
+            let gated = EwExpr {
+                steps: vec![
+                    EwStep::Unary {
+                        f: UnaryOp::Silu,
+                        x: 0,
+                    },
+                    EwStep::Mul { a: 2, b: 1 },
+                ],
+            };
+            check(
+                &Op::FusedMatMul {
+                    transpose_b: true,
+                    epilogue: gated,
+                },
+                &[&a, &w, &resid],
+                dt,
+                at,
+                rt,
+                &format!("fused_matmul silu*x {m}x{k}x{n}"),
+            );
+        }
+        // Batched (experts): a [E, B, T, K] · w [E, N, K]ᵀ.
+        let a = rng.tensor(&[4, 2, 25, 64], 1.0);
+        let w = rng.tensor(&[4, 783, 64], 1.0);
+        let (at, rt) = match dt {
+            GpuDType::F32 => (1e-4, 1e-5),
+            GpuDType::Bf16 => (3e-2, 1.0 / 32.0),
+        };
+        check(
+            &Op::MatMul { transpose_b: true },
+            &[&a, &w],
+            dt,
+            at,
+            rt,
+            "batched matmul",
+        );
+        // A fused elementwise program with broadcast operands.
+        let x = rng.tensor(&[5, 783], 2.0);
+        let b = rng.tensor(&[783], 1.0);
+        let prog = EwExpr {
+            steps: vec![
+                EwStep::Add { a: 0, b: 1 },
+                EwStep::Unary {
+                    f: UnaryOp::GeluErf,
+                    x: 2,
+                },
+                EwStep::Scale {
+                    c: Float(0.5),
+                    x: 3,
+                },
+                EwStep::Mul { a: 4, b: 0 },
+            ],
+        };
+        let (a2, r2) = tol(dt);
+        check(
+            &Op::FusedElementwise { expr: prog },
+            &[&x, &b],
+            dt,
+            a2,
+            r2.max(2e-5),
+            "fused_elementwise",
+        );
+    }
+}
+
+/// The executor's own fused groups (GEMM bias/GeLU epilogues, add+RMSNorm, SwiGLU) give the
+/// CPU result of the unfused graph, and fused and unfused GPU runs agree.
+#[test]
+#[ignore = "needs a GPU"]
+fn planner_fusions_match_the_unfused_graph() {
+    let dev = device();
+    let mut rng = Rng::new(8);
+    let (t, h, f) = (50, 64, 783);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let w = checkpoint(
+        dir.path(),
+        &[
+            (
+                "w_up",
+                vec![f, h],
+                rng.tensor(&[f, h], 0.2).as_f32().unwrap().to_vec(),
+            ),
+            (
+                "b_up",
+                vec![f],
+                rng.tensor(&[f], 0.5).as_f32().unwrap().to_vec(),
+            ),
+            (
+                "w_gate",
+                vec![f, h],
+                rng.tensor(&[f, h], 0.2).as_f32().unwrap().to_vec(),
+            ),
+            (
+                "w_down",
+                vec![h, f],
+                rng.tensor(&[h, f], 0.05).as_f32().unwrap().to_vec(),
+            ),
+            (
+                "norm",
+                vec![h],
+                rng.tensor(&[h], 1.0).as_f32().unwrap().to_vec(),
+            ),
+        ],
+    );
+    let mut g = Graph::new();
+    let x = g.input("x", TensorType::plain(DType::F32, &[1, t, h]));
+    let r = g.input("r", TensorType::plain(DType::F32, &[1, t, h]));
+    let w_up = param(&mut g, "w_up", &[f, h]);
+    let b_up = param(&mut g, "b_up", &[f]);
+    let w_gate = param(&mut g, "w_gate", &[f, h]);
+    let w_down = param(&mut g, "w_down", &[h, f]);
+    let norm_w = param(&mut g, "norm", &[h]);
+    let sum = g.add(Op::Add, &[x, r], "residual").unwrap();
+    let n = g
+        .add(Op::RmsNorm { eps: Float(1e-5) }, &[sum, norm_w], "norm")
+        .unwrap();
+    let u = g
+        .add(Op::MatMul { transpose_b: true }, &[n, w_up], "up")
+        .unwrap();
+    let ub = g.add(Op::Add, &[u, b_up], "up.bias").unwrap();
+    let gl = g.add(Op::Unary(UnaryOp::GeluTanh), &[ub], "gelu").unwrap();
+    let gt = g
+        .add(Op::MatMul { transpose_b: true }, &[n, w_gate], "gate")
+        .unwrap();
+    let s = g.add(Op::Unary(UnaryOp::Silu), &[gt], "silu").unwrap();
+    let m = g.add(Op::Mul, &[s, gl], "gate_mul").unwrap();
+    let d = g
+        .add(Op::MatMul { transpose_b: true }, &[m, w_down], "down")
+        .unwrap();
+    let y = g.add(Op::Add, &[sum, d], "out").unwrap();
+    g.set_output("y", y);
+    let inputs = BTreeMap::from([
+        ("x".to_string(), rng.tensor(&[1, t, h], 1.0)),
+        ("r".to_string(), rng.tensor(&[1, t, h], 1.0)),
+    ]);
+    let want = execute(&g, &w, &inputs, &RankCtx::new()).expect("cpu")["y"].clone();
+    for dt in DTYPES {
+        let ctx = CudaRankCtx::new();
+        let mut fused = CudaProgram::prepare(
+            dev.clone(),
+            &g,
+            &ParamInit::Weights(&w),
+            &ctx,
+            opts(dt, true),
+        )
+        .expect("prepare fused");
+        let labels: Vec<&str> = fused.fused_groups().iter().map(|x| x.label()).collect();
+        assert!(labels.contains(&"gemm+bias+gelu"), "{labels:?}");
+        assert!(labels.contains(&"add+rmsnorm"), "{labels:?}");
+        assert!(labels.contains(&"swiglu"), "{labels:?}");
+        let got = fused.run(&inputs, &ctx).expect("run fused")["y"].clone();
+        let unfused = execute_cuda(&dev, &g, &ParamInit::Weights(&w), &inputs, opts(dt, false))
+            .expect("run unfused")["y"]
+            .clone();
+        let (a, r) = match dt {
+            GpuDType::F32 => (1e-4, 1e-4),
+            GpuDType::Bf16 => (5e-2, 5e-2),
+        };
+        assert_close(&format!("fused {dt} vs cpu"), &got, &want, a, r);
+        assert_close(&format!("unfused {dt} vs cpu"), &unfused, &want, a, r);
+        // A second run reuses every GEMM plan.
+        let (built, _) = fused.gemm_stats();
+        fused.run(&inputs, &ctx).expect("rerun");
+        assert_eq!(fused.gemm_stats().0, built, "no new plans on a rerun");
+    }
+}

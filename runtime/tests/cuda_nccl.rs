@@ -1,0 +1,186 @@
+//! Two NCCL ranks on one GPU, in one process (NCCL ≥ 2.30 with
+//! `NCCL_MULTI_RANK_GPU_ENABLE=1`, NOTES-cuda.md §5.2): the world communicator split per mesh
+//! axis, every collective against its definition, then tp=2 and tp=2+sp plans of the hf-tiny
+//! models against transformers' logits and the CPU thread ranks.
+//!
+//! Needs a GPU and `libnccl.so` (2.30.x) on the library path:
+//! `NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_MAX_CTAS=4 cargo test -p shardc-runtime --test cuda_nccl -- --include-ignored --test-threads=1`
+//! (the tests also set both variables themselves before NCCL initialises).
+
+mod cuda_common;
+
+use cuda_common::*;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use shardc_compiler::model::ModelConfig;
+use shardc_compiler::pipeline::{compile_forward, CompileOptions};
+use shardc_compiler::shard::Mesh;
+use shardc_runtime::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
+use shardc_runtime::comm::nccl::{NcclComm, NcclId};
+use shardc_runtime::comm::ReduceOp;
+use shardc_runtime::cuda::{run_spmd_nccl_threads, GpuDType, ParamInit};
+use shardc_runtime::spmd::run_spmd;
+use shardc_runtime::Weights;
+use std::time::Duration;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn multi_rank_env() {
+    // Read by NCCL at communicator creation; set before any test creates one.
+    std::env::set_var("NCCL_MULTI_RANK_GPU_ENABLE", "1");
+    if std::env::var_os("NCCL_MAX_CTAS").is_none() {
+        std::env::set_var("NCCL_MAX_CTAS", "4");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU and libnccl.so ≥ 2.30"]
+fn two_ranks_split_per_axis_and_run_every_collective() {
+    multi_rank_env();
+    let dev = device();
+    let mesh = Mesh::parse("dp=1,tp=2", 8).expect("mesh");
+    let id = NcclId::new().expect("nccl id");
+    let n = 1024 + 3;
+    let results: Vec<Vec<(String, Vec<f32>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (dev, mesh) = (&dev, &mesh);
+                s.spawn(move || {
+                    let world = NcclComm::init(dev, rank, 2, id, "world", TIMEOUT).expect("init");
+                    let axes = world.for_mesh(mesh).expect("split");
+                    let (name, tp) = &axes[1];
+                    assert_eq!((name.as_str(), tp.rank(), tp.size()), ("tp", rank, 2));
+                    assert_eq!((axes[0].1.rank(), axes[0].1.size()), (0, 1));
+                    let stream = dev.new_stream().expect("stream");
+                    let x: Vec<f32> = (0..2 * n).map(|i| (i + 1000 * rank) as f32).collect();
+                    let xs: CudaSlice<f32> = stream.clone_htod(&x).expect("upload");
+                    let xb = DeviceBuffer::new(xs.device_ptr(&stream).0, 2 * n, DeviceDType::F32);
+                    let mut out = Vec::new();
+                    for (what, len) in [
+                        ("all_reduce", 2 * n),
+                        ("reduce_scatter", n),
+                        ("all_gather", 4 * n),
+                        ("all_to_all", 2 * n),
+                        ("broadcast", 2 * n),
+                        ("send_recv", 2 * n),
+                    ] {
+                        let ys: CudaSlice<f32> = stream.alloc_zeros(len).expect("alloc");
+                        let yb = DeviceBuffer::new(ys.device_ptr(&stream).0, len, DeviceDType::F32);
+                        // SAFETY: both slices live until after the poll loop.
+                        unsafe {
+                            match what {
+                                "all_reduce" => tp.all_reduce(xb, yb, ReduceOp::Sum, &stream),
+                                "reduce_scatter" => {
+                                    tp.reduce_scatter(xb, yb, ReduceOp::Sum, &stream)
+                                }
+                                "all_gather" => tp.all_gather(xb, yb, &stream),
+                                "all_to_all" => tp.all_to_all(xb, yb, &stream),
+                                "broadcast" => tp.broadcast(xb, yb, 1, &stream),
+                                _ => tp.send_recv(xb, 1 - rank, yb, 1 - rank, &stream),
+                            }
+                        }
+                        .expect(what);
+                        while !tp.poll().expect("poll") {
+                            std::thread::yield_now();
+                        }
+                        out.push((what.to_string(), stream.clone_dtoh(&ys).expect("download")));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect()
+    });
+    let x = |r: usize| -> Vec<f32> { (0..2 * n).map(|i| (i + 1000 * r) as f32).collect() };
+    for (rank, res) in results.iter().enumerate() {
+        let get = |w: &str| &res.iter().find(|(n, _)| n == w).expect("result").1;
+        let sum: Vec<f32> = x(0).iter().zip(x(1)).map(|(a, b)| a + b).collect();
+        assert_eq!(get("all_reduce"), &sum, "rank {rank}");
+        assert_eq!(
+            get("reduce_scatter"),
+            &sum[rank * n..(rank + 1) * n].to_vec(),
+            "rank {rank}"
+        );
+        assert_eq!(get("all_gather"), &[x(0), x(1)].concat(), "rank {rank}");
+        let a2a = [
+            x(0)[rank * n..(rank + 1) * n].to_vec(),
+            x(1)[rank * n..(rank + 1) * n].to_vec(),
+        ]
+        .concat();
+        assert_eq!(get("all_to_all"), &a2a, "rank {rank}");
+        assert_eq!(get("broadcast"), &x(1), "rank {rank}");
+        assert_eq!(get("send_recv"), &x(1 - rank), "rank {rank}");
+    }
+}
+
+/// tp=2 and tp=2+sp plans of every hf-tiny model on two NCCL ranks of one GPU, against
+/// transformers' logits (f32) and against the CPU thread ranks.
+#[test]
+#[ignore = "needs a GPU and libnccl.so ≥ 2.30"]
+fn two_nccl_ranks_run_tp_and_sp_plans() {
+    multi_rank_env();
+    let dev = device();
+    let mut ran = 0;
+    for case in cases().into_iter().filter(|c| c.batch == 2 && c.seq == 16) {
+        let dir = fixtures().join(&case.model);
+        let cfg = ModelConfig::from_path(&dir).expect("config");
+        let w = Weights::open(&dir).expect("weights");
+        for extra in ["", "sp"] {
+            let opts = CompileOptions {
+                batch: case.batch,
+                seq: case.seq,
+                mesh: Mesh::parse("tp=2", 8).expect("mesh"),
+                extra_strategies: if extra.is_empty() {
+                    vec![]
+                } else {
+                    vec![extra.to_string()]
+                },
+            };
+            let Ok(c) = compile_forward(&cfg, &opts) else {
+                continue;
+            };
+            let cpu = run_spmd(&c.sharded.graph, &opts.mesh, &w, &case.inputs, TIMEOUT)
+                .expect("cpu ranks");
+            for dt in [GpuDType::F32, GpuDType::Bf16] {
+                let outs = run_spmd_nccl_threads(
+                    &dev,
+                    &c.sharded.graph,
+                    &opts.mesh,
+                    &ParamInit::Weights(&w),
+                    &case.inputs,
+                    &opts_for(dt),
+                )
+                .unwrap_or_else(|e| panic!("{} tp=2 {extra} {dt}: {e}", case.model));
+                for (rank, out) in outs.iter().enumerate() {
+                    let logits = out["logits"].as_f32().expect("f32");
+                    let cpu_logits = cpu[rank]["logits"].as_f32().expect("f32");
+                    let what =
+                        format!("{} {} tp=2 {extra} {dt} rank {rank}", case.model, case.name);
+                    match dt {
+                        GpuDType::F32 => {
+                            let d = case.max_diff(logits, &case.logits);
+                            assert!(d < 1e-3, "{what}: max |Δlogit| vs transformers {d}");
+                            let d = case.max_diff(logits, cpu_logits);
+                            assert!(d < 1e-3, "{what}: max |Δlogit| vs CPU ranks {d}");
+                        }
+                        GpuDType::Bf16 => {
+                            let l2 = rel_l2(&case.unmasked(logits), &case.unmasked(cpu_logits));
+                            assert!(l2 < 2e-2, "{what}: relative L2 {l2}");
+                        }
+                    }
+                }
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 8, "only {ran} NCCL runs");
+}
+
+fn opts_for(dt: GpuDType) -> shardc_runtime::cuda::CudaOptions {
+    shardc_runtime::cuda::CudaOptions {
+        timeout: TIMEOUT,
+        ..cuda_common::opts(dt, true)
+    }
+}

@@ -1,0 +1,166 @@
+//! CPU-side checks of the CUDA backend, run everywhere (no GPU needed): without a driver every
+//! entry point is a clean error (never a panic), and the host-side planning — arena reuse,
+//! fused groups, the GEMM plan-cache keys — on real model programs.
+
+use shardc_compiler::ir::{Op, ValueId};
+use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
+use shardc_compiler::pipeline::{compile_forward, CompileOptions};
+use shardc_compiler::shard::Mesh;
+use shardc_runtime::comm::nccl::NcclId;
+use shardc_runtime::cuda::{
+    cuda_device_count, last_uses, plan_arena, plan_memory, CudaDevice, CudaError, Epilogue,
+    FusedGroup, GemmKey, GpuDType,
+};
+use std::collections::HashSet;
+use std::path::Path;
+
+fn config(model: &str) -> ModelConfig {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny");
+    let root = if built.is_dir() {
+        built
+    } else {
+        Path::new("tests/fixtures/hf-tiny").to_path_buf()
+    };
+    ModelConfig::from_path(&root.join(model)).expect("fixture config")
+}
+
+/// On a machine without libcuda (CI) opening a device is `NoDriver` with the CLI's wording;
+/// on a GPU machine it opens, and an out-of-range ordinal is a clean error.
+#[test]
+fn opening_a_device_never_panics() {
+    match cuda_device_count() {
+        Err(CudaError::NoDriver) => {
+            let e = CudaDevice::open(0).expect_err("no driver");
+            assert_eq!(
+                e.to_string(),
+                "no CUDA driver found (libcuda.so not loadable)"
+            );
+            assert!(e.is_unavailable());
+        }
+        Err(other) => {
+            assert!(other.is_unavailable(), "{other}");
+            assert!(CudaDevice::open(0).is_err());
+        }
+        Ok(n) => {
+            assert!(n > 0);
+            let dev = CudaDevice::open(0).expect("device 0");
+            assert!(dev.arch().starts_with("sm_"), "{dev:?}");
+            assert!(matches!(
+                CudaDevice::open(n),
+                Err(CudaError::BadOrdinal { ordinal, count }) if ordinal == n && count == n
+            ));
+        }
+    }
+}
+
+/// Without libnccl.so creating an NCCL id is a clean error naming the library.
+#[test]
+fn nccl_without_the_library_is_a_clean_error() {
+    match NcclId::new() {
+        Ok(id) => assert_ne!(id.0, [0u8; 128], "an id has entropy"),
+        Err(e) => {
+            assert!(
+                e.is_unavailable() || matches!(e, CudaError::NoDevice { .. }),
+                "{e}"
+            );
+            if let CudaError::MissingLibrary { library, .. } = &e {
+                assert_eq!(*library, "libnccl");
+                assert!(e.to_string().contains("libnccl.so"), "{e}");
+            }
+        }
+    }
+}
+
+/// The GEMMs of a tp=2 Llama program share plan-cache keys across layers: one key per
+/// distinct (shape, dtype, epilogue), far fewer than GEMMs.
+#[test]
+fn gemm_plan_keys_are_shared_across_layers() {
+    let cfg = config("llama");
+    let opts = CompileOptions {
+        batch: 2,
+        seq: 16,
+        mesh: Mesh::parse("tp=2", 8).expect("mesh"),
+        extra_strategies: vec![],
+    };
+    let g = compile_forward(&cfg, &opts).expect("compile").sharded.graph;
+    let mut keys = HashSet::new();
+    let mut gemms = 0;
+    for v in g.ids() {
+        let node = g.node(v);
+        if let Op::MatMul { transpose_b } = node.op {
+            let a = g.ty(node.inputs[0]).shape();
+            let b = g.ty(node.inputs[1]).shape();
+            keys.insert(
+                GemmKey::for_matmul(&a, &b, transpose_b, GpuDType::Bf16, Epilogue::None)
+                    .expect("key"),
+            );
+            gemms += 1;
+        }
+    }
+    // q, k, v, o, gate, up, down per layer plus lm_head: keys do not grow with layers.
+    assert_eq!(gemms, 7 * cfg.layers + 1, "GEMMs in the program");
+    assert!(
+        keys.len() <= 8,
+        "{} distinct plans for {gemms} GEMMs",
+        keys.len()
+    );
+}
+
+/// Arena planning on every fixture model: first-fit reuse keeps the peak far below the sum of
+/// activations, fusion costs little extra, and no two simultaneously live values share bytes.
+#[test]
+fn arena_reuse_and_fusion_on_every_fixture_model() {
+    for model in ["gpt2", "llama", "mixtral"] {
+        let cfg = config(model);
+        let g = build_forward(&cfg, BuildOptions::new(2, 16)).expect("graph");
+        for dt in [GpuDType::F32, GpuDType::Bf16] {
+            let plain = plan_arena(&g, dt);
+            let (fused, plan) = plan_memory(&g, dt, true);
+            let sum: u64 = plain.slots.iter().flatten().map(|s| s.size).sum();
+            assert!(
+                plain.total * 3 < sum,
+                "{model} {dt}: peak {} vs sum {sum}",
+                plain.total
+            );
+            assert!(
+                fused.total <= plain.total * 3 / 2,
+                "{model} {dt}: {} vs {}",
+                fused.total,
+                plain.total
+            );
+            assert!(!plan.groups.is_empty(), "{model}: no fused group");
+            let last = last_uses(&g);
+            for (v, &lv) in last.iter().enumerate() {
+                for w in v + 1..=lv.min(g.len() - 1) {
+                    if let (Some(a), Some(b)) = (fused.slots[v], fused.slots[w]) {
+                        assert!(
+                            !a.overlaps(&b),
+                            "{model} {dt}: {} and {} overlap while both live",
+                            ValueId(v as u32),
+                            ValueId(w as u32)
+                        );
+                    }
+                }
+            }
+            // Every group's tail slot is free of the head's operands (the fused launch reads
+            // them while writing the tail).
+            for grp in &plan.groups {
+                let tail = fused.slots[grp.tail().index()].expect("tail slot");
+                for &op in &g.node(grp.head()).inputs {
+                    if let Some(s) = fused.slots[op.index()] {
+                        assert!(
+                            !s.overlaps(&tail),
+                            "{model}: {grp:?} tail overlaps operand {op}"
+                        );
+                    }
+                }
+                if let FusedGroup::Gemm { bias: Some(b), .. } = grp {
+                    assert!(
+                        matches!(g.node(*b).op, Op::Param(_)),
+                        "{model}: bias must be a parameter"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! `shardc simulate`: predict a plan's step time, throughput, MFU, communication and memory on
+//! a cluster it need not have. Without `--train` the compiled forward plan is replayed over
+//! every rank; with `--train` one training step is modelled (backward, recomputation, ZeRO,
+//! pipeline schedule) from one layer's plan.
+
+use super::fmt::{bytes, thousands};
+use anyhow::{bail, Context};
+use clap::Args;
+use shardc::compiler::cost::{
+    chrome_trace, forward_plan_memory, simulate_plan, simulate_training, AttentionImpl, Cluster,
+    ComputeOptions, PipeSchedule, Recompute, SimReport, Simulation, TrainOptions,
+};
+use shardc::compiler::ir::DType;
+use shardc::compiler::model::ModelConfig;
+use shardc::compiler::pipeline::compile_forward;
+use shardc::compiler::plan::Plan;
+use shardc::compiler::shard::Mesh;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    /// A `config.json` or model directory (default: the bundled Llama-3-8B config).
+    pub model: Option<PathBuf>,
+    /// Device mesh, e.g. `dp=2,tp=4` or `pp=8,dp=16,tp=8` (default dp=2,tp=4 with sp).
+    #[arg(long)]
+    pub mesh: Option<String>,
+    /// Strategies beyond the mesh axes' defaults, comma-separated (e.g. `sp`).
+    #[arg(long)]
+    pub strategy: Vec<String>,
+    /// Cluster profile and node count: `dgx-h100x128`, `dgx-a100`, or a `.toml` path
+    /// (optionally followed by `xNODES`). Without a count, just enough nodes for the mesh.
+    #[arg(long, default_value = "dgx-h100")]
+    pub cluster: String,
+    /// Forward mode: sequences per batch (global).
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence (default: min(max positions, 4096)).
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Replay this compiled plan (`shardc compile -o`, forward or training) instead of
+    /// compiling the model.
+    #[arg(long, conflicts_with = "train")]
+    pub plan: Option<PathBuf>,
+    /// Model one training step instead of replaying the forward plan.
+    #[arg(long)]
+    pub train: bool,
+    /// Training: sequences per optimizer step (default: 8 micro-batches per data-parallel rank).
+    #[arg(long)]
+    pub global_batch: Option<usize>,
+    /// Training: sequences per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: usize,
+    /// Training: activation recomputation: none, selective or full.
+    #[arg(long, default_value = "none")]
+    pub recompute: String,
+    /// Training: ZeRO stage over the dp axis (0-3).
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
+    /// Training: pipeline schedule: gpipe, 1f1b or interleaved.
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: String,
+    /// Training: model chunks per stage for the interleaved schedule.
+    #[arg(long, default_value_t = 2)]
+    pub virtual_stages: usize,
+    /// Training: overlap the data-parallel gradient reduction with the last backward.
+    #[arg(long)]
+    pub overlap_grad_reduce: bool,
+    /// Training: dropout on attention probabilities and residual branches (masks kept).
+    #[arg(long)]
+    pub dropout: bool,
+    /// Training: send whole activations between stages (no scatter/gather over tp).
+    #[arg(long)]
+    pub no_scatter_gather: bool,
+    /// Compute dtype the f32 IR is simulated in: bf16, f16 or f32 (tf32 tensor cores).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Attention implementation: flash or unfused (score matrix materialised).
+    #[arg(long, default_value = "flash")]
+    pub attention: String,
+    /// Cost elementwise ops one kernel each (no fusion of elementwise chains).
+    #[arg(long)]
+    pub no_fusion: bool,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Write a Chrome trace (Perfetto: one process per rank, one track per stream).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Ranks to put in the trace: `0-15`, `0,8,16` (default: all).
+    #[arg(long)]
+    pub trace_ranks: Option<String>,
+}
+
+fn parse_ranks(s: &str, world: usize) -> anyhow::Result<Vec<usize>> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let num = |x: &str| -> anyhow::Result<usize> {
+            x.trim()
+                .parse()
+                .with_context(|| format!("--trace-ranks: `{x}` is not a rank"))
+        };
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(part)?, num(part)?),
+        };
+        if a > b || b >= world {
+            bail!("--trace-ranks: `{part}` is outside ranks 0..{}", world - 1);
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
+}
+
+fn compute_options(a: &SimulateArgs) -> anyhow::Result<ComputeOptions> {
+    let dtype = match a.dtype.as_str() {
+        "bf16" => DType::Bf16,
+        "f16" | "fp16" => DType::F16,
+        "f32" | "fp32" | "tf32" => DType::F32,
+        other => bail!("--dtype `{other}`: expected bf16, f16 or f32"),
+    };
+    let attention = match a.attention.as_str() {
+        "flash" => AttentionImpl::Flash,
+        "unfused" => AttentionImpl::Unfused,
+        other => bail!("--attention `{other}`: expected flash or unfused"),
+    };
+    Ok(ComputeOptions {
+        dtype,
+        attention,
+        dropout: a.dropout,
+        fuse_elementwise: !a.no_fusion,
+    })
+}
+
+pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
+    let copts = compute_options(&a)?;
+    if let Some(p) = &a.plan {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let plan = Plan::from_json(&text)?;
+        let cluster = Cluster::resolve_for(&a.cluster, plan.mesh.world_size())?;
+        let sim = simulate_plan(&plan, &cluster, &copts)?;
+        return finish(&a, &sim);
+    }
+    let path = a.model.clone().unwrap_or_else(super::default_model);
+    let cfg = ModelConfig::from_path(&path)?;
+    let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
+    let source = path.display().to_string();
+    // The mesh's world size decides the default node count; parse it once with a provisional
+    // node size, then again with the cluster's.
+    let (mesh_text, extra) = match &a.mesh {
+        Some(m) => (m.clone(), a.strategy.clone()),
+        None if a.strategy.is_empty() => ("dp=2,tp=4".to_string(), vec!["sp".to_string()]),
+        None => ("dp=2,tp=4".to_string(), a.strategy.clone()),
+    };
+    let world = Mesh::parse(&mesh_text, 8)?.world_size();
+    let cluster = Cluster::resolve_for(&a.cluster, world)?;
+    let mesh = Mesh::parse(&mesh_text, cluster.gpus_per_node())?;
+    let sim = if a.train {
+        let dp = mesh.axis("dp").map_or(1, |x| mesh.axis_size(x));
+        let gb = a.global_batch.unwrap_or(8 * dp * a.micro_batch);
+        let mut t = TrainOptions::new(gb, a.micro_batch, seq);
+        t.recompute = Recompute::from_name(&a.recompute).with_context(|| {
+            format!(
+                "--recompute `{}`: expected none, selective or full",
+                a.recompute
+            )
+        })?;
+        t.zero = a.zero;
+        t.schedule = match a.schedule.as_str() {
+            "gpipe" => PipeSchedule::Gpipe,
+            "1f1b" => PipeSchedule::OneFOneB,
+            "interleaved" => PipeSchedule::Interleaved(a.virtual_stages.max(1)),
+            other => bail!("--schedule `{other}`: expected gpipe, 1f1b or interleaved"),
+        };
+        t.overlap_grad_reduce = a.overlap_grad_reduce;
+        t.scatter_gather = !a.no_scatter_gather;
+        t.strategies = extra;
+        simulate_training(&cfg, &source, &mesh, &t, &cluster, &copts)?
+    } else {
+        let opts = super::compile::options(
+            &cfg,
+            Some(&mesh_text),
+            &extra,
+            a.batch,
+            seq,
+            cluster.gpus_per_node(),
+        )?;
+        let compiled = compile_forward(&cfg, &opts)?;
+        let plan = Plan::new(&compiled, &source, cfg.arch.name(), cfg.layers);
+        simulate_plan(&plan, &cluster, &copts)?
+    };
+    finish(&a, &sim)
+}
+
+/// Trace, report, fit warning.
+fn finish(a: &SimulateArgs, sim: &Simulation) -> anyhow::Result<()> {
+    if let Some(out) = &a.trace {
+        let ranks = match &a.trace_ranks {
+            Some(s) => Some(parse_ranks(s, sim.rank_timeline.len())?),
+            None => None,
+        };
+        std::fs::write(out, chrome_trace(sim, ranks.as_deref()))
+            .with_context(|| format!("writing {}", out.display()))?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&sim.report)?);
+    } else {
+        print_report(sim);
+        if let Some(out) = &a.trace {
+            println!("wrote {} (open in https://ui.perfetto.dev)", out.display());
+        }
+    }
+    if !sim.report.fits {
+        eprintln!("warning: {}", not_fitting(&sim.report));
+    }
+    Ok(())
+}
+
+/// `compile`'s fit check: an error when a rank of `plan` (as compiled, f32) exceeds the
+/// device memory of `cluster`, a warning with `allow_oom`.
+pub fn fit_check(plan: &Plan, cluster: &str, allow_oom: bool) -> anyhow::Result<()> {
+    let c = Cluster::resolve(cluster)?;
+    let m = forward_plan_memory(plan, DType::F32);
+    let device = c.device.memory();
+    if m.total() <= device {
+        return Ok(());
+    }
+    let msg = format!(
+        "plan does not fit: each rank needs {} ({}) but {} has {}",
+        bytes(m.total().0),
+        breakdown(&m),
+        c.device.name,
+        bytes(device.0)
+    );
+    if allow_oom {
+        eprintln!("warning: {msg}");
+        Ok(())
+    } else {
+        bail!("{msg}; pass --allow-oom to write it anyway")
+    }
+}
+
+/// One line: which rank does not fit, by how much, and its breakdown.
+pub fn not_fitting(r: &SimReport) -> String {
+    let m = &r.memory_breakdown;
+    format!(
+        "does not fit: rank {} needs {} ({}) but {} has {}",
+        r.peak_memory_rank,
+        bytes(r.peak_memory_bytes_per_rank),
+        breakdown(m),
+        r.device,
+        bytes(r.device_memory_bytes)
+    )
+}
+
+fn breakdown(m: &shardc::compiler::cost::MemoryBreakdown) -> String {
+    let parts = [
+        ("params", m.params.0),
+        ("grads", m.grads.0),
+        ("optimizer", m.optimizer.0),
+        ("activations", m.activations.0),
+        ("transient", m.transient.0),
+        ("comm buffers", m.comm_buffers.0),
+    ];
+    parts
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(n, b)| format!("{n} {}", bytes(*b)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else {
+        format!("{:.3} ms", s * 1e3)
+    }
+}
+
+fn print_report(sim: &Simulation) {
+    let r = &sim.report;
+    println!(
+        "{} ({}) on {} ({} GPUs, {}), mesh {}, strategies {}",
+        r.model,
+        r.mode,
+        r.cluster,
+        r.gpus,
+        r.device,
+        r.mesh,
+        if r.strategies.is_empty() {
+            "none".to_string()
+        } else {
+            r.strategies.join(",")
+        }
+    );
+    match (r.micro_batch, r.micro_batches) {
+        (Some(b), Some(m)) => println!(
+            "  batch          {} sequences × {} tokens, micro-batch {b}, {m} micro-batches per pipeline, schedule {}, recompute {}, zero {}",
+            r.global_batch,
+            r.seq,
+            r.schedule.clone().unwrap_or_default(),
+            r.recompute.clone().unwrap_or_default(),
+            r.zero.unwrap_or(0)
+        ),
+        _ => println!("  batch          {} sequences × {} tokens ({})", r.global_batch, r.seq, r.dtype),
+    }
+    println!(
+        "  step time      {}  ({} tokens/s)",
+        secs(r.step_time_s),
+        thousands(r.tokens_per_s as u64)
+    );
+    println!(
+        "  throughput     {:.1} TFLOP/s per GPU (Megatron-LM count), model {:.1} TFLOP/s, MFU {:.1}%",
+        r.tflops_per_gpu,
+        r.model_tflops_per_gpu,
+        r.mfu * 100.0
+    );
+    println!(
+        "  compute        {}; communication {} ({} exposed, {} hidden)",
+        secs(r.compute_s),
+        secs(r.comm_s),
+        secs(r.exposed_comm_s),
+        secs(r.hidden_comm_s)
+    );
+    if r.mode == "train" {
+        println!(
+            "  pipeline       {} (bubble {:.1}% of the step), optimizer {}",
+            secs(r.pipeline_s),
+            r.bubble_fraction * 100.0,
+            secs(r.optimizer_s)
+        );
+    }
+    println!(
+        "  memory / rank  {} of {} (rank {}): {}",
+        bytes(r.peak_memory_bytes_per_rank),
+        bytes(r.device_memory_bytes),
+        r.peak_memory_rank,
+        breakdown(&r.memory_breakdown)
+    );
+    if r.stages.len() > 1 {
+        println!("  stage  layers   end        bubble     p2p exp.   dp exp.    in-flight  memory");
+        for s in &r.stages {
+            println!(
+                "  {:<6} {:<8} {:<10} {:<10} {:<10} {:<10} {:<10} {}",
+                s.stage,
+                s.layers,
+                secs(s.end_s),
+                secs(s.bubble_s),
+                secs(s.p2p_exposed_s),
+                secs(s.dp_sync_exposed_s),
+                s.peak_in_flight,
+                bytes(s.memory.total().0)
+            );
+        }
+    }
+}

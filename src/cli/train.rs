@@ -1,0 +1,229 @@
+//! `shardc train`: training steps (causal-LM loss, AdamW) on the CPU reference backend,
+//! unsharded or as a sharded plan on thread ranks; prints the loss per step.
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde_json::Value;
+use shardc::compiler::autodiff::Recompute;
+use shardc::compiler::ir::{AdamWSpec, Float};
+use shardc::compiler::model::ModelConfig;
+use shardc::compiler::shard::Mesh;
+use shardc::compiler::train::{compile_train, Precision, TrainOptions};
+use shardc::runtime::train::{
+    save_safetensors, stored_tensors, train_step, Batch, Fill, TrainState,
+};
+use shardc::runtime::Weights;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// Model directory (config.json + safetensors).
+    model: PathBuf,
+    /// Token ids, a JSON list of equal-length lists (batch × seq); labels are the next tokens.
+    #[arg(long)]
+    tokens: PathBuf,
+    /// Run the sharded plan for this mesh on thread ranks (e.g. `dp=2`, `dp=2,tp=2`).
+    #[arg(long)]
+    mesh: Option<String>,
+    /// Strategies beyond the mesh axes' defaults (`sp`, `zero1`, `zero2`, `zero3`, `fsdp`).
+    #[arg(long)]
+    strategy: Vec<String>,
+    /// Optimizer steps (each on the same tokens).
+    #[arg(long, default_value_t = 1)]
+    steps: usize,
+    /// Micro-batches per step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
+    /// Activation checkpointing: none, full or selective.
+    #[arg(long, default_value = "none")]
+    recompute: String,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f32,
+    /// AdamW β₁.
+    #[arg(long, default_value_t = 0.9)]
+    beta1: f32,
+    /// AdamW β₂.
+    #[arg(long, default_value_t = 0.95)]
+    beta2: f32,
+    /// AdamW ε.
+    #[arg(long, default_value_t = 1e-8)]
+    eps: f32,
+    /// AdamW decoupled weight decay.
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f32,
+    /// Write the trained checkpoint (model.safetensors with the checkpoint's tensor names,
+    /// plus config.json) to this directory.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Write the last step's gradients as `grad.<tensor name>` to this safetensors file.
+    #[arg(long)]
+    dump_grads: Option<PathBuf>,
+    /// Write the step's plan (with memory and communication accounting) to this JSON file.
+    #[arg(long)]
+    plan: Option<PathBuf>,
+    /// Seconds a rank waits for its peers in a collective before failing.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+}
+
+/// Reads a JSON `[[int, ...], ...]` file of token ids as a batch × seq matrix.
+fn read_tokens(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading tokens {}", path.display()))?;
+    let v: Value = serde_json::from_str(&text)
+        .with_context(|| format!("tokens {}: malformed JSON", path.display()))?;
+    let rows = v
+        .as_array()
+        .with_context(|| format!("tokens {}: expected a list of lists", path.display()))?;
+    if rows.is_empty() {
+        bail!("tokens {}: empty batch", path.display());
+    }
+    let mut out = Vec::new();
+    let mut width = None;
+    for (b, row) in rows.iter().enumerate() {
+        let row = row
+            .as_array()
+            .with_context(|| format!("tokens {}: row {b} is not a list", path.display()))?;
+        if *width.get_or_insert(row.len()) != row.len() {
+            bail!(
+                "tokens {}: ragged rows: row 0 has {} entries, row {b} has {}",
+                path.display(),
+                width.unwrap_or(0),
+                row.len()
+            );
+        }
+        for (t, x) in row.iter().enumerate() {
+            out.push(x.as_i64().with_context(|| {
+                format!(
+                    "tokens {}: [{b}][{t}] = {x} is not an integer",
+                    path.display()
+                )
+            })?);
+        }
+    }
+    Ok((rows.len(), width.unwrap_or(0), out))
+}
+
+pub fn run(a: TrainArgs) -> anyhow::Result<()> {
+    let cfg = ModelConfig::from_path(&a.model)?;
+    let (b, t, ids) = read_tokens(&a.tokens)?;
+    if t < 2 {
+        bail!("sequences of {t} token(s) have nothing to predict; need at least 2");
+    }
+    if t > cfg.max_positions {
+        bail!(
+            "sequence length {t} exceeds the model's maximum positions {}",
+            cfg.max_positions
+        );
+    }
+    if let Some((i, &id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as usize >= cfg.vocab)
+    {
+        bail!(
+            "token id {id} at [{}][{}] is out of range for vocabulary size {}",
+            i / t,
+            i % t,
+            cfg.vocab
+        );
+    }
+    let Some(recompute) = Recompute::from_name(&a.recompute) else {
+        bail!(
+            "unknown recompute mode `{}`; valid modes: none, full, selective",
+            a.recompute
+        );
+    };
+    if a.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let mesh = match &a.mesh {
+        Some(m) => Mesh::parse(m, 8)?,
+        None => Mesh::single(),
+    };
+    let batch = Batch::causal_lm(ids.iter().map(|&x| x as i32).collect(), b, t);
+    let mut opts = TrainOptions::new(b, t, mesh);
+    opts.extra_strategies = a.strategy.clone();
+    opts.micro_batches = a.micro_batches;
+    opts.recompute = recompute;
+    opts.denom = Some(batch.predicted_tokens());
+    opts.adamw = AdamWSpec {
+        lr: Float(a.lr),
+        beta1: Float(a.beta1),
+        beta2: Float(a.beta2),
+        eps: Float(a.eps),
+        weight_decay: Float(a.weight_decay),
+    };
+    let c = compile_train(&cfg, &opts)?;
+    if let Some(p) = &a.plan {
+        let plan = c.plan(
+            &a.model.display().to_string(),
+            cfg.arch.name(),
+            cfg.layers,
+            Precision::f32(),
+        );
+        std::fs::write(p, plan.to_json()).with_context(|| format!("writing {}", p.display()))?;
+    }
+    let weights = Weights::open(&a.model)?;
+    let mut state = TrainState::load(&c, &weights)?;
+    let how = if opts.mesh.world_size() == 1 {
+        "unsharded".to_string()
+    } else {
+        let names: Vec<&str> = c.strategies.iter().map(|s| s.name()).collect();
+        format!(
+            "mesh {} ({}) on {} thread ranks",
+            opts.mesh,
+            names.join(","),
+            opts.mesh.world_size()
+        )
+    };
+    println!(
+        "training {} ({} layers) {how}: batch {b} × {t} tokens, {} micro-batch(es), recompute {recompute}",
+        cfg.arch.name(),
+        cfg.layers,
+        a.micro_batches
+    );
+    let mut grads = BTreeMap::new();
+    for step in 1..=a.steps {
+        let t0 = Instant::now();
+        let out = train_step(
+            &c,
+            &mut state,
+            &batch,
+            &weights,
+            Duration::from_secs(a.timeout),
+        )?;
+        println!(
+            "step {step}: loss {:.6} ({:.1} ms)",
+            out.loss,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        grads = out.grads;
+    }
+    if let Some(path) = &a.dump_grads {
+        let stored = stored_tensors(&c, &grads, &weights, Fill::Zeros)?;
+        let named = stored
+            .into_iter()
+            .map(|(k, v)| (format!("grad.{k}"), v))
+            .collect();
+        save_safetensors(path, &named)?;
+        println!("gradients → {}", path.display());
+    }
+    if let Some(dir) = &a.save {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let stored = stored_tensors(&c, &state.params, &weights, Fill::Original)?;
+        save_safetensors(&dir.join("model.safetensors"), &stored)?;
+        let cfg_src = if a.model.is_dir() {
+            a.model.join("config.json")
+        } else {
+            a.model.clone()
+        };
+        std::fs::copy(&cfg_src, dir.join("config.json"))
+            .with_context(|| format!("copying {} to {}", cfg_src.display(), dir.display()))?;
+        println!("checkpoint → {}", dir.display());
+    }
+    Ok(())
+}

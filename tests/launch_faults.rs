@@ -1,0 +1,499 @@
+//! Fault handling of multi-process runs: a rank that exits or stalls before its first
+//! collective (the `SHARDC_TEST_FAIL_RANK`/`SHARDC_TEST_FAIL_MODE` test hook of `shardc run`)
+//! makes every other rank exit non-zero within the communication timeout, with an error naming
+//! the rank, the collective, its sequence number and the mesh axis; the launcher stops the
+//! rest and names the failing rank. Bad environments and launcher arguments are clear errors.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// The communication timeout of these tests, in seconds.
+const TIMEOUT_S: u64 = 3;
+/// Allowance beyond the timeout for process start-up and exit on a loaded 2-core machine.
+const SLACK: Duration = Duration::from_secs(12);
+
+const RANK_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "SHARDC_TEST_FAIL_RANK",
+    "SHARDC_TEST_FAIL_MODE",
+];
+
+fn shardc() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_shardc"));
+    for v in RANK_VARS {
+        c.env_remove(v);
+    }
+    c.stdin(Stdio::null());
+    c
+}
+
+fn llama() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf-tiny/llama")
+        .display()
+        .to_string()
+}
+
+fn tokens(dir: &Path) -> String {
+    let p = dir.join("ids.json");
+    std::fs::write(
+        &p,
+        "[[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]",
+    )
+    .unwrap();
+    p.display().to_string()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `shardc run` arguments of one rank.
+fn run_args(dir: &Path, mesh: &str, timeout_s: u64) -> Vec<String> {
+    let out = dir.join("out.json").display().to_string();
+    [
+        "run",
+        &llama(),
+        "--tokens",
+        &tokens(dir),
+        "--mesh",
+        mesh,
+        "--comm-timeout",
+        &timeout_s.to_string(),
+        "--out",
+        &out,
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// A finished process.
+struct Done {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+    elapsed: Duration,
+}
+
+/// Waits for `child` at most `limit`, killing it past that (then `None`).
+fn wait(mut child: Child, started: Instant, limit: Duration) -> Option<Done> {
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut stdout = String::new();
+            let mut stderr = String::new();
+            child
+                .stdout
+                .take()
+                .unwrap()
+                .read_to_string(&mut stdout)
+                .unwrap();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut stderr)
+                .unwrap();
+            return Some(Done {
+                status,
+                stdout,
+                stderr,
+                elapsed: started.elapsed(),
+            });
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Starts `world` ranks by hand (as torchrun would), rank `fail` with the test hook in `mode`.
+fn spawn_ranks(dir: &Path, mesh: &str, world: usize, fail: usize, mode: &str) -> Vec<Child> {
+    let port = free_port();
+    let args = run_args(dir, mesh, TIMEOUT_S); // Once: it writes the tokens file.
+    (0..world)
+        .map(|rank| {
+            shardc()
+                .args(&args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("SHARDC_TEST_FAIL_RANK", fail.to_string())
+                .env("SHARDC_TEST_FAIL_MODE", mode)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Rank `rank`'s error line: a one-line `error:` naming its rank, the collective, its
+/// sequence number and mesh axis.
+fn assert_documented_error(d: &Done, rank: usize, needles: &[&str]) {
+    assert!(!d.status.success(), "rank {rank} should fail: {}", d.stdout);
+    assert!(!d.stderr.contains("panicked"), "rank {rank}: {}", d.stderr);
+    let line = d
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("rank {rank}: no error line in {}", d.stderr));
+    assert!(
+        line.starts_with(&format!("error: rank {rank} (mesh coordinates ")),
+        "rank {rank}: {line}"
+    );
+    // `<collective> #<seq> on rank <k> of group `<axis>``.
+    let named = [
+        "all_reduce #",
+        "all_gather #",
+        "reduce_scatter #",
+        "all_to_all #",
+    ]
+    .iter()
+    .any(|c| line.contains(c));
+    assert!(named && line.contains(" of group `"), "rank {rank}: {line}");
+    for n in needles {
+        assert!(line.contains(n), "rank {rank}: `{n}` not in {line}");
+    }
+    assert!(
+        d.elapsed < Duration::from_secs(TIMEOUT_S) + SLACK,
+        "rank {rank} took {:?}",
+        d.elapsed
+    );
+}
+
+#[test]
+fn a_crashed_rank_makes_its_peer_fail_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    let mut ranks = spawn_ranks(tmp.path(), "tp=2", 2, 1, "exit").into_iter();
+    let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
+    let limit = Duration::from_secs(TIMEOUT_S) + SLACK;
+    let d1 = wait(r1, t0, limit).expect("the crashing rank exits");
+    assert_eq!(d1.status.code(), Some(3), "{}", d1.stderr);
+    let d0 = wait(r0, t0, limit).expect("rank 0 must not hang");
+    assert_documented_error(
+        &d0,
+        0,
+        &["group `tp`", "aborted", "connection to rank 1 lost"],
+    );
+    assert!(
+        !tmp.path().join("out.json").exists(),
+        "a failed job wrote --out"
+    );
+}
+
+#[test]
+fn a_stalled_rank_makes_every_other_rank_fail_within_the_timeout() {
+    // dp=2,tp=2: rank 3 stalls. Rank 2 shares its tp group and times out waiting for it; rank
+    // 1 shares its dp group; rank 0 shares neither and learns of it through the aborts.
+    let tmp = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    let mut ranks = spawn_ranks(tmp.path(), "dp=2,tp=2", 4, 3, "hang");
+    let stalled = ranks.pop().unwrap();
+    let limit = Duration::from_secs(TIMEOUT_S) + SLACK;
+    let done: Vec<Option<Done>> = ranks.into_iter().map(|c| wait(c, t0, limit)).collect();
+    let d3 = wait(stalled, t0, Duration::ZERO); // Kills it.
+    if let Some(d) = d3 {
+        panic!(
+            "rank 3 was to stall; it exited ({}): {}",
+            d.status, d.stderr
+        );
+    }
+    let done: Vec<Done> = done
+        .into_iter()
+        .enumerate()
+        .map(|(r, d)| d.unwrap_or_else(|| panic!("rank {r} hung")))
+        .collect();
+    for (rank, d) in done.iter().enumerate() {
+        assert_documented_error(d, rank, &[]);
+    }
+    // Rank 2 waited on rank 3 itself (group-local rank 1 of its tp group [2,3]).
+    let e2 = done[2]
+        .stderr
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap();
+    assert!(
+        e2.contains(&format!(
+            "timed out after {} ms waiting for rank 1",
+            TIMEOUT_S * 1000
+        )) && e2.contains("group `tp`")
+            && e2.contains("tp:[2,3]"),
+        "{e2}"
+    );
+    // The others failed within about one timeout, not one per hop.
+    let slowest = done.iter().map(|d| d.elapsed).max().unwrap();
+    assert!(
+        slowest < Duration::from_secs(TIMEOUT_S) + SLACK,
+        "{slowest:?}"
+    );
+}
+
+#[test]
+fn the_launcher_names_the_failing_rank_and_stops_the_rest() {
+    for (mode, needles) in [
+        // Rank 1 exits with status 3; rank 0 fails at once ("connection to rank 1 lost"). Both
+        // are listed, in the order the launcher saw them exit.
+        (
+            "exit",
+            vec![
+                "rank 1 failed (exit status: 3)",
+                "rank 0 failed (exit status: 1)",
+            ],
+        ),
+        // Rank 1 stalls; rank 0 times out, then the launcher kills rank 1.
+        (
+            "hang",
+            vec![
+                "rank 0 failed (exit status: 1)",
+                "ranks [1] were still running",
+            ],
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let t0 = Instant::now();
+        let child = shardc()
+            .args(["launch", "--nproc-per-node", "2", "--grace", "1", "--"])
+            .args(run_args(tmp.path(), "tp=2", TIMEOUT_S))
+            .env("SHARDC_TEST_FAIL_RANK", "1")
+            .env("SHARDC_TEST_FAIL_MODE", mode)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let d = wait(child, t0, Duration::from_secs(TIMEOUT_S + 1) + SLACK)
+            .unwrap_or_else(|| panic!("{mode}: the launcher hung"));
+        assert!(!d.status.success(), "{mode}");
+        let last = d.stderr.lines().last().unwrap_or_default();
+        assert!(last.starts_with("error: "), "{mode}: {}", d.stderr);
+        for n in &needles {
+            assert!(last.contains(n), "{mode}: `{n}` not in {last}");
+        }
+        // Rank 0's own message came through the launcher, prefixed.
+        assert!(
+            d.stderr
+                .contains("[rank 0] error: rank 0 (mesh coordinates tp=0; groups tp:[0,1]): "),
+            "{mode}: {}",
+            d.stderr
+        );
+        assert!(
+            d.stderr.contains("all_reduce #0 on rank 0 of group `tp`"),
+            "{}",
+            d.stderr
+        );
+    }
+}
+
+#[test]
+fn the_launcher_kills_a_job_past_its_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    // Both ranks stall (a long comm timeout), so only the job timeout ends it.
+    let child = shardc()
+        .args(["launch", "--nproc-per-node", "2", "--timeout", "2", "--"])
+        .args(run_args(tmp.path(), "tp=2", 600))
+        .env("SHARDC_TEST_FAIL_RANK", "0")
+        .env("SHARDC_TEST_FAIL_MODE", "hang")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let d = wait(child, t0, Duration::from_secs(2) + SLACK).expect("the launcher hung");
+    assert!(!d.status.success());
+    let last = d.stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("ran past its timeout of 2s; killed ranks [0, 1]"),
+        "{}",
+        d.stderr
+    );
+}
+
+/// A missing rank: the rendezvous times out naming it.
+#[test]
+fn a_rank_that_never_starts_fails_the_rendezvous() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    let child = shardc()
+        .args(run_args(tmp.path(), "tp=2", 1))
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", free_port().to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let d = wait(child, t0, Duration::from_secs(1) + SLACK).expect("rank 0 hung");
+    assert!(!d.status.success());
+    assert!(
+        d.stderr
+            .contains("waiting for ranks [1] to register (registered: [0])"),
+        "{}",
+        d.stderr
+    );
+}
+
+/// Runs and expects failure with a one-line `error:` message containing every `needle`.
+fn fails_with(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
+    let out = shardc()
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} {env:?} should fail");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.starts_with("error: "), "{args:?} {env:?}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{env:?}: `{n}` not in: {err}");
+    }
+}
+
+#[test]
+fn bad_environments_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = run_args(tmp.path(), "tp=2", 1);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let full = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let without = |var: &str| -> Vec<(&str, &str)> {
+        full.iter().copied().filter(|(k, _)| *k != var).collect()
+    };
+    let with = |var: &'static str, value: &'static str| -> Vec<(&'static str, &'static str)> {
+        let mut v: Vec<_> = full.iter().copied().filter(|(k, _)| *k != var).collect();
+        v.push((var, value));
+        v
+    };
+    fails_with(&args, &without("WORLD_SIZE"), &["WORLD_SIZE is not set"]);
+    fails_with(&args, &without("RANK"), &["RANK is not set"]);
+    fails_with(&args, &without("MASTER_ADDR"), &["MASTER_ADDR is not set"]);
+    fails_with(&args, &without("MASTER_PORT"), &["MASTER_PORT is not set"]);
+    fails_with(
+        &args,
+        &with("RANK", "one"),
+        &["RANK=`one`", "non-negative integer"],
+    );
+    fails_with(
+        &args,
+        &with("RANK", "2"),
+        &["RANK=`2`", "below WORLD_SIZE=2"],
+    );
+    fails_with(
+        &args,
+        &with("MASTER_PORT", "http"),
+        &["MASTER_PORT=`http`", "TCP port"],
+    );
+    fails_with(
+        &args,
+        &with("WORLD_SIZE", "4"),
+        &["mesh tp=2 has 2 ranks but WORLD_SIZE is 4"],
+    );
+    let no_mesh: Vec<&str> = args
+        .iter()
+        .copied()
+        .filter(|a| *a != "--mesh" && *a != "tp=2")
+        .collect();
+    fails_with(&no_mesh, &full, &["rank 0 of 2", "no --mesh"]);
+    // A one-rank world connects to itself; then the test hook rejects an unknown mode.
+    let one = run_args(tmp.path(), "tp=1", 10);
+    let one: Vec<&str> = one.iter().map(String::as_str).collect();
+    let port = free_port().to_string();
+    fails_with(
+        &one,
+        &[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", &port),
+            ("SHARDC_TEST_FAIL_RANK", "0"),
+            ("SHARDC_TEST_FAIL_MODE", "explode"),
+        ],
+        &["SHARDC_TEST_FAIL_MODE must be `exit` or `hang`", "explode"],
+    );
+}
+
+#[test]
+fn bad_launcher_arguments_are_named() {
+    let run = ["--", "run", "x", "--tokens", "t", "--out", "o"];
+    let launch = |extra: &[&str]| -> Vec<String> {
+        ["launch"]
+            .iter()
+            .chain(extra)
+            .chain(&run)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let check = |extra: &[&str], needles: &[&str]| {
+        let a = launch(extra);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        fails_with(&a, &[], needles);
+    };
+    check(
+        &["--nproc-per-node", "0"],
+        &["--nproc-per-node must be at least 1"],
+    );
+    check(
+        &[
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+            "--master-port",
+            "1234",
+        ],
+        &["--node-rank 2 must be below --nnodes 2"],
+    );
+    check(
+        &["--nproc-per-node", "1", "--nnodes", "2"],
+        &["--master-port"],
+    );
+    // Argument syntax errors are clap's (with a usage hint).
+    for (args, needle) in [
+        (
+            &[
+                "launch",
+                "--nproc-per-node",
+                "1",
+                "--timeout",
+                "0",
+                "--",
+                "run",
+            ][..],
+            "`0` must be a positive number of seconds",
+        ),
+        (&["launch", "--nproc-per-node", "1"][..], "<COMMAND>"),
+    ] {
+        let out = shardc().args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+}

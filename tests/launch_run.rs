@@ -1,0 +1,208 @@
+//! `shardc launch` runs a sharded plan in real processes (one per rank, TCP communicators)
+//! and reproduces, bit for bit, the same plan on thread ranks, and transformers' logits within
+//! 1e-4; ranks started by hand with torchrun's variables do the same.
+
+mod common;
+
+use serde_json::Value;
+use shardc::runtime::Tensor;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+/// Variables that would turn a plain `shardc run` into a rank.
+const RANK_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "SHARDC_TEST_FAIL_RANK",
+    "SHARDC_TEST_FAIL_MODE",
+];
+
+fn shardc() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_shardc"));
+    for v in RANK_VARS {
+        c.env_remove(v);
+    }
+    c.stdin(Stdio::null());
+    c
+}
+
+fn ok(out: Output, what: &str) -> (String, String) {
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{o}\n{e}",
+        out.status
+    );
+    (o, e)
+}
+
+fn case() -> common::Case {
+    common::cases()
+        .into_iter()
+        .find(|c| c.model == "llama" && c.name == "reference_b2_s16")
+        .expect("fixture llama reference_b2_s16")
+}
+
+fn llama() -> String {
+    common::fixtures().join("llama").display().to_string()
+}
+
+fn write_tokens(dir: &Path, case: &common::Case) -> String {
+    let p = dir.join("ids.json");
+    std::fs::write(&p, case.json["input_ids"].to_string()).unwrap();
+    p.display().to_string()
+}
+
+/// Logits and hidden states of an `--out` file, as the executor's outputs.
+fn read_out(path: &Path) -> BTreeMap<String, Tensor> {
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let t = |name: &str| {
+        let shape = v[format!("{name}_shape")]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect();
+        let data = v[name]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        Tensor::f32(shape, data)
+    };
+    BTreeMap::from([
+        ("logits".to_string(), t("logits")),
+        ("hidden".to_string(), t("hidden")),
+    ])
+}
+
+/// The thread-rank run of the same plan.
+fn thread_run(dir: &Path, tokens: &str, mesh: &str) -> BTreeMap<String, Tensor> {
+    let out = dir.join(format!("threads-{mesh}.json"));
+    let o = shardc()
+        .args(["run", &llama(), "--tokens", tokens, "--mesh", mesh, "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    ok(o, "thread-rank run");
+    read_out(&out)
+}
+
+/// Every rank's `job <hex>` (the rendezvous' bootstrap bytes) from the ranks' stdout.
+fn job_ids(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .filter_map(|l| l.split("job ").nth(1))
+        .map(|rest| {
+            rest.chars()
+                .take_while(char::is_ascii_hexdigit)
+                .collect::<String>()
+        })
+        .collect()
+}
+
+fn check_launch(nproc: usize, mesh: &str) {
+    let case = case();
+    let tmp = tempfile::tempdir().unwrap();
+    let tokens = write_tokens(tmp.path(), &case);
+    let out = tmp.path().join("launched.json");
+    let o = shardc()
+        .args(["launch", "--nproc-per-node", &nproc.to_string(), "--"])
+        .args(["run", &llama(), "--tokens", &tokens, "--mesh", mesh])
+        .args(["--backend", "cpu", "--comm-timeout", "60", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let (stdout, _) = ok(o, &format!("launch {nproc} × {mesh}"));
+    // Every rank ran, in its own process, and printed through the launcher's prefix.
+    for r in 0..nproc {
+        assert!(
+            stdout.contains(&format!("[rank {r}] ")),
+            "no output of rank {r}:\n{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains(&format!("as rank 0 of {nproc} processes (tcp")),
+        "{stdout}"
+    );
+    // The rendezvous handed every rank the same bootstrap bytes (16 random bytes).
+    let ids = job_ids(&stdout);
+    assert_eq!(ids.len(), nproc, "{stdout}");
+    assert_eq!(ids[0].len(), 32, "{stdout}");
+    assert!(ids.iter().all(|j| j == &ids[0]), "{ids:?}");
+
+    let launched = read_out(&out);
+    case.check(&launched, &format!("launch {nproc} × {mesh}"));
+    // Same algorithms, same reduction order: bit-identical to the thread ranks.
+    let threads = thread_run(tmp.path(), &tokens, mesh);
+    for name in ["logits", "hidden"] {
+        assert_eq!(
+            launched[name].as_f32().unwrap(),
+            threads[name].as_f32().unwrap(),
+            "{name}: launched {mesh} differs from thread ranks"
+        );
+    }
+}
+
+#[test]
+fn launch_tp2_matches_thread_ranks_and_transformers() {
+    check_launch(2, "tp=2");
+}
+
+#[test]
+fn launch_dp2_tp2_matches_thread_ranks_and_transformers() {
+    check_launch(4, "dp=2,tp=2");
+}
+
+/// Ranks started by another launcher (here by hand, as torchrun would) with the variables.
+#[test]
+fn ranks_started_with_torchrun_variables() {
+    let case = case();
+    let tmp = tempfile::tempdir().unwrap();
+    let tokens = write_tokens(tmp.path(), &case);
+    let out = tmp.path().join("out.json");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            shardc()
+                .args(["run", &llama(), "--tokens", &tokens, "--mesh", "tp=2"])
+                .args(["--comm-timeout", "60", "--out"])
+                .arg(&out)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "localhost")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut outs = Vec::new();
+    for (rank, c) in children.into_iter().enumerate() {
+        let (o, _) = ok(c.wait_with_output().unwrap(), &format!("rank {rank}"));
+        outs.push(o);
+    }
+    assert!(outs[1].contains("rank 1 (tp=1) of 2 done"), "{}", outs[1]);
+    assert_eq!(job_ids(&outs[0]), job_ids(&outs[1]));
+    case.check(&read_out(&out), "torchrun-style tp=2");
+}

@@ -1,0 +1,345 @@
+//! `shardc simulate`, `shardc calibrate` and `compile`'s fit check from the command line.
+
+use std::path::Path;
+use std::process::Command;
+
+fn shardc(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+fn ok_json(args: &[&str]) -> serde_json::Value {
+    let (ok, out, err) = shardc(args);
+    assert!(ok, "{args:?}: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}: {out}"))
+}
+
+const KEYS: [&str; 6] = [
+    "step_time_s",
+    "tflops_per_gpu",
+    "mfu",
+    "peak_memory_bytes_per_rank",
+    "exposed_comm_s",
+    "bubble_fraction",
+];
+
+#[test]
+fn forward_json_has_the_report_keys() {
+    let v = ok_json(&[
+        "simulate",
+        "tests/fixtures/hf-tiny/llama",
+        "--mesh",
+        "dp=2,tp=2",
+        "--strategy",
+        "sp",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--cluster",
+        "dgx-h100",
+        "--json",
+    ]);
+    for k in KEYS {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+        assert!(x.is_finite() && x >= 0.0, "{k} = {x}");
+    }
+    assert!(v["step_time_s"].as_f64().unwrap() > 0.0);
+    assert!(v["mfu"].as_f64().unwrap() < 1.0);
+    assert_eq!(v["gpus"], 4);
+    assert_eq!(v["mode"], "forward");
+    assert_eq!(v["cluster"], "dgx-h100x1");
+    // The same plan compiled to a file and replayed with --plan gives the same numbers.
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("plan.json");
+    let (ok, _, err) = shardc(&[
+        "compile",
+        "tests/fixtures/hf-tiny/llama",
+        "--mesh",
+        "dp=2,tp=2",
+        "--strategy",
+        "sp",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let w = ok_json(&["simulate", "--plan", plan.to_str().unwrap(), "--json"]);
+    for k in KEYS {
+        assert_eq!(v[k], w[k], "{k}");
+    }
+}
+
+#[test]
+fn llama_70b_training_on_1024_h100s() {
+    let v = ok_json(&[
+        "simulate",
+        "models/llama-3-70b.json",
+        "--train",
+        "--mesh",
+        "pp=8,dp=16,tp=8",
+        "--strategy",
+        "sp",
+        "--global-batch",
+        "1024",
+        "--seq",
+        "8192",
+        "--recompute",
+        "selective",
+        "--zero",
+        "1",
+        "--overlap-grad-reduce",
+        "--cluster",
+        "dgx-h100x128",
+        "--json",
+    ]);
+    assert_eq!(v["gpus"], 1024);
+    assert_eq!(v["micro_batches"], 64);
+    assert_eq!(v["stages"].as_array().unwrap().len(), 8);
+    let mfu = v["mfu"].as_f64().unwrap();
+    assert!(mfu > 0.2 && mfu < 0.7, "mfu {mfu}");
+    let bubble = v["bubble_fraction"].as_f64().unwrap();
+    // 1F1B with 8 stages and 64 micro-batches idles at least (p−1)/(m+p−1) ≈ 9.9%.
+    assert!(bubble > 0.09 && bubble < 0.3, "bubble {bubble}");
+    assert_eq!(v["fits"], true);
+    let peak = v["peak_memory_bytes_per_rank"].as_u64().unwrap();
+    let parts: u64 = v["memory_breakdown"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|x| x.as_u64().unwrap())
+        .sum();
+    assert_eq!(parts, peak);
+}
+
+#[test]
+fn trace_opens_as_a_chrome_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let (ok, out, err) = shardc(&[
+        "simulate",
+        "tests/fixtures/hf-tiny/llama",
+        "--mesh",
+        "dp=2,tp=2",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("step time"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let ev = v["traceEvents"].as_array().unwrap();
+    let procs: Vec<i64> = ev
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "process_name")
+        .map(|e| e["pid"].as_i64().unwrap())
+        .collect();
+    assert_eq!(procs, [0, 1, 2, 3], "one process per rank");
+    let threads: Vec<&str> = ev
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name" && e["pid"] == 0)
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(threads, ["compute", "comm"], "one track per stream");
+    let slices: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();
+    assert!(slices.iter().all(|e| e["args"]["bytes"].is_u64()
+        && e["args"]["flops"].is_number()
+        && e["dur"].as_f64().unwrap() >= 0.0));
+    assert!(slices.iter().any(|e| e["cat"] == "collective"
+        && e["tid"] == 1
+        && e["args"]["bytes"].as_u64() > Some(0)));
+    assert!(slices
+        .iter()
+        .any(|e| e["cat"] == "gemm" && e["args"]["flops"].as_f64() > Some(0.0)));
+    assert!(ev.iter().any(|e| e["ph"] == "C" && e["name"] == "memory"));
+}
+
+/// A cluster whose device has `memory` bytes, as user-supplied profile files.
+fn small_device_cluster(dir: &Path, memory: f64) -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("compiler/src/cost/profiles");
+    let dev = std::fs::read_to_string(root.join("h100-sxm.toml")).unwrap();
+    let dev = dev.replace(
+        "memory_bytes = { value = 80e9,",
+        &format!("memory_bytes = {{ value = {memory:e},"),
+    );
+    std::fs::write(dir.join("tiny-gpu.toml"), dev).unwrap();
+    let cl = std::fs::read_to_string(root.join("dgx-h100.toml"))
+        .unwrap()
+        .replace("device = \"h100-sxm\"", "device = \"tiny-gpu.toml\"");
+    let p = dir.join("tiny-cluster.toml");
+    std::fs::write(&p, cl).unwrap();
+    p.to_string_lossy().to_string()
+}
+
+#[test]
+fn plans_that_do_not_fit_warn_in_simulate_and_fail_compile() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = small_device_cluster(dir.path(), 1e5);
+    let model = "tests/fixtures/hf-tiny/llama";
+    let (ok, _, err) = shardc(&[
+        "simulate",
+        model,
+        "--mesh",
+        "tp=2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--cluster",
+        &cluster,
+    ]);
+    assert!(ok, "simulate only warns: {err}");
+    assert!(
+        err.contains("warning: does not fit") && err.contains("params"),
+        "{err}"
+    );
+    let plan = dir.path().join("plan.json");
+    let plan = plan.to_str().unwrap();
+    let args = [
+        "compile",
+        model,
+        "--mesh",
+        "tp=2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--cluster",
+        &cluster,
+        "-o",
+        plan,
+    ];
+    let (ok, _, err) = shardc(&args);
+    assert!(!ok, "compile must refuse");
+    assert!(err.starts_with("error: plan does not fit"), "{err}");
+    assert!(
+        err.contains("--allow-oom") && err.contains("activations"),
+        "{err}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(!Path::new(plan).exists());
+    let mut args = args.to_vec();
+    args.push("--allow-oom");
+    let (ok, _, err) = shardc(&args);
+    assert!(ok, "{err}");
+    assert!(err.contains("warning: plan does not fit"), "{err}");
+    assert!(Path::new(plan).exists());
+    // A device that fits: no warning.
+    let big = small_device_cluster(dir.path(), 80e9);
+    let (ok, _, err) = shardc(&[
+        "simulate",
+        model,
+        "--mesh",
+        "tp=2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--cluster",
+        &big,
+    ]);
+    assert!(ok && !err.contains("does not fit"), "{err}");
+}
+
+#[test]
+fn calibrate_needs_the_cuda_backend_or_measurements() {
+    let (ok, _, err) = shardc(&["calibrate"]);
+    assert!(!ok);
+    assert!(err.contains("CUDA backend"), "{err}");
+    assert!(err.contains("--measurements"), "{err}");
+    // Measurements taken elsewhere fit offline into loadable profiles.
+    let dir = tempfile::tempdir().unwrap();
+    let m = serde_json::json!({
+        "device": "NVIDIA H100 80GB HBM3",
+        "gemm": [{"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16", "seconds": 0.00185}],
+        "copy": [{"bytes": 1073741824u64, "seconds": 0.00075}, {"bytes": 4096, "seconds": 0.0000025}],
+        "collectives": [
+            {"kind": "all_reduce", "ranks": 8, "bytes": 1073741824u64, "seconds": 0.0052, "network": false},
+            {"kind": "all_reduce", "ranks": 8, "bytes": 1024, "seconds": 0.000015, "network": false}
+        ]
+    });
+    let mp = dir.path().join("m.json");
+    std::fs::write(&mp, m.to_string()).unwrap();
+    let out = dir.path().join("cal.toml");
+    let (ok, stdout, err) = shardc(&[
+        "calibrate",
+        "--measurements",
+        mp.to_str().unwrap(),
+        "--cluster",
+        "dgx-h100",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert!(stdout.contains("gemm large"), "{stdout}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    // 2·8192³ / 1.85 ms / 989.4 TFLOP/s.
+    let want = 2.0 * 8192f64.powi(3) / 0.00185 / 989.4e12;
+    assert!(text.contains(&format!("{want}")), "{text}");
+    assert!(text.contains("measured by `shardc calibrate` on NVIDIA H100 80GB HBM3"));
+    let cluster = dir.path().join("cal-cluster.toml");
+    let v = ok_json(&[
+        "simulate",
+        "tests/fixtures/hf-tiny/llama",
+        "--mesh",
+        "tp=2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(v["device"], "cal");
+}
+
+#[test]
+fn bad_cluster_and_too_small_cluster_are_clear_errors() {
+    let (ok, _, err) = shardc(&["simulate", "--cluster", "nope"]);
+    assert!(
+        !ok && err.contains("unknown profile `nope`") && err.contains("dgx-h100"),
+        "{err}"
+    );
+    let (ok, _, err) = shardc(&[
+        "simulate",
+        "tests/fixtures/hf-tiny/llama",
+        "--mesh",
+        "dp=4,tp=4",
+        "--cluster",
+        "dgx-h100x1",
+    ]);
+    assert!(!ok, "16 ranks on 8 GPUs");
+    assert!(
+        err.contains("needs 16 GPUs") && err.contains("dgx-h100x2"),
+        "{err}"
+    );
+    let (ok, _, err) = shardc(&[
+        "simulate",
+        "tests/fixtures/hf-tiny/llama",
+        "--train",
+        "--mesh",
+        "pp=2,tp=2",
+        "--seq",
+        "16",
+    ]);
+    assert!(
+        !ok && err.contains("layers=3 is not divisible by pp=2"),
+        "{err}"
+    );
+}

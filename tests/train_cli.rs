@@ -1,0 +1,230 @@
+//! `shardc train` end to end: the loss per step, `--save` (a checkpoint transformers and
+//! `shardc run` load: the same tensor names and shapes), `--dump-grads` (`grad.<name>` equal
+//! to the fixture's gradients), `--plan`, sharded runs, and clear errors.
+
+mod train_support;
+
+use shardc::runtime::Weights;
+use std::path::Path;
+use std::process::Command;
+
+fn shardc(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+fn tokens_file(dir: &Path, model: &str) -> String {
+    let r = train_support::reference(model);
+    let rows: Vec<Vec<i32>> = r.ids.chunks(r.seq).map(|c| c.to_vec()).collect();
+    let p = dir.join("ids.json");
+    std::fs::write(&p, serde_json::to_string(&rows).unwrap()).unwrap();
+    p.display().to_string()
+}
+
+/// The losses printed, one per step.
+fn losses(out: &str) -> Vec<f32> {
+    out.lines()
+        .filter_map(|l| {
+            l.strip_prefix("step ")?
+                .split("loss ")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+#[test]
+fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
+    let tmp = tempfile::tempdir().unwrap();
+    for model in ["llama", "gpt2", "mixtral"] {
+        let dir = train_support::dir(model);
+        let ids = tokens_file(tmp.path(), model);
+        let save = tmp.path().join(format!("{model}-trained"));
+        let grads = tmp.path().join(format!("{model}-grads.safetensors"));
+        let (ok, out, err) = shardc(&[
+            "train",
+            dir.to_str().unwrap(),
+            "--tokens",
+            &ids,
+            "--steps",
+            "3",
+            "--save",
+            save.to_str().unwrap(),
+            "--dump-grads",
+            grads.to_str().unwrap(),
+        ]);
+        assert!(ok, "{model}: {err}");
+        let l = losses(&out);
+        let r = train_support::reference(model);
+        assert_eq!(l.len(), 3, "{model}: {out}");
+        assert!(
+            (l[0] - r.loss).abs() < 1e-5,
+            "{model}: first loss {} vs {}",
+            l[0],
+            r.loss
+        );
+        assert!(
+            l[2] < l[1] && l[1] < l[0],
+            "{model}: the loss goes down: {l:?}"
+        );
+
+        // Same tensor names, shapes and dtype as the checkpoint trained from.
+        let (orig, saved) = (Weights::open(&dir).unwrap(), Weights::open(&save).unwrap());
+        assert_eq!(orig.names(), saved.names(), "{model}: tensor names");
+        for n in orig.names() {
+            assert_eq!(orig.shape(&n), saved.shape(&n), "{model}: `{n}`");
+            assert_eq!(saved.dtype(&n).as_deref(), Some("F32"));
+        }
+        // `shardc run` loads it (config.json copied alongside).
+        let out_json = tmp.path().join("out.json");
+        let (ok, _, err) = shardc(&[
+            "run",
+            save.to_str().unwrap(),
+            "--tokens",
+            &ids,
+            "--out",
+            out_json.to_str().unwrap(),
+        ]);
+        assert!(ok, "{model}: run on the saved checkpoint: {err}");
+
+        // The dumped gradients are the last step's; the first step's equal the fixture's.
+        let g = Weights::open(&grads).unwrap();
+        let names: Vec<String> = g
+            .names()
+            .iter()
+            .map(|n| n["grad.".len()..].to_string())
+            .collect();
+        assert_eq!(
+            names,
+            orig.names(),
+            "{model}: one gradient per stored tensor"
+        );
+    }
+    // One step: the dumped gradients match the fixture's.
+    let model = "gpt2";
+    let ids = tokens_file(tmp.path(), model);
+    let grads = tmp.path().join("one.safetensors");
+    let (ok, _, err) = shardc(&[
+        "train",
+        train_support::dir(model).to_str().unwrap(),
+        "--tokens",
+        &ids,
+        "--mesh",
+        "dp=2",
+        "--strategy",
+        "zero2",
+        "--dump-grads",
+        grads.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let g = Weights::open(&grads).unwrap();
+    let r = train_support::reference(model);
+    for (name, want) in &r.grads {
+        let got = g.get(&format!("grad.{name}")).unwrap();
+        let d = got
+            .as_f32()
+            .unwrap()
+            .iter()
+            .zip(want.as_f32().unwrap())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(d < 1e-5, "`{name}` off by {d}");
+    }
+}
+
+#[test]
+fn sharded_train_reports_the_mesh_and_writes_a_plan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = tokens_file(tmp.path(), "llama");
+    let plan = tmp.path().join("plan.json");
+    let dir = train_support::dir("llama");
+    let (ok, out, err) = shardc(&[
+        "train",
+        dir.to_str().unwrap(),
+        "--tokens",
+        &ids,
+        "--mesh",
+        "tp=2",
+        "--strategy",
+        "sp",
+        "--micro-batches",
+        "2",
+        "--recompute",
+        "selective",
+        "--plan",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("mesh tp=2 (tp,sp) on 2 thread ranks"), "{out}");
+    let l = losses(&out);
+    assert!(
+        (l[0] - train_support::reference("llama").loss).abs() < 1e-5,
+        "{out}"
+    );
+    let p =
+        shardc::compiler::plan::Plan::from_json(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let m = p.memory.train.expect("training memory in the plan");
+    assert!(
+        m.param_bytes > 0 && m.grad_bytes > 0 && m.optimizer_bytes > 0 && m.activation_bytes > 0
+    );
+    assert_eq!(m.activations_per_layer.len(), 3);
+    assert!(m.peak_bytes > m.static_bytes);
+    assert!(p.comm.expect("communication volume").sent_elements > 0);
+}
+
+#[test]
+fn bad_training_arguments_are_one_line_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = tokens_file(tmp.path(), "llama");
+    let dir = train_support::dir("llama");
+    let d = dir.to_str().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--recompute", "sometimes"],
+            "unknown recompute mode `sometimes`",
+        ),
+        (&["--mesh", "dp=3"], "batch=2 is not divisible by dp=3"),
+        (
+            &["--micro-batches", "3"],
+            "does not split into 3 micro-batches",
+        ),
+        (
+            &["--mesh", "dp=2", "--micro-batches", "2"],
+            "micro-batch=1 is not divisible by dp=2",
+        ),
+        (
+            &["--mesh", "tp=2", "--strategy", "zero2"],
+            "needs a `dp` axis",
+        ),
+        (&["--steps", "0"], "--steps must be at least 1"),
+    ];
+    for (extra, needle) in cases {
+        let mut args = vec!["train", d, "--tokens", &ids];
+        args.extend_from_slice(extra);
+        let (ok, _, err) = shardc(&args);
+        assert!(!ok, "{extra:?} should fail");
+        assert!(!err.contains("panicked"), "{extra:?}: {err}");
+        assert!(
+            err.starts_with("error: ") && err.trim_end().lines().count() == 1,
+            "{extra:?}: {err}"
+        );
+        assert!(err.contains(needle), "{extra:?}: `{needle}` not in {err}");
+    }
+    let bad = tmp.path().join("bad.json");
+    std::fs::write(&bad, "[[1, 2, 999]]").unwrap();
+    let (ok, _, err) = shardc(&["train", d, "--tokens", bad.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("token id 999 at [0][2] is out of range"),
+        "{err}"
+    );
+}
