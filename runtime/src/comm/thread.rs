@@ -103,58 +103,72 @@ impl fmt::Debug for ThreadComm {
     }
 }
 
-impl Communicator for ThreadComm {
-    fn rank(&self) -> usize {
-        self.engine.rank()
-    }
-    fn size(&self) -> usize {
-        self.engine.size()
-    }
-    fn name(&self) -> &str {
-        self.engine.name()
-    }
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
-        self.engine.broadcast(buf, root)
-    }
-    fn reduce(
-        &self,
-        send: &[f32],
-        recv: &mut [f32],
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<(), CommError> {
-        self.engine.reduce(send, recv, op, root)
-    }
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
-        self.engine.all_reduce(buf, op)
-    }
-    fn gather(&self, send: &[f32], recv: &mut [f32], root: usize) -> Result<(), CommError> {
-        self.engine.gather(send, recv, root)
-    }
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
-        self.engine.all_gather(send, recv)
-    }
-    fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize) -> Result<(), CommError> {
-        self.engine.scatter(send, recv, root)
-    }
-    fn reduce_scatter(
-        &self,
-        send: &[f32],
-        recv: &mut [f32],
-        op: ReduceOp,
-    ) -> Result<(), CommError> {
-        self.engine.reduce_scatter(send, recv, op)
-    }
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
-        self.engine.all_to_all(send, recv)
-    }
-    fn send(&self, buf: &[f32], peer: usize) -> Result<(), CommError> {
-        self.engine.send(buf, peer)
-    }
-    fn recv(&self, buf: &mut [f32], peer: usize) -> Result<(), CommError> {
-        self.engine.recv(buf, peer)
-    }
+/// Implements [`Communicator`] for a handle whose `engine` field (an `Engine` over its
+/// transport) runs the algorithms; the thread and tcp handles share it.
+macro_rules! communicator_via_engine {
+    ($ty:ty) => {
+        impl Communicator for $ty {
+            fn rank(&self) -> usize {
+                self.engine.rank()
+            }
+            fn size(&self) -> usize {
+                self.engine.size()
+            }
+            fn name(&self) -> &str {
+                self.engine.name()
+            }
+            fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+                self.engine.broadcast(buf, root)
+            }
+            fn reduce(
+                &self,
+                send: &[f32],
+                recv: &mut [f32],
+                op: ReduceOp,
+                root: usize,
+            ) -> Result<(), CommError> {
+                self.engine.reduce(send, recv, op, root)
+            }
+            fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
+                self.engine.all_reduce(buf, op)
+            }
+            fn gather(&self, send: &[f32], recv: &mut [f32], root: usize) -> Result<(), CommError> {
+                self.engine.gather(send, recv, root)
+            }
+            fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+                self.engine.all_gather(send, recv)
+            }
+            fn scatter(
+                &self,
+                send: &[f32],
+                recv: &mut [f32],
+                root: usize,
+            ) -> Result<(), CommError> {
+                self.engine.scatter(send, recv, root)
+            }
+            fn reduce_scatter(
+                &self,
+                send: &[f32],
+                recv: &mut [f32],
+                op: ReduceOp,
+            ) -> Result<(), CommError> {
+                self.engine.reduce_scatter(send, recv, op)
+            }
+            fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+                self.engine.all_to_all(send, recv)
+            }
+            fn send(&self, buf: &[f32], peer: usize) -> Result<(), CommError> {
+                self.engine.send(buf, peer)
+            }
+            fn recv(&self, buf: &mut [f32], peer: usize) -> Result<(), CommError> {
+                self.engine.recv(buf, peer)
+            }
+        }
+    };
 }
+pub(crate) use communicator_via_engine;
+
+communicator_via_engine!(ThreadComm);
 
 /// The mailboxes of an in-process group: `inboxes[r]` receives everything sent to rank `r`.
 struct Mailboxes {
