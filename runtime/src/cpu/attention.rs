@@ -79,33 +79,7 @@ pub(crate) fn attention(
             );
         }
         for (ti, row) in p.chunks_mut(s.max(1)).enumerate().take(t) {
-            let mut max = f32::NEG_INFINITY;
-            let mut any = false;
-            for (si, x) in row.iter_mut().enumerate() {
-                if visible(bi, ti, si) {
-                    *x *= scale;
-                    max = max.max(*x);
-                    any = true;
-                } else {
-                    *x = f32::NEG_INFINITY;
-                }
-            }
-            if !any {
-                row.fill(0.0);
-                continue;
-            }
-            let mut sum = 0.0f64;
-            for x in row.iter_mut() {
-                *x = if *x == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    ((*x - max) as f64).exp() as f32
-                };
-                sum += *x as f64;
-            }
-            for x in row.iter_mut() {
-                *x = (*x as f64 / sum) as f32;
-            }
+            masked_softmax_row(row, scale, |si| visible(bi, ti, si));
         }
         // o[t, :] = p[t, :] · v
         strided_gemm(t, s, d, &p, (s, 1), &vd[k0..], (hkv * d, 1), o, d);
@@ -159,5 +133,39 @@ fn strided_gemm(
             ldc as isize,
             1,
         );
+    }
+}
+
+/// Turns one row of raw scores `q·k` into attention probabilities in place: scaled, keys the
+/// query cannot see dropped, softmax with max subtraction (sum in f64); a row with no visible
+/// key becomes zeros. The forward kernel and the backward's recomputation share it, so both
+/// see bit-identical probabilities.
+pub(crate) fn masked_softmax_row(row: &mut [f32], scale: f32, visible: impl Fn(usize) -> bool) {
+    let mut max = f32::NEG_INFINITY;
+    let mut any = false;
+    for (si, x) in row.iter_mut().enumerate() {
+        if visible(si) {
+            *x *= scale;
+            max = max.max(*x);
+            any = true;
+        } else {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    if !any {
+        row.fill(0.0);
+        return;
+    }
+    let mut sum = 0.0f64;
+    for x in row.iter_mut() {
+        *x = if *x == f32::NEG_INFINITY {
+            0.0
+        } else {
+            ((*x - max) as f64).exp() as f32
+        };
+        sum += *x as f64;
+    }
+    for x in row.iter_mut() {
+        *x = (*x as f64 / sum) as f32;
     }
 }

@@ -7,6 +7,7 @@
 //! `dK = scale·dSᵀ·Q`; `dK` and `dV` sum over the query heads sharing a KV head. Masked keys
 //! have `P = 0`, so they receive nothing. Gradients accumulate in f64.
 
+use crate::cpu::attention::masked_softmax_row;
 use crate::cpu::{f32_of, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
@@ -116,33 +117,7 @@ pub(crate) fn probs(
         let k0 = bi * s * hkv * d + kh * d;
         sgemm(t, d, s, &qd[q0..], (hq * d, 1), &kd[k0..], (1, hkv * d), p);
         for (ti, row) in p.chunks_mut(s).enumerate() {
-            let mut max = f32::NEG_INFINITY;
-            let mut any = false;
-            for (si, x) in row.iter_mut().enumerate() {
-                if visible(bi, ti, si) {
-                    *x *= scale;
-                    max = max.max(*x);
-                    any = true;
-                } else {
-                    *x = f32::NEG_INFINITY;
-                }
-            }
-            if !any {
-                row.fill(0.0);
-                continue;
-            }
-            let mut sum = 0.0f64;
-            for x in row.iter_mut() {
-                *x = if *x == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    ((*x - max) as f64).exp() as f32
-                };
-                sum += *x as f64;
-            }
-            for x in row.iter_mut() {
-                *x = (*x as f64 / sum) as f32;
-            }
+            masked_softmax_row(row, scale, |si| visible(bi, ti, si));
         }
     });
     Ok(Tensor::f32(vec![b, hq, t, s], out))
