@@ -726,7 +726,7 @@ rule_tests! {
     slice_of_gather => ("slice-of-gather", "slice-of-gather", 0.2),
     gather_of_slice => ("gather-of-slice", "gather-of-slice", 0.2),
     gather_slice_to_all_to_all => ("gather-slice-to-all-to-all", "slice-of-gather", 0.2),
-    gather_sink_norm => ("gather-sink-norm", "gather-sink", 0.2),
+    gather_sink_norm => ("gather-sink-norm", "gather-sink", 0.1),
     gather_sink_elementwise => ("gather-sink-elementwise", "gather-sink", 0.2),
     gather_sink_binary => ("gather-sink-binary", "gather-sink", 0.2),
     gather_sink_matmul => ("gather-sink-matmul", "gather-sink", 0.2),

@@ -258,7 +258,18 @@ fn plans_that_do_not_fit_warn_in_simulate_and_fail_compile() {
 
 #[test]
 fn calibrate_needs_the_cuda_backend_or_measurements() {
-    let (ok, _, err) = shardc(&["calibrate"]);
+    // With no device visible (as on CI; `CUDA_VISIBLE_DEVICES=""` hides a GPU elsewhere) a
+    // bare calibrate fails clearly instead of measuring.
+    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .arg("calibrate")
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    let (ok, err) = (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
     assert!(!ok);
     assert!(err.contains("CUDA backend"), "{err}");
     assert!(err.contains("--measurements"), "{err}");

@@ -6,7 +6,9 @@
 use anyhow::{bail, Context};
 use clap::Args;
 use shardc::compiler::cost::{fit_profile, Cluster, DeviceProfile, Measurements};
-use std::path::PathBuf;
+use shardc::runtime::cuda::calibrate::{measure, CalibrateOptions};
+use shardc::runtime::cuda::CudaDevice;
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct CalibrateArgs {
@@ -31,14 +33,15 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?
         }
-        None => match shardc::kernels::cuda_available() {
-            Err(e) => bail!(
-                "calibration needs the CUDA backend and a GPU to run its GEMM, copy and collective micro-benchmarks ({e}); on a machine without one, fit timings measured elsewhere with --measurements FILE"
-            ),
-            Ok(n) => bail!(
-                "found {n} CUDA device(s), but this build's runtime has no CUDA backend to run the GEMM, copy and collective micro-benchmarks yet; fit timings measured with a cuBLAS sweep and nccl-tests with --measurements FILE"
-            ),
-        },
+        None => {
+            let m = measure_on_gpu()?;
+            print_table(&m);
+            let raw = measurements_path(&a.output);
+            std::fs::write(&raw, serde_json::to_string_pretty(&m)?)
+                .with_context(|| format!("writing {}", raw.display()))?;
+            println!("wrote {} (raw measurements)", raw.display());
+            m
+        }
     };
     let base = DeviceProfile::load(&a.base)?;
     let cluster = match &a.cluster {
@@ -85,4 +88,63 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `<output>.measurements.json`: where the raw measurements of a GPU run are saved.
+fn measurements_path(output: &Path) -> PathBuf {
+    let mut s = output.as_os_str().to_owned();
+    s.push(".measurements.json");
+    PathBuf::from(s)
+}
+
+/// Opens GPU 0 and runs the GEMM, copy and collective micro-benchmarks.
+fn measure_on_gpu() -> anyhow::Result<Measurements> {
+    let dev = match CudaDevice::open(0) {
+        Ok(d) => d,
+        Err(e) if e.is_unavailable() => bail!(
+            "calibration needs the CUDA backend and a GPU to run its GEMM, copy and collective micro-benchmarks ({e}); on a machine without one, fit timings measured elsewhere with --measurements FILE"
+        ),
+        Err(e) => return Err(e).context("opening CUDA device 0"),
+    };
+    println!(
+        "measuring on {} ({}): GEMMs, device copies, local-gpu collectives (2 virtual ranks on this GPU: they time its memory system, not NVLink)",
+        dev.name(),
+        dev.arch()
+    );
+    measure(&dev, &CalibrateOptions::default()).context("running the calibration micro-benchmarks")
+}
+
+fn print_table(m: &Measurements) {
+    println!(
+        "{:<16} {:>22} {:>12} {:>14}",
+        "benchmark", "size", "time", "rate"
+    );
+    for g in &m.gemm {
+        let tflops = 2.0 * g.m as f64 * g.n as f64 * g.k as f64 / g.seconds / 1e12;
+        println!(
+            "{:<16} {:>22} {:>9.1} µs {:>8.1} TFLOP/s",
+            format!("gemm {:?}", g.dtype).to_lowercase(),
+            format!("{}x{}x{}", g.m, g.n, g.k),
+            g.seconds * 1e6,
+            tflops
+        );
+    }
+    for c in &m.copy {
+        println!(
+            "{:<16} {:>18} KiB {:>9.1} µs {:>10.1} GB/s",
+            "copy d2d",
+            c.bytes >> 10,
+            c.seconds * 1e6,
+            2.0 * c.bytes as f64 / c.seconds / 1e9
+        );
+    }
+    for c in &m.collectives {
+        println!(
+            "{:<16} {:>18} KiB {:>9.1} µs {:>6.1} GB/s bus",
+            format!("{:?} x{}", c.kind, c.ranks),
+            c.bytes >> 10,
+            c.seconds * 1e6,
+            c.bytes as f64 / c.seconds * c.kind.bus_factor(c.ranks) / 1e9
+        );
+    }
 }

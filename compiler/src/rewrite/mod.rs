@@ -239,7 +239,7 @@ fn run_once(
             groups.entry(canon).or_insert(g);
         }
     }
-    let (ex, alt) = match opts.objective {
+    let (ex, model_cost) = match opts.objective {
         Objective::Model => {
             let mut cf = ModelCost(&opts.cost);
             let ex = extract::extract(&eg, &roots, &mut cf, &groups);
@@ -266,7 +266,7 @@ fn run_once(
     let mut emitted = convert::emit(&eg, &ex, &loaded.roots, sg, &loaded.originals)?;
     // The cost that chose each communicating node: the program's exact cost, and what it
     // would be with the class's best other node.
-    if let Some(mut cf) = alt {
+    if let Some(mut cf) = model_cost {
         for (v, note) in emitted.notes.iter_mut().enumerate() {
             let node = emitted.sharded.graph.node(crate::ir::ValueId(v as u32));
             if !node.op.communicates() {

@@ -21,6 +21,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod calibrate;
 mod collective;
 mod device;
 mod error;
