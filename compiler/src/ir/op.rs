@@ -183,11 +183,13 @@ pub struct ShardSpec {
 pub struct ParamSource {
     /// Stored tensor name. With `stack`, a template where `{}` stands for the stack index.
     pub name: String,
-    /// Only this sub-block of the stored tensor (fused QKV, fused gate/up).
+    /// Only this sub-block of the stored tensor (fused QKV, fused gate/up). With `stack`, the
+    /// view's dim is a dim of each stored tensor (before stacking).
     pub view: Option<ParamView>,
     /// Stack this many stored tensors along a new dim 0 (MoE experts stored one per tensor).
     pub stack: Option<usize>,
-    /// Stored layout is the transpose of the graph's 2-D layout.
+    /// Stored layout is the transpose of the graph's layout: the last two dims of each stored
+    /// tensor are swapped (after `view`, before stacking).
     pub transposed: bool,
     /// After sharding: the chunk of the (global, graph-layout) tensor this rank holds.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -246,7 +248,8 @@ pub enum Op {
     Unary(UnaryOp),
     /// `x · c`.
     Scale(Float),
-    /// Change of dtype.
+    /// Change of dtype. Float → bf16/f16 rounds to nearest even; float → i32 truncates toward
+    /// zero and saturates (NaN → 0).
     Cast(DType),
     /// `(x[.., H], w[H]) -> x / rms(x) · w`, over the last dim, in f32.
     RmsNorm {
@@ -262,7 +265,9 @@ pub enum Op {
     Rope(RopeSpec),
     /// `(q[B,T,Hq,D], k[B,S,Hkv,D], v[B,S,Hkv,D] [, mask[B,S]]) -> [B,T,Hq,D]`:
     /// softmax(q·kᵀ·scale + masks)·v per head; query head h reads KV head h / (Hq/Hkv).
-    /// `mask` (f32, 1 keep / 0 drop) masks keys. A query with no visible key gives zeros.
+    /// Query t sits at position t + S − T (the last query aligns with the last key). `mask`
+    /// (f32; nonzero keeps, 0 drops) masks keys. The window applies with or without `causal`
+    /// (without it, later keys stay visible). A query with no visible key gives zeros.
     Attention(AttnSpec),
     /// Softmax over the last dim.
     Softmax,
@@ -295,7 +300,8 @@ pub enum Op {
         times: usize,
     },
     /// `(logits[.., E]) -> gates[.., E]`: softmax over experts, keep the `top_k` largest (ties to
-    /// the lower index), others 0; with `normalize`, the kept ones rescaled to sum 1.
+    /// the lower index), others 0; with `normalize`, the kept ones rescaled to sum 1 (summed
+    /// in descending order, as torch sums `topk`'s output).
     Router {
         /// Experts per token.
         top_k: usize,
@@ -305,10 +311,12 @@ pub enum Op {
     /// `(x[B,T,H], gates[B,T,E]) -> [E,B,T,H]`: row (b,t) copied into expert e's slot where
     /// `gates[b,t,e] != 0`, zeros elsewhere.
     Dispatch,
-    /// `(y[E,B,T,H], gates[B,T,E]) -> [B,T,H]`: Σₑ gates[b,t,e] · y[e,b,t].
+    /// `(y[E,B,T,H], gates[B,T,E]) -> [B,T,H]`: Σₑ gates[b,t,e] · y[e,b,t] over the experts with
+    /// a nonzero gate, in expert order (as HF's `index_add_`), so unrouted slots never leak in.
     Combine,
     /// `(logits[B,T,V], labels[B,T] i32) -> f32[]`: Σ over positions with label ≥ 0 of
-    /// −log softmax(logits)[label], divided by `denom`.
+    /// −log softmax(logits)[label], divided by `denom`. Negative labels (−100) are ignored; a
+    /// label ≥ V is an error.
     CrossEntropy {
         /// Normaliser (number of predicted tokens in the whole batch).
         denom: usize,
