@@ -53,20 +53,19 @@ pub(crate) fn check_ids(ids: &Tensor, vocab: usize) -> Result<(), RuntimeError> 
     }
 }
 
-/// `CrossEntropy { denom }`: `(logits[.., V], labels[..]) -> f32[]`, the sum over positions
-/// with label ≥ 0 of `logsumexp(logits) − logits[label]`, divided by `denom`. Computed in f64.
-pub(crate) fn cross_entropy(
-    logits: &Tensor,
-    labels: &Tensor,
-    denom: usize,
-) -> Result<Tensor, RuntimeError> {
-    const OP: &str = "cross_entropy";
-    let ld = f32_of(OP, logits, 0)?;
-    let yd = i32_of(OP, labels, 1)?;
+/// The operands of `CrossEntropy` and its gradient, checked: logits `[.., V]`, labels `[..]`
+/// (i32), every label < V (negative ones are ignored). Returns the data and V.
+pub(crate) fn cross_entropy_operands<'a>(
+    op: &'static str,
+    logits: &'a Tensor,
+    labels: &'a Tensor,
+) -> Result<(&'a [f32], &'a [i32], usize), RuntimeError> {
+    let ld = f32_of(op, logits, 0)?;
+    let yd = i32_of(op, labels, 1)?;
     let r = labels.shape.len();
     if logits.shape.len() != r + 1 || logits.shape[..r] != labels.shape[..] {
         return Err(shape_err(
-            OP,
+            op,
             &[logits, labels],
             "logits must be labels' shape plus [V]",
         ));
@@ -81,6 +80,18 @@ pub(crate) fn cross_entropy(
             pos,
         });
     }
+    Ok((ld, yd, v))
+}
+
+/// `CrossEntropy { denom }`: `(logits[.., V], labels[..]) -> f32[]`, the sum over positions
+/// with label ≥ 0 of `logsumexp(logits) − logits[label]`, divided by `denom`. Computed in f64.
+pub(crate) fn cross_entropy(
+    logits: &Tensor,
+    labels: &Tensor,
+    denom: usize,
+) -> Result<Tensor, RuntimeError> {
+    const OP: &str = "cross_entropy";
+    let (ld, yd, v) = cross_entropy_operands(OP, logits, labels)?;
     let mut total = 0.0f64;
     for (i, &y) in yd.iter().enumerate() {
         if y < 0 {

@@ -3,7 +3,7 @@
 //! `RepeatGrad`.
 
 use crate::cpu::layout::split3;
-use crate::cpu::vocab::batch_pos;
+use crate::cpu::vocab::cross_entropy_operands;
 use crate::cpu::{f32_of, for_each_row, i32_of, prod, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
@@ -272,26 +272,7 @@ pub(crate) fn cross_entropy_grad(
     denom: usize,
 ) -> Result<Tensor, RuntimeError> {
     const OP: &str = "cross_entropy_grad";
-    let ld = f32_of(OP, logits, 0)?;
-    let yd = i32_of(OP, labels, 1)?;
-    let r = labels.shape.len();
-    if logits.shape.len() != r + 1 || logits.shape[..r] != labels.shape[..] {
-        return Err(shape_err(
-            OP,
-            &[logits, labels],
-            "logits must be labels' shape plus [V]",
-        ));
-    }
-    let v = logits.shape[r];
-    if let Some(i) = yd.iter().position(|&y| y >= 0 && y as usize >= v) {
-        let (batch, pos) = batch_pos(&labels.shape, i);
-        return Err(RuntimeError::LabelOutOfRange {
-            label: yd[i],
-            vocab: v,
-            batch,
-            pos,
-        });
-    }
+    let (ld, yd, v) = cross_entropy_operands(OP, logits, labels)?;
     let scale = 1.0 / denom.max(1) as f64;
     let mut out = vec![0.0f32; ld.len()];
     for_each_row(&mut out, v, |i, row| {
