@@ -4,9 +4,11 @@
 //! the rank, the collective, its sequence number and the mesh axis; the launcher stops the
 //! rest and names the failing rank. Bad environments and launcher arguments are clear errors.
 
+mod common;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// The communication timeout of these tests, in seconds.
@@ -14,29 +16,7 @@ const TIMEOUT_S: u64 = 3;
 /// Allowance beyond the timeout for process start-up and exit on a loaded 2-core machine.
 const SLACK: Duration = Duration::from_secs(12);
 
-const RANK_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "SHARDC_TEST_FAIL_RANK",
-    "SHARDC_TEST_FAIL_MODE",
-];
-
-fn shardc() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_shardc"));
-    for v in RANK_VARS {
-        c.env_remove(v);
-    }
-    c.stdin(Stdio::null());
-    c
-}
+use common::shardc_clean as shardc;
 
 fn llama() -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -8,32 +8,9 @@ use serde_json::Value;
 use shardc::runtime::Tensor;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 
-/// Variables that would turn a plain `shardc run` into a rank.
-const RANK_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "PMI_RANK",
-    "PMI_SIZE",
-    "SHARDC_TEST_FAIL_RANK",
-    "SHARDC_TEST_FAIL_MODE",
-];
-
-fn shardc() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_shardc"));
-    for v in RANK_VARS {
-        c.env_remove(v);
-    }
-    c.stdin(Stdio::null());
-    c
-}
+use common::shardc_clean as shardc;
 
 fn ok(out: Output, what: &str) -> (String, String) {
     let (o, e) = (

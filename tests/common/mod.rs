@@ -150,3 +150,30 @@ impl Case {
         );
     }
 }
+
+/// Variables that would turn a plain `shardc run` into a rank (torchrun, Open MPI, PMI) or
+/// trigger `shardc run`'s fault-injection test hook.
+pub const RANK_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "SHARDC_TEST_FAIL_RANK",
+    "SHARDC_TEST_FAIL_MODE",
+];
+
+/// `shardc` with none of [`RANK_VARS`] inherited and no stdin.
+pub fn shardc_clean() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_shardc"));
+    for v in RANK_VARS {
+        c.env_remove(v);
+    }
+    c.stdin(std::process::Stdio::null());
+    c
+}
