@@ -90,7 +90,7 @@ pub(crate) fn attention(
 
 /// `c[m×n] (row stride ldc) = a · b` with `a` `m×k` at strides `sa` and `b` `k×n` at `sb`.
 #[allow(clippy::too_many_arguments)]
-fn strided_gemm(
+pub(crate) fn strided_gemm(
     m: usize,
     k: usize,
     n: usize,

@@ -7,7 +7,7 @@
 //! `dK = scale·dSᵀ·Q`; `dK` and `dV` sum over the query heads sharing a KV head. Masked keys
 //! have `P = 0`, so they receive nothing. Gradients accumulate in f64.
 
-use crate::cpu::attention::masked_softmax_row;
+use crate::cpu::attention::{masked_softmax_row, strided_gemm};
 use crate::cpu::{f32_of, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
@@ -30,53 +30,6 @@ fn dims(op: &'static str, q: &Tensor, k: &Tensor, all: &[&Tensor]) -> Result<Dim
         ));
     }
     Ok((b, t, hq, d, s, hkv))
-}
-
-/// `c[m×n] (row stride n) = a · b` in f32 with `a` `m×k` at strides `sa` and `b` `k×n` at `sb`
-/// (the forward kernel's score GEMM, so the probabilities match it bit for bit).
-#[allow(clippy::too_many_arguments)]
-fn sgemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
-    c: &mut [f32],
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        c.fill(0.0);
-        return;
-    }
-    let last = |r: usize, cc: usize, (rs, cs): (usize, usize)| (r - 1) * rs + (cc - 1) * cs;
-    assert!(
-        last(m, k, sa) < a.len() && last(k, n, sb) < b.len() && m * n <= c.len(),
-        "invariant: sgemm operands in bounds"
-    );
-    // SAFETY: the assert bounds every index sgemm reads in `a`, `b` and writes in `c` (m×n with
-    // strides (n, 1)); `c` is a unique borrow, so it aliases neither input; beta = 0.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            sa.0 as isize,
-            sa.1 as isize,
-            b.as_ptr(),
-            sb.0 as isize,
-            sb.1 as isize,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
 }
 
 /// `AttentionProbs(spec)`: `q[B,T,Hq,D]`, `k[B,S,Hkv,D]`, optional `mask[B,S]` →
@@ -115,7 +68,18 @@ pub(crate) fn probs(
         let kh = h / rep;
         let q0 = bi * t * hq * d + h * d;
         let k0 = bi * s * hkv * d + kh * d;
-        sgemm(t, d, s, &qd[q0..], (hq * d, 1), &kd[k0..], (1, hkv * d), p);
+        // The forward kernel's score GEMM, so the probabilities match it bit for bit.
+        strided_gemm(
+            t,
+            d,
+            s,
+            &qd[q0..],
+            (hq * d, 1),
+            &kd[k0..],
+            (1, hkv * d),
+            p,
+            s,
+        );
         for (ti, row) in p.chunks_mut(s).enumerate() {
             masked_softmax_row(row, scale, |si| visible(bi, ti, si));
         }
