@@ -68,6 +68,7 @@ pub fn compile_forward_with(
         batch: opts.batch,
         seq: opts.seq,
         kv_repeat: shard::kv_repeat(cfg, &opts.mesh, &strategies),
+        stage: None,
     };
     let logical = build_forward(cfg, build)
         .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;

@@ -42,6 +42,30 @@ pub struct PlanMemory {
     pub train: Option<crate::train::TrainMemory>,
 }
 
+/// One model chunk of a pipeline-parallel training plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanChunk {
+    /// Position in the model.
+    pub index: usize,
+    /// The pipeline rank that runs it.
+    pub stage: usize,
+    /// Decoder layers `[start, end)`.
+    pub layers: [usize; 2],
+    /// Starts with the embedding.
+    pub embed: bool,
+    /// Ends with the final norm and head.
+    pub head: bool,
+    /// Its SPMD training program on the stage mesh (every micro-batch, its optimizer step).
+    pub program: Graph,
+    /// Layout of each program value.
+    pub shardings: Vec<TensorSharding>,
+    /// Memory per rank of this chunk.
+    pub memory: PlanMemory,
+    /// Communication volume per rank of this chunk (inside its stage).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm: Option<crate::train::CommVolume>,
+}
+
 /// The plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -71,6 +95,13 @@ pub struct Plan {
     /// The pipeline schedule, when the mesh has a `pp` axis.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<crate::schedule::pipeline::PipelineSchedule>,
+    /// Each pipeline rank's instructions: passes and the send/recv around them
+    /// (pipeline-parallel training plans; `program` is then chunk 0's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pipeline_program: Vec<Vec<crate::schedule::pipeline::PipeOp>>,
+    /// The model chunks of a pipeline-parallel training plan, in model order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<PlanChunk>,
     /// Communication volume per rank per step (training plans only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm: Option<crate::train::CommVolume>,
@@ -111,6 +142,9 @@ pub enum PlanError {
     /// Malformed JSON.
     #[error("malformed plan: {0}")]
     Json(String),
+    /// The pipeline's transfers do not match, could deadlock, or disagree on a boundary.
+    #[error("pipeline: {0}")]
+    Pipeline(String),
 }
 
 /// Collectives of one layer: (op mnemonic, axis, bytes, value).
@@ -169,6 +203,8 @@ impl Plan {
                 train: None,
             },
             pipeline: None,
+            pipeline_program: Vec::new(),
+            chunks: Vec::new(),
             comm: None,
             rewrite: c.report.clone(),
         }
@@ -241,6 +277,61 @@ impl Plan {
                                 right: rr.cloned().unwrap_or_else(|| "nothing".into()),
                             });
                         }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The plan verifier's pipeline check (plans with a schedule): the instructions run
+    /// every pass once in order, every send is received in the order sent (FIFO per rank
+    /// pair) and no rank can wait forever (see
+    /// [`crate::schedule::pipeline::PipelineSchedule::check_program`]); each boundary tensor
+    /// is sent with the local type its receiver's program expects.
+    pub fn check_pipeline(&self) -> Result<(), PlanError> {
+        let Some(s) = &self.pipeline else {
+            return Ok(());
+        };
+        s.check_program(&self.pipeline_program)
+            .map_err(|e| PlanError::Pipeline(e.to_string()))?;
+        if self.chunks.len() != s.chunks() {
+            return Err(PlanError::Pipeline(format!(
+                "the schedule has {} chunks, the plan {}",
+                s.chunks(),
+                self.chunks.len()
+            )));
+        }
+        let m = s.micro_batches;
+        let input = |g: &Graph, name: &str| {
+            g.ids()
+                .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if n == name))
+                .map(|v| g.ty(v).clone())
+        };
+        for pair in self.chunks.windows(2) {
+            let (a, b) = (&pair[0].program, &pair[1].program);
+            for i in 0..m {
+                let name = |base| crate::autodiff::input_name(base, i, m);
+                let checks = [
+                    (a, crate::model::STAGE_OUTPUT, b, crate::model::STAGE_INPUT),
+                    (
+                        b,
+                        crate::autodiff::PIPE_GRAD_OUT,
+                        a,
+                        crate::autodiff::PIPE_GRAD_IN,
+                    ),
+                ];
+                for (from, out, to, inp) in checks {
+                    let sent = from.output(&name(out)).map(|v| from.ty(v).clone());
+                    let recv = input(to, &name(inp));
+                    if sent.is_none() || sent != recv {
+                        return Err(PlanError::Pipeline(format!(
+                            "boundary after chunk {}: `{}` is sent as {} and received as {}",
+                            pair[0].index,
+                            name(out),
+                            sent.map_or("nothing".into(), |t| t.to_string()),
+                            recv.map_or("nothing".into(), |t| t.to_string()),
+                        )));
                     }
                 }
             }

@@ -237,6 +237,15 @@ pub enum RuntimeError {
         #[source]
         source: Box<RuntimeError>,
     },
+    /// A pipeline transfer between stages failed (a peer stopped, timed out, or sent
+    /// something else).
+    #[error("pipeline {op}: {detail}")]
+    Pipeline {
+        /// The transfer, e.g. `recv activation of micro-batch 3 (boundary 1) from rank 0`.
+        op: String,
+        /// What went wrong.
+        detail: String,
+    },
 }
 
 #[cfg(test)]

@@ -148,6 +148,210 @@ pub fn execute_with_params(
     Run::new(graph, params, inputs, ctx)?.run()
 }
 
+/// An execution driven piece by piece: the caller asks for values (and everything they need
+/// that is not computed yet), supplies some inputs as rank-local tensors as they arrive (a
+/// pipeline stage's received activations and gradients), and finally takes the outputs.
+/// Nodes always run in graph order among those computed together, so ranks running the same
+/// program and the same requests issue the same collectives in the same order. A value is
+/// freed once every user has run (outputs are kept).
+pub struct Stepwise<'g, 'p> {
+    run: Run<'g, 'p>,
+    done: Vec<bool>,
+    users_left: Vec<usize>,
+    /// Bytes of each value this run holds (computed or supplied; 0 for inputs it reads).
+    held: Vec<usize>,
+    /// Values moved out by [`Stepwise::take`].
+    taken: Vec<bool>,
+    live: usize,
+    peak: usize,
+}
+
+impl<'g, 'p> Stepwise<'g, 'p> {
+    /// A run of `graph` on this rank; `inputs` are global tensors, as for [`execute`].
+    pub fn new(
+        graph: &'g Graph,
+        params: &'p ParamCache,
+        inputs: &'p BTreeMap<String, Tensor>,
+        ctx: &'g RankCtx<'g>,
+    ) -> Result<Self, RuntimeError> {
+        let run = Run::new(graph, params, inputs, ctx)?;
+        let mut users_left = vec![0usize; graph.len()];
+        for v in graph.ids() {
+            for &i in &graph.node(v).inputs {
+                users_left[i.index()] += 1;
+            }
+        }
+        Ok(Stepwise {
+            run,
+            done: vec![false; graph.len()],
+            users_left,
+            held: vec![0; graph.len()],
+            taken: vec![false; graph.len()],
+            live: 0,
+            peak: 0,
+        })
+    }
+
+    /// Supplies input `name` as this rank's local tensor (already its shard).
+    pub fn provide(&mut self, name: &str, t: Tensor) -> Result<(), RuntimeError> {
+        let g = self.run.graph;
+        let v = g
+            .ids()
+            .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if n == name))
+            .ok_or_else(|| RuntimeError::MissingInput {
+                name: format!("{name} (the program has no such input)"),
+            })?;
+        let node = g.node(v);
+        if t.shape != node.ty.shape() || (node.ty.dtype == DType::I32) != t.as_i32().is_some() {
+            return Err(RuntimeError::InputShape {
+                name: name.to_string(),
+                expected: node.ty.shape(),
+                found: t.shape.clone(),
+            });
+        }
+        self.hold(v, 4 * t.numel());
+        self.run.vals[v.index()] = Some(Cow::Owned(t));
+        self.done[v.index()] = true;
+        Ok(())
+    }
+
+    /// Bytes of the values computed or supplied that are alive now (4 per element): the
+    /// activations, gradients and optimizer values this rank holds for the program.
+    pub fn live_bytes(&self) -> usize {
+        self.live
+    }
+
+    /// Moves computed value `v` out of the run (an output handed elsewhere, e.g. sent to
+    /// another pipeline stage): it is freed here and [`Stepwise::finish`] omits it.
+    /// While later nodes still read it, it stays (and the caller gets a copy).
+    pub fn take(&mut self, v: ValueId) -> Option<Tensor> {
+        if self.users_left.get(v.index()).copied().unwrap_or(0) > 0 {
+            self.taken[v.index()] = true;
+            self.run.is_output[v.index()] = false;
+            return self.value(v).cloned();
+        }
+        let t = self.run.vals.get_mut(v.index())?.take()?.into_owned();
+        self.live -= std::mem::take(&mut self.held[v.index()]);
+        self.run.is_output[v.index()] = false;
+        self.taken[v.index()] = true;
+        Some(t)
+    }
+
+    /// [`Stepwise::live_bytes`] of the values `pick` selects.
+    pub fn live_bytes_of(&self, pick: impl Fn(ValueId) -> bool) -> usize {
+        self.held
+            .iter()
+            .enumerate()
+            .filter(|&(i, &b)| b > 0 && pick(ValueId(i as u32)))
+            .map(|(_, &b)| b)
+            .sum()
+    }
+
+    /// The most [`Stepwise::live_bytes`] reached so far.
+    pub fn peak_bytes(&self) -> usize {
+        self.peak
+    }
+
+    fn hold(&mut self, v: ValueId, bytes: usize) {
+        self.held[v.index()] = bytes;
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+    }
+
+    fn release(&mut self, v: ValueId) {
+        self.live -= std::mem::take(&mut self.held[v.index()]);
+        self.run.vals[v.index()] = None;
+    }
+
+    /// True once `v` has been computed (or supplied).
+    pub fn is_done(&self, v: ValueId) -> bool {
+        self.done.get(v.index()).copied().unwrap_or(false)
+    }
+
+    /// The value of `v`, while it is alive.
+    pub fn value(&self, v: ValueId) -> Option<&Tensor> {
+        self.run.vals.get(v.index())?.as_deref()
+    }
+
+    /// Computes `roots` and every value they need that is not computed yet, in graph order.
+    pub fn compute(&mut self, roots: &[ValueId]) -> Result<(), RuntimeError> {
+        let g = self.run.graph;
+        let mut need = vec![false; g.len()];
+        let mut stack: Vec<ValueId> = roots
+            .iter()
+            .copied()
+            .filter(|v| v.index() < g.len())
+            .collect();
+        while let Some(v) = stack.pop() {
+            if need[v.index()] || self.done[v.index()] {
+                continue;
+            }
+            need[v.index()] = true;
+            stack.extend(g.node(v).inputs.iter().copied());
+        }
+        for v in g.ids().filter(|v| need[v.index()]) {
+            self.step(v)?;
+        }
+        Ok(())
+    }
+
+    /// Computes, in graph order, every value `pick` selects whose operands are all computed
+    /// (one pass: a selected chain completes in it).
+    pub fn compute_ready(&mut self, pick: impl Fn(ValueId) -> bool) -> Result<(), RuntimeError> {
+        let g = self.run.graph;
+        for v in g.ids() {
+            if !self.done[v.index()]
+                && !g.node(v).inputs.is_empty()
+                && pick(v)
+                && g.node(v).inputs.iter().all(|i| self.done[i.index()])
+            {
+                self.step(v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Computes every remaining value, then returns the named outputs.
+    pub fn finish(mut self) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+        let g = self.run.graph;
+        for v in g.ids() {
+            if !self.done[v.index()] {
+                self.step(v)?;
+            }
+        }
+        let mut out = BTreeMap::new();
+        for (name, v) in g.outputs.iter().filter(|(_, v)| !self.taken[v.index()]) {
+            let t = self.run.vals[v.index()]
+                .as_deref()
+                .expect("invariant: outputs are kept")
+                .clone();
+            out.insert(name.clone(), t);
+        }
+        Ok(out)
+    }
+
+    fn step(&mut self, v: ValueId) -> Result<(), RuntimeError> {
+        let node = self.run.graph.node(v);
+        let val = self.run.node(v, node)?;
+        check_type(v, node, &val)?;
+        for &i in &node.inputs {
+            let left = &mut self.users_left[i.index()];
+            *left = left.saturating_sub(1);
+            if *left == 0 && !self.run.is_output[i.index()] {
+                self.release(i);
+            }
+        }
+        self.done[v.index()] = true;
+        if self.users_left[v.index()] > 0 || self.run.is_output[v.index()] {
+            if !matches!(node.op, Op::Input { .. } | Op::Param(_)) {
+                self.hold(v, 4 * val.numel());
+            }
+            self.run.vals[v.index()] = Some(val);
+        }
+        Ok(())
+    }
+}
+
 /// State of one execution.
 struct Run<'g, 'p> {
     graph: &'g Graph,

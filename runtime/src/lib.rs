@@ -7,6 +7,7 @@ pub mod cuda;
 mod error;
 mod exec;
 pub mod launch;
+pub mod pipeline;
 pub mod spmd;
 pub mod tensor;
 pub mod train;
@@ -14,6 +15,6 @@ mod weights;
 
 pub use cpu::eval_op;
 pub use error::RuntimeError;
-pub use exec::{execute, execute_with_params, load_params, ParamCache, RankCtx};
+pub use exec::{execute, execute_with_params, load_params, ParamCache, RankCtx, Stepwise};
 pub use tensor::{Buffer, Tensor};
 pub use weights::Weights;

@@ -10,7 +10,7 @@
 use crate::cpu::layout::permute;
 use crate::spmd::{run_spmd, RankError};
 use crate::{execute_with_params, ParamCache, RankCtx, RuntimeError, Tensor, Weights};
-use shardc_compiler::autodiff::input_name;
+use shardc_compiler::autodiff::{input_name, TrainParam};
 use shardc_compiler::ir::ParamSource;
 use shardc_compiler::shard::{Mesh, TensorSharding};
 use shardc_compiler::train::CompiledTrain;
@@ -122,13 +122,21 @@ pub struct TrainState {
 impl TrainState {
     /// The initial state: the checkpoint's weights, zero moments, step 0.
     pub fn load(c: &CompiledTrain, weights: &Weights) -> Result<TrainState, RuntimeError> {
+        TrainState::load_params(&c.train.params, weights)
+    }
+
+    /// The initial state of parameters `params` (e.g. every chunk's of a pipeline).
+    pub fn load_params<'a>(
+        params: impl IntoIterator<Item = &'a TrainParam>,
+        weights: &Weights,
+    ) -> Result<TrainState, RuntimeError> {
         let mut s = TrainState {
             params: BTreeMap::new(),
             m: BTreeMap::new(),
             v: BTreeMap::new(),
             step: 0,
         };
-        for p in &c.train.params {
+        for p in params {
             let src = ParamSource {
                 shards: Vec::new(),
                 ..p.source.clone()
@@ -231,46 +239,9 @@ pub fn train_step(
     weights: &Weights,
     timeout: Duration,
 ) -> Result<StepOutput, TrainError> {
-    let o = &c.options;
-    let n = o.batch * o.seq;
-    let lens = [
-        batch.ids.len(),
-        batch.positions.len(),
-        batch.mask.len(),
-        batch.labels.len(),
-    ];
-    if (batch.batch, batch.seq) != (o.batch, o.seq) || lens.iter().any(|&l| l != n) {
-        return Err(TrainError::BatchShape {
-            batch: batch.batch,
-            seq: batch.seq,
-            want_batch: o.batch,
-            want_seq: o.seq,
-        });
-    }
+    check_batch(batch, c.options.batch, c.options.seq)?;
     let k = c.train.micro_batches;
-    let mb = o.batch / k;
-    let mut inputs: BTreeMap<String, Tensor> = BTreeMap::new();
-    for i in 0..k {
-        let shape = vec![mb, o.seq];
-        let name = |base: &str| input_name(base, i, k);
-        let lo = i * mb;
-        inputs.insert(
-            name("input_ids"),
-            Tensor::i32(shape.clone(), batch.rows(&batch.ids, lo, mb)),
-        );
-        inputs.insert(
-            name("position_ids"),
-            Tensor::i32(shape.clone(), batch.rows(&batch.positions, lo, mb)),
-        );
-        inputs.insert(
-            name("attention_mask"),
-            Tensor::f32(shape.clone(), batch.rows(&batch.mask, lo, mb)),
-        );
-        inputs.insert(
-            name("labels"),
-            Tensor::i32(shape, batch.rows(&batch.labels, lo, mb)),
-        );
-    }
+    let mut inputs = batch_inputs(batch, k);
     for p in &c.train.params {
         let l = &p.label;
         inputs.insert(format!("param.{l}"), state.params[l].clone());
@@ -320,6 +291,58 @@ pub fn train_step(
     Ok(StepOutput { loss, grads })
 }
 
+/// Checks that `batch` is `[want_batch, want_seq]` with every field of that size.
+pub(crate) fn check_batch(
+    batch: &Batch,
+    want_batch: usize,
+    want_seq: usize,
+) -> Result<(), TrainError> {
+    let n = want_batch * want_seq;
+    let lens = [
+        batch.ids.len(),
+        batch.positions.len(),
+        batch.mask.len(),
+        batch.labels.len(),
+    ];
+    if (batch.batch, batch.seq) != (want_batch, want_seq) || lens.iter().any(|&l| l != n) {
+        return Err(TrainError::BatchShape {
+            batch: batch.batch,
+            seq: batch.seq,
+            want_batch,
+            want_seq,
+        });
+    }
+    Ok(())
+}
+
+/// The batch inputs of a step of `k` micro-batches (global tensors, named per micro-batch).
+pub(crate) fn batch_inputs(batch: &Batch, k: usize) -> BTreeMap<String, Tensor> {
+    let mb = batch.batch / k;
+    let mut inputs: BTreeMap<String, Tensor> = BTreeMap::new();
+    for i in 0..k {
+        let shape = vec![mb, batch.seq];
+        let name = |base: &str| input_name(base, i, k);
+        let lo = i * mb;
+        inputs.insert(
+            name("input_ids"),
+            Tensor::i32(shape.clone(), batch.rows(&batch.ids, lo, mb)),
+        );
+        inputs.insert(
+            name("position_ids"),
+            Tensor::i32(shape.clone(), batch.rows(&batch.positions, lo, mb)),
+        );
+        inputs.insert(
+            name("attention_mask"),
+            Tensor::f32(shape.clone(), batch.rows(&batch.mask, lo, mb)),
+        );
+        inputs.insert(
+            name("labels"),
+            Tensor::i32(shape, batch.rows(&batch.labels, lo, mb)),
+        );
+    }
+    inputs
+}
+
 /// What fills the parts of a stored tensor no parameter covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fill {
@@ -339,8 +362,18 @@ pub fn stored_tensors(
     weights: &Weights,
     fill: Fill,
 ) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
+    stored_tensors_of(&c.train.params, values, weights, fill)
+}
+
+/// [`stored_tensors`] for the parameters `params` (e.g. every chunk's of a pipeline).
+pub fn stored_tensors_of<'a>(
+    params: impl IntoIterator<Item = &'a TrainParam>,
+    values: &BTreeMap<String, Tensor>,
+    weights: &Weights,
+    fill: Fill,
+) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
     let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
-    for p in &c.train.params {
+    for p in params {
         let Some(val) = values.get(&p.label) else {
             continue;
         };

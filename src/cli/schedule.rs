@@ -5,7 +5,7 @@
 use anyhow::Context;
 use clap::Args;
 use shardc::compiler::plan::Plan;
-use shardc::compiler::schedule::pipeline::{PassCosts, PipelineSchedule, ScheduleKind};
+use shardc::compiler::schedule::pipeline::{PassCosts, PipeOp, PipelineSchedule, ScheduleKind};
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -35,12 +35,46 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
             let text =
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             let plan = Plan::from_json(&text)?;
-            plan.pipeline.with_context(|| {
+            plan.check_pipeline()
+                .with_context(|| format!("verifying {}", p.display()))?;
+            let sched = plan.pipeline.clone().with_context(|| {
                 format!(
                     "{} has no pipeline schedule (its mesh has no pp axis)",
                     p.display()
                 )
-            })?
+            })?;
+            let pairs = plan
+                .pipeline_program
+                .iter()
+                .flatten()
+                .filter(|o| matches!(o, PipeOp::Send { .. }))
+                .count();
+            println!(
+                "{}: mesh {}, {} chunks; verified: {pairs} send/recv pairs matched in order, no deadlock, boundary types agree",
+                p.display(),
+                plan.mesh,
+                plan.chunks.len()
+            );
+            for ch in &plan.chunks {
+                let mut parts = Vec::new();
+                if ch.embed {
+                    parts.push("embedding".to_string());
+                }
+                if ch.layers[1] > ch.layers[0] {
+                    parts.push(format!("layers {}..{}", ch.layers[0], ch.layers[1] - 1));
+                }
+                if ch.head {
+                    parts.push("head".to_string());
+                }
+                println!(
+                    "  chunk {} on stage {}: {} ({} parameter bytes per rank)",
+                    ch.index,
+                    ch.stage,
+                    parts.join(" + "),
+                    ch.memory.param_bytes
+                );
+            }
+            sched
         }
         None => PipelineSchedule::new(
             ScheduleKind::from_name(&a.schedule)?,

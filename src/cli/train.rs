@@ -1,5 +1,6 @@
 //! `shardc train`: training steps (causal-LM loss, AdamW) on the CPU reference backend,
-//! unsharded or as a sharded plan on thread ranks; prints the loss per step.
+//! unsharded or as a sharded plan on thread ranks; prints the loss per step. A mesh with a
+//! `pp` axis runs a pipeline: chunks on stages, a schedule, send/recv between them.
 
 use anyhow::{bail, Context};
 use clap::Args;
@@ -7,10 +8,15 @@ use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
+use shardc::compiler::schedule::pipeline::{parse_stage_layers, PassCosts, ScheduleKind};
 use shardc::compiler::shard::Mesh;
-use shardc::compiler::train::{compile_train, Precision, TrainOptions};
+use shardc::compiler::train::{
+    compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, Precision,
+    TrainOptions,
+};
+use shardc::runtime::pipeline::pipeline_step;
 use shardc::runtime::train::{
-    save_safetensors, stored_tensors, train_step, Batch, Fill, TrainState,
+    save_safetensors, stored_tensors_of, train_step, Batch, Fill, StepOutput, TrainState,
 };
 use shardc::runtime::Weights;
 use std::collections::BTreeMap;
@@ -24,9 +30,19 @@ pub struct TrainArgs {
     /// Token ids, a JSON list of equal-length lists (batch × seq); labels are the next tokens.
     #[arg(long)]
     tokens: PathBuf,
-    /// Run the sharded plan for this mesh on thread ranks (e.g. `dp=2`, `dp=2,tp=2`).
+    /// Run the sharded plan for this mesh on thread ranks (e.g. `dp=2`, `dp=2,tp=2`,
+    /// `pp=2,dp=2,tp=2`).
     #[arg(long)]
     mesh: Option<String>,
+    /// Pipeline schedule (meshes with `pp`): gpipe, 1f1b, interleaved or zb-h1.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    /// Model chunks per pipeline rank (interleaved schedule).
+    #[arg(long, default_value_t = 1)]
+    virtual_stages: usize,
+    /// Decoder layers per pipeline chunk, e.g. `9,8,8,7` (default: balanced by cost).
+    #[arg(long)]
+    stage_layers: Option<String>,
     /// Strategies beyond the mesh axes' defaults (`sp`, `zero1`, `zero2`, `zero3`, `fsdp`).
     #[arg(long)]
     strategy: Vec<String>,
@@ -107,6 +123,66 @@ fn read_tokens(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
     Ok((rows.len(), width.unwrap_or(0), out))
 }
 
+/// A compiled step: one SPMD program, or a pipeline of them.
+enum Compiled {
+    Flat(Box<CompiledTrain>),
+    Pipe(Box<CompiledPipeline>),
+}
+
+impl Compiled {
+    fn params(&self) -> Vec<&shardc::compiler::autodiff::TrainParam> {
+        match self {
+            Compiled::Flat(c) => c.train.params.iter().collect(),
+            Compiled::Pipe(c) => c.params().collect(),
+        }
+    }
+
+    fn strategies(&self) -> &[shardc::compiler::shard::Strategy] {
+        match self {
+            Compiled::Flat(c) => &c.strategies,
+            Compiled::Pipe(c) => &c.strategies,
+        }
+    }
+}
+
+/// Chunk placement and the schedule's bubble.
+fn describe_pipeline(p: &CompiledPipeline) -> anyhow::Result<()> {
+    let s = &p.schedule;
+    let r = s.replay(PassCosts::uniform(1.0))?;
+    println!(
+        "pipeline: {} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages), peak in-flight micro-batches per stage {:?}",
+        s.kind.name(),
+        s.stages,
+        s.virtual_stages,
+        s.micro_batches,
+        r.bubble_fraction,
+        r.peak_in_flight
+    );
+    for ch in &p.chunks {
+        let mut parts = Vec::new();
+        if ch.spec.embed {
+            parts.push("embedding".to_string());
+        }
+        if !ch.spec.layers.is_empty() {
+            parts.push(format!(
+                "layers {}..{}",
+                ch.spec.layers.start,
+                ch.spec.layers.end - 1
+            ));
+        }
+        if ch.spec.head {
+            parts.push("head".to_string());
+        }
+        println!(
+            "  chunk {} on stage {}: {}",
+            ch.index,
+            ch.stage,
+            parts.join(" + ")
+        );
+    }
+    Ok(())
+}
+
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let cfg = ModelConfig::from_path(&a.model)?;
     let (b, t, ids) = read_tokens(&a.tokens)?;
@@ -157,22 +233,54 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         eps: Float(a.eps),
         weight_decay: Float(a.weight_decay),
     };
-    let c = compile_train(&cfg, &opts)?;
+    let pipelined = opts
+        .mesh
+        .axis("pp")
+        .is_some_and(|p| opts.mesh.axis_size(p) > 1);
+    if pipelined {
+        let schedule = ScheduleKind::from_name(&a.schedule)?;
+        let chunks = opts.mesh.axis_size(opts.mesh.axis("pp").expect("checked"))
+            * if schedule == ScheduleKind::Interleaved {
+                a.virtual_stages.max(1)
+            } else {
+                1
+            };
+        opts.pipeline = PipelineOptions {
+            schedule,
+            virtual_stages: a.virtual_stages,
+            stage_layers: a
+                .stage_layers
+                .as_deref()
+                .map(|t| parse_stage_layers(t, cfg.layers, chunks))
+                .transpose()?,
+        };
+    } else if a.stage_layers.is_some() || a.virtual_stages != 1 {
+        bail!("--stage-layers and --virtual-stages need a mesh with a pp axis (e.g. --mesh pp=2)");
+    }
+    let c = if pipelined {
+        Compiled::Pipe(Box::new(compile_pipeline(&cfg, &opts)?))
+    } else {
+        Compiled::Flat(Box::new(compile_train(&cfg, &opts)?))
+    };
     if let Some(p) = &a.plan {
-        let plan = c.plan(
-            &a.model.display().to_string(),
-            cfg.arch.name(),
-            cfg.layers,
-            Precision::f32(),
-        );
+        let source = a.model.display().to_string();
+        let plan = match &c {
+            Compiled::Flat(c) => c.plan(&source, cfg.arch.name(), cfg.layers, Precision::f32()),
+            Compiled::Pipe(c) => c.plan(&source, cfg.arch.name(), cfg.layers, Precision::f32()),
+        };
+        plan.check_pipeline()?;
         std::fs::write(p, plan.to_json()).with_context(|| format!("writing {}", p.display()))?;
     }
     let weights = Weights::open(&a.model)?;
-    let mut state = TrainState::load(&c, &weights)?;
+    let mut state = TrainState::load_params(c.params(), &weights)?;
     let how = if opts.mesh.world_size() == 1 {
         "unsharded".to_string()
     } else {
-        let names: Vec<&str> = c.strategies.iter().map(|s| s.name()).collect();
+        let names: Vec<&str> = pipelined
+            .then_some("pp")
+            .into_iter()
+            .chain(c.strategies().iter().map(|s| s.name()))
+            .collect();
         format!(
             "mesh {} ({}) on {} thread ranks",
             opts.mesh,
@@ -186,25 +294,36 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         cfg.layers,
         a.micro_batches
     );
+    if let Compiled::Pipe(p) = &c {
+        describe_pipeline(p)?;
+    }
     let mut grads = BTreeMap::new();
+    let timeout = Duration::from_secs(a.timeout);
     for step in 1..=a.steps {
         let t0 = Instant::now();
-        let out = train_step(
-            &c,
-            &mut state,
-            &batch,
-            &weights,
-            Duration::from_secs(a.timeout),
-        )?;
+        let (out, peaks): (StepOutput, Option<Vec<usize>>) = match &c {
+            Compiled::Flat(c) => (train_step(c, &mut state, &batch, &weights, timeout)?, None),
+            Compiled::Pipe(c) => {
+                let s = pipeline_step(c, &mut state, &batch, timeout, &weights)?;
+                (s.output, Some(s.peak_activation_bytes))
+            }
+        };
+        let peaks = peaks.map_or(String::new(), |p| {
+            let kib: Vec<String> = p
+                .iter()
+                .map(|b| format!("{:.1}", *b as f64 / 1024.0))
+                .collect();
+            format!(", peak activations per stage [{}] KiB", kib.join(", "))
+        });
         println!(
-            "step {step}: loss {:.6} ({:.1} ms)",
+            "step {step}: loss {:.6} ({:.1} ms{peaks})",
             out.loss,
             t0.elapsed().as_secs_f64() * 1e3
         );
         grads = out.grads;
     }
     if let Some(path) = &a.dump_grads {
-        let stored = stored_tensors(&c, &grads, &weights, Fill::Zeros)?;
+        let stored = stored_tensors_of(c.params(), &grads, &weights, Fill::Zeros)?;
         let named = stored
             .into_iter()
             .map(|(k, v)| (format!("grad.{k}"), v))
@@ -214,7 +333,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     if let Some(dir) = &a.save {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let stored = stored_tensors(&c, &state.params, &weights, Fill::Original)?;
+        let stored = stored_tensors_of(c.params(), &state.params, &weights, Fill::Original)?;
         save_safetensors(&dir.join("model.safetensors"), &stored)?;
         let cfg_src = if a.model.is_dir() {
             a.model.join("config.json")

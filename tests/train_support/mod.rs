@@ -5,9 +5,15 @@
 use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::model::ModelConfig;
+use shardc::compiler::schedule::pipeline::ScheduleKind;
 use shardc::compiler::shard::Mesh;
-use shardc::compiler::train::{compile_train, CompiledTrain, TrainOptions};
-use shardc::runtime::train::{stored_tensors, train_step, Batch, Fill, TrainState};
+use shardc::compiler::train::{
+    compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, TrainOptions,
+};
+use shardc::runtime::pipeline::pipeline_step;
+use shardc::runtime::train::{
+    stored_tensors, stored_tensors_of, train_step, Batch, Fill, TrainState,
+};
 use shardc::runtime::{Tensor, Weights};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -184,6 +190,123 @@ pub fn run(
     }
 }
 
+/// What a step produced, in stored names and layouts.
+pub trait Outcome {
+    /// The loss.
+    fn loss(&self) -> f32;
+    /// Gradients.
+    fn grads(&self) -> &BTreeMap<String, Tensor>;
+    /// Updated weights.
+    fn updated(&self) -> &BTreeMap<String, Tensor>;
+}
+
+impl Outcome for Run {
+    fn loss(&self) -> f32 {
+        self.loss
+    }
+    fn grads(&self) -> &BTreeMap<String, Tensor> {
+        &self.grads
+    }
+    fn updated(&self) -> &BTreeMap<String, Tensor> {
+        &self.updated
+    }
+}
+
+/// One pipeline-parallel training step's results.
+pub struct PipeRun {
+    pub compiled: CompiledPipeline,
+    pub peak_bytes: Vec<usize>,
+    pub loss: f32,
+    pub grads: BTreeMap<String, Tensor>,
+    pub updated: BTreeMap<String, Tensor>,
+}
+
+impl Outcome for PipeRun {
+    fn loss(&self) -> f32 {
+        self.loss
+    }
+    fn grads(&self) -> &BTreeMap<String, Tensor> {
+        &self.grads
+    }
+    fn updated(&self) -> &BTreeMap<String, Tensor> {
+        &self.updated
+    }
+}
+
+/// A pipeline configuration: mesh (with `pp`), extra strategies, micro-batches, schedule,
+/// virtual stages, optional `--stage-layers`.
+pub struct Pipe<'a> {
+    pub mesh: &'a str,
+    pub extra: &'a [&'a str],
+    pub micro_batches: usize,
+    pub schedule: ScheduleKind,
+    pub virtual_stages: usize,
+    pub stage_layers: Option<Vec<usize>>,
+}
+
+/// The compile options of `pipe` for `batch` sequences of `seq` tokens.
+pub fn pipe_options(pipe: &Pipe, batch: usize, seq: usize) -> TrainOptions {
+    let mut o = TrainOptions::new(batch, seq, Mesh::parse(pipe.mesh, 8).unwrap());
+    o.extra_strategies = pipe.extra.iter().map(|s| s.to_string()).collect();
+    o.micro_batches = pipe.micro_batches;
+    o.pipeline = PipelineOptions {
+        schedule: pipe.schedule,
+        virtual_stages: pipe.virtual_stages,
+        stage_layers: pipe.stage_layers.clone(),
+    };
+    o
+}
+
+/// One pipeline-parallel step of the model in `model_dir` on `batch`.
+pub fn run_pipeline_on(model_dir: &std::path::Path, pipe: &Pipe, batch: &Batch) -> PipeRun {
+    let cfg = ModelConfig::from_path(model_dir).unwrap();
+    let o = pipe_options(pipe, batch.batch, batch.seq);
+    let c = compile_pipeline(&cfg, &o).unwrap_or_else(|e| panic!("{}: {e}", pipe.mesh));
+    let w = Weights::open(model_dir).unwrap();
+    let mut state = TrainState::load_params(c.params(), &w).unwrap();
+    let step = pipeline_step(&c, &mut state, batch, Duration::from_secs(60), &w)
+        .unwrap_or_else(|e| panic!("{}: {e}", pipe.mesh));
+    let out = step.output;
+    let grads = stored_tensors_of(c.params(), &out.grads, &w, Fill::Zeros).unwrap();
+    let updated = stored_tensors_of(c.params(), &state.params, &w, Fill::Original).unwrap();
+    PipeRun {
+        compiled: c,
+        loss: out.loss,
+        grads,
+        updated,
+        peak_bytes: step.peak_activation_bytes,
+    }
+}
+
+/// The fixture batch of `model` with every sequence repeated `dup` times.
+pub fn fixture_batch(model: &str, dup: usize) -> Batch {
+    let r = reference(model);
+    let ids: Vec<i32> = r
+        .ids
+        .chunks(r.seq)
+        .flat_map(|row| std::iter::repeat_n(row, dup).flatten().copied())
+        .collect();
+    Batch::causal_lm(ids, r.batch * dup, r.seq)
+}
+
+/// One unsharded step of the model in `model_dir` on `batch`.
+pub fn run_unsharded_on(model_dir: &std::path::Path, batch: &Batch) -> Run {
+    let cfg = ModelConfig::from_path(model_dir).unwrap();
+    let o = TrainOptions::new(batch.batch, batch.seq, Mesh::single());
+    let c = compile_train(&cfg, &o).unwrap();
+    let w = Weights::open(model_dir).unwrap();
+    let mut state = TrainState::load(&c, &w).unwrap();
+    let out = train_step(&c, &mut state, batch, &w, Duration::from_secs(60)).unwrap();
+    let grads = stored_tensors(&c, &out.grads, &w, Fill::Zeros).unwrap();
+    let updated = stored_tensors(&c, &state.params, &w, Fill::Original).unwrap();
+    Run {
+        compiled: c,
+        loss: out.loss,
+        grads,
+        updated,
+    }
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.shape, b.shape);
     a.as_f32()
@@ -197,23 +320,24 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 /// The README's checks: loss within 1e-5, every gradient within 1e-5, the updated weights
 /// equal to AdamW's first step on our own gradients within 1e-6 everywhere, and to the
 /// reference within 1e-6 where the reference gradient exceeds 1e-4.
-pub fn check(model: &str, what: &str, run: &Run) {
+pub fn check(model: &str, what: &str, run: &impl Outcome) {
     let r = reference(model);
     let w = Weights::open(dir(model)).unwrap();
+    let (loss, grads, updated) = (run.loss(), run.grads(), run.updated());
     assert!(
-        (run.loss - r.loss).abs() < 1e-5,
+        (loss - r.loss).abs() < 1e-5,
         "{model} {what}: loss {} vs {}",
-        run.loss,
+        loss,
         r.loss
     );
     assert_eq!(
-        run.grads.keys().collect::<Vec<_>>(),
+        grads.keys().collect::<Vec<_>>(),
         r.grads.keys().collect::<Vec<_>>(),
         "{model} {what}: gradient names"
     );
     let mut worst = (0.0f32, String::new());
     for (name, want) in &r.grads {
-        let d = max_diff(&run.grads[name], want);
+        let d = max_diff(&grads[name], want);
         if d > worst.0 {
             worst = (d, name.clone());
         }
@@ -224,9 +348,9 @@ pub fn check(model: &str, what: &str, run: &Run) {
         worst.1,
         worst.0
     );
-    for (name, g) in &run.grads {
+    for (name, g) in grads {
         let w0 = w.get(name).unwrap();
-        let got = run.updated[name].as_f32().unwrap();
+        let got = updated[name].as_f32().unwrap();
         let ref_g = r.grads[name].as_f32().unwrap();
         let ref_u = r.updated[name].as_f32().unwrap();
         for (i, (&gi, &wi)) in g
@@ -256,9 +380,139 @@ pub fn check(model: &str, what: &str, run: &Run) {
 }
 
 /// Max |Δ| between two runs' gradients.
-pub fn grad_diff(a: &Run, b: &Run) -> f32 {
-    a.grads
+pub fn grad_diff(a: &impl Outcome, b: &impl Outcome) -> f32 {
+    a.grads()
         .iter()
-        .map(|(k, v)| max_diff(v, &b.grads[k]))
+        .map(|(k, v)| max_diff(v, &b.grads()[k]))
         .fold(0.0, f32::max)
+}
+
+/// A deeper llama with random weights: hf-tiny llama's config with `layers` decoder layers,
+/// layer `ℓ` a perturbed copy of fixture layer `ℓ mod 3` (deterministic), written once per
+/// process under the system temp dir. Returns its directory.
+pub fn deep_llama(layers: usize) -> PathBuf {
+    let out =
+        std::env::temp_dir().join(format!("shardc-deep-llama-{layers}-{}", std::process::id()));
+    if out.join("model.safetensors").exists() {
+        return out;
+    }
+    let src = dir("llama");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = Value::from(layers);
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = out.with_extension(format!("tmp{n}"));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("config.json"), cfg.to_string()).unwrap();
+    let w = Weights::open(&src).unwrap();
+    let mut tensors = BTreeMap::new();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut noise = move || {
+        // xorshift64*: a fixed sequence in [-1, 1).
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        let x = state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11;
+        (x as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    };
+    for name in w.names() {
+        let Some(rest) = name.strip_prefix("model.layers.") else {
+            tensors.insert(name.clone(), w.get(&name).unwrap());
+            continue;
+        };
+        let (l, tail) = rest.split_once('.').unwrap();
+        if l != "0" {
+            continue;
+        }
+        for layer in 0..layers {
+            let from = format!("model.layers.{}.{tail}", layer % 3);
+            let t = w.get(&from).unwrap();
+            let data = t
+                .as_f32()
+                .unwrap()
+                .iter()
+                .map(|&x| x * (1.0 + 0.2 * noise()))
+                .collect();
+            tensors.insert(
+                format!("model.layers.{layer}.{tail}"),
+                Tensor::f32(t.shape.clone(), data),
+            );
+        }
+    }
+    shardc::runtime::train::save_safetensors(&tmp.join("model.safetensors"), &tensors).unwrap();
+    // Another test thread may have won the race: either copy is the same.
+    if std::fs::rename(&tmp, &out).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    out
+}
+
+/// A batch of `batch` sequences of `seq` tokens below `vocab` (deterministic).
+pub fn token_batch(batch: usize, seq: usize, vocab: usize) -> Batch {
+    let ids = (0..batch * seq)
+        .map(|i| ((i * 7919 + 13) % vocab) as i32)
+        .collect();
+    Batch::causal_lm(ids, batch, seq)
+}
+
+/// Checks a pipeline run against the unsharded run of the same model and batch: loss and
+/// gradients within 1e-5, updated weights within 1e-6 of the unsharded update where the
+/// gradient exceeds 1e-4, and the AdamW first-step formula on the run's own gradients
+/// everywhere.
+pub fn check_against(
+    what: &str,
+    run: &impl Outcome,
+    base: &impl Outcome,
+    model_dir: &std::path::Path,
+    lr: f64,
+    wd: f64,
+    eps: f64,
+) {
+    let w = Weights::open(model_dir).unwrap();
+    assert!(
+        (run.loss() - base.loss()).abs() < 1e-5,
+        "{what}: loss {} vs unsharded {}",
+        run.loss(),
+        base.loss()
+    );
+    assert_eq!(
+        run.grads().keys().collect::<Vec<_>>(),
+        base.grads().keys().collect::<Vec<_>>(),
+        "{what}: gradient names"
+    );
+    let d = grad_diff(run, base);
+    assert!(
+        d < 1e-5,
+        "{what}: gradients differ from the unsharded step by {d}"
+    );
+    for (name, g) in run.grads() {
+        let w0 = w.get(name).unwrap();
+        let got = run.updated()[name].as_f32().unwrap();
+        let want = base.updated()[name].as_f32().unwrap();
+        let gb = base.grads()[name].as_f32().unwrap();
+        for (i, (&gi, &wi)) in g
+            .as_f32()
+            .unwrap()
+            .iter()
+            .zip(w0.as_f32().unwrap())
+            .enumerate()
+        {
+            let (gi, wi) = (gi as f64, wi as f64);
+            let formula = wi * (1.0 - lr * wd) - lr * gi / (gi.abs() + eps);
+            assert!(
+                (got[i] as f64 - formula).abs() < 1e-6,
+                "{what}: `{name}`[{i}] updated {} vs AdamW formula {formula}",
+                got[i]
+            );
+            if gb[i].abs() > 1e-4 {
+                assert!(
+                    (got[i] - want[i]).abs() < 1e-6,
+                    "{what}: `{name}`[{i}] updated {} vs unsharded {}",
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+    }
 }

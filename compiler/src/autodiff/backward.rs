@@ -31,7 +31,9 @@ impl Builder<'_> {
         let node = self.fwd.node(u);
         if let Some(p) = self.param_of[u.index()] {
             self.pgrads[p].push(d);
-        } else if !matches!(node.op, Op::Input { .. }) && node.ty.dtype != DType::I32 {
+        } else if (!matches!(node.op, Op::Input { .. }) || self.diff_input == Some(u))
+            && node.ty.dtype != DType::I32
+        {
             self.ct[u.index()].push(d);
         }
     }
@@ -39,7 +41,8 @@ impl Builder<'_> {
     /// True when forward operand `u` can receive a gradient.
     fn differentiable(&self, u: ValueId) -> bool {
         let node = self.fwd.node(u);
-        !matches!(node.op, Op::Input { .. }) && node.ty.dtype != DType::I32
+        (!matches!(node.op, Op::Input { .. }) || self.diff_input == Some(u))
+            && node.ty.dtype != DType::I32
     }
 
     /// The `saved.*` node of train value `x` (created on first use, in the current layer).

@@ -85,11 +85,30 @@ pub struct TrainGraph {
     pub cotangents: Vec<Vec<Option<ValueId>>>,
     /// `gather.<label>` nodes and the parameter (index into `params`) each reads.
     pub gathers: Vec<(ValueId, usize)>,
-    /// The summed loss (output `loss`).
-    pub loss: ValueId,
+    /// The summed loss (output `loss`); `None` in a pipeline chunk without the head.
+    pub loss: Option<ValueId>,
     /// The step-count input `step`.
     pub step: ValueId,
+    /// Pipeline chunks: per micro-batch, the loss of that micro-batch (chunks with the head).
+    pub mb_losses: Vec<ValueId>,
+    /// Pipeline chunks: per micro-batch, the residual stream handed to the next chunk
+    /// (output [`crate::model::STAGE_OUTPUT`], suffixed per micro-batch like the inputs).
+    pub act_out: Vec<ValueId>,
+    /// Pipeline chunks: per micro-batch, the gradient this chunk receives for its
+    /// `act_out` (input `pipe.grad_in`).
+    pub grad_in: Vec<ValueId>,
+    /// Pipeline chunks: per micro-batch, the gradient of the chunk's input
+    /// [`crate::model::STAGE_INPUT`], handed back to the previous chunk (output
+    /// `pipe.grad_out`).
+    pub grad_out: Vec<ValueId>,
 }
+
+/// The input of a pipeline chunk that receives its output's gradient.
+pub const PIPE_GRAD_IN: &str = "pipe.grad_in";
+/// The output of a pipeline chunk holding its input's gradient.
+pub const PIPE_GRAD_OUT: &str = "pipe.grad_out";
+/// The output of a pipeline chunk holding one micro-batch's loss.
+pub const PIPE_LOSS: &str = "pipe.loss";
 
 impl TrainGraph {
     /// The parameter labelled `label`.
@@ -132,6 +151,9 @@ pub(super) struct Builder<'f> {
     pub(super) probs: HashMap<ValueId, ValueId>,
     /// Gather node of (parameter, backward phase).
     pub(super) uses: HashMap<(usize, bool), ValueId>,
+    /// The forward input [`crate::model::STAGE_INPUT`] of a pipeline chunk: an input that
+    /// receives a gradient.
+    pub(super) diff_input: Option<ValueId>,
 }
 
 impl Builder<'_> {
@@ -193,8 +215,8 @@ impl Builder<'_> {
         }
     }
 
-    /// Forward pass of one micro-batch; returns (logits, labels).
-    fn forward(&mut self, k: usize) -> Result<(ValueId, ValueId), AutodiffError> {
+    /// Forward pass of one micro-batch; returns (logits, labels) when the graph has a head.
+    fn forward(&mut self, k: usize) -> Result<Option<(ValueId, ValueId)>, AutodiffError> {
         let fwd = self.fwd;
         let kk = self.opts.micro_batches;
         for v in fwd.ids() {
@@ -232,16 +254,20 @@ impl Builder<'_> {
                 self.probs.insert(v, p);
             }
         }
+        let Some(logits) = fwd.output("logits") else {
+            return match fwd.output(crate::model::STAGE_OUTPUT) {
+                Some(_) => Ok(None),
+                None => Err(AutodiffError::Forward("no `logits` output".into())),
+            };
+        };
         let ids = fwd
             .input_named("input_ids")
+            .or_else(|| fwd.input_named("position_ids"))
             .ok_or_else(|| AutodiffError::Forward("no `input_ids` input".into()))?;
         let labels = self
             .g
             .input(&input_name("labels", k, kk), fwd.ty(ids).clone());
-        let logits = fwd
-            .output("logits")
-            .ok_or_else(|| AutodiffError::Forward("no `logits` output".into()))?;
-        Ok((logits, labels))
+        Ok(Some((logits, labels)))
     }
 
     /// The sum of `parts` (in order); the last node is named `name`.
@@ -313,13 +339,14 @@ impl Builder<'_> {
         Ok(())
     }
 
-    /// Backward pass of one micro-batch.
+    /// Backward pass of one micro-batch, from the loss (`head`: logits and labels) or, in a
+    /// pipeline chunk without the head, from the gradient input of its output. Returns that
+    /// gradient input and the chunk input's gradient (pipeline chunks).
     fn backward(
         &mut self,
         k: usize,
-        logits: ValueId,
-        labels: ValueId,
-    ) -> Result<(), AutodiffError> {
+        head: Option<(ValueId, ValueId)>,
+    ) -> Result<(Option<ValueId>, Option<ValueId>), AutodiffError> {
         let fwd = self.fwd;
         // Each parameter's gradient is complete after its first user's gradient.
         let mut finish_at: Vec<Vec<usize>> = vec![Vec::new(); fwd.len()];
@@ -332,17 +359,32 @@ impl Builder<'_> {
             }
         }
         self.cur_layer = None;
-        let l = self.saved_fwd(logits)?;
-        let d = self.add(
-            Op::CrossEntropyGrad {
-                denom: self.opts.denom,
-            },
-            &[l, labels],
-            None,
-            format!("{}bwd.loss.dlogits", self.prefix),
-            None,
-        )?;
-        self.ct[logits.index()].push(d);
+        let mut seed_input = None;
+        match head {
+            Some((logits, labels)) => {
+                let l = self.saved_fwd(logits)?;
+                let d = self.add(
+                    Op::CrossEntropyGrad {
+                        denom: self.opts.denom,
+                    },
+                    &[l, labels],
+                    None,
+                    format!("{}bwd.loss.dlogits", self.prefix),
+                    None,
+                )?;
+                self.ct[logits.index()].push(d);
+            }
+            None => {
+                let out = fwd
+                    .output(crate::model::STAGE_OUTPUT)
+                    .ok_or_else(|| AutodiffError::Forward("no `logits` output".into()))?;
+                let name = input_name(PIPE_GRAD_IN, k, self.opts.micro_batches);
+                let d = self.g.input(&name, fwd.ty(out).clone());
+                self.g.nodes[d.index()].layer = None;
+                self.ct[out.index()].push(d);
+                seed_input = Some(d);
+            }
+        }
         for v in (0..fwd.len() as u32).rev().map(ValueId) {
             let node = fwd.node(v);
             if !self.ct[v.index()].is_empty() && !matches!(node.op, Op::Input { .. } | Op::Param(_))
@@ -369,7 +411,20 @@ impl Builder<'_> {
                 self.params[p].label
             )));
         }
-        Ok(())
+        // A pipeline chunk's input gradient, handed to the previous chunk.
+        let mut input_grad = None;
+        if let Some(u) = self.diff_input {
+            let parts = std::mem::take(&mut self.ct[u.index()]);
+            if parts.is_empty() {
+                return Err(AutodiffError::Forward(format!(
+                    "the chunk input `{}` does not affect the loss",
+                    crate::model::STAGE_INPUT
+                )));
+            }
+            let name = format!("{}bwd.{}", self.prefix, crate::model::STAGE_INPUT);
+            input_grad = Some(self.sum(&parts, &name, None)?);
+        }
+        Ok((seed_input, input_grad))
     }
 
     /// The AdamW step of every parameter; returns the step input.
@@ -439,6 +494,7 @@ pub fn build_train_graph(
         recomputed: HashMap::new(),
         probs: HashMap::new(),
         uses: HashMap::new(),
+        diff_input: fwd.input_named(crate::model::STAGE_INPUT),
     };
     // 1. Parameters become inputs, in forward order.
     for v in fwd.params() {
@@ -473,32 +529,53 @@ pub fn build_train_graph(
     let mut fwd_maps = Vec::new();
     let mut cotangents = Vec::new();
     let mut losses = Vec::new();
+    let (mut act_out, mut grad_in, mut grad_out) = (Vec::new(), Vec::new(), Vec::new());
     for k in 0..opts.micro_batches {
         b.start_micro_batch(k);
-        let (logits, labels) = b.forward(k)?;
-        let lv = b.map[logits.index()].expect("invariant: logits were computed");
-        let loss = b.add(
-            Op::CrossEntropy { denom: opts.denom },
-            &[lv, labels],
-            None,
-            format!("{}loss", b.prefix),
-            None,
-        )?;
-        losses.push(loss);
-        b.backward(k, logits, labels)?;
+        let head = b.forward(k)?;
+        if let Some((logits, labels)) = head {
+            let lv = b.map[logits.index()].expect("invariant: logits were computed");
+            let loss = b.add(
+                Op::CrossEntropy { denom: opts.denom },
+                &[lv, labels],
+                None,
+                format!("{}loss", b.prefix),
+                None,
+            )?;
+            losses.push(loss);
+        } else if let Some(out) = fwd.output(crate::model::STAGE_OUTPUT) {
+            act_out.push(b.map[out.index()].expect("invariant: the output was computed"));
+        }
+        let (seed, input_grad) = b.backward(k, head)?;
+        grad_in.extend(seed);
+        grad_out.extend(input_grad);
         fwd_maps.push(std::mem::take(&mut b.map));
         cotangents.push(std::mem::take(&mut b.cot));
     }
-    let loss = if losses.len() == 1 {
-        losses[0]
-    } else {
-        b.sum(&losses, "loss", None)?
+    let loss = match losses.len() {
+        0 => None,
+        1 => Some(losses[0]),
+        _ => Some(b.sum(&losses, "loss", None)?),
     };
     // 4. The optimizer.
     let step = b.optimizer()?;
     let mut g = std::mem::take(&mut b.g);
     g.current_layer = None;
-    g.set_output("loss", loss);
+    let kk = opts.micro_batches;
+    if let Some(loss) = loss {
+        g.set_output("loss", loss);
+    }
+    for (k, &l) in losses.iter().enumerate() {
+        if fwd.input_named(crate::model::STAGE_INPUT).is_some() {
+            g.set_output(&input_name(PIPE_LOSS, k, kk), l);
+        }
+    }
+    for (k, &v) in act_out.iter().enumerate() {
+        g.set_output(&input_name(crate::model::STAGE_OUTPUT, k, kk), v);
+    }
+    for (k, &v) in grad_out.iter().enumerate() {
+        g.set_output(&input_name(PIPE_GRAD_OUT, k, kk), v);
+    }
     for p in &b.params {
         g.set_output(&format!("grad.{}", p.label), p.grad);
         g.set_output(&format!("param.{}", p.label), p.update);
@@ -515,5 +592,9 @@ pub fn build_train_graph(
         gathers: b.gathers,
         loss,
         step,
+        mb_losses: losses,
+        act_out,
+        grad_in,
+        grad_out,
     })
 }

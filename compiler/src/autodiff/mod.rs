@@ -28,7 +28,10 @@
 mod backward;
 mod builder;
 
-pub use builder::{build_train_graph, input_name, TrainGraph, TrainGraphOptions, TrainParam};
+pub use builder::{
+    build_train_graph, input_name, TrainGraph, TrainGraphOptions, TrainParam, PIPE_GRAD_IN,
+    PIPE_GRAD_OUT, PIPE_LOSS,
+};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -11,7 +11,7 @@ use crate::ir::{
 };
 
 /// Batch and sequence length of the graph to build.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BuildOptions {
     /// Sequences per batch.
     pub batch: usize,
@@ -20,7 +20,30 @@ pub struct BuildOptions {
     /// Each KV head repeated this many times after projection (1: none). Tensor parallelism
     /// with more ranks than KV heads uses it, as Megatron-LM and vLLM replicate KV heads.
     pub kv_repeat: usize,
+    /// Build one pipeline chunk instead of the whole model.
+    pub stage: Option<StageSpec>,
 }
+
+/// One pipeline chunk of the model: a contiguous range of decoder layers, with the
+/// embedding (first chunk) and the final norm and head (last chunk).
+///
+/// A chunk without the embedding reads its residual stream from the input
+/// [`STAGE_INPUT`] (`f32[B,T,H]`); one without the head returns it as the output
+/// [`STAGE_OUTPUT`]. Every chunk reads `position_ids` and `attention_mask`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageSpec {
+    /// Decoder layers `[start, end)` (may be empty for an embedding- or head-only chunk).
+    pub layers: std::ops::Range<usize>,
+    /// The chunk starts with the embedding.
+    pub embed: bool,
+    /// The chunk ends with the final norm and the head.
+    pub head: bool,
+}
+
+/// The input of a pipeline chunk that does not start with the embedding.
+pub const STAGE_INPUT: &str = "pipe.act_in";
+/// The output of a pipeline chunk that does not end with the head.
+pub const STAGE_OUTPUT: &str = "pipe.act_out";
 
 impl BuildOptions {
     /// Batch × seq, no KV repeat.
@@ -29,6 +52,7 @@ impl BuildOptions {
             batch,
             seq,
             kv_repeat: 1,
+            stage: None,
         }
     }
 }
@@ -140,10 +164,24 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
         kv_repeat: opts.kv_repeat.max(1),
     };
     let bt = |dt: DType| TensorType::new(dt, vec![d(Role::Batch, b), d(Role::Seq, t)]);
-    let ids = bl.g.input("input_ids", bt(DType::I32));
-    let pos = bl.g.input("position_ids", bt(DType::I32));
-    let mask = bl.g.input("attention_mask", bt(DType::F32));
-
+    let stage = opts.stage.clone().unwrap_or(StageSpec {
+        layers: 0..cfg.layers,
+        embed: true,
+        head: true,
+    });
+    if stage.layers.end > cfg.layers || stage.layers.start > stage.layers.end {
+        return Err(IrError::Invalid(format!(
+            "pipeline chunk layers {}..{} outside the model's {} layers",
+            stage.layers.start, stage.layers.end, cfg.layers
+        )));
+    }
+    if cfg.tied && stage.embed != stage.head {
+        return Err(IrError::Invalid(
+            "tied input and output embeddings cannot be split over pipeline stages \
+             (the embedding and the head share one weight); use an untied model or pp=1"
+                .into(),
+        ));
+    }
     let hd = d(Role::Hidden, cfg.hidden);
     let vd = d(Role::Vocab, cfg.vocab);
     let gpt2 = cfg.arch == Arch::Gpt2;
@@ -152,19 +190,31 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
     } else {
         ("model.embed_tokens.weight", "model.layers")
     };
-    let table = bl.whole(embed_name.into(), vec![vd, hd], "embed")?;
-    let mut x = bl.g.add(Op::Embedding, &[table, ids], "embed.lookup")?;
-    if gpt2 {
-        let wpe = bl.whole(
-            "transformer.wpe.weight".into(),
-            vec![d(Role::Other, cfg.max_positions), hd],
-            "pos_embed",
-        )?;
-        let p = bl.g.add(Op::Embedding, &[wpe, pos], "pos_embed.lookup")?;
-        x = bl.g.add(Op::Add, &[x, p], "embed.add_pos")?;
-    }
+    let ids = stage.embed.then(|| bl.g.input("input_ids", bt(DType::I32)));
+    let pos = bl.g.input("position_ids", bt(DType::I32));
+    let mask = bl.g.input("attention_mask", bt(DType::F32));
 
-    for layer in 0..cfg.layers {
+    let mut table = None;
+    let mut x = match ids {
+        Some(ids) => {
+            let t = bl.whole(embed_name.into(), vec![vd, hd], "embed")?;
+            table = Some(t);
+            let mut x = bl.g.add(Op::Embedding, &[t, ids], "embed.lookup")?;
+            if gpt2 {
+                let wpe = bl.whole(
+                    "transformer.wpe.weight".into(),
+                    vec![d(Role::Other, cfg.max_positions), hd],
+                    "pos_embed",
+                )?;
+                let p = bl.g.add(Op::Embedding, &[wpe, pos], "pos_embed.lookup")?;
+                x = bl.g.add(Op::Add, &[x, p], "embed.add_pos")?;
+            }
+            x
+        }
+        None => bl.g.input(STAGE_INPUT, bl.act(hd)),
+    };
+
+    for layer in stage.layers.clone() {
         bl.g.current_layer = Some(layer as u32);
         let lp = format!("{prefix}.{layer}");
         let l = format!("layers.{layer}");
@@ -177,16 +227,20 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
     }
     bl.g.current_layer = None;
 
+    if !stage.head {
+        bl.g.set_output(STAGE_OUTPUT, x);
+        crate::ir::verify_if_debug(&bl.g, "build_forward");
+        return Ok(bl.g);
+    }
     let final_norm = if gpt2 {
         "transformer.ln_f"
     } else {
         "model.norm"
     };
     let h = bl.norm(x, final_norm, "final_norm")?;
-    let head = if cfg.tied {
-        table
-    } else {
-        bl.whole("lm_head.weight".into(), vec![vd, hd], "lm_head")?
+    let head = match (cfg.tied, table) {
+        (true, Some(t)) => t,
+        _ => bl.whole("lm_head.weight".into(), vec![vd, hd], "lm_head")?,
     };
     let logits = bl.g.add_typed(
         Op::MatMul { transpose_b: true },

@@ -5,6 +5,6 @@ mod build;
 mod config;
 mod stats;
 
-pub use build::{build_forward, BuildOptions};
+pub use build::{build_forward, BuildOptions, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
 pub use config::{Arch, ModelConfig, ModelError, MoeConfig, NormKind};
 pub use stats::{ModelStats, ParamGroup};

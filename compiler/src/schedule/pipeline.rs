@@ -94,6 +94,85 @@ pub enum PipelineError {
     },
 }
 
+/// What crosses a chunk boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Carry {
+    /// The residual stream of a micro-batch, chunk `b` → chunk `b + 1`.
+    Act,
+    /// Its gradient, chunk `b + 1` → chunk `b`.
+    Grad,
+}
+
+/// One instruction of a pipeline rank's program: the schedule's slots with the point-to-point
+/// transfers around them. Boundary `b` lies between chunks `b` and `b + 1`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PipeOp {
+    /// Receive from pipeline rank `from` (blocking).
+    Recv {
+        /// Sending rank.
+        from: usize,
+        /// What.
+        carry: Carry,
+        /// Micro-batch.
+        micro: usize,
+        /// Boundary.
+        boundary: usize,
+    },
+    /// Run a pass of a chunk.
+    Run(Slot),
+    /// Send to pipeline rank `to` (buffered: the sender goes on).
+    Send {
+        /// Receiving rank.
+        to: usize,
+        /// What.
+        carry: Carry,
+        /// Micro-batch.
+        micro: usize,
+        /// Boundary.
+        boundary: usize,
+    },
+    /// The optimizer step of a chunk, after all its passes.
+    Step {
+        /// The chunk.
+        chunk: usize,
+    },
+}
+
+impl fmt::Display for PipeOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = |c: &Carry| match c {
+            Carry::Act => "activation",
+            Carry::Grad => "gradient",
+        };
+        match self {
+            PipeOp::Recv {
+                from,
+                carry,
+                micro,
+                boundary,
+            } => write!(
+                f,
+                "recv {} of micro-batch {micro} (boundary {boundary}) from rank {from}",
+                what(carry)
+            ),
+            PipeOp::Send {
+                to,
+                carry,
+                micro,
+                boundary,
+            } => write!(
+                f,
+                "send {} of micro-batch {micro} (boundary {boundary}) to rank {to}",
+                what(carry)
+            ),
+            PipeOp::Run(s) => write!(f, "{s}"),
+            PipeOp::Step { chunk } => write!(f, "optimizer step of chunk {chunk}"),
+        }
+    }
+}
+
 /// A pipeline schedule.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PipelineSchedule {
@@ -186,6 +265,275 @@ impl PipelineSchedule {
     /// Total model chunks `p·v`.
     pub fn chunks(&self) -> usize {
         self.stages * self.virtual_stages
+    }
+
+    /// True when backward passes leave the weight gradients to separate `W` slots.
+    pub fn splits_weight_grad(&self) -> bool {
+        self.per_rank.iter().flatten().any(|s| s.phase == Phase::W)
+    }
+
+    /// Each rank's program: its slots with the transfers around them (an activation is
+    /// received before the forward that reads it and sent after the forward that makes it;
+    /// gradients likewise backwards), `W` right after `B` where the schedule does not split
+    /// them, and each chunk's optimizer step at the end.
+    pub fn program(&self) -> Vec<Vec<PipeOp>> {
+        let (p, n) = (self.stages, self.chunks());
+        let split = self.splits_weight_grad();
+        let rank = |c: usize| c % p;
+        self.per_rank
+            .iter()
+            .enumerate()
+            .map(|(r, slots)| {
+                let mut out = Vec::new();
+                for &s in slots {
+                    let (i, c) = (s.micro, s.chunk);
+                    match s.phase {
+                        Phase::F => {
+                            if c > 0 {
+                                out.push(PipeOp::Recv {
+                                    from: rank(c - 1),
+                                    carry: Carry::Act,
+                                    micro: i,
+                                    boundary: c - 1,
+                                });
+                            }
+                            out.push(PipeOp::Run(s));
+                            if c + 1 < n {
+                                out.push(PipeOp::Send {
+                                    to: rank(c + 1),
+                                    carry: Carry::Act,
+                                    micro: i,
+                                    boundary: c,
+                                });
+                            }
+                        }
+                        Phase::B => {
+                            if c + 1 < n {
+                                out.push(PipeOp::Recv {
+                                    from: rank(c + 1),
+                                    carry: Carry::Grad,
+                                    micro: i,
+                                    boundary: c,
+                                });
+                            }
+                            out.push(PipeOp::Run(s));
+                            if !split {
+                                out.push(PipeOp::Run(w(i, c)));
+                            }
+                            if c > 0 {
+                                out.push(PipeOp::Send {
+                                    to: rank(c - 1),
+                                    carry: Carry::Grad,
+                                    micro: i,
+                                    boundary: c - 1,
+                                });
+                            }
+                        }
+                        Phase::W => out.push(PipeOp::Run(s)),
+                    }
+                }
+                out.extend(
+                    (0..n)
+                        .filter(|&c| rank(c) == r)
+                        .map(|chunk| PipeOp::Step { chunk }),
+                );
+                out
+            })
+            .collect()
+    }
+
+    /// The plan verifier's pipeline check of `program` (one list per rank): every pass of
+    /// every (micro-batch, chunk) runs once, on the chunk's rank, in the order F → B → W, the
+    /// optimizer step of a chunk after all its passes; a pass runs after the receive of what
+    /// it reads and a send after the pass that makes what it sends; every send is received
+    /// and every receive sent, in the same order on each rank pair (FIFO); and the ranks
+    /// cannot deadlock: executing the programs with blocking receives and buffered sends
+    /// runs every instruction.
+    pub fn check_program(&self, program: &[Vec<PipeOp>]) -> Result<(), PipelineError> {
+        let (p, m, n) = (self.stages, self.micro_batches, self.chunks());
+        let bad = |r: usize, k: usize, op: &PipeOp, msg: String| {
+            PipelineError::Invalid(format!("pipeline rank {r}, instruction {k} ({op}): {msg}"))
+        };
+        if program.len() != p {
+            return Err(PipelineError::Invalid(format!(
+                "the program has {} ranks, the schedule {p}",
+                program.len()
+            )));
+        }
+        // Local order: passes once each, on their rank, F → B → W; transfers next to data.
+        let mut ran: std::collections::HashMap<(Phase, usize, usize), usize> = Default::default();
+        for (r, ops) in program.iter().enumerate() {
+            let mut got: std::collections::HashSet<(Carry, usize, usize)> = Default::default();
+            let mut stepped = std::collections::HashSet::new();
+            for (k, op) in ops.iter().enumerate() {
+                match *op {
+                    PipeOp::Run(s) => {
+                        let (i, c) = (s.micro, s.chunk);
+                        if i >= m || c >= n || c % p != r {
+                            return Err(bad(r, k, op, format!("not a pass of rank {r}")));
+                        }
+                        if ran.insert((s.phase, i, c), r).is_some() {
+                            return Err(bad(r, k, op, "runs twice".into()));
+                        }
+                        let before = match s.phase {
+                            Phase::F => None,
+                            Phase::B => Some(Phase::F),
+                            Phase::W => Some(Phase::B),
+                        };
+                        if let Some(ph) = before {
+                            if !ran.contains_key(&(ph, i, c)) {
+                                return Err(bad(r, k, op, format!("runs before {ph:?}{i}")));
+                            }
+                        }
+                        let needs = match s.phase {
+                            Phase::F if c > 0 => Some((Carry::Act, i, c - 1)),
+                            Phase::B if c + 1 < n => Some((Carry::Grad, i, c)),
+                            _ => None,
+                        };
+                        if let Some(x) = needs {
+                            if !got.contains(&x) {
+                                return Err(bad(r, k, op, "runs before its input arrives".into()));
+                            }
+                        }
+                        if stepped.contains(&c) {
+                            return Err(bad(r, k, op, "runs after the optimizer step".into()));
+                        }
+                    }
+                    PipeOp::Recv {
+                        carry,
+                        micro,
+                        boundary,
+                        ..
+                    } => {
+                        got.insert((carry, micro, boundary));
+                    }
+                    PipeOp::Send {
+                        carry,
+                        micro,
+                        boundary,
+                        ..
+                    } => {
+                        let (ph, c) = match carry {
+                            Carry::Act => (Phase::F, boundary),
+                            Carry::Grad => (Phase::B, boundary + 1),
+                        };
+                        if ran.get(&(ph, micro, c)) != Some(&r) {
+                            return Err(bad(
+                                r,
+                                k,
+                                op,
+                                format!("sent before {ph:?}{micro} of chunk {c} made it"),
+                            ));
+                        }
+                    }
+                    PipeOp::Step { chunk } => {
+                        let all = (0..m).all(|i| {
+                            [Phase::F, Phase::B, Phase::W]
+                                .iter()
+                                .all(|&ph| ran.contains_key(&(ph, i, chunk)))
+                        });
+                        if chunk % p != r || !all || !stepped.insert(chunk) {
+                            return Err(bad(
+                                r,
+                                k,
+                                op,
+                                "not once, on its rank, after all the chunk's passes".into(),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        for ph in [Phase::F, Phase::B, Phase::W] {
+            for i in 0..m {
+                for c in 0..n {
+                    if !ran.contains_key(&(ph, i, c)) {
+                        return Err(PipelineError::Invalid(format!(
+                            "{ph:?}{i} of chunk {c} never runs"
+                        )));
+                    }
+                }
+            }
+        }
+        // Global: execute with FIFO channels per rank pair.
+        type Msg = (Carry, usize, usize);
+        let mut chan: std::collections::HashMap<(usize, usize), std::collections::VecDeque<Msg>> =
+            Default::default();
+        let mut pc = vec![0usize; p];
+        loop {
+            let mut progressed = false;
+            for r in 0..p {
+                while let Some(op) = program[r].get(pc[r]) {
+                    match *op {
+                        PipeOp::Send {
+                            to,
+                            carry,
+                            micro,
+                            boundary,
+                        } => {
+                            if to >= p {
+                                return Err(bad(r, pc[r], op, "no such rank".into()));
+                            }
+                            chan.entry((r, to))
+                                .or_default()
+                                .push_back((carry, micro, boundary));
+                        }
+                        PipeOp::Recv {
+                            from,
+                            carry,
+                            micro,
+                            boundary,
+                        } => {
+                            let q = chan.entry((from, r)).or_default();
+                            match q.front() {
+                                None => break,
+                                Some(&x) if x == (carry, micro, boundary) => {
+                                    q.pop_front();
+                                }
+                                Some(&(c2, i2, b2)) => {
+                                    return Err(bad(
+                                        r,
+                                        pc[r],
+                                        op,
+                                        format!(
+                                            "send/recv mismatch: rank {from} sent {} of \
+                                             micro-batch {i2} (boundary {b2}) first",
+                                            match c2 {
+                                                Carry::Act => "the activation",
+                                                Carry::Grad => "the gradient",
+                                            }
+                                        ),
+                                    ));
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                    pc[r] += 1;
+                    progressed = true;
+                }
+            }
+            if (0..p).all(|r| pc[r] == program[r].len()) {
+                break;
+            }
+            if !progressed {
+                let r = (0..p)
+                    .find(|&r| pc[r] < program[r].len())
+                    .expect("invariant: some rank is not done");
+                return Err(PipelineError::Deadlock {
+                    rank: r,
+                    slot: pc[r],
+                    what: program[r][pc[r]].to_string(),
+                });
+            }
+        }
+        if let Some(((a, b), q)) = chan.iter().find(|(_, q)| !q.is_empty()) {
+            return Err(PipelineError::Invalid(format!(
+                "rank {a} sends {} message(s) rank {b} never receives",
+                q.len()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -660,6 +1008,79 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn programs_of_every_schedule_pass_the_check() {
+        for kind in ScheduleKind::ALL {
+            for p in 1..=4 {
+                for m in 1..=8 {
+                    for v in [1, 2, 3] {
+                        let Ok(s) = PipelineSchedule::new(kind, p, m, v) else {
+                            continue;
+                        };
+                        let prog = s.program();
+                        s.check_program(&prog)
+                            .unwrap_or_else(|e| panic!("{kind:?} p={p} m={m} v={v}: {e}"));
+                        // Every send has its receive: one pair per boundary and direction.
+                        let sends = prog
+                            .iter()
+                            .flatten()
+                            .filter(|o| matches!(o, PipeOp::Send { .. }));
+                        assert_eq!(sends.count(), 2 * m * (s.chunks() - 1));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_program_check_finds_mismatches_deadlocks_and_missing_passes() {
+        let s = PipelineSchedule::new(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+        let good = s.program();
+        // Rank 1 receives micro-batch 1 before micro-batch 0: a FIFO mismatch.
+        let mut swapped = good.clone();
+        let recvs: Vec<usize> = (0..swapped[1].len())
+            .filter(|&k| {
+                matches!(
+                    swapped[1][k],
+                    PipeOp::Recv {
+                        carry: Carry::Act,
+                        ..
+                    }
+                )
+            })
+            .collect();
+        let (a, b) = (recvs[0], recvs[1]);
+        let (x, y) = (swapped[1][a], swapped[1][b]);
+        swapped[1][a] = y;
+        swapped[1][b] = x;
+        let e = s.check_program(&swapped).unwrap_err().to_string();
+        assert!(
+            e.contains("runs before its input arrives") || e.contains("mismatch"),
+            "{e}"
+        );
+        // Rank 0 holds back its activations until the end: it waits for a gradient that
+        // needs them, rank 1 for the activations — a deadlock.
+        let mut dead = good.clone();
+        let (sends, rest): (Vec<PipeOp>, Vec<PipeOp>) = dead[0]
+            .iter()
+            .partition(|o| matches!(o, PipeOp::Send { .. }));
+        dead[0] = rest.into_iter().chain(sends).collect();
+        let e = s.check_program(&dead).unwrap_err();
+        assert!(matches!(e, PipelineError::Deadlock { rank: 0, .. }), "{e}");
+        // A dropped receive leaves a message unread (or starves a pass).
+        let mut dropped = good.clone();
+        let k = dropped[1]
+            .iter()
+            .rposition(|o| matches!(o, PipeOp::Recv { .. }))
+            .unwrap();
+        dropped[1].remove(k);
+        assert!(s.check_program(&dropped).is_err());
+        // A missing optimizer step.
+        let mut no_step = good;
+        no_step[1].pop();
+        assert!(s.check_program(&no_step).is_err());
     }
 
     #[test]

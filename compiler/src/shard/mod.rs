@@ -10,7 +10,8 @@ mod sharding;
 
 pub use mesh::{AxisId, LinkClass, Mesh, MeshAxis, MeshError, KNOWN_AXES};
 pub use partition::{partition, Annotations, Provenance, ShardedGraph};
-pub use presets::{annotate, check_model, kv_repeat, resolve, Strategy};
+pub(crate) use presets::data_axes;
+pub use presets::{annotate, check_model, kv_repeat, resolve, resolve_stage, Strategy};
 pub use reshard::{apply_public as apply_reshard_step, reshard};
 pub use rules::{rule, FactorRule, PartialRule};
 pub use sharding::TensorSharding;

@@ -108,11 +108,33 @@ impl fmt::Display for Strategy {
 /// The strategies for a mesh: one per axis from its name, plus `extra` (e.g. `sp`), sorted
 /// and deduplicated. Errors name an axis with no strategy or a strategy without its axis.
 pub fn resolve(mesh: &Mesh, extra: &[String]) -> Result<Vec<Strategy>, ShardError> {
+    resolve_inner(mesh, extra, false)
+}
+
+/// [`resolve`] for the stages of a pipeline: the `pp` axis is the pipeline's own, the
+/// strategies apply inside each stage.
+pub fn resolve_stage(mesh: &Mesh, extra: &[String]) -> Result<Vec<Strategy>, ShardError> {
+    resolve_inner(mesh, extra, true)
+}
+
+fn resolve_inner(
+    mesh: &Mesh,
+    extra: &[String],
+    pipeline: bool,
+) -> Result<Vec<Strategy>, ShardError> {
     let mut out = Vec::new();
     for a in &mesh.axes {
         match Strategy::for_axis(&a.name) {
             Some(s) => out.push(s),
-            None if a.size == 1 => {}
+            None if a.size == 1 || (pipeline && a.name == "pp") => {}
+            None if a.name == "pp" => {
+                return Err(ShardError::Unsupported(format!(
+                    "mesh axis `pp` ({}) splits the model into pipeline stages: it applies to \
+                     training steps (`shardc train --mesh pp=...`), whose stages the pipeline \
+                     compiler builds",
+                    a.size
+                )))
+            }
             None => {
                 return Err(ShardError::Unsupported(format!(
                     "mesh axis `{}` has no strategy in this version (supported axes: dp, tp, ep)",
@@ -210,7 +232,8 @@ pub fn kv_repeat(cfg: &ModelConfig, mesh: &Mesh, strategies: &[Strategy]) -> usi
     }
 }
 
-fn data_axes(mesh: &Mesh, strategies: &[Strategy]) -> Vec<AxisId> {
+/// The axes that split the batch (`dp`, and `ep` outside the experts).
+pub(crate) fn data_axes(mesh: &Mesh, strategies: &[Strategy]) -> Vec<AxisId> {
     mesh.axis_ids()
         .filter(|&a| match mesh.axis_name(a) {
             "dp" => strategies.contains(&Strategy::Dp),

@@ -131,10 +131,15 @@ pub(super) fn train_annotations(
                 );
             }
         }
-        // Labels are laid out like the token ids.
+        // Labels are laid out like the token ids (the positions in a pipeline chunk
+        // without the embedding).
         let ids = tg
             .graph
-            .input_named(&input_name("input_ids", k, tg.micro_batches));
+            .input_named(&input_name("input_ids", k, tg.micro_batches))
+            .or_else(|| {
+                tg.graph
+                    .input_named(&input_name("position_ids", k, tg.micro_batches))
+            });
         let labels = tg
             .graph
             .input_named(&input_name("labels", k, tg.micro_batches));

@@ -25,10 +25,12 @@ mod annotate;
 mod comm;
 mod memory;
 mod passes;
+mod pipe;
 
 pub use comm::{comm_volume, CollectiveVolume, CommVolume};
 pub use memory::{memory_report, LayerActivations, Precision, TrainMemory};
 pub use passes::{Bucket, BucketCaps};
+pub use pipe::{chunk_specs, compile_pipeline, CompiledPipeline, PipelineChunk, PipelineOptions};
 
 use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};
 use crate::ir::{AdamWSpec, Graph, Op};
@@ -58,6 +60,8 @@ pub struct TrainOptions {
     pub denom: Option<usize>,
     /// DDP bucket sizes.
     pub buckets: BucketCaps,
+    /// Pipeline schedule and stages (meshes with a `pp` axis; see [`compile_pipeline`]).
+    pub pipeline: PipelineOptions,
 }
 
 impl TrainOptions {
@@ -75,6 +79,7 @@ impl TrainOptions {
             adamw: AdamWSpec::default(),
             denom: None,
             buckets: BucketCaps::default(),
+            pipeline: PipelineOptions::default(),
         }
     }
 }
@@ -148,15 +153,31 @@ pub enum TrainCompileError {
     /// Options that do not fit together.
     #[error("{0}")]
     Options(String),
+    /// A pipeline schedule or stage split that cannot be built.
+    #[error(transparent)]
+    Pipeline(#[from] crate::schedule::pipeline::PipelineError),
 }
 
-/// Compiles one training step of `cfg` for `opts`.
+/// Compiles one training step of `cfg` for `opts`. A mesh with a `pp` axis is compiled by
+/// [`compile_pipeline`].
 pub fn compile_train(
     cfg: &ModelConfig,
     opts: &TrainOptions,
 ) -> Result<CompiledTrain, TrainCompileError> {
-    // 1. Strategies: mesh axis defaults plus extras; the micro-batch must divide.
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
+    compile_chunk(cfg, opts, &opts.mesh, strategies, None)
+}
+
+/// Compiles one training step of `cfg` (or of one pipeline chunk of it, `stage`) on `mesh`
+/// (the mesh without its `pp` axis for a chunk).
+pub(crate) fn compile_chunk(
+    cfg: &ModelConfig,
+    opts: &TrainOptions,
+    mesh: &Mesh,
+    strategies: Vec<Strategy>,
+    stage: Option<crate::model::StageSpec>,
+) -> Result<CompiledTrain, TrainCompileError> {
+    // 1. The micro-batch must divide.
     let k = opts.micro_batches;
     if k == 0 || opts.batch % k != 0 {
         return Err(TrainCompileError::Options(format!(
@@ -171,7 +192,7 @@ pub fn compile_train(
         )));
     }
     let micro = opts.batch / k;
-    shard::check_model(cfg, &opts.mesh, &strategies, micro, opts.seq).map_err(|e| match e {
+    shard::check_model(cfg, mesh, &strategies, micro, opts.seq).map_err(|e| match e {
         ShardError::ModelIndivisible {
             what,
             size,
@@ -190,7 +211,8 @@ pub fn compile_train(
     let build = BuildOptions {
         batch: micro,
         seq: opts.seq,
-        kv_repeat: shard::kv_repeat(cfg, &opts.mesh, &strategies),
+        kv_repeat: shard::kv_repeat(cfg, mesh, &strategies),
+        stage,
     };
     let forward = build_forward(cfg, build)
         .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;
@@ -207,14 +229,42 @@ pub fn compile_train(
             sync_grads: zero_stage >= 2,
         },
     )?;
-    // 4. Annotations: the forward presets per micro-batch, gradients, optimizer, ZeRO.
-    let fwd_ann = shard::annotate(&forward, &opts.mesh, &strategies);
-    let annotations = annotate::train_annotations(&train, &fwd_ann, &opts.mesh, zero_stage);
+    // 4. Annotations: the forward presets per micro-batch, gradients, optimizer, ZeRO; a
+    //    pipeline chunk's boundary tensors (activations and their gradients) are split over
+    //    the data axes like its inputs, whole on the other axes.
+    let fwd_ann = shard::annotate(&forward, mesh, &strategies);
+    let mut annotations = annotate::train_annotations(&train, &fwd_ann, mesh, zero_stage);
+    let data = shard::data_axes(mesh, &strategies);
+    let boundary = |rank: usize| {
+        if data.is_empty() {
+            shard::TensorSharding::replicated(rank)
+        } else {
+            shard::TensorSharding::split(rank, 0, &data)
+        }
+    };
+    for &v in &train.grad_in {
+        let rank = train.graph.ty(v).rank();
+        annotations.set(
+            v,
+            boundary(rank),
+            "pipeline: gradient received from the next stage",
+        );
+    }
+    for i in 0..k {
+        for base in [crate::model::STAGE_OUTPUT, crate::autodiff::PIPE_GRAD_OUT] {
+            let name = crate::autodiff::input_name(base, i, k);
+            if let Some(v) = train.graph.output(&name) {
+                let rank = train.graph.ty(v).rank();
+                annotations.outputs.insert(name, boundary(rank));
+            }
+        }
+    }
     // 5. SPMD partitioning: propagate layouts, insert reshards.
-    let sharded = shard::partition(&train.graph, &opts.mesh, &annotations)?;
+    let sharded = shard::partition(&train.graph, mesh, &annotations)?;
     // 6. Gradients and the loss are read in their natural layout (partial sums included).
-    let sharded =
-        passes::strip_output_reshards(sharded, |n| n == "loss" || n.starts_with("grad."))?;
+    let sharded = passes::strip_output_reshards(sharded, |n| {
+        n == "loss" || n.starts_with("grad.") || n.starts_with(crate::autodiff::PIPE_LOSS)
+    })?;
     // 7. Vocabulary-sharded embedding gradients read shard-local token ids.
     let sharded = passes::embedding_grad_offsets(sharded)?;
     // 8. DDP: gradient all-reduces over `dp` grouped into buckets, each reduced when ready.
@@ -225,6 +275,8 @@ pub fn compile_train(
         (sharded, Vec::new())
     };
     crate::ir::verify_if_debug(&sharded.graph, "compile_train");
+    let mut options = opts.clone();
+    options.mesh = mesh.clone();
     Ok(CompiledTrain {
         forward,
         train,
@@ -233,6 +285,6 @@ pub fn compile_train(
         annotations,
         sharded,
         buckets,
-        options: opts.clone(),
+        options,
     })
 }

@@ -1,0 +1,330 @@
+//! Pipeline-parallel training: the model split into chunks over the mesh's `pp` axis, each
+//! chunk a training program of its own on the rest of the mesh (data, tensor, sequence
+//! parallelism and ZeRO compose inside a stage), and a schedule that orders the chunks'
+//! passes per micro-batch with the transfers between them.
+//!
+//! ```text
+//! config ─► chunks (layers balanced by cost, embedding with the first, head with the last;
+//!   or --stage-layers) ─► per chunk: forward graph (input `pipe.act_in`, output
+//!   `pipe.act_out`) ─► training graph (backward seeded by `pipe.grad_in`, input gradient
+//!   `pipe.grad_out`) ─► SPMD program on the mesh without `pp`
+//! schedule (GPipe / 1F1B / interleaved / ZB-H1) ─► per pp rank: passes + send/recv
+//!   ─► verified: matched FIFO transfers, no deadlock, boundary types agree
+//! ```
+//!
+//! Chunk `j` of `p·v` lives on pipeline rank `j mod p`. The tensors crossing a boundary are
+//! split over the data axes like the batch and whole on the other axes, so pipeline rank `s`
+//! at stage-mesh coordinates `c` exchanges them with rank `s ± 1` at the same `c`.
+
+use super::{compile_chunk, CompiledTrain, TrainCompileError, TrainOptions};
+use crate::autodiff::{input_name, TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT};
+use crate::ir::{Op, TensorType};
+use crate::model::{ModelConfig, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
+use crate::plan::{Plan, PlanChunk};
+use crate::schedule::pipeline::{balance, PipeOp, PipelineError, PipelineSchedule, ScheduleKind};
+use crate::shard::{self, Mesh, Strategy};
+
+/// How to pipeline a training step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PipelineOptions {
+    /// The schedule.
+    pub schedule: ScheduleKind,
+    /// Model chunks per pipeline rank (interleaved schedule).
+    pub virtual_stages: usize,
+    /// Decoder layers per chunk, overriding the balance (`--stage-layers 9,8,8,7`).
+    pub stage_layers: Option<Vec<usize>>,
+}
+
+impl Default for PipelineOptions {
+    /// 1F1B, one chunk per rank, balanced by cost.
+    fn default() -> PipelineOptions {
+        PipelineOptions {
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+            stage_layers: None,
+        }
+    }
+}
+
+/// One model chunk and its training program.
+#[derive(Clone, Debug)]
+pub struct PipelineChunk {
+    /// Position in the model (`0..p·v`).
+    pub index: usize,
+    /// The pipeline rank that runs it (`index mod p`).
+    pub stage: usize,
+    /// Its layers, embedding and head.
+    pub spec: StageSpec,
+    /// Its training step on the stage mesh (every micro-batch; its own optimizer step).
+    pub train: CompiledTrain,
+}
+
+/// A compiled pipeline-parallel training step.
+#[derive(Clone, Debug)]
+pub struct CompiledPipeline {
+    /// The chunks in model order.
+    pub chunks: Vec<PipelineChunk>,
+    /// The schedule.
+    pub schedule: PipelineSchedule,
+    /// Each pipeline rank's instructions (passes and transfers), verified.
+    pub program: Vec<Vec<PipeOp>>,
+    /// The whole mesh.
+    pub mesh: Mesh,
+    /// The mesh without its `pp` axis: what each chunk's program is partitioned over.
+    pub stage_mesh: Mesh,
+    /// Strategies applied inside each stage.
+    pub strategies: Vec<Strategy>,
+    /// What was compiled.
+    pub options: TrainOptions,
+}
+
+impl CompiledPipeline {
+    /// Pipeline ranks.
+    pub fn stages(&self) -> usize {
+        self.schedule.stages
+    }
+
+    /// Every trainable parameter, in model order (each lives in exactly one chunk).
+    pub fn params(&self) -> impl Iterator<Item = &TrainParam> {
+        self.chunks.iter().flat_map(|c| c.train.train.params.iter())
+    }
+
+    /// The chunks pipeline rank `stage` runs.
+    pub fn chunks_of(&self, stage: usize) -> impl Iterator<Item = &PipelineChunk> {
+        self.chunks.iter().filter(move |c| c.stage == stage)
+    }
+
+    /// The plan: chunk 0's program as `program` (for tools that read one), every chunk's
+    /// program with its memory and communication accounting, the schedule and each pipeline
+    /// rank's instructions. Memory at the top is the busiest pipeline rank's (its chunks'
+    /// parameters summed).
+    pub fn plan(
+        &self,
+        source: &str,
+        model_type: &str,
+        layers: usize,
+        precision: super::Precision,
+    ) -> Plan {
+        let plans: Vec<Plan> = self
+            .chunks
+            .iter()
+            .map(|c| c.train.plan(source, model_type, layers, precision))
+            .collect();
+        let mut plan = plans[0].clone();
+        plan.mesh = self.mesh.clone();
+        plan.strategies = std::iter::once("pp".to_string())
+            .chain(self.strategies.iter().map(|s| s.name().to_string()))
+            .collect();
+        plan.model.batch = self.options.batch;
+        plan.model.seq = self.options.seq;
+        plan.memory.param_bytes = (0..self.stages())
+            .map(|s| {
+                self.chunks_of(s)
+                    .map(|c| plans[c.index].memory.param_bytes)
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0);
+        plan.memory.train = None;
+        plan.comm = None;
+        plan.pipeline = Some(self.schedule.clone());
+        plan.pipeline_program = self.program.clone();
+        plan.chunks = self
+            .chunks
+            .iter()
+            .zip(plans)
+            .map(|(c, p)| PlanChunk {
+                index: c.index,
+                stage: c.stage,
+                layers: [c.spec.layers.start, c.spec.layers.end],
+                embed: c.spec.embed,
+                head: c.spec.head,
+                program: p.program,
+                shardings: p.shardings,
+                memory: p.memory,
+                comm: p.comm,
+            })
+            .collect();
+        plan
+    }
+}
+
+/// Forward FLOPs per token of one decoder layer, the embedding and the head: the costs the
+/// stages are balanced by.
+fn item_costs(cfg: &ModelConfig, seq: usize) -> Vec<f64> {
+    let (h, q, kv) = (
+        cfg.hidden as f64,
+        (cfg.heads * cfg.head_dim) as f64,
+        (cfg.kv_heads * cfg.head_dim) as f64,
+    );
+    let attn = 2.0 * h * (2.0 * q + 2.0 * kv) + 2.0 * 2.0 * seq as f64 * q;
+    let mats = if cfg.gated_mlp { 3.0 } else { 2.0 };
+    let experts = cfg.moe.map_or(1.0, |m| m.top_k as f64);
+    let mlp = 2.0 * mats * h * cfg.ffn as f64 * experts;
+    let layer = attn + mlp;
+    let head = 2.0 * h * cfg.vocab as f64;
+    std::iter::once(h)
+        .chain(std::iter::repeat_n(layer, cfg.layers))
+        .chain(std::iter::once(head))
+        .collect()
+}
+
+/// The model's `chunks` chunks: with `stage_layers`, that many decoder layers each (the
+/// embedding with the first, the head with the last); otherwise the embedding, each layer
+/// and the head balanced by forward FLOPs (a chunk may then hold the embedding or the head
+/// alone when there are few layers).
+pub fn chunk_specs(
+    cfg: &ModelConfig,
+    chunks: usize,
+    seq: usize,
+    stage_layers: Option<&[usize]>,
+) -> Result<Vec<StageSpec>, PipelineError> {
+    let l = cfg.layers;
+    let counts: Vec<usize> = match stage_layers {
+        Some(v) => {
+            if v.len() != chunks || v.iter().sum::<usize>() != l || v.contains(&0) {
+                return Err(PipelineError::Invalid(format!(
+                    "--stage-layers {v:?}: need {chunks} chunks (pp × virtual stages) of at \
+                     least one layer covering the model's {l} layers"
+                )));
+            }
+            // As items: the embedding joins the first chunk, the head the last.
+            let mut c = v.to_vec();
+            c[0] += 1;
+            c[chunks - 1] += 1;
+            c
+        }
+        None => {
+            if chunks > l + 2 {
+                return Err(PipelineError::Invalid(format!(
+                    "{chunks} pipeline chunks (pp × virtual stages) for a model of {l} layers \
+                     plus embedding and head: at most {}",
+                    l + 2
+                )));
+            }
+            balance(&item_costs(cfg, seq), chunks)?
+        }
+    };
+    // Items: 0 = embedding, 1..=l = layers, l + 1 = head.
+    let mut out = Vec::with_capacity(chunks);
+    let mut a = 0;
+    for n in counts {
+        let b = a + n;
+        out.push(StageSpec {
+            layers: a.max(1) - 1..b.min(l + 1) - 1,
+            embed: a == 0,
+            head: b == l + 2,
+        });
+        a = b;
+    }
+    Ok(out)
+}
+
+/// Compiles a pipeline-parallel training step: `opts.mesh` has a `pp` axis; `opts.pipeline`
+/// gives the schedule; `opts.micro_batches` is the pipeline's micro-batch count.
+pub fn compile_pipeline(
+    cfg: &ModelConfig,
+    opts: &TrainOptions,
+) -> Result<CompiledPipeline, TrainCompileError> {
+    let mesh = &opts.mesh;
+    let pp = mesh.axis("pp").ok_or_else(|| {
+        TrainCompileError::Options(format!("mesh {mesh} has no `pp` axis to pipeline over"))
+    })?;
+    let p = mesh.axis_size(pp);
+    let stage_mesh = Mesh {
+        axes: mesh
+            .axes
+            .iter()
+            .filter(|a| a.name != "pp")
+            .cloned()
+            .collect(),
+        gpus_per_node: mesh.gpus_per_node,
+    };
+    let strategies = shard::resolve_stage(mesh, &opts.extra_strategies)?;
+    if let Some(s) = strategies.iter().find(|s| s.zero_stage() == 3) {
+        return Err(TrainCompileError::Options(format!(
+            "`{s}` with pipeline parallelism: parameters would be all-gathered for every \
+             micro-batch of every chunk; use zero1 or zero2 with pp"
+        )));
+    }
+    let po = &opts.pipeline;
+    let schedule = PipelineSchedule::new(po.schedule, p, opts.micro_batches, po.virtual_stages)?;
+    let program = schedule.program();
+    schedule.check_program(&program)?;
+    let specs = chunk_specs(cfg, schedule.chunks(), opts.seq, po.stage_layers.as_deref())?;
+    let mut chunks = Vec::with_capacity(specs.len());
+    for (index, spec) in specs.into_iter().enumerate() {
+        let train = compile_chunk(
+            cfg,
+            opts,
+            &stage_mesh,
+            strategies.clone(),
+            Some(spec.clone()),
+        )
+        .map_err(|e| match e {
+            TrainCompileError::Options(m) => {
+                TrainCompileError::Options(format!("pipeline chunk {index}: {m}"))
+            }
+            e => e,
+        })?;
+        chunks.push(PipelineChunk {
+            index,
+            stage: index % p,
+            spec,
+            train,
+        });
+    }
+    check_boundaries(&chunks, opts.micro_batches)?;
+    Ok(CompiledPipeline {
+        chunks,
+        schedule,
+        program,
+        mesh: mesh.clone(),
+        stage_mesh,
+        strategies,
+        options: opts.clone(),
+    })
+}
+
+/// The local type of input `name` of a program, if it has one.
+fn input_type(c: &CompiledTrain, name: &str) -> Option<TensorType> {
+    let g = &c.sharded.graph;
+    g.ids()
+        .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if n == name))
+        .map(|v| g.ty(v).clone())
+}
+
+/// The local type of output `name` of a program, if it has one.
+fn output_type(c: &CompiledTrain, name: &str) -> Option<TensorType> {
+    let g = &c.sharded.graph;
+    g.output(name).map(|v| g.ty(v).clone())
+}
+
+/// Every tensor a chunk sends is one the next (or previous) chunk receives, of the same local
+/// type on the same stage-mesh coordinates.
+fn check_boundaries(chunks: &[PipelineChunk], m: usize) -> Result<(), PipelineError> {
+    for pair in chunks.windows(2) {
+        let (a, b) = (&pair[0].train, &pair[1].train);
+        for i in 0..m {
+            let checks = [
+                (a, STAGE_OUTPUT, b, STAGE_INPUT, "activation"),
+                (b, PIPE_GRAD_OUT, a, PIPE_GRAD_IN, "gradient"),
+            ];
+            for (from, out, to, inp, what) in checks {
+                let (o, n) = (input_name(out, i, m), input_name(inp, i, m));
+                let sent = output_type(from, &o);
+                let recv = input_type(to, &n);
+                if sent.is_none() || sent != recv {
+                    return Err(PipelineError::Invalid(format!(
+                        "pipeline boundary after chunk {}: the {what} of micro-batch {i} is \
+                         sent as `{o}` {} and received as `{n}` {}",
+                        pair[0].index,
+                        sent.map_or("(missing)".into(), |t| t.to_string()),
+                        recv.map_or("(missing)".into(), |t| t.to_string()),
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,522 @@
+//! Pipeline-parallel training steps on thread ranks: every rank of the mesh is a thread; the
+//! ranks of one pipeline stage run their chunks' SPMD programs with a thread communicator per
+//! stage-mesh axis, and each executes its stage's instructions
+//! ([`shardc_compiler::train::CompiledPipeline::program`]) in order: a pass computes what it
+//! needs of its chunk's program ([`Stepwise`]), a send hands a boundary tensor to the same
+//! stage-mesh coordinates of the neighbouring stage over a FIFO channel (buffered), a receive
+//! blocks for it (bounded by the timeout).
+//!
+//! What a pass computes, per chunk program and micro-batch `i`:
+//! - `F i`: the chunk output `pipe.act_out` (the loss, on the last chunk) and what it needs;
+//! - `B i`: the input gradient `pipe.grad_out` and what it needs (nothing on the first chunk);
+//! - `W i`: everything else that depends on micro-batch `i` alone (weight gradients);
+//! - after each pass, values that combine micro-batches (gradient accumulation) as soon as
+//!   their operands are there; the optimizer step computes the rest.
+//!
+//! Values depending on no micro-batch (parameters, optimizer state) are computed when first
+//! needed. Every rank of a stage runs the same programs and instructions, so its collectives
+//! agree; the instructions themselves were verified deadlock-free at compile time.
+
+use crate::comm::thread::{group, ThreadComm};
+use crate::comm::Communicator;
+use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
+use crate::spmd::RankError;
+use crate::train::{
+    assemble, batch_inputs, check_batch, Batch, StepOutput, TrainError, TrainState,
+};
+use crate::{RuntimeError, Tensor, Weights};
+use shardc_compiler::autodiff::{input_name, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS};
+use shardc_compiler::ir::{Graph, Op, ValueId};
+use shardc_compiler::model::{STAGE_INPUT, STAGE_OUTPUT};
+use shardc_compiler::schedule::pipeline::{Carry, Phase, PipeOp};
+use shardc_compiler::train::CompiledPipeline;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::time::Duration;
+
+/// What a rank returns: each of its chunks' outputs (local values), and the most bytes of
+/// activations it held.
+type StageOutputs = (BTreeMap<usize, BTreeMap<String, Tensor>>, usize);
+
+/// A boundary tensor in flight.
+struct Msg {
+    carry: Carry,
+    micro: usize,
+    boundary: usize,
+    tensor: Tensor,
+}
+
+/// Which micro-batches a value depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dep {
+    /// None: parameters, optimizer state, the step count.
+    Free,
+    /// Micro-batch `i` alone.
+    One(usize),
+    /// Several (accumulated gradients, the summed loss, the optimizer update).
+    Many,
+}
+
+impl Dep {
+    fn join(self, o: Dep) -> Dep {
+        match (self, o) {
+            (Dep::Free, x) | (x, Dep::Free) => x,
+            (Dep::One(a), Dep::One(b)) if a == b => Dep::One(a),
+            _ => Dep::Many,
+        }
+    }
+}
+
+/// The micro-batch of a program input (`input_ids.mb3` → 3; with one micro-batch the batch
+/// inputs are unsuffixed).
+fn input_micro(name: &str, m: usize) -> Option<usize> {
+    if m > 1 {
+        let (_, k) = name.rsplit_once(".mb")?;
+        return k.parse().ok();
+    }
+    let batch = [
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        "labels",
+        STAGE_INPUT,
+        PIPE_GRAD_IN,
+    ];
+    batch.contains(&name).then_some(0)
+}
+
+/// The dependency class of every value of a chunk program.
+fn classes(g: &Graph, m: usize) -> Vec<Dep> {
+    let mut out: Vec<Dep> = Vec::with_capacity(g.len());
+    for v in g.ids() {
+        let n = g.node(v);
+        let d = match &n.op {
+            Op::Input { name, .. } => input_micro(name, m).map_or(Dep::Free, Dep::One),
+            _ => n
+                .inputs
+                .iter()
+                .fold(Dep::Free, |acc, i| acc.join(out[i.index()])),
+        };
+        out.push(d);
+    }
+    out
+}
+
+/// One chunk's program as a rank runs it.
+struct ChunkRun<'g> {
+    graph: &'g Graph,
+    class: Vec<Dep>,
+    /// Per-micro-batch values that are not a micro-batch's gradient on its way into the
+    /// accumulation (no user combines micro-batches): activations and what derives from them.
+    activation: Vec<bool>,
+}
+
+impl ChunkRun<'_> {
+    fn output(&self, base: &str, i: usize, m: usize) -> Option<ValueId> {
+        self.graph.output(&input_name(base, i, m))
+    }
+
+    /// The values pass `phase` of micro-batch `i` asks for.
+    fn roots(&self, phase: Phase, i: usize, m: usize) -> Vec<ValueId> {
+        match phase {
+            Phase::F => {
+                let mut r: Vec<ValueId> = [STAGE_OUTPUT, PIPE_LOSS]
+                    .iter()
+                    .filter_map(|b| self.output(b, i, m))
+                    .collect();
+                if r.is_empty() {
+                    r.extend(self.graph.output("loss"));
+                }
+                r
+            }
+            Phase::B => self.output(PIPE_GRAD_OUT, i, m).into_iter().collect(),
+            Phase::W => self
+                .graph
+                .ids()
+                .filter(|v| self.class[v.index()] == Dep::One(i))
+                .collect(),
+        }
+    }
+}
+
+fn pipe_err(op: &PipeOp, detail: impl Into<String>) -> RuntimeError {
+    RuntimeError::Pipeline {
+        op: op.to_string(),
+        detail: detail.into(),
+    }
+}
+
+/// What a pipeline step returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PipelineStep {
+    /// Loss and gradients.
+    pub output: StepOutput,
+    /// Per pipeline rank, the most bytes of activations (values of one micro-batch: kept for
+    /// backward, received from a neighbour, or in flight inside a pass; not the
+    /// micro-batch's weight gradients, which go into the accumulation) any of its ranks held
+    /// at once, measured after every instruction: the activation memory the schedule costs.
+    pub peak_activation_bytes: Vec<usize>,
+}
+
+/// Runs one pipeline-parallel training step on thread ranks and updates `state` (which holds
+/// every chunk's parameters: [`TrainState::load_params`] with [`CompiledPipeline::params`]).
+pub fn pipeline_step(
+    c: &CompiledPipeline,
+    state: &mut TrainState,
+    batch: &Batch,
+    timeout: Duration,
+    weights: &Weights,
+) -> Result<PipelineStep, TrainError> {
+    check_batch(batch, c.options.batch, c.options.seq)?;
+    let m = c.options.micro_batches;
+    let mesh = &c.mesh;
+    let pp = mesh
+        .axis("pp")
+        .expect("invariant: a compiled pipeline's mesh has a pp axis");
+    let p = mesh.axis_size(pp);
+    let world = mesh.world_size();
+
+    // Global inputs of each chunk: the batch, its parameters and optimizer state, the step.
+    let common = batch_inputs(batch, m);
+    let inputs: Vec<BTreeMap<String, Tensor>> = c
+        .chunks
+        .iter()
+        .map(|ch| {
+            let mut x = common.clone();
+            for prm in &ch.train.train.params {
+                let l = &prm.label;
+                x.insert(format!("param.{l}"), state.params[l].clone());
+                x.insert(format!("adam_m.{l}"), state.m[l].clone());
+                x.insert(format!("adam_v.{l}"), state.v[l].clone());
+            }
+            x.insert(
+                "step".into(),
+                Tensor::f32(vec![], vec![(state.step + 1) as f32]),
+            );
+            x
+        })
+        .collect();
+
+    // Communicators of the stage-mesh axes, and the FIFO channels between stages.
+    let mut comms: Vec<Vec<(String, ThreadComm)>> = (0..world).map(|_| Vec::new()).collect();
+    for a in mesh.axis_ids().filter(|&a| a != pp) {
+        let name = mesh.axis_name(a).to_string();
+        for ranks in mesh.groups(a) {
+            for (k, h) in group(&name, ranks.len(), timeout).into_iter().enumerate() {
+                comms[ranks[k]].push((name.clone(), h));
+            }
+        }
+    }
+    let neighbour = |rank: usize, stage: usize| {
+        let mut co = mesh.coords(rank);
+        co[pp.0 as usize] = stage;
+        mesh.rank_of(&co)
+    };
+    type Ends = (HashMap<usize, Sender<Msg>>, HashMap<usize, Receiver<Msg>>);
+    let mut ends: Vec<Ends> = (0..world).map(|_| Default::default()).collect();
+    for r in 0..world {
+        let s = mesh.coords(r)[pp.0 as usize];
+        for t in [(s + 1) % p, (s + p - 1) % p] {
+            if t == s || ends[r].0.contains_key(&t) {
+                continue;
+            }
+            let (tx, rx) = channel();
+            ends[r].0.insert(t, tx);
+            ends[neighbour(r, t)].1.insert(s, rx);
+        }
+    }
+    let coords_of = |rank: usize| -> String {
+        mesh.coords(rank)
+            .iter()
+            .zip(&mesh.axes)
+            .map(|(c, a)| format!("{}={c}", a.name))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+
+    let results: Vec<Result<StageOutputs, RuntimeError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .zip(ends)
+            .enumerate()
+            .map(|(rank, (mine, (txs, rxs)))| {
+                let inputs = &inputs;
+                scope.spawn(move || {
+                    let stage = mesh.coords(rank)[pp.0 as usize];
+                    let mut ctx = RankCtx::new();
+                    for (axis, h) in &mine {
+                        ctx.insert(axis.clone(), h as &dyn Communicator);
+                    }
+                    let out = run_stage(c, stage, &ctx, inputs, weights, &txs, &rxs, timeout);
+                    if let Err(e) = &out {
+                        for (_, h) in &mine {
+                            h.abort(&e.to_string());
+                        }
+                    }
+                    // Dropping the senders tells the neighbours this rank is gone.
+                    drop(txs);
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("invariant: rank threads do not panic"))
+            .collect()
+    });
+
+    // Prefer a root cause over the aborts and hang-ups it caused in its peers.
+    let mut secondary = None;
+    let mut outs = Vec::with_capacity(world);
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(o) => outs.push(o),
+            Err(e) => {
+                let text = e.to_string();
+                let knock_on = text.contains("aborted") || text.contains("stopped");
+                let err = RankError {
+                    rank,
+                    coords: coords_of(rank),
+                    error: e,
+                };
+                if !knock_on {
+                    return Err(err.into());
+                }
+                secondary.get_or_insert(err);
+            }
+        }
+    }
+    if let Some(e) = secondary {
+        return Err(e.into());
+    }
+
+    // Each chunk's outputs from the ranks of its stage, in stage-mesh rank order.
+    let sm = &c.stage_mesh;
+    let ranks_of = |stage: usize| -> Vec<usize> {
+        (0..sm.world_size())
+            .map(|q| {
+                let sc = sm.coords(q);
+                let mut co = Vec::with_capacity(mesh.axes.len());
+                let mut it = sc.into_iter();
+                for a in mesh.axis_ids() {
+                    co.push(if a == pp {
+                        stage
+                    } else {
+                        it.next().unwrap_or(0)
+                    });
+                }
+                mesh.rank_of(&co)
+            })
+            .collect()
+    };
+    let mut loss = f32::NAN;
+    let mut grads = BTreeMap::new();
+    for ch in &c.chunks {
+        let sg = &ch.train.sharded;
+        let ranks = ranks_of(ch.stage);
+        let get = |name: &str| -> Result<Tensor, TrainError> {
+            let v = sg
+                .graph
+                .output(name)
+                .ok_or_else(|| TrainError::MissingOutput(name.to_string()))?;
+            let locals = ranks
+                .iter()
+                .map(|&r| {
+                    outs[r]
+                        .0
+                        .get(&ch.index)
+                        .and_then(|o| o.get(name))
+                        .ok_or_else(|| TrainError::MissingOutput(name.to_string()))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(assemble(sm, &sg.shardings[v.index()], &locals))
+        };
+        if ch.spec.head {
+            loss = get("loss")?.as_f32().map_or(f32::NAN, |v| v[0]);
+        }
+        for prm in &ch.train.train.params {
+            let l = &prm.label;
+            grads.insert(l.clone(), get(&format!("grad.{l}"))?);
+            state.params.insert(l.clone(), get(&format!("param.{l}"))?);
+            state.m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
+            state.v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
+        }
+    }
+    state.step += 1;
+    let mut peak_activation_bytes = vec![0; p];
+    for (r, o) in outs.iter().enumerate() {
+        let s = mesh.coords(r)[pp.0 as usize];
+        peak_activation_bytes[s] = peak_activation_bytes[s].max(o.1);
+    }
+    Ok(PipelineStep {
+        output: StepOutput { loss, grads },
+        peak_activation_bytes,
+    })
+}
+
+/// One rank of pipeline stage `stage`: its chunks' programs driven by the stage's
+/// instructions. Returns each chunk's outputs (local values) and the most bytes of
+/// per-micro-batch values its programs held at once.
+#[allow(clippy::too_many_arguments)]
+fn run_stage(
+    c: &CompiledPipeline,
+    stage: usize,
+    ctx: &RankCtx,
+    inputs: &[BTreeMap<String, Tensor>],
+    weights: &Weights,
+    txs: &HashMap<usize, Sender<Msg>>,
+    rxs: &HashMap<usize, Receiver<Msg>>,
+    timeout: Duration,
+) -> Result<StageOutputs, RuntimeError> {
+    let m = c.options.micro_batches;
+    let mine: Vec<usize> = c.chunks_of(stage).map(|ch| ch.index).collect();
+    let caches: Vec<ParamCache> = mine
+        .iter()
+        .map(|&j| load_params(&c.chunks[j].train.sharded.graph, weights, ctx))
+        .collect::<Result<_, _>>()?;
+    let runs: Vec<ChunkRun> = mine
+        .iter()
+        .map(|&j| {
+            let graph = &c.chunks[j].train.sharded.graph;
+            let class = classes(graph, m);
+            let mut activation: Vec<bool> =
+                class.iter().map(|d| matches!(d, Dep::One(_))).collect();
+            for v in graph.ids() {
+                if class[v.index()] == Dep::Many {
+                    for &i in &graph.node(v).inputs {
+                        activation[i.index()] = false;
+                    }
+                }
+            }
+            ChunkRun {
+                graph,
+                class,
+                activation,
+            }
+        })
+        .collect();
+    let mut steppers: Vec<Option<Stepwise>> = mine
+        .iter()
+        .zip(&caches)
+        .map(|(&j, cache)| {
+            Stepwise::new(&c.chunks[j].train.sharded.graph, cache, &inputs[j], ctx).map(Some)
+        })
+        .collect::<Result<_, _>>()?;
+    let slot_of = |chunk: usize| mine.iter().position(|&j| j == chunk);
+    let mut outputs = BTreeMap::new();
+    let mut peak = 0usize;
+    for op in &c.program[stage] {
+        match *op {
+            PipeOp::Recv {
+                from,
+                carry,
+                micro,
+                boundary,
+            } => {
+                let rx = rxs
+                    .get(&from)
+                    .ok_or_else(|| pipe_err(op, "no channel from that rank"))?;
+                let msg = rx.recv_timeout(timeout).map_err(|e| match e {
+                    RecvTimeoutError::Timeout => pipe_err(
+                        op,
+                        format!("nothing arrived within {:.1} s", timeout.as_secs_f64()),
+                    ),
+                    RecvTimeoutError::Disconnected => pipe_err(
+                        op,
+                        format!("pipeline rank {from} stopped before sending it"),
+                    ),
+                })?;
+                if (msg.carry, msg.micro, msg.boundary) != (carry, micro, boundary) {
+                    return Err(pipe_err(
+                        op,
+                        format!(
+                            "received {:?} of micro-batch {} (boundary {}) instead",
+                            msg.carry, msg.micro, msg.boundary
+                        ),
+                    ));
+                }
+                let (chunk, base) = match carry {
+                    Carry::Act => (boundary + 1, STAGE_INPUT),
+                    Carry::Grad => (boundary, PIPE_GRAD_IN),
+                };
+                let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
+                let st = steppers[k]
+                    .as_mut()
+                    .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
+                st.provide(&input_name(base, micro, m), msg.tensor)?;
+            }
+            PipeOp::Send {
+                to,
+                carry,
+                micro,
+                boundary,
+            } => {
+                let (chunk, base) = match carry {
+                    Carry::Act => (boundary, STAGE_OUTPUT),
+                    Carry::Grad => (boundary + 1, PIPE_GRAD_OUT),
+                };
+                let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
+                let v = runs[k]
+                    .output(base, micro, m)
+                    .ok_or_else(|| pipe_err(op, format!("the chunk has no output `{base}`")))?;
+                let tensor = steppers[k]
+                    .as_mut()
+                    .and_then(|st| st.take(v))
+                    .ok_or_else(|| pipe_err(op, "the value was not computed"))?;
+                let tx = txs
+                    .get(&to)
+                    .ok_or_else(|| pipe_err(op, "no channel to that rank"))?;
+                tx.send(Msg {
+                    carry,
+                    micro,
+                    boundary,
+                    tensor,
+                })
+                .map_err(|_| pipe_err(op, format!("pipeline rank {to} stopped")))?;
+            }
+            PipeOp::Run(slot) => {
+                let k =
+                    slot_of(slot.chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
+                let run = &runs[k];
+                let st = steppers[k]
+                    .as_mut()
+                    .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
+                st.compute(&run.roots(slot.phase, slot.micro, m))?;
+                st.compute_ready(|v| run.class[v.index()] == Dep::Many)?;
+            }
+            PipeOp::Step { chunk } => {
+                let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
+                let st = steppers[k]
+                    .take()
+                    .ok_or_else(|| pipe_err(op, "the chunk stepped twice"))?;
+                outputs.insert(chunk, st.finish()?);
+            }
+        }
+        let live: usize = steppers
+            .iter()
+            .zip(&runs)
+            .filter_map(|(s, r)| {
+                s.as_ref()
+                    .map(|s| s.live_bytes_of(|v| r.activation[v.index()]))
+            })
+            .sum();
+        peak = peak.max(live);
+    }
+    Ok((outputs, peak))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn micro_batch_of_inputs() {
+        assert_eq!(input_micro("input_ids.mb3", 4), Some(3));
+        assert_eq!(input_micro("pipe.grad_in.mb0", 2), Some(0));
+        assert_eq!(input_micro("param.layers.0.mlp.up_proj.weight", 2), None);
+        assert_eq!(input_micro("labels", 1), Some(0));
+        assert_eq!(input_micro("step", 1), None);
+        assert_eq!(Dep::One(1).join(Dep::Free), Dep::One(1));
+        assert_eq!(Dep::One(1).join(Dep::One(2)), Dep::Many);
+    }
+}
