@@ -162,3 +162,57 @@ fn first_stage_activations_gpipe_m_vs_1f1b_p() {
     // Later 1F1B stages hold fewer (p − s in flight).
     assert!(f8.windows(2).all(|w| w[0] > w[1]), "{f8:?}");
 }
+
+/// Mixtral (MoE) through a pipeline, with expert parallelism inside each stage, and llama
+/// with activation recomputation.
+#[test]
+fn mixtral_and_recompute_through_the_pipeline() {
+    let dir = train_support::dir("mixtral");
+    let batch = fixture_batch("mixtral", 2);
+    for (mesh, m) in [("pp=2", 2), ("pp=2,ep=2", 2)] {
+        let r = run_pipeline_on(&dir, &pipe(mesh, &[], m, ScheduleKind::OneFOneB), &batch);
+        check("mixtral", &format!("{mesh} 1f1b m={m}"), &r);
+    }
+    let dir = train_support::dir("llama");
+    let batch = fixture_batch("llama", 2);
+    for rc in [
+        shardc::compiler::autodiff::Recompute::Full,
+        shardc::compiler::autodiff::Recompute::Selective,
+    ] {
+        let p = pipe("pp=2,tp=2", &["sp"], 2, ScheduleKind::ZbH1);
+        let cfg = shardc::compiler::model::ModelConfig::from_path(&dir).unwrap();
+        let mut o = train_support::pipe_options(&p, batch.batch, batch.seq);
+        o.recompute = rc;
+        let c = shardc::compiler::train::compile_pipeline(&cfg, &o).unwrap();
+        let w = shardc::runtime::Weights::open(&dir).unwrap();
+        let mut state = shardc::runtime::train::TrainState::load_params(c.params(), &w).unwrap();
+        let step = shardc::runtime::pipeline::pipeline_step(
+            &c,
+            &mut state,
+            &batch,
+            std::time::Duration::from_secs(60),
+            &w,
+        )
+        .unwrap();
+        let r = train_support::PipeRun {
+            grads: shardc::runtime::train::stored_tensors_of(
+                c.params(),
+                &step.output.grads,
+                &w,
+                shardc::runtime::train::Fill::Zeros,
+            )
+            .unwrap(),
+            updated: shardc::runtime::train::stored_tensors_of(
+                c.params(),
+                &state.params,
+                &w,
+                shardc::runtime::train::Fill::Original,
+            )
+            .unwrap(),
+            loss: step.output.loss,
+            peak_bytes: step.peak_activation_bytes,
+            compiled: c,
+        };
+        check("llama", &format!("pp=2,tp=2 sp recompute {rc}"), &r);
+    }
+}

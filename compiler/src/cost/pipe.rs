@@ -46,60 +46,32 @@ pub struct PipeOp {
     pub chunk: usize,
 }
 
-/// The ops stage `stage` of `p` runs for `m` micro-batches, in order.
+/// The ops stage `stage` of `p` runs for `m` micro-batches, in order: the schedule's slots
+/// ([`crate::schedule::pipeline::PipelineSchedule`], the one source of schedule orders), with
+/// chunks numbered per stage.
 pub fn stage_order(schedule: PipeSchedule, p: usize, m: usize, stage: usize) -> Vec<PipeOp> {
-    let f = |mb, chunk| PipeOp {
-        fwd: true,
-        mb,
-        chunk,
+    use crate::schedule::pipeline::{Phase, PipelineSchedule, ScheduleKind};
+    let (kind, v) = match schedule {
+        PipeSchedule::Gpipe => (ScheduleKind::Gpipe, 1),
+        PipeSchedule::OneFOneB => (ScheduleKind::OneFOneB, 1),
+        PipeSchedule::Interleaved(v) => (ScheduleKind::Interleaved, v.max(1)),
     };
-    let b = |mb, chunk| PipeOp {
-        fwd: false,
-        mb,
-        chunk,
+    let Ok(s) = PipelineSchedule::new(kind, p.max(1), m.max(1), v) else {
+        return Vec::new();
     };
-    match schedule {
-        PipeSchedule::Gpipe => (0..m)
-            .map(|i| f(i, 0))
-            .chain((0..m).map(|i| b(i, 0)))
-            .collect(),
-        PipeSchedule::OneFOneB | PipeSchedule::Interleaved(1) => {
-            let warm = (p - stage - 1).min(m);
-            let mut v: Vec<PipeOp> = (0..warm).map(|i| f(i, 0)).collect();
-            for i in 0..m - warm {
-                v.push(f(warm + i, 0));
-                v.push(b(i, 0));
-            }
-            v.extend((m - warm..m).map(|i| b(i, 0)));
-            v
-        }
-        PipeSchedule::Interleaved(chunks) => {
-            let total = m * chunks;
-            let group = p * chunks;
-            let chunk_of = |k: usize, fwd: bool| {
-                let c = (k % group) / p;
-                if fwd {
-                    c
-                } else {
-                    chunks - 1 - c
-                }
-            };
-            let mb_of = |k: usize| (k / group) * p + k % p;
-            let warm = if m == p {
-                total
-            } else {
-                ((p - stage - 1) * 2 + (chunks - 1) * p).min(total)
-            };
-            let mut v: Vec<PipeOp> = (0..warm).map(|k| f(mb_of(k), chunk_of(k, true))).collect();
-            for k in 0..total - warm {
-                let kf = warm + k;
-                v.push(f(mb_of(kf), chunk_of(kf, true)));
-                v.push(b(mb_of(k), chunk_of(k, false)));
-            }
-            v.extend((total - warm..total).map(|k| b(mb_of(k), chunk_of(k, false))));
-            v
-        }
-    }
+    s.per_rank
+        .get(stage)
+        .map(|slots| {
+            slots
+                .iter()
+                .map(|x| PipeOp {
+                    fwd: x.phase == Phase::F,
+                    mb: x.micro,
+                    chunk: x.chunk / p.max(1),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// A timed op.

@@ -362,9 +362,9 @@ impl PipelineSchedule {
         }
         // Local order: passes once each, on their rank, F → B → W; transfers next to data.
         let mut ran: std::collections::HashMap<(Phase, usize, usize), usize> = Default::default();
+        let mut stepped = std::collections::HashSet::new();
         for (r, ops) in program.iter().enumerate() {
             let mut got: std::collections::HashSet<(Carry, usize, usize)> = Default::default();
-            let mut stepped = std::collections::HashSet::new();
             for (k, op) in ops.iter().enumerate() {
                 match *op {
                     PipeOp::Run(s) => {
@@ -454,6 +454,11 @@ impl PipelineSchedule {
                     }
                 }
             }
+        }
+        if let Some(c) = (0..n).find(|c| !stepped.contains(c)) {
+            return Err(PipelineError::Invalid(format!(
+                "chunk {c} has no optimizer step"
+            )));
         }
         // Global: execute with FIFO channels per rank pair.
         type Msg = (Carry, usize, usize);
@@ -622,8 +627,11 @@ fn interleaved(s: usize, p: usize, m: usize, v: usize) -> Vec<Slot> {
         let local = v - 1 - (k / p) % v;
         (group * p + k % p, local * p + s)
     };
+    // Megatron-LM: with as many micro-batches as stages, every forward is warm-up.
     let warm = if v == 1 {
         (p - s - 1).min(m)
+    } else if m == p {
+        total
     } else {
         ((p - s - 1) * 2 + (v - 1) * p).min(total)
     };
