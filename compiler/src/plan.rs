@@ -143,7 +143,7 @@ pub enum PlanError {
     #[error("malformed plan: {0}")]
     Json(String),
     /// The pipeline's transfers do not match, could deadlock, or disagree on a boundary.
-    #[error("pipeline: {0}")]
+    #[error("plan verifier: {0}")]
     Pipeline(String),
 }
 

@@ -502,6 +502,12 @@ fn run_stage(
             .sum();
         peak = peak.max(live);
     }
+    if let Some(k) = steppers.iter().position(Option::is_some) {
+        return Err(RuntimeError::Pipeline {
+            op: "end of instructions".into(),
+            detail: format!("chunk {} never ran its optimizer step", mine[k]),
+        });
+    }
     Ok((outputs, peak))
 }
 

@@ -150,13 +150,17 @@ fn describe_pipeline(p: &CompiledPipeline) -> anyhow::Result<()> {
     let s = &p.schedule;
     let r = s.replay(PassCosts::uniform(1.0))?;
     println!(
-        "pipeline: {} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages), peak in-flight micro-batches per stage {:?}",
+        "pipeline: {} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages), peak in-flight micro-batches per stage [{}]",
         s.kind.name(),
         s.stages,
         s.virtual_stages,
         s.micro_batches,
         r.bubble_fraction,
         r.peak_in_flight
+            .iter()
+            .map(|x| format!("{x}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     for ch in &p.chunks {
         let mut parts = Vec::new();

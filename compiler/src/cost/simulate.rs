@@ -152,6 +152,15 @@ pub fn simulate_plan(
     opts: &ComputeOptions,
 ) -> Result<Simulation, CostError> {
     let mesh = &plan.mesh;
+    if let Some(s) = &plan.pipeline {
+        return Err(CostError::Replay(format!(
+            "the plan is a pipeline-parallel training step ({} chunks under a {} schedule); \
+             replaying pipeline plans is not supported: model the step with `shardc simulate \
+             <model> --train --mesh {mesh}`",
+            plan.chunks.len(),
+            s.kind.name()
+        )));
+    }
     check_gpus(mesh, cluster)?;
     let dev = &cluster.device;
     let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {

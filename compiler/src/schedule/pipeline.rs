@@ -930,8 +930,13 @@ pub fn parse_stage_layers(
             v.len()
         )));
     }
+    if let Some(i) = v.iter().position(|&n| n == 0) {
+        return Err(PipelineError::Invalid(format!(
+            "--stage-layers {text}: stage {i} has no layers (each needs at least one)"
+        )));
+    }
     let sum: usize = v.iter().sum();
-    if sum != layers || v.contains(&0) {
+    if sum != layers {
         return Err(PipelineError::Invalid(format!(
             "--stage-layers {text} covers {sum} layers (each stage ≥ 1), the model has {layers}"
         )));
