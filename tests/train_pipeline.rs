@@ -163,6 +163,27 @@ fn first_stage_activations_gpipe_m_vs_1f1b_p() {
     assert!(f8.windows(2).all(|w| w[0] > w[1]), "{f8:?}");
 }
 
+/// The compiler's static account of activation memory per stage equals what the thread
+/// runtime measures, byte for byte, for every schedule (and with dp/tp/sp inside stages).
+#[test]
+fn static_activation_peaks_match_the_runtime() {
+    let dir = deep_llama(8);
+    let batch = token_batch(8, 12, 256);
+    for mesh in ["pp=4", "pp=2,dp=2,tp=2"] {
+        let extra: &[&str] = if mesh == "pp=4" { &[] } else { &["sp"] };
+        for kind in SCHEDULES {
+            let r = run_pipeline_on(&dir, &pipe(mesh, extra, 4, kind), &batch);
+            let predicted: Vec<usize> = r
+                .compiled
+                .activation_peaks(4.0)
+                .into_iter()
+                .map(|b| b as usize)
+                .collect();
+            assert_eq!(predicted, r.peak_bytes, "{mesh} {}", kind.name());
+        }
+    }
+}
+
 /// Mixtral (MoE) through a pipeline, with expert parallelism inside each stage, and llama
 /// with activation recomputation.
 #[test]

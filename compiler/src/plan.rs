@@ -99,6 +99,10 @@ pub struct Plan {
     /// (pipeline-parallel training plans; `program` is then chunk 0's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pipeline_program: Vec<Vec<crate::schedule::pipeline::PipeOp>>,
+    /// Per pipeline rank and instruction, the values of its chunk's program it computes, in
+    /// order (a receive: the input it fills; a send: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pipeline_nodes: Vec<Vec<Vec<ValueId>>>,
     /// The model chunks of a pipeline-parallel training plan, in model order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub chunks: Vec<PlanChunk>,
@@ -204,6 +208,7 @@ impl Plan {
             },
             pipeline: None,
             pipeline_program: Vec::new(),
+            pipeline_nodes: Vec::new(),
             chunks: Vec::new(),
             comm: None,
             rewrite: c.report.clone(),
@@ -288,7 +293,9 @@ impl Plan {
     /// every pass once in order, every send is received in the order sent (FIFO per rank
     /// pair) and no rank can wait forever (see
     /// [`crate::schedule::pipeline::PipelineSchedule::check_program`]); each boundary tensor
-    /// is sent with the local type its receiver's program expects.
+    /// is sent with the local type its receiver's program expects; the node lists run every
+    /// value of every chunk once, on the chunk's rank, after its operands, a received input
+    /// only at its receive.
     pub fn check_pipeline(&self) -> Result<(), PlanError> {
         let Some(s) = &self.pipeline else {
             return Ok(());
@@ -302,6 +309,7 @@ impl Plan {
                 self.chunks.len()
             )));
         }
+        self.check_pipeline_nodes(s.stages)?;
         let m = s.micro_batches;
         let input = |g: &Graph, name: &str| {
             g.ids()
@@ -334,6 +342,95 @@ impl Plan {
                         )));
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_pipeline_nodes(&self, p: usize) -> Result<(), PlanError> {
+        use crate::schedule::pipeline::{Carry, PipeOp};
+        let err = |m: String| Err(PlanError::Pipeline(m));
+        if self.pipeline_nodes.len() != self.pipeline_program.len()
+            || self
+                .pipeline_nodes
+                .iter()
+                .zip(&self.pipeline_program)
+                .any(|(n, o)| n.len() != o.len())
+        {
+            return err("node lists do not match the instructions".into());
+        }
+        let mut done: Vec<Vec<bool>> = self
+            .chunks
+            .iter()
+            .map(|c| vec![false; c.program.len()])
+            .collect();
+        for (r, (ops, lists)) in self
+            .pipeline_program
+            .iter()
+            .zip(&self.pipeline_nodes)
+            .enumerate()
+        {
+            for (k, (op, list)) in ops.iter().zip(lists).enumerate() {
+                let chunk = match *op {
+                    PipeOp::Recv {
+                        carry, boundary, ..
+                    } => match carry {
+                        Carry::Act => boundary + 1,
+                        Carry::Grad => boundary,
+                    },
+                    PipeOp::Run(s) => s.chunk,
+                    PipeOp::Step { chunk } => chunk,
+                    PipeOp::Send { .. } => {
+                        if !list.is_empty() {
+                            return err(format!(
+                                "rank {r}, instruction {k} ({op}) computes values"
+                            ));
+                        }
+                        continue;
+                    }
+                };
+                let Some(c) = self
+                    .chunks
+                    .get(chunk)
+                    .filter(|c| c.stage == r && c.index % p == r)
+                else {
+                    return err(format!(
+                        "rank {r}, instruction {k} ({op}): chunk {chunk} is not this rank's"
+                    ));
+                };
+                let g = &c.program;
+                for &v in list {
+                    if v.index() >= g.len() || done[chunk][v.index()] {
+                        return err(format!(
+                            "rank {r}, instruction {k} ({op}): value {v} of chunk {chunk} runs twice or does not exist"
+                        ));
+                    }
+                    let node = g.node(v);
+                    if let Some(i) = node.inputs.iter().find(|i| !done[chunk][i.index()]) {
+                        return err(format!(
+                            "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} runs before its operand {i}",
+                            node.name
+                        ));
+                    }
+                    let boundary = matches!(&node.op, Op::Input { name, .. }
+                        if name.starts_with(crate::model::STAGE_INPUT)
+                            || name.starts_with(crate::autodiff::PIPE_GRAD_IN));
+                    if boundary != matches!(op, PipeOp::Recv { .. }) {
+                        return err(format!(
+                            "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} is a received input filled elsewhere, or a receive fills something else",
+                            node.name
+                        ));
+                    }
+                    done[chunk][v.index()] = true;
+                }
+            }
+        }
+        for (c, d) in done.iter().enumerate() {
+            if let Some(v) = d.iter().position(|x| !x) {
+                return err(format!(
+                    "value %{v} `{}` of chunk {c} never runs",
+                    self.chunks[c].program.node(ValueId(v as u32)).name
+                ));
             }
         }
         Ok(())

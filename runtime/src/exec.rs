@@ -273,40 +273,21 @@ impl<'g, 'p> Stepwise<'g, 'p> {
         self.run.vals.get(v.index())?.as_deref()
     }
 
-    /// Computes `roots` and every value they need that is not computed yet, in graph order.
-    pub fn compute(&mut self, roots: &[ValueId]) -> Result<(), RuntimeError> {
+    /// Computes `nodes` in the order given; each one's operands must be computed already.
+    pub fn run_nodes(&mut self, nodes: &[ValueId]) -> Result<(), RuntimeError> {
         let g = self.run.graph;
-        let mut need = vec![false; g.len()];
-        let mut stack: Vec<ValueId> = roots
-            .iter()
-            .copied()
-            .filter(|v| v.index() < g.len())
-            .collect();
-        while let Some(v) = stack.pop() {
-            if need[v.index()] || self.done[v.index()] {
+        for &v in nodes {
+            if v.index() >= g.len() || self.done[v.index()] {
                 continue;
             }
-            need[v.index()] = true;
-            stack.extend(g.node(v).inputs.iter().copied());
-        }
-        for v in g.ids().filter(|v| need[v.index()]) {
-            self.step(v)?;
-        }
-        Ok(())
-    }
-
-    /// Computes, in graph order, every value `pick` selects whose operands are all computed
-    /// (one pass: a selected chain completes in it).
-    pub fn compute_ready(&mut self, pick: impl Fn(ValueId) -> bool) -> Result<(), RuntimeError> {
-        let g = self.run.graph;
-        for v in g.ids() {
-            if !self.done[v.index()]
-                && !g.node(v).inputs.is_empty()
-                && pick(v)
-                && g.node(v).inputs.iter().all(|i| self.done[i.index()])
-            {
-                self.step(v)?;
+            if let Some(&i) = g.node(v).inputs.iter().find(|i| !self.done[i.index()]) {
+                return Err(IrError::Undefined {
+                    node: v,
+                    operand: i,
+                }
+                .into());
             }
+            self.step(v)?;
         }
         Ok(())
     }

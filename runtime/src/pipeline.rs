@@ -1,21 +1,16 @@
 //! Pipeline-parallel training steps on thread ranks: every rank of the mesh is a thread; the
 //! ranks of one pipeline stage run their chunks' SPMD programs with a thread communicator per
 //! stage-mesh axis, and each executes its stage's instructions
-//! ([`shardc_compiler::train::CompiledPipeline::program`]) in order: a pass computes what it
-//! needs of its chunk's program ([`Stepwise`]), a send hands a boundary tensor to the same
-//! stage-mesh coordinates of the neighbouring stage over a FIFO channel (buffered), a receive
-//! blocks for it (bounded by the timeout).
+//! ([`shardc_compiler::train::CompiledPipeline::program`]) in order: a pass runs the values
+//! the compiler listed for it ([`shardc_compiler::train::CompiledPipeline::nodes`], see
+//! [`shardc_compiler::train::instruction_nodes`]) with [`Stepwise`], a send hands a boundary
+//! tensor to the same stage-mesh coordinates of the neighbouring stage over a FIFO channel
+//! (buffered), a receive blocks for it (bounded by the timeout).
 //!
-//! What a pass computes, per chunk program and micro-batch `i`:
-//! - `F i`: the chunk output `pipe.act_out` (the loss, on the last chunk) and what it needs;
-//! - `B i`: the input gradient `pipe.grad_out` and what it needs (nothing on the first chunk);
-//! - `W i`: everything else that depends on micro-batch `i` alone (weight gradients);
-//! - after each pass, values that combine micro-batches (gradient accumulation) as soon as
-//!   their operands are there; the optimizer step computes the rest.
-//!
-//! Values depending on no micro-batch (parameters, optimizer state) are computed when first
-//! needed. Every rank of a stage runs the same programs and instructions, so its collectives
-//! agree; the instructions themselves were verified deadlock-free at compile time.
+//! Every rank of a stage runs the same programs and node lists, so its collectives agree; the
+//! instructions were verified deadlock-free at compile time. A rank that fails aborts its
+//! collective groups and drops its channels, so its peers stop at once; the error returned is
+//! the root cause, with the rank and its mesh coordinates.
 
 use crate::comm::thread::{group, ThreadComm};
 use crate::comm::Communicator;
@@ -25,11 +20,10 @@ use crate::train::{
     assemble, batch_inputs, check_batch, Batch, StepOutput, TrainError, TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
-use shardc_compiler::autodiff::{input_name, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS};
-use shardc_compiler::ir::{Graph, Op, ValueId};
+use shardc_compiler::autodiff::{input_name, PIPE_GRAD_IN, PIPE_GRAD_OUT};
 use shardc_compiler::model::{STAGE_INPUT, STAGE_OUTPUT};
-use shardc_compiler::schedule::pipeline::{Carry, Phase, PipeOp};
-use shardc_compiler::train::CompiledPipeline;
+use shardc_compiler::schedule::pipeline::{Carry, PipeOp};
+use shardc_compiler::train::{activation_values, micro_deps, CompiledPipeline};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
@@ -44,99 +38,6 @@ struct Msg {
     micro: usize,
     boundary: usize,
     tensor: Tensor,
-}
-
-/// Which micro-batches a value depends on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Dep {
-    /// None: parameters, optimizer state, the step count.
-    Free,
-    /// Micro-batch `i` alone.
-    One(usize),
-    /// Several (accumulated gradients, the summed loss, the optimizer update).
-    Many,
-}
-
-impl Dep {
-    fn join(self, o: Dep) -> Dep {
-        match (self, o) {
-            (Dep::Free, x) | (x, Dep::Free) => x,
-            (Dep::One(a), Dep::One(b)) if a == b => Dep::One(a),
-            _ => Dep::Many,
-        }
-    }
-}
-
-/// The micro-batch of a program input (`input_ids.mb3` → 3; with one micro-batch the batch
-/// inputs are unsuffixed).
-fn input_micro(name: &str, m: usize) -> Option<usize> {
-    if m > 1 {
-        let (_, k) = name.rsplit_once(".mb")?;
-        return k.parse().ok();
-    }
-    let batch = [
-        "input_ids",
-        "position_ids",
-        "attention_mask",
-        "labels",
-        STAGE_INPUT,
-        PIPE_GRAD_IN,
-    ];
-    batch.contains(&name).then_some(0)
-}
-
-/// The dependency class of every value of a chunk program.
-fn classes(g: &Graph, m: usize) -> Vec<Dep> {
-    let mut out: Vec<Dep> = Vec::with_capacity(g.len());
-    for v in g.ids() {
-        let n = g.node(v);
-        let d = match &n.op {
-            Op::Input { name, .. } => input_micro(name, m).map_or(Dep::Free, Dep::One),
-            _ => n
-                .inputs
-                .iter()
-                .fold(Dep::Free, |acc, i| acc.join(out[i.index()])),
-        };
-        out.push(d);
-    }
-    out
-}
-
-/// One chunk's program as a rank runs it.
-struct ChunkRun<'g> {
-    graph: &'g Graph,
-    class: Vec<Dep>,
-    /// Per-micro-batch values that are not a micro-batch's gradient on its way into the
-    /// accumulation (no user combines micro-batches): activations and what derives from them.
-    activation: Vec<bool>,
-}
-
-impl ChunkRun<'_> {
-    fn output(&self, base: &str, i: usize, m: usize) -> Option<ValueId> {
-        self.graph.output(&input_name(base, i, m))
-    }
-
-    /// The values pass `phase` of micro-batch `i` asks for.
-    fn roots(&self, phase: Phase, i: usize, m: usize) -> Vec<ValueId> {
-        match phase {
-            Phase::F => {
-                let mut r: Vec<ValueId> = [STAGE_OUTPUT, PIPE_LOSS]
-                    .iter()
-                    .filter_map(|b| self.output(b, i, m))
-                    .collect();
-                if r.is_empty() {
-                    r.extend(self.graph.output("loss"));
-                }
-                r
-            }
-            Phase::B => self.output(PIPE_GRAD_OUT, i, m).into_iter().collect(),
-            Phase::W => self
-                .graph
-                .ids()
-                .filter(|v| self.class[v.index()] == Dep::One(i))
-                .collect(),
-        }
-    }
 }
 
 fn pipe_err(op: &PipeOp, detail: impl Into<String>) -> RuntimeError {
@@ -374,25 +275,11 @@ fn run_stage(
         .iter()
         .map(|&j| load_params(&c.chunks[j].train.sharded.graph, weights, ctx))
         .collect::<Result<_, _>>()?;
-    let runs: Vec<ChunkRun> = mine
+    let activation: Vec<Vec<bool>> = mine
         .iter()
         .map(|&j| {
-            let graph = &c.chunks[j].train.sharded.graph;
-            let class = classes(graph, m);
-            let mut activation: Vec<bool> =
-                class.iter().map(|d| matches!(d, Dep::One(_))).collect();
-            for v in graph.ids() {
-                if class[v.index()] == Dep::Many {
-                    for &i in &graph.node(v).inputs {
-                        activation[i.index()] = false;
-                    }
-                }
-            }
-            ChunkRun {
-                graph,
-                class,
-                activation,
-            }
+            let g = &c.chunks[j].train.sharded.graph;
+            activation_values(g, &micro_deps(g, m))
         })
         .collect();
     let mut steppers: Vec<Option<Stepwise>> = mine
@@ -405,7 +292,7 @@ fn run_stage(
     let slot_of = |chunk: usize| mine.iter().position(|&j| j == chunk);
     let mut outputs = BTreeMap::new();
     let mut peak = 0usize;
-    for op in &c.program[stage] {
+    for (op, nodes) in c.program[stage].iter().zip(&c.nodes[stage]) {
         match *op {
             PipeOp::Recv {
                 from,
@@ -456,8 +343,11 @@ fn run_stage(
                     Carry::Grad => (boundary + 1, PIPE_GRAD_OUT),
                 };
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let v = runs[k]
-                    .output(base, micro, m)
+                let v = c.chunks[chunk]
+                    .train
+                    .sharded
+                    .graph
+                    .output(&input_name(base, micro, m))
                     .ok_or_else(|| pipe_err(op, format!("the chunk has no output `{base}`")))?;
                 let tensor = steppers[k]
                     .as_mut()
@@ -477,28 +367,24 @@ fn run_stage(
             PipeOp::Run(slot) => {
                 let k =
                     slot_of(slot.chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let run = &runs[k];
                 let st = steppers[k]
                     .as_mut()
                     .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
-                st.compute(&run.roots(slot.phase, slot.micro, m))?;
-                st.compute_ready(|v| run.class[v.index()] == Dep::Many)?;
+                st.run_nodes(nodes)?;
             }
             PipeOp::Step { chunk } => {
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let st = steppers[k]
+                let mut st = steppers[k]
                     .take()
                     .ok_or_else(|| pipe_err(op, "the chunk stepped twice"))?;
+                st.run_nodes(nodes)?;
                 outputs.insert(chunk, st.finish()?);
             }
         }
         let live: usize = steppers
             .iter()
-            .zip(&runs)
-            .filter_map(|(s, r)| {
-                s.as_ref()
-                    .map(|s| s.live_bytes_of(|v| r.activation[v.index()]))
-            })
+            .zip(&activation)
+            .filter_map(|(s, a)| s.as_ref().map(|s| s.live_bytes_of(|v| a[v.index()])))
             .sum();
         peak = peak.max(live);
     }
@@ -509,20 +395,4 @@ fn run_stage(
         });
     }
     Ok((outputs, peak))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn micro_batch_of_inputs() {
-        assert_eq!(input_micro("input_ids.mb3", 4), Some(3));
-        assert_eq!(input_micro("pipe.grad_in.mb0", 2), Some(0));
-        assert_eq!(input_micro("param.layers.0.mlp.up_proj.weight", 2), None);
-        assert_eq!(input_micro("labels", 1), Some(0));
-        assert_eq!(input_micro("step", 1), None);
-        assert_eq!(Dep::One(1).join(Dep::Free), Dep::One(1));
-        assert_eq!(Dep::One(1).join(Dep::One(2)), Dep::Many);
-    }
 }

@@ -1,14 +1,22 @@
-//! `shardc compile`: model + mesh + strategies → plan.json and a summary.
+//! `shardc compile`: model + mesh + strategies → plan.json and a summary. The forward pass by
+//! default; with `--train` one training step (forward, backward, AdamW per micro-batch; a
+//! pipeline over a `pp` axis), from the config alone: no weights or tokens are read.
 
 use super::fmt::{bytes, thousands};
-use anyhow::Context;
+use anyhow::{bail, Context};
 use clap::Args;
+use shardc::compiler::autodiff::Recompute;
+use shardc::compiler::cost::Cluster;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::pipeline::{compile_forward_with, CompileOptions};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
+use shardc::compiler::schedule::pipeline::{parse_stage_layers, PassCosts, ScheduleKind};
 use shardc::compiler::shard::Mesh;
-use std::path::PathBuf;
+use shardc::compiler::train::{
+    compile_pipeline, compile_train, PipelineOptions, Precision, TrainMemory, TrainOptions,
+};
+use std::path::{Path, PathBuf};
 
 /// Default mesh and strategies of a bare `shardc compile`.
 const DEFAULT_MESH: &str = "dp=2,tp=4";
@@ -49,6 +57,26 @@ pub struct CompileArgs {
     /// Weight of the rewriter's activation-memory term, µs per MiB (0: time only).
     #[arg(long, default_value_t = shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB)]
     pub memory_weight: f64,
+    /// Compile one training step (forward, backward, AdamW) instead of the forward pass; a
+    /// mesh with a `pp` axis compiles a pipeline. Memory is accounted in mixed precision.
+    #[arg(long)]
+    pub train: bool,
+    /// Training: micro-batches per step (gradient accumulation; the pipeline's micro-batches).
+    #[arg(long, default_value_t = 1, requires = "train")]
+    pub micro_batches: usize,
+    /// Training: activation checkpointing: none, full or selective.
+    #[arg(long, default_value = "none", requires = "train")]
+    pub recompute: String,
+    /// Training, meshes with `pp`: the schedule: gpipe, 1f1b, interleaved or zb-h1 [default: 1f1b].
+    #[arg(long, requires = "train")]
+    pub schedule: Option<String>,
+    /// Training, meshes with `pp`: model chunks per pipeline rank (interleaved) [default: 1].
+    #[arg(long, requires = "train")]
+    pub virtual_stages: Option<usize>,
+    /// Training, meshes with `pp`: decoder layers per chunk, e.g. `21,20,20,19` (default:
+    /// balanced by cost).
+    #[arg(long, requires = "train")]
+    pub stage_layers: Option<String>,
 }
 
 /// Resolved inputs shared by `compile` and sharded `run`.
@@ -86,6 +114,9 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
         seq,
         a.gpus_per_node,
     )?;
+    if a.train {
+        return run_train(&a, &cfg, &path, opts);
+    }
     let mut rw = RewriteOptions::with_rules(a.rewrite.parse::<RuleSelection>()?);
     rw.cost.memory_us_per_mib = a.memory_weight;
     let t0 = std::time::Instant::now();
@@ -196,4 +227,437 @@ pub fn print_summary(plan: &Plan) {
         "total per forward: {count} collectives, {} per rank",
         bytes(total)
     );
+}
+
+/// The training options of `compile --train`: the forward options' mesh, strategies, batch
+/// and sequence, plus micro-batches, recomputation and (meshes with `pp` > 1) the pipeline.
+fn train_options(
+    a: &CompileArgs,
+    cfg: &ModelConfig,
+    fwd: CompileOptions,
+) -> anyhow::Result<TrainOptions> {
+    let Some(recompute) = Recompute::from_name(&a.recompute) else {
+        bail!(
+            "unknown recompute mode `{}`; valid modes: none, full, selective",
+            a.recompute
+        );
+    };
+    let schedule = ScheduleKind::from_name(a.schedule.as_deref().unwrap_or("1f1b"))?;
+    if fwd.seq > cfg.max_positions {
+        bail!(
+            "sequence length {} exceeds the model's maximum positions {}",
+            fwd.seq,
+            cfg.max_positions
+        );
+    }
+    let mut t = TrainOptions::new(fwd.batch, fwd.seq, fwd.mesh);
+    t.extra_strategies = fwd.extra_strategies;
+    t.micro_batches = a.micro_batches;
+    t.recompute = recompute;
+    let pp = t
+        .mesh
+        .axis("pp")
+        .map(|x| t.mesh.axis_size(x))
+        .filter(|&p| p > 1);
+    let Some(p) = pp else {
+        if a.schedule.is_some() || a.virtual_stages.is_some() || a.stage_layers.is_some() {
+            bail!(
+                "--schedule, --virtual-stages and --stage-layers need a mesh with a pp axis of \
+                 size > 1 (e.g. --mesh pp=2,dp=2); mesh {} has none",
+                t.mesh
+            );
+        }
+        return Ok(t);
+    };
+    let v = a.virtual_stages.unwrap_or(1);
+    if v == 0 {
+        bail!("--virtual-stages must be at least 1");
+    }
+    if v > 1 && schedule != ScheduleKind::Interleaved {
+        bail!(
+            "--virtual-stages {v} needs --schedule interleaved (the {} schedule runs one chunk \
+             per pipeline rank)",
+            schedule.name()
+        );
+    }
+    t.pipeline = PipelineOptions {
+        schedule,
+        virtual_stages: v,
+        stage_layers: a
+            .stage_layers
+            .as_deref()
+            .map(|s| parse_stage_layers(s, cfg.layers, p * v))
+            .transpose()?,
+    };
+    Ok(t)
+}
+
+/// `compile --train`: compiles the step, checks the pipeline and the memory fit, writes the
+/// plan and prints its summary.
+fn run_train(
+    a: &CompileArgs,
+    cfg: &ModelConfig,
+    path: &Path,
+    fwd: CompileOptions,
+) -> anyhow::Result<()> {
+    if a.rewrite != "none" {
+        bail!(
+            "--rewrite {} applies to forward plans; training steps are compiled without the \
+             rewriter (drop --rewrite or --train)",
+            a.rewrite
+        );
+    }
+    if a.memory_weight != shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB {
+        bail!("--memory-weight tunes the forward rewriter; it does not apply with --train");
+    }
+    let opts = train_options(a, cfg, fwd)?;
+    let source = path.display().to_string();
+    let (model_type, precision) = (cfg.arch.name(), Precision::mixed());
+    let t0 = std::time::Instant::now();
+    let pipelined = opts
+        .mesh
+        .axis("pp")
+        .is_some_and(|p| opts.mesh.axis_size(p) > 1);
+    let plan = if pipelined {
+        compile_pipeline(cfg, &opts)?.plan(&source, model_type, cfg.layers, precision)
+    } else {
+        compile_train(cfg, &opts)?.plan(&source, model_type, cfg.layers, precision)
+    };
+    plan.check_pipeline()?;
+    let ranks = rank_memory(&plan)?;
+    train_fit_check(&ranks, &a.cluster, a.allow_oom)?;
+    let elapsed = t0.elapsed();
+    let json = plan.to_json();
+    std::fs::write(&a.output, &json).with_context(|| format!("writing {}", a.output.display()))?;
+    print_train_summary(&plan, &opts, &ranks)?;
+    println!(
+        "compiled in {:.1} ms; wrote {} (plan format v{}, {} nodes in {} program(s), {})",
+        elapsed.as_secs_f64() * 1e3,
+        a.output.display(),
+        plan.format_version,
+        thousands(
+            (plan.program.len()
+                + plan
+                    .chunks
+                    .iter()
+                    .skip(1)
+                    .map(|c| c.program.len())
+                    .sum::<usize>()) as u64
+        ),
+        plan.chunks.len().max(1),
+        bytes(json.len() as u64)
+    );
+    Ok(())
+}
+
+/// Training memory of one rank (of one pipeline stage), at the plan's precision.
+struct RankMemory {
+    /// The pipeline stage (`None`: no pipeline).
+    stage: Option<usize>,
+    /// Parameters + gradients + optimizer states.
+    static_bytes: u64,
+    /// The peak beyond the static bytes of one pass: the program's (one chunk's, the largest
+    /// of the stage's), holding one micro-batch's activations at a time.
+    pass_bytes: u64,
+    /// Micro-batches in flight beyond the pass's own (a pipeline stage's peak in-flight
+    /// micro-batches minus one; 0 without a pipeline).
+    more_in_flight: f64,
+    /// Activations one micro-batch keeps for backward (all the stage's chunks).
+    kept_bytes: u64,
+    /// static + pass + more in flight × kept.
+    total_bytes: u64,
+}
+
+/// Memory per rank: the plan's training report, or per pipeline stage an estimate from its
+/// chunks' reports and the schedule's peak in-flight micro-batches: the static state of its
+/// chunks, the largest peak of one chunk's pass, and the activations of the other micro-batches
+/// in flight. (Conservative where a chunk's peak is the optimizer step, when nothing is in
+/// flight.)
+fn rank_memory(plan: &Plan) -> anyhow::Result<Vec<RankMemory>> {
+    let Some(s) = &plan.pipeline else {
+        let m = plan
+            .memory
+            .train
+            .as_ref()
+            .context("the training plan has no memory report")?;
+        return Ok(vec![RankMemory {
+            stage: None,
+            static_bytes: m.static_bytes,
+            pass_bytes: m.peak_bytes.saturating_sub(m.static_bytes),
+            more_in_flight: 0.0,
+            kept_bytes: m.activation_bytes,
+            total_bytes: m.peak_bytes,
+        }]);
+    };
+    let replay = s.replay(PassCosts::uniform(1.0))?;
+    let mut out = Vec::with_capacity(s.stages);
+    for stage in 0..s.stages {
+        let mems: Vec<&TrainMemory> = plan
+            .chunks
+            .iter()
+            .filter(|c| c.stage == stage)
+            .map(|c| {
+                c.memory
+                    .train
+                    .as_ref()
+                    .with_context(|| format!("pipeline chunk {} has no memory report", c.index))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let static_bytes: u64 = mems.iter().map(|m| m.static_bytes).sum();
+        let kept_bytes: u64 = mems.iter().map(|m| m.activation_bytes).sum();
+        let pass_bytes = mems
+            .iter()
+            .map(|m| m.peak_bytes.saturating_sub(m.static_bytes))
+            .max()
+            .unwrap_or(0);
+        let in_flight = replay.peak_in_flight.get(stage).copied().unwrap_or(1.0);
+        let more_in_flight = (in_flight - 1.0).max(0.0);
+        out.push(RankMemory {
+            stage: Some(stage),
+            static_bytes,
+            pass_bytes,
+            more_in_flight,
+            kept_bytes,
+            total_bytes: static_bytes
+                + pass_bytes
+                + (kept_bytes as f64 * more_in_flight).round() as u64,
+        });
+    }
+    Ok(out)
+}
+
+impl RankMemory {
+    /// `20.15 GiB static + 19.95 GiB one pass + 3 × 3.15 GiB in flight`.
+    fn parts(&self) -> String {
+        let mut s = format!(
+            "{} static + {} one pass",
+            bytes(self.static_bytes),
+            bytes(self.pass_bytes)
+        );
+        if self.more_in_flight > 0.0 {
+            s += &format!(
+                " + {} × {} activations of more micro-batches in flight",
+                self.more_in_flight,
+                bytes(self.kept_bytes)
+            );
+        }
+        s
+    }
+}
+
+/// `compile --train`'s fit check: an error when the busiest rank's training memory exceeds
+/// the device memory of `cluster`, a warning with `allow_oom`.
+fn train_fit_check(ranks: &[RankMemory], cluster: &str, allow_oom: bool) -> anyhow::Result<()> {
+    let c = Cluster::resolve(cluster)?;
+    let device = c.device.memory().0;
+    let Some(worst) = ranks.iter().max_by_key(|r| r.total_bytes) else {
+        return Ok(());
+    };
+    if worst.total_bytes <= device {
+        return Ok(());
+    }
+    let who = match worst.stage {
+        Some(s) => format!("a rank of pipeline stage {s}"),
+        None => "each rank".to_string(),
+    };
+    let msg = format!(
+        "training plan does not fit: {who} needs {} ({}) but {} has {}",
+        bytes(worst.total_bytes),
+        worst.parts(),
+        c.device.name,
+        bytes(device)
+    );
+    if allow_oom {
+        eprintln!("warning: {msg}");
+        Ok(())
+    } else {
+        bail!(
+            "{msg}; try --recompute selective or full, or a larger mesh, or pass --allow-oom to \
+             write it anyway"
+        )
+    }
+}
+
+/// `4.0 GiB` for one value, `1.0 GiB..1.2 GiB` for a range.
+fn byte_range(v: impl Iterator<Item = u64> + Clone) -> String {
+    let (lo, hi) = (v.clone().min().unwrap_or(0), v.max().unwrap_or(0));
+    if lo == hi {
+        bytes(lo)
+    } else {
+        format!("{}..{}", bytes(lo), bytes(hi))
+    }
+}
+
+/// One line of a training memory report.
+fn train_memory_line(m: &TrainMemory) -> String {
+    format!(
+        "params {}, grads {}, optimizer {} (static {}); activations kept {} per micro-batch ({} per layer); largest collective buffer {}; peak {}",
+        bytes(m.param_bytes),
+        bytes(m.grad_bytes),
+        bytes(m.optimizer_bytes),
+        bytes(m.static_bytes),
+        bytes(m.activation_bytes),
+        byte_range(m.activations_per_layer.iter().map(|l| l.bytes)),
+        bytes(m.comm_buffer_bytes),
+        bytes(m.peak_bytes)
+    )
+}
+
+/// The summary `compile --train` prints.
+fn print_train_summary(
+    plan: &Plan,
+    opts: &TrainOptions,
+    ranks: &[RankMemory],
+) -> anyhow::Result<()> {
+    let k = opts.micro_batches;
+    println!(
+        "{} ({}, {} layers) training step on mesh {} ({} ranks, {} GPUs/node), strategies {}, batch {} × seq {}, {k} micro-batch(es) of {}, recompute {}",
+        plan.model.source,
+        plan.model.model_type,
+        plan.model.layers,
+        plan.mesh,
+        plan.mesh.world_size(),
+        plan.mesh.gpus_per_node,
+        plan.strategies.join(","),
+        plan.model.batch,
+        plan.model.seq,
+        plan.model.batch / k.max(1),
+        opts.recompute
+    );
+    for a in &plan.mesh.axes {
+        println!(
+            "  axis {:<3} size {:<4} link {}",
+            a.name,
+            a.size,
+            a.link.name()
+        );
+    }
+    println!(
+        "per rank: parameters {} as compiled (f32 program inputs{})",
+        bytes(plan.memory.param_bytes),
+        if plan.pipeline.is_some() {
+            ", busiest pipeline rank"
+        } else {
+            ""
+        }
+    );
+    let precision = plan
+        .memory
+        .train
+        .as_ref()
+        .or_else(|| plan.chunks.iter().find_map(|c| c.memory.train.as_ref()))
+        .map(|m| m.precision)
+        .context("the training plan has no memory report")?;
+    let at = format!(
+        "at {} B per parameter, gradient and activation element, {} B of optimizer state per parameter",
+        precision.param_bytes, precision.optimizer_bytes
+    );
+    let Some(s) = &plan.pipeline else {
+        if let Some(m) = &plan.memory.train {
+            println!("training memory per rank ({at}):");
+            println!("  {}", train_memory_line(m));
+        }
+        if let Some(c) = &plan.comm {
+            print_comm(c);
+        }
+        return Ok(());
+    };
+    let r = s.replay(PassCosts::uniform(1.0))?;
+    println!(
+        "pipeline: {} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages), peak in-flight micro-batches per stage [{}]",
+        s.kind.name(),
+        s.stages,
+        s.virtual_stages,
+        s.micro_batches,
+        r.bubble_fraction,
+        r.peak_in_flight
+            .iter()
+            .map(|x| format!("{x}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!("chunks (training memory per rank {at}):");
+    for ch in &plan.chunks {
+        let mut parts = Vec::new();
+        if ch.embed {
+            parts.push("embedding".to_string());
+        }
+        if ch.layers[1] > ch.layers[0] {
+            parts.push(format!("layers {}..{}", ch.layers[0], ch.layers[1] - 1));
+        }
+        if ch.head {
+            parts.push("head".to_string());
+        }
+        println!(
+            "  chunk {} on stage {}: {}",
+            ch.index,
+            ch.stage,
+            parts.join(" + ")
+        );
+        if let Some(m) = &ch.memory.train {
+            println!("    {}", train_memory_line(m));
+        }
+    }
+    println!(
+        "memory per pipeline rank (estimate: its chunks' static state + the largest peak of one pass + the activations of the other micro-batches in flight):"
+    );
+    for r in ranks {
+        println!(
+            "  stage {}: {} = {}",
+            r.stage.unwrap_or(0),
+            r.parts(),
+            bytes(r.total_bytes)
+        );
+    }
+    println!(
+        "communication per pipeline rank per step (program dtype; collectives by ring algorithms, sends of boundary activations and gradients):"
+    );
+    for stage in 0..s.stages {
+        let on = || plan.chunks.iter().filter(move |c| c.stage == stage);
+        let (mut count, mut collectives) = (0usize, 0u64);
+        for c in on().filter_map(|c| c.comm.as_ref()) {
+            count += c.collectives.iter().map(|x| x.count).sum::<usize>();
+            collectives += c.sent_bytes;
+        }
+        let sends: Vec<u64> = on()
+            .flat_map(|c| {
+                c.program
+                    .outputs
+                    .iter()
+                    .filter(|(n, _)| {
+                        n.starts_with(shardc::compiler::model::STAGE_OUTPUT)
+                            || n.starts_with(shardc::compiler::autodiff::PIPE_GRAD_OUT)
+                    })
+                    .map(|&(_, v)| c.program.ty(v).size_bytes() as u64)
+            })
+            .collect();
+        println!(
+            "  stage {stage}: {count} collectives {}, {} sends {}",
+            bytes(collectives),
+            sends.len(),
+            bytes(sends.iter().sum())
+        );
+    }
+    Ok(())
+}
+
+/// Per-rank collective volume of a step, by (op, axis).
+fn print_comm(c: &shardc::compiler::train::CommVolume) {
+    let count: usize = c.collectives.iter().map(|x| x.count).sum();
+    println!(
+        "communication per rank per step: {count} collectives, {} sent (ring algorithms, program dtype):",
+        bytes(c.sent_bytes)
+    );
+    if c.collectives.is_empty() {
+        println!("  (none)");
+    }
+    for x in &c.collectives {
+        println!(
+            "  {:<15} {:<4} ×{:<6} {:>12}",
+            x.op,
+            x.axis,
+            x.count,
+            bytes(x.sent_bytes)
+        );
+    }
 }

@@ -30,6 +30,7 @@ mod calibrate;
 mod collective;
 mod memory;
 mod pipe;
+mod pipeplan;
 mod profile;
 mod program;
 mod published;
@@ -49,6 +50,7 @@ pub use memory::{
     korthikanti_per_layer, saved_activations, zero_static, MemoryBreakdown, Recompute, SavedOptions,
 };
 pub use pipe::{run_pipeline, stage_order, PipeEvent, PipeOp, PipeRun, PipeSchedule};
+pub use pipeplan::simulate_pipeline_plan;
 pub use profile::{
     Cluster, ClusterProfile, DeviceProfile, Efficiency, PeakFlops, Sourced, BUILTIN_PROFILES,
 };

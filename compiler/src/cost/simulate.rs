@@ -145,21 +145,16 @@ pub(crate) fn timelines(
     (tls, of)
 }
 
-/// Replays a compiled (forward) plan over every rank of its mesh on `cluster`.
+/// Replays a compiled plan over every rank of its mesh on `cluster` (a pipeline plan through
+/// [`super::simulate_pipeline_plan`]).
 pub fn simulate_plan(
     plan: &Plan,
     cluster: &Cluster,
     opts: &ComputeOptions,
 ) -> Result<Simulation, CostError> {
     let mesh = &plan.mesh;
-    if let Some(s) = &plan.pipeline {
-        return Err(CostError::Replay(format!(
-            "the plan is a pipeline-parallel training step ({} chunks under a {} schedule); \
-             replaying pipeline plans is not supported: model the step with `shardc simulate \
-             <model> --train --mesh {mesh}`",
-            plan.chunks.len(),
-            s.kind.name()
-        )));
+    if plan.pipeline.is_some() {
+        return super::simulate_pipeline_plan(plan, cluster, opts);
     }
     check_gpus(mesh, cluster)?;
     let dev = &cluster.device;

@@ -30,7 +30,10 @@ mod pipe;
 pub use comm::{comm_volume, CollectiveVolume, CommVolume};
 pub use memory::{memory_report, LayerActivations, Precision, TrainMemory};
 pub use passes::{Bucket, BucketCaps};
-pub use pipe::{chunk_specs, compile_pipeline, CompiledPipeline, PipelineChunk, PipelineOptions};
+pub use pipe::{
+    activation_peaks, activation_values, chunk_specs, compile_pipeline, input_micro,
+    instruction_nodes, micro_deps, CompiledPipeline, MicroDep, PipelineChunk, PipelineOptions,
+};
 
 use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};
 use crate::ir::{AdamWSpec, Graph, Op};

@@ -17,11 +17,13 @@
 //! at stage-mesh coordinates `c` exchanges them with rank `s ± 1` at the same `c`.
 
 use super::{compile_chunk, CompiledTrain, TrainCompileError, TrainOptions};
+use crate::autodiff::PIPE_LOSS;
 use crate::autodiff::{input_name, TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT};
-use crate::ir::{Op, TensorType};
+use crate::ir::{Graph, Op, TensorType, ValueId};
 use crate::model::{ModelConfig, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
 use crate::plan::{Plan, PlanChunk};
 use crate::schedule::pipeline::{balance, PipeOp, PipelineError, PipelineSchedule, ScheduleKind};
+use crate::schedule::pipeline::{Carry, Phase};
 use crate::shard::{self, Mesh, Strategy};
 
 /// How to pipeline a training step.
@@ -68,6 +70,9 @@ pub struct CompiledPipeline {
     pub schedule: PipelineSchedule,
     /// Each pipeline rank's instructions (passes and transfers), verified.
     pub program: Vec<Vec<PipeOp>>,
+    /// Per pipeline rank and instruction, the values of its chunk's program it computes, in
+    /// order (a receive: the input it fills; a send: nothing).
+    pub nodes: Vec<Vec<Vec<ValueId>>>,
     /// The whole mesh.
     pub mesh: Mesh,
     /// The mesh without its `pp` axis: what each chunk's program is partitioned over.
@@ -87,6 +92,20 @@ impl CompiledPipeline {
     /// Every trainable parameter, in model order (each lives in exactly one chunk).
     pub fn params(&self) -> impl Iterator<Item = &TrainParam> {
         self.chunks.iter().flat_map(|c| c.train.train.params.iter())
+    }
+
+    /// Per pipeline rank, the most bytes of activations held at once at `elem_bytes` per
+    /// element (see [`activation_peaks`]).
+    pub fn activation_peaks(&self, elem_bytes: f64) -> Vec<u64> {
+        let graphs: Vec<&Graph> = self.chunks.iter().map(|c| &c.train.sharded.graph).collect();
+        activation_peaks(
+            &graphs,
+            &self.program,
+            &self.nodes,
+            self.stages(),
+            self.options.micro_batches,
+            elem_bytes,
+        )
     }
 
     /// The chunks pipeline rank `stage` runs.
@@ -129,6 +148,7 @@ impl CompiledPipeline {
         plan.comm = None;
         plan.pipeline = Some(self.schedule.clone());
         plan.pipeline_program = self.program.clone();
+        plan.pipeline_nodes = self.nodes.clone();
         plan.chunks = self
             .chunks
             .iter()
@@ -275,10 +295,13 @@ pub fn compile_pipeline(
         });
     }
     check_boundaries(&chunks, opts.micro_batches)?;
+    let graphs: Vec<&Graph> = chunks.iter().map(|c| &c.train.sharded.graph).collect();
+    let nodes = instruction_nodes(&graphs, &program, p, opts.micro_batches)?;
     Ok(CompiledPipeline {
         chunks,
         schedule,
         program,
+        nodes,
         mesh: mesh.clone(),
         stage_mesh,
         strategies,
@@ -327,4 +350,322 @@ fn check_boundaries(chunks: &[PipelineChunk], m: usize) -> Result<(), PipelineEr
         }
     }
     Ok(())
+}
+
+/// Which micro-batches a value of a chunk program depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MicroDep {
+    /// None: parameters, optimizer state, the step count, what derives from them alone.
+    Free,
+    /// Micro-batch `i` alone.
+    One(usize),
+    /// Several: accumulated gradients, the summed loss, the optimizer update.
+    Many,
+}
+
+impl MicroDep {
+    fn join(self, o: MicroDep) -> MicroDep {
+        match (self, o) {
+            (MicroDep::Free, x) | (x, MicroDep::Free) => x,
+            (MicroDep::One(a), MicroDep::One(b)) if a == b => MicroDep::One(a),
+            _ => MicroDep::Many,
+        }
+    }
+}
+
+/// The micro-batch of a program input of a step with `m` micro-batches (`input_ids.mb3` → 3;
+/// with one micro-batch the batch inputs are unsuffixed); `None` for parameters, optimizer
+/// state and the step count.
+pub fn input_micro(name: &str, m: usize) -> Option<usize> {
+    if m > 1 {
+        let (_, k) = name.rsplit_once(".mb")?;
+        return k.parse().ok();
+    }
+    let batch = [
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        "labels",
+        STAGE_INPUT,
+        PIPE_GRAD_IN,
+    ];
+    batch.contains(&name).then_some(0)
+}
+
+/// The [`MicroDep`] of every value of `g`.
+pub fn micro_deps(g: &Graph, m: usize) -> Vec<MicroDep> {
+    let mut out: Vec<MicroDep> = Vec::with_capacity(g.len());
+    for v in g.ids() {
+        let n = g.node(v);
+        let d = match &n.op {
+            Op::Input { name, .. } => input_micro(name, m).map_or(MicroDep::Free, MicroDep::One),
+            _ => n
+                .inputs
+                .iter()
+                .fold(MicroDep::Free, |acc, i| acc.join(out[i.index()])),
+        };
+        out.push(d);
+    }
+    out
+}
+
+/// The activations of a chunk program: values of one micro-batch that no value combining
+/// micro-batches reads (which leaves out a micro-batch's weight gradients on their way into
+/// the accumulation).
+pub fn activation_values(g: &Graph, deps: &[MicroDep]) -> Vec<bool> {
+    let mut a: Vec<bool> = deps.iter().map(|d| matches!(d, MicroDep::One(_))).collect();
+    for v in g.ids() {
+        if deps[v.index()] == MicroDep::Many {
+            for &i in &g.node(v).inputs {
+                a[i.index()] = false;
+            }
+        }
+    }
+    a
+}
+
+/// The values pass `phase` of micro-batch `i` asks for on a chunk program: `F`, the chunk's
+/// output (its loss, on the last chunk); `B`, its input gradient; `W`, everything else of
+/// micro-batch `i` (weight gradients).
+fn roots(g: &Graph, deps: &[MicroDep], phase: Phase, i: usize, m: usize) -> Vec<ValueId> {
+    let out = |b: &str| g.output(&input_name(b, i, m));
+    match phase {
+        Phase::F => {
+            let mut r: Vec<ValueId> = [STAGE_OUTPUT, PIPE_LOSS]
+                .iter()
+                .filter_map(|b| out(b))
+                .collect();
+            if r.is_empty() {
+                r.extend(g.output("loss"));
+            }
+            r
+        }
+        Phase::B => out(PIPE_GRAD_OUT).into_iter().collect(),
+        Phase::W => g
+            .ids()
+            .filter(|v| deps[v.index()] == MicroDep::One(i))
+            .collect(),
+    }
+}
+
+/// What each instruction computes, derived once for every rank: a pass computes the values
+/// it asks for (see `roots`) and every value they need that is not computed yet, in program
+/// order, then the values combining micro-batches whose operands are all there (gradient
+/// accumulation as early as it can); a receive fills its input; the optimizer step computes
+/// the rest. A pass that would need a boundary input not received yet is an error (the
+/// schedule would read data before it arrives).
+pub fn instruction_nodes(
+    graphs: &[&Graph],
+    program: &[Vec<PipeOp>],
+    p: usize,
+    m: usize,
+) -> Result<Vec<Vec<Vec<ValueId>>>, PipelineError> {
+    let deps: Vec<Vec<MicroDep>> = graphs.iter().map(|g| micro_deps(g, m)).collect();
+    let boundary_input = |g: &Graph, v: ValueId| {
+        matches!(&g.node(v).op, Op::Input { name, .. }
+            if name.starts_with(STAGE_INPUT) || name.starts_with(PIPE_GRAD_IN))
+    };
+    let mut out = Vec::with_capacity(program.len());
+    for (r, ops) in program.iter().enumerate() {
+        let mut done: Vec<Vec<bool>> = graphs
+            .iter()
+            .enumerate()
+            .map(|(c, g)| {
+                if c % p == r {
+                    vec![false; g.len()]
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let mut lists = Vec::with_capacity(ops.len());
+        for (k, op) in ops.iter().enumerate() {
+            let bad = |msg: String| {
+                PipelineError::Invalid(format!("pipeline rank {r}, instruction {k} ({op}): {msg}"))
+            };
+            let mut list = Vec::new();
+            match *op {
+                PipeOp::Recv {
+                    carry,
+                    micro,
+                    boundary,
+                    ..
+                } => {
+                    let (c, base) = match carry {
+                        Carry::Act => (boundary + 1, STAGE_INPUT),
+                        Carry::Grad => (boundary, PIPE_GRAD_IN),
+                    };
+                    let g = graphs.get(c).ok_or_else(|| bad("no such chunk".into()))?;
+                    let name = input_name(base, micro, m);
+                    let v = g
+                        .ids()
+                        .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if *n == name))
+                        .ok_or_else(|| bad(format!("chunk {c} has no input `{name}`")))?;
+                    done[c][v.index()] = true;
+                    list.push(v);
+                }
+                PipeOp::Send { .. } => {}
+                PipeOp::Run(slot) => {
+                    let c = slot.chunk;
+                    let g = graphs[c];
+                    let d = &deps[c];
+                    let mut need = vec![false; g.len()];
+                    let mut stack = roots(g, d, slot.phase, slot.micro, m);
+                    while let Some(v) = stack.pop() {
+                        if need[v.index()] || done[c][v.index()] {
+                            continue;
+                        }
+                        if boundary_input(g, v) {
+                            return Err(bad(format!(
+                                "needs `{}` before it is received",
+                                g.node(v).name
+                            )));
+                        }
+                        need[v.index()] = true;
+                        stack.extend(g.node(v).inputs.iter().copied());
+                    }
+                    for v in g.ids() {
+                        let ready = || g.node(v).inputs.iter().all(|i| done[c][i.index()]);
+                        let eager = !done[c][v.index()]
+                            && d[v.index()] == MicroDep::Many
+                            && !g.node(v).inputs.is_empty()
+                            && ready();
+                        if need[v.index()] || eager {
+                            done[c][v.index()] = true;
+                            list.push(v);
+                        }
+                    }
+                }
+                PipeOp::Step { chunk } => {
+                    let g = graphs[chunk];
+                    for v in g.ids() {
+                        if !done[chunk][v.index()] {
+                            if boundary_input(g, v) {
+                                return Err(bad(format!("`{}` is never received", g.node(v).name)));
+                            }
+                            done[chunk][v.index()] = true;
+                            list.push(v);
+                        }
+                    }
+                }
+            }
+            lists.push(list);
+        }
+        out.push(lists);
+    }
+    Ok(out)
+}
+
+/// Per pipeline rank, the most bytes of activations ([`activation_values`]) held at once
+/// after any instruction, at `elem_bytes` per element: the static account of what the thread
+/// runtime measures (`shardc_runtime::pipeline::PipelineStep::peak_activation_bytes` with
+/// `elem_bytes` 4). A value is held from the instruction that computes (or receives) it until
+/// its last reader has run; outputs are kept, except boundary tensors, which are handed over
+/// by their send; a chunk's values are gone after its optimizer step.
+pub fn activation_peaks(
+    graphs: &[&Graph],
+    program: &[Vec<PipeOp>],
+    nodes: &[Vec<Vec<ValueId>>],
+    p: usize,
+    m: usize,
+    elem_bytes: f64,
+) -> Vec<u64> {
+    let act: Vec<Vec<bool>> = graphs
+        .iter()
+        .map(|g| activation_values(g, &micro_deps(g, m)))
+        .collect();
+    let mut peaks = vec![0u64; program.len()];
+    for (r, (ops, lists)) in program.iter().zip(nodes).enumerate() {
+        let mine: Vec<usize> = (0..graphs.len()).filter(|c| c % p == r).collect();
+        let mut users: Vec<Vec<usize>> = graphs
+            .iter()
+            .map(|g| {
+                let mut u = vec![0; g.len()];
+                for v in g.ids() {
+                    for &i in &g.node(v).inputs {
+                        u[i.index()] += 1;
+                    }
+                }
+                u
+            })
+            .collect();
+        let mut output: Vec<Vec<bool>> = graphs
+            .iter()
+            .map(|g| {
+                let mut o = vec![false; g.len()];
+                for (_, v) in &g.outputs {
+                    o[v.index()] = true;
+                }
+                o
+            })
+            .collect();
+        let mut held: Vec<Vec<f64>> = graphs.iter().map(|g| vec![0.0; g.len()]).collect();
+        let mut live_chunks: Vec<bool> = (0..graphs.len()).map(|c| mine.contains(&c)).collect();
+        let size = |g: &Graph, v: ValueId| g.ty(v).numel() as f64 * elem_bytes;
+        for (op, list) in ops.iter().zip(lists) {
+            let chunk = match *op {
+                PipeOp::Recv {
+                    carry, boundary, ..
+                } => Some(match carry {
+                    Carry::Act => boundary + 1,
+                    Carry::Grad => boundary,
+                }),
+                PipeOp::Run(s) => Some(s.chunk),
+                PipeOp::Step { chunk } => Some(chunk),
+                PipeOp::Send { .. } => None,
+            };
+            if let Some(c) = chunk {
+                let g = graphs[c];
+                for &v in list {
+                    let node = g.node(v);
+                    for &i in &node.inputs {
+                        users[c][i.index()] -= 1;
+                        if users[c][i.index()] == 0 && !output[c][i.index()] {
+                            held[c][i.index()] = 0.0;
+                        }
+                    }
+                    let kept = users[c][v.index()] > 0 || output[c][v.index()];
+                    let computed = !matches!(node.op, Op::Input { .. } | Op::Param(_));
+                    let received = matches!(op, PipeOp::Recv { .. });
+                    if kept && (computed || received) {
+                        held[c][v.index()] = size(g, v);
+                    }
+                }
+            }
+            match *op {
+                PipeOp::Send {
+                    carry,
+                    micro,
+                    boundary,
+                    ..
+                } => {
+                    let (c, base) = match carry {
+                        Carry::Act => (boundary, STAGE_OUTPUT),
+                        Carry::Grad => (boundary + 1, PIPE_GRAD_OUT),
+                    };
+                    if let Some(v) = graphs[c].output(&input_name(base, micro, m)) {
+                        output[c][v.index()] = false;
+                        if users[c][v.index()] == 0 {
+                            held[c][v.index()] = 0.0;
+                        }
+                    }
+                }
+                PipeOp::Step { chunk } => live_chunks[chunk] = false,
+                _ => {}
+            }
+            let live: f64 = (0..graphs.len())
+                .filter(|&c| live_chunks[c])
+                .map(|c| {
+                    held[c]
+                        .iter()
+                        .zip(&act[c])
+                        .filter(|(_, &a)| a)
+                        .map(|(b, _)| b)
+                        .sum::<f64>()
+                })
+                .sum();
+            peaks[r] = peaks[r].max(live as u64);
+        }
+    }
+    peaks
 }

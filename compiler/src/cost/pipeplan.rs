@@ -1,0 +1,333 @@
+//! Replaying a pipeline-parallel training plan on a cluster: every instruction of every
+//! pipeline rank is timed from the values the plan lists for it (each chunk program's
+//! kernels and in-stage collectives, replayed over the stage mesh like a forward plan), then
+//! the instructions run per pipeline rank in order: a pass as soon as the rank is free, a
+//! receive when the matching send's transfer has arrived (point-to-point over the `pp` axis's
+//! links), sends asynchronous. Memory per stage: the plan's parameter, gradient and optimizer
+//! accounting per chunk plus the activations its instructions hold
+//! ([`crate::train::activation_peaks`]) at the simulated dtype.
+
+use super::collective::{collective_time, CollectiveKind, GroupTopology};
+use super::memory::MemoryBreakdown;
+use super::program::Program;
+use super::replay::{replay, Topology};
+use super::report::{SimReport, Simulation, Slice, StageReport, Timeline};
+use super::roofline::{sim_bytes, ComputeOptions};
+use super::simulate::{check_gpus, rank_labels};
+use super::units::Bytes;
+use super::{Cluster, CostError};
+use crate::autodiff::{input_name, PIPE_GRAD_OUT};
+use crate::ir::{Graph, ValueId};
+use crate::model::STAGE_OUTPUT;
+use crate::plan::Plan;
+use crate::schedule::pipeline::{Carry, Phase, PipeOp};
+use crate::shard::Mesh;
+use std::collections::{HashMap, VecDeque};
+
+/// Replays pipeline plan `plan` (one with a schedule) on `cluster`.
+pub fn simulate_pipeline_plan(
+    plan: &Plan,
+    cluster: &Cluster,
+    opts: &ComputeOptions,
+) -> Result<Simulation, CostError> {
+    let sched = plan
+        .pipeline
+        .as_ref()
+        .ok_or_else(|| CostError::Replay("the plan has no pipeline schedule".into()))?;
+    plan.check_pipeline()
+        .map_err(|e| CostError::Replay(e.to_string()))?;
+    let mesh = &plan.mesh;
+    check_gpus(mesh, cluster)?;
+    let (p, m) = (sched.stages, sched.micro_batches);
+    let stage_mesh = Mesh {
+        axes: mesh
+            .axes
+            .iter()
+            .filter(|a| a.name != "pp")
+            .cloned()
+            .collect(),
+        gpus_per_node: mesh.gpus_per_node,
+    };
+    let topo = Topology::new(&stage_mesh, cluster);
+    let dev = &cluster.device;
+    let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
+        collective_time(
+            cluster,
+            kind,
+            Bytes(bytes),
+            GroupTopology::of_axis(&stage_mesh, axis, cluster),
+        )
+    };
+    let steps: Vec<_> = plan
+        .chunks
+        .iter()
+        .map(|c| crate::schedule::schedule(&c.program))
+        .collect();
+
+    // Duration and FLOPs (per rank) of each instruction.
+    let mut dur: Vec<Vec<(f64, f64)>> = Vec::with_capacity(p);
+    for (ops, lists) in plan.pipeline_program.iter().zip(&plan.pipeline_nodes) {
+        let mut d = Vec::with_capacity(ops.len());
+        for (op, list) in ops.iter().zip(lists) {
+            let chunk = match *op {
+                PipeOp::Run(s) => Some(s.chunk),
+                PipeOp::Step { chunk } => Some(chunk),
+                _ => None,
+            };
+            let Some(c) = chunk.filter(|_| !list.is_empty()) else {
+                d.push((0.0, 0.0));
+                continue;
+            };
+            let g = &plan.chunks[c].program;
+            let mut keep = vec![false; g.len()];
+            for v in list {
+                keep[v.index()] = true;
+            }
+            let prog = Program::from_steps(g, &steps[c], dev, opts, &|v| keep[v.index()], &comm);
+            let rep = replay(&prog, &topo, cluster, false)?;
+            d.push((rep.end().0, prog.flops()));
+        }
+        dur.push(d);
+    }
+
+    // The pipeline: instructions in order per rank, FIFO transfers per rank pair.
+    let pp_link = GroupTopology::of_axis(mesh, "pp", cluster);
+    let transfer = |c: usize, base: &str, micro: usize| -> (f64, u64) {
+        let g: &Graph = &plan.chunks[c].program;
+        let bytes = g
+            .output(&input_name(base, micro, m))
+            .map_or(0.0, |v: ValueId| sim_bytes(g.ty(v), opts.dtype));
+        let t = collective_time(
+            cluster,
+            CollectiveKind::SendRecv,
+            Bytes(bytes as u64),
+            pp_link,
+        );
+        (t.0, bytes as u64)
+    };
+    // (arrival, transfer time) of each message in flight.
+    let mut chan: HashMap<(usize, usize), VecDeque<(f64, f64)>> = HashMap::new();
+    let mut pc = vec![0usize; p];
+    let mut now = vec![0.0f64; p];
+    let mut busy = vec![0.0f64; p];
+    let mut p2p_wait = vec![0.0f64; p];
+    let mut slices: Vec<Vec<Slice>> = vec![Vec::new(); p];
+    loop {
+        let mut progressed = false;
+        for r in 0..p {
+            while let Some(op) = plan.pipeline_program[r].get(pc[r]) {
+                match *op {
+                    PipeOp::Recv { from, .. } => {
+                        let Some((arrival, t)) = chan.entry((from, r)).or_default().pop_front()
+                        else {
+                            break;
+                        };
+                        if arrival > now[r] {
+                            // The wait the transfer itself adds (the rest is the pipeline's).
+                            p2p_wait[r] += (arrival - now[r]).min(t);
+                            now[r] = arrival;
+                        }
+                    }
+                    PipeOp::Send {
+                        to,
+                        carry,
+                        micro,
+                        boundary,
+                    } => {
+                        let (c, base) = match carry {
+                            Carry::Act => (boundary, STAGE_OUTPUT),
+                            Carry::Grad => (boundary + 1, PIPE_GRAD_OUT),
+                        };
+                        let (t, bytes) = transfer(c, base, micro);
+                        chan.entry((r, to)).or_default().push_back((now[r] + t, t));
+                        slices[r].push(Slice {
+                            track: 1,
+                            name: op.to_string(),
+                            cat: "p2p".into(),
+                            start: now[r],
+                            dur: t,
+                            bytes,
+                            flops: 0.0,
+                        });
+                    }
+                    PipeOp::Run(_) | PipeOp::Step { .. } => {
+                        let (d, flops) = dur[r][pc[r]];
+                        let cat = match op {
+                            PipeOp::Run(s) => match s.phase {
+                                Phase::F => "forward",
+                                Phase::B => "backward",
+                                Phase::W => "weight-gradient",
+                            },
+                            _ => "optimizer",
+                        };
+                        slices[r].push(Slice {
+                            track: 0,
+                            name: op.to_string(),
+                            cat: cat.into(),
+                            start: now[r],
+                            dur: d,
+                            bytes: 0,
+                            flops,
+                        });
+                        now[r] += d;
+                        busy[r] += d;
+                    }
+                }
+                pc[r] += 1;
+                progressed = true;
+            }
+        }
+        if (0..p).all(|r| pc[r] == plan.pipeline_program[r].len()) {
+            break;
+        }
+        if !progressed {
+            return Err(CostError::Replay(
+                "pipeline instructions wait on each other".into(),
+            ));
+        }
+    }
+    let step = now.iter().cloned().fold(0.0, f64::max);
+
+    // Memory per stage at the simulated dtype.
+    let graphs: Vec<&Graph> = plan.chunks.iter().map(|c| &c.program).collect();
+    let act = crate::train::activation_peaks(
+        &graphs,
+        &plan.pipeline_program,
+        &plan.pipeline_nodes,
+        p,
+        m,
+        opts.dtype.size_bytes() as f64,
+    );
+    let stage_world = stage_mesh.world_size();
+    let in_flight = sched
+        .replay(crate::schedule::pipeline::PassCosts::uniform(1.0))
+        .map(|r| r.peak_in_flight)
+        .unwrap_or_default();
+    let mut stages = Vec::with_capacity(p);
+    let mut total_flops = 0.0;
+    for r in 0..p {
+        let mut mem = MemoryBreakdown {
+            activations: Bytes(act[r]),
+            ..MemoryBreakdown::default()
+        };
+        let mut layers = 0;
+        for c in plan.chunks.iter().filter(|c| c.stage == r) {
+            layers += c.layers[1] - c.layers[0];
+            match &c.memory.train {
+                Some(t) => {
+                    mem.params += Bytes(t.param_bytes);
+                    mem.grads += Bytes(t.grad_bytes);
+                    mem.optimizer += Bytes(t.optimizer_bytes);
+                    mem.comm_buffers += Bytes(t.comm_buffer_bytes);
+                }
+                None => mem.params += Bytes(c.memory.param_bytes),
+            }
+        }
+        total_flops += dur[r].iter().map(|d| d.1).sum::<f64>() * stage_world as f64;
+        let p2p_exposed: f64 = p2p_wait[r].min(step);
+        stages.push(StageReport {
+            stage: r,
+            layers,
+            end_s: now[r],
+            busy_s: busy[r],
+            bubble_s: (step - busy[r]).max(0.0),
+            p2p_exposed_s: p2p_exposed,
+            dp_sync_exposed_s: 0.0,
+            peak_in_flight: in_flight.get(r).map_or(0, |x| x.ceil() as usize),
+            memory: mem,
+        });
+    }
+    let world = mesh.world_size();
+    // Sequences per micro-batch per data-parallel rank, as the training model counts them.
+    let data_parts: usize = mesh
+        .axes
+        .iter()
+        .filter(|a| a.name == "dp" || a.name == "ep")
+        .map(|a| a.size)
+        .product();
+    let zero = plan
+        .strategies
+        .iter()
+        .filter_map(|s| crate::shard::Strategy::from_name(s).ok())
+        .map(|s| s.zero_stage())
+        .max()
+        .unwrap_or(0);
+    let (worst, peak_mem) = stages.iter().map(|s| s.memory.total()).enumerate().fold(
+        (0, Bytes::ZERO),
+        |acc, (i, b)| if b > acc.1 { (i, b) } else { acc },
+    );
+    let memory = stages.get(worst).map(|s| s.memory).unwrap_or_default();
+    let bubble = if step > 0.0 {
+        1.0 - busy.iter().sum::<f64>() / (p as f64 * step)
+    } else {
+        0.0
+    };
+    let per_gpu = |f: f64| {
+        if step > 0.0 {
+            f / step / world as f64
+        } else {
+            0.0
+        }
+    };
+    let peak = dev.peak(opts.dtype);
+    let tokens = (plan.model.batch * plan.model.seq) as f64;
+    let crit = (0..p)
+        .max_by(|&a, &b| busy[a].total_cmp(&busy[b]))
+        .unwrap_or(0);
+    let device_memory = dev.memory();
+    let report = SimReport {
+        mode: "pipeline".into(),
+        model: plan.model.source.clone(),
+        mesh: mesh.to_string(),
+        strategies: plan.strategies.clone(),
+        cluster: cluster.label(),
+        device: dev.name.clone(),
+        gpus: world,
+        dtype: opts.dtype.name().into(),
+        global_batch: plan.model.batch,
+        seq: plan.model.seq,
+        micro_batch: Some(plan.model.batch / m.max(1) / data_parts.max(1)),
+        micro_batches: Some(m),
+        schedule: Some(sched.kind.name().into()),
+        recompute: Some("as compiled".into()),
+        zero: Some(zero),
+        step_time_s: step,
+        tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
+        flops_per_step: total_flops,
+        model_flops_per_step: total_flops,
+        tflops_per_gpu: per_gpu(total_flops) / 1e12,
+        model_tflops_per_gpu: per_gpu(total_flops) / 1e12,
+        mfu: per_gpu(total_flops) / peak,
+        compute_s: busy[crit],
+        comm_s: p2p_wait[crit],
+        exposed_comm_s: p2p_wait[crit],
+        hidden_comm_s: 0.0,
+        bubble_fraction: bubble,
+        pipeline_s: step,
+        optimizer_s: 0.0,
+        peak_memory_bytes_per_rank: peak_mem.0,
+        peak_memory_rank: worst,
+        memory_breakdown: memory,
+        device_memory_bytes: device_memory.0,
+        fits: peak_mem <= device_memory,
+        stages,
+    };
+    let timelines: Vec<Timeline> = slices
+        .into_iter()
+        .map(|s| Timeline {
+            tracks: vec!["compute".into(), "p2p".into()],
+            slices: s,
+            memory: Vec::new(),
+        })
+        .collect();
+    let pp = mesh.axis("pp").map_or(0, |a| a.0 as usize);
+    let rank_timeline = (0..world)
+        .map(|r| mesh.coords(r).get(pp).copied().unwrap_or(0) as u32)
+        .collect();
+    Ok(Simulation {
+        report,
+        timelines,
+        rank_timeline,
+        rank_labels: rank_labels(mesh),
+    })
+}
