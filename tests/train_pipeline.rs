@@ -237,3 +237,52 @@ fn mixtral_and_recompute_through_the_pipeline() {
         check("llama", &format!("pp=2,tp=2 sp recompute {rc}"), &r);
     }
 }
+
+/// The plan verifier checks the per-instruction node lists the plan carries: a value moved
+/// before its operand, a value dropped, or a received input computed by a pass is refused.
+#[test]
+fn plan_verifier_checks_the_node_lists() {
+    let dir = deep_llama(8);
+    let cfg = shardc::compiler::model::ModelConfig::from_path(&dir).unwrap();
+    let o = train_support::pipe_options(&pipe("pp=2", &[], 2, ScheduleKind::OneFOneB), 2, 12);
+    let c = shardc::compiler::train::compile_pipeline(&cfg, &o).unwrap();
+    let plan = c.plan(
+        "deep",
+        "llama",
+        cfg.layers,
+        shardc::compiler::train::Precision::f32(),
+    );
+    plan.check_pipeline().unwrap();
+    // Through JSON and back: still verified.
+    let back = shardc::compiler::plan::Plan::from_json(&plan.to_json()).unwrap();
+    back.check_pipeline().unwrap();
+    // The first forward's list: run its last value first.
+    let k = plan.pipeline_program[0]
+        .iter()
+        .position(|o| matches!(o, shardc::compiler::schedule::pipeline::PipeOp::Run(_)))
+        .unwrap();
+    let mut bad = plan.clone();
+    let list = &mut bad.pipeline_nodes[0][k];
+    let last = list.pop().unwrap();
+    list.insert(0, last);
+    let e = bad.check_pipeline().unwrap_err().to_string();
+    assert!(e.contains("runs before its operand"), "{e}");
+    // A value nobody runs.
+    let mut bad = plan.clone();
+    bad.pipeline_nodes[0][k].pop();
+    let e = bad.check_pipeline().unwrap_err().to_string();
+    assert!(
+        e.contains("never runs") || e.contains("before its operand"),
+        "{e}"
+    );
+    // A received input moved into a pass of stage 1.
+    let mut bad = plan.clone();
+    let recv = bad.pipeline_program[1]
+        .iter()
+        .position(|o| matches!(o, shardc::compiler::schedule::pipeline::PipeOp::Recv { .. }))
+        .unwrap();
+    let v = bad.pipeline_nodes[1][recv].pop().unwrap();
+    bad.pipeline_nodes[1][recv + 1].insert(0, v);
+    let e = bad.check_pipeline().unwrap_err().to_string();
+    assert!(e.contains("received input"), "{e}");
+}

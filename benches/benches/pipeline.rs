@@ -1,9 +1,11 @@
 //! Pipeline parallelism: compile time of a pipelined training step of Llama-3-70B (80 layers,
 //! `pp=8,dp=2,tp=8`, sp + zero1, 8 micro-batches: eight chunk programs, schedule, verified
-//! instructions, plan), and one training step of the hf-tiny llama fixture on thread ranks,
-//! pipelined (`pp=2`, each schedule) against the unsharded step measured in the same run.
+//! instructions, plan), the replay of that plan on a cluster (`simulate --plan`), and one
+//! training step of the hf-tiny llama fixture on thread ranks, pipelined (`pp=2`, each
+//! schedule) against the unsharded step measured in the same run.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use shardc_compiler::cost::{simulate_plan, Cluster, ComputeOptions};
 use shardc_compiler::model::ModelConfig;
 use shardc_compiler::schedule::pipeline::ScheduleKind;
 use shardc_compiler::shard::Mesh;
@@ -52,6 +54,25 @@ fn compile(c: &mut Criterion) {
             },
         );
     }
+    g.finish();
+    let mut o = o.clone();
+    o.pipeline.schedule = ScheduleKind::OneFOneB;
+    let plan = compile_pipeline(&cfg, &o).expect("compiles").plan(
+        "llama-3-70b",
+        "llama",
+        cfg.layers,
+        Precision::mixed(),
+    );
+    let cluster = Cluster::resolve("dgx-h100x16").expect("cluster");
+    let copts = ComputeOptions::default();
+    let mut g = c.benchmark_group("pipeline simulate llama-3-70b pp=8,dp=2,tp=8 m=8");
+    g.sample_size(10);
+    g.bench_function("replay plan (1f1b)", |b| {
+        b.iter(|| {
+            let s = simulate_plan(black_box(&plan), &cluster, &copts).expect("replays");
+            black_box(s.report.step_time_s)
+        })
+    });
     g.finish();
 }
 

@@ -863,7 +863,8 @@ fn label(t: &Timed, stages: usize, interleaved: bool) -> String {
 }
 
 /// Splits `costs` (one per layer, in order) into `parts` contiguous stages minimising the most
-/// expensive stage (ties: earlier stages take fewer layers). Returns layers per stage.
+/// expensive stage, and among those splits the spread (the sum of squared stage costs), so
+/// stages that the bottleneck does not constrain are evened out too. Returns layers per stage.
 pub fn balance(costs: &[f64], parts: usize) -> Result<Vec<usize>, PipelineError> {
     let n = costs.len();
     if parts == 0 || parts > n {
@@ -871,43 +872,46 @@ pub fn balance(costs: &[f64], parts: usize) -> Result<Vec<usize>, PipelineError>
             "cannot split {n} layers into {parts} pipeline stages (each stage needs a layer)"
         )));
     }
-    // Binary search on the bottleneck, greedy feasibility from the back.
     let prefix: Vec<f64> = std::iter::once(0.0)
         .chain(costs.iter().scan(0.0, |a, &c| {
             *a += c;
             Some(*a)
         }))
         .collect();
-    let feasible = |cap: f64| -> Option<Vec<usize>> {
-        let mut out = Vec::new();
-        let mut end = n;
-        for k in (0..parts).rev() {
-            // Take as many layers as fit, leaving at least one per earlier stage.
-            let mut start = end;
-            while start > k && prefix[end] - prefix[start - 1] <= cap + 1e-9 {
-                start -= 1;
-            }
-            if start == end {
-                return None;
-            }
-            out.push(end - start);
-            end = start;
-        }
-        (end == 0).then(|| {
-            out.reverse();
-            out
-        })
+    let total = prefix[n].max(f64::MIN_POSITIVE);
+    // (bottleneck, sum of squares) of the best split of the first i items into k stages.
+    let better = |a: (f64, f64), b: (f64, f64)| {
+        let tol = 1e-9 * total;
+        a.0 < b.0 - tol || (a.0 <= b.0 + tol && a.1 < b.1 - tol * tol)
     };
-    let (mut lo, mut hi) = (costs.iter().cloned().fold(0.0, f64::max), prefix[n]);
-    for _ in 0..100 {
-        let mid = 0.5 * (lo + hi);
-        if feasible(mid).is_some() {
-            hi = mid;
-        } else {
-            lo = mid;
+    let inf = (f64::INFINITY, f64::INFINITY);
+    let mut best = vec![vec![inf; n + 1]; parts + 1];
+    let mut from = vec![vec![0usize; n + 1]; parts + 1];
+    best[0][0] = (0.0, 0.0);
+    for k in 1..=parts {
+        for i in k..=n - (parts - k) {
+            for j in (k - 1)..i {
+                let prev = best[k - 1][j];
+                if prev.0.is_infinite() {
+                    continue;
+                }
+                let c = prefix[i] - prefix[j];
+                let cand = (prev.0.max(c), prev.1 + c * c);
+                if better(cand, best[k][i]) {
+                    best[k][i] = cand;
+                    from[k][i] = j;
+                }
+            }
         }
     }
-    feasible(hi).ok_or_else(|| PipelineError::Invalid("no balanced split found".into()))
+    let mut out = vec![0; parts];
+    let mut i = n;
+    for k in (1..=parts).rev() {
+        let j = from[k][i];
+        out[k - 1] = i - j;
+        i = j;
+    }
+    Ok(out)
 }
 
 /// Parses and checks a `--stage-layers 9,8,8,7` override.
@@ -1117,6 +1121,16 @@ mod tests {
         assert_eq!(s.iter().sum::<usize>(), 30);
         assert!(s[0] < s[1] && s[3] < s[2], "{s:?}");
         assert!(balance(&[1.0; 3], 4).is_err());
+        // Splits with the same bottleneck: the even one (not 1 + 3 + 3 + 3 + 2).
+        let mut c = vec![1.0; 11];
+        c.push(1.2);
+        assert_eq!(balance(&c, 4).unwrap(), vec![3, 3, 3, 3]);
+        // A minimal bottleneck first, then the spread.
+        let mut c = vec![1.0; 80];
+        c.push(1.24);
+        let mut s = balance(&c, 8).unwrap();
+        s.sort();
+        assert_eq!(s, vec![10, 10, 10, 10, 10, 10, 10, 11]);
         assert_eq!(
             parse_stage_layers("9,8,8,7", 32, 4).unwrap(),
             vec![9, 8, 8, 7]
