@@ -150,6 +150,7 @@ fn first_stage_activations_gpipe_m_vs_1f1b_p() {
         peak(ScheduleKind::OneFOneB, 4),
         peak(ScheduleKind::OneFOneB, 8),
     );
+    eprintln!("GPipe m=4 {g4:?}\nGPipe m=8 {g8:?}\n1F1B m=4 {f4:?}\n1F1B m=8 {f8:?}");
     // One micro-batch's activations on the first stage.
     let a = g8[0] as f64 / 8.0;
     let near = |x: usize, n: f64| (x as f64 - n * a).abs() <= 0.02 * n * a;
