@@ -155,3 +155,51 @@ fn forward_flops_match_model_stats() {
         );
     }
 }
+
+/// Attention's backward in a training plan (the probabilities recomputed, then the gradients
+/// of v, q and k) is priced as FlashAttention-2's fused backward under `AttentionImpl::Flash`:
+/// 2.5× the forward's counted FLOPs (5 GEMMs for 2), no pass over the probabilities in memory,
+/// half the tiles executed under the causal mask; unfused, 6 GEMMs and the probabilities'
+/// memory passes.
+#[test]
+fn attention_backward_is_priced_like_flash_attention() {
+    use shardc::compiler::cost::node_cost;
+    use shardc::compiler::ir::Op;
+    let cfg = llama();
+    let t = TrainCompile::new(2, 16, Mesh::single());
+    let c = compile_train(&cfg, &t).unwrap();
+    let g = &c.sharded.graph;
+    let fused = vec![false; g.len()];
+    let sum = |o: &ComputeOptions, pick: &dyn Fn(&Op) -> bool| {
+        let (mut flops, mut exec, mut mem) = (0.0, 0.0, 0usize);
+        for v in g.ids().filter(|&v| pick(&g.node(v).op)) {
+            for k in node_cost(g, v, o, &fused).fwd {
+                flops += k.flops;
+                exec += k.exec_flops;
+                mem += usize::from(k.gemm.is_none());
+            }
+        }
+        (flops, exec, mem)
+    };
+    let fwd = |op: &Op| matches!(op, Op::Attention(_));
+    let bwd = |op: &Op| matches!(op, Op::AttentionProbs(_) | Op::AttentionGrad { .. });
+    let mut flash = opts();
+    flash.attention = AttentionImpl::Flash;
+    let (f, _, _) = sum(&flash, &fwd);
+    let (b, b_exec, b_mem) = sum(&flash, &bwd);
+    assert!(
+        (b / f - 2.5).abs() < 1e-9,
+        "flash backward / forward = {}",
+        b / f
+    );
+    assert!((b_exec / b - 0.5).abs() < 1e-9, "causal: half the tiles");
+    assert_eq!(b_mem, 0, "no memory pass over the probabilities");
+    let (fu, _, _) = sum(&opts(), &fwd);
+    let (bu, _, bu_mem) = sum(&opts(), &bwd);
+    assert!(
+        (bu / fu - 3.0).abs() < 1e-9,
+        "unfused backward / forward = {}",
+        bu / fu
+    );
+    assert!(bu_mem > 0);
+}

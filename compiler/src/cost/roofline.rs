@@ -31,6 +31,17 @@ pub enum AttentionImpl {
     Unfused,
 }
 
+/// The share of score tiles a fused attention kernel executes over `s` keys: half under a
+/// causal mask, a window's share of the keys under a sliding window.
+fn flash_fraction(causal: bool, window: Option<usize>, s: usize) -> f64 {
+    let keys = window.map_or(1.0, |w| (w.min(s) as f64 / s.max(1) as f64).min(1.0));
+    if causal {
+        0.5 * keys
+    } else {
+        keys
+    }
+}
+
 /// What the compute model assumes about kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ComputeOptions {
@@ -394,7 +405,7 @@ pub fn node_cost_routed(
                 b(a) + b(dy) + out,
             ));
         }
-        Op::AttentionProbs(_) => {
+        Op::AttentionProbs(spec) => {
             let (q, k) = (g.ty(node.inputs[0]), g.ty(node.inputs[1]));
             let heads = q.dim(0) * q.dim(2);
             let (t, s2, d) = (q.dim(1), k.dim(1), q.dim(3));
@@ -404,13 +415,20 @@ pub fn node_cost_routed(
                 k: d,
                 batch: heads,
             };
-            c.fwd.push(Kernel::gemm(
-                shape,
-                b(node.inputs[0]) + b(node.inputs[1]) + out,
-            ));
-            c.fwd.push(Kernel::memory(2.0 * out));
+            if opts.attention == AttentionImpl::Flash {
+                // The fused backward recomputes the scores tile by tile in on-chip memory.
+                let mut k = Kernel::gemm(shape, b(node.inputs[0]) + b(node.inputs[1]));
+                k.exec_flops *= flash_fraction(spec.causal, spec.window, s2);
+                c.fwd.push(k);
+            } else {
+                c.fwd.push(Kernel::gemm(
+                    shape,
+                    b(node.inputs[0]) + b(node.inputs[1]) + out,
+                ));
+                c.fwd.push(Kernel::memory(2.0 * out));
+            }
         }
-        Op::AttentionGrad { wrt, .. } => {
+        Op::AttentionGrad { wrt, spec } => {
             let (q, k) = (g.ty(node.inputs[0]), g.ty(node.inputs[1]));
             let heads = q.dim(0) * q.dim(2);
             let (t, s2, d) = (q.dim(1), k.dim(1), q.dim(3));
@@ -422,7 +440,26 @@ pub fn node_cost_routed(
                 batch: heads,
             };
             let ins: f64 = node.inputs.iter().map(|&i| b(i)).sum();
+            let flash = opts.attention == AttentionImpl::Flash;
+            // FlashAttention-2's backward: 5 GEMMs for the forward's 2 (scores recomputed,
+            // dV, dP, dQ, dK), the probabilities never in memory: dP, computed once for dQ
+            // and dK, is priced with dQ.
+            let ins_flash = ins - probs;
             match wrt {
+                AttnWrt::V if flash => c.fwd.push(Kernel::gemm(shape, ins_flash + out)),
+                AttnWrt::Q if flash => {
+                    c.fwd.push(Kernel::gemm(
+                        GemmShape {
+                            m: t,
+                            n: s2,
+                            k: d,
+                            batch: heads,
+                        },
+                        ins_flash,
+                    ));
+                    c.fwd.push(Kernel::gemm(shape, out));
+                }
+                AttnWrt::K if flash => c.fwd.push(Kernel::gemm(shape, ins_flash + out)),
                 AttnWrt::V => c.fwd.push(Kernel::gemm(shape, ins + out)),
                 AttnWrt::Q | AttnWrt::K => {
                     // dP = dy·vᵀ, softmax backward, then dS·k (or dSᵀ·q).
@@ -437,6 +474,13 @@ pub fn node_cost_routed(
                     ));
                     c.fwd.push(Kernel::memory(3.0 * probs));
                     c.fwd.push(Kernel::gemm(shape, probs + out));
+                }
+            }
+            if flash {
+                // Causal masking skips half the tiles (Megatron still counts them all).
+                let frac = flash_fraction(spec.causal, spec.window, s2);
+                for k in &mut c.fwd {
+                    k.exec_flops *= frac;
                 }
             }
         }
