@@ -287,3 +287,28 @@ fn plan_verifier_checks_the_node_lists() {
     let e = bad.check_pipeline().unwrap_err().to_string();
     assert!(e.contains("received input"), "{e}");
 }
+
+/// GPT-2 ties its head to the embedding: split over stages, each end holds a copy, their
+/// gradients are exchanged and summed before the (identical) optimizer steps. The fixture's
+/// loss, gradients (the tied one summed) and update are reproduced.
+#[test]
+fn gpt2_tied_embeddings_across_stages() {
+    let dir = train_support::dir("gpt2");
+    let batch = fixture_batch("gpt2", 2);
+    for (mesh, kind, m) in [
+        ("pp=2", ScheduleKind::OneFOneB, 2),
+        ("pp=2", ScheduleKind::ZbH1, 4),
+        ("pp=2", ScheduleKind::Interleaved, 2),
+        ("pp=4", ScheduleKind::Gpipe, 4),
+        ("pp=2,dp=2", ScheduleKind::OneFOneB, 2),
+    ] {
+        let r = run_pipeline_on(&dir, &pipe(mesh, &[], m, kind), &batch);
+        let c = &r.compiled;
+        let n = c.chunks.len();
+        assert!(c.chunks[0].spec.embed && !c.chunks[0].spec.head);
+        assert!(c.chunks[n - 1].spec.head && !c.chunks[n - 1].spec.embed);
+        let copies = c.params().filter(|p| p.label == "embed").count();
+        assert_eq!(copies, 2, "{mesh}: the tied table on both ends");
+        check("gpt2", &format!("{mesh} {} m={m} (tied)", kind.name()), &r);
+    }
+}

@@ -344,6 +344,29 @@ impl Plan {
                 }
             }
         }
+        // The tied embedding's copies: each end receives the other's gradient as it is.
+        if let (Some(a), Some(b)) = (self.chunks.first(), self.chunks.last()) {
+            use crate::schedule::pipeline::Carry;
+            for (from, to) in [(a, b), (b, a)] {
+                let Some(name) = crate::train::boundary_name(&to.program, Carry::Tied, 0, m) else {
+                    continue;
+                };
+                if std::ptr::eq(from, to) || !name.starts_with("pipe.tied.") {
+                    continue;
+                }
+                let sent = crate::train::sent_value(&from.program, Carry::Tied, 0, m)
+                    .map(|v| from.program.ty(v).clone());
+                let recv = input(&to.program, &name);
+                if sent.is_none() || sent != recv {
+                    return Err(PlanError::Pipeline(format!(
+                        "tied gradient from chunk {} is sent as {} and received as {}",
+                        from.index,
+                        sent.map_or("nothing".into(), |t| t.to_string()),
+                        recv.map_or("nothing".into(), |t| t.to_string()),
+                    )));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -374,12 +397,15 @@ impl Plan {
                 let chunk = match *op {
                     PipeOp::Recv {
                         carry, boundary, ..
-                    } => match carry {
-                        Carry::Act => boundary + 1,
-                        Carry::Grad => boundary,
-                    },
+                    } => crate::train::received_by(carry, boundary, self.chunks.len()),
                     PipeOp::Run(s) => s.chunk,
                     PipeOp::Step { chunk } => chunk,
+                    // A tied gradient is completed before it is sent.
+                    PipeOp::Send {
+                        carry: Carry::Tied,
+                        boundary,
+                        ..
+                    } => boundary,
                     PipeOp::Send { .. } => {
                         if !list.is_empty() {
                             return err(format!(
@@ -414,7 +440,8 @@ impl Plan {
                     }
                     let boundary = matches!(&node.op, Op::Input { name, .. }
                         if name.starts_with(crate::model::STAGE_INPUT)
-                            || name.starts_with(crate::autodiff::PIPE_GRAD_IN));
+                            || name.starts_with(crate::autodiff::PIPE_GRAD_IN)
+                            || name.starts_with("pipe.tied."));
                     if boundary != matches!(op, PipeOp::Recv { .. }) {
                         return err(format!(
                             "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} is a received input filled elsewhere, or a receive fills something else",

@@ -20,10 +20,11 @@ use crate::train::{
     assemble, batch_inputs, check_batch, Batch, StepOutput, TrainError, TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
-use shardc_compiler::autodiff::{input_name, PIPE_GRAD_IN, PIPE_GRAD_OUT};
-use shardc_compiler::model::{STAGE_INPUT, STAGE_OUTPUT};
 use shardc_compiler::schedule::pipeline::{Carry, PipeOp};
-use shardc_compiler::train::{activation_values, micro_deps, CompiledPipeline};
+use shardc_compiler::train::{
+    activation_values, boundary_name, micro_deps, received_by, sent_by, sent_value,
+    CompiledPipeline,
+};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
@@ -38,6 +39,15 @@ struct Msg {
     micro: usize,
     boundary: usize,
     tensor: Tensor,
+}
+
+/// `a + b` elementwise (same shape).
+fn add_tensors(a: &Tensor, b: &Tensor) -> Tensor {
+    let (x, y) = (a.as_f32().unwrap_or(&[]), b.as_f32().unwrap_or(&[]));
+    Tensor::f32(
+        a.shape.clone(),
+        x.iter().zip(y).map(|(p, q)| p + q).collect(),
+    )
 }
 
 fn pipe_err(op: &PipeOp, detail: impl Into<String>) -> RuntimeError {
@@ -237,7 +247,14 @@ pub fn pipeline_step(
         }
         for prm in &ch.train.train.params {
             let l = &prm.label;
-            grads.insert(l.clone(), get(&format!("grad.{l}"))?);
+            // A tied parameter's two copies: its gradient is the sum of theirs (each copy's
+            // update already used it, so the copies' updates agree).
+            let g = get(&format!("grad.{l}"))?;
+            let g = match grads.remove(l) {
+                Some(other) => add_tensors(&other, &g),
+                None => g,
+            };
+            grads.insert(l.clone(), g);
             state.params.insert(l.clone(), get(&format!("param.{l}"))?);
             state.m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
             state.v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
@@ -322,15 +339,15 @@ fn run_stage(
                         ),
                     ));
                 }
-                let (chunk, base) = match carry {
-                    Carry::Act => (boundary + 1, STAGE_INPUT),
-                    Carry::Grad => (boundary, PIPE_GRAD_IN),
-                };
+                let chunk = received_by(carry, boundary, c.chunks.len());
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
+                let g = &c.chunks[chunk].train.sharded.graph;
+                let name = boundary_name(g, carry, micro, m)
+                    .ok_or_else(|| pipe_err(op, "the chunk has no input for it"))?;
                 let st = steppers[k]
                     .as_mut()
                     .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
-                st.provide(&input_name(base, micro, m), msg.tensor)?;
+                st.provide(&name, msg.tensor)?;
             }
             PipeOp::Send {
                 to,
@@ -338,21 +355,22 @@ fn run_stage(
                 micro,
                 boundary,
             } => {
-                let (chunk, base) = match carry {
-                    Carry::Act => (boundary, STAGE_OUTPUT),
-                    Carry::Grad => (boundary + 1, PIPE_GRAD_OUT),
-                };
+                let chunk = sent_by(carry, boundary);
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let v = c.chunks[chunk]
-                    .train
-                    .sharded
-                    .graph
-                    .output(&input_name(base, micro, m))
-                    .ok_or_else(|| pipe_err(op, format!("the chunk has no output `{base}`")))?;
-                let tensor = steppers[k]
+                let g = &c.chunks[chunk].train.sharded.graph;
+                let v = sent_value(g, carry, micro, m)
+                    .ok_or_else(|| pipe_err(op, "the chunk has no output to send"))?;
+                let st = steppers[k]
                     .as_mut()
-                    .and_then(|st| st.take(v))
-                    .ok_or_else(|| pipe_err(op, "the value was not computed"))?;
+                    .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
+                // Boundary tensors are handed over; a tied gradient is also an output of the
+                // step, so it is copied (after the values it still needs).
+                st.run_nodes(nodes)?;
+                let tensor = match carry {
+                    Carry::Tied => st.value(v).cloned(),
+                    _ => st.take(v),
+                }
+                .ok_or_else(|| pipe_err(op, "the value was not computed"))?;
                 let tx = txs
                     .get(&to)
                     .ok_or_else(|| pipe_err(op, "no channel to that rank"))?;

@@ -25,6 +25,16 @@ pub struct TrainGraphOptions {
     /// sharding machinery reduce-scatters the gradient there rather than laying out the
     /// gradient computation itself by the shard.
     pub sync_grads: bool,
+    /// Parameters another pipeline chunk also holds (tied embeddings split over stages):
+    /// the optimizer steps each with its gradient plus the other copy's, read from the input
+    /// `pipe.tied.<label>` (laid out like the gradient).
+    pub tied: Vec<String>,
+}
+
+/// The input a pipeline chunk reads the other copy's gradient of tied parameter `label`
+/// from.
+pub fn tied_input(label: &str) -> String {
+    format!("pipe.tied.{label}")
 }
 
 impl Default for TrainGraphOptions {
@@ -36,6 +46,7 @@ impl Default for TrainGraphOptions {
             adamw: AdamWSpec::default(),
             gather_params: false,
             sync_grads: false,
+            tied: Vec::new(),
         }
     }
 }
@@ -435,6 +446,18 @@ impl Builder<'_> {
             let (label, ty, input, grad) = {
                 let tp = &self.params[p];
                 (tp.label.clone(), tp.ty.clone(), tp.input, tp.grad)
+            };
+            let grad = if self.opts.tied.contains(&label) {
+                let other = self.g.input(&tied_input(&label), ty.clone());
+                self.add(
+                    Op::Add,
+                    &[grad, other],
+                    None,
+                    format!("opt.tied_grad.{label}"),
+                    None,
+                )?
+            } else {
+                grad
             };
             let m_in = self.g.input(&format!("adam_m.{label}"), ty.clone());
             let v_in = self.g.input(&format!("adam_v.{label}"), ty);

@@ -29,8 +29,8 @@ mod backward;
 mod builder;
 
 pub use builder::{
-    build_train_graph, input_name, TrainGraph, TrainGraphOptions, TrainParam, PIPE_GRAD_IN,
-    PIPE_GRAD_OUT, PIPE_LOSS,
+    build_train_graph, input_name, tied_input, TrainGraph, TrainGraphOptions, TrainParam,
+    PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS,
 };
 
 use serde::{Deserialize, Serialize};

@@ -16,9 +16,7 @@ use super::roofline::{sim_bytes, ComputeOptions};
 use super::simulate::{check_gpus, rank_labels};
 use super::units::Bytes;
 use super::{Cluster, CostError};
-use crate::autodiff::{input_name, PIPE_GRAD_OUT};
 use crate::ir::{Graph, ValueId};
-use crate::model::STAGE_OUTPUT;
 use crate::plan::Plan;
 use crate::schedule::pipeline::{Carry, Phase, PipeOp};
 use crate::shard::Mesh;
@@ -72,6 +70,11 @@ pub fn simulate_pipeline_plan(
             let chunk = match *op {
                 PipeOp::Run(s) => Some(s.chunk),
                 PipeOp::Step { chunk } => Some(chunk),
+                PipeOp::Send {
+                    carry: Carry::Tied,
+                    boundary,
+                    ..
+                } => Some(boundary),
                 _ => None,
             };
             let Some(c) = chunk.filter(|_| !list.is_empty()) else {
@@ -92,10 +95,9 @@ pub fn simulate_pipeline_plan(
 
     // The pipeline: instructions in order per rank, FIFO transfers per rank pair.
     let pp_link = GroupTopology::of_axis(mesh, "pp", cluster);
-    let transfer = |c: usize, base: &str, micro: usize| -> (f64, u64) {
+    let transfer = |c: usize, carry: Carry, micro: usize| -> (f64, u64) {
         let g: &Graph = &plan.chunks[c].program;
-        let bytes = g
-            .output(&input_name(base, micro, m))
+        let bytes = crate::train::sent_value(g, carry, micro, m)
             .map_or(0.0, |v: ValueId| sim_bytes(g.ty(v), opts.dtype));
         let t = collective_time(
             cluster,
@@ -134,11 +136,23 @@ pub fn simulate_pipeline_plan(
                         micro,
                         boundary,
                     } => {
-                        let (c, base) = match carry {
-                            Carry::Act => (boundary, STAGE_OUTPUT),
-                            Carry::Grad => (boundary + 1, PIPE_GRAD_OUT),
-                        };
-                        let (t, bytes) = transfer(c, base, micro);
+                        let c = crate::train::sent_by(carry, boundary);
+                        let (t, bytes) = transfer(c, carry, micro);
+                        if carry == Carry::Tied {
+                            // The tied copy's gradient completes first.
+                            let (d, flops) = dur[r][pc[r]];
+                            slices[r].push(Slice {
+                                track: 0,
+                                name: format!("complete the tied gradient of chunk {c}"),
+                                cat: "backward".into(),
+                                start: now[r],
+                                dur: d,
+                                bytes: 0,
+                                flops,
+                            });
+                            now[r] += d;
+                            busy[r] += d;
+                        }
                         chan.entry((r, to)).or_default().push_back((now[r] + t, t));
                         slices[r].push(Slice {
                             track: 1,

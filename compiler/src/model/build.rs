@@ -175,13 +175,6 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
             stage.layers.start, stage.layers.end, cfg.layers
         )));
     }
-    if cfg.tied && stage.embed != stage.head {
-        return Err(IrError::Invalid(
-            "tied input and output embeddings cannot be split over pipeline stages \
-             (the embedding and the head share one weight); use an untied model or pp=1"
-                .into(),
-        ));
-    }
     let hd = d(Role::Hidden, cfg.hidden);
     let vd = d(Role::Vocab, cfg.vocab);
     let gpt2 = cfg.arch == Arch::Gpt2;
@@ -240,6 +233,9 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
     let h = bl.norm(x, final_norm, "final_norm")?;
     let head = match (cfg.tied, table) {
         (true, Some(t)) => t,
+        // A tied head in a chunk without the embedding: its own copy of the table, labelled
+        // like it (the pipeline sums the two copies' gradients before the optimizer).
+        (true, None) => bl.whole(embed_name.into(), vec![vd, hd], "embed")?,
         _ => bl.whole("lm_head.weight".into(), vec![vd, hd], "lm_head")?,
     };
     let logits = bl.g.add_typed(

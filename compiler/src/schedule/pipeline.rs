@@ -102,6 +102,9 @@ pub enum Carry {
     Act,
     /// Its gradient, chunk `b + 1` → chunk `b`.
     Grad,
+    /// The gradient of a tied embedding's copy, from chunk `b` (the first or the last) to
+    /// the other end, before their optimizer steps.
+    Tied,
 }
 
 /// One instruction of a pipeline rank's program: the schedule's slots with the point-to-point
@@ -145,6 +148,7 @@ impl fmt::Display for PipeOp {
         let what = |c: &Carry| match c {
             Carry::Act => "activation",
             Carry::Grad => "gradient",
+            Carry::Tied => "tied-embedding gradient",
         };
         match self {
             PipeOp::Recv {
@@ -413,9 +417,15 @@ impl PipelineSchedule {
                         boundary,
                         ..
                     } => {
-                        let (ph, c) = match carry {
-                            Carry::Act => (Phase::F, boundary),
-                            Carry::Grad => (Phase::B, boundary + 1),
+                        let (ph, c, micro) = match carry {
+                            Carry::Act => (Phase::F, boundary, micro),
+                            Carry::Grad => (Phase::B, boundary + 1, micro),
+                            // The whole gradient: after the chunk's last weight gradient.
+                            Carry::Tied => {
+                                let last =
+                                    (0..m).find(|&i| ran.get(&(Phase::W, i, boundary)) != Some(&r));
+                                (Phase::W, boundary, last.unwrap_or(0))
+                            }
                         };
                         if ran.get(&(ph, micro, c)) != Some(&r) {
                             return Err(bad(
@@ -506,6 +516,7 @@ impl PipelineSchedule {
                                             match c2 {
                                                 Carry::Act => "the activation",
                                                 Carry::Grad => "the gradient",
+                                                Carry::Tied => "the tied gradient",
                                             }
                                         ),
                                     ));

@@ -31,8 +31,9 @@ pub use comm::{comm_volume, CollectiveVolume, CommVolume};
 pub use memory::{memory_report, LayerActivations, Precision, TrainMemory};
 pub use passes::{Bucket, BucketCaps};
 pub use pipe::{
-    activation_peaks, activation_values, chunk_specs, compile_pipeline, input_micro,
-    instruction_nodes, micro_deps, CompiledPipeline, MicroDep, PipelineChunk, PipelineOptions,
+    activation_peaks, activation_values, boundary_name, chunk_specs, compile_pipeline, input_micro,
+    instruction_nodes, micro_deps, received_by, sent_by, sent_value, CompiledPipeline, MicroDep,
+    PipelineChunk, PipelineOptions,
 };
 
 use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};
@@ -168,7 +169,7 @@ pub fn compile_train(
     opts: &TrainOptions,
 ) -> Result<CompiledTrain, TrainCompileError> {
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
-    compile_chunk(cfg, opts, &opts.mesh, strategies, None)
+    compile_chunk(cfg, opts, &opts.mesh, strategies, None, &[])
 }
 
 /// Compiles one training step of `cfg` (or of one pipeline chunk of it, `stage`) on `mesh`
@@ -179,6 +180,7 @@ pub(crate) fn compile_chunk(
     mesh: &Mesh,
     strategies: Vec<Strategy>,
     stage: Option<crate::model::StageSpec>,
+    tied: &[String],
 ) -> Result<CompiledTrain, TrainCompileError> {
     // 1. The micro-batch must divide.
     let k = opts.micro_batches;
@@ -230,6 +232,11 @@ pub(crate) fn compile_chunk(
             adamw: opts.adamw,
             gather_params: zero_stage == 3,
             sync_grads: zero_stage >= 2,
+            tied: tied
+                .iter()
+                .filter(|l| forward.params().any(|v| forward.node(v).name == **l))
+                .cloned()
+                .collect(),
         },
     )?;
     // 4. Annotations: the forward presets per micro-batch, gradients, optimizer, ZeRO; a
@@ -252,6 +259,15 @@ pub(crate) fn compile_chunk(
             boundary(rank),
             "pipeline: gradient received from the next stage",
         );
+    }
+    // The other copy's gradient of a tied parameter arrives laid out like this copy's.
+    for p in &train.params {
+        let input = train
+            .graph
+            .input_named(&crate::autodiff::tied_input(&p.label));
+        if let (Some(v), Some(s)) = (input, annotations.values.get(&p.grad).cloned()) {
+            annotations.set(v, s, "pipeline: the tied copy's gradient");
+        }
     }
     for i in 0..k {
         for base in [crate::model::STAGE_OUTPUT, crate::autodiff::PIPE_GRAD_OUT] {

@@ -269,9 +269,31 @@ pub fn compile_pipeline(
     }
     let po = &opts.pipeline;
     let schedule = PipelineSchedule::new(po.schedule, p, opts.micro_batches, po.virtual_stages)?;
-    let program = schedule.program();
+    let n = schedule.chunks();
+    // Tied embeddings split over stages: a copy on the first and on the last chunk, their
+    // gradients exchanged and summed before each copy's (identical) optimizer step.
+    let tied: Vec<String> = if cfg.tied && n > 1 {
+        if let Some(s) = strategies.iter().find(|s| s.zero_stage() > 0) {
+            return Err(TrainCompileError::Options(format!(
+                "`{s}` with tied embeddings split over pipeline stages: the embedding's two \
+                 copies exchange whole gradients; use plain dp with this model, or pp=1"
+            )));
+        }
+        if (n - 1) % p == 0 {
+            return Err(TrainCompileError::Options(
+                "tied embeddings need the first and last chunks on different pipeline ranks".into(),
+            ));
+        }
+        vec!["embed".to_string()]
+    } else {
+        Vec::new()
+    };
+    let mut program = schedule.program();
+    if !tied.is_empty() {
+        add_tied_exchange(&mut program, p, n);
+    }
     schedule.check_program(&program)?;
-    let specs = chunk_specs(cfg, schedule.chunks(), opts.seq, po.stage_layers.as_deref())?;
+    let specs = chunk_specs(cfg, n, opts.seq, po.stage_layers.as_deref())?;
     let mut chunks = Vec::with_capacity(specs.len());
     for (index, spec) in specs.into_iter().enumerate() {
         let train = compile_chunk(
@@ -280,6 +302,7 @@ pub fn compile_pipeline(
             &stage_mesh,
             strategies.clone(),
             Some(spec.clone()),
+            &tied,
         )
         .map_err(|e| match e {
             TrainCompileError::Options(m) => {
@@ -307,6 +330,36 @@ pub fn compile_pipeline(
         strategies,
         options: opts.clone(),
     })
+}
+
+/// Puts the exchange of the tied embedding's gradients before the optimizer steps of the
+/// first and last chunks: each sends its copy's gradient to the other's rank, then receives
+/// the other's (buffered sends: no wait on each other).
+fn add_tied_exchange(program: &mut [Vec<PipeOp>], p: usize, n: usize) {
+    for (mine, other) in [(0, n - 1), (n - 1, 0)] {
+        let (r, o) = (mine % p, other % p);
+        let at = program[r]
+            .iter()
+            .position(|x| matches!(x, PipeOp::Step { chunk } if *chunk == mine))
+            .expect("invariant: every chunk has its optimizer step");
+        program[r].splice(
+            at..at,
+            [
+                PipeOp::Send {
+                    to: o,
+                    carry: Carry::Tied,
+                    micro: 0,
+                    boundary: mine,
+                },
+                PipeOp::Recv {
+                    from: o,
+                    carry: Carry::Tied,
+                    micro: 0,
+                    boundary: other,
+                },
+            ],
+        );
+    }
 }
 
 /// The local type of input `name` of a program, if it has one.
@@ -392,12 +445,21 @@ pub fn input_micro(name: &str, m: usize) -> Option<usize> {
     batch.contains(&name).then_some(0)
 }
 
-/// The [`MicroDep`] of every value of `g`.
+/// The [`MicroDep`] of every value of `g`. The optimizer's own inputs (moments, step count,
+/// a tied copy's gradient) count as [`MicroDep::Many`]: the optimizer step reads them after
+/// every micro-batch, even when there is only one.
 pub fn micro_deps(g: &Graph, m: usize) -> Vec<MicroDep> {
+    let optimizer_input = |name: &str| {
+        name == "step"
+            || name.starts_with("adam_m.")
+            || name.starts_with("adam_v.")
+            || name.starts_with(TIED_PREFIX)
+    };
     let mut out: Vec<MicroDep> = Vec::with_capacity(g.len());
     for v in g.ids() {
         let n = g.node(v);
         let d = match &n.op {
+            Op::Input { name, .. } if optimizer_input(name) => MicroDep::Many,
             Op::Input { name, .. } => input_micro(name, m).map_or(MicroDep::Free, MicroDep::One),
             _ => n
                 .inputs
@@ -463,8 +525,10 @@ pub fn instruction_nodes(
     let deps: Vec<Vec<MicroDep>> = graphs.iter().map(|g| micro_deps(g, m)).collect();
     let boundary_input = |g: &Graph, v: ValueId| {
         matches!(&g.node(v).op, Op::Input { name, .. }
-            if name.starts_with(STAGE_INPUT) || name.starts_with(PIPE_GRAD_IN))
+            if name.starts_with(STAGE_INPUT) || name.starts_with(PIPE_GRAD_IN)
+                || name.starts_with(TIED_PREFIX))
     };
+    let n = graphs.len();
     let mut out = Vec::with_capacity(program.len());
     for (r, ops) in program.iter().enumerate() {
         let mut done: Vec<Vec<bool>> = graphs
@@ -491,18 +555,46 @@ pub fn instruction_nodes(
                     boundary,
                     ..
                 } => {
-                    let (c, base) = match carry {
-                        Carry::Act => (boundary + 1, STAGE_INPUT),
-                        Carry::Grad => (boundary, PIPE_GRAD_IN),
-                    };
+                    let c = received_by(carry, boundary, n);
                     let g = graphs.get(c).ok_or_else(|| bad("no such chunk".into()))?;
-                    let name = input_name(base, micro, m);
+                    let name = boundary_name(g, carry, micro, m)
+                        .ok_or_else(|| bad(format!("chunk {c} receives no {carry:?}")))?;
                     let v = g
                         .ids()
                         .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if *n == name))
                         .ok_or_else(|| bad(format!("chunk {c} has no input `{name}`")))?;
                     done[c][v.index()] = true;
                     list.push(v);
+                }
+                PipeOp::Send {
+                    carry: Carry::Tied,
+                    boundary,
+                    ..
+                } => {
+                    // The complete gradient the tied copy sends, and what it still needs.
+                    let c = boundary;
+                    let g = graphs.get(c).ok_or_else(|| bad("no such chunk".into()))?;
+                    let v = sent_value(g, Carry::Tied, 0, m)
+                        .ok_or_else(|| bad(format!("chunk {c} has no tied gradient")))?;
+                    let mut need = vec![false; g.len()];
+                    let mut stack = vec![v];
+                    while let Some(v) = stack.pop() {
+                        if need[v.index()] || done[c][v.index()] {
+                            continue;
+                        }
+                        if boundary_input(g, v) {
+                            return Err(bad(format!(
+                                "needs `{}` before it is received",
+                                g.node(v).name
+                            )));
+                        }
+                        need[v.index()] = true;
+                        stack.extend(g.node(v).inputs.iter().copied());
+                    }
+                    for v in g.ids().filter(|v| need[v.index()]) {
+                        done[c][v.index()] = true;
+                        list.push(v);
+                    }
                 }
                 PipeOp::Send { .. } => {}
                 PipeOp::Run(slot) => {
@@ -556,6 +648,53 @@ pub fn instruction_nodes(
     Ok(out)
 }
 
+/// Name prefix of the inputs that receive a tied parameter's other gradient.
+const TIED_PREFIX: &str = "pipe.tied.";
+
+/// The chunk that receives a `carry` message across `boundary` (for [`Carry::Tied`], the
+/// sending chunk: the other end of the model receives), of `n` chunks.
+pub fn received_by(carry: Carry, boundary: usize, n: usize) -> usize {
+    match carry {
+        Carry::Act => boundary + 1,
+        Carry::Grad => boundary,
+        Carry::Tied if boundary == 0 => n - 1,
+        Carry::Tied => 0,
+    }
+}
+
+/// The chunk that sends a `carry` message across `boundary`.
+pub fn sent_by(carry: Carry, boundary: usize) -> usize {
+    match carry {
+        Carry::Act | Carry::Tied => boundary,
+        Carry::Grad => boundary + 1,
+    }
+}
+
+/// The input of program `g` a `carry` message of micro-batch `micro` fills.
+pub fn boundary_name(g: &Graph, carry: Carry, micro: usize, m: usize) -> Option<String> {
+    match carry {
+        Carry::Act => Some(input_name(STAGE_INPUT, micro, m)),
+        Carry::Grad => Some(input_name(PIPE_GRAD_IN, micro, m)),
+        Carry::Tied => g.ids().find_map(|v| match &g.node(v).op {
+            Op::Input { name, .. } if name.starts_with(TIED_PREFIX) => Some(name.clone()),
+            _ => None,
+        }),
+    }
+}
+
+/// The value of program `g` a `carry` message of micro-batch `micro` sends: an output.
+pub fn sent_value(g: &Graph, carry: Carry, micro: usize, m: usize) -> Option<ValueId> {
+    match carry {
+        Carry::Act => g.output(&input_name(STAGE_OUTPUT, micro, m)),
+        Carry::Grad => g.output(&input_name(PIPE_GRAD_OUT, micro, m)),
+        Carry::Tied => {
+            let name = boundary_name(g, Carry::Tied, 0, m)?;
+            let label = name.strip_prefix(TIED_PREFIX)?;
+            g.output(&format!("grad.{label}"))
+        }
+    }
+}
+
 /// Per pipeline rank, the most bytes of activations ([`activation_values`]) held at once
 /// after any instruction, at `elem_bytes` per element: the static account of what the thread
 /// runtime measures (`shardc_runtime::pipeline::PipelineStep::peak_activation_bytes` with
@@ -606,12 +745,14 @@ pub fn activation_peaks(
             let chunk = match *op {
                 PipeOp::Recv {
                     carry, boundary, ..
-                } => Some(match carry {
-                    Carry::Act => boundary + 1,
-                    Carry::Grad => boundary,
-                }),
+                } => Some(received_by(carry, boundary, graphs.len())),
                 PipeOp::Run(s) => Some(s.chunk),
                 PipeOp::Step { chunk } => Some(chunk),
+                PipeOp::Send {
+                    carry: Carry::Tied,
+                    boundary,
+                    ..
+                } => Some(boundary),
                 PipeOp::Send { .. } => None,
             };
             if let Some(c) = chunk {
@@ -633,17 +774,16 @@ pub fn activation_peaks(
                 }
             }
             match *op {
+                // Boundary tensors are handed over (a tied gradient is copied: it is also an
+                // output of the step).
                 PipeOp::Send {
                     carry,
                     micro,
                     boundary,
                     ..
-                } => {
-                    let (c, base) = match carry {
-                        Carry::Act => (boundary, STAGE_OUTPUT),
-                        Carry::Grad => (boundary + 1, PIPE_GRAD_OUT),
-                    };
-                    if let Some(v) = graphs[c].output(&input_name(base, micro, m)) {
+                } if carry != Carry::Tied => {
+                    let c = sent_by(carry, boundary);
+                    if let Some(v) = sent_value(graphs[c], carry, micro, m) {
                         output[c][v.index()] = false;
                         if users[c][v.index()] == 0 {
                             held[c][v.index()] = 0.0;
