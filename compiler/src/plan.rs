@@ -66,6 +66,18 @@ pub struct PlanChunk {
     pub comm: Option<crate::train::CommVolume>,
 }
 
+impl PlanChunk {
+    /// `embedding + layers 0..9` (see [`crate::model::StageSpec::describe`]).
+    pub fn describe(&self) -> String {
+        crate::model::StageSpec {
+            layers: self.layers[0]..self.layers[1],
+            embed: self.embed,
+            head: self.head,
+        }
+        .describe()
+    }
+}
+
 /// The plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {

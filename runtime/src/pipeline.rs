@@ -12,10 +12,9 @@
 //! collective groups and drops its channels, so its peers stop at once; the error returned is
 //! the root cause, with the rank and its mesh coordinates.
 
-use crate::comm::thread::{group, ThreadComm};
 use crate::comm::Communicator;
 use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
-use crate::spmd::RankError;
+use crate::spmd::{root_cause, thread_comms};
 use crate::train::{
     assemble, batch_inputs, check_batch, Batch, StepOutput, TrainError, TrainState,
 };
@@ -109,15 +108,7 @@ pub fn pipeline_step(
         .collect();
 
     // Communicators of the stage-mesh axes, and the FIFO channels between stages.
-    let mut comms: Vec<Vec<(String, ThreadComm)>> = (0..world).map(|_| Vec::new()).collect();
-    for a in mesh.axis_ids().filter(|&a| a != pp) {
-        let name = mesh.axis_name(a).to_string();
-        for ranks in mesh.groups(a) {
-            for (k, h) in group(&name, ranks.len(), timeout).into_iter().enumerate() {
-                comms[ranks[k]].push((name.clone(), h));
-            }
-        }
-    }
+    let comms = thread_comms(mesh, |a| a != pp, timeout);
     let neighbour = |rank: usize, stage: usize| {
         let mut co = mesh.coords(rank);
         co[pp.0 as usize] = stage;
@@ -136,15 +127,6 @@ pub fn pipeline_step(
             ends[neighbour(r, t)].1.insert(s, rx);
         }
     }
-    let coords_of = |rank: usize| -> String {
-        mesh.coords(rank)
-            .iter()
-            .zip(&mesh.axes)
-            .map(|(c, a)| format!("{}={c}", a.name))
-            .collect::<Vec<_>>()
-            .join(",")
-    };
-
     let results: Vec<Result<StageOutputs, RuntimeError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -177,29 +159,7 @@ pub fn pipeline_step(
     });
 
     // Prefer a root cause over the aborts and hang-ups it caused in its peers.
-    let mut secondary = None;
-    let mut outs = Vec::with_capacity(world);
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(o) => outs.push(o),
-            Err(e) => {
-                let text = e.to_string();
-                let knock_on = text.contains("aborted") || text.contains("stopped");
-                let err = RankError {
-                    rank,
-                    coords: coords_of(rank),
-                    error: e,
-                };
-                if !knock_on {
-                    return Err(err.into());
-                }
-                secondary.get_or_insert(err);
-            }
-        }
-    }
-    if let Some(e) = secondary {
-        return Err(e.into());
-    }
+    let outs = root_cause(mesh, results)?;
 
     // Each chunk's outputs from the ranks of its stage, in stage-mesh rank order.
     let sm = &c.stage_mesh;

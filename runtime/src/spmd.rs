@@ -6,7 +6,7 @@ use crate::comm::Communicator;
 use crate::exec::{execute_with_params, load_params, RankCtx};
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::ir::Graph;
-use shardc_compiler::shard::Mesh;
+use shardc_compiler::shard::{AxisId, Mesh};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use thiserror::Error;
@@ -36,25 +36,7 @@ pub fn run_spmd(
     inputs: &BTreeMap<String, Tensor>,
     timeout: Duration,
 ) -> Result<RankOutputs, RankError> {
-    let world = mesh.world_size();
-    // comms[rank] = (axis name, handle) for every axis.
-    let mut comms: Vec<Vec<(String, ThreadComm)>> = (0..world).map(|_| Vec::new()).collect();
-    for a in mesh.axis_ids() {
-        let name = mesh.axis_name(a).to_string();
-        for ranks in mesh.groups(a) {
-            for (k, h) in group(&name, ranks.len(), timeout).into_iter().enumerate() {
-                comms[ranks[k]].push((name.clone(), h));
-            }
-        }
-    }
-    let coords_of = |rank: usize| -> String {
-        mesh.coords(rank)
-            .iter()
-            .zip(&mesh.axes)
-            .map(|(c, a)| format!("{}={c}", a.name))
-            .collect::<Vec<_>>()
-            .join(",")
-    };
+    let comms = thread_comms(mesh, |_| true, timeout);
     let results: Vec<Result<BTreeMap<String, Tensor>, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -80,27 +62,67 @@ pub fn run_spmd(
             .map(|h| h.join().expect("invariant: rank threads do not panic"))
             .collect()
     });
-    // Prefer a root cause over the aborts it caused in its peers.
-    let mut first_abort = None;
-    let mut outs = Vec::with_capacity(world);
+    root_cause(mesh, results)
+}
+
+/// One thread communicator per group of every mesh axis `pick` selects: per rank, its
+/// (axis name, handle) pairs.
+pub(crate) fn thread_comms(
+    mesh: &Mesh,
+    pick: impl Fn(AxisId) -> bool,
+    timeout: Duration,
+) -> Vec<Vec<(String, ThreadComm)>> {
+    let mut comms: Vec<Vec<(String, ThreadComm)>> =
+        (0..mesh.world_size()).map(|_| Vec::new()).collect();
+    for a in mesh.axis_ids().filter(|&a| pick(a)) {
+        let name = mesh.axis_name(a).to_string();
+        for ranks in mesh.groups(a) {
+            for (k, h) in group(&name, ranks.len(), timeout).into_iter().enumerate() {
+                comms[ranks[k]].push((name.clone(), h));
+            }
+        }
+    }
+    comms
+}
+
+/// `dp=0,tp=1`: rank `rank`'s mesh coordinates.
+pub(crate) fn coords_label(mesh: &Mesh, rank: usize) -> String {
+    mesh.coords(rank)
+        .iter()
+        .zip(&mesh.axes)
+        .map(|(c, a)| format!("{}={c}", a.name))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Every rank's output, or the first root-cause error: a failure other than the knock-on
+/// ones it caused in its peers (an aborted collective, a neighbour found stopped), which are
+/// reported only when nothing else failed.
+pub(crate) fn root_cause<T>(
+    mesh: &Mesh,
+    results: Vec<Result<T, RuntimeError>>,
+) -> Result<Vec<T>, RankError> {
+    let mut knock_on = None;
+    let mut outs = Vec::with_capacity(results.len());
     for (rank, r) in results.into_iter().enumerate() {
         match r {
             Ok(o) => outs.push(o),
             Err(e) => {
-                let aborted = e.to_string().contains("aborted");
+                let text = e.to_string();
+                let secondary = text.contains("aborted") || text.contains("stopped");
                 let err = RankError {
                     rank,
-                    coords: coords_of(rank),
+                    coords: coords_label(mesh, rank),
                     error: e,
                 };
-                if !aborted {
+                if !secondary {
                     return Err(err);
                 }
-                first_abort.get_or_insert(err);
+                knock_on.get_or_insert(err);
             }
         }
     }
-    match first_abort {
+    match knock_on {
         Some(e) => Err(e),
         None => Ok(outs),
     }

@@ -562,37 +562,14 @@ fn print_train_summary(
         }
         return Ok(());
     };
-    let r = s.replay(PassCosts::uniform(1.0))?;
-    println!(
-        "pipeline: {} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages), peak in-flight micro-batches per stage [{}]",
-        s.kind.name(),
-        s.stages,
-        s.virtual_stages,
-        s.micro_batches,
-        r.bubble_fraction,
-        r.peak_in_flight
-            .iter()
-            .map(|x| format!("{x}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    println!("pipeline: {}", s.describe()?);
     println!("chunks (training memory per rank {at}):");
     for ch in &plan.chunks {
-        let mut parts = Vec::new();
-        if ch.embed {
-            parts.push("embedding".to_string());
-        }
-        if ch.layers[1] > ch.layers[0] {
-            parts.push(format!("layers {}..{}", ch.layers[0], ch.layers[1] - 1));
-        }
-        if ch.head {
-            parts.push("head".to_string());
-        }
         println!(
             "  chunk {} on stage {}: {}",
             ch.index,
             ch.stage,
-            parts.join(" + ")
+            ch.describe()
         );
         if let Some(m) = &ch.memory.train {
             println!("    {}", train_memory_line(m));

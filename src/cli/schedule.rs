@@ -56,21 +56,11 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
                 plan.chunks.len()
             );
             for ch in &plan.chunks {
-                let mut parts = Vec::new();
-                if ch.embed {
-                    parts.push("embedding".to_string());
-                }
-                if ch.layers[1] > ch.layers[0] {
-                    parts.push(format!("layers {}..{}", ch.layers[0], ch.layers[1] - 1));
-                }
-                if ch.head {
-                    parts.push("head".to_string());
-                }
                 println!(
                     "  chunk {} on stage {}: {} ({} parameter bytes per rank)",
                     ch.index,
                     ch.stage,
-                    parts.join(" + "),
+                    ch.describe(),
                     ch.memory.param_bytes
                 );
             }

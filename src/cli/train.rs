@@ -8,7 +8,7 @@ use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::schedule::pipeline::{parse_stage_layers, PassCosts, ScheduleKind};
+use shardc::compiler::schedule::pipeline::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{
     compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, Precision,
@@ -147,41 +147,13 @@ impl Compiled {
 
 /// Chunk placement and the schedule's bubble.
 fn describe_pipeline(p: &CompiledPipeline) -> anyhow::Result<()> {
-    let s = &p.schedule;
-    let r = s.replay(PassCosts::uniform(1.0))?;
-    println!(
-        "pipeline: {} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages), peak in-flight micro-batches per stage [{}]",
-        s.kind.name(),
-        s.stages,
-        s.virtual_stages,
-        s.micro_batches,
-        r.bubble_fraction,
-        r.peak_in_flight
-            .iter()
-            .map(|x| format!("{x}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    println!("pipeline: {}", p.schedule.describe()?);
     for ch in &p.chunks {
-        let mut parts = Vec::new();
-        if ch.spec.embed {
-            parts.push("embedding".to_string());
-        }
-        if !ch.spec.layers.is_empty() {
-            parts.push(format!(
-                "layers {}..{}",
-                ch.spec.layers.start,
-                ch.spec.layers.end - 1
-            ));
-        }
-        if ch.spec.head {
-            parts.push("head".to_string());
-        }
         println!(
             "  chunk {} on stage {}: {}",
             ch.index,
             ch.stage,
-            parts.join(" + ")
+            ch.spec.describe()
         );
     }
     Ok(())

@@ -323,7 +323,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 pub fn check(model: &str, what: &str, run: &impl Outcome) {
     let r = reference(model);
     let w = Weights::open(dir(model)).unwrap();
-    let (loss, grads, updated) = (run.loss(), run.grads(), run.updated());
+    let (loss, grads) = (run.loss(), run.grads());
     assert!(
         (loss - r.loss).abs() < 1e-5,
         "{model} {what}: loss {} vs {}",
@@ -348,11 +348,33 @@ pub fn check(model: &str, what: &str, run: &impl Outcome) {
         worst.1,
         worst.0
     );
-    for (name, g) in grads {
+    let what = format!("{model} {what}");
+    check_updates(
+        &what,
+        run,
+        &r.grads,
+        &r.updated,
+        &w,
+        (r.lr, r.weight_decay, r.eps),
+    );
+}
+
+/// The AdamW first step: every updated weight equals the formula on the run's own gradient
+/// (1e-6), and the reference's update `ref_updated` where the reference gradient `ref_grads`
+/// exceeds 1e-4 (1e-6). `hyper`: (lr, weight decay, eps).
+fn check_updates(
+    what: &str,
+    run: &impl Outcome,
+    ref_grads: &BTreeMap<String, Tensor>,
+    ref_updated: &BTreeMap<String, Tensor>,
+    w: &Weights,
+    (lr, wd, eps): (f64, f64, f64),
+) {
+    for (name, g) in run.grads() {
         let w0 = w.get(name).unwrap();
-        let got = updated[name].as_f32().unwrap();
-        let ref_g = r.grads[name].as_f32().unwrap();
-        let ref_u = r.updated[name].as_f32().unwrap();
+        let got = run.updated()[name].as_f32().unwrap();
+        let ref_g = ref_grads[name].as_f32().unwrap();
+        let ref_u = ref_updated[name].as_f32().unwrap();
         for (i, (&gi, &wi)) in g
             .as_f32()
             .unwrap()
@@ -361,16 +383,16 @@ pub fn check(model: &str, what: &str, run: &impl Outcome) {
             .enumerate()
         {
             let (gi, wi) = (gi as f64, wi as f64);
-            let formula = wi * (1.0 - r.lr * r.weight_decay) - r.lr * gi / (gi.abs() + r.eps);
+            let formula = wi * (1.0 - lr * wd) - lr * gi / (gi.abs() + eps);
             assert!(
                 (got[i] as f64 - formula).abs() < 1e-6,
-                "{model} {what}: `{name}`[{i}] updated {} vs AdamW formula {formula}",
+                "{what}: `{name}`[{i}] updated {} vs AdamW formula {formula}",
                 got[i]
             );
             if ref_g[i].abs() > 1e-4 {
                 assert!(
                     (got[i] - ref_u[i]).abs() < 1e-6,
-                    "{model} {what}: `{name}`[{i}] updated {} vs reference {}",
+                    "{what}: `{name}`[{i}] updated {} vs reference {}",
                     got[i],
                     ref_u[i]
                 );
@@ -486,33 +508,5 @@ pub fn check_against(
         d < 1e-5,
         "{what}: gradients differ from the unsharded step by {d}"
     );
-    for (name, g) in run.grads() {
-        let w0 = w.get(name).unwrap();
-        let got = run.updated()[name].as_f32().unwrap();
-        let want = base.updated()[name].as_f32().unwrap();
-        let gb = base.grads()[name].as_f32().unwrap();
-        for (i, (&gi, &wi)) in g
-            .as_f32()
-            .unwrap()
-            .iter()
-            .zip(w0.as_f32().unwrap())
-            .enumerate()
-        {
-            let (gi, wi) = (gi as f64, wi as f64);
-            let formula = wi * (1.0 - lr * wd) - lr * gi / (gi.abs() + eps);
-            assert!(
-                (got[i] as f64 - formula).abs() < 1e-6,
-                "{what}: `{name}`[{i}] updated {} vs AdamW formula {formula}",
-                got[i]
-            );
-            if gb[i].abs() > 1e-4 {
-                assert!(
-                    (got[i] - want[i]).abs() < 1e-6,
-                    "{what}: `{name}`[{i}] updated {} vs unsharded {}",
-                    got[i],
-                    want[i]
-                );
-            }
-        }
-    }
+    check_updates(what, run, base.grads(), base.updated(), &w, (lr, wd, eps));
 }

@@ -19,7 +19,6 @@ use super::{Cluster, CostError};
 use crate::ir::{Graph, ValueId};
 use crate::plan::Plan;
 use crate::schedule::pipeline::{Carry, Phase, PipeOp};
-use crate::shard::Mesh;
 use std::collections::{HashMap, VecDeque};
 
 /// Replays pipeline plan `plan` (one with a schedule) on `cluster`.
@@ -37,15 +36,7 @@ pub fn simulate_pipeline_plan(
     let mesh = &plan.mesh;
     check_gpus(mesh, cluster)?;
     let (p, m) = (sched.stages, sched.micro_batches);
-    let stage_mesh = Mesh {
-        axes: mesh
-            .axes
-            .iter()
-            .filter(|a| a.name != "pp")
-            .cloned()
-            .collect(),
-        gpus_per_node: mesh.gpus_per_node,
-    };
+    let stage_mesh = mesh.without_axis("pp");
     let topo = Topology::new(&stage_mesh, cluster);
     let dev = &cluster.device;
     let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {

@@ -40,6 +40,27 @@ pub struct StageSpec {
     pub head: bool,
 }
 
+impl StageSpec {
+    /// `embedding + layers 0..9`, `layers 71..79 + head`.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if self.embed {
+            parts.push("embedding".to_string());
+        }
+        if !self.layers.is_empty() {
+            parts.push(format!(
+                "layers {}..{}",
+                self.layers.start,
+                self.layers.end - 1
+            ));
+        }
+        if self.head {
+            parts.push("head".to_string());
+        }
+        parts.join(" + ")
+    }
+}
+
 /// The input of a pipeline chunk that does not start with the embedding.
 pub const STAGE_INPUT: &str = "pipe.act_in";
 /// The output of a pipeline chunk that does not end with the head.

@@ -271,6 +271,22 @@ impl PipelineSchedule {
         self.stages * self.virtual_stages
     }
 
+    /// One line: `1f1b schedule, 4 stages × 1 chunk(s), 8 micro-batches: bubble 0.2727
+    /// (uniform stages), peak in-flight micro-batches per stage [4, 3, 2, 1]`.
+    pub fn describe(&self) -> Result<String, PipelineError> {
+        let r = self.replay(PassCosts::uniform(1.0))?;
+        let peaks: Vec<String> = r.peak_in_flight.iter().map(|x| format!("{x}")).collect();
+        Ok(format!(
+            "{} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages), peak in-flight micro-batches per stage [{}]",
+            self.kind.name(),
+            self.stages,
+            self.virtual_stages,
+            self.micro_batches,
+            r.bubble_fraction,
+            peaks.join(", ")
+        ))
+    }
+
     /// True when backward passes leave the weight gradients to separate `W` slots.
     pub fn splits_weight_grad(&self) -> bool {
         self.per_rank.iter().flatten().any(|s| s.phase == Phase::W)

@@ -150,6 +150,20 @@ impl Mesh {
         }
     }
 
+    /// This mesh without axis `name` (the others keep their sizes and link classes): e.g. the
+    /// mesh of one pipeline stage.
+    pub fn without_axis(&self, name: &str) -> Mesh {
+        Mesh {
+            axes: self
+                .axes
+                .iter()
+                .filter(|a| a.name != name)
+                .cloned()
+                .collect(),
+            gpus_per_node: self.gpus_per_node,
+        }
+    }
+
     /// Total ranks.
     pub fn world_size(&self) -> usize {
         self.axes.iter().map(|a| a.size).product()

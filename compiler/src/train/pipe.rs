@@ -251,15 +251,7 @@ pub fn compile_pipeline(
         TrainCompileError::Options(format!("mesh {mesh} has no `pp` axis to pipeline over"))
     })?;
     let p = mesh.axis_size(pp);
-    let stage_mesh = Mesh {
-        axes: mesh
-            .axes
-            .iter()
-            .filter(|a| a.name != "pp")
-            .cloned()
-            .collect(),
-        gpus_per_node: mesh.gpus_per_node,
-    };
+    let stage_mesh = mesh.without_axis("pp");
     let strategies = shard::resolve_stage(mesh, &opts.extra_strategies)?;
     if let Some(s) = strategies.iter().find(|s| s.zero_stage() == 3) {
         return Err(TrainCompileError::Options(format!(
@@ -510,6 +502,28 @@ fn roots(g: &Graph, deps: &[MicroDep], phase: Phase, i: usize, m: usize) -> Vec<
     }
 }
 
+/// `roots` and every value they need that is not `done`; an error names a received input
+/// (`received`) that is needed but not there yet.
+fn pending(
+    g: &Graph,
+    mut stack: Vec<ValueId>,
+    done: &[bool],
+    received: &dyn Fn(&Graph, ValueId) -> bool,
+) -> Result<Vec<bool>, String> {
+    let mut need = vec![false; g.len()];
+    while let Some(v) = stack.pop() {
+        if need[v.index()] || done[v.index()] {
+            continue;
+        }
+        if received(g, v) {
+            return Err(format!("needs `{}` before it is received", g.node(v).name));
+        }
+        need[v.index()] = true;
+        stack.extend(g.node(v).inputs.iter().copied());
+    }
+    Ok(need)
+}
+
 /// What each instruction computes, derived once for every rank: a pass computes the values
 /// it asks for (see `roots`) and every value they need that is not computed yet, in program
 /// order, then the values combining micro-batches whose operands are all there (gradient
@@ -576,21 +590,7 @@ pub fn instruction_nodes(
                     let g = graphs.get(c).ok_or_else(|| bad("no such chunk".into()))?;
                     let v = sent_value(g, Carry::Tied, 0, m)
                         .ok_or_else(|| bad(format!("chunk {c} has no tied gradient")))?;
-                    let mut need = vec![false; g.len()];
-                    let mut stack = vec![v];
-                    while let Some(v) = stack.pop() {
-                        if need[v.index()] || done[c][v.index()] {
-                            continue;
-                        }
-                        if boundary_input(g, v) {
-                            return Err(bad(format!(
-                                "needs `{}` before it is received",
-                                g.node(v).name
-                            )));
-                        }
-                        need[v.index()] = true;
-                        stack.extend(g.node(v).inputs.iter().copied());
-                    }
+                    let need = pending(g, vec![v], &done[c], &boundary_input).map_err(bad)?;
                     for v in g.ids().filter(|v| need[v.index()]) {
                         done[c][v.index()] = true;
                         list.push(v);
@@ -601,21 +601,8 @@ pub fn instruction_nodes(
                     let c = slot.chunk;
                     let g = graphs[c];
                     let d = &deps[c];
-                    let mut need = vec![false; g.len()];
-                    let mut stack = roots(g, d, slot.phase, slot.micro, m);
-                    while let Some(v) = stack.pop() {
-                        if need[v.index()] || done[c][v.index()] {
-                            continue;
-                        }
-                        if boundary_input(g, v) {
-                            return Err(bad(format!(
-                                "needs `{}` before it is received",
-                                g.node(v).name
-                            )));
-                        }
-                        need[v.index()] = true;
-                        stack.extend(g.node(v).inputs.iter().copied());
-                    }
+                    let roots = roots(g, d, slot.phase, slot.micro, m);
+                    let need = pending(g, roots, &done[c], &boundary_input).map_err(bad)?;
                     for v in g.ids() {
                         let ready = || g.node(v).inputs.iter().all(|i| done[c][i.index()]);
                         let eager = !done[c][v.index()]
