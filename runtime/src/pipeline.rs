@@ -1,16 +1,19 @@
-//! Pipeline-parallel training steps on thread ranks: every rank of the mesh is a thread; the
-//! ranks of one pipeline stage run their chunks' SPMD programs with a thread communicator per
-//! stage-mesh axis, and each executes its stage's instructions
-//! ([`shardc_compiler::train::CompiledPipeline::program`]) in order: a pass runs the values
-//! the compiler listed for it ([`shardc_compiler::train::CompiledPipeline::nodes`], see
-//! [`shardc_compiler::train::instruction_nodes`]) with [`Stepwise`], a send hands a boundary
-//! tensor to the same stage-mesh coordinates of the neighbouring stage over a FIFO channel
-//! (buffered), a receive blocks for it (bounded by the timeout).
+//! Pipeline-parallel training steps on thread ranks: every rank of the mesh is a thread with
+//! a thread communicator per group of every mesh axis, and executes its stage's instructions
+//! ([`shardc_compiler::train::CompiledPipeline::program`]) in order ([`run_stage`]): a pass
+//! runs the values the compiler listed for it
+//! ([`shardc_compiler::train::CompiledPipeline::nodes`], see
+//! [`shardc_compiler::train::instruction_nodes`]) with [`Stepwise`]; a send hands a boundary
+//! tensor (with a header: what, micro-batch, boundary) to the same stage-mesh coordinates of
+//! the other stage through the `pp` axis's communicator (point-to-point, buffered, matched in
+//! order per peer); a receive blocks for it (bounded by the communicator's timeout) and checks
+//! the header. Any [`Communicator`] carries the transfers, so [`run_stage`] serves processes
+//! (tcp) as it serves threads.
 //!
 //! Every rank of a stage runs the same programs and node lists, so its collectives agree; the
-//! instructions were verified deadlock-free at compile time. A rank that fails aborts its
-//! collective groups and drops its channels, so its peers stop at once; the error returned is
-//! the root cause, with the rank and its mesh coordinates.
+//! instructions were verified deadlock-free at compile time. A rank that fails aborts all its
+//! groups, so its peers stop at once; the error returned is the root cause, with the rank and
+//! its mesh coordinates.
 
 use crate::comm::Communicator;
 use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
@@ -19,26 +22,18 @@ use crate::train::{
     assemble, batch_inputs, check_batch, Batch, StepOutput, TrainError, TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
+use shardc_compiler::ir::Op;
 use shardc_compiler::schedule::pipeline::{Carry, PipeOp};
 use shardc_compiler::train::{
     activation_values, boundary_name, micro_deps, received_by, sent_by, sent_value,
     CompiledPipeline,
 };
-use std::collections::{BTreeMap, HashMap};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// What a rank returns: each of its chunks' outputs (local values), and the most bytes of
 /// activations it held.
 type StageOutputs = (BTreeMap<usize, BTreeMap<String, Tensor>>, usize);
-
-/// A boundary tensor in flight.
-struct Msg {
-    carry: Carry,
-    micro: usize,
-    boundary: usize,
-    tensor: Tensor,
-}
 
 /// `a + b` elementwise (same shape).
 fn add_tensors(a: &Tensor, b: &Tensor) -> Tensor {
@@ -84,7 +79,6 @@ pub fn pipeline_step(
         .axis("pp")
         .expect("invariant: a compiled pipeline's mesh has a pp axis");
     let p = mesh.axis_size(pp);
-    let world = mesh.world_size();
 
     // Global inputs of each chunk: the batch, its parameters and optimizer state, the step.
     let common = batch_inputs(batch, m);
@@ -107,32 +101,13 @@ pub fn pipeline_step(
         })
         .collect();
 
-    // Communicators of the stage-mesh axes, and the FIFO channels between stages.
-    let comms = thread_comms(mesh, |a| a != pp, timeout);
-    let neighbour = |rank: usize, stage: usize| {
-        let mut co = mesh.coords(rank);
-        co[pp.0 as usize] = stage;
-        mesh.rank_of(&co)
-    };
-    type Ends = (HashMap<usize, Sender<Msg>>, HashMap<usize, Receiver<Msg>>);
-    let mut ends: Vec<Ends> = (0..world).map(|_| Default::default()).collect();
-    for r in 0..world {
-        let s = mesh.coords(r)[pp.0 as usize];
-        for t in [(s + 1) % p, (s + p - 1) % p] {
-            if t == s || ends[r].0.contains_key(&t) {
-                continue;
-            }
-            let (tx, rx) = channel();
-            ends[r].0.insert(t, tx);
-            ends[neighbour(r, t)].1.insert(s, rx);
-        }
-    }
+    // A thread communicator per group of every axis; the `pp` groups carry the transfers.
+    let comms = thread_comms(mesh, |_| true, timeout);
     let results: Vec<Result<StageOutputs, RuntimeError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
-            .zip(ends)
             .enumerate()
-            .map(|(rank, (mine, (txs, rxs)))| {
+            .map(|(rank, mine)| {
                 let inputs = &inputs;
                 scope.spawn(move || {
                     let stage = mesh.coords(rank)[pp.0 as usize];
@@ -140,14 +115,12 @@ pub fn pipeline_step(
                     for (axis, h) in &mine {
                         ctx.insert(axis.clone(), h as &dyn Communicator);
                     }
-                    let out = run_stage(c, stage, &ctx, inputs, weights, &txs, &rxs, timeout);
+                    let out = run_stage(c, stage, &ctx, inputs, weights);
                     if let Err(e) = &out {
                         for (_, h) in &mine {
                             h.abort(&e.to_string());
                         }
                     }
-                    // Dropping the senders tells the neighbours this rank is gone.
-                    drop(txs);
                     out
                 })
             })
@@ -233,19 +206,33 @@ pub fn pipeline_step(
 }
 
 /// One rank of pipeline stage `stage`: its chunks' programs driven by the stage's
-/// instructions. Returns each chunk's outputs (local values) and the most bytes of
-/// per-micro-batch values its programs held at once.
-#[allow(clippy::too_many_arguments)]
-fn run_stage(
+/// instructions, transfers over the `pp` axis's communicator in `ctx` (point-to-point; the
+/// k-th send to a peer matches its k-th receive), the stage-mesh axes' communicators for the
+/// programs' collectives. Any [`Communicator`] serves: thread ranks here, a process group
+/// across processes. Inputs are global tensors per chunk (each rank takes its shard). Returns
+/// each chunk's outputs (local values) and the most bytes of per-micro-batch values its
+/// programs held at once.
+pub fn run_stage(
     c: &CompiledPipeline,
     stage: usize,
     ctx: &RankCtx,
     inputs: &[BTreeMap<String, Tensor>],
     weights: &Weights,
-    txs: &HashMap<usize, Sender<Msg>>,
-    rxs: &HashMap<usize, Receiver<Msg>>,
-    timeout: Duration,
 ) -> Result<StageOutputs, RuntimeError> {
+    let pp = ctx.comm("pp")?;
+    let code = |carry: Carry| match carry {
+        Carry::Act => 0.0,
+        Carry::Grad => 1.0,
+        Carry::Tied => 2.0,
+    };
+    let transfer_err = |op: &PipeOp, e: crate::comm::CommError| {
+        let text = e.to_string();
+        if text.contains("timed out") {
+            pipe_err(op, format!("nothing arrived within the timeout ({text})"))
+        } else {
+            pipe_err(op, text)
+        }
+    };
     let m = c.options.micro_batches;
     let mine: Vec<usize> = c.chunks_of(stage).map(|ch| ch.index).collect();
     let caches: Vec<ParamCache> = mine
@@ -277,37 +264,34 @@ fn run_stage(
                 micro,
                 boundary,
             } => {
-                let rx = rxs
-                    .get(&from)
-                    .ok_or_else(|| pipe_err(op, "no channel from that rank"))?;
-                let msg = rx.recv_timeout(timeout).map_err(|e| match e {
-                    RecvTimeoutError::Timeout => pipe_err(
-                        op,
-                        format!("nothing arrived within {:.1} s", timeout.as_secs_f64()),
-                    ),
-                    RecvTimeoutError::Disconnected => pipe_err(
-                        op,
-                        format!("pipeline rank {from} stopped before sending it"),
-                    ),
-                })?;
-                if (msg.carry, msg.micro, msg.boundary) != (carry, micro, boundary) {
-                    return Err(pipe_err(
-                        op,
-                        format!(
-                            "received {:?} of micro-batch {} (boundary {}) instead",
-                            msg.carry, msg.micro, msg.boundary
-                        ),
-                    ));
-                }
                 let chunk = received_by(carry, boundary, c.chunks.len());
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
                 let g = &c.chunks[chunk].train.sharded.graph;
                 let name = boundary_name(g, carry, micro, m)
                     .ok_or_else(|| pipe_err(op, "the chunk has no input for it"))?;
+                let ty = g
+                    .ids()
+                    .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if *n == name))
+                    .map(|v| g.ty(v).clone())
+                    .ok_or_else(|| pipe_err(op, "the chunk has no input for it"))?;
+                // A header (what, micro-batch, boundary), then the tensor.
+                let mut buf = vec![0.0f32; 3 + ty.numel()];
+                pp.recv(&mut buf, from).map_err(|e| transfer_err(op, e))?;
+                let want = [code(carry), micro as f32, boundary as f32];
+                if buf[..3] != want {
+                    return Err(pipe_err(
+                        op,
+                        format!(
+                            "received (kind {}, micro-batch {}, boundary {}) instead",
+                            buf[0], buf[1], buf[2]
+                        ),
+                    ));
+                }
                 let st = steppers[k]
                     .as_mut()
                     .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
-                st.provide(&name, msg.tensor)?;
+                buf.drain(..3);
+                st.provide(&name, Tensor::f32(ty.shape(), buf))?;
             }
             PipeOp::Send {
                 to,
@@ -331,16 +315,13 @@ fn run_stage(
                     _ => st.take(v),
                 }
                 .ok_or_else(|| pipe_err(op, "the value was not computed"))?;
-                let tx = txs
-                    .get(&to)
-                    .ok_or_else(|| pipe_err(op, "no channel to that rank"))?;
-                tx.send(Msg {
-                    carry,
-                    micro,
-                    boundary,
-                    tensor,
-                })
-                .map_err(|_| pipe_err(op, format!("pipeline rank {to} stopped")))?;
+                let data = tensor
+                    .as_f32()
+                    .ok_or_else(|| pipe_err(op, "the value is not f32"))?;
+                let mut buf = Vec::with_capacity(3 + data.len());
+                buf.extend([code(carry), micro as f32, boundary as f32]);
+                buf.extend_from_slice(data);
+                pp.send(&buf, to).map_err(|e| transfer_err(op, e))?;
             }
             PipeOp::Run(slot) => {
                 let k =
