@@ -31,9 +31,9 @@ use shardc_compiler::train::{
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-/// What a rank returns: each of its chunks' outputs (local values), and the most bytes of
-/// activations it held.
-type StageOutputs = (BTreeMap<usize, BTreeMap<String, Tensor>>, usize);
+/// What a rank returns from [`run_stage`]: each of its chunks' outputs (local values), and
+/// the most bytes of activations it held.
+pub type StageOutputs = (BTreeMap<usize, BTreeMap<String, Tensor>>, usize);
 
 /// `a + b` elementwise (same shape).
 fn add_tensors(a: &Tensor, b: &Tensor) -> Tensor {
@@ -49,6 +49,33 @@ fn pipe_err(op: &PipeOp, detail: impl Into<String>) -> RuntimeError {
         op: op.to_string(),
         detail: detail.into(),
     }
+}
+
+/// The global inputs of each chunk of `c` for one step on `batch` from `state`: the batch
+/// (per micro-batch), the chunk's parameters and optimizer state, the step count.
+pub fn chunk_inputs(
+    c: &CompiledPipeline,
+    state: &TrainState,
+    batch: &Batch,
+) -> Vec<BTreeMap<String, Tensor>> {
+    let common = batch_inputs(batch, c.options.micro_batches);
+    c.chunks
+        .iter()
+        .map(|ch| {
+            let mut x = common.clone();
+            for prm in &ch.train.train.params {
+                let l = &prm.label;
+                x.insert(format!("param.{l}"), state.params[l].clone());
+                x.insert(format!("adam_m.{l}"), state.m[l].clone());
+                x.insert(format!("adam_v.{l}"), state.v[l].clone());
+            }
+            x.insert(
+                "step".into(),
+                Tensor::f32(vec![], vec![(state.step + 1) as f32]),
+            );
+            x
+        })
+        .collect()
 }
 
 /// What a pipeline step returns.
@@ -73,33 +100,13 @@ pub fn pipeline_step(
     weights: &Weights,
 ) -> Result<PipelineStep, TrainError> {
     check_batch(batch, c.options.batch, c.options.seq)?;
-    let m = c.options.micro_batches;
     let mesh = &c.mesh;
     let pp = mesh
         .axis("pp")
         .expect("invariant: a compiled pipeline's mesh has a pp axis");
     let p = mesh.axis_size(pp);
 
-    // Global inputs of each chunk: the batch, its parameters and optimizer state, the step.
-    let common = batch_inputs(batch, m);
-    let inputs: Vec<BTreeMap<String, Tensor>> = c
-        .chunks
-        .iter()
-        .map(|ch| {
-            let mut x = common.clone();
-            for prm in &ch.train.train.params {
-                let l = &prm.label;
-                x.insert(format!("param.{l}"), state.params[l].clone());
-                x.insert(format!("adam_m.{l}"), state.m[l].clone());
-                x.insert(format!("adam_v.{l}"), state.v[l].clone());
-            }
-            x.insert(
-                "step".into(),
-                Tensor::f32(vec![], vec![(state.step + 1) as f32]),
-            );
-            x
-        })
-        .collect();
+    let inputs = chunk_inputs(c, state, batch);
 
     // A thread communicator per group of every axis; the `pp` groups carry the transfers.
     let comms = thread_comms(mesh, |_| true, timeout);
@@ -115,7 +122,7 @@ pub fn pipeline_step(
                     for (axis, h) in &mine {
                         ctx.insert(axis.clone(), h as &dyn Communicator);
                     }
-                    let out = run_stage(c, stage, &ctx, inputs, weights);
+                    let out = run_stage(c, stage, &ctx, inputs, &[], weights);
                     if let Err(e) = &out {
                         for (_, h) in &mine {
                             h.abort(&e.to_string());
@@ -209,7 +216,9 @@ pub fn pipeline_step(
 /// instructions, transfers over the `pp` axis's communicator in `ctx` (point-to-point; the
 /// k-th send to a peer matches its k-th receive), the stage-mesh axes' communicators for the
 /// programs' collectives. Any [`Communicator`] serves: thread ranks here, a process group
-/// across processes. Inputs are global tensors per chunk (each rank takes its shard). Returns
+/// across processes. Inputs are global tensors per chunk (each rank takes its shard), except
+/// those in `locals` (per chunk, already this rank's: e.g. its parameter shards from the
+/// previous step's outputs). Returns
 /// each chunk's outputs (local values) and the most bytes of per-micro-batch values its
 /// programs held at once.
 pub fn run_stage(
@@ -217,6 +226,7 @@ pub fn run_stage(
     stage: usize,
     ctx: &RankCtx,
     inputs: &[BTreeMap<String, Tensor>],
+    locals: &[BTreeMap<String, Tensor>],
     weights: &Weights,
 ) -> Result<StageOutputs, RuntimeError> {
     let pp = ctx.comm("pp")?;
@@ -253,6 +263,13 @@ pub fn run_stage(
             Stepwise::new(&c.chunks[j].train.sharded.graph, cache, &inputs[j], ctx).map(Some)
         })
         .collect::<Result<_, _>>()?;
+    for (st, &j) in steppers.iter_mut().zip(&mine) {
+        if let (Some(st), Some(l)) = (st.as_mut(), locals.get(j)) {
+            for (name, t) in l {
+                st.provide(name, t.clone())?;
+            }
+        }
+    }
     let slot_of = |chunk: usize| mine.iter().position(|&j| j == chunk);
     let mut outputs = BTreeMap::new();
     let mut peak = 0usize;

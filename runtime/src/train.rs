@@ -292,11 +292,7 @@ pub fn train_step(
 }
 
 /// Checks that `batch` is `[want_batch, want_seq]` with every field of that size.
-pub(crate) fn check_batch(
-    batch: &Batch,
-    want_batch: usize,
-    want_seq: usize,
-) -> Result<(), TrainError> {
+pub fn check_batch(batch: &Batch, want_batch: usize, want_seq: usize) -> Result<(), TrainError> {
     let n = want_batch * want_seq;
     let lens = [
         batch.ids.len(),
@@ -316,7 +312,7 @@ pub(crate) fn check_batch(
 }
 
 /// The batch inputs of a step of `k` micro-batches (global tensors, named per micro-batch).
-pub(crate) fn batch_inputs(batch: &Batch, k: usize) -> BTreeMap<String, Tensor> {
+pub fn batch_inputs(batch: &Batch, k: usize) -> BTreeMap<String, Tensor> {
     let mb = batch.batch / k;
     let mut inputs: BTreeMap<String, Tensor> = BTreeMap::new();
     for i in 0..k {

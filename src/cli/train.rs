@@ -1,6 +1,8 @@
 //! `shardc train`: training steps (causal-LM loss, AdamW) on the CPU reference backend,
 //! unsharded or as a sharded plan on thread ranks; prints the loss per step. A mesh with a
-//! `pp` axis runs a pipeline: chunks on stages, a schedule, send/recv between them.
+//! `pp` axis runs a pipeline: chunks on stages, a schedule, send/recv between them. With
+//! RANK/WORLD_SIZE set (`shardc launch`, torchrun) and `--mesh`, this process runs only its
+//! rank, over tcp; rank 0 prints the loss.
 
 use anyhow::{bail, Context};
 use clap::Args;
@@ -10,15 +12,20 @@ use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::schedule::pipeline::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
+use shardc::compiler::shard::TensorSharding;
 use shardc::compiler::train::{
     compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, Precision,
     TrainOptions,
 };
-use shardc::runtime::pipeline::pipeline_step;
+use shardc::runtime::comm::ReduceOp;
+use shardc::runtime::launch::{ProcessGroup, WorldEnv};
+use shardc::runtime::pipeline::{chunk_inputs, pipeline_step, run_stage};
 use shardc::runtime::train::{
-    save_safetensors, stored_tensors_of, train_step, Batch, Fill, StepOutput, TrainState,
+    batch_inputs, save_safetensors, stored_tensors_of, train_step, Batch, Fill, StepOutput,
+    TrainState,
 };
 use shardc::runtime::Weights;
+use shardc::runtime::{load_params, Stepwise, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -145,6 +152,160 @@ impl Compiled {
     }
 }
 
+/// This process's rank of a multi-process run: connects its groups (tcp, torchrun's
+/// variables), runs its part of every step (its shard of the SPMD program, or its pipeline
+/// stage, whose transfers go over the `pp` groups), keeps its parameter and optimizer shards
+/// between steps, and reduces the loss to rank 0, which prints it.
+#[allow(clippy::too_many_arguments)]
+fn run_rank(
+    a: &TrainArgs,
+    c: &Compiled,
+    env: &WorldEnv,
+    opts: &TrainOptions,
+    batch: &Batch,
+    weights: &Weights,
+    mut state: TrainState,
+) -> anyhow::Result<()> {
+    if a.save.is_some() || a.dump_grads.is_some() {
+        bail!(
+            "--save and --dump-grads assemble every rank's shards: run them on thread ranks \
+             (without RANK/WORLD_SIZE)"
+        );
+    }
+    let timeout = Duration::from_secs(a.timeout);
+    let pg = ProcessGroup::connect(env, &opts.mesh, None, timeout)?;
+    let ctx = pg.ctx();
+    if env.rank == 0 {
+        let names: Vec<&str> = matches!(c, Compiled::Pipe(_))
+            .then_some("pp")
+            .into_iter()
+            .chain(c.strategies().iter().map(|s| s.name()))
+            .collect();
+        println!(
+            "training mesh {} ({}) as rank 0 of {} processes (tcp): batch {} × {} tokens, {} micro-batch(es)",
+            opts.mesh,
+            names.join(","),
+            env.world_size,
+            batch.batch,
+            batch.seq,
+            opts.micro_batches
+        );
+    }
+    let kept = |o: &BTreeMap<String, Tensor>| -> BTreeMap<String, Tensor> {
+        o.iter()
+            .filter(|(n, _)| {
+                n.starts_with("param.") || n.starts_with("adam_m.") || n.starts_with("adam_v.")
+            })
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect()
+    };
+    // The loss's partial sums reduced over the axes it is partial on.
+    let reduce_loss = |t: &Tensor, s: &TensorSharding, mesh: &Mesh| -> anyhow::Result<f32> {
+        let mut buf = [t.as_f32().map_or(f32::NAN, |v| v[0])];
+        for &ax in &s.partial {
+            ctx.comm(mesh.axis_name(ax))?
+                .all_reduce(&mut buf, ReduceOp::Sum)?;
+        }
+        Ok(buf[0])
+    };
+    let mut run = || -> anyhow::Result<()> {
+        match c {
+            Compiled::Flat(c) => {
+                let g = &c.sharded.graph;
+                let cache = load_params(g, weights, &ctx)?;
+                let mut locals: BTreeMap<String, Tensor> = BTreeMap::new();
+                for step in 1..=a.steps {
+                    let t0 = Instant::now();
+                    let mut inputs = batch_inputs(batch, c.train.micro_batches);
+                    for p in &c.train.params {
+                        let l = &p.label;
+                        inputs.insert(format!("param.{l}"), state.params[l].clone());
+                        inputs.insert(format!("adam_m.{l}"), state.m[l].clone());
+                        inputs.insert(format!("adam_v.{l}"), state.v[l].clone());
+                    }
+                    inputs.insert("step".into(), Tensor::f32(vec![], vec![step as f32]));
+                    let mut st = Stepwise::new(g, &cache, &inputs, &ctx)?;
+                    for (n, t) in &locals {
+                        st.provide(n, t.clone())?;
+                    }
+                    let out = st.finish()?;
+                    locals = kept(&out);
+                    let v = g
+                        .output("loss")
+                        .context("the program has no `loss` output")?;
+                    let loss = reduce_loss(
+                        &out["loss"],
+                        &c.sharded.shardings[v.index()],
+                        &c.sharded.mesh,
+                    )?;
+                    if env.rank == 0 {
+                        println!(
+                            "step {step}: loss {loss:.6} ({:.1} ms)",
+                            t0.elapsed().as_secs_f64() * 1e3
+                        );
+                    }
+                }
+            }
+            Compiled::Pipe(c) => {
+                let pp = opts
+                    .mesh
+                    .axis("pp")
+                    .context("a pipeline mesh has a pp axis")?;
+                let stage = opts.mesh.coords(env.rank)[pp.0 as usize];
+                let mut locals = vec![BTreeMap::new(); c.chunks.len()];
+                let head = c.chunks.last().context("a pipeline has chunks")?;
+                for step in 1..=a.steps {
+                    let t0 = Instant::now();
+                    state.step = step as u64 - 1;
+                    let inputs = chunk_inputs(c, &state, batch);
+                    let (outs, _) = run_stage(c, stage, &ctx, &inputs, &locals, weights)?;
+                    for (j, o) in &outs {
+                        locals[*j] = kept(o);
+                    }
+                    // The loss lives on the last chunk's stage; rank 0 (stage 0) prints it.
+                    let mut loss = [f32::NAN];
+                    if stage == head.stage {
+                        let sg = &head.train.sharded;
+                        let v = sg.graph.output("loss").context("no `loss` output")?;
+                        let local = &outs[&head.index]["loss"];
+                        loss[0] = reduce_loss(local, &sg.shardings[v.index()], &c.stage_mesh)?;
+                    }
+                    if head.stage != 0 {
+                        let comm = ctx.comm("pp")?;
+                        if stage == head.stage {
+                            comm.send(&loss, 0)?;
+                        } else if stage == 0 {
+                            comm.recv(&mut loss, head.stage)?;
+                        }
+                    }
+                    if env.rank == 0 {
+                        println!(
+                            "step {step}: loss {:.6} ({:.1} ms)",
+                            loss[0],
+                            t0.elapsed().as_secs_f64() * 1e3
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    };
+    let r = run();
+    if let Err(e) = &r {
+        pg.abort(&e.to_string());
+    }
+    r?;
+    if env.rank != 0 {
+        println!(
+            "rank {} ({}) of {} done",
+            env.rank,
+            pg.coords(),
+            env.world_size
+        );
+    }
+    Ok(())
+}
+
 /// Chunk placement and the schedule's bubble.
 fn describe_pipeline(p: &CompiledPipeline) -> anyhow::Result<()> {
     println!("pipeline: {}", p.schedule.describe()?);
@@ -238,7 +399,15 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     } else {
         Compiled::Flat(Box::new(compile_train(&cfg, &opts)?))
     };
-    if let Some(p) = &a.plan {
+    // One rank of a multi-process run (`shardc launch`, torchrun): RANK/WORLD_SIZE set.
+    let world = (a.mesh.is_some() && WorldEnv::detected())
+        .then(WorldEnv::from_env)
+        .transpose()?;
+    if let Some(p) = a
+        .plan
+        .as_ref()
+        .filter(|_| world.as_ref().is_none_or(|w| w.rank == 0))
+    {
         let source = a.model.display().to_string();
         let plan = match &c {
             Compiled::Flat(c) => c.plan(&source, cfg.arch.name(), cfg.layers, Precision::f32()),
@@ -249,6 +418,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     let weights = Weights::open(&a.model)?;
     let mut state = TrainState::load_params(c.params(), &weights)?;
+    if let Some(env) = &world {
+        return run_rank(&a, &c, env, &opts, &batch, &weights, state);
+    }
     let how = if opts.mesh.world_size() == 1 {
         "unsharded".to_string()
     } else {
