@@ -121,6 +121,6 @@ fn launched_training_refuses_what_needs_every_shard() {
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{text}");
-    assert!(text.contains("--save and --dump-grads"), "{text}");
+    assert!(text.contains("--save, --dump-grads and --trace"), "{text}");
     assert!(!text.contains("panicked"), "{text}");
 }

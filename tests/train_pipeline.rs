@@ -312,3 +312,79 @@ fn gpt2_tied_embeddings_across_stages() {
         check("gpt2", &format!("{mesh} {} m={m} (tied)", kind.name()), &r);
     }
 }
+
+/// The executed schedule (`PipelineStep::timelines`): every instruction of every rank once,
+/// in program order without overlap on a rank, each forward before its backward, and every
+/// receive ending after its matching send began on the other stage.
+#[test]
+fn executed_timelines_follow_the_program() {
+    use shardc::compiler::schedule::pipeline::PipeOp;
+    let dir = deep_llama(8);
+    let batch = token_batch(8, 12, 256);
+    for kind in SCHEDULES {
+        let p = pipe("pp=4", &[], 8, kind);
+        let cfg = shardc::compiler::model::ModelConfig::from_path(&dir).unwrap();
+        let o = train_support::pipe_options(&p, batch.batch, batch.seq);
+        let c = shardc::compiler::train::compile_pipeline(&cfg, &o).unwrap();
+        let w = shardc::runtime::Weights::open(&dir).unwrap();
+        let mut state = shardc::runtime::train::TrainState::load_params(c.params(), &w).unwrap();
+        let step = shardc::runtime::pipeline::pipeline_step(
+            &c,
+            &mut state,
+            &batch,
+            std::time::Duration::from_secs(60),
+            &w,
+        )
+        .unwrap();
+        let what = kind.name();
+        let mut send_start = std::collections::HashMap::new();
+        for (r, tl) in step.timelines.iter().enumerate() {
+            let prog = &c.program[r];
+            assert_eq!(tl.slices.len(), prog.len(), "{what}: rank {r}");
+            let mut end = 0.0f64;
+            for (s, op) in tl.slices.iter().zip(prog) {
+                assert_eq!(s.name, op.to_string(), "{what}: rank {r}");
+                assert!(
+                    s.start >= end - 1e-9 && s.dur >= 0.0,
+                    "{what}: rank {r} overlaps"
+                );
+                end = s.start + s.dur;
+                if let PipeOp::Send {
+                    carry,
+                    micro,
+                    boundary,
+                    ..
+                } = op
+                {
+                    send_start.insert((*carry, *micro, *boundary), s.start);
+                }
+            }
+            // Each forward before its backward.
+            let at = |name: &str| tl.slices.iter().position(|s| s.name == name);
+            for sl in &tl.slices {
+                if let Some(rest) = sl.name.strip_prefix('B') {
+                    let f = at(&format!("F{rest}")).unwrap();
+                    assert!(f < at(&sl.name).unwrap(), "{what}: {}", sl.name);
+                }
+            }
+        }
+        for (r, tl) in step.timelines.iter().enumerate() {
+            for (s, op) in tl.slices.iter().zip(&c.program[r]) {
+                if let PipeOp::Recv {
+                    carry,
+                    micro,
+                    boundary,
+                    ..
+                } = op
+                {
+                    let sent = send_start[&(*carry, *micro, *boundary)];
+                    assert!(
+                        s.start + s.dur >= sent,
+                        "{what}: {} before its send",
+                        s.name
+                    );
+                }
+            }
+        }
+    }
+}

@@ -22,18 +22,29 @@ use crate::train::{
     assemble, batch_inputs, check_batch, Batch, StepOutput, TrainError, TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
+use shardc_compiler::cost::{Slice, Timeline};
 use shardc_compiler::ir::Op;
-use shardc_compiler::schedule::pipeline::{Carry, PipeOp};
+use shardc_compiler::schedule::pipeline::{Carry, Phase, PipeOp};
 use shardc_compiler::train::{
     activation_values, boundary_name, micro_deps, received_by, sent_by, sent_value,
     CompiledPipeline,
 };
 use std::collections::BTreeMap;
 use std::time::Duration;
+use std::time::Instant;
 
-/// What a rank returns from [`run_stage`]: each of its chunks' outputs (local values), and
-/// the most bytes of activations it held.
-pub type StageOutputs = (BTreeMap<usize, BTreeMap<String, Tensor>>, usize);
+/// What a rank returns from [`run_stage`].
+#[derive(Clone, Debug)]
+pub struct StageOutputs {
+    /// Each of its chunks' outputs (local values), by chunk.
+    pub outputs: BTreeMap<usize, BTreeMap<String, Tensor>>,
+    /// The most bytes of activations it held after any instruction.
+    pub peak_activation_bytes: usize,
+    /// When each instruction ran, seconds from the step's start: passes and the optimizer
+    /// on track 0 (`forward`, `backward`, `weight-gradient`, `optimizer`), transfers on track
+    /// 1 (`send`, `recv`: a receive's slice includes its wait).
+    pub timeline: Timeline,
+}
 
 /// `a + b` elementwise (same shape).
 fn add_tensors(a: &Tensor, b: &Tensor) -> Tensor {
@@ -88,6 +99,9 @@ pub struct PipelineStep {
     /// micro-batch's weight gradients, which go into the accumulation) any of its ranks held
     /// at once, measured after every instruction: the activation memory the schedule costs.
     pub peak_activation_bytes: Vec<usize>,
+    /// Per rank (of the whole mesh), when each of its instructions ran and its activation
+    /// bytes after each (see [`StageOutputs::timeline`]): the executed schedule, for a trace.
+    pub timelines: Vec<Timeline>,
 }
 
 /// Runs one pipeline-parallel training step on thread ranks and updates `state` (which holds
@@ -110,6 +124,7 @@ pub fn pipeline_step(
 
     // A thread communicator per group of every axis; the `pp` groups carry the transfers.
     let comms = thread_comms(mesh, |_| true, timeout);
+    let epoch = Instant::now();
     let results: Vec<Result<StageOutputs, RuntimeError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -122,7 +137,7 @@ pub fn pipeline_step(
                     for (axis, h) in &mine {
                         ctx.insert(axis.clone(), h as &dyn Communicator);
                     }
-                    let out = run_stage(c, stage, &ctx, inputs, &[], weights);
+                    let out = run_stage(c, stage, &ctx, inputs, &[], weights, epoch);
                     if let Err(e) = &out {
                         for (_, h) in &mine {
                             h.abort(&e.to_string());
@@ -174,7 +189,7 @@ pub fn pipeline_step(
                 .iter()
                 .map(|&r| {
                     outs[r]
-                        .0
+                        .outputs
                         .get(&ch.index)
                         .and_then(|o| o.get(name))
                         .ok_or_else(|| TrainError::MissingOutput(name.to_string()))
@@ -204,11 +219,12 @@ pub fn pipeline_step(
     let mut peak_activation_bytes = vec![0; p];
     for (r, o) in outs.iter().enumerate() {
         let s = mesh.coords(r)[pp.0 as usize];
-        peak_activation_bytes[s] = peak_activation_bytes[s].max(o.1);
+        peak_activation_bytes[s] = peak_activation_bytes[s].max(o.peak_activation_bytes);
     }
     Ok(PipelineStep {
         output: StepOutput { loss, grads },
         peak_activation_bytes,
+        timelines: outs.into_iter().map(|o| o.timeline).collect(),
     })
 }
 
@@ -228,6 +244,7 @@ pub fn run_stage(
     inputs: &[BTreeMap<String, Tensor>],
     locals: &[BTreeMap<String, Tensor>],
     weights: &Weights,
+    epoch: Instant,
 ) -> Result<StageOutputs, RuntimeError> {
     let pp = ctx.comm("pp")?;
     let code = |carry: Carry| match carry {
@@ -273,7 +290,13 @@ pub fn run_stage(
     let slot_of = |chunk: usize| mine.iter().position(|&j| j == chunk);
     let mut outputs = BTreeMap::new();
     let mut peak = 0usize;
+    let mut timeline = Timeline {
+        tracks: vec!["compute".into(), "p2p".into()],
+        ..Timeline::default()
+    };
     for (op, nodes) in c.program[stage].iter().zip(&c.nodes[stage]) {
+        let start = epoch.elapsed().as_secs_f64();
+        let mut bytes = 0u64;
         match *op {
             PipeOp::Recv {
                 from,
@@ -294,6 +317,7 @@ pub fn run_stage(
                 // A header (what, micro-batch, boundary), then the tensor.
                 let mut buf = vec![0.0f32; 3 + ty.numel()];
                 pp.recv(&mut buf, from).map_err(|e| transfer_err(op, e))?;
+                bytes = 4 * (buf.len() as u64 - 3);
                 let want = [code(carry), micro as f32, boundary as f32];
                 if buf[..3] != want {
                     return Err(pipe_err(
@@ -339,6 +363,7 @@ pub fn run_stage(
                 buf.extend([code(carry), micro as f32, boundary as f32]);
                 buf.extend_from_slice(data);
                 pp.send(&buf, to).map_err(|e| transfer_err(op, e))?;
+                bytes = 4 * data.len() as u64;
             }
             PipeOp::Run(slot) => {
                 let k =
@@ -357,12 +382,37 @@ pub fn run_stage(
                 outputs.insert(chunk, st.finish()?);
             }
         }
+        let (track, cat) = match *op {
+            PipeOp::Run(s) => (
+                0,
+                match s.phase {
+                    Phase::F => "forward",
+                    Phase::B => "backward",
+                    Phase::W => "weight-gradient",
+                },
+            ),
+            PipeOp::Step { .. } => (0, "optimizer"),
+            PipeOp::Send { .. } => (1, "send"),
+            PipeOp::Recv { .. } => (1, "recv"),
+        };
+        timeline.slices.push(Slice {
+            track,
+            name: op.to_string(),
+            cat: cat.into(),
+            start,
+            dur: epoch.elapsed().as_secs_f64() - start,
+            bytes,
+            flops: 0.0,
+        });
         let live: usize = steppers
             .iter()
             .zip(&activation)
             .filter_map(|(s, a)| s.as_ref().map(|s| s.live_bytes_of(|v| a[v.index()])))
             .sum();
         peak = peak.max(live);
+        timeline
+            .memory
+            .push((epoch.elapsed().as_secs_f64(), live as u64));
     }
     if let Some(k) = steppers.iter().position(Option::is_some) {
         return Err(RuntimeError::Pipeline {
@@ -370,5 +420,9 @@ pub fn run_stage(
             detail: format!("chunk {} never ran its optimizer step", mine[k]),
         });
     }
-    Ok((outputs, peak))
+    Ok(StageOutputs {
+        outputs,
+        peak_activation_bytes: peak,
+        timeline,
+    })
 }

@@ -8,6 +8,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
+use shardc::compiler::cost::timelines_trace;
 use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::schedule::pipeline::{parse_stage_layers, ScheduleKind};
@@ -87,6 +88,10 @@ pub struct TrainArgs {
     /// Write the step's plan (with memory and communication accounting) to this JSON file.
     #[arg(long)]
     plan: Option<PathBuf>,
+    /// Pipelines: write the last step as executed (every rank's passes, transfers and
+    /// activation bytes, measured) as a Chrome/Perfetto trace.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Seconds a rank waits for its peers in a collective before failing.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
@@ -166,10 +171,10 @@ fn run_rank(
     weights: &Weights,
     mut state: TrainState,
 ) -> anyhow::Result<()> {
-    if a.save.is_some() || a.dump_grads.is_some() {
+    if a.save.is_some() || a.dump_grads.is_some() || a.trace.is_some() {
         bail!(
-            "--save and --dump-grads assemble every rank's shards: run them on thread ranks \
-             (without RANK/WORLD_SIZE)"
+            "--save, --dump-grads and --trace assemble every rank's shards or timelines: run \
+             them on thread ranks (without RANK/WORLD_SIZE)"
         );
     }
     let timeout = Duration::from_secs(a.timeout);
@@ -258,7 +263,8 @@ fn run_rank(
                     let t0 = Instant::now();
                     state.step = step as u64 - 1;
                     let inputs = chunk_inputs(c, &state, batch);
-                    let (outs, _) = run_stage(c, stage, &ctx, &inputs, &locals, weights)?;
+                    let run = run_stage(c, stage, &ctx, &inputs, &locals, weights, t0)?;
+                    let outs = run.outputs;
                     for (j, o) in &outs {
                         locals[*j] = kept(o);
                     }
@@ -391,6 +397,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
                 .map(|t| parse_stage_layers(t, cfg.layers, chunks))
                 .transpose()?,
         };
+    } else if a.trace.is_some() {
+        bail!("--trace records a pipeline's executed schedule: it needs a mesh with a pp axis");
     } else if a.stage_layers.is_some() || a.virtual_stages != 1 {
         bail!("--stage-layers and --virtual-stages need a mesh with a pp axis (e.g. --mesh pp=2)");
     }
@@ -446,6 +454,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         describe_pipeline(p)?;
     }
     let mut grads = BTreeMap::new();
+    let mut timelines = Vec::new();
     let timeout = Duration::from_secs(a.timeout);
     for step in 1..=a.steps {
         let t0 = Instant::now();
@@ -453,6 +462,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             Compiled::Flat(c) => (train_step(c, &mut state, &batch, &weights, timeout)?, None),
             Compiled::Pipe(c) => {
                 let s = pipeline_step(c, &mut state, &batch, timeout, &weights)?;
+                timelines = s.timelines;
                 (s.output, Some(s.peak_activation_bytes))
             }
         };
@@ -469,6 +479,27 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             t0.elapsed().as_secs_f64() * 1e3
         );
         grads = out.grads;
+    }
+    if let Some(path) = &a.trace {
+        let mesh = &opts.mesh;
+        let labels: Vec<String> = (0..mesh.world_size())
+            .map(|r| {
+                mesh.coords(r)
+                    .iter()
+                    .zip(&mesh.axes)
+                    .map(|(c, x)| format!("{}={c}", x.name))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect();
+        let index: Vec<u32> = (0..timelines.len() as u32).collect();
+        std::fs::write(path, timelines_trace(&timelines, &index, &labels, None))
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!(
+            "executed schedule of step {} → {} (open in https://ui.perfetto.dev)",
+            a.steps,
+            path.display()
+        );
     }
     if let Some(path) = &a.dump_grads {
         let stored = stored_tensors_of(c.params(), &grads, &weights, Fill::Zeros)?;

@@ -64,7 +64,7 @@ pub use roofline::{
     NodeCost,
 };
 pub use simulate::{forward_plan_memory, simulate_plan};
-pub use trace::chrome_trace;
+pub use trace::{chrome_trace, timelines_trace};
 pub use train::{simulate_training, TrainOptions};
 pub use units::{Bytes, Seconds};
 

@@ -2,7 +2,7 @@
 //! per rank, one thread (track) per stream, kernels, collectives and pipeline ops as complete
 //! (`"X"`) events with their bytes and FLOPs in `args`, and the rank's memory as a counter.
 
-use super::report::Simulation;
+use super::report::{Simulation, Timeline};
 use std::fmt::Write;
 
 fn json_str(s: &str) -> String {
@@ -11,7 +11,18 @@ fn json_str(s: &str) -> String {
 
 /// The trace of `sim` for `ranks` (all ranks when `None`).
 pub fn chrome_trace(sim: &Simulation, ranks: Option<&[usize]>) -> String {
-    let all: Vec<usize> = (0..sim.rank_timeline.len()).collect();
+    timelines_trace(&sim.timelines, &sim.rank_timeline, &sim.rank_labels, ranks)
+}
+
+/// The trace of rank timelines (simulated or measured): rank `r` shows
+/// `timelines[rank_timeline[r]]`, labelled `rank r <labels[r]>`; `ranks`: all when `None`.
+pub fn timelines_trace(
+    timelines: &[Timeline],
+    rank_timeline: &[u32],
+    labels: &[String],
+    ranks: Option<&[usize]>,
+) -> String {
+    let all: Vec<usize> = (0..rank_timeline.len()).collect();
     let ranks = ranks.unwrap_or(&all);
     let mut out = String::from("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n");
     let mut first = true;
@@ -23,11 +34,13 @@ pub fn chrome_trace(sim: &Simulation, ranks: Option<&[usize]>) -> String {
         out.push_str(&ev);
     };
     for &r in ranks {
-        let Some(&ti) = sim.rank_timeline.get(r) else {
+        let Some(tl) = rank_timeline
+            .get(r)
+            .and_then(|&ti| timelines.get(ti as usize))
+        else {
             continue;
         };
-        let tl = &sim.timelines[ti as usize];
-        let label = sim.rank_labels.get(r).cloned().unwrap_or_default();
+        let label = labels.get(r).cloned().unwrap_or_default();
         emit(
             &mut out,
             format!(
