@@ -202,39 +202,9 @@ fn mixtral_and_recompute_through_the_pipeline() {
         shardc::compiler::autodiff::Recompute::Selective,
     ] {
         let p = pipe("pp=2,tp=2", &["sp"], 2, ScheduleKind::ZbH1);
-        let cfg = shardc::compiler::model::ModelConfig::from_path(&dir).unwrap();
         let mut o = train_support::pipe_options(&p, batch.batch, batch.seq);
         o.recompute = rc;
-        let c = shardc::compiler::train::compile_pipeline(&cfg, &o).unwrap();
-        let w = shardc::runtime::Weights::open(&dir).unwrap();
-        let mut state = shardc::runtime::train::TrainState::load_params(c.params(), &w).unwrap();
-        let step = shardc::runtime::pipeline::pipeline_step(
-            &c,
-            &mut state,
-            &batch,
-            std::time::Duration::from_secs(60),
-            &w,
-        )
-        .unwrap();
-        let r = train_support::PipeRun {
-            grads: shardc::runtime::train::stored_tensors_of(
-                c.params(),
-                &step.output.grads,
-                &w,
-                shardc::runtime::train::Fill::Zeros,
-            )
-            .unwrap(),
-            updated: shardc::runtime::train::stored_tensors_of(
-                c.params(),
-                &state.params,
-                &w,
-                shardc::runtime::train::Fill::Original,
-            )
-            .unwrap(),
-            loss: step.output.loss,
-            peak_bytes: step.peak_activation_bytes,
-            compiled: c,
-        };
+        let r = train_support::run_pipeline_opts(&dir, &o, &batch);
         check("llama", &format!("pp=2,tp=2 sp recompute {rc}"), &r);
     }
 }
@@ -322,20 +292,8 @@ fn executed_timelines_follow_the_program() {
     let dir = deep_llama(8);
     let batch = token_batch(8, 12, 256);
     for kind in SCHEDULES {
-        let p = pipe("pp=4", &[], 8, kind);
-        let cfg = shardc::compiler::model::ModelConfig::from_path(&dir).unwrap();
-        let o = train_support::pipe_options(&p, batch.batch, batch.seq);
-        let c = shardc::compiler::train::compile_pipeline(&cfg, &o).unwrap();
-        let w = shardc::runtime::Weights::open(&dir).unwrap();
-        let mut state = shardc::runtime::train::TrainState::load_params(c.params(), &w).unwrap();
-        let step = shardc::runtime::pipeline::pipeline_step(
-            &c,
-            &mut state,
-            &batch,
-            std::time::Duration::from_secs(60),
-            &w,
-        )
-        .unwrap();
+        let r = run_pipeline_on(&dir, &pipe("pp=4", &[], 8, kind), &batch);
+        let (c, step) = (&r.compiled, &r);
         let what = kind.name();
         let mut send_start = std::collections::HashMap::new();
         for (r, tl) in step.timelines.iter().enumerate() {

@@ -85,16 +85,6 @@ pub(crate) fn thread_comms(
     comms
 }
 
-/// `dp=0,tp=1`: rank `rank`'s mesh coordinates.
-pub(crate) fn coords_label(mesh: &Mesh, rank: usize) -> String {
-    mesh.coords(rank)
-        .iter()
-        .zip(&mesh.axes)
-        .map(|(c, a)| format!("{}={c}", a.name))
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 /// Every rank's output, or the first root-cause error: a failure other than the knock-on
 /// ones it caused in its peers (an aborted collective, a neighbour found stopped), which are
 /// reported only when nothing else failed.
@@ -112,7 +102,7 @@ pub(crate) fn root_cause<T>(
                 let secondary = text.contains("aborted") || text.contains("stopped");
                 let err = RankError {
                     rank,
-                    coords: coords_label(mesh, rank),
+                    coords: mesh.coords_label(rank),
                     error: e,
                 };
                 if !secondary {

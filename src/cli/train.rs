@@ -483,14 +483,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.trace {
         let mesh = &opts.mesh;
         let labels: Vec<String> = (0..mesh.world_size())
-            .map(|r| {
-                mesh.coords(r)
-                    .iter()
-                    .zip(&mesh.axes)
-                    .map(|(c, x)| format!("{}={c}", x.name))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            })
+            .map(|r| mesh.coords_label(r))
             .collect();
         let index: Vec<u32> = (0..timelines.len() as u32).collect();
         std::fs::write(path, timelines_trace(&timelines, &index, &labels, None))

@@ -216,6 +216,7 @@ impl Outcome for Run {
 pub struct PipeRun {
     pub compiled: CompiledPipeline,
     pub peak_bytes: Vec<usize>,
+    pub timelines: Vec<shardc::compiler::cost::Timeline>,
     pub loss: f32,
     pub grads: BTreeMap<String, Tensor>,
     pub updated: BTreeMap<String, Tensor>,
@@ -259,13 +260,21 @@ pub fn pipe_options(pipe: &Pipe, batch: usize, seq: usize) -> TrainOptions {
 
 /// One pipeline-parallel step of the model in `model_dir` on `batch`.
 pub fn run_pipeline_on(model_dir: &std::path::Path, pipe: &Pipe, batch: &Batch) -> PipeRun {
+    run_pipeline_opts(
+        model_dir,
+        &pipe_options(pipe, batch.batch, batch.seq),
+        batch,
+    )
+}
+
+/// One pipeline-parallel step compiled with options `o`.
+pub fn run_pipeline_opts(model_dir: &std::path::Path, o: &TrainOptions, batch: &Batch) -> PipeRun {
     let cfg = ModelConfig::from_path(model_dir).unwrap();
-    let o = pipe_options(pipe, batch.batch, batch.seq);
-    let c = compile_pipeline(&cfg, &o).unwrap_or_else(|e| panic!("{}: {e}", pipe.mesh));
+    let c = compile_pipeline(&cfg, o).unwrap_or_else(|e| panic!("{}: {e}", o.mesh));
     let w = Weights::open(model_dir).unwrap();
     let mut state = TrainState::load_params(c.params(), &w).unwrap();
     let step = pipeline_step(&c, &mut state, batch, Duration::from_secs(60), &w)
-        .unwrap_or_else(|e| panic!("{}: {e}", pipe.mesh));
+        .unwrap_or_else(|e| panic!("{}: {e}", o.mesh));
     let out = step.output;
     let grads = stored_tensors_of(c.params(), &out.grads, &w, Fill::Zeros).unwrap();
     let updated = stored_tensors_of(c.params(), &state.params, &w, Fill::Original).unwrap();
@@ -275,6 +284,7 @@ pub fn run_pipeline_on(model_dir: &std::path::Path, pipe: &Pipe, batch: &Batch) 
         grads,
         updated,
         peak_bytes: step.peak_activation_bytes,
+        timelines: step.timelines,
     }
 }
 

@@ -48,15 +48,7 @@ pub(crate) fn check_gpus(mesh: &Mesh, cluster: &Cluster) -> Result<(), CostError
 /// `dp=0,tp=3` for each rank.
 pub(crate) fn rank_labels(mesh: &Mesh) -> Vec<String> {
     (0..mesh.world_size())
-        .map(|r| {
-            let c = mesh.coords(r);
-            mesh.axes
-                .iter()
-                .zip(c)
-                .map(|(a, i)| format!("{}={i}", a.name))
-                .collect::<Vec<_>>()
-                .join(",")
-        })
+        .map(|r| mesh.coords_label(r))
         .collect()
 }
 

@@ -164,6 +164,16 @@ impl Mesh {
         }
     }
 
+    /// Rank `rank`'s coordinates as text, `dp=0,tp=1`.
+    pub fn coords_label(&self, rank: usize) -> String {
+        self.coords(rank)
+            .iter()
+            .zip(&self.axes)
+            .map(|(c, a)| format!("{}={c}", a.name))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     /// Total ranks.
     pub fn world_size(&self) -> usize {
         self.axes.iter().map(|a| a.size).product()

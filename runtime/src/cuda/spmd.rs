@@ -26,12 +26,7 @@ pub struct CudaRankError {
 }
 
 fn coords_of(mesh: &Mesh, rank: usize) -> String {
-    mesh.coords(rank)
-        .iter()
-        .zip(&mesh.axes)
-        .map(|(c, a)| format!("{}={c}", a.name))
-        .collect::<Vec<_>>()
-        .join(",")
+    mesh.coords_label(rank)
 }
 
 /// The first root-cause error (not a peer's "aborted"), or every rank's outputs.
