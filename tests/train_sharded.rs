@@ -130,3 +130,67 @@ fn zero_stages_shard_what_they_promise() {
         assert_eq!(count(&r, &ar), 0, "{zero}: no all-reduce");
     }
 }
+
+/// Megatron's layout in training too: with tp and sp, parameters keep their tensor-parallel
+/// shards (no all-gather of a weight over tp, no all-to-all of activations), and every layer's
+/// forward has exactly 2 reduce-scatters and 2 all-gathers on tp (the backward mirrors them).
+#[test]
+fn sequence_parallel_training_keeps_weights_sharded() {
+    for (mesh, extra) in [("tp=2", &["sp"][..]), ("dp=2,tp=2", &["sp", "zero1"][..])] {
+        let r = run("llama", mesh, extra, 1, Recompute::None, 1);
+        let g = &r.compiled.sharded.graph;
+        let param_input = |v: shardc::compiler::ir::ValueId| {
+            let mut v = v;
+            loop {
+                match &g.node(v).op {
+                    Op::Input { name, .. } => return name.starts_with("param."),
+                    Op::Reshape => v = g.node(v).inputs[0],
+                    _ => return false,
+                }
+            }
+        };
+        for v in g.ids() {
+            let n = g.node(v);
+            assert!(
+                !matches!(n.op, Op::AllToAll { .. }),
+                "{mesh}: all-to-all `{}`",
+                n.name
+            );
+            if let Op::AllGather { axis, .. } = &n.op {
+                assert!(
+                    !(axis == "tp" && param_input(n.inputs[0])),
+                    "{mesh}: weight all-gathered over tp: `{}`",
+                    n.name
+                );
+            }
+        }
+        // Layer 0: the forward's 2 reduce-scatters and 2 all-gathers on tp; the backward's
+        // 2 all-gathers of the incoming gradient, 2 reduce-scatters, and 2 re-gathers of the
+        // sharded norm outputs for the weight gradients (Megatron-LM's sequence parallelism).
+        let count = |backward: bool, rs: bool| {
+            g.ids()
+                .filter(|&v| {
+                    let n = g.node(v);
+                    let bwd = n.name.starts_with("bwd.") || n.name.starts_with("saved.");
+                    let kind = match &n.op {
+                        Op::ReduceScatter { axis, .. } => axis == "tp" && rs,
+                        Op::AllGather { axis, .. } => axis == "tp" && !rs,
+                        _ => false,
+                    };
+                    n.layer == Some(0) && bwd == backward && kind
+                })
+                .count()
+        };
+        assert_eq!(
+            (count(false, true), count(false, false)),
+            (2, 2),
+            "{mesh}: forward"
+        );
+        assert_eq!(
+            (count(true, true), count(true, false)),
+            (2, 4),
+            "{mesh}: backward"
+        );
+        check("llama", &format!("{mesh} {extra:?}"), &r);
+    }
+}

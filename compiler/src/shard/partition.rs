@@ -259,6 +259,18 @@ fn layout(fm: &[Option<usize>], fa: &[Vec<AxisId>], partial: Vec<AxisId>) -> Ten
     }
 }
 
+/// A parameter: a `Param`, a training graph's `param.<label>` input, or a view of one.
+fn is_parameter(g: &Graph, mut v: ValueId) -> bool {
+    loop {
+        match &g.node(v).op {
+            Op::Param(_) => return true,
+            Op::Input { name, .. } => return name.starts_with("param."),
+            Op::Reshape => v = g.node(v).inputs[0],
+            _ => return false,
+        }
+    }
+}
+
 /// Partitions `g` over `mesh` under `ann`.
 pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGraph, ShardError> {
     for (&v, s) in &ann.values {
@@ -316,8 +328,9 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
         }
 
         // Offers: parameters' layouts (they are fixed), the result's annotation, then the
-        // other operands by the rule's priority.
-        let is_param = |i: usize| matches!(g.node(node.inputs[i]).op, Op::Param(_));
+        // other operands by the rule's priority. In a training graph parameters are inputs
+        // (`param.<label>`), read directly or through a view (ZeRO-3's gathers).
+        let is_param = |i: usize| is_parameter(g, node.inputs[i]);
         let mut offers = Vec::new();
         let operand_offer = |i: usize| {
             (
