@@ -77,9 +77,35 @@ pub fn simulate_pipeline_plan(
             for v in list {
                 keep[v.index()] = true;
             }
-            let prog = Program::from_steps(g, &steps[c], dev, opts, &|v| keep[v.index()], &comm);
-            let rep = replay(&prog, &topo, cluster, false)?;
-            d.push((rep.end().0, prog.flops()));
+            let time = |keep: &[bool]| -> Result<(f64, f64), CostError> {
+                let prog =
+                    Program::from_steps(g, &steps[c], dev, opts, &|v| keep[v.index()], &comm);
+                Ok((replay(&prog, &topo, cluster, false)?.end().0, prog.flops()))
+            };
+            // A weight-gradient pass right after its backward (schedules that do not split
+            // them) runs with it as one pass on the GPU: the backward's collectives overlap
+            // the weight-gradient GEMMs. Time the pair and give W what the pair adds.
+            let paired = match (op, d.len().checked_sub(1).map(|k| (ops[k], &lists[k]))) {
+                (PipeOp::Run(w), Some((PipeOp::Run(b), b_list)))
+                    if w.phase == Phase::W
+                        && b.phase == Phase::B
+                        && (b.micro, b.chunk) == (w.micro, w.chunk) =>
+                {
+                    Some(b_list)
+                }
+                _ => None,
+            };
+            match paired {
+                Some(b_list) => {
+                    let b = d.last().copied().unwrap_or((0.0, 0.0));
+                    for v in b_list {
+                        keep[v.index()] = true;
+                    }
+                    let (both, flops) = time(&keep)?;
+                    d.push(((both - b.0).max(0.0), flops - b.1));
+                }
+                None => d.push(time(&keep)?),
+            }
         }
         dur.push(d);
     }
