@@ -256,6 +256,16 @@ fn plan_verifier_checks_the_node_lists() {
     bad.pipeline_nodes[1][recv + 1].insert(0, v);
     let e = bad.check_pipeline().unwrap_err().to_string();
     assert!(e.contains("received input"), "{e}");
+    // Stage 1 expecting activations of another size than stage 0 sends.
+    let mut bad = plan.clone();
+    let g = &mut bad.chunks[1].program;
+    let v = g.input_named("pipe.act_in.mb0").unwrap();
+    g.nodes[v.index()].ty.dims[2].size += 1;
+    let e = bad.check_pipeline().unwrap_err().to_string();
+    assert!(
+        e.contains("pipeline boundary 0") && e.contains("Act"),
+        "{e}"
+    );
 }
 
 /// GPT-2 ties its head to the embedding: split over stages, each end holds a copy, their

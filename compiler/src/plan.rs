@@ -322,68 +322,13 @@ impl Plan {
             )));
         }
         self.check_pipeline_nodes(s.stages)?;
-        let m = s.micro_batches;
-        let input = |g: &Graph, name: &str| {
-            g.ids()
-                .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if n == name))
-                .map(|v| g.ty(v).clone())
-        };
-        for pair in self.chunks.windows(2) {
-            let (a, b) = (&pair[0].program, &pair[1].program);
-            for i in 0..m {
-                let name = |base| crate::autodiff::input_name(base, i, m);
-                let checks = [
-                    (a, crate::model::STAGE_OUTPUT, b, crate::model::STAGE_INPUT),
-                    (
-                        b,
-                        crate::autodiff::PIPE_GRAD_OUT,
-                        a,
-                        crate::autodiff::PIPE_GRAD_IN,
-                    ),
-                ];
-                for (from, out, to, inp) in checks {
-                    let sent = from.output(&name(out)).map(|v| from.ty(v).clone());
-                    let recv = input(to, &name(inp));
-                    if sent.is_none() || sent != recv {
-                        return Err(PlanError::Pipeline(format!(
-                            "boundary after chunk {}: `{}` is sent as {} and received as {}",
-                            pair[0].index,
-                            name(out),
-                            sent.map_or("nothing".into(), |t| t.to_string()),
-                            recv.map_or("nothing".into(), |t| t.to_string()),
-                        )));
-                    }
-                }
-            }
-        }
-        // The tied embedding's copies: each end receives the other's gradient as it is.
-        if let (Some(a), Some(b)) = (self.chunks.first(), self.chunks.last()) {
-            use crate::schedule::pipeline::Carry;
-            for (from, to) in [(a, b), (b, a)] {
-                let Some(name) = crate::train::boundary_name(&to.program, Carry::Tied, 0, m) else {
-                    continue;
-                };
-                if std::ptr::eq(from, to) || !name.starts_with("pipe.tied.") {
-                    continue;
-                }
-                let sent = crate::train::sent_value(&from.program, Carry::Tied, 0, m)
-                    .map(|v| from.program.ty(v).clone());
-                let recv = input(&to.program, &name);
-                if sent.is_none() || sent != recv {
-                    return Err(PlanError::Pipeline(format!(
-                        "tied gradient from chunk {} is sent as {} and received as {}",
-                        from.index,
-                        sent.map_or("nothing".into(), |t| t.to_string()),
-                        recv.map_or("nothing".into(), |t| t.to_string()),
-                    )));
-                }
-            }
-        }
-        Ok(())
+        let graphs: Vec<&Graph> = self.chunks.iter().map(|c| &c.program).collect();
+        crate::train::check_boundary_types(&graphs, s.micro_batches)
+            .map_err(|e| PlanError::Pipeline(e.to_string()))
     }
 
     fn check_pipeline_nodes(&self, p: usize) -> Result<(), PlanError> {
-        use crate::schedule::pipeline::{Carry, PipeOp};
+        use crate::schedule::pipeline::PipeOp;
         let err = |m: String| Err(PlanError::Pipeline(m));
         if self.pipeline_nodes.len() != self.pipeline_program.len()
             || self
@@ -406,26 +351,12 @@ impl Plan {
             .enumerate()
         {
             for (k, (op, list)) in ops.iter().zip(lists).enumerate() {
-                let chunk = match *op {
-                    PipeOp::Recv {
-                        carry, boundary, ..
-                    } => crate::train::received_by(carry, boundary, self.chunks.len()),
-                    PipeOp::Run(s) => s.chunk,
-                    PipeOp::Step { chunk } => chunk,
-                    // A tied gradient is completed before it is sent.
-                    PipeOp::Send {
-                        carry: Carry::Tied,
-                        boundary,
-                        ..
-                    } => boundary,
-                    PipeOp::Send { .. } => {
-                        if !list.is_empty() {
-                            return err(format!(
-                                "rank {r}, instruction {k} ({op}) computes values"
-                            ));
-                        }
-                        continue;
+                // (A tied gradient is completed before it is sent; other sends compute none.)
+                let Some(chunk) = op.chunk(self.chunks.len()) else {
+                    if !list.is_empty() {
+                        return err(format!("rank {r}, instruction {k} ({op}) computes values"));
                     }
+                    continue;
                 };
                 let Some(c) = self
                     .chunks
@@ -450,10 +381,7 @@ impl Plan {
                             node.name
                         ));
                     }
-                    let boundary = matches!(&node.op, Op::Input { name, .. }
-                        if name.starts_with(crate::model::STAGE_INPUT)
-                            || name.starts_with(crate::autodiff::PIPE_GRAD_IN)
-                            || name.starts_with("pipe.tied."));
+                    let boundary = crate::train::is_received_input(g, v);
                     if boundary != matches!(op, PipeOp::Recv { .. }) {
                         return err(format!(
                             "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} is a received input filled elsewhere, or a receive fills something else",

@@ -196,8 +196,7 @@ impl<'g, 'p> Stepwise<'g, 'p> {
     pub fn provide(&mut self, name: &str, t: Tensor) -> Result<(), RuntimeError> {
         let g = self.run.graph;
         let v = g
-            .ids()
-            .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if n == name))
+            .input_named(name)
             .ok_or_else(|| RuntimeError::MissingInput {
                 name: format!("{name} (the program has no such input)"),
             })?;

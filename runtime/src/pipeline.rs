@@ -23,11 +23,9 @@ use crate::train::{
 };
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
-use shardc_compiler::ir::Op;
 use shardc_compiler::schedule::pipeline::{Carry, Phase, PipeOp};
 use shardc_compiler::train::{
-    activation_values, boundary_name, micro_deps, received_by, sent_by, sent_value,
-    CompiledPipeline,
+    activation_values, boundary_name, micro_deps, sent_value, CompiledPipeline,
 };
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -304,14 +302,13 @@ pub fn run_stage(
                 micro,
                 boundary,
             } => {
-                let chunk = received_by(carry, boundary, c.chunks.len());
+                let chunk = carry.receiver(boundary, c.chunks.len());
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
                 let g = &c.chunks[chunk].train.sharded.graph;
                 let name = boundary_name(g, carry, micro, m)
                     .ok_or_else(|| pipe_err(op, "the chunk has no input for it"))?;
                 let ty = g
-                    .ids()
-                    .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if *n == name))
+                    .input_named(&name)
                     .map(|v| g.ty(v).clone())
                     .ok_or_else(|| pipe_err(op, "the chunk has no input for it"))?;
                 // A header (what, micro-batch, boundary), then the tensor.
@@ -340,7 +337,7 @@ pub fn run_stage(
                 micro,
                 boundary,
             } => {
-                let chunk = sent_by(carry, boundary);
+                let chunk = carry.sender(boundary);
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
                 let g = &c.chunks[chunk].train.sharded.graph;
                 let v = sent_value(g, carry, micro, m)

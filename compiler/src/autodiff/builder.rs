@@ -34,8 +34,11 @@ pub struct TrainGraphOptions {
 /// The input a pipeline chunk reads the other copy's gradient of tied parameter `label`
 /// from.
 pub fn tied_input(label: &str) -> String {
-    format!("pipe.tied.{label}")
+    format!("{PIPE_TIED_PREFIX}{label}")
 }
+
+/// Name prefix of the inputs [`tied_input`] names.
+pub const PIPE_TIED_PREFIX: &str = "pipe.tied.";
 
 impl Default for TrainGraphOptions {
     fn default() -> TrainGraphOptions {

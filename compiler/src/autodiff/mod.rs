@@ -30,7 +30,7 @@ mod builder;
 
 pub use builder::{
     build_train_graph, input_name, tied_input, TrainGraph, TrainGraphOptions, TrainParam,
-    PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS,
+    PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS, PIPE_TIED_PREFIX,
 };
 
 use serde::{Deserialize, Serialize};

@@ -58,17 +58,10 @@ pub fn simulate_pipeline_plan(
     for (ops, lists) in plan.pipeline_program.iter().zip(&plan.pipeline_nodes) {
         let mut d = Vec::with_capacity(ops.len());
         for (op, list) in ops.iter().zip(lists) {
-            let chunk = match *op {
-                PipeOp::Run(s) => Some(s.chunk),
-                PipeOp::Step { chunk } => Some(chunk),
-                PipeOp::Send {
-                    carry: Carry::Tied,
-                    boundary,
-                    ..
-                } => Some(boundary),
-                _ => None,
-            };
-            let Some(c) = chunk.filter(|_| !list.is_empty()) else {
+            // A receive only fills an input: no work on the compute track.
+            let chunk = op.chunk(plan.chunks.len());
+            let Some(c) = chunk.filter(|_| !list.is_empty() && !matches!(op, PipeOp::Recv { .. }))
+            else {
                 d.push((0.0, 0.0));
                 continue;
             };
@@ -153,7 +146,7 @@ pub fn simulate_pipeline_plan(
                         micro,
                         boundary,
                     } => {
-                        let c = crate::train::sent_by(carry, boundary);
+                        let c = carry.sender(boundary);
                         let (t, bytes) = transfer(c, carry, micro);
                         if carry == Carry::Tied {
                             // The tied copy's gradient completes first.

@@ -143,6 +143,48 @@ pub enum PipeOp {
     },
 }
 
+impl Carry {
+    /// The chunk that receives this message across `boundary`, of `n` chunks (a tied
+    /// gradient: the other end of the model).
+    pub fn receiver(self, boundary: usize, n: usize) -> usize {
+        match self {
+            Carry::Act => boundary + 1,
+            Carry::Grad => boundary,
+            Carry::Tied if boundary == 0 => n - 1,
+            Carry::Tied => 0,
+        }
+    }
+
+    /// The chunk that sends this message across `boundary`.
+    pub fn sender(self, boundary: usize) -> usize {
+        match self {
+            Carry::Act | Carry::Tied => boundary,
+            Carry::Grad => boundary + 1,
+        }
+    }
+}
+
+impl PipeOp {
+    /// The chunk (of `n`) whose program this instruction computes values of: a pass's or
+    /// optimizer step's, a receive's receiving chunk, the sender of a tied gradient (which it
+    /// completes first); `None` for other sends.
+    pub fn chunk(&self, n: usize) -> Option<usize> {
+        match *self {
+            PipeOp::Recv {
+                carry, boundary, ..
+            } => Some(carry.receiver(boundary, n)),
+            PipeOp::Run(s) => Some(s.chunk),
+            PipeOp::Step { chunk } => Some(chunk),
+            PipeOp::Send {
+                carry: Carry::Tied,
+                boundary,
+                ..
+            } => Some(boundary),
+            PipeOp::Send { .. } => None,
+        }
+    }
+}
+
 impl fmt::Display for PipeOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let what = |c: &Carry| match c {

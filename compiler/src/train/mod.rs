@@ -31,9 +31,9 @@ pub use comm::{comm_volume, CollectiveVolume, CommVolume};
 pub use memory::{memory_report, LayerActivations, Precision, TrainMemory};
 pub use passes::{Bucket, BucketCaps};
 pub use pipe::{
-    activation_peaks, activation_values, boundary_name, chunk_specs, compile_pipeline, input_micro,
-    instruction_nodes, micro_deps, received_by, sent_by, sent_value, CompiledPipeline, MicroDep,
-    PipelineChunk, PipelineOptions,
+    activation_peaks, activation_values, boundary_name, check_boundary_types, chunk_specs,
+    compile_pipeline, input_micro, instruction_nodes, is_received_input, micro_deps, sent_value,
+    CompiledPipeline, MicroDep, PipelineChunk, PipelineOptions,
 };
 
 use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};

@@ -17,9 +17,10 @@
 //! at stage-mesh coordinates `c` exchanges them with rank `s ± 1` at the same `c`.
 
 use super::{compile_chunk, CompiledTrain, TrainCompileError, TrainOptions};
-use crate::autodiff::PIPE_LOSS;
-use crate::autodiff::{input_name, TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT};
-use crate::ir::{Graph, Op, TensorType, ValueId};
+use crate::autodiff::{
+    input_name, TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS, PIPE_TIED_PREFIX,
+};
+use crate::ir::{Graph, Op, ValueId};
 use crate::model::{ModelConfig, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
 use crate::plan::{Plan, PlanChunk};
 use crate::schedule::pipeline::{balance, PipeOp, PipelineError, PipelineSchedule, ScheduleKind};
@@ -309,8 +310,8 @@ pub fn compile_pipeline(
             train,
         });
     }
-    check_boundaries(&chunks, opts.micro_batches)?;
     let graphs: Vec<&Graph> = chunks.iter().map(|c| &c.train.sharded.graph).collect();
+    check_boundary_types(&graphs, opts.micro_batches)?;
     let nodes = instruction_nodes(&graphs, &program, p, opts.micro_batches)?;
     Ok(CompiledPipeline {
         chunks,
@@ -354,47 +355,51 @@ fn add_tied_exchange(program: &mut [Vec<PipeOp>], p: usize, n: usize) {
     }
 }
 
-/// The local type of input `name` of a program, if it has one.
-fn input_type(c: &CompiledTrain, name: &str) -> Option<TensorType> {
-    let g = &c.sharded.graph;
-    g.ids()
-        .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if n == name))
-        .map(|v| g.ty(v).clone())
-}
-
-/// The local type of output `name` of a program, if it has one.
-fn output_type(c: &CompiledTrain, name: &str) -> Option<TensorType> {
-    let g = &c.sharded.graph;
-    g.output(name).map(|v| g.ty(v).clone())
-}
-
-/// Every tensor a chunk sends is one the next (or previous) chunk receives, of the same local
-/// type on the same stage-mesh coordinates.
-fn check_boundaries(chunks: &[PipelineChunk], m: usize) -> Result<(), PipelineError> {
-    for pair in chunks.windows(2) {
-        let (a, b) = (&pair[0].train, &pair[1].train);
+/// The boundary-type check of the plan verifier and the compiler: every tensor a chunk sends
+/// (its activation forward, its input's gradient backward, a tied copy's gradient) is an input
+/// of the chunk that receives it, of the same local type (the two run on the same stage-mesh
+/// coordinates). `graphs`: the chunk programs in model order; `m` micro-batches.
+pub fn check_boundary_types(graphs: &[&Graph], m: usize) -> Result<(), PipelineError> {
+    let n = graphs.len();
+    let mut pairs = Vec::new();
+    for b in 0..n.saturating_sub(1) {
         for i in 0..m {
-            let checks = [
-                (a, STAGE_OUTPUT, b, STAGE_INPUT, "activation"),
-                (b, PIPE_GRAD_OUT, a, PIPE_GRAD_IN, "gradient"),
-            ];
-            for (from, out, to, inp, what) in checks {
-                let (o, n) = (input_name(out, i, m), input_name(inp, i, m));
-                let sent = output_type(from, &o);
-                let recv = input_type(to, &n);
-                if sent.is_none() || sent != recv {
-                    return Err(PipelineError::Invalid(format!(
-                        "pipeline boundary after chunk {}: the {what} of micro-batch {i} is \
-                         sent as `{o}` {} and received as `{n}` {}",
-                        pair[0].index,
-                        sent.map_or("(missing)".into(), |t| t.to_string()),
-                        recv.map_or("(missing)".into(), |t| t.to_string()),
-                    )));
-                }
-            }
+            pairs.push((Carry::Act, b, i));
+            pairs.push((Carry::Grad, b, i));
+        }
+    }
+    if n > 1 && boundary_name(graphs[0], Carry::Tied, 0, m).is_some() {
+        pairs.push((Carry::Tied, 0, 0));
+        pairs.push((Carry::Tied, n - 1, 0));
+    }
+    for (carry, b, i) in pairs {
+        let (from, to) = (graphs[carry.sender(b)], graphs[carry.receiver(b, n)]);
+        let sent = sent_value(from, carry, i, m).map(|v| from.ty(v).clone());
+        let name = boundary_name(to, carry, i, m);
+        let recv = name
+            .as_deref()
+            .and_then(|x| to.input_named(x))
+            .map(|v| to.ty(v).clone());
+        if sent.is_none() || sent != recv {
+            return Err(PipelineError::Invalid(format!(
+                "pipeline boundary {b}: the {carry:?} of micro-batch {i} is sent by chunk {} as {} and received by chunk {} as `{}` {}",
+                carry.sender(b),
+                sent.map_or("(missing)".into(), |t| t.to_string()),
+                carry.receiver(b, n),
+                name.unwrap_or_default(),
+                recv.map_or("(missing)".into(), |t| t.to_string()),
+            )));
         }
     }
     Ok(())
+}
+
+/// True for an input of a chunk program that a receive fills: the activation from the
+/// previous chunk, the gradient from the next, a tied copy's gradient.
+pub fn is_received_input(g: &Graph, v: ValueId) -> bool {
+    matches!(&g.node(v).op, Op::Input { name, .. }
+        if name.starts_with(STAGE_INPUT) || name.starts_with(PIPE_GRAD_IN)
+            || name.starts_with(PIPE_TIED_PREFIX))
 }
 
 /// Which micro-batches a value of a chunk program depends on.
@@ -445,7 +450,7 @@ pub fn micro_deps(g: &Graph, m: usize) -> Vec<MicroDep> {
         name == "step"
             || name.starts_with("adam_m.")
             || name.starts_with("adam_v.")
-            || name.starts_with(TIED_PREFIX)
+            || name.starts_with(PIPE_TIED_PREFIX)
     };
     let mut out: Vec<MicroDep> = Vec::with_capacity(g.len());
     for v in g.ids() {
@@ -537,11 +542,7 @@ pub fn instruction_nodes(
     m: usize,
 ) -> Result<Vec<Vec<Vec<ValueId>>>, PipelineError> {
     let deps: Vec<Vec<MicroDep>> = graphs.iter().map(|g| micro_deps(g, m)).collect();
-    let boundary_input = |g: &Graph, v: ValueId| {
-        matches!(&g.node(v).op, Op::Input { name, .. }
-            if name.starts_with(STAGE_INPUT) || name.starts_with(PIPE_GRAD_IN)
-                || name.starts_with(TIED_PREFIX))
-    };
+    let boundary_input = is_received_input;
     let n = graphs.len();
     let mut out = Vec::with_capacity(program.len());
     for (r, ops) in program.iter().enumerate() {
@@ -569,13 +570,12 @@ pub fn instruction_nodes(
                     boundary,
                     ..
                 } => {
-                    let c = received_by(carry, boundary, n);
+                    let c = carry.receiver(boundary, n);
                     let g = graphs.get(c).ok_or_else(|| bad("no such chunk".into()))?;
                     let name = boundary_name(g, carry, micro, m)
                         .ok_or_else(|| bad(format!("chunk {c} receives no {carry:?}")))?;
                     let v = g
-                        .ids()
-                        .find(|&v| matches!(&g.node(v).op, Op::Input { name: n, .. } if *n == name))
+                        .input_named(&name)
                         .ok_or_else(|| bad(format!("chunk {c} has no input `{name}`")))?;
                     done[c][v.index()] = true;
                     list.push(v);
@@ -635,35 +635,13 @@ pub fn instruction_nodes(
     Ok(out)
 }
 
-/// Name prefix of the inputs that receive a tied parameter's other gradient.
-const TIED_PREFIX: &str = "pipe.tied.";
-
-/// The chunk that receives a `carry` message across `boundary` (for [`Carry::Tied`], the
-/// sending chunk: the other end of the model receives), of `n` chunks.
-pub fn received_by(carry: Carry, boundary: usize, n: usize) -> usize {
-    match carry {
-        Carry::Act => boundary + 1,
-        Carry::Grad => boundary,
-        Carry::Tied if boundary == 0 => n - 1,
-        Carry::Tied => 0,
-    }
-}
-
-/// The chunk that sends a `carry` message across `boundary`.
-pub fn sent_by(carry: Carry, boundary: usize) -> usize {
-    match carry {
-        Carry::Act | Carry::Tied => boundary,
-        Carry::Grad => boundary + 1,
-    }
-}
-
 /// The input of program `g` a `carry` message of micro-batch `micro` fills.
 pub fn boundary_name(g: &Graph, carry: Carry, micro: usize, m: usize) -> Option<String> {
     match carry {
         Carry::Act => Some(input_name(STAGE_INPUT, micro, m)),
         Carry::Grad => Some(input_name(PIPE_GRAD_IN, micro, m)),
         Carry::Tied => g.ids().find_map(|v| match &g.node(v).op {
-            Op::Input { name, .. } if name.starts_with(TIED_PREFIX) => Some(name.clone()),
+            Op::Input { name, .. } if name.starts_with(PIPE_TIED_PREFIX) => Some(name.clone()),
             _ => None,
         }),
     }
@@ -676,7 +654,7 @@ pub fn sent_value(g: &Graph, carry: Carry, micro: usize, m: usize) -> Option<Val
         Carry::Grad => g.output(&input_name(PIPE_GRAD_OUT, micro, m)),
         Carry::Tied => {
             let name = boundary_name(g, Carry::Tied, 0, m)?;
-            let label = name.strip_prefix(TIED_PREFIX)?;
+            let label = name.strip_prefix(PIPE_TIED_PREFIX)?;
             g.output(&format!("grad.{label}"))
         }
     }
@@ -729,20 +707,7 @@ pub fn activation_peaks(
         let mut live_chunks: Vec<bool> = (0..graphs.len()).map(|c| mine.contains(&c)).collect();
         let size = |g: &Graph, v: ValueId| g.ty(v).numel() as f64 * elem_bytes;
         for (op, list) in ops.iter().zip(lists) {
-            let chunk = match *op {
-                PipeOp::Recv {
-                    carry, boundary, ..
-                } => Some(received_by(carry, boundary, graphs.len())),
-                PipeOp::Run(s) => Some(s.chunk),
-                PipeOp::Step { chunk } => Some(chunk),
-                PipeOp::Send {
-                    carry: Carry::Tied,
-                    boundary,
-                    ..
-                } => Some(boundary),
-                PipeOp::Send { .. } => None,
-            };
-            if let Some(c) = chunk {
+            if let Some(c) = op.chunk(graphs.len()) {
                 let g = graphs[c];
                 for &v in list {
                     let node = g.node(v);
@@ -769,7 +734,7 @@ pub fn activation_peaks(
                     boundary,
                     ..
                 } if carry != Carry::Tied => {
-                    let c = sent_by(carry, boundary);
+                    let c = carry.sender(boundary);
                     if let Some(v) = sent_value(graphs[c], carry, micro, m) {
                         output[c][v.index()] = false;
                         if users[c][v.index()] == 0 {
