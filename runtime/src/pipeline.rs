@@ -7,7 +7,7 @@
 //! tensor (with a header: what, micro-batch, boundary) to the same stage-mesh coordinates of
 //! the other stage through the `pp` axis's communicator (point-to-point, buffered, matched in
 //! order per peer); a receive blocks for it (bounded by the communicator's timeout) and checks
-//! the header. Any [`Communicator`] carries the transfers, so [`run_stage`] serves processes
+//! the header. Any [`Communicator`](crate::comm::Communicator) carries the transfers, so [`run_stage`] serves processes
 //! (tcp) as it serves threads.
 //!
 //! Every rank of a stage runs the same programs and node lists, so its collectives agree; the
@@ -15,9 +15,8 @@
 //! groups, so its peers stop at once; the error returned is the root cause, with the rank and
 //! its mesh coordinates.
 
-use crate::comm::Communicator;
 use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
-use crate::spmd::{root_cause, thread_comms};
+use crate::spmd::{root_cause, run_threads, thread_comms};
 use crate::train::{
     assemble, batch_inputs, check_batch, Batch, StepOutput, TrainError, TrainState,
 };
@@ -72,16 +71,7 @@ pub fn chunk_inputs(
         .iter()
         .map(|ch| {
             let mut x = common.clone();
-            for prm in &ch.train.train.params {
-                let l = &prm.label;
-                x.insert(format!("param.{l}"), state.params[l].clone());
-                x.insert(format!("adam_m.{l}"), state.m[l].clone());
-                x.insert(format!("adam_v.{l}"), state.v[l].clone());
-            }
-            x.insert(
-                "step".into(),
-                Tensor::f32(vec![], vec![(state.step + 1) as f32]),
-            );
+            state.add_inputs(&ch.train.train.params, &mut x);
             x
         })
         .collect()
@@ -123,32 +113,9 @@ pub fn pipeline_step(
     // A thread communicator per group of every axis; the `pp` groups carry the transfers.
     let comms = thread_comms(mesh, |_| true, timeout);
     let epoch = Instant::now();
-    let results: Vec<Result<StageOutputs, RuntimeError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mine)| {
-                let inputs = &inputs;
-                scope.spawn(move || {
-                    let stage = mesh.coords(rank)[pp.0 as usize];
-                    let mut ctx = RankCtx::new();
-                    for (axis, h) in &mine {
-                        ctx.insert(axis.clone(), h as &dyn Communicator);
-                    }
-                    let out = run_stage(c, stage, &ctx, inputs, &[], weights, epoch);
-                    if let Err(e) = &out {
-                        for (_, h) in &mine {
-                            h.abort(&e.to_string());
-                        }
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("invariant: rank threads do not panic"))
-            .collect()
+    let results = run_threads(comms, |rank, ctx| {
+        let stage = mesh.coords(rank)[pp.0 as usize];
+        run_stage(c, stage, ctx, &inputs, &[], weights, epoch)
     });
 
     // Prefer a root cause over the aborts and hang-ups it caused in its peers.
@@ -229,12 +196,11 @@ pub fn pipeline_step(
 /// One rank of pipeline stage `stage`: its chunks' programs driven by the stage's
 /// instructions, transfers over the `pp` axis's communicator in `ctx` (point-to-point; the
 /// k-th send to a peer matches its k-th receive), the stage-mesh axes' communicators for the
-/// programs' collectives. Any [`Communicator`] serves: thread ranks here, a process group
+/// programs' collectives. Any [`Communicator`](crate::comm::Communicator) serves: thread ranks here, a process group
 /// across processes. Inputs are global tensors per chunk (each rank takes its shard), except
 /// those in `locals` (per chunk, already this rank's: e.g. its parameter shards from the
-/// previous step's outputs). Returns
-/// each chunk's outputs (local values) and the most bytes of per-micro-batch values its
-/// programs held at once.
+/// previous step's outputs). Returns each chunk's outputs (local values), the most bytes of
+/// activations its programs held at once, and its timeline.
 pub fn run_stage(
     c: &CompiledPipeline,
     stage: usize,

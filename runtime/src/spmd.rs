@@ -36,18 +36,31 @@ pub fn run_spmd(
     inputs: &BTreeMap<String, Tensor>,
     timeout: Duration,
 ) -> Result<RankOutputs, RankError> {
-    let comms = thread_comms(mesh, |_| true, timeout);
-    let results: Vec<Result<BTreeMap<String, Tensor>, RuntimeError>> = std::thread::scope(|s| {
+    let results = run_threads(thread_comms(mesh, |_| true, timeout), |_, ctx| {
+        load_params(program, weights, ctx)
+            .and_then(|p| execute_with_params(program, &p, inputs, ctx))
+    });
+    root_cause(mesh, results)
+}
+
+/// Runs `f(rank, ctx)` on one thread per rank, `ctx` serving each of the rank's `comms`. A
+/// rank whose `f` fails aborts its groups, so its peers stop promptly. Results in rank order.
+pub(crate) fn run_threads<T: Send>(
+    comms: Vec<Vec<(String, ThreadComm)>>,
+    f: impl Fn(usize, &RankCtx) -> Result<T, RuntimeError> + Sync,
+) -> Vec<Result<T, RuntimeError>> {
+    let f = &f;
+    std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
-            .map(|mine| {
+            .enumerate()
+            .map(|(rank, mine)| {
                 s.spawn(move || {
                     let mut ctx = RankCtx::new();
                     for (axis, h) in &mine {
                         ctx.insert(axis.clone(), h as &dyn Communicator);
                     }
-                    let out = load_params(program, weights, &ctx)
-                        .and_then(|p| execute_with_params(program, &p, inputs, &ctx));
+                    let out = f(rank, &ctx);
                     if let Err(e) = &out {
                         for (_, h) in &mine {
                             h.abort(&e.to_string());
@@ -61,8 +74,7 @@ pub fn run_spmd(
             .into_iter()
             .map(|h| h.join().expect("invariant: rank threads do not panic"))
             .collect()
-    });
-    root_cause(mesh, results)
+    })
 }
 
 /// One thread communicator per group of every mesh axis `pick` selects: per rank, its

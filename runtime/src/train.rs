@@ -125,6 +125,25 @@ impl TrainState {
         TrainState::load_params(&c.train.params, weights)
     }
 
+    /// Adds the step's parameter, optimizer-state and step-count inputs of `params` to
+    /// `inputs` (global tensors; the step count is the next step's, `step + 1`).
+    pub fn add_inputs<'a>(
+        &self,
+        params: impl IntoIterator<Item = &'a TrainParam>,
+        inputs: &mut BTreeMap<String, Tensor>,
+    ) {
+        for p in params {
+            let l = &p.label;
+            inputs.insert(format!("param.{l}"), self.params[l].clone());
+            inputs.insert(format!("adam_m.{l}"), self.m[l].clone());
+            inputs.insert(format!("adam_v.{l}"), self.v[l].clone());
+        }
+        inputs.insert(
+            "step".into(),
+            Tensor::f32(vec![], vec![(self.step + 1) as f32]),
+        );
+    }
+
     /// The initial state of parameters `params` (e.g. every chunk's of a pipeline).
     pub fn load_params<'a>(
         params: impl IntoIterator<Item = &'a TrainParam>,
@@ -242,16 +261,7 @@ pub fn train_step(
     check_batch(batch, c.options.batch, c.options.seq)?;
     let k = c.train.micro_batches;
     let mut inputs = batch_inputs(batch, k);
-    for p in &c.train.params {
-        let l = &p.label;
-        inputs.insert(format!("param.{l}"), state.params[l].clone());
-        inputs.insert(format!("adam_m.{l}"), state.m[l].clone());
-        inputs.insert(format!("adam_v.{l}"), state.v[l].clone());
-    }
-    inputs.insert(
-        "step".into(),
-        Tensor::f32(vec![], vec![(state.step + 1) as f32]),
-    );
+    state.add_inputs(&c.train.params, &mut inputs);
 
     let sg = &c.sharded;
     let outs = if sg.mesh.axes.is_empty() {

@@ -222,13 +222,8 @@ fn run_rank(
                 for step in 1..=a.steps {
                     let t0 = Instant::now();
                     let mut inputs = batch_inputs(batch, c.train.micro_batches);
-                    for p in &c.train.params {
-                        let l = &p.label;
-                        inputs.insert(format!("param.{l}"), state.params[l].clone());
-                        inputs.insert(format!("adam_m.{l}"), state.m[l].clone());
-                        inputs.insert(format!("adam_v.{l}"), state.v[l].clone());
-                    }
-                    inputs.insert("step".into(), Tensor::f32(vec![], vec![step as f32]));
+                    state.step = step as u64 - 1;
+                    state.add_inputs(&c.train.params, &mut inputs);
                     let mut st = Stepwise::new(g, &cache, &inputs, &ctx)?;
                     for (n, t) in &locals {
                         st.provide(n, t.clone())?;
