@@ -22,7 +22,7 @@ use crate::train::{
 };
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
-use shardc_compiler::schedule::pipeline::{Carry, Phase, PipeOp};
+use shardc_compiler::schedule::pipeline::{Carry, PipeOp};
 use shardc_compiler::train::{
     activation_values, boundary_name, micro_deps, sent_value, CompiledPipeline,
 };
@@ -345,23 +345,11 @@ pub fn run_stage(
                 outputs.insert(chunk, st.finish()?);
             }
         }
-        let (track, cat) = match *op {
-            PipeOp::Run(s) => (
-                0,
-                match s.phase {
-                    Phase::F => "forward",
-                    Phase::B => "backward",
-                    Phase::W => "weight-gradient",
-                },
-            ),
-            PipeOp::Step { .. } => (0, "optimizer"),
-            PipeOp::Send { .. } => (1, "send"),
-            PipeOp::Recv { .. } => (1, "recv"),
-        };
+        let transfer = matches!(op, PipeOp::Send { .. } | PipeOp::Recv { .. });
         timeline.slices.push(Slice {
-            track,
+            track: u32::from(transfer),
             name: op.to_string(),
-            cat: cat.into(),
+            cat: op.category().into(),
             start,
             dur: epoch.elapsed().as_secs_f64() - start,
             bytes,

@@ -138,3 +138,9 @@ pub enum CostError {
     #[error("calibration: {0}")]
     Calibrate(String),
 }
+
+impl From<crate::schedule::pipeline::PipelineError> for CostError {
+    fn from(e: crate::schedule::pipeline::PipelineError) -> CostError {
+        CostError::Replay(e.to_string())
+    }
+}

@@ -18,8 +18,7 @@ use super::units::Bytes;
 use super::{Cluster, CostError};
 use crate::ir::{Graph, ValueId};
 use crate::plan::Plan;
-use crate::schedule::pipeline::{Carry, Phase, PipeOp};
-use std::collections::{HashMap, VecDeque};
+use crate::schedule::pipeline::{run_program, Carry, Phase, PipeOp};
 
 /// Replays pipeline plan `plan` (one with a schedule) on `cluster`.
 pub fn simulate_pipeline_plan(
@@ -117,99 +116,65 @@ pub fn simulate_pipeline_plan(
         );
         (t.0, bytes as u64)
     };
-    // (arrival, transfer time) of each message in flight.
-    let mut chan: HashMap<(usize, usize), VecDeque<(f64, f64)>> = HashMap::new();
-    let mut pc = vec![0usize; p];
     let mut now = vec![0.0f64; p];
     let mut busy = vec![0.0f64; p];
     let mut p2p_wait = vec![0.0f64; p];
     let mut slices: Vec<Vec<Slice>> = vec![Vec::new(); p];
-    loop {
-        let mut progressed = false;
-        for r in 0..p {
-            while let Some(op) = plan.pipeline_program[r].get(pc[r]) {
-                match *op {
-                    PipeOp::Recv { from, .. } => {
-                        let Some((arrival, t)) = chan.entry((from, r)).or_default().pop_front()
-                        else {
-                            break;
-                        };
-                        if arrival > now[r] {
-                            // The wait the transfer itself adds (the rest is the pipeline's).
-                            p2p_wait[r] += (arrival - now[r]).min(t);
-                            now[r] = arrival;
-                        }
-                    }
-                    PipeOp::Send {
-                        to,
-                        carry,
-                        micro,
-                        boundary,
-                    } => {
-                        let c = carry.sender(boundary);
-                        let (t, bytes) = transfer(c, carry, micro);
-                        if carry == Carry::Tied {
-                            // The tied copy's gradient completes first.
-                            let (d, flops) = dur[r][pc[r]];
-                            slices[r].push(Slice {
-                                track: 0,
-                                name: format!("complete the tied gradient of chunk {c}"),
-                                cat: "backward".into(),
-                                start: now[r],
-                                dur: d,
-                                bytes: 0,
-                                flops,
-                            });
-                            now[r] += d;
-                            busy[r] += d;
-                        }
-                        chan.entry((r, to)).or_default().push_back((now[r] + t, t));
-                        slices[r].push(Slice {
-                            track: 1,
-                            name: op.to_string(),
-                            cat: "p2p".into(),
-                            start: now[r],
-                            dur: t,
-                            bytes,
-                            flops: 0.0,
-                        });
-                    }
-                    PipeOp::Run(_) | PipeOp::Step { .. } => {
-                        let (d, flops) = dur[r][pc[r]];
-                        let cat = match op {
-                            PipeOp::Run(s) => match s.phase {
-                                Phase::F => "forward",
-                                Phase::B => "backward",
-                                Phase::W => "weight-gradient",
-                            },
-                            _ => "optimizer",
-                        };
-                        slices[r].push(Slice {
-                            track: 0,
-                            name: op.to_string(),
-                            cat: cat.into(),
-                            start: now[r],
-                            dur: d,
-                            bytes: 0,
-                            flops,
-                        });
-                        now[r] += d;
-                        busy[r] += d;
-                    }
+    // A message is (arrival, transfer time).
+    run_program::<(f64, f64), CostError>(&plan.pipeline_program, |r, k, op, got| {
+        let mut pass = |name: String, cat: &str, now: &mut f64| {
+            let (d, flops) = dur[r][k];
+            slices[r].push(Slice {
+                track: 0,
+                name,
+                cat: cat.into(),
+                start: *now,
+                dur: d,
+                bytes: 0,
+                flops,
+            });
+            *now += d;
+            busy[r] += d;
+        };
+        match *op {
+            PipeOp::Recv { .. } => {
+                if let Some((arrival, t)) = got.filter(|&(a, _)| a > now[r]) {
+                    // The wait the transfer itself adds (the rest is the pipeline's).
+                    p2p_wait[r] += (arrival - now[r]).min(t);
+                    now[r] = arrival;
                 }
-                pc[r] += 1;
-                progressed = true;
+                Ok(None)
+            }
+            PipeOp::Send {
+                carry,
+                micro,
+                boundary,
+                ..
+            } => {
+                let c = carry.sender(boundary);
+                if carry == Carry::Tied {
+                    // The tied copy's gradient completes first.
+                    let name = format!("complete the tied gradient of chunk {c}");
+                    pass(name, "backward", &mut now[r]);
+                }
+                let (t, bytes) = transfer(c, carry, micro);
+                slices[r].push(Slice {
+                    track: 1,
+                    name: op.to_string(),
+                    cat: "p2p".into(),
+                    start: now[r],
+                    dur: t,
+                    bytes,
+                    flops: 0.0,
+                });
+                Ok(Some((now[r] + t, t)))
+            }
+            PipeOp::Run(_) | PipeOp::Step { .. } => {
+                pass(op.to_string(), op.category(), &mut now[r]);
+                Ok(None)
             }
         }
-        if (0..p).all(|r| pc[r] == plan.pipeline_program[r].len()) {
-            break;
-        }
-        if !progressed {
-            return Err(CostError::Replay(
-                "pipeline instructions wait on each other".into(),
-            ));
-        }
-    }
+    })?;
     let step = now.iter().cloned().fold(0.0, f64::max);
 
     // Memory per stage at the simulated dtype.

@@ -185,6 +185,23 @@ impl PipeOp {
     }
 }
 
+impl PipeOp {
+    /// What the instruction is, for traces: `forward`, `backward`, `weight-gradient`,
+    /// `optimizer`, `send`, `recv`.
+    pub fn category(&self) -> &'static str {
+        match self {
+            PipeOp::Run(s) => match s.phase {
+                Phase::F => "forward",
+                Phase::B => "backward",
+                Phase::W => "weight-gradient",
+            },
+            PipeOp::Step { .. } => "optimizer",
+            PipeOp::Send { .. } => "send",
+            PipeOp::Recv { .. } => "recv",
+        }
+    }
+}
+
 impl fmt::Display for PipeOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let what = |c: &Carry| match c {
@@ -529,86 +546,113 @@ impl PipelineSchedule {
             )));
         }
         // Global: execute with FIFO channels per rank pair.
-        type Msg = (Carry, usize, usize);
-        let mut chan: std::collections::HashMap<(usize, usize), std::collections::VecDeque<Msg>> =
-            Default::default();
-        let mut pc = vec![0usize; p];
-        loop {
-            let mut progressed = false;
-            for r in 0..p {
-                while let Some(op) = program[r].get(pc[r]) {
-                    match *op {
-                        PipeOp::Send {
-                            to,
-                            carry,
-                            micro,
-                            boundary,
-                        } => {
-                            if to >= p {
-                                return Err(bad(r, pc[r], op, "no such rank".into()));
-                            }
-                            chan.entry((r, to))
-                                .or_default()
-                                .push_back((carry, micro, boundary));
-                        }
-                        PipeOp::Recv {
-                            from,
-                            carry,
-                            micro,
-                            boundary,
-                        } => {
-                            let q = chan.entry((from, r)).or_default();
-                            match q.front() {
-                                None => break,
-                                Some(&x) if x == (carry, micro, boundary) => {
-                                    q.pop_front();
-                                }
-                                Some(&(c2, i2, b2)) => {
-                                    return Err(bad(
-                                        r,
-                                        pc[r],
-                                        op,
-                                        format!(
-                                            "send/recv mismatch: rank {from} sent {} of \
-                                             micro-batch {i2} (boundary {b2}) first",
-                                            match c2 {
-                                                Carry::Act => "the activation",
-                                                Carry::Grad => "the gradient",
-                                                Carry::Tied => "the tied gradient",
-                                            }
-                                        ),
-                                    ));
-                                }
-                            }
-                        }
-                        _ => {}
+        let left = run_program(
+            program,
+            |r, k, op, got: Option<(Carry, usize, usize)>| match *op {
+                PipeOp::Send {
+                    to,
+                    carry,
+                    micro,
+                    boundary,
+                } => {
+                    if to >= p {
+                        return Err(bad(r, k, op, "no such rank".into()));
                     }
-                    pc[r] += 1;
-                    progressed = true;
+                    Ok(Some((carry, micro, boundary)))
                 }
-            }
-            if (0..p).all(|r| pc[r] == program[r].len()) {
-                break;
-            }
-            if !progressed {
-                let r = (0..p)
-                    .find(|&r| pc[r] < program[r].len())
-                    .expect("invariant: some rank is not done");
-                return Err(PipelineError::Deadlock {
-                    rank: r,
-                    slot: pc[r],
-                    what: program[r][pc[r]].to_string(),
-                });
-            }
-        }
-        if let Some(((a, b), q)) = chan.iter().find(|(_, q)| !q.is_empty()) {
+                PipeOp::Recv {
+                    from,
+                    carry,
+                    micro,
+                    boundary,
+                } => match got {
+                    Some(x) if x == (carry, micro, boundary) => Ok(None),
+                    Some((c2, i2, b2)) => Err(bad(
+                        r,
+                        k,
+                        op,
+                        format!(
+                            "send/recv mismatch: rank {from} sent {} of micro-batch {i2} \
+                         (boundary {b2}) first",
+                            match c2 {
+                                Carry::Act => "the activation",
+                                Carry::Grad => "the gradient",
+                                Carry::Tied => "the tied gradient",
+                            }
+                        ),
+                    )),
+                    None => Ok(None),
+                },
+                _ => Ok(None),
+            },
+        )?;
+        if let Some(&(a, b, n)) = left.first() {
             return Err(PipelineError::Invalid(format!(
-                "rank {a} sends {} message(s) rank {b} never receives",
-                q.len()
+                "rank {a} sends {n} message(s) rank {b} never receives"
             )));
         }
         Ok(())
     }
+}
+
+/// Executes per-rank instructions with a FIFO channel per (sender, receiver) pair, buffered
+/// sends and blocking receives, ranks taking turns until each is blocked or done:
+/// `visit(rank, index, op, received)` sees every instruction once, in each rank's order; a
+/// send's visit returns the message it puts on the channel, a receive's gets the one it takes.
+/// Returns the messages never received, as (sender, receiver, count); a
+/// [`PipelineError::Deadlock`] when ranks wait on each other.
+pub fn run_program<M, E: From<PipelineError>>(
+    program: &[Vec<PipeOp>],
+    mut visit: impl FnMut(usize, usize, &PipeOp, Option<M>) -> Result<Option<M>, E>,
+) -> Result<Vec<(usize, usize, usize)>, E> {
+    let p = program.len();
+    let mut chan: std::collections::BTreeMap<(usize, usize), std::collections::VecDeque<M>> =
+        Default::default();
+    let mut pc = vec![0usize; p];
+    loop {
+        let mut progressed = false;
+        for r in 0..p {
+            while let Some(op) = program[r].get(pc[r]) {
+                match *op {
+                    PipeOp::Recv { from, .. } => {
+                        let Some(msg) = chan.entry((from, r)).or_default().pop_front() else {
+                            break;
+                        };
+                        visit(r, pc[r], op, Some(msg))?;
+                    }
+                    PipeOp::Send { to, .. } => {
+                        if let Some(msg) = visit(r, pc[r], op, None)? {
+                            chan.entry((r, to)).or_default().push_back(msg);
+                        }
+                    }
+                    _ => {
+                        visit(r, pc[r], op, None)?;
+                    }
+                }
+                pc[r] += 1;
+                progressed = true;
+            }
+        }
+        if (0..p).all(|r| pc[r] == program[r].len()) {
+            break;
+        }
+        if !progressed {
+            let r = (0..p)
+                .find(|&r| pc[r] < program[r].len())
+                .expect("invariant: some rank is not done");
+            return Err(PipelineError::Deadlock {
+                rank: r,
+                slot: pc[r],
+                what: program[r][pc[r]].to_string(),
+            }
+            .into());
+        }
+    }
+    Ok(chan
+        .into_iter()
+        .filter(|(_, q)| !q.is_empty())
+        .map(|((a, b), q)| (a, b, q.len()))
+        .collect())
 }
 
 fn one_f_one_b(s: usize, p: usize, m: usize) -> Vec<Slot> {
