@@ -166,14 +166,7 @@ pub fn print_summary(plan: &Plan) {
         plan.model.batch,
         plan.model.seq
     );
-    for a in &plan.mesh.axes {
-        println!(
-            "  axis {:<3} size {:<4} link {}",
-            a.name,
-            a.size,
-            a.link.name()
-        );
-    }
+    print_axes(&plan.mesh);
     println!(
         "per rank: params {}, activations {} peak (arena), {} without reuse; norm+residual activations {}",
         bytes(plan.memory.param_bytes),
@@ -524,14 +517,7 @@ fn print_train_summary(
         plan.model.batch / k.max(1),
         opts.recompute
     );
-    for a in &plan.mesh.axes {
-        println!(
-            "  axis {:<3} size {:<4} link {}",
-            a.name,
-            a.size,
-            a.link.name()
-        );
-    }
+    print_axes(&plan.mesh);
     println!(
         "per rank: parameters {} as compiled (f32 program inputs{})",
         bytes(plan.memory.param_bytes),
@@ -635,6 +621,18 @@ fn print_comm(c: &shardc::compiler::train::CommVolume) {
             x.axis,
             x.count,
             bytes(x.sent_bytes)
+        );
+    }
+}
+
+/// One line per mesh axis: name, size, link class.
+fn print_axes(mesh: &shardc::compiler::shard::Mesh) {
+    for a in &mesh.axes {
+        println!(
+            "  axis {:<3} size {:<4} link {}",
+            a.name,
+            a.size,
+            a.link.name()
         );
     }
 }

@@ -439,6 +439,13 @@ pub fn node_cost_routed(
                 k: s2,
                 batch: heads,
             };
+            // dP = dy·vᵀ: the score matrix's shape.
+            let scores = GemmShape {
+                m: t,
+                n: s2,
+                k: d,
+                batch: heads,
+            };
             let ins: f64 = node.inputs.iter().map(|&i| b(i)).sum();
             let flash = opts.attention == AttentionImpl::Flash;
             // FlashAttention-2's backward: 5 GEMMs for the forward's 2 (scores recomputed,
@@ -448,30 +455,14 @@ pub fn node_cost_routed(
             match wrt {
                 AttnWrt::V if flash => c.fwd.push(Kernel::gemm(shape, ins_flash + out)),
                 AttnWrt::Q if flash => {
-                    c.fwd.push(Kernel::gemm(
-                        GemmShape {
-                            m: t,
-                            n: s2,
-                            k: d,
-                            batch: heads,
-                        },
-                        ins_flash,
-                    ));
+                    c.fwd.push(Kernel::gemm(scores, ins_flash));
                     c.fwd.push(Kernel::gemm(shape, out));
                 }
                 AttnWrt::K if flash => c.fwd.push(Kernel::gemm(shape, ins_flash + out)),
                 AttnWrt::V => c.fwd.push(Kernel::gemm(shape, ins + out)),
                 AttnWrt::Q | AttnWrt::K => {
-                    // dP = dy·vᵀ, softmax backward, then dS·k (or dSᵀ·q).
-                    c.fwd.push(Kernel::gemm(
-                        GemmShape {
-                            m: t,
-                            n: s2,
-                            k: d,
-                            batch: heads,
-                        },
-                        ins,
-                    ));
+                    // dP, softmax backward, then dS·k (or dSᵀ·q).
+                    c.fwd.push(Kernel::gemm(scores, ins));
                     c.fwd.push(Kernel::memory(3.0 * probs));
                     c.fwd.push(Kernel::gemm(shape, probs + out));
                 }
