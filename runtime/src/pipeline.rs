@@ -18,7 +18,8 @@
 use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
 use crate::spmd::{root_cause, run_threads, thread_comms};
 use crate::train::{
-    assemble, batch_inputs, check_batch, Batch, StepOutput, TrainError, TrainState,
+    assemble, batch_inputs, check_batch, kept_state, reduce_loss, Batch, StepOutput, TrainError,
+    TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
@@ -59,22 +60,104 @@ fn pipe_err(op: &PipeOp, detail: impl Into<String>) -> RuntimeError {
     }
 }
 
-/// The global inputs of each chunk of `c` for one step on `batch` from `state`: the batch
-/// (per micro-batch), the chunk's parameters and optimizer state, the step count.
+/// The global inputs of each chunk of `c` for step `step` (1-based) on `batch` from
+/// `state`: the batch (per micro-batch), the chunk's parameters and optimizer state, the step
+/// count.
 pub fn chunk_inputs(
     c: &CompiledPipeline,
     state: &TrainState,
     batch: &Batch,
+    step: u64,
 ) -> Vec<BTreeMap<String, Tensor>> {
     let common = batch_inputs(batch, c.options.micro_batches);
     c.chunks
         .iter()
         .map(|ch| {
             let mut x = common.clone();
-            state.add_inputs(&ch.train.train.params, &mut x);
+            state.add_inputs_at(&ch.train.train.params, step, &mut x);
             x
         })
         .collect()
+}
+
+/// One rank's part of a pipelined training run in a process group (`shardc launch`,
+/// torchrun): its stage's chunks run by [`run_stage`] with the communicators of a
+/// [`RankCtx`], their parameter and optimizer shards kept between steps.
+pub struct StageTrainer<'c> {
+    c: &'c CompiledPipeline,
+    stage: usize,
+    locals: Vec<BTreeMap<String, Tensor>>,
+}
+
+impl<'c> StageTrainer<'c> {
+    /// A trainer for global rank `rank` of `c`'s mesh.
+    pub fn new(c: &'c CompiledPipeline, rank: usize) -> StageTrainer<'c> {
+        let pp = c.mesh.axis("pp").map_or(0, |a| a.0 as usize);
+        StageTrainer {
+            c,
+            stage: c.mesh.coords(rank).get(pp).copied().unwrap_or(0),
+            locals: vec![BTreeMap::new(); c.chunks.len()],
+        }
+    }
+
+    /// Runs step `step` (1-based) on `batch`; `initial` is the global state before step 1.
+    /// Returns the global loss on the ranks of stage 0 (sent there from the last chunk's
+    /// stage), NaN elsewhere.
+    pub fn step(
+        &mut self,
+        initial: &TrainState,
+        batch: &Batch,
+        step: u64,
+        ctx: &RankCtx,
+        weights: &Weights,
+    ) -> Result<f32, TrainError> {
+        let c = self.c;
+        check_batch(batch, c.options.batch, c.options.seq)?;
+        let inputs = chunk_inputs(c, initial, batch, step);
+        let run = run_stage(
+            c,
+            self.stage,
+            ctx,
+            &inputs,
+            &self.locals,
+            weights,
+            Instant::now(),
+        )?;
+        for (j, o) in &run.outputs {
+            self.locals[*j] = kept_state(o);
+        }
+        let head = c
+            .chunks
+            .last()
+            .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
+        let mut loss = [f32::NAN];
+        if self.stage == head.stage {
+            let sg = &head.train.sharded;
+            let v = sg
+                .graph
+                .output("loss")
+                .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
+            let local = run
+                .outputs
+                .get(&head.index)
+                .and_then(|o| o.get("loss"))
+                .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
+            loss[0] = reduce_loss(local, &sg.shardings[v.index()], &c.stage_mesh, ctx)?;
+        }
+        if head.stage != 0 && (self.stage == head.stage || self.stage == 0) {
+            let pp = ctx.comm("pp")?;
+            let r = if self.stage == head.stage {
+                pp.send(&loss, 0)
+            } else {
+                pp.recv(&mut loss, head.stage)
+            };
+            r.map_err(|e| RuntimeError::Pipeline {
+                op: "the loss to stage 0".into(),
+                detail: e.to_string(),
+            })?;
+        }
+        Ok(loss[0])
+    }
 }
 
 /// What a pipeline step returns.
@@ -108,7 +191,7 @@ pub fn pipeline_step(
         .expect("invariant: a compiled pipeline's mesh has a pp axis");
     let p = mesh.axis_size(pp);
 
-    let inputs = chunk_inputs(c, state, batch);
+    let inputs = chunk_inputs(c, state, batch, state.step + 1);
 
     // A thread communicator per group of every axis; the `pp` groups carry the transfers.
     let comms = thread_comms(mesh, |_| true, timeout);

@@ -125,11 +125,21 @@ impl TrainState {
         TrainState::load_params(&c.train.params, weights)
     }
 
-    /// Adds the step's parameter, optimizer-state and step-count inputs of `params` to
-    /// `inputs` (global tensors; the step count is the next step's, `step + 1`).
+    /// Adds the next step's parameter, optimizer-state and step-count inputs of `params` to
+    /// `inputs` (global tensors; the step count is `step + 1`).
     pub fn add_inputs<'a>(
         &self,
         params: impl IntoIterator<Item = &'a TrainParam>,
+        inputs: &mut BTreeMap<String, Tensor>,
+    ) {
+        self.add_inputs_at(params, self.step + 1, inputs);
+    }
+
+    /// [`TrainState::add_inputs`] with step count `step` (1-based).
+    pub fn add_inputs_at<'a>(
+        &self,
+        params: impl IntoIterator<Item = &'a TrainParam>,
+        step: u64,
         inputs: &mut BTreeMap<String, Tensor>,
     ) {
         for p in params {
@@ -138,10 +148,7 @@ impl TrainState {
             inputs.insert(format!("adam_m.{l}"), self.m[l].clone());
             inputs.insert(format!("adam_v.{l}"), self.v[l].clone());
         }
-        inputs.insert(
-            "step".into(),
-            Tensor::f32(vec![], vec![(self.step + 1) as f32]),
-        );
+        inputs.insert("step".into(), Tensor::f32(vec![], vec![step as f32]));
     }
 
     /// The initial state of parameters `params` (e.g. every chunk's of a pipeline).
@@ -347,6 +354,96 @@ pub fn batch_inputs(batch: &Batch, k: usize) -> BTreeMap<String, Tensor> {
         );
     }
     inputs
+}
+
+/// The outputs a rank keeps from one step to the next: its parameter and optimizer-state
+/// shards (the program's `param.*`, `adam_m.*`, `adam_v.*` outputs, in its inputs' layout).
+pub(crate) fn kept_state(out: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
+    out.iter()
+        .filter(|(n, _)| {
+            n.starts_with("param.") || n.starts_with("adam_m.") || n.starts_with("adam_v.")
+        })
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .collect()
+}
+
+/// This rank's `loss` value reduced over the mesh axes its layout `s` is partial on (the
+/// communicators of `ctx`): the global loss, on every rank of those groups.
+pub(crate) fn reduce_loss(
+    local: &Tensor,
+    s: &TensorSharding,
+    mesh: &Mesh,
+    ctx: &RankCtx,
+) -> Result<f32, RuntimeError> {
+    let mut buf = [local.as_f32().map_or(f32::NAN, |v| v[0])];
+    for &ax in &s.partial {
+        let c = ctx.comm(mesh.axis_name(ax))?;
+        c.all_reduce(&mut buf, crate::comm::ReduceOp::Sum)
+            .map_err(|e| RuntimeError::Pipeline {
+                op: format!("all_reduce of the loss over `{}`", c.name()),
+                detail: e.to_string(),
+            })?;
+    }
+    Ok(buf[0])
+}
+
+/// One rank's part of a training run in a process group (`shardc launch`, torchrun): its
+/// shard of the step's SPMD program, run with the communicators of a [`RankCtx`], and its
+/// parameter and optimizer shards kept between steps (the first step takes its shards of the
+/// global initial state).
+pub struct RankTrainer<'c> {
+    c: &'c CompiledTrain,
+    cache: ParamCache,
+    locals: BTreeMap<String, Tensor>,
+}
+
+impl<'c> RankTrainer<'c> {
+    /// A trainer for this rank (`ctx`) of `c`.
+    pub fn new(
+        c: &'c CompiledTrain,
+        weights: &Weights,
+        ctx: &RankCtx,
+    ) -> Result<Self, RuntimeError> {
+        Ok(RankTrainer {
+            c,
+            cache: crate::load_params(&c.sharded.graph, weights, ctx)?,
+            locals: BTreeMap::new(),
+        })
+    }
+
+    /// Runs step `step` (1-based) on `batch`; `initial` is the global state before step 1.
+    /// Returns the global loss (on every rank).
+    pub fn step(
+        &mut self,
+        initial: &TrainState,
+        batch: &Batch,
+        step: u64,
+        ctx: &RankCtx,
+    ) -> Result<f32, TrainError> {
+        let c = self.c;
+        check_batch(batch, c.options.batch, c.options.seq)?;
+        let mut inputs = batch_inputs(batch, c.train.micro_batches);
+        initial.add_inputs_at(&c.train.params, step, &mut inputs);
+        let g = &c.sharded.graph;
+        let mut st = crate::Stepwise::new(g, &self.cache, &inputs, ctx)?;
+        for (n, t) in &self.locals {
+            st.provide(n, t.clone())?;
+        }
+        let out = st.finish()?;
+        self.locals = kept_state(&out);
+        let v = g
+            .output("loss")
+            .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
+        let local = out
+            .get("loss")
+            .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
+        Ok(reduce_loss(
+            local,
+            &c.sharded.shardings[v.index()],
+            &c.sharded.mesh,
+            ctx,
+        )?)
+    }
 }
 
 /// What fills the parts of a stored tensor no parameter covers.

@@ -13,20 +13,17 @@ use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::schedule::pipeline::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
-use shardc::compiler::shard::TensorSharding;
 use shardc::compiler::train::{
     compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, Precision,
     TrainOptions,
 };
-use shardc::runtime::comm::ReduceOp;
 use shardc::runtime::launch::{ProcessGroup, WorldEnv};
-use shardc::runtime::pipeline::{chunk_inputs, pipeline_step, run_stage};
+use shardc::runtime::pipeline::{pipeline_step, StageTrainer};
 use shardc::runtime::train::{
-    batch_inputs, save_safetensors, stored_tensors_of, train_step, Batch, Fill, StepOutput,
+    save_safetensors, stored_tensors_of, train_step, Batch, Fill, RankTrainer, StepOutput,
     TrainState,
 };
 use shardc::runtime::Weights;
-use shardc::runtime::{load_params, Stepwise, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -169,7 +166,7 @@ fn run_rank(
     opts: &TrainOptions,
     batch: &Batch,
     weights: &Weights,
-    mut state: TrainState,
+    state: TrainState,
 ) -> anyhow::Result<()> {
     if a.save.is_some() || a.dump_grads.is_some() || a.trace.is_some() {
         bail!(
@@ -196,97 +193,26 @@ fn run_rank(
             opts.micro_batches
         );
     }
-    let kept = |o: &BTreeMap<String, Tensor>| -> BTreeMap<String, Tensor> {
-        o.iter()
-            .filter(|(n, _)| {
-                n.starts_with("param.") || n.starts_with("adam_m.") || n.starts_with("adam_v.")
-            })
-            .map(|(n, t)| (n.clone(), t.clone()))
-            .collect()
-    };
-    // The loss's partial sums reduced over the axes it is partial on.
-    let reduce_loss = |t: &Tensor, s: &TensorSharding, mesh: &Mesh| -> anyhow::Result<f32> {
-        let mut buf = [t.as_f32().map_or(f32::NAN, |v| v[0])];
-        for &ax in &s.partial {
-            ctx.comm(mesh.axis_name(ax))?
-                .all_reduce(&mut buf, ReduceOp::Sum)?;
-        }
-        Ok(buf[0])
-    };
-    let mut run = || -> anyhow::Result<()> {
-        match c {
+    let run = || -> anyhow::Result<()> {
+        let (st, ctx) = (&state, &ctx);
+        let mut one_step: Box<dyn FnMut(u64) -> anyhow::Result<f32>> = match c {
             Compiled::Flat(c) => {
-                let g = &c.sharded.graph;
-                let cache = load_params(g, weights, &ctx)?;
-                let mut locals: BTreeMap<String, Tensor> = BTreeMap::new();
-                for step in 1..=a.steps {
-                    let t0 = Instant::now();
-                    let mut inputs = batch_inputs(batch, c.train.micro_batches);
-                    state.step = step as u64 - 1;
-                    state.add_inputs(&c.train.params, &mut inputs);
-                    let mut st = Stepwise::new(g, &cache, &inputs, &ctx)?;
-                    for (n, t) in &locals {
-                        st.provide(n, t.clone())?;
-                    }
-                    let out = st.finish()?;
-                    locals = kept(&out);
-                    let v = g
-                        .output("loss")
-                        .context("the program has no `loss` output")?;
-                    let loss = reduce_loss(
-                        &out["loss"],
-                        &c.sharded.shardings[v.index()],
-                        &c.sharded.mesh,
-                    )?;
-                    if env.rank == 0 {
-                        println!(
-                            "step {step}: loss {loss:.6} ({:.1} ms)",
-                            t0.elapsed().as_secs_f64() * 1e3
-                        );
-                    }
-                }
+                let mut t = RankTrainer::new(c, weights, ctx)?;
+                Box::new(move |n| Ok(t.step(st, batch, n, ctx)?))
             }
             Compiled::Pipe(c) => {
-                let pp = opts
-                    .mesh
-                    .axis("pp")
-                    .context("a pipeline mesh has a pp axis")?;
-                let stage = opts.mesh.coords(env.rank)[pp.0 as usize];
-                let mut locals = vec![BTreeMap::new(); c.chunks.len()];
-                let head = c.chunks.last().context("a pipeline has chunks")?;
-                for step in 1..=a.steps {
-                    let t0 = Instant::now();
-                    state.step = step as u64 - 1;
-                    let inputs = chunk_inputs(c, &state, batch);
-                    let run = run_stage(c, stage, &ctx, &inputs, &locals, weights, t0)?;
-                    let outs = run.outputs;
-                    for (j, o) in &outs {
-                        locals[*j] = kept(o);
-                    }
-                    // The loss lives on the last chunk's stage; rank 0 (stage 0) prints it.
-                    let mut loss = [f32::NAN];
-                    if stage == head.stage {
-                        let sg = &head.train.sharded;
-                        let v = sg.graph.output("loss").context("no `loss` output")?;
-                        let local = &outs[&head.index]["loss"];
-                        loss[0] = reduce_loss(local, &sg.shardings[v.index()], &c.stage_mesh)?;
-                    }
-                    if head.stage != 0 {
-                        let comm = ctx.comm("pp")?;
-                        if stage == head.stage {
-                            comm.send(&loss, 0)?;
-                        } else if stage == 0 {
-                            comm.recv(&mut loss, head.stage)?;
-                        }
-                    }
-                    if env.rank == 0 {
-                        println!(
-                            "step {step}: loss {:.6} ({:.1} ms)",
-                            loss[0],
-                            t0.elapsed().as_secs_f64() * 1e3
-                        );
-                    }
-                }
+                let mut t = StageTrainer::new(c, env.rank);
+                Box::new(move |n| Ok(t.step(st, batch, n, ctx, weights)?))
+            }
+        };
+        for step in 1..=a.steps {
+            let t0 = Instant::now();
+            let loss = one_step(step as u64)?;
+            if env.rank == 0 {
+                println!(
+                    "step {step}: loss {loss:.6} ({:.1} ms)",
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
             }
         }
         Ok(())
