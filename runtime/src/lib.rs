@@ -7,6 +7,7 @@ pub mod cuda;
 mod error;
 mod exec;
 pub mod launch;
+pub mod output;
 pub mod pipeline;
 pub mod spmd;
 pub mod tensor;

@@ -598,7 +598,7 @@ pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Resu
         .collect::<Result<Vec<_>, _>>()?;
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
     let buf = safetensors::tensor::serialize(views, Some(meta)).map_err(|e| err(e.to_string()))?;
-    std::fs::write(path, buf).map_err(|e| err(e.to_string()))
+    crate::output::write_atomic(path, &buf).map_err(|e| err(e.to_string()))
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use clap::Args;
 use shardc::compiler::cost::{fit_profile, Cluster, DeviceProfile, Measurements};
 use shardc::runtime::cuda::calibrate::{measure, CalibrateOptions};
 use shardc::runtime::cuda::CudaDevice;
+use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
@@ -24,9 +25,18 @@ pub struct CalibrateArgs {
     /// Where to write the device profile (a cluster profile goes next to it, `*-cluster.toml`).
     #[arg(short = 'o', long, default_value = "calibrated.toml")]
     pub output: PathBuf,
+    /// Allow an output to replace a file this command reads (still atomically).
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
+    let outputs = Outputs::new(a.overwrite).inputs([
+        a.measurements.as_deref(),
+        Some(Path::new(&a.base)),
+        a.cluster.as_deref().map(Path::new),
+    ]);
+    outputs.check_file("-o", &a.output)?;
     let m: Measurements = match &a.measurements {
         Some(p) => {
             let text =
@@ -37,8 +47,7 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
             let m = measure_on_gpu()?;
             print_table(&m);
             let raw = measurements_path(&a.output);
-            std::fs::write(&raw, serde_json::to_string_pretty(&m)?)
-                .with_context(|| format!("writing {}", raw.display()))?;
+            outputs.write("-o", &raw, serde_json::to_string_pretty(&m)?.as_bytes())?;
             println!("wrote {} (raw measurements)", raw.display());
             m
         }
@@ -56,8 +65,7 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| "calibrated".into());
     dev.name = stem.clone();
     dev.description = format!("{} (calibrated on {})", base.description, m.device);
-    std::fs::write(&a.output, dev.to_toml())
-        .with_context(|| format!("writing {}", a.output.display()))?;
+    outputs.write("-o", &a.output, dev.to_toml().as_bytes())?;
     println!(
         "wrote {}: gemm large/medium/small/tiny {:.2}/{:.2}/{:.2}/{:.2}, memory {:.2}, nvlink {:.2}, launch floor {:.1} µs",
         a.output.display(),
@@ -77,8 +85,7 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
             .file_name()
             .map(|s| s.to_string_lossy().to_string())
             .unwrap_or_default();
-        std::fs::write(&file, c.to_toml())
-            .with_context(|| format!("writing {}", file.display()))?;
+        outputs.write("-o", &file, c.to_toml().as_bytes())?;
         println!(
             "wrote {}: network efficiency {:.2}, latency {:.1} µs (network) / {:.1} µs (NVLink)",
             file.display(),

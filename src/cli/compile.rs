@@ -16,6 +16,7 @@ use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{
     compile_pipeline, compile_train, PipelineOptions, Precision, TrainMemory, TrainOptions,
 };
+use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
 
 /// Default mesh and strategies of a bare `shardc compile`.
@@ -44,6 +45,9 @@ pub struct CompileArgs {
     /// Where to write the plan.
     #[arg(short = 'o', long, default_value = "plan.json")]
     pub output: PathBuf,
+    /// Allow `-o` to replace a file this command reads (still atomically).
+    #[arg(long)]
+    pub overwrite: bool,
     /// Cluster profile whose device memory every rank must fit (`dgx-h100`, a `.toml` path).
     #[arg(long, default_value = "dgx-h100")]
     pub cluster: String,
@@ -104,6 +108,9 @@ pub fn options(
 
 pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     let path = a.model.clone().unwrap_or_else(super::default_model);
+    let outputs =
+        Outputs::new(a.overwrite).inputs([Some(path.as_path()), Some(Path::new(&a.cluster))]);
+    outputs.check_file("-o", &a.output)?;
     let cfg = ModelConfig::from_path(&path)?;
     let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
     let opts = options(
@@ -115,7 +122,7 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
         a.gpus_per_node,
     )?;
     if a.train {
-        return run_train(&a, &cfg, &path, opts);
+        return run_train(&a, &cfg, &path, opts, &outputs);
     }
     let mut rw = RewriteOptions::with_rules(a.rewrite.parse::<RuleSelection>()?);
     rw.cost.memory_us_per_mib = a.memory_weight;
@@ -131,7 +138,7 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     super::simulate::fit_check(&plan, &a.cluster, a.allow_oom)?;
     let elapsed = t0.elapsed();
     let json = plan.to_json();
-    std::fs::write(&a.output, &json).with_context(|| format!("writing {}", a.output.display()))?;
+    outputs.write("-o", &a.output, json.as_bytes())?;
     print_summary(&plan);
     if let Some(r) = &compiled.report {
         print!("{r}");
@@ -292,6 +299,7 @@ fn run_train(
     cfg: &ModelConfig,
     path: &Path,
     fwd: CompileOptions,
+    outputs: &Outputs,
 ) -> anyhow::Result<()> {
     if a.rewrite != "none" {
         bail!(
@@ -321,7 +329,7 @@ fn run_train(
     train_fit_check(&ranks, &a.cluster, a.allow_oom)?;
     let elapsed = t0.elapsed();
     let json = plan.to_json();
-    std::fs::write(&a.output, &json).with_context(|| format!("writing {}", a.output.display()))?;
+    outputs.write("-o", &a.output, json.as_bytes())?;
     print_train_summary(&plan, &opts, &ranks)?;
     println!(
         "compiled in {:.1} ms; wrote {} (plan format v{}, {} nodes in {} program(s), {})",

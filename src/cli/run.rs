@@ -22,6 +22,7 @@ use shardc::runtime::cuda::{
     execute_cuda, run_spmd_local_gpu, CudaDevice, CudaOptions, GpuDType, ParamInit,
 };
 use shardc::runtime::launch::{ProcessGroup, WorldEnv};
+use shardc::runtime::output::Outputs;
 use shardc::runtime::spmd::run_spmd;
 use shardc::runtime::{execute, RankCtx, Tensor, Weights};
 use std::collections::BTreeMap;
@@ -45,6 +46,9 @@ pub struct RunArgs {
     /// Where to write logits and final hidden states.
     #[arg(long)]
     out: PathBuf,
+    /// Allow `--out` to replace a file this command reads (still atomically).
+    #[arg(long)]
+    overwrite: bool,
     /// Run the sharded plan for this mesh on thread ranks (e.g. `tp=2`, `dp=2,tp=2`), or,
     /// when RANK/WORLD_SIZE are set (`shardc launch`), this process's rank of it.
     #[arg(long)]
@@ -142,6 +146,13 @@ fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
+    let files = Outputs::new(a.overwrite).inputs([
+        Some(a.model.as_path()),
+        Some(&a.tokens),
+        a.attention_mask.as_deref(),
+        a.position_ids.as_deref(),
+    ]);
+    files.check_file("--out", &a.out)?;
     let cuda = match a.backend.as_str() {
         "cpu" => None,
         "cuda" => Some(cuda_backend(&a)?),
@@ -305,8 +316,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         "hidden_shape": hidden.shape,
         "hidden": f(hidden),
     });
-    std::fs::write(&a.out, serde_json::to_string(&out)?)
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    files.write("--out", &a.out, serde_json::to_string(&out)?.as_bytes())?;
     println!(
         "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms; logits {:?} → {}",
         cfg.arch.name(),
@@ -391,6 +401,7 @@ mod cuda_tests {
             attention_mask: None,
             position_ids: None,
             out: PathBuf::from("/nonexistent/out.json"),
+            overwrite: false,
             mesh: None,
             strategy: vec![],
             backend: "cuda".into(),

@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::Args;
 use shardc::compiler::plan::Plan;
 use shardc::compiler::schedule::pipeline::{PassCosts, PipeOp, PipelineSchedule, ScheduleKind};
+use shardc::runtime::output::Outputs;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -27,9 +28,16 @@ pub struct ScheduleArgs {
     /// Write a Chrome/Perfetto trace here.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Allow `--trace` to replace a file this command reads (still atomically).
+    #[arg(long)]
+    overwrite: bool,
 }
 
 pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
+    let outputs = Outputs::new(a.overwrite).inputs([a.plan.as_deref()]);
+    if let Some(t) = &a.trace {
+        outputs.check_file("--trace", t)?;
+    }
     let sched = match &a.plan {
         Some(p) => {
             let text =
@@ -109,8 +117,7 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
     if let Some(t) = &a.trace {
         // One unit = 1 ms in the trace.
         let json = replay.trace_events(sched.stages, 1000.0);
-        std::fs::write(t, serde_json::to_string(&json)?)
-            .with_context(|| format!("writing {}", t.display()))?;
+        outputs.write("--trace", t, serde_json::to_string(&json)?.as_bytes())?;
         println!("wrote {} (open in https://ui.perfetto.dev)", t.display());
     }
     Ok(())

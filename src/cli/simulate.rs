@@ -15,7 +15,8 @@ use shardc::compiler::model::ModelConfig;
 use shardc::compiler::pipeline::compile_forward;
 use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::Mesh;
-use std::path::PathBuf;
+use shardc::runtime::output::Outputs;
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
@@ -89,6 +90,18 @@ pub struct SimulateArgs {
     /// Ranks to put in the trace: `0-15`, `0,8,16` (default: all).
     #[arg(long)]
     pub trace_ranks: Option<String>,
+    /// Allow `--trace` to replace a file this command reads (still atomically).
+    #[arg(long)]
+    pub overwrite: bool,
+}
+
+/// The files this command reads, against which `--trace` is checked.
+fn outputs(a: &SimulateArgs) -> Outputs {
+    Outputs::new(a.overwrite).inputs([
+        a.model.as_deref(),
+        a.plan.as_deref(),
+        Some(Path::new(&a.cluster)),
+    ])
 }
 
 fn parse_ranks(s: &str, world: usize) -> anyhow::Result<Vec<usize>> {
@@ -132,6 +145,9 @@ fn compute_options(a: &SimulateArgs) -> anyhow::Result<ComputeOptions> {
 }
 
 pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
+    if let Some(out) = &a.trace {
+        outputs(&a).check_file("--trace", out)?;
+    }
     let copts = compute_options(&a)?;
     if let Some(p) = &a.plan {
         let text =
@@ -199,8 +215,11 @@ fn finish(a: &SimulateArgs, sim: &Simulation) -> anyhow::Result<()> {
             Some(s) => Some(parse_ranks(s, sim.rank_timeline.len())?),
             None => None,
         };
-        std::fs::write(out, chrome_trace(sim, ranks.as_deref()))
-            .with_context(|| format!("writing {}", out.display()))?;
+        outputs(a).write(
+            "--trace",
+            out,
+            chrome_trace(sim, ranks.as_deref()).as_bytes(),
+        )?;
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&sim.report)?);

@@ -18,6 +18,7 @@ use shardc::compiler::train::{
     TrainOptions,
 };
 use shardc::runtime::launch::{ProcessGroup, WorldEnv};
+use shardc::runtime::output::{Outputs, StagedDir};
 use shardc::runtime::pipeline::{pipeline_step, StageTrainer};
 use shardc::runtime::train::{
     save_safetensors, stored_tensors_of, train_step, Batch, Fill, RankTrainer, StepOutput,
@@ -92,6 +93,10 @@ pub struct TrainArgs {
     /// Seconds a rank waits for its peers in a collective before failing.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
+    /// Allow an output to replace a file this command reads (e.g. `--save` onto the model's
+    /// own directory); the replacement is still atomic.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 /// Reads a JSON `[[int, ...], ...]` file of token ids as a batch × seq matrix.
@@ -248,6 +253,19 @@ fn describe_pipeline(p: &CompiledPipeline) -> anyhow::Result<()> {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
+    let outputs = Outputs::new(a.overwrite).inputs([Some(a.model.as_path()), Some(&a.tokens)]);
+    for (flag, p) in [
+        ("--plan", &a.plan),
+        ("--dump-grads", &a.dump_grads),
+        ("--trace", &a.trace),
+    ] {
+        if let Some(p) = p {
+            outputs.check_file(flag, p)?;
+        }
+    }
+    if let Some(dir) = &a.save {
+        outputs.check_dir("--save", dir, &CHECKPOINT_FILES)?;
+    }
     let cfg = ModelConfig::from_path(&a.model)?;
     let (b, t, ids) = read_tokens(&a.tokens)?;
     if t < 2 {
@@ -343,7 +361,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             Compiled::Pipe(c) => c.plan(&source, cfg.arch.name(), cfg.layers, Precision::f32()),
         };
         plan.check_pipeline()?;
-        std::fs::write(p, plan.to_json()).with_context(|| format!("writing {}", p.display()))?;
+        outputs.write("--plan", p, plan.to_json().as_bytes())?;
     }
     let weights = Weights::open(&a.model)?;
     let mut state = TrainState::load_params(c.params(), &weights)?;
@@ -407,8 +425,11 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             .map(|r| mesh.coords_label(r))
             .collect();
         let index: Vec<u32> = (0..timelines.len() as u32).collect();
-        std::fs::write(path, timelines_trace(&timelines, &index, &labels, None))
-            .with_context(|| format!("writing {}", path.display()))?;
+        outputs.write(
+            "--trace",
+            path,
+            timelines_trace(&timelines, &index, &labels, None).as_bytes(),
+        )?;
         println!(
             "executed schedule of step {} → {} (open in https://ui.perfetto.dev)",
             a.steps,
@@ -425,17 +446,33 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         println!("gradients → {}", path.display());
     }
     if let Some(dir) = &a.save {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        // Built whole beside `dir` (tensors first, config.json last), then swapped into place:
+        // a failed or killed save leaves the previous checkpoint as it was.
+        let stage = StagedDir::new(dir)?;
         let stored = stored_tensors_of(c.params(), &state.params, &weights, Fill::Original)?;
-        save_safetensors(&dir.join("model.safetensors"), &stored)?;
+        save_safetensors(&stage.path("model.safetensors"), &stored)?;
         let cfg_src = if a.model.is_dir() {
             a.model.join("config.json")
         } else {
             a.model.clone()
         };
-        std::fs::copy(&cfg_src, dir.join("config.json"))
-            .with_context(|| format!("copying {} to {}", cfg_src.display(), dir.display()))?;
+        let cfg_bytes =
+            std::fs::read(&cfg_src).with_context(|| format!("reading {}", cfg_src.display()))?;
+        stage.write("config.json", &cfg_bytes)?;
+        test_hook_kill_before_publish();
+        stage.publish()?;
         println!("checkpoint → {}", dir.display());
     }
     Ok(())
+}
+
+/// The files a `--save` checkpoint directory holds.
+const CHECKPOINT_FILES: [&str; 2] = ["model.safetensors", "config.json"];
+
+/// Test hook: `SHARDC_TEST_KILL_DURING_SAVE=1` kills the process after a checkpoint's files are
+/// written and before it is published, as a crash at the worst moment would.
+fn test_hook_kill_before_publish() {
+    if std::env::var_os("SHARDC_TEST_KILL_DURING_SAVE").is_some_and(|v| v == "1") {
+        std::process::abort();
+    }
 }
