@@ -477,3 +477,43 @@ fn bad_launcher_arguments_are_named() {
         );
     }
 }
+
+#[test]
+fn a_rank_with_another_plan_is_refused_at_the_rendezvous() {
+    // Rank 1 runs with `--strategy sp`, rank 0 without: different programs, which would
+    // deadlock or compute garbage together. Both fail at the rendezvous, naming the plans.
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let args = run_args(tmp.path(), "tp=2", TIMEOUT_S);
+    let t0 = Instant::now();
+    let children: Vec<Child> = (0..2)
+        .map(|rank| {
+            let mut c = shardc();
+            c.args(&args);
+            if rank == 1 {
+                c.args(["--strategy", "sp"]);
+            }
+            c.env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let limit = Duration::from_secs(TIMEOUT_S) + SLACK;
+    for (rank, c) in children.into_iter().enumerate() {
+        let d = wait(c, t0, limit).expect("no rank may hang");
+        assert!(!d.status.success(), "rank {rank}: {}", d.stdout);
+        assert!(!d.stderr.contains("panicked"), "rank {rank}: {}", d.stderr);
+        assert!(
+            d.stderr.contains("joined with plan"),
+            "rank {rank}: {}",
+            d.stderr
+        );
+        assert!(d.stderr.contains("same plan"), "rank {rank}: {}", d.stderr);
+    }
+    assert!(!tmp.path().join("out.json").exists());
+}

@@ -6,7 +6,7 @@
 use shardc::compiler::shard::Mesh;
 use shardc::runtime::comm::{Communicator, ReduceOp};
 use shardc::runtime::launch::{
-    ProcessGroup, Rendezvous, RendezvousServer, RendezvousTable, WorldEnv,
+    plan_fingerprint, ProcessGroup, Rendezvous, RendezvousServer, RendezvousTable, WorldEnv,
 };
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
@@ -40,6 +40,7 @@ fn register(
         Rendezvous::connect("127.0.0.1", port, r, world, timeout).map_err(|e| e.to_string())?;
     assert!(rv.local_ip().is_loopback());
     rv.exchange(
+        b"plan",
         &[addr(1000 + r as u16), addr(2000 + r as u16)],
         Some(&bootstrap),
     )
@@ -212,7 +213,8 @@ fn process_groups_connect_each_mesh_axis() {
                     } else {
                         Some(&b"ignored"[..])
                     };
-                    let pg = ProcessGroup::connect(&env(rank, 4, port), mesh, mine, LONG).unwrap();
+                    let pg = ProcessGroup::connect(&env(rank, 4, port), mesh, b"plan", mine, LONG)
+                        .unwrap();
                     let g = pg.groups();
                     assert_eq!((g[0].axis.as_str(), g[1].axis.as_str()), ("dp", "tp"));
                     let mut dp = [rank as f32];
@@ -257,7 +259,8 @@ fn the_default_bootstrap_is_a_shared_random_job_id() {
                     let mesh = &mesh;
                     s.spawn(move || {
                         let pg =
-                            ProcessGroup::connect(&env(rank, 3, port), mesh, None, LONG).unwrap();
+                            ProcessGroup::connect(&env(rank, 3, port), mesh, b"plan", None, LONG)
+                                .unwrap();
                         pg.bootstrap().to_vec()
                     })
                 })
@@ -274,8 +277,46 @@ fn the_default_bootstrap_is_a_shared_random_job_id() {
 #[test]
 fn a_mesh_of_another_size_is_refused_before_connecting() {
     let mesh = Mesh::parse("tp=2", 8).unwrap();
-    let e = ProcessGroup::connect(&env(0, 4, free_port()), &mesh, None, LONG)
+    let e = ProcessGroup::connect(&env(0, 4, free_port()), &mesh, b"plan", None, LONG)
         .unwrap_err()
         .to_string();
     assert_eq!(e, "mesh tp=2 has 2 ranks but WORLD_SIZE is 4");
+}
+
+#[test]
+fn a_rank_with_another_plan_is_refused_at_the_rendezvous() {
+    let mesh = Mesh::parse("tp=3", 8).unwrap();
+    let port = free_port();
+    let errors: Vec<String> = thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|rank| {
+                let mesh = &mesh;
+                s.spawn(move || {
+                    let plan = plan_fingerprint(if rank == 2 { b"plan B" } else { b"plan A" });
+                    ProcessGroup::connect(&env(rank, 3, port), mesh, &plan, None, LONG)
+                        .map(|_| ())
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (a, b) = (
+        plan_fingerprint(b"plan A")[..8]
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<String>(),
+        plan_fingerprint(b"plan B")[..8]
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<String>(),
+    );
+    for e in &errors {
+        // Rank 2 is named against another rank, in whichever order they registered.
+        assert!(e.contains("rank 2 "), "{e}");
+        assert!(e.contains("joined with plan"), "{e}");
+        assert!(e.contains(&a) && e.contains(&b), "{e}");
+        assert!(e.contains("same plan"), "{e}");
+    }
 }

@@ -449,3 +449,73 @@ fn handles_are_send() {
     fn assert_send<T: Send>() {}
     assert_send::<TcpComm>();
 }
+
+/// Joins a 2-rank group as rank 1 by hand (the handshake of the wire format), sends `bytes`
+/// and closes; returns rank 0's error from an all_reduce.
+fn rank_0_error_after_rank_1_sends(bytes: Vec<u8>) -> CommError {
+    use std::io::{Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addrs = vec![
+        listener.local_addr().unwrap(),
+        "127.0.0.1:9".parse().unwrap(),
+    ];
+    let peer = thread::spawn({
+        let to = addrs[0];
+        move || {
+            let mut s = std::net::TcpStream::connect(to).unwrap();
+            let mut hello = b"SHDC".to_vec();
+            hello.extend_from_slice(&2u32.to_le_bytes());
+            for n in [1u64, 2, 2] {
+                hello.extend_from_slice(&n.to_le_bytes());
+            }
+            hello.extend_from_slice(b"tp");
+            s.write_all(&hello).unwrap();
+            let mut ack = [0u8; 4];
+            s.read_exact(&mut ack).unwrap();
+            assert_eq!(&ack, b"SHOK");
+            s.write_all(&bytes).unwrap();
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+            // Hold the socket open until rank 0 has read what it needs.
+            let mut sink = Vec::new();
+            let _ = s.read_to_end(&mut sink);
+        }
+    });
+    let comm = TcpComm::from_listener("tp", 0, 2, listener, &addrs, LONG).unwrap();
+    let start = Instant::now();
+    let mut buf = vec![1.0f32; 100];
+    let e = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{e} took too long"
+    );
+    drop(comm);
+    peer.join().unwrap();
+    e
+}
+
+/// A data frame header: type 0, collective kind, checksum `check`, seq 0, `len` f32s.
+fn data_header(check: u32, len: u64) -> Vec<u8> {
+    let mut h = vec![0u8, 0, 0, 0];
+    h.extend_from_slice(&check.to_le_bytes());
+    h.extend_from_slice(&0u64.to_le_bytes());
+    h.extend_from_slice(&len.to_le_bytes());
+    h
+}
+
+#[test]
+fn a_corrupted_frame_aborts_naming_the_sender() {
+    let mut frame = data_header(0x1234_5678, 50);
+    frame.extend(std::iter::repeat_n(0x3fu8, 200));
+    let e = rank_0_error_after_rank_1_sends(frame).to_string();
+    assert!(e.contains("rank 1 sent a corrupt frame"), "{e}");
+    assert!(e.contains("checksum"), "{e}");
+}
+
+#[test]
+fn a_truncated_frame_aborts_naming_the_sender_and_the_bytes() {
+    let mut frame = data_header(0, 100);
+    frame.extend(std::iter::repeat_n(0u8, 40));
+    let e = rank_0_error_after_rank_1_sends(frame).to_string();
+    assert!(e.contains("rank 1 sent a truncated frame"), "{e}");
+    assert!(e.contains("40 of its 400 payload bytes"), "{e}");
+}

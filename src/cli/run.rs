@@ -18,10 +18,11 @@ use clap::Args;
 use serde_json::{json, Value};
 use shardc::compiler::model::{build_forward, BuildOptions, ModelConfig};
 use shardc::compiler::pipeline::compile_forward;
+use shardc::compiler::plan::Plan;
 use shardc::runtime::cuda::{
     execute_cuda, run_spmd_local_gpu, CudaDevice, CudaOptions, GpuDType, ParamInit,
 };
-use shardc::runtime::launch::{ProcessGroup, WorldEnv};
+use shardc::runtime::launch::{plan_fingerprint, ProcessGroup, WorldEnv};
 use shardc::runtime::output::Outputs;
 use shardc::runtime::spmd::run_spmd;
 use shardc::runtime::{execute, RankCtx, Tensor, Weights};
@@ -255,7 +256,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             let env = world.as_ref().expect("invariant: matched");
             let opts = super::compile::options(&cfg, Some(m), &a.strategy, b, t, 8)?;
             let c = compile_forward(&cfg, &opts)?;
-            let pg = ProcessGroup::connect(env, &opts.mesh, None, a.comm_timeout)?;
+            // Ranks must agree on the program (not on where each found the model).
+            let plan = Plan::new(&c, "", cfg.arch.name(), cfg.layers);
+            let fingerprint = plan_fingerprint(plan.to_json().as_bytes());
+            let pg = ProcessGroup::connect(env, &opts.mesh, &fingerprint, None, a.comm_timeout)?;
             test_fault_hook(env.rank)?;
             let out = pg.run(&c.sharded.graph, &weights, &inputs)?;
             let job: String = pg.bootstrap().iter().map(|x| format!("{x:02x}")).collect();

@@ -11,13 +11,14 @@ use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::cost::timelines_trace;
 use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
+use shardc::compiler::plan::Plan;
 use shardc::compiler::schedule::pipeline::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{
     compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, Precision,
     TrainOptions,
 };
-use shardc::runtime::launch::{ProcessGroup, WorldEnv};
+use shardc::runtime::launch::{plan_fingerprint, ProcessGroup, WorldEnv};
 use shardc::runtime::output::{Outputs, StagedDir};
 use shardc::runtime::pipeline::{pipeline_step, StageTrainer};
 use shardc::runtime::train::{
@@ -157,6 +158,15 @@ impl Compiled {
             Compiled::Pipe(c) => &c.strategies,
         }
     }
+
+    /// The step's plan, as the CPU runtime executes it (f32).
+    fn plan(&self, source: &str, cfg: &ModelConfig) -> Plan {
+        let (arch, layers) = (cfg.arch.name(), cfg.layers);
+        match self {
+            Compiled::Flat(c) => c.plan(source, arch, layers, Precision::f32()),
+            Compiled::Pipe(c) => c.plan(source, arch, layers, Precision::f32()),
+        }
+    }
 }
 
 /// This process's rank of a multi-process run: connects its groups (tcp, torchrun's
@@ -166,6 +176,7 @@ impl Compiled {
 #[allow(clippy::too_many_arguments)]
 fn run_rank(
     a: &TrainArgs,
+    cfg: &ModelConfig,
     c: &Compiled,
     env: &WorldEnv,
     opts: &TrainOptions,
@@ -180,7 +191,9 @@ fn run_rank(
         );
     }
     let timeout = Duration::from_secs(a.timeout);
-    let pg = ProcessGroup::connect(env, &opts.mesh, None, timeout)?;
+    // Ranks must agree on the program (not on where each found the model).
+    let fingerprint = plan_fingerprint(c.plan("", cfg).to_json().as_bytes());
+    let pg = ProcessGroup::connect(env, &opts.mesh, &fingerprint, None, timeout)?;
     let ctx = pg.ctx();
     if env.rank == 0 {
         let names: Vec<&str> = matches!(c, Compiled::Pipe(_))
@@ -356,17 +369,14 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         .filter(|_| world.as_ref().is_none_or(|w| w.rank == 0))
     {
         let source = a.model.display().to_string();
-        let plan = match &c {
-            Compiled::Flat(c) => c.plan(&source, cfg.arch.name(), cfg.layers, Precision::f32()),
-            Compiled::Pipe(c) => c.plan(&source, cfg.arch.name(), cfg.layers, Precision::f32()),
-        };
+        let plan = c.plan(&source, &cfg);
         plan.check_pipeline()?;
         outputs.write("--plan", p, plan.to_json().as_bytes())?;
     }
     let weights = Weights::open(&a.model)?;
     let mut state = TrainState::load_params(c.params(), &weights)?;
     if let Some(env) = &world {
-        return run_rank(&a, &c, env, &opts, &batch, &weights, state);
+        return run_rank(&a, &cfg, &c, env, &opts, &batch, &weights, state);
     }
     let how = if opts.mesh.world_size() == 1 {
         "unsharded".to_string()

@@ -8,9 +8,11 @@
 //! handshake checking the group name, size and ranks. One reader thread per peer then drains
 //! its socket into this rank's inbox, so sends never wait for the peer to post a receive.
 //!
-//! Wire format (little-endian): a 24-byte header `[type u8, collective u8, 0 × 6, seq u64,
-//! len u64]` then, for data, `len` f32s; for an abort, `len` bytes of UTF-8 reason; a goodbye
-//! has no payload.
+//! Wire format (little-endian): a 24-byte header `[type u8, collective u8, 0 × 2, check u32,
+//! seq u64, len u64]` then, for data, `len` f32s; for an abort, `len` bytes of UTF-8 reason; a
+//! goodbye has no payload. `check` is a checksum of the header's other fields and the payload
+//! ([`checksum`]): a frame that arrives altered, or cut short, aborts the group naming the
+//! sender, rather than feeding a collective wrong numbers.
 //!
 //! Postconditions, beyond those of [`super::thread`]:
 //! - A wait past the timeout, or a socket write blocked past it, gives
@@ -35,7 +37,7 @@ const HELLO: &[u8; 4] = b"SHDC";
 /// Handshake reply of the accepting rank.
 const ACK: &[u8; 4] = b"SHOK";
 /// Wire format version, part of the handshake.
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Frame header length in bytes.
 const HEADER: usize = 24;
 /// Frame types.
@@ -137,7 +139,12 @@ impl TcpComm {
         let link = self.engine.link();
         let why = format!("rank {} aborted: {reason}", link.info.rank);
         link.inbox.abort(&why);
-        let frame = frame(ABORT, Tag { kind: 0, seq: 0 }, why.len(), why.as_bytes());
+        let frame = seal(frame(
+            ABORT,
+            Tag { kind: 0, seq: 0 },
+            why.len(),
+            why.as_bytes(),
+        ));
         for peer in 0..link.info.size {
             let _ = link.write_frame(peer, &frame); // Best effort: the peer may be gone.
         }
@@ -192,19 +199,22 @@ impl Transport for TcpLink {
         frame.reserve_exact(4 * data.len());
         data.iter()
             .for_each(|x| frame.extend_from_slice(&x.to_le_bytes()));
-        self.write_frame(peer, &frame).map_err(|e| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => self.info.timeout_err(op, peer),
-            _ => self
-                .info
-                .aborted_err(op, format!("connection to rank {peer} lost: {e}")),
-        })
+        self.write_frame(peer, &seal(frame))
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                    self.info.timeout_err(op, peer)
+                }
+                _ => self
+                    .info
+                    .aborted_err(op, format!("connection to rank {peer} lost: {e}")),
+            })
     }
 }
 
 impl Drop for TcpLink {
     fn drop(&mut self) {
         self.closing.store(true, Ordering::Release);
-        let bye = frame(BYE, Tag { kind: 0, seq: 0 }, 0, &[]);
+        let bye = seal(frame(BYE, Tag { kind: 0, seq: 0 }, 0, &[]));
         for writer in self.writers.iter().flatten() {
             let mut stream = writer.lock().unwrap_or_else(PoisonError::into_inner);
             let _ = stream.write_all(&bye); // Best effort: the peer may be gone.
@@ -217,6 +227,7 @@ impl Drop for TcpLink {
 }
 
 /// A frame: header, then `payload` (`len` counts elements for data, bytes otherwise).
+/// The checksum is filled in by [`seal`] once the payload is complete.
 fn frame(ty: u8, tag: Tag, len: usize, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + payload.len());
     out.extend_from_slice(&[ty, tag.kind, 0, 0, 0, 0, 0, 0]);
@@ -224,6 +235,51 @@ fn frame(ty: u8, tag: Tag, len: usize, payload: &[u8]) -> Vec<u8> {
     out.extend_from_slice(&(len as u64).to_le_bytes());
     out.extend_from_slice(payload);
     out
+}
+
+/// Writes the checksum of a complete frame into its header.
+fn seal(mut frame: Vec<u8>) -> Vec<u8> {
+    let c = checksum(&frame[..HEADER], &frame[HEADER..]);
+    frame[4..8].copy_from_slice(&c.to_le_bytes());
+    frame
+}
+
+/// A Fletcher-style checksum over 8-byte words of the header (its `check` field excluded) and
+/// the payload: cheap next to the socket, and any single flipped bit or reordered word changes
+/// it.
+pub(crate) fn checksum(header: &[u8], payload: &[u8]) -> u32 {
+    let (mut a, mut b) = (0x9e37_79b9_7f4a_7c15u64, 0u64);
+    let mut add = |w: u64| {
+        a = a.wrapping_add(w).rotate_left(5) ^ w;
+        b = b.wrapping_add(a);
+    };
+    add(u64::from(header[0]) | (u64::from(header[1]) << 8));
+    add(le_u64(&header[8..]));
+    add(le_u64(&header[16..]));
+    let mut words = payload.chunks_exact(8);
+    for w in &mut words {
+        add(le_u64(w));
+    }
+    let mut tail = [0u8; 8];
+    let rest = words.remainder();
+    tail[..rest.len()].copy_from_slice(rest);
+    add(u64::from_le_bytes(tail) ^ ((rest.len() as u64) << 56));
+    let h = a ^ b.rotate_left(29);
+    (h ^ (h >> 32)) as u32
+}
+
+/// `read_exact` that says how many bytes arrived before a failure.
+fn read_full(stream: &mut impl Read, buf: &mut [u8]) -> Result<(), (usize, io::Error)> {
+    let mut at = 0;
+    while at < buf.len() {
+        match stream.read(&mut buf[at..]) {
+            Ok(0) => return Err((at, io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err((at, e)),
+        }
+    }
+    Ok(())
 }
 
 fn le_u64(bytes: &[u8]) -> u64 {
@@ -253,8 +309,20 @@ fn read_loop(mut stream: TcpStream, peer: usize, inbox: &Inbox, closing: &Atomic
             break format!("rank {peer} sent a corrupt frame (payload length {len})");
         };
         let mut payload = vec![0u8; bytes];
-        if let Err(e) = stream.read_exact(&mut payload) {
-            break format!("connection to rank {peer} lost: {e}");
+        if let Err(e) = read_full(&mut stream, &mut payload) {
+            break format!(
+                "rank {peer} sent a truncated frame ({} of its {bytes} payload bytes arrived \
+                 before the connection ended: {})",
+                e.0, e.1
+            );
+        }
+        let sent = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+        let got = checksum(&header, &payload);
+        if sent != got {
+            break format!(
+                "rank {peer} sent a corrupt frame (collective #{seq}: checksum {got:08x}, the \
+                 sender's {sent:08x})"
+            );
         }
         match ty {
             DATA => {

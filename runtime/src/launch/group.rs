@@ -52,11 +52,14 @@ pub struct ProcessGroup {
 impl ProcessGroup {
     /// Connects this rank (`env`) to its groups of `mesh`, whose world size must be
     /// `env.world_size`. Rank 0 shares `bootstrap` (default: [`JOB_ID_BYTES`] random bytes)
-    /// with every rank; other ranks' `bootstrap` is ignored. `timeout` bounds the rendezvous,
-    /// each group's connection, and later every wait of a collective on a peer.
+    /// with every rank; other ranks' `bootstrap` is ignored. `plan` is the fingerprint of the
+    /// plan this rank runs ([`plan_fingerprint`]): a rank whose differs from the others' is
+    /// refused at the rendezvous, naming both. `timeout` bounds the rendezvous, each group's
+    /// connection, and later every wait of a collective on a peer.
     pub fn connect(
         env: &WorldEnv,
         mesh: &Mesh,
+        plan: &[u8],
         bootstrap: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<ProcessGroup, LaunchError> {
@@ -97,7 +100,7 @@ impl ProcessGroup {
                 &job_id
             }
         };
-        let table = rv.exchange(&addrs, Some(bootstrap))?;
+        let table = rv.exchange(plan, &addrs, Some(bootstrap))?;
         let axes = mesh.axes.len();
         if let Some((r, _)) = table
             .addrs
@@ -273,4 +276,10 @@ pub fn random_bytes(n: usize) -> Vec<u8> {
     }
     out.truncate(n);
     out
+}
+
+/// The fingerprint of a plan (its serialised form, with nothing rank- or path-specific): what
+/// every rank of a job must agree on at the rendezvous.
+pub fn plan_fingerprint(plan: &[u8]) -> Vec<u8> {
+    blake3::hash(plan).as_bytes().to_vec()
 }

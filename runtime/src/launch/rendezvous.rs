@@ -2,16 +2,18 @@
 //! process ([`Rendezvous::join`]) or by anyone else ([`RendezvousServer::start`]).
 //!
 //! Protocol: every rank connects (retrying until the store is up), registers its rank, the
-//! world size, the listen addresses of its data plane and, on rank 0, the job's opaque
-//! bootstrap bytes. Once every rank of the world has registered, the store answers each one
-//! with the same [`RendezvousTable`] (every rank's addresses, rank 0's bootstrap bytes) and
-//! exits. A rank registering twice, or a rank or world size out of range, makes the store
+//! world size, the fingerprint of the plan it will run, the listen addresses of its data plane
+//! and, on rank 0, the job's opaque bootstrap bytes. Once every rank of the world has
+//! registered, the store answers each one with the same [`RendezvousTable`] (every rank's
+//! addresses, rank 0's bootstrap bytes) and exits. A rank registering twice, a rank or world
+//! size out of range, or a plan fingerprint differing from the first registered rank's (ranks
+//! that would run different programs, and deadlock or compute garbage together) makes the store
 //! answer every rank, then and until the timeout, with one error naming the ranks concerned;
 //! ranks still missing at the timeout make it answer the registered ones with an error naming
 //! the missing ones. Connections that do not speak the protocol are dropped.
 //!
 //! Wire format (little-endian, `str` = `u64` length + UTF-8, `bytes` = `u64` length + bytes):
-//! registration `"SHRV", version u32, rank u64, world u64, n u64, n × str address,
+//! registration `"SHRV", version u32, rank u64, world u64, bytes plan, n u64, n × str address,
 //! has_bootstrap u8, bytes`; answer `"SHRZ", 0u8, world u64, world × (n u64, n × str),
 //! bytes` or `"SHRZ", 1u8, str error`.
 //!
@@ -27,12 +29,13 @@ use std::time::{Duration, Instant};
 
 const REGISTER: &[u8; 4] = b"SHRV";
 const ANSWER: &[u8; 4] = b"SHRZ";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Limits on what a registration may carry (larger means a corrupt or foreign stream).
 const MAX_WORLD: u64 = 1 << 20;
 const MAX_ADDRS: u64 = 1024;
 const MAX_STR: u64 = 1024;
 const MAX_BOOTSTRAP: u64 = 1 << 24;
+const MAX_PLAN: u64 = 1024;
 /// Pause between connection attempts while the store is not up yet.
 const RETRY: Duration = Duration::from_millis(20);
 /// Pause between polls of the store's listener.
@@ -55,6 +58,7 @@ pub struct RendezvousTable {
 struct Registration {
     rank: usize,
     world: usize,
+    plan: Vec<u8>,
     addrs: Vec<SocketAddr>,
     bootstrap: Option<Vec<u8>>,
 }
@@ -221,10 +225,12 @@ impl Rendezvous {
             .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |a| a.ip())
     }
 
-    /// Registers `addrs` (and, on rank 0, `bootstrap`; ignored elsewhere) and waits for the
-    /// table. On rank 0, also waits for its store to finish answering.
+    /// Registers `addrs` (and, on rank 0, `bootstrap`; ignored elsewhere) with the
+    /// fingerprint of this rank's `plan` (at most 1 KiB; every rank's must be equal), and waits
+    /// for the table. On rank 0, also waits for its store to finish answering.
     pub fn exchange(
         self,
+        plan: &[u8],
         addrs: &[SocketAddr],
         bootstrap: Option<&[u8]>,
     ) -> Result<RendezvousTable, LaunchError> {
@@ -249,6 +255,7 @@ impl Rendezvous {
             msg.extend_from_slice(&VERSION.to_le_bytes());
             put_u64(&mut msg, rank as u64);
             put_u64(&mut msg, world_size as u64);
+            put_bytes(&mut msg, &plan[..plan.len().min(MAX_PLAN as usize)]);
             put_u64(&mut msg, addrs.len() as u64);
             for a in addrs {
                 put_bytes(&mut msg, a.to_string().as_bytes());
@@ -450,7 +457,26 @@ fn check(
             "rank {r} registered twice (two processes with RANK={r}?)"
         ));
     }
+    if let Some((_, first)) = slots.iter().flatten().min_by_key(|(_, g)| g.rank) {
+        if first.plan != reg.plan {
+            return Err(format!(
+                "rank {r} joined with plan {} but rank {} with plan {}: every rank must run the \
+                 same plan (same command, model, mesh and options)",
+                hex(&reg.plan),
+                first.rank,
+                hex(&first.plan)
+            ));
+        }
+    }
     Ok(())
+}
+
+/// The first 8 bytes of a fingerprint as hex (enough to tell two apart).
+fn hex(b: &[u8]) -> String {
+    if b.is_empty() {
+        return "(none)".into();
+    }
+    b.iter().take(8).map(|x| format!("{x:02x}")).collect()
 }
 
 fn error_answer(why: &str) -> Vec<u8> {
@@ -518,6 +544,7 @@ fn read_registration(stream: &mut TcpStream, deadline: Option<Instant>) -> Optio
     if world > MAX_WORLD || rank > MAX_WORLD {
         return None;
     }
+    let plan = get_bytes(stream, MAX_PLAN).ok()?;
     let n = get_u64(stream).ok().filter(|&n| n <= MAX_ADDRS)?;
     let addrs = (0..n)
         .map(|_| get_addr(stream))
@@ -529,6 +556,7 @@ fn read_registration(stream: &mut TcpStream, deadline: Option<Instant>) -> Optio
     Some(Registration {
         rank: rank as usize,
         world: world as usize,
+        plan,
         addrs,
         bootstrap: (has[0] != 0).then_some(bytes),
     })
