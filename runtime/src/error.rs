@@ -41,6 +41,25 @@ pub enum RuntimeError {
         /// The stored dtype (safetensors name, e.g. `I64`).
         dtype: String,
     },
+    /// A stored tensor holds NaN or infinite values (refused at load: they would only turn
+    /// into NaN outputs, losses and checkpoints).
+    #[error(
+        "{}: tensor {name} has {count} non-finite value{} (first at index {first}: {value})",
+        file.display(),
+        if *count == 1 { "" } else { "s" }
+    )]
+    NonFiniteWeight {
+        /// The safetensors file holding it.
+        file: PathBuf,
+        /// Stored tensor name.
+        name: String,
+        /// How many of its elements are NaN or ±inf.
+        count: usize,
+        /// Flat (row-major, stored layout) index of the first.
+        first: usize,
+        /// Its value.
+        value: f32,
+    },
     /// A parameter is declared with a dtype the loader cannot produce.
     #[error("parameter `{name}` is declared {dtype}; only float parameters can be loaded")]
     ParamDType {
@@ -131,6 +150,15 @@ pub enum RuntimeError {
         batch: usize,
         /// Flat index within the rest of the labels' dims.
         pos: usize,
+    },
+    /// A micro-batch's loss (a `CrossEntropy` node) is NaN or infinite: training diverged
+    /// or its inputs are poisoned.
+    #[error("micro-batch {micro}: loss is {value}")]
+    NonFiniteLoss {
+        /// The micro-batch (0-based; the node's `mb<k>.` prefix, 0 without one).
+        micro: usize,
+        /// The loss (this rank's partial sum of it, where the loss is split over ranks).
+        value: f32,
     },
     /// A collective failed.
     #[error("node {node} `{name}` ({op}): {source}")]

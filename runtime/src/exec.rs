@@ -560,6 +560,11 @@ impl<'g, 'p> Run<'g, 'p> {
                 }
                 owned(cpu::eval_op(&node.op, &args, &node.ty))
             }
+            Op::CrossEntropy { .. } => {
+                let loss = cpu::eval_op(&node.op, &args, &node.ty).map_err(at_node)?;
+                check_loss(node, &loss)?;
+                Ok(Cow::Owned(loss))
+            }
             op => owned(cpu::eval_op(op, &args, &node.ty)),
         }
     }
@@ -642,6 +647,27 @@ impl<'g, 'p> Run<'g, 'p> {
     }
 }
 
+/// Fails at the first loss that is not finite, naming its micro-batch (from the node's
+/// `mb<k>.` prefix, which the training graph gives every value of micro-batch `k` when there
+/// are several): nothing after it (gradients, the optimizer step) would be meaningful. A
+/// rank's loss is a partial sum of the global one, so a non-finite local value makes the
+/// global value non-finite too.
+fn check_loss(node: &Node, loss: &Tensor) -> Result<(), RuntimeError> {
+    let Some(&value) = loss
+        .as_f32()
+        .and_then(|v| v.iter().find(|x| !x.is_finite()))
+    else {
+        return Ok(());
+    };
+    let micro = node
+        .name
+        .strip_prefix("mb")
+        .and_then(|rest| rest.split_once('.'))
+        .and_then(|(k, _)| k.parse().ok())
+        .unwrap_or(0);
+    Err(RuntimeError::NonFiniteLoss { micro, value })
+}
+
 /// Checks a computed value against the node's declared type.
 fn check_type(v: ValueId, node: &Node, t: &Tensor) -> Result<(), RuntimeError> {
     let shape_ok = t.shape.len() == node.ty.rank()
@@ -662,5 +688,58 @@ fn check_type(v: ValueId, node: &Node, t: &Tensor) -> Result<(), RuntimeError> {
             },
             found: t.shape.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardc_compiler::ir::TensorType;
+
+    /// A graph whose only loss, `name`, is the cross-entropy of `[2, 4]` logits.
+    fn loss_graph(name: &str) -> Graph {
+        let mut g = Graph::new();
+        let logits = g.input("logits", TensorType::plain(DType::F32, &[2, 4]));
+        let labels = g.input("labels", TensorType::plain(DType::I32, &[2]));
+        let loss = g
+            .add(Op::CrossEntropy { denom: 2 }, &[logits, labels], name)
+            .unwrap();
+        g.set_output("loss", loss);
+        g
+    }
+
+    fn inputs(bad: f32) -> BTreeMap<String, Tensor> {
+        BTreeMap::from([
+            (
+                "logits".to_string(),
+                Tensor::f32(vec![2, 4], vec![0.5, 1.0, bad, 0.0, 1.0, 2.0, 3.0, 4.0]),
+            ),
+            ("labels".to_string(), Tensor::i32(vec![2], vec![1, 3])),
+        ])
+    }
+
+    #[test]
+    fn a_non_finite_loss_stops_the_run_naming_its_micro_batch() {
+        let ctx = RankCtx::new();
+        let none = ParamCache::default();
+        for (name, micro) in [("mb1.loss", 1), ("mb12.loss", 12), ("loss", 0)] {
+            let g = loss_graph(name);
+            let ok = execute_with_params(&g, &none, &inputs(2.0), &ctx).unwrap();
+            assert!(ok["loss"].as_f32().unwrap()[0].is_finite());
+            let err = execute_with_params(&g, &none, &inputs(f32::NAN), &ctx).unwrap_err();
+            assert!(
+                matches!(err, RuntimeError::NonFiniteLoss { micro: m, value } if m == micro && value.is_nan()),
+                "{name}: {err}"
+            );
+            assert_eq!(err.to_string(), format!("micro-batch {micro}: loss is NaN"));
+            // Piecewise execution checks it too.
+            let ins = inputs(f32::INFINITY);
+            let st = Stepwise::new(&g, &none, &ins, &ctx).unwrap();
+            let err = st.finish().unwrap_err();
+            assert!(
+                matches!(err, RuntimeError::NonFiniteLoss { micro: m, .. } if m == micro),
+                "{name}: {err}"
+            );
+        }
     }
 }

@@ -18,8 +18,8 @@
 use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
 use crate::spmd::{root_cause, run_threads, thread_comms};
 use crate::train::{
-    assemble, batch_inputs, check_batch, kept_state, reduce_loss, Batch, StepOutput, TrainError,
-    TrainState,
+    assemble, at_step, batch_inputs, check_batch, kept_state, reduce_loss, Batch, StepCheck,
+    StepOutput, TrainError, TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
@@ -122,10 +122,8 @@ impl<'c> StageTrainer<'c> {
             &self.locals,
             weights,
             Instant::now(),
-        )?;
-        for (j, o) in &run.outputs {
-            self.locals[*j] = kept_state(o);
-        }
+        )
+        .map_err(|e| at_step(step, e))?;
         let head = c
             .chunks
             .last()
@@ -155,6 +153,20 @@ impl<'c> StageTrainer<'c> {
                 op: "the loss to stage 0".into(),
                 detail: e.to_string(),
             })?;
+        }
+        // Every rank of every stage agrees on the step's first non-finite value, if any.
+        let check = StepCheck::new(c.params());
+        let mut codes = check.codes();
+        if self.stage == head.stage {
+            check.loss(&mut codes, loss[0]);
+        }
+        for (j, o) in &run.outputs {
+            let sg = &c.chunks[*j].train.sharded;
+            check.outputs(&mut codes, &sg.graph, &sg.shardings, &c.stage_mesh, ctx, o);
+        }
+        check.agree(step, codes, &c.mesh, ctx)?;
+        for (j, o) in &run.outputs {
+            self.locals[*j] = kept_state(o);
         }
         Ok(loss[0])
     }
@@ -191,7 +203,8 @@ pub fn pipeline_step(
         .expect("invariant: a compiled pipeline's mesh has a pp axis");
     let p = mesh.axis_size(pp);
 
-    let inputs = chunk_inputs(c, state, batch, state.step + 1);
+    let step = state.step + 1;
+    let inputs = chunk_inputs(c, state, batch, step);
 
     // A thread communicator per group of every axis; the `pp` groups carry the transfers.
     let comms = thread_comms(mesh, |_| true, timeout);
@@ -202,7 +215,7 @@ pub fn pipeline_step(
     });
 
     // Prefer a root cause over the aborts and hang-ups it caused in its peers.
-    let outs = root_cause(mesh, results)?;
+    let outs = root_cause(mesh, results).map_err(|e| at_step(step, e))?;
 
     // Each chunk's outputs from the ranks of its stage, in stage-mesh rank order.
     let sm = &c.stage_mesh;
@@ -224,7 +237,12 @@ pub fn pipeline_step(
             .collect()
     };
     let mut loss = f32::NAN;
-    let mut grads = BTreeMap::new();
+    let (mut grads, mut params, mut m, mut v) = (
+        BTreeMap::new(),
+        BTreeMap::new(),
+        BTreeMap::new(),
+        BTreeMap::new(),
+    );
     for ch in &c.chunks {
         let sg = &ch.train.sharded;
         let ranks = ranks_of(ch.stage);
@@ -258,12 +276,17 @@ pub fn pipeline_step(
                 None => g,
             };
             grads.insert(l.clone(), g);
-            state.params.insert(l.clone(), get(&format!("param.{l}"))?);
-            state.m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
-            state.v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
+            params.insert(l.clone(), get(&format!("param.{l}"))?);
+            m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
+            v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
         }
     }
-    state.step += 1;
+    // A poisoned step leaves the state as it was.
+    StepCheck::new(c.params()).check_global(step, loss, &grads, &params)?;
+    state.params.extend(params);
+    state.m.extend(m);
+    state.v.extend(v);
+    state.step = step;
     let mut peak_activation_bytes = vec![0; p];
     for (r, o) in outs.iter().enumerate() {
         let s = mesh.coords(r)[pp.0 as usize];

@@ -46,6 +46,20 @@ pub enum TrainError {
     /// The program lacks an output the runner reads (a compiler bug).
     #[error("the training program has no output `{0}`")]
     MissingOutput(String),
+    /// A step computed a NaN or infinite loss, gradient or updated parameter: training
+    /// stopped there, before anything is written from the poisoned state.
+    #[error("step {step}{}: {what} is {value}", micro.map_or(String::new(), |k| format!(", micro-batch {k}")))]
+    NonFinite {
+        /// The step (1-based).
+        step: u64,
+        /// The micro-batch (0-based) whose loss it is, for a loss.
+        micro: Option<usize>,
+        /// What: `loss`, `gradient of <stored tensor>`, `<stored tensor> after the optimizer
+        /// update`.
+        what: String,
+        /// The value (NaN where any is NaN).
+        value: f32,
+    },
     /// A checkpoint could not be written.
     #[error("writing {}: {msg}", path.display())]
     Save {
@@ -54,6 +68,17 @@ pub enum TrainError {
         /// What failed.
         msg: String,
     },
+}
+
+impl TrainError {
+    /// True when every rank of a process group reaches this error by itself, so none needs
+    /// aborting (which could overtake a peer's last message): the end-of-step finiteness
+    /// check ([`RankTrainer::step`], [`crate::pipeline::StageTrainer::step`]), whose codes all
+    /// ranks reduce before reporting. A micro-batch's non-finite loss is seen only by the
+    /// ranks computing it; their peers may be waiting for them.
+    pub fn every_rank_fails(&self) -> bool {
+        matches!(self, TrainError::NonFinite { micro: None, .. })
+    }
 }
 
 /// One step's batch: token ids, positions, attention mask and causal-LM labels, `[B, T]`.
@@ -271,15 +296,14 @@ pub fn train_step(
     state.add_inputs(&c.train.params, &mut inputs);
 
     let sg = &c.sharded;
+    let step = state.step + 1;
     let outs = if sg.mesh.axes.is_empty() {
-        vec![execute_with_params(
-            &sg.graph,
-            &ParamCache::default(),
-            &inputs,
-            &RankCtx::new(),
-        )?]
+        vec![
+            execute_with_params(&sg.graph, &ParamCache::default(), &inputs, &RankCtx::new())
+                .map_err(|e| at_step(step, e))?,
+        ]
     } else {
-        run_spmd(&sg.graph, &sg.mesh, weights, &inputs, timeout)?
+        run_spmd(&sg.graph, &sg.mesh, weights, &inputs, timeout).map_err(|e| at_step(step, e))?
     };
     let get = |name: &str| -> Result<Tensor, TrainError> {
         let v = sg
@@ -296,16 +320,244 @@ pub fn train_step(
         Ok(assemble(&sg.mesh, &sg.shardings[v.index()], &locals))
     };
     let loss = get("loss")?.as_f32().map_or(f32::NAN, |v| v[0]);
-    let mut grads = BTreeMap::new();
+    let (mut grads, mut params, mut m, mut v) = (
+        BTreeMap::new(),
+        BTreeMap::new(),
+        BTreeMap::new(),
+        BTreeMap::new(),
+    );
     for p in &c.train.params {
         let l = &p.label;
         grads.insert(l.clone(), get(&format!("grad.{l}"))?);
-        state.params.insert(l.clone(), get(&format!("param.{l}"))?);
-        state.m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
-        state.v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
+        params.insert(l.clone(), get(&format!("param.{l}"))?);
+        m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
+        v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
     }
-    state.step += 1;
+    // A poisoned step leaves the state as it was.
+    StepCheck::new(&c.train.params).check_global(step, loss, &grads, &params)?;
+    state.params.extend(params);
+    state.m.extend(m);
+    state.v.extend(v);
+    state.step = step;
     Ok(StepOutput { loss, grads })
+}
+
+/// `e`, a step's failure, with the step named when it is a non-finite loss (which the
+/// executor reports by micro-batch, not knowing the step).
+pub(crate) fn at_step(step: u64, e: impl Into<TrainError>) -> TrainError {
+    let e = e.into();
+    let loss = match &e {
+        TrainError::Runtime(RuntimeError::NonFiniteLoss { micro, value })
+        | TrainError::Rank(RankError {
+            error: RuntimeError::NonFiniteLoss { micro, value },
+            ..
+        }) => Some((*micro, *value)),
+        _ => None,
+    };
+    match loss {
+        Some((micro, value)) => TrainError::NonFinite {
+            step,
+            micro: Some(micro),
+            what: "loss".into(),
+            value,
+        },
+        None => e,
+    }
+}
+
+/// A code for the worst non-finite value in `x`: 0 all finite, 1 +inf, 2 −inf, 3 NaN (so
+/// codes combine by max, across tensors and across ranks).
+fn non_finite_code(x: &[f32]) -> f32 {
+    x.iter().fold(0.0f32, |worst, &v| {
+        let c = if v.is_nan() {
+            3.0
+        } else if v == f32::INFINITY {
+            1.0
+        } else if v == f32::NEG_INFINITY {
+            2.0
+        } else {
+            0.0
+        };
+        worst.max(c)
+    })
+}
+
+/// The value a [`non_finite_code`] stands for.
+fn code_value(code: f32) -> f32 {
+    match code as u8 {
+        1 => f32::INFINITY,
+        2 => f32::NEG_INFINITY,
+        _ => f32::NAN,
+    }
+}
+
+/// The end-of-step finiteness check: the loss, every parameter's gradient and every updated
+/// parameter, the last two per stored tensor (a stacked parameter's entries apart), in that
+/// order. Each rank codes the values it holds ([`non_finite_code`]), the codes are reduced
+/// with max over the whole mesh, and every rank reports the same first non-finite value, so
+/// all of them fail together (none waits for a peer that stopped). It is as cheap as reading
+/// the gradients once; the per-micro-batch loss is checked earlier, as it is computed.
+pub(crate) struct StepCheck {
+    /// Stored tensor names, by entry.
+    names: Vec<String>,
+    /// Per parameter label, its first entry and whether it is stacked.
+    entries: BTreeMap<String, (usize, bool)>,
+}
+
+/// Which value of a parameter a code is about.
+#[derive(Clone, Copy)]
+pub(crate) enum Checked {
+    /// Its gradient.
+    Grad,
+    /// Its value after the optimizer step.
+    Updated,
+}
+
+impl StepCheck {
+    /// The check of a step over `params` (a label met twice, a tied copy, counts once).
+    pub(crate) fn new<'a>(params: impl IntoIterator<Item = &'a TrainParam>) -> StepCheck {
+        let mut c = StepCheck {
+            names: Vec::new(),
+            entries: BTreeMap::new(),
+        };
+        for p in params {
+            if c.entries.contains_key(&p.label) {
+                continue;
+            }
+            let n = p.source.stack.unwrap_or(1);
+            c.entries
+                .insert(p.label.clone(), (c.names.len(), p.source.stack.is_some()));
+            c.names.extend((0..n).map(|i| p.source.stored_name(i)));
+        }
+        c
+    }
+
+    /// All-finite codes: the loss, then the gradients, then the updated parameters.
+    pub(crate) fn codes(&self) -> Vec<f32> {
+        vec![0.0; 1 + 2 * self.names.len()]
+    }
+
+    /// Codes the loss.
+    pub(crate) fn loss(&self, codes: &mut [f32], loss: f32) {
+        codes[0] = codes[0].max(non_finite_code(&[loss]));
+    }
+
+    /// Codes `t`, the `what` of parameter `label` or this rank's block of it, which starts at
+    /// stack entry `first` when the parameter is stacked (its dim 0).
+    pub(crate) fn tensor(
+        &self,
+        codes: &mut [f32],
+        what: Checked,
+        label: &str,
+        t: &Tensor,
+        first: usize,
+    ) {
+        let Some(&(at, stacked)) = self.entries.get(label) else {
+            return;
+        };
+        let base = 1 + at + self.names.len() * usize::from(matches!(what, Checked::Updated));
+        let data = t.as_f32().unwrap_or(&[]);
+        let rows = if stacked {
+            t.shape.first().copied().unwrap_or(1).max(1)
+        } else {
+            1
+        };
+        let per = data.len() / rows;
+        for (i, chunk) in data.chunks(per.max(1)).enumerate() {
+            let k = base + if stacked { first + i } else { 0 };
+            if let Some(c) = codes.get_mut(k) {
+                *c = c.max(non_finite_code(chunk));
+            }
+        }
+    }
+
+    /// The first non-finite value the (reduced) `codes` record, as the error of step `step`.
+    pub(crate) fn report(&self, step: u64, codes: &[f32]) -> Result<(), TrainError> {
+        let Some(k) = codes.iter().position(|&c| c > 0.0) else {
+            return Ok(());
+        };
+        let n = self.names.len();
+        let what = match k {
+            0 => "loss".to_string(),
+            k if k <= n => format!("gradient of {}", self.names[k - 1]),
+            k => format!("{} after the optimizer update", self.names[k - 1 - n]),
+        };
+        Err(TrainError::NonFinite {
+            step,
+            micro: None,
+            what,
+            value: code_value(codes[k]),
+        })
+    }
+
+    /// Checks a step's global loss, gradients and updated parameters (by label).
+    pub(crate) fn check_global(
+        &self,
+        step: u64,
+        loss: f32,
+        grads: &BTreeMap<String, Tensor>,
+        updated: &BTreeMap<String, Tensor>,
+    ) -> Result<(), TrainError> {
+        let mut codes = self.codes();
+        self.loss(&mut codes, loss);
+        for (what, values) in [(Checked::Grad, grads), (Checked::Updated, updated)] {
+            for (label, t) in values {
+                self.tensor(&mut codes, what, label, t, 0);
+            }
+        }
+        self.report(step, &codes)
+    }
+
+    /// Codes the `grad.<label>` and `param.<label>` outputs of a program `g` this rank ran
+    /// (local values, laid out by `shardings` over `mesh`, of which this rank sits where `ctx`
+    /// says).
+    pub(crate) fn outputs(
+        &self,
+        codes: &mut [f32],
+        g: &shardc_compiler::ir::Graph,
+        shardings: &[TensorSharding],
+        mesh: &Mesh,
+        ctx: &RankCtx,
+        out: &BTreeMap<String, Tensor>,
+    ) {
+        for (what, prefix) in [(Checked::Grad, "grad."), (Checked::Updated, "param.")] {
+            for (name, t) in out.iter().filter(|(n, _)| n.starts_with(prefix)) {
+                let Some(v) = g.output(name) else { continue };
+                // The block's first stack entry: its shard index along dim 0 × local size.
+                let first = shardings[v.index()].dims.first().map_or(0, |axes| {
+                    let idx = axes.iter().fold(0, |acc, &a| {
+                        let coord = ctx.coord(mesh.axis_name(a)).map_or(0, |c| c.0);
+                        acc * mesh.axis_size(a) + coord
+                    });
+                    idx * t.shape.first().copied().unwrap_or(0)
+                });
+                self.tensor(codes, what, &name[prefix.len()..], t, first);
+            }
+        }
+    }
+
+    /// Reduces `codes` with max over every axis of `mesh` (the communicators of `ctx`), then
+    /// reports: the same result on every rank.
+    pub(crate) fn agree(
+        &self,
+        step: u64,
+        mut codes: Vec<f32>,
+        mesh: &Mesh,
+        ctx: &RankCtx,
+    ) -> Result<(), TrainError> {
+        for a in mesh.axis_ids().filter(|&a| mesh.axis_size(a) > 1) {
+            let c = ctx.comm(mesh.axis_name(a))?;
+            c.all_reduce(&mut codes, crate::comm::ReduceOp::Max)
+                .map_err(|e| RuntimeError::Pipeline {
+                    op: format!(
+                        "all_reduce of the step's finiteness check over `{}`",
+                        c.name()
+                    ),
+                    detail: e.to_string(),
+                })?;
+        }
+        self.report(step, &codes)
+    }
 }
 
 /// Checks that `batch` is `[want_batch, want_seq]` with every field of that size.
@@ -429,20 +681,22 @@ impl<'c> RankTrainer<'c> {
         for (n, t) in &self.locals {
             st.provide(n, t.clone())?;
         }
-        let out = st.finish()?;
-        self.locals = kept_state(&out);
+        let out = st.finish().map_err(|e| at_step(step, e))?;
         let v = g
             .output("loss")
             .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
         let local = out
             .get("loss")
             .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
-        Ok(reduce_loss(
-            local,
-            &c.sharded.shardings[v.index()],
-            &c.sharded.mesh,
-            ctx,
-        )?)
+        let (sg, mesh) = (&c.sharded, &c.sharded.mesh);
+        let loss = reduce_loss(local, &sg.shardings[v.index()], mesh, ctx)?;
+        let check = StepCheck::new(&c.train.params);
+        let mut codes = check.codes();
+        check.loss(&mut codes, loss);
+        check.outputs(&mut codes, g, &sg.shardings, mesh, ctx, &out);
+        check.agree(step, codes, mesh, ctx)?;
+        self.locals = kept_state(&out);
+        Ok(loss)
     }
 }
 
@@ -630,6 +884,137 @@ mod tests {
         let r = TensorSharding::replicated(2);
         let g = assemble(&mesh, &r, &refs);
         assert_eq!(g.as_f32().unwrap(), &[1.0, 2.0]);
+    }
+
+    fn param(label: &str, name: &str, stack: Option<usize>) -> TrainParam {
+        let v = shardc_compiler::ir::ValueId(0);
+        TrainParam {
+            label: label.into(),
+            source: ParamSource {
+                stack,
+                ..ParamSource::whole(name)
+            },
+            ty: shardc_compiler::ir::TensorType::plain(shardc_compiler::ir::DType::F32, &[1]),
+            fwd: v,
+            input: v,
+            mb_grads: Vec::new(),
+            grad: v,
+            m_in: v,
+            v_in: v,
+            m_out: v,
+            v_out: v,
+            update: v,
+        }
+    }
+
+    /// An embedding and three stacked experts (two rows each).
+    fn params() -> Vec<TrainParam> {
+        vec![
+            param("embed", "model.embed_tokens.weight", None),
+            param("w1", "model.layers.0.experts.{}.w1.weight", Some(3)),
+        ]
+    }
+
+    fn values(embed: f32, expert2: f32) -> BTreeMap<String, Tensor> {
+        BTreeMap::from([
+            ("embed".to_string(), Tensor::f32(vec![2], vec![0.5, embed])),
+            (
+                "w1".to_string(),
+                Tensor::f32(vec![3, 2], vec![1.0, 2.0, 3.0, 4.0, expert2, 6.0]),
+            ),
+        ])
+    }
+
+    #[test]
+    fn step_check_names_the_first_non_finite_value_by_stored_tensor() {
+        let check = StepCheck::new(&params());
+        let ok = values(1.0, 5.0);
+        assert!(check.check_global(3, 2.5, &ok, &ok).is_ok());
+        let err = |loss: f32, grads: &_, updated: &_| {
+            check
+                .check_global(3, loss, grads, updated)
+                .unwrap_err()
+                .to_string()
+        };
+        let inf = values(1.0, f32::INFINITY);
+        assert_eq!(
+            err(2.5, &inf, &ok),
+            "step 3: gradient of model.layers.0.experts.2.w1.weight is inf"
+        );
+        // NaN wins within a tensor; the loss comes first, then gradients, then updates.
+        let nan = values(f32::NAN, f32::NEG_INFINITY);
+        assert_eq!(
+            err(2.5, &values(f32::NAN, 5.0), &nan),
+            "step 3: gradient of model.embed_tokens.weight is NaN"
+        );
+        assert_eq!(
+            err(2.5, &ok, &nan),
+            "step 3: model.embed_tokens.weight after the optimizer update is NaN"
+        );
+        assert_eq!(
+            err(2.5, &ok, &values(1.0, f32::NEG_INFINITY)),
+            "step 3: model.layers.0.experts.2.w1.weight after the optimizer update is -inf"
+        );
+        assert_eq!(err(f32::INFINITY, &nan, &nan), "step 3: loss is inf");
+        // Only an agreed check spares the other ranks an abort.
+        let e = check.check_global(3, f32::NAN, &ok, &ok).unwrap_err();
+        assert!(e.every_rank_fails());
+    }
+
+    #[test]
+    fn step_check_agrees_across_ranks() {
+        // Expert 2 (rank 1's first row of its block of two: rows 2..4 of four) is inf on
+        // rank 1 only; rank 0's loss is finite, rank 1 has none.
+        let check = StepCheck::new(&[
+            param("embed", "model.embed_tokens.weight", None),
+            param("w1", "model.layers.0.experts.{}.w1.weight", Some(4)),
+        ]);
+        let mesh = Mesh::parse("dp=2", 8).unwrap();
+        let comms = crate::spmd::thread_comms(&mesh, |_| true, Duration::from_secs(10));
+        let results = crate::spmd::run_threads(comms, |rank, ctx| {
+            let mut codes = check.codes();
+            if rank == 0 {
+                check.loss(&mut codes, 1.5);
+            }
+            let bad = if rank == 1 { f32::INFINITY } else { 1.0 };
+            let block = Tensor::f32(vec![2, 1], vec![bad, 2.0]);
+            check.tensor(&mut codes, Checked::Grad, "w1", &block, 2 * rank);
+            Ok(check.agree(7, codes, &mesh, ctx).map_err(|e| e.to_string()))
+        });
+        for r in results {
+            assert_eq!(
+                r.unwrap(),
+                Err("step 7: gradient of model.layers.0.experts.2.w1.weight is inf".to_string())
+            );
+        }
+    }
+
+    #[test]
+    fn at_step_names_the_step_of_a_non_finite_loss() {
+        let loss = RuntimeError::NonFiniteLoss {
+            micro: 1,
+            value: f32::NAN,
+        };
+        let e = at_step(2, loss);
+        assert_eq!(e.to_string(), "step 2, micro-batch 1: loss is NaN");
+        assert!(!e.every_rank_fails());
+        let rank = RankError {
+            rank: 3,
+            coords: "dp=1,tp=1".into(),
+            error: RuntimeError::NonFiniteLoss {
+                micro: 0,
+                value: f32::INFINITY,
+            },
+        };
+        assert_eq!(
+            at_step(5, rank).to_string(),
+            "step 5, micro-batch 0: loss is inf"
+        );
+        let other = at_step(5, RuntimeError::MissingAxis { axis: "tp".into() });
+        assert_eq!(
+            other.to_string(),
+            "mesh axis `tp` is not in this rank's context"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use shardc_compiler::ir::{DType, ParamSource, TensorType};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// The single-file checkpoint name inside a model directory.
 const SINGLE_FILE: &str = "model.safetensors";
@@ -24,6 +25,11 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 /// One mapped safetensors file.
 struct MappedFile {
     mmap: Mmap,
+    /// Where it was opened from.
+    path: PathBuf,
+    /// Start offsets of the tensors found finite ([`Weights::check_finite`]), so each is
+    /// scanned once however many parameters, views and ranks read it.
+    finite: Mutex<BTreeSet<usize>>,
 }
 
 /// Where one stored tensor lives.
@@ -129,7 +135,11 @@ impl Weights {
                     end: base + info.data_offsets.1,
                 });
             }
-            files.push(MappedFile { mmap });
+            files.push(MappedFile {
+                mmap,
+                path: p.clone(),
+                finite: Mutex::default(),
+            });
         }
         Ok(Weights {
             path: root.to_path_buf(),
@@ -283,6 +293,9 @@ impl Weights {
             }
         }
 
+        for (nm, e) in names[lo..lo + count].iter().zip(&entries[lo..lo + count]) {
+            self.check_finite(nm, e)?;
+        }
         let mut out = Vec::with_capacity(local.numel());
         for e in &entries[lo..lo + count] {
             let bytes = &self.files[e.file].mmap[e.start..e.end];
@@ -291,6 +304,56 @@ impl Weights {
         debug_assert_eq!(out.len(), local.numel(), "invariant: loaded element count");
         round_to(local.dtype, &mut out);
         Ok(Tensor::f32(local_shape, out))
+    }
+}
+
+impl Weights {
+    /// Checks that every element of stored tensor `name` (entry `e`) is finite; otherwise a
+    /// [`RuntimeError::NonFiniteWeight`] with their count and the first one. The whole stored
+    /// tensor is scanned (once per file and tensor), whatever part of it a rank reads.
+    fn check_finite(&self, name: &str, e: &Entry) -> Result<(), RuntimeError> {
+        let file = &self.files[e.file];
+        let lock = || file.finite.lock().unwrap_or_else(|p| p.into_inner());
+        if lock().contains(&e.start) {
+            return Ok(());
+        }
+        let bytes = &file.mmap[e.start..e.end];
+        let (mut count, mut first) = (0usize, None);
+        let mut see = |i: usize, x: f32| {
+            if !x.is_finite() {
+                count += 1;
+                first.get_or_insert((i, x));
+            }
+        };
+        match e.dtype {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .enumerate()
+                .for_each(|(i, c)| see(i, f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+            Dtype::BF16 => bytes.chunks_exact(2).enumerate().for_each(|(i, c)| {
+                see(
+                    i,
+                    bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32(),
+                )
+            }),
+            Dtype::F16 => bytes.chunks_exact(2).enumerate().for_each(|(i, c)| {
+                see(i, f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            }),
+            _ => unreachable!("invariant: dtype checked by Weights::entry"),
+        }
+        match first {
+            None => {
+                lock().insert(e.start);
+                Ok(())
+            }
+            Some((first, value)) => Err(RuntimeError::NonFiniteWeight {
+                file: file.path.clone(),
+                name: name.to_string(),
+                count,
+                first,
+                value,
+            }),
+        }
     }
 }
 

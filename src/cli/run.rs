@@ -313,6 +313,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             .with_context(|| format!("the program has no `{name}` output"))
     };
     let (logits, hidden) = (get("logits")?, get("hidden")?);
+    check_finite_output("logits", logits)?;
+    check_finite_output("hidden", hidden)?;
     let f = |x: &Tensor| x.as_f32().map(<[f32]>::to_vec).unwrap_or_default();
     let out = json!({
         "logits_shape": logits.shape,
@@ -330,6 +332,29 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         a.out.display()
     );
     Ok(())
+}
+
+/// Refuses an output holding NaN or ±inf (JSON has no such numbers: they would be written as
+/// `null`), naming it, how many, and the first one's position.
+fn check_finite_output(name: &str, t: &Tensor) -> anyhow::Result<()> {
+    let data = t.as_f32().unwrap_or(&[]);
+    let Some(first) = data.iter().position(|x| !x.is_finite()) else {
+        return Ok(());
+    };
+    let count = data.iter().filter(|x| !x.is_finite()).count();
+    let mut at = vec![0; t.shape.len()];
+    let mut rem = first;
+    for (i, &d) in t.shape.iter().enumerate().rev() {
+        at[i] = rem % d.max(1);
+        rem /= d.max(1);
+    }
+    bail!(
+        "output `{name}` {:?} has {count} non-finite value{} (first at {at:?}: {}); nothing \
+         was written",
+        t.shape,
+        if count == 1 { "" } else { "s" },
+        data[first]
+    )
 }
 
 /// The CUDA device and options for `--backend cuda`, or the clear error of a machine without

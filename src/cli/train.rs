@@ -23,7 +23,7 @@ use shardc::runtime::output::{Outputs, StagedDir};
 use shardc::runtime::pipeline::{pipeline_step, StageTrainer};
 use shardc::runtime::train::{
     save_safetensors, stored_tensors_of, train_step, Batch, Fill, RankTrainer, StepOutput,
-    TrainState,
+    TrainError, TrainState,
 };
 use shardc::runtime::Weights;
 use std::collections::BTreeMap;
@@ -98,6 +98,38 @@ pub struct TrainArgs {
     /// own directory); the replacement is still atomic.
     #[arg(long)]
     overwrite: bool,
+}
+
+/// The optimizer and run-length flags, checked before anything runs (every rank of a
+/// multi-process run checks its own): AdamW's hyperparameters in their domains
+/// ([`AdamWSpec::validate`], reported by flag), at least one step, virtual stage and second
+/// of timeout (zero micro-batches is the compiler's error).
+fn hyper_params(a: &TrainArgs) -> anyhow::Result<AdamWSpec> {
+    let spec = AdamWSpec {
+        lr: Float(a.lr),
+        beta1: Float(a.beta1),
+        beta2: Float(a.beta2),
+        eps: Float(a.eps),
+        weight_decay: Float(a.weight_decay),
+    };
+    if let Err(e) = spec.validate() {
+        bail!(
+            "--{}: must be {} (found {})",
+            e.name.replace('_', "-"),
+            e.requirement,
+            e.found
+        );
+    }
+    for (flag, n) in [
+        ("--steps", a.steps as u64),
+        ("--virtual-stages", a.virtual_stages as u64),
+        ("--timeout", a.timeout),
+    ] {
+        if n == 0 {
+            bail!("{flag} must be at least 1 (found 0)");
+        }
+    }
+    Ok(spec)
 }
 
 /// Reads a JSON `[[int, ...], ...]` file of token ids as a batch × seq matrix.
@@ -237,7 +269,12 @@ fn run_rank(
     };
     let r = run();
     if let Err(e) = &r {
-        pg.abort(&e.to_string());
+        let agreed = e
+            .downcast_ref::<TrainError>()
+            .is_some_and(TrainError::every_rank_fails);
+        if !agreed {
+            pg.abort(&e.to_string());
+        }
     }
     r?;
     if env.rank != 0 {
@@ -266,6 +303,7 @@ fn describe_pipeline(p: &CompiledPipeline) -> anyhow::Result<()> {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
+    let adamw = hyper_params(&a)?;
     let outputs = Outputs::new(a.overwrite).inputs([Some(a.model.as_path()), Some(&a.tokens)]);
     for (flag, p) in [
         ("--plan", &a.plan),
@@ -308,9 +346,6 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             a.recompute
         );
     };
-    if a.steps == 0 {
-        bail!("--steps must be at least 1");
-    }
     let mesh = match &a.mesh {
         Some(m) => Mesh::parse(m, 8)?,
         None => Mesh::single(),
@@ -321,13 +356,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     opts.micro_batches = a.micro_batches;
     opts.recompute = recompute;
     opts.denom = Some(batch.predicted_tokens());
-    opts.adamw = AdamWSpec {
-        lr: Float(a.lr),
-        beta1: Float(a.beta1),
-        beta2: Float(a.beta2),
-        eps: Float(a.eps),
-        weight_decay: Float(a.weight_decay),
-    };
+    opts.adamw = adamw;
     let pipelined = opts
         .mesh
         .axis("pp")
@@ -336,7 +365,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         let schedule = ScheduleKind::from_name(&a.schedule)?;
         let chunks = opts.mesh.axis_size(opts.mesh.axis("pp").expect("checked"))
             * if schedule == ScheduleKind::Interleaved {
-                a.virtual_stages.max(1)
+                a.virtual_stages
             } else {
                 1
             };

@@ -125,6 +125,58 @@ impl Default for AdamWSpec {
     }
 }
 
+/// An AdamW hyperparameter outside its domain: `name` is the [`AdamWSpec`] field (`lr`,
+/// `beta1`, `beta2`, `eps`, `weight_decay`).
+#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
+#[error("{name}: must be {requirement} (found {found})")]
+pub struct AdamWError {
+    /// The field.
+    pub name: &'static str,
+    /// Its domain, in words (`finite and > 0`, `in [0, 1)`).
+    pub requirement: &'static str,
+    /// The value given.
+    pub found: f32,
+}
+
+impl AdamWSpec {
+    /// Checks every hyperparameter against its domain, in field order: `lr` and `eps` finite
+    /// and > 0, `beta1` and `beta2` in [0, 1), `weight_decay` finite and ≥ 0. Outside them
+    /// the step divides by zero or diverges (NaN weights after the first update).
+    pub fn validate(&self) -> Result<(), AdamWError> {
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        let checks: [(&'static str, f32, &'static str, bool); 5] = [
+            ("lr", self.lr.0, "finite and > 0", positive(self.lr.0)),
+            (
+                "beta1",
+                self.beta1.0,
+                "in [0, 1)",
+                (0.0..1.0).contains(&self.beta1.0),
+            ),
+            (
+                "beta2",
+                self.beta2.0,
+                "in [0, 1)",
+                (0.0..1.0).contains(&self.beta2.0),
+            ),
+            ("eps", self.eps.0, "finite and > 0", positive(self.eps.0)),
+            (
+                "weight_decay",
+                self.weight_decay.0,
+                "finite and >= 0",
+                self.weight_decay.0.is_finite() && self.weight_decay.0 >= 0.0,
+            ),
+        ];
+        match checks.into_iter().find(|c| !c.3) {
+            Some((name, found, requirement, _)) => Err(AdamWError {
+                name,
+                requirement,
+                found,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
 fn err(op: &'static str, detail: String) -> IrError {
     IrError::Shape { op, detail }
 }
@@ -317,4 +369,51 @@ pub(super) fn infer(op: &Op, inputs: &[&TensorType]) -> Option<Result<TensorType
         _ => return None,
     };
     Some(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adamw_validate_names_the_first_field_out_of_its_domain() {
+        assert_eq!(AdamWSpec::default().validate(), Ok(()));
+        let with = |f: fn(&mut AdamWSpec)| {
+            let mut a = AdamWSpec::default();
+            f(&mut a);
+            a.validate().unwrap_err().to_string()
+        };
+        assert_eq!(
+            with(|a| a.lr = Float(f32::NAN)),
+            "lr: must be finite and > 0 (found NaN)"
+        );
+        assert_eq!(
+            with(|a| a.lr = Float(f32::INFINITY)),
+            "lr: must be finite and > 0 (found inf)"
+        );
+        assert_eq!(
+            with(|a| a.beta1 = Float(1.5)),
+            "beta1: must be in [0, 1) (found 1.5)"
+        );
+        assert_eq!(
+            with(|a| a.beta2 = Float(1.0)),
+            "beta2: must be in [0, 1) (found 1)"
+        );
+        assert_eq!(
+            with(|a| a.beta2 = Float(-0.1)),
+            "beta2: must be in [0, 1) (found -0.1)"
+        );
+        assert_eq!(
+            with(|a| a.eps = Float(0.0)),
+            "eps: must be finite and > 0 (found 0)"
+        );
+        assert_eq!(
+            with(|a| a.weight_decay = Float(-1.0)),
+            "weight_decay: must be finite and >= 0 (found -1)"
+        );
+        // β = 0 (no momentum) and no weight decay are valid.
+        let mut a = AdamWSpec::default();
+        (a.beta1, a.beta2, a.weight_decay) = (Float(0.0), Float(0.0), Float(0.0));
+        assert_eq!(a.validate(), Ok(()));
+    }
 }

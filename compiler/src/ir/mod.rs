@@ -13,7 +13,7 @@ mod verify;
 
 pub use error::IrError;
 pub use fused::{EwExpr, EwStep};
-pub use grad::{AdamWSpec, AttnWrt, CombineWrt, NormWrt};
+pub use grad::{AdamWError, AdamWSpec, AttnWrt, CombineWrt, NormWrt};
 pub use graph::{Graph, Node};
 pub use ids::{Float, ValueId};
 pub use op::{

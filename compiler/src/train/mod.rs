@@ -160,6 +160,9 @@ pub enum TrainCompileError {
     /// A pipeline schedule or stage split that cannot be built.
     #[error(transparent)]
     Pipeline(#[from] crate::schedule::pipeline::PipelineError),
+    /// An optimizer hyperparameter outside its domain.
+    #[error("AdamW {0}")]
+    AdamW(#[from] crate::ir::AdamWError),
 }
 
 /// Compiles one training step of `cfg` for `opts`. A mesh with a `pp` axis is compiled by
@@ -182,7 +185,8 @@ pub(crate) fn compile_chunk(
     stage: Option<crate::model::StageSpec>,
     tied: &[String],
 ) -> Result<CompiledTrain, TrainCompileError> {
-    // 1. The micro-batch must divide.
+    // 1. The optimizer's hyperparameters are in their domains; the micro-batch must divide.
+    opts.adamw.validate()?;
     let k = opts.micro_batches;
     if k == 0 || opts.batch % k != 0 {
         return Err(TrainCompileError::Options(format!(
