@@ -170,17 +170,15 @@ pub(super) fn parse(text: &str) -> Result<Plan, PlanError> {
             kind(&v)
         )));
     };
-    let version = m.get("format_version").ok_or_else(|| PlanError::Field {
-        path: "format_version".into(),
-        msg: "missing (not a shardc plan?)".into(),
-    })?;
-    let found = version
-        .as_u64()
-        .ok_or_else(|| PlanError::Field {
+    // A missing version reads as version 0 (no shardc plan has it).
+    let found = match m.get("format_version") {
+        None => 0,
+        Some(x) => x.as_u64().ok_or_else(|| PlanError::Field {
             path: "format_version".into(),
-            msg: format!("expected an integer, found a {}", kind(version)),
-        })?
-        .min(u32::MAX as u64) as u32;
+            msg: format!("expected an integer, found a {}", kind(x)),
+        })?,
+    }
+    .min(u32::MAX as u64) as u32;
     if found != PLAN_FORMAT_VERSION {
         return Err(PlanError::Version {
             found,
