@@ -421,7 +421,7 @@ impl Plan {
         };
         verify::pipeline_ranges(self, s)?;
         s.check_program(&self.pipeline_program)
-            .map_err(|e| PlanError::Pipeline(e.to_string()))?;
+            .map_err(|e| PlanError::Pipeline(verify::esc(&e.to_string())))?;
         if self.chunks.len() != s.chunks() {
             return Err(PlanError::Pipeline(format!(
                 "the schedule has {} chunks, the plan {}",
@@ -432,7 +432,7 @@ impl Plan {
         self.check_pipeline_nodes(s.stages)?;
         let graphs: Vec<&Graph> = self.chunks.iter().map(|c| &c.program).collect();
         crate::train::check_boundary_types(&graphs, s.micro_batches)
-            .map_err(|e| PlanError::Pipeline(e.to_string()))
+            .map_err(|e| PlanError::Pipeline(verify::esc(&e.to_string())))
     }
 
     fn check_pipeline_nodes(&self, p: usize) -> Result<(), PlanError> {

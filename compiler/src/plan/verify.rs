@@ -81,6 +81,20 @@ impl Plan {
             }
             Some(_) => {
                 self.check_pipeline()?;
+                for (i, c) in self.chunks.iter().enumerate() {
+                    let path = format!("chunks[{i}]");
+                    let [a, b] = c.layers;
+                    let labels = check_graph(
+                        &format!("chunk {i}"),
+                        &format!("{path}.program"),
+                        &c.program,
+                        &mesh,
+                        Some(a..b),
+                    )?;
+                    check_layer_cover(&format!("{path}.layers"), &labels, a..b)?;
+                    let s = format!("{path}.shardings");
+                    check_shardings(&s, &c.shardings, &c.program, &mesh)?;
+                }
                 if self.program != self.chunks[0].program {
                     return Err(field("program", "differs from chunk 0's program"));
                 }
@@ -534,6 +548,35 @@ fn check_graph(
     Ok(labels)
 }
 
+/// The indices of a program alone (operands defined before use, outputs defined): what the
+/// pipeline checks need before [`check_graph`] re-derives the types.
+fn check_indices(label: &str, path: &str, g: &Graph) -> Result<(), PlanError> {
+    for v in g.ids() {
+        let n = g.node(v);
+        if let Some(&bad) = n.inputs.iter().find(|i| i.index() >= v.index()) {
+            return Err(PlanError::Node {
+                program: label.to_string(),
+                node: v,
+                name: esc(&n.name),
+                msg: format!("operand {bad} is not a node defined before it"),
+            });
+        }
+    }
+    for (i, (name, v)) in g.outputs.iter().enumerate() {
+        if v.index() >= g.len() {
+            return Err(field(
+                format!("{path}.outputs[{i}]"),
+                format!(
+                    "output `{}` = {v} is not a node (the program has {})",
+                    esc(name),
+                    g.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// `axis` is a mesh axis and, when the op is partitioned into `parts`, of that size.
 fn check_axis(mesh: &Mesh, axis: &str, parts: Option<usize>, what: &str) -> Result<(), String> {
     let Some(a) = mesh.axis(axis) else {
@@ -615,8 +658,9 @@ fn check_shardings(
 
 /// The pipeline plan's sizes and indices, before any check that indexes with them: the `pp`
 /// axis and the schedule agree, chunks in order on their ranks covering the model's layers,
-/// each chunk program verified, every instruction's ranks, micro-batches, boundaries and
-/// chunks in range, and each rank's passes those of the schedule.
+/// each chunk program's indices in range (its types are re-derived by [`Plan::verify`] after
+/// the pipeline checks), every instruction's ranks, micro-batches, boundaries and chunks in
+/// range, and each rank's passes those of the schedule.
 pub(super) fn pipeline_ranges(plan: &Plan, s: &PipelineSchedule) -> Result<(), PlanError> {
     check_mesh(&plan.mesh)?;
     let Some(pp) = plan.mesh.axis("pp") else {
@@ -667,7 +711,6 @@ pub(super) fn pipeline_ranges(plan: &Plan, s: &PipelineSchedule) -> Result<(), P
         ));
     }
     // Chunks: in order, on rank `index mod p`, consecutive layer ranges covering the model.
-    let stage_mesh = plan.mesh.without_axis("pp");
     let mut next = 0usize;
     for (i, c) in plan.chunks.iter().enumerate() {
         let path = format!("chunks[{i}]");
@@ -691,19 +734,10 @@ pub(super) fn pipeline_ranges(plan: &Plan, s: &PipelineSchedule) -> Result<(), P
             ));
         }
         next = b;
-        let labels = check_graph(
+        check_indices(
             &format!("chunk {i}"),
             &format!("{path}.program"),
             &c.program,
-            &stage_mesh,
-            Some(a..b),
-        )?;
-        check_layer_cover(&format!("{path}.layers"), &labels, a..b)?;
-        check_shardings(
-            &format!("{path}.shardings"),
-            &c.shardings,
-            &c.program,
-            &stage_mesh,
         )?;
     }
     if next != plan.model.layers {
