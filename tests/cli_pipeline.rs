@@ -275,7 +275,7 @@ fn tampered_plans_are_rejected_naming_rank_and_instruction() {
     rejected(
         &p,
         &[
-            "verifying",
+            "reading",
             "pipeline rank 1, instruction 1",
             "runs before its input arrives",
         ],

@@ -1,16 +1,30 @@
 //! The Plan: the versioned, serialisable, deterministic artifact a compile produces and a
 //! runtime or simulator consumes (DESIGN §6). Same inputs ⇒ byte-identical JSON.
+//!
+//! Written with a content hash ([`Plan::to_json`]); read only through [`Plan::from_json`] or
+//! [`Plan::load`], which refuse a file that is not a well-formed plan of this format version,
+//! that fails the structural verifier ([`Plan::verify`]: every index in range, every type
+//! re-derived, steps in dependency order, collectives and pipeline transfers matched), or
+//! whose content no longer matches its hash. A loaded plan is safe to index.
+
+mod load;
+mod verify;
+
+pub use load::{content_hash, rehash};
+pub use verify::{MAX_TENSOR_BYTES, MAX_WORLD};
 
 use crate::ir::{Graph, Op, ValueId};
 use crate::pipeline::Compiled;
 use crate::schedule::{self, BufferSlot, Step};
 use crate::shard::{Mesh, Provenance, TensorSharding};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::path::Path;
 use thiserror::Error;
 
 /// Version of the plan format; bumped on any incompatible change.
-pub const PLAN_FORMAT_VERSION: u32 = 1;
+pub const PLAN_FORMAT_VERSION: u32 = 2;
 
 /// What the plan was compiled from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,7 +140,8 @@ pub struct Plan {
     pub rewrite: Option<crate::rewrite::RewriteReport>,
 }
 
-/// A plan that fails a static check or cannot be read.
+/// A plan that fails a static check or cannot be read. Every message is one line and names
+/// what is wrong: the field, node, step, buffer, rank or instruction.
 #[derive(Debug, Error)]
 pub enum PlanError {
     /// Ranks of a group would issue different collective sequences (a deadlock).
@@ -155,12 +170,82 @@ pub enum PlanError {
         /// Expected.
         expected: u32,
     },
-    /// Malformed JSON.
+    /// The file could not be read.
+    #[error("cannot read the plan: {0}")]
+    Io(String),
+    /// The file is empty.
+    #[error("empty plan file (no JSON at all)")]
+    Empty,
+    /// The JSON ends before the plan does.
+    #[error("plan file ends early at line {line}, column {column} (truncated?)")]
+    Truncated {
+        /// 1-based line of the end.
+        line: usize,
+        /// Column of the end.
+        column: usize,
+    },
+    /// Malformed JSON, or JSON that is not a plan object.
     #[error("malformed plan: {0}")]
     Json(String),
+    /// A field is missing, has the wrong JSON type, or holds a value out of range.
+    #[error("plan field `{path}`: {msg}")]
+    Field {
+        /// Where, e.g. `program.nodes[12].ty` or `steps[40]`.
+        path: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// The mesh is not a valid mesh.
+    #[error("plan mesh: {0}")]
+    Mesh(String),
+    /// A node of a program fails verification (type re-derivation, operands, axes, sizes).
+    #[error("{program} node {node} `{name}`: {msg}")]
+    Node {
+        /// `program`, or `chunk 1` of a pipeline plan.
+        program: String,
+        /// The node.
+        node: ValueId,
+        /// Its name (escaped).
+        name: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A step of the program's schedule is out of range or out of order.
+    #[error("step {step} ({what}): {msg}")]
+    Step {
+        /// Index in `steps`.
+        step: usize,
+        /// The step, e.g. ``kernel %6 `layers.0.mlp.act` ``.
+        what: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// An arena buffer is out of range, too small, or overlaps a live one.
+    #[error("buffer {index} ({what}): {msg}")]
+    Buffer {
+        /// Index in `buffers`.
+        index: usize,
+        /// The buffer's value.
+        what: String,
+        /// What is wrong.
+        msg: String,
+    },
     /// The pipeline's transfers do not match, could deadlock, or disagree on a boundary.
     #[error("plan verifier: {0}")]
     Pipeline(String),
+    /// The plan has no content hash.
+    #[error(
+        "plan has no `hash` field: it was not written by `shardc compile` of this format version"
+    )]
+    MissingHash,
+    /// The content does not hash to the recorded hash.
+    #[error("plan hash mismatch: the file was edited after compile (expected {expected}, found {found})")]
+    HashMismatch {
+        /// The hash recorded in the file.
+        expected: String,
+        /// The hash of the file's content.
+        found: String,
+    },
 }
 
 /// Collectives of one layer: (op mnemonic, axis, bytes, value).
@@ -227,26 +312,30 @@ impl Plan {
         }
     }
 
-    /// Deterministic pretty JSON.
+    /// Deterministic pretty JSON, with the content hash of everything else as its last field
+    /// (`"hash": "blake3:…"`, see [`content_hash`]).
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("invariant: a plan serialises")
+        load::stamp(self)
     }
 
-    /// Reads a plan, checking its version.
+    /// Reads a plan from JSON text: the syntax, the format version, every field's type (an
+    /// error names its path), the structural verifier ([`Plan::verify`]), then the content
+    /// hash. Structural errors come before the hash check, so an edit that breaks the plan is
+    /// named precisely; a consistent edit is caught by the hash.
     pub fn from_json(s: &str) -> Result<Plan, PlanError> {
-        let v: serde_json::Value =
-            serde_json::from_str(s).map_err(|e| PlanError::Json(e.to_string()))?;
-        let found = v
-            .get("format_version")
-            .and_then(|x| x.as_u64())
-            .unwrap_or(0) as u32;
-        if found != PLAN_FORMAT_VERSION {
-            return Err(PlanError::Version {
-                found,
-                expected: PLAN_FORMAT_VERSION,
-            });
-        }
-        serde_json::from_value(v).map_err(|e| PlanError::Json(e.to_string()))
+        load::parse(s)
+    }
+
+    /// Reads and verifies the plan file at `path` (as [`Plan::from_json`]).
+    pub fn load(path: &Path) -> Result<Plan, PlanError> {
+        let bytes = std::fs::read(path).map_err(|e| PlanError::Io(e.to_string()))?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            PlanError::Json(format!(
+                "not UTF-8 text (invalid byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ))
+        })?;
+        Plan::from_json(&text)
     }
 
     /// The collectives rank `rank` issues on each axis, in order. Every rank runs the same
@@ -265,7 +354,9 @@ impl Plan {
 
     /// Static check: every rank of every group issues the same collectives in the same order.
     pub fn check_collective_order(&self) -> Result<(), PlanError> {
-        self.check_collective_order_with(&|r| self.collectives_of(r))
+        // Every rank runs the one SPMD program: one sequence, shared.
+        let same = self.collectives_of(0);
+        self.check_order(&|_| Cow::Borrowed(&same))
     }
 
     /// The order check over per-rank collective sequences given by `seqs` (rank → axis →
@@ -274,15 +365,30 @@ impl Plan {
         &self,
         seqs: &dyn Fn(usize) -> BTreeMap<String, Vec<String>>,
     ) -> Result<(), PlanError> {
+        self.check_order(&|r| Cow::Owned(seqs(r)))
+    }
+
+    fn check_order<'a>(
+        &self,
+        seqs: &dyn Fn(usize) -> Cow<'a, BTreeMap<String, Vec<String>>>,
+    ) -> Result<(), PlanError> {
         let per_rank: Vec<_> = (0..self.mesh.world_size()).map(seqs).collect();
+        let none = Vec::new();
         for a in self.mesh.axis_ids() {
             let name = self.mesh.axis_name(a).to_string();
             for group in self.mesh.groups(a) {
-                let first = per_rank[group[0]].get(&name).cloned().unwrap_or_default();
+                let first = &per_rank[group[0]];
                 for &r in &group[1..] {
-                    let other = per_rank[r].get(&name).cloned().unwrap_or_default();
-                    for pos in 0..first.len().max(other.len()) {
-                        let (l, rr) = (first.get(pos), other.get(pos));
+                    let other = &per_rank[r];
+                    if std::ptr::eq(first.as_ref(), other.as_ref()) {
+                        continue;
+                    }
+                    let (f, o) = (
+                        first.get(&name).unwrap_or(&none),
+                        other.get(&name).unwrap_or(&none),
+                    );
+                    for pos in 0..f.len().max(o.len()) {
+                        let (l, rr) = (f.get(pos), o.get(pos));
                         if l != rr {
                             return Err(PlanError::CollectiveOrder {
                                 axis: name.clone(),
@@ -307,13 +413,15 @@ impl Plan {
     /// [`crate::schedule::pipeline::PipelineSchedule::check_program`]); each boundary tensor
     /// is sent with the local type its receiver's program expects; the node lists run every
     /// value of every chunk once, on the chunk's rank, after its operands, a received input
-    /// only at its receive.
+    /// only at its receive. Sizes, indices and chunk programs are checked first, so any plan
+    /// (one read from a file included) gets an error rather than a panic.
     pub fn check_pipeline(&self) -> Result<(), PlanError> {
         let Some(s) = &self.pipeline else {
             return Ok(());
         };
+        verify::pipeline_ranges(self, s)?;
         s.check_program(&self.pipeline_program)
-            .map_err(|e| PlanError::Pipeline(e.to_string()))?;
+            .map_err(|e| PlanError::Pipeline(verify::esc(&e.to_string())))?;
         if self.chunks.len() != s.chunks() {
             return Err(PlanError::Pipeline(format!(
                 "the schedule has {} chunks, the plan {}",
@@ -324,7 +432,7 @@ impl Plan {
         self.check_pipeline_nodes(s.stages)?;
         let graphs: Vec<&Graph> = self.chunks.iter().map(|c| &c.program).collect();
         crate::train::check_boundary_types(&graphs, s.micro_batches)
-            .map_err(|e| PlanError::Pipeline(e.to_string()))
+            .map_err(|e| PlanError::Pipeline(verify::esc(&e.to_string())))
     }
 
     fn check_pipeline_nodes(&self, p: usize) -> Result<(), PlanError> {
@@ -378,14 +486,14 @@ impl Plan {
                     if let Some(i) = node.inputs.iter().find(|i| !done[chunk][i.index()]) {
                         return err(format!(
                             "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} runs before its operand {i}",
-                            node.name
+                            verify::esc(&node.name)
                         ));
                     }
                     let boundary = crate::train::is_received_input(g, v);
                     if boundary != matches!(op, PipeOp::Recv { .. }) {
                         return err(format!(
                             "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} is a received input filled elsewhere, or a receive fills something else",
-                            node.name
+                            verify::esc(&node.name)
                         ));
                     }
                     done[chunk][v.index()] = true;
@@ -396,7 +504,7 @@ impl Plan {
             if let Some(v) = d.iter().position(|x| !x) {
                 return err(format!(
                     "value %{v} `{}` of chunk {c} never runs",
-                    self.chunks[c].program.node(ValueId(v as u32)).name
+                    verify::esc(&self.chunks[c].program.node(ValueId(v as u32)).name)
                 ));
             }
         }

@@ -35,7 +35,7 @@ fn same_inputs_give_byte_identical_plans() {
         let a = plan(model, mesh, &extra, 2, 16).to_json();
         let b = plan(model, mesh, &extra, 2, 16).to_json();
         assert_eq!(a, b, "{model} {mesh}");
-        assert!(a.contains("\"format_version\": 1"));
+        assert!(a.contains("\"format_version\": 2"));
     }
 }
 
@@ -51,7 +51,44 @@ fn plan_json_round_trips() {
         Plan::from_json(&v.to_string()),
         Err(PlanError::Version { found: 99, .. })
     ));
-    assert!(matches!(Plan::from_json("{"), Err(PlanError::Json(_))));
+    assert!(matches!(
+        Plan::from_json("{"),
+        Err(PlanError::Truncated { line: 1, .. })
+    ));
+    assert!(matches!(Plan::from_json("plan"), Err(PlanError::Json(_))));
+    assert!(matches!(Plan::from_json(" \n"), Err(PlanError::Empty)));
+}
+
+/// The hash covers the content, not the formatting: compact JSON of a plan loads; a changed
+/// value that the verifier accepts does not, until re-hashed.
+#[test]
+fn the_content_hash_catches_edits_not_formatting() {
+    let p = plan("llama", "tp=2", &[], 2, 16);
+    let mut v: serde_json::Value = serde_json::from_str(&p.to_json()).unwrap();
+    assert_eq!(v["hash"], shardc_compiler::plan::content_hash(&v).as_str());
+    assert_eq!(Plan::from_json(&v.to_string()).unwrap(), p);
+    v["model"]["source"] = "elsewhere".into();
+    assert!(matches!(
+        Plan::from_json(&v.to_string()),
+        Err(PlanError::HashMismatch { .. })
+    ));
+    let back = Plan::from_json(&shardc_compiler::plan::rehash(&v.to_string()).unwrap()).unwrap();
+    assert_eq!(back.model.source, "elsewhere");
+}
+
+/// Every kind of forward plan the compiler makes passes the verifier it is loaded with.
+#[test]
+fn compiled_plans_verify() {
+    for (model, mesh, extra) in [
+        ("llama", "dp=2,tp=2", vec!["sp"]),
+        ("mixtral", "ep=2,tp=2", vec![]),
+        ("gpt2", "tp=2", vec![]),
+        ("llama-3-8b.json", "dp=2,tp=4", vec!["sp"]),
+    ] {
+        let p = plan(model, mesh, &extra, 2, 16);
+        p.verify().unwrap_or_else(|e| panic!("{model} {mesh}: {e}"));
+        Plan::from_json(&p.to_json()).unwrap_or_else(|e| panic!("{model} {mesh}: {e}"));
+    }
 }
 
 #[test]

@@ -19,9 +19,7 @@ pub struct ExplainArgs {
 }
 
 pub fn run(a: ExplainArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&a.plan)
-        .with_context(|| format!("reading {}", a.plan.display()))?;
-    let plan = Plan::from_json(&text).with_context(|| format!("reading {}", a.plan.display()))?;
+    let plan = Plan::load(&a.plan).with_context(|| format!("reading {}", a.plan.display()))?;
     if let Some(s) = &plan.pipeline {
         println!(
             "pipeline plan: {} chunks under a {} schedule ({} stages, {} micro-batches); chunk 0's program below (`shardc schedule {}` shows the timeline)",

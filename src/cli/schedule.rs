@@ -40,11 +40,8 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
     }
     let sched = match &a.plan {
         Some(p) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            let plan = Plan::from_json(&text)?;
-            plan.check_pipeline()
-                .with_context(|| format!("verifying {}", p.display()))?;
+            // Loading verifies the plan, its pipeline program included.
+            let plan = Plan::load(p).with_context(|| format!("reading {}", p.display()))?;
             let sched = plan.pipeline.clone().with_context(|| {
                 format!(
                     "{} has no pipeline schedule (its mesh has no pp axis)",

@@ -150,9 +150,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
     }
     let copts = compute_options(&a)?;
     if let Some(p) = &a.plan {
-        let text =
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-        let plan = Plan::from_json(&text)?;
+        let plan = Plan::load(p).with_context(|| format!("reading {}", p.display()))?;
         let cluster = Cluster::resolve_for(&a.cluster, plan.mesh.world_size())?;
         let sim = simulate_plan(&plan, &cluster, &copts)?;
         return finish(&a, &sim);
