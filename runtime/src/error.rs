@@ -86,6 +86,16 @@ pub enum RuntimeError {
         #[source]
         source: safetensors::SafeTensorError,
     },
+    /// A safetensors file whose header does not describe its bytes (too short, a header
+    /// length past the end, a tensor whose dtype × shape disagrees with its offsets, data
+    /// missing or left over).
+    #[error("{}: invalid safetensors file: {msg}", path.display())]
+    BadCheckpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the tensor where one is at fault.
+        msg: String,
+    },
     /// A sharded checkpoint's index file is not valid JSON with a `weight_map`.
     #[error("{}: invalid checkpoint index: {source}", path.display())]
     Index {

@@ -5,12 +5,15 @@
 //! Pre: checkpoint files are not modified while a [`Weights`] maps them.
 //! Post: [`Weights::load`] returns exactly `local.shape()` elements, read straight from the
 //! mapped bytes (only the chunk this rank holds is read), converted from F32/BF16/F16 to f32
-//! and rounded to the parameter's declared float precision.
+//! and rounded to the parameter's declared float precision. A file whose header does not
+//! describe its bytes is a [`RuntimeError::BadCheckpoint`] naming the tensor at fault and the
+//! sizes involved (a truncated download says how many bytes are missing).
 
 use crate::{RuntimeError, Tensor};
 use half::{bf16, f16};
 use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::tensor::TensorInfo;
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use shardc_compiler::ir::{DType, ParamSource, TensorType};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -68,6 +71,110 @@ struct Index {
     weight_map: BTreeMap<String, String>,
 }
 
+/// The safetensors format's limit on the header length, bytes.
+const MAX_HEADER: u64 = 100_000_000;
+
+/// What is wrong with a safetensors file `read_metadata` refused, in one line naming the
+/// tensor at fault where there is one, and the sizes involved.
+fn header_problem(bytes: &[u8], err: &SafeTensorError) -> String {
+    let len = bytes.len();
+    let n = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("invariant: 8 bytes")));
+    match (err, n) {
+        (SafeTensorError::HeaderTooSmall, _) | (_, None) => {
+            format!("{len} bytes, too short for the 8-byte header length")
+        }
+        (SafeTensorError::HeaderTooLarge | SafeTensorError::InvalidHeaderLength, Some(n)) => {
+            if n > MAX_HEADER {
+                format!("header length {n} (the first 8 bytes) exceeds the format's limit of {MAX_HEADER} bytes")
+            } else {
+                format!(
+                    "header length {n} (the first 8 bytes) runs past the end of the file ({len} bytes)"
+                )
+            }
+        }
+        (SafeTensorError::InvalidHeader(e), _) => format!("header is not UTF-8: {e}"),
+        (SafeTensorError::InvalidHeaderDeserialization(e), Some(n)) => {
+            entry_parse_problem(bytes, n)
+                .unwrap_or_else(|| format!("header is not valid safetensors JSON: {e}"))
+        }
+        (SafeTensorError::InvalidOffset(name), _) => format!(
+            "tensor `{name}`: data_offsets do not start where the previous tensor's data ends"
+        ),
+        (_, Some(n)) => entries_problem(bytes, n)
+            .unwrap_or_else(|| format!("{err} ({len} bytes, header of {n})")),
+    }
+}
+
+/// The header entry that does not parse as a tensor (`dtype`, `shape`, `data_offsets`) or as
+/// the string map `__metadata__`, when the header is otherwise JSON.
+fn entry_parse_problem(bytes: &[u8], n: u64) -> Option<String> {
+    let header = bytes.get(8..8usize.checked_add(usize::try_from(n).ok()?)?)?;
+    let map: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    map.into_iter().find_map(|(k, v)| {
+        if k == "__metadata__" {
+            let e = serde_json::from_value::<Option<BTreeMap<String, String>>>(v).err()?;
+            Some(format!("`__metadata__`: {e} (a map of strings)"))
+        } else {
+            let e = serde_json::from_value::<TensorInfo>(v).err()?;
+            Some(format!("tensor `{k}`: {e}"))
+        }
+    })
+}
+
+/// The first tensor (in data order) whose dtype and shape disagree with its offsets, or the
+/// data's end disagreeing with the file's.
+fn entries_problem(bytes: &[u8], n: u64) -> Option<String> {
+    let header = bytes.get(8..8usize.checked_add(usize::try_from(n).ok()?)?)?;
+    let map: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header).ok()?;
+    let mut entries: Vec<(String, TensorInfo)> = map
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .filter_map(|(k, v)| Some((k, serde_json::from_value(v).ok()?)))
+        .collect();
+    entries.sort_by_key(|(_, e)| e.data_offsets);
+    for (name, e) in &entries {
+        let (start, end) = e.data_offsets;
+        let bits = e
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .and_then(|x| x.checked_mul(e.dtype.bitsize()));
+        let Some(bits) = bits else {
+            return Some(format!(
+                "tensor `{name}`: shape {:?} of {:?} overflows the byte count",
+                e.shape, e.dtype
+            ));
+        };
+        if bits % 8 != 0 || end < start || end - start != bits / 8 {
+            return Some(format!(
+                "tensor `{name}`: {:?} {:?} needs {} bytes but data_offsets [{start}, {end}] hold {}",
+                e.dtype,
+                e.shape,
+                bits.div_ceil(8),
+                end as i128 - start as i128
+            ));
+        }
+    }
+    let data_end = entries
+        .iter()
+        .map(|(_, e)| e.data_offsets.1)
+        .max()
+        .unwrap_or(0) as u64;
+    let have = (bytes.len() as u64).checked_sub(8 + n)?;
+    match data_end.cmp(&have) {
+        std::cmp::Ordering::Equal => None,
+        std::cmp::Ordering::Greater => Some(format!(
+            "truncated: the header's tensors need {data_end} bytes of data, the file holds {have}"
+        )),
+        std::cmp::Ordering::Less => Some(format!(
+            "{} bytes after the last tensor's data (the header's tensors end at data byte {data_end}, the file holds {have})",
+            have - data_end
+        )),
+    }
+}
+
 impl Weights {
     /// Opens a checkpoint: a model directory (holding `model.safetensors` or
     /// `model.safetensors.index.json` plus its shards), a `.safetensors` file, or an index file.
@@ -115,15 +222,21 @@ impl Weights {
                 path: p.clone(),
                 source,
             };
+            if p.is_dir() {
+                return Err(RuntimeError::BadCheckpoint {
+                    path: p.clone(),
+                    msg: "a directory, not a safetensors file".into(),
+                });
+            }
             let file = File::open(p).map_err(io)?;
             // SAFETY: the map is read-only and checkpoints are not modified while open (the
             // module's precondition); every access is bounds-checked against the header, which
             // `read_metadata` validated against the file length.
             let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
             let (n, meta) =
-                SafeTensors::read_metadata(&mmap).map_err(|source| RuntimeError::SafeTensors {
+                SafeTensors::read_metadata(&mmap).map_err(|e| RuntimeError::BadCheckpoint {
                     path: p.clone(),
-                    source,
+                    msg: header_problem(&mmap, &e),
                 })?;
             let base = 8 + n;
             for (name, info) in meta.tensors() {

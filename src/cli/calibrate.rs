@@ -5,7 +5,7 @@
 
 use anyhow::{bail, Context};
 use clap::Args;
-use shardc::compiler::cost::{fit_profile, Cluster, DeviceProfile, Measurements};
+use shardc::compiler::cost::{fit_profile_report, Cluster, DeviceProfile, Measurements};
 use shardc::runtime::cuda::calibrate::{measure, CalibrateOptions};
 use shardc::runtime::cuda::CudaDevice;
 use shardc::runtime::output::Outputs;
@@ -41,7 +41,7 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
         Some(p) => {
             let text =
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?
+            Measurements::from_json(&text).with_context(|| p.display().to_string())?
         }
         None => {
             let m = measure_on_gpu()?;
@@ -57,7 +57,17 @@ pub fn run(a: CalibrateArgs) -> anyhow::Result<()> {
         Some(c) => Some(Cluster::resolve(c)?),
         None => None,
     };
-    let (mut dev, cprof) = fit_profile(&base, cluster.as_ref().map(|c| &c.profile), &m)?;
+    let fit =
+        fit_profile_report(&base, cluster.as_ref().map(|c| &c.profile), &m).with_context(|| {
+            match &a.measurements {
+                Some(p) => format!("fitting {} to {}", p.display(), base.name),
+                None => format!("fitting the measurements to {}", base.name),
+            }
+        })?;
+    for note in &fit.capped {
+        eprintln!("warning: calibration: {note} (--base {})", base.name);
+    }
+    let (mut dev, cprof) = (fit.device, fit.cluster);
     let stem = a
         .output
         .file_stem()

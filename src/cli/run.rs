@@ -132,8 +132,9 @@ fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64
         for (t, x) in row.iter().enumerate() {
             let x = x.as_i64().with_context(|| {
                 format!(
-                    "{what} {}: [{b}][{t}] = {x} is not an integer",
-                    path.display()
+                    "{what} {}: [{b}][{t}] = {x} is not an integer{}",
+                    path.display(),
+                    if x.is_u64() { " below 2^63" } else { "" }
                 )
             })?;
             out.push(x);
@@ -144,6 +145,21 @@ fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64
         bail!("{what} {}: empty sequences", path.display());
     }
     Ok((rows.len(), width, out))
+}
+
+/// Reads an attention mask: a batch × seq matrix of 0 (padding) and 1 (keep).
+fn read_mask(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
+    let (b, t, v) = read_matrix(path, "attention mask")?;
+    if let Some(i) = v.iter().position(|&x| x != 0 && x != 1) {
+        bail!(
+            "attention mask {}: [{}][{}] = {} is not 0 (padding) or 1 (keep)",
+            path.display(),
+            i / t,
+            i % t,
+            v[i]
+        );
+    }
+    Ok((b, t, v))
 }
 
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
@@ -202,7 +218,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             Ok(v)
         };
     let mask: Vec<f32> = match &a.attention_mask {
-        Some(p) => same_shape("attention mask", read_matrix(p, "attention mask")?)?
+        Some(p) => same_shape("attention mask", read_mask(p)?)?
             .into_iter()
             .map(|x| x as f32)
             .collect(),

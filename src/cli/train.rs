@@ -161,8 +161,9 @@ fn read_tokens(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
         for (t, x) in row.iter().enumerate() {
             out.push(x.as_i64().with_context(|| {
                 format!(
-                    "tokens {}: [{b}][{t}] = {x} is not an integer",
-                    path.display()
+                    "tokens {}: [{b}][{t}] = {x} is not an integer{}",
+                    path.display(),
+                    if x.is_u64() { " below 2^63" } else { "" }
                 )
             })?);
         }

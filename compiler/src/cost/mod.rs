@@ -42,7 +42,10 @@ mod trace;
 mod train;
 mod units;
 
-pub use calibrate::{fit_profile, CollectiveSample, CopySample, GemmSample, Measurements};
+pub use calibrate::{
+    fit_profile, fit_profile_report, CollectiveSample, CopySample, GemmSample, Measurements,
+    ProfileFit, MAX_OVERSHOOT,
+};
 pub use collective::{
     collective_time, ring_time, tree_allreduce_time, CollectiveKind, GroupTopology, Link,
 };

@@ -2,9 +2,12 @@
 //! source. A cluster profile names its device; `--cluster dgx-h100x128` is the `dgx-h100`
 //! profile with 128 nodes, and a path to a `.toml` file works wherever a name does.
 //!
-//! Pre: none. Post: a loaded profile has every number positive and finite, efficiencies in
-//! `(0, 1]`, and a non-empty source for each number (checked by [`DeviceProfile::check`] and
-//! [`ClusterProfile::check`]).
+//! Pre: none. Post: a loaded profile has every number inside its plausibility range
+//! (efficiencies in `[1e-4, 1]`, bandwidths, peaks, capacities and latencies within bounds wide
+//! enough for any machine and narrow enough that every time the cost model derives stays
+//! finite), and a non-empty source for each number (checked by [`DeviceProfile::check`] and
+//! [`ClusterProfile::check`]); a resolved [`Cluster`] has at most [`MAX_GPUS`] GPUs. Errors
+//! name the profile (its file when loaded from one) and the field.
 
 use super::units::Bytes;
 use super::CostError;
@@ -122,6 +125,21 @@ pub struct Cluster {
     pub nodes: usize,
 }
 
+/// Bandwidths (HBM, NVLink, network adapter), bytes/s.
+const BANDWIDTH: (f64, f64) = (1e3, 1e16);
+/// Peak FLOP/s.
+const FLOPS: (f64, f64) = (1e6, 1e21);
+/// Device memory, bytes.
+const MEMORY: (f64, f64) = (1e3, 1e18);
+/// Latencies and the kernel launch floor, seconds.
+pub(super) const LATENCY: (f64, f64) = (1e-12, 1e3);
+/// Efficiency factors: fractions of a peak.
+pub(super) const EFFICIENCY: (f64, f64) = (1e-4, 1.0);
+/// GPUs, NVLink domain size and network adapters per node.
+const MAX_PER_NODE: u32 = 1 << 16;
+/// GPUs in a resolved cluster (nodes × GPUs per node).
+pub const MAX_GPUS: usize = 1 << 24;
+
 /// Built-in profiles: (file name, text).
 pub const BUILTIN_PROFILES: [(&str, &str); 6] = [
     ("a100-80gb-sxm", include_str!("profiles/a100-80gb-sxm.toml")),
@@ -178,8 +196,46 @@ fn profile_text(spec: &str, base: Option<&Path>) -> Result<(String, Option<PathB
 fn parse<T: serde::de::DeserializeOwned>(name: &str, text: &str) -> Result<T, CostError> {
     toml::from_str(text).map_err(|e| CostError::Profile {
         profile: name.to_string(),
-        msg: e.to_string().trim().replace('\n', " "),
+        msg: toml_error(text, &e),
     })
+}
+
+/// A TOML error in one line: `line 23, column 20 (`efficiency.memory`): invalid type: ...`.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let msg = e.message().trim().replace('\n', " ");
+    let Some(before) = e.span().and_then(|s| text.get(..s.start)) else {
+        return msg;
+    };
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    // The key on that line, inside the table the line belongs to.
+    let lines: Vec<&str> = text.lines().collect();
+    fn table_of(l: &str) -> Option<&str> {
+        let l = l.trim();
+        (l.starts_with('[') && l.ends_with(']')).then(|| l.trim_matches(['[', ']']).trim())
+    }
+    let here = lines.get(line - 1).copied().unwrap_or("");
+    let key = match table_of(here) {
+        Some(t) => Some(t.to_string()),
+        None => here
+            .split_once('=')
+            .map(|(k, _)| k.trim())
+            .filter(|k| !k.is_empty())
+            .map(|k| {
+                match lines[..line.saturating_sub(1).min(lines.len())]
+                    .iter()
+                    .rev()
+                    .find_map(|l| table_of(l))
+                {
+                    Some(t) => format!("{t}.{k}"),
+                    None => k.to_string(),
+                }
+            }),
+    };
+    match key {
+        Some(k) => format!("line {line}, column {column} (`{k}`): {msg}"),
+        None => format!("line {line}, column {column}: {msg}"),
+    }
 }
 
 fn kind_of(name: &str, text: &str) -> Result<String, CostError> {
@@ -188,6 +244,32 @@ fn kind_of(name: &str, text: &str) -> Result<String, CostError> {
         .and_then(|k| k.as_str())
         .unwrap_or("")
         .to_string())
+}
+
+/// A number for a message, to 4 significant digits: plain when readable, scientific when tiny
+/// or huge (`0.85`, `1000`, `1e16`, `1e-320`).
+pub(super) fn num(x: f64) -> String {
+    fn trim(s: &str) -> &str {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.')
+        } else {
+            s
+        }
+    }
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let a = x.abs();
+    if (1e-4..1e7).contains(&a) {
+        let digits = (3 - a.log10().floor() as i32).max(0) as usize;
+        trim(&format!("{x:.digits$}")).to_string()
+    } else {
+        let s = format!("{x:.3e}");
+        match s.split_once('e') {
+            Some((m, e)) => format!("{}e{e}", trim(m)),
+            None => s,
+        }
+    }
 }
 
 struct Checker<'a> {
@@ -207,24 +289,35 @@ impl Checker<'_> {
         }
         Ok(())
     }
-    fn positive(&self, field: &str, s: &Sourced<f64>) -> Result<(), CostError> {
+    /// A number in `[lo, hi]` (NaN and infinities are outside every range).
+    fn within(
+        &self,
+        field: &str,
+        s: &Sourced<f64>,
+        (lo, hi): (f64, f64),
+        unit: &str,
+    ) -> Result<(), CostError> {
         self.source(field, s)?;
-        if !(s.value.is_finite() && s.value > 0.0) {
-            return Err(self.err(field, format!("must be positive, found {}", s.value)));
-        }
-        Ok(())
-    }
-    fn fraction(&self, field: &str, s: &Sourced<f64>) -> Result<(), CostError> {
-        self.positive(field, s)?;
-        if s.value > 1.0 {
-            return Err(self.err(field, format!("must be in (0, 1], found {}", s.value)));
+        if !(lo..=hi).contains(&s.value) {
+            return Err(self.err(
+                field,
+                format!(
+                    "must be in [{}, {}]{unit}, found {}",
+                    num(lo),
+                    num(hi),
+                    num(s.value)
+                ),
+            ));
         }
         Ok(())
     }
     fn count(&self, field: &str, s: &Sourced<u32>) -> Result<(), CostError> {
         self.source(field, s)?;
-        if s.value == 0 {
-            return Err(self.err(field, "must be positive".into()));
+        if s.value == 0 || s.value > MAX_PER_NODE {
+            return Err(self.err(
+                field,
+                format!("must be in [1, {MAX_PER_NODE}], found {}", s.value),
+            ));
         }
         Ok(())
     }
@@ -247,31 +340,39 @@ impl DeviceProfile {
             });
         }
         let d: DeviceProfile = parse(name, text)?;
-        d.check()?;
+        d.check_as(name)?;
         Ok(d)
     }
 
     /// Checks ranges and sources.
     pub fn check(&self) -> Result<(), CostError> {
-        let c = Checker {
-            profile: &self.name,
-        };
-        c.positive("memory_bytes", &self.memory_bytes)?;
-        c.positive("hbm_bandwidth", &self.hbm_bandwidth)?;
-        c.positive("nvlink_bandwidth", &self.nvlink_bandwidth)?;
-        c.positive("launch_floor", &self.launch_floor)?;
+        self.check_as(&self.name)
+    }
+
+    /// [`DeviceProfile::check`], errors naming the profile `label` (its file, say).
+    fn check_as(&self, label: &str) -> Result<(), CostError> {
+        let c = Checker { profile: label };
+        c.within("memory_bytes", &self.memory_bytes, MEMORY, " bytes")?;
+        c.within("hbm_bandwidth", &self.hbm_bandwidth, BANDWIDTH, " bytes/s")?;
+        c.within(
+            "nvlink_bandwidth",
+            &self.nvlink_bandwidth,
+            BANDWIDTH,
+            " bytes/s",
+        )?;
+        c.within("launch_floor", &self.launch_floor, LATENCY, " s")?;
         let p = &self.peak_flops;
-        c.positive("peak_flops.bf16", &p.bf16)?;
-        c.positive("peak_flops.fp16", &p.fp16)?;
-        c.positive("peak_flops.tf32", &p.tf32)?;
-        c.positive("peak_flops.fp32", &p.fp32)?;
+        c.within("peak_flops.bf16", &p.bf16, FLOPS, " FLOP/s")?;
+        c.within("peak_flops.fp16", &p.fp16, FLOPS, " FLOP/s")?;
+        c.within("peak_flops.tf32", &p.tf32, FLOPS, " FLOP/s")?;
+        c.within("peak_flops.fp32", &p.fp32, FLOPS, " FLOP/s")?;
         let e = &self.efficiency;
-        c.fraction("efficiency.gemm_large", &e.gemm_large)?;
-        c.fraction("efficiency.gemm_medium", &e.gemm_medium)?;
-        c.fraction("efficiency.gemm_small", &e.gemm_small)?;
-        c.fraction("efficiency.gemm_tiny", &e.gemm_tiny)?;
-        c.fraction("efficiency.memory", &e.memory)?;
-        c.fraction("efficiency.nvlink", &e.nvlink)?;
+        c.within("efficiency.gemm_large", &e.gemm_large, EFFICIENCY, "")?;
+        c.within("efficiency.gemm_medium", &e.gemm_medium, EFFICIENCY, "")?;
+        c.within("efficiency.gemm_small", &e.gemm_small, EFFICIENCY, "")?;
+        c.within("efficiency.gemm_tiny", &e.gemm_tiny, EFFICIENCY, "")?;
+        c.within("efficiency.memory", &e.memory, EFFICIENCY, "")?;
+        c.within("efficiency.nvlink", &e.nvlink, EFFICIENCY, "")?;
         Ok(())
     }
 
@@ -309,16 +410,24 @@ impl ClusterProfile {
 
     /// Checks ranges and sources.
     pub fn check(&self) -> Result<(), CostError> {
-        let c = Checker {
-            profile: &self.name,
-        };
+        self.check_as(&self.name)
+    }
+
+    /// [`ClusterProfile::check`], errors naming the profile `label` (its file, say).
+    fn check_as(&self, label: &str) -> Result<(), CostError> {
+        let c = Checker { profile: label };
         c.count("gpus_per_node", &self.gpus_per_node)?;
         c.count("nvlink_domain", &self.nvlink_domain)?;
         c.count("nics_per_node", &self.nics_per_node)?;
-        c.positive("nic_bandwidth", &self.nic_bandwidth)?;
-        c.positive("network_latency", &self.network_latency)?;
-        c.positive("nvlink_latency", &self.nvlink_latency)?;
-        c.fraction("network_efficiency", &self.network_efficiency)?;
+        c.within("nic_bandwidth", &self.nic_bandwidth, BANDWIDTH, " bytes/s")?;
+        c.within("network_latency", &self.network_latency, LATENCY, " s")?;
+        c.within("nvlink_latency", &self.nvlink_latency, LATENCY, " s")?;
+        c.within(
+            "network_efficiency",
+            &self.network_efficiency,
+            EFFICIENCY,
+            "",
+        )?;
         if self.nvlink_domain.value > self.gpus_per_node.value {
             return Err(c.err(
                 "nvlink_domain",
@@ -355,13 +464,43 @@ impl Cluster {
             });
         }
         let profile: ClusterProfile = parse(name, &text)?;
-        profile.check()?;
+        profile.check_as(name)?;
+        let nodes = nodes.unwrap_or(1);
+        let gpus = nodes.checked_mul(profile.gpus_per_node.value as usize);
+        if gpus.is_none_or(|g| g > MAX_GPUS) {
+            return Err(CostError::Profile {
+                profile: spec.to_string(),
+                msg: format!(
+                    "{nodes} nodes × {} GPUs exceeds the {MAX_GPUS} GPUs a cluster may have",
+                    profile.gpus_per_node.value
+                ),
+            });
+        }
+        if profile.device.trim().is_empty() {
+            return Err(CostError::Profile {
+                profile: name.to_string(),
+                msg: format!(
+                    "`device` is empty: name a device profile ({}) or a .toml file",
+                    builtin_names("device")
+                ),
+            });
+        }
         let (dtext, _) = profile_text(&profile.device, dir.as_deref())?;
-        let device = DeviceProfile::from_toml(&profile.device, &dtext)?;
+        // Errors in a device file name the file as the user would find it.
+        let dname = match dir.as_deref() {
+            Some(d)
+                if builtin(&profile.device).is_none()
+                    && Path::new(&profile.device).is_relative() =>
+            {
+                d.join(&profile.device).display().to_string()
+            }
+            _ => profile.device.clone(),
+        };
+        let device = DeviceProfile::from_toml(&dname, &dtext)?;
         Ok(Cluster {
             profile,
             device,
-            nodes: nodes.unwrap_or(1),
+            nodes,
         })
     }
 
@@ -490,7 +629,10 @@ mod tests {
         let e = DeviceProfile::from_toml("x", &text)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("(0, 1]"), "{e}");
+        assert!(
+            e.contains("`efficiency.memory`: must be in [0.0001, 1], found 1.5"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -509,5 +651,84 @@ mod tests {
         assert_eq!(c.device, d);
         assert_eq!(c.nodes, 2);
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn implausible_numbers_name_the_file_and_field() {
+        let dir = std::env::temp_dir().join(format!("shardc-profile-range-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Positive and finite, yet every HBM transfer would take forever.
+        let dev = dir.join("dev.toml");
+        let text = BUILTIN_PROFILES[1]
+            .1
+            .replace("value = 3.35e12", "value = 1e-320");
+        std::fs::write(&dev, text).unwrap();
+        let e = DeviceProfile::load(&dev.display().to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("dev.toml") && e.contains("`hbm_bandwidth`") && e.contains("1e-320"),
+            "{e}"
+        );
+        // A latency that makes every collective infinite.
+        let c = dir.join("c.toml");
+        let text = BUILTIN_PROFILES[4]
+            .1
+            .replace("value = 5e-6", "value = 1e308");
+        std::fs::write(&c, text).unwrap();
+        let e = Cluster::resolve(&c.display().to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("c.toml") && e.contains("`network_latency`"),
+            "{e}"
+        );
+        // The device of a cluster is named.
+        let text = BUILTIN_PROFILES[4]
+            .1
+            .replace("device = \"h100-sxm\"", "device = \"\"");
+        std::fs::write(&c, text).unwrap();
+        let e = Cluster::resolve(&c.display().to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`device` is empty"), "{e}");
+        // Nodes × GPUs per node stays countable.
+        let e = Cluster::resolve("dgx-h100x1000000000000")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1000000000000 nodes"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn numbers_in_messages() {
+        for (x, s) in [
+            (0.85, "0.85"),
+            (1000.0, "1000"),
+            (1e16, "1e16"),
+            (1e-320, "1e-320"),
+            (1.1000000000000003, "1.1"),
+            (-0.0015, "-0.0015"),
+            (7.234969503402736e-7, "7.235e-7"),
+            (f64::NAN, "NaN"),
+        ] {
+            assert_eq!(num(x), s);
+        }
+    }
+
+    #[test]
+    fn toml_errors_name_the_line_and_key() {
+        let text = BUILTIN_PROFILES[1]
+            .1
+            .replace("value = 0.85", "value = \"x\"");
+        let e = DeviceProfile::from_toml("x.toml", &text)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("profile `x.toml`: line ")
+                && e.contains("(`efficiency.memory`): invalid type")
+                && !e.contains('\n'),
+            "{e}"
+        );
     }
 }
