@@ -305,12 +305,14 @@ fn non_finite_outputs_are_refused_not_written_as_null() {
     assert!(!text.contains("null"), "{text}");
 }
 
-/// `train` with `extra` and `--save`/`--dump-grads` into `d`, which already holds a file:
-/// it fails naming `needle`, prints the steps before, and leaves both outputs as they were.
+/// `train` with `extra` and `--save`/`--dump-grads` into `d`, which already holds an earlier
+/// checkpoint: it fails naming `needle`, prints the steps before, and leaves both outputs as
+/// they were.
 fn diverges(d: &Path, ids: &str, extra: &[&str], needle: &str, steps_before: usize) {
     let ckpt = d.join("ckpt");
     std::fs::create_dir_all(&ckpt).unwrap();
-    std::fs::write(ckpt.join("keep.txt"), "before").unwrap();
+    std::fs::write(ckpt.join("config.json"), "before").unwrap();
+    std::fs::write(ckpt.join("model.safetensors"), "before").unwrap();
     let grads = d.join("grads.safetensors");
     let model = llama().display().to_string();
     let (ckpt_s, grads_s) = (ckpt.display().to_string(), grads.display().to_string());
@@ -328,13 +330,20 @@ fn diverges(d: &Path, ids: &str, extra: &[&str], needle: &str, steps_before: usi
         !out.contains(&format!("step {}: loss", steps_before + 1)),
         "{extra:?}:\n{out}"
     );
-    let kept: Vec<_> = std::fs::read_dir(&ckpt)
+    let mut kept: Vec<_> = std::fs::read_dir(&ckpt)
         .unwrap()
-        .map(|e| e.unwrap().file_name())
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name(), std::fs::read(e.path()).unwrap())
+        })
         .collect();
+    kept.sort();
     assert_eq!(
         kept,
-        ["keep.txt"],
+        [
+            ("config.json".into(), b"before".to_vec()),
+            ("model.safetensors".into(), b"before".to_vec())
+        ],
         "{extra:?}: the checkpoint directory changed"
     );
     assert!(!grads.exists(), "{extra:?}: gradients were written");
