@@ -4,7 +4,7 @@
 //! ─► rewritten SPMD graph (egg rules + cost extraction; optional, off by default)
 
 use crate::ir::Graph;
-use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
+use crate::model::{build_forward, BuildOptions, IrWork, ModelConfig, ModelError};
 use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
 use crate::shard::{self, Mesh, ShardError, ShardedGraph, Strategy};
 use thiserror::Error;
@@ -60,6 +60,13 @@ pub fn compile_forward_with(
     opts: &CompileOptions,
     rw: &RewriteOptions,
 ) -> Result<Compiled, CompileError> {
+    // 0. Sizes: the IR within the memory budget, activations within byte accounting.
+    cfg.check_ir(IrWork::Forward)?;
+    cfg.check_activations(
+        &format!("batch {} × seq {}", opts.batch, opts.seq),
+        opts.batch,
+        opts.seq,
+    )?;
     // 1. Strategies: mesh axis defaults plus extras; model-level divisibility.
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
     shard::check_model(cfg, &opts.mesh, &strategies, opts.batch, opts.seq)?;

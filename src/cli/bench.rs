@@ -67,25 +67,7 @@ fn parse_op(s: &str) -> Result<Collective, String> {
 
 /// Parses `8`, `64K`, `64M`, `1G`, `1GiB`, `512B` (binary multiples, as nccl-tests).
 fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let upper = t.to_ascii_uppercase();
-    let body = upper
-        .strip_suffix("IB")
-        .or_else(|| upper.strip_suffix('B'))
-        .unwrap_or(&upper);
-    let (digits, shift) = match body.chars().last() {
-        Some('K') => (&body[..body.len() - 1], 10),
-        Some('M') => (&body[..body.len() - 1], 20),
-        Some('G') => (&body[..body.len() - 1], 30),
-        Some('T') => (&body[..body.len() - 1], 40),
-        _ => (body, 0),
-    };
-    digits
-        .trim()
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(1u64 << shift))
-        .filter(|&n| n > 0)
+    shardc::compiler::model::parse_size(s)
         .ok_or_else(|| format!("`{s}` is not a positive size in bytes (e.g. 8, 64K, 1G)"))
 }
 

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::cost::Cluster;
-use shardc::compiler::model::ModelConfig;
+use shardc::compiler::model::{IrWork, ModelConfig};
 use shardc::compiler::pipeline::{compile_forward_with, CompileOptions};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
@@ -59,7 +59,7 @@ pub struct CompileArgs {
     #[arg(long, default_value = "none")]
     pub rewrite: String,
     /// Weight of the rewriter's activation-memory term, µs per MiB (0: time only).
-    #[arg(long, default_value_t = shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB)]
     pub memory_weight: f64,
     /// Compile one training step (forward, backward, AdamW) instead of the forward pass; a
     /// mesh with a `pp` axis compiles a pipeline. Memory is accounted in mixed precision.
@@ -106,6 +106,52 @@ pub fn options(
     })
 }
 
+/// `--flag: must be at least MIN (found X)`.
+pub fn at_least(flag: &str, value: usize, min: usize) -> anyhow::Result<()> {
+    if value < min {
+        bail!("{flag}: must be at least {min} (found {value})");
+    }
+    Ok(())
+}
+
+/// A sequence length of 1 up to the model's maximum positions.
+pub fn check_seq(flag: &str, seq: usize, cfg: &ModelConfig) -> anyhow::Result<()> {
+    at_least(flag, seq, 1)?;
+    if seq > cfg.max_positions {
+        bail!(
+            "{flag}: {seq} exceeds the model's maximum positions {}",
+            cfg.max_positions
+        );
+    }
+    Ok(())
+}
+
+/// The flags of `compile` that take a size, checked before the model is built: no zero
+/// batch, sequence, node or micro-batch count, a finite non-negative memory weight, the IR and
+/// activations within the limits.
+fn check_args(a: &CompileArgs, cfg: &ModelConfig, path: &Path, seq: usize) -> anyhow::Result<()> {
+    at_least("--batch", a.batch, 1)?;
+    check_seq("--seq", seq, cfg)?;
+    at_least("--gpus-per-node", a.gpus_per_node, 1)?;
+    at_least("--micro-batches", a.micro_batches, 1)?;
+    if !(a.memory_weight.is_finite() && a.memory_weight >= 0.0) {
+        bail!(
+            "--memory-weight: must be finite and >= 0 (found {})",
+            a.memory_weight
+        );
+    }
+    let work = if a.train {
+        IrWork::Train {
+            micro_batches: a.micro_batches,
+        }
+    } else {
+        IrWork::Forward
+    };
+    cfg.check_ir(work).map_err(|e| e.at(path))?;
+    cfg.check_activations(&format!("--batch {} × --seq {seq}", a.batch), a.batch, seq)?;
+    Ok(())
+}
+
 pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     let path = a.model.clone().unwrap_or_else(super::default_model);
     let outputs =
@@ -113,6 +159,7 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     outputs.check_file("-o", &a.output)?;
     let cfg = ModelConfig::from_path(&path)?;
     let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
+    check_args(&a, &cfg, &path, seq)?;
     let opts = options(
         &cfg,
         a.mesh.as_deref(),
@@ -270,9 +317,7 @@ fn train_options(
         return Ok(t);
     };
     let v = a.virtual_stages.unwrap_or(1);
-    if v == 0 {
-        bail!("--virtual-stages must be at least 1");
-    }
+    at_least("--virtual-stages", v, 1)?;
     if v > 1 && schedule != ScheduleKind::Interleaved {
         bail!(
             "--virtual-stages {v} needs --schedule interleaved (the {} schedule runs one chunk \

@@ -8,6 +8,7 @@
 
 use anyhow::bail;
 use clap::Args;
+use shardc::compiler::model::MAX_RANKS;
 use shardc::runtime::launch::{launch, LaunchConfig};
 use std::ffi::OsString;
 use std::time::Duration;
@@ -53,9 +54,26 @@ pub fn parse_secs(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(x))
 }
 
+/// Most processes `launch` starts on one node.
+const MAX_NPROC_PER_NODE: usize = 1024;
+
 pub fn run(a: LaunchArgs) -> anyhow::Result<()> {
     if a.command.first().is_some_and(|c| c == "launch") {
         bail!("`shardc launch -- launch ...` would launch launchers; give the rank's command, e.g. `-- run ...`");
+    }
+    if a.nproc_per_node > MAX_NPROC_PER_NODE {
+        bail!(
+            "--nproc-per-node: at most {MAX_NPROC_PER_NODE} processes per node (found {})",
+            a.nproc_per_node
+        );
+    }
+    let world = a.nproc_per_node as u128 * a.nnodes as u128;
+    if world > MAX_RANKS as u128 {
+        bail!(
+            "--nproc-per-node {} × --nnodes {}: {world} ranks, more than the {MAX_RANKS} supported",
+            a.nproc_per_node,
+            a.nnodes
+        );
     }
     let program = std::env::current_exe()?;
     let cfg = LaunchConfig {

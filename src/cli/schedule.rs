@@ -2,8 +2,10 @@
 //! micro-batch, idle as dots), its bubble fraction and peak in-flight micro-batches, and a
 //! Perfetto trace.
 
-use anyhow::Context;
+use super::compile::at_least;
+use anyhow::{bail, Context};
 use clap::Args;
+use shardc::compiler::model::{check_budget, schedule_bytes};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::schedule::pipeline::{PassCosts, PipeOp, PipelineSchedule, ScheduleKind};
 use shardc::runtime::output::Outputs;
@@ -13,24 +15,50 @@ use std::path::PathBuf;
 pub struct ScheduleArgs {
     /// A plan with a pipeline schedule (else the schedule is built from the flags).
     plan: Option<PathBuf>,
-    /// Pipeline stages.
-    #[arg(long, default_value_t = 4)]
-    pp: usize,
-    /// Micro-batches per step.
-    #[arg(long, default_value_t = 8)]
-    micro_batches: usize,
-    /// gpipe, 1f1b, interleaved or zb-h1.
-    #[arg(long, default_value = "1f1b")]
-    schedule: String,
-    /// Model chunks per stage (interleaved).
-    #[arg(long, default_value_t = 2)]
-    virtual_stages: usize,
+    /// Pipeline stages [default: 4].
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Micro-batches per step [default: 8].
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// gpipe, 1f1b, interleaved or zb-h1 [default: 1f1b].
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Model chunks per stage (interleaved) [default: 2].
+    #[arg(long)]
+    virtual_stages: Option<usize>,
     /// Write a Chrome/Perfetto trace here.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Allow `--trace` to replace a file this command reads (still atomically).
     #[arg(long)]
     overwrite: bool,
+}
+
+/// The schedule the flags describe, checked: sizes ≥ 1, virtual stages for the interleaved
+/// schedule only, the schedule and its diagram within the memory budget.
+fn from_flags(a: &ScheduleArgs) -> anyhow::Result<PipelineSchedule> {
+    let kind = ScheduleKind::from_name(a.schedule.as_deref().unwrap_or("1f1b"))?;
+    let (p, m) = (a.pp.unwrap_or(4), a.micro_batches.unwrap_or(8));
+    at_least("--pp", p, 1)?;
+    at_least("--micro-batches", m, 1)?;
+    let v = match (kind, a.virtual_stages) {
+        (ScheduleKind::Interleaved, v) => v.unwrap_or(2),
+        (_, None) => 1,
+        (_, Some(v)) if v <= 1 => v,
+        (_, Some(v)) => bail!(
+            "--virtual-stages {v} applies to --schedule interleaved (the {} schedule runs one \
+             chunk per pipeline rank)",
+            kind.name()
+        ),
+    };
+    at_least("--virtual-stages", v, 1)?;
+    check_budget(schedule_bytes(p, m, v, a.trace.is_some()), || {
+        format!(
+            "--pp {p} × --micro-batches {m} × --virtual-stages {v}: the schedule and its diagram"
+        )
+    })?;
+    Ok(PipelineSchedule::new(kind, p, m, v)?)
 }
 
 pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
@@ -40,6 +68,18 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
     }
     let sched = match &a.plan {
         Some(p) => {
+            let given = [
+                (a.pp.is_some(), "--pp"),
+                (a.micro_batches.is_some(), "--micro-batches"),
+                (a.schedule.is_some(), "--schedule"),
+                (a.virtual_stages.is_some(), "--virtual-stages"),
+            ];
+            if let Some((_, f)) = given.iter().find(|(g, _)| *g) {
+                bail!(
+                    "{f} describes a schedule to build; {} carries its own (drop {f} or the plan)",
+                    p.display()
+                );
+            }
             // Loading verifies the plan, its pipeline program included.
             let plan = Plan::load(p).with_context(|| format!("reading {}", p.display()))?;
             let sched = plan.pipeline.clone().with_context(|| {
@@ -71,12 +111,7 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
             }
             sched
         }
-        None => PipelineSchedule::new(
-            ScheduleKind::from_name(&a.schedule)?,
-            a.pp,
-            a.micro_batches,
-            a.virtual_stages,
-        )?,
+        None => from_flags(&a)?,
     };
     let replay = sched.replay(PassCosts::uniform(1.0))?;
     let unit = 1.0 / sched.virtual_stages as f64;

@@ -3,6 +3,7 @@
 //! every rank; with `--train` one training step is modelled (backward, recomputation, ZeRO,
 //! pipeline schedule) from one layer's plan.
 
+use super::compile::{at_least, check_seq};
 use super::fmt::{bytes, thousands};
 use anyhow::{bail, Context};
 use clap::Args;
@@ -11,10 +12,12 @@ use shardc::compiler::cost::{
     ComputeOptions, PipeSchedule, Recompute, SimReport, Simulation, TrainOptions,
 };
 use shardc::compiler::ir::DType;
-use shardc::compiler::model::ModelConfig;
+use shardc::compiler::model::{
+    check_budget, product, simulated_pipeline_bytes, IrWork, ModelConfig,
+};
 use shardc::compiler::pipeline::compile_forward;
 use shardc::compiler::plan::Plan;
-use shardc::compiler::shard::Mesh;
+use shardc::compiler::shard::{Mesh, Strategy};
 use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
 
@@ -32,9 +35,9 @@ pub struct SimulateArgs {
     /// (optionally followed by `xNODES`). Without a count, just enough nodes for the mesh.
     #[arg(long, default_value = "dgx-h100")]
     pub cluster: String,
-    /// Forward mode: sequences per batch (global).
-    #[arg(long, default_value_t = 8)]
-    pub batch: usize,
+    /// Forward mode: sequences per batch (global) [default: 8].
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Tokens per sequence (default: min(max positions, 4096)).
     #[arg(long)]
     pub seq: Option<usize>,
@@ -48,21 +51,21 @@ pub struct SimulateArgs {
     /// Training: sequences per optimizer step (default: 8 micro-batches per data-parallel rank).
     #[arg(long)]
     pub global_batch: Option<usize>,
-    /// Training: sequences per micro-batch.
-    #[arg(long, default_value_t = 1)]
-    pub micro_batch: usize,
-    /// Training: activation recomputation: none, selective or full.
-    #[arg(long, default_value = "none")]
-    pub recompute: String,
-    /// Training: ZeRO stage over the dp axis (0-3).
-    #[arg(long, default_value_t = 0)]
-    pub zero: u8,
-    /// Training: pipeline schedule: gpipe, 1f1b or interleaved.
-    #[arg(long, default_value = "1f1b")]
-    pub schedule: String,
-    /// Training: model chunks per stage for the interleaved schedule.
-    #[arg(long, default_value_t = 2)]
-    pub virtual_stages: usize,
+    /// Training: sequences per micro-batch [default: 1].
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
+    /// Training: activation recomputation: none, selective or full [default: none].
+    #[arg(long)]
+    pub recompute: Option<String>,
+    /// Training: ZeRO stage over the dp axis (0-3) [default: 0, or the --strategy zeroN].
+    #[arg(long)]
+    pub zero: Option<u8>,
+    /// Training: pipeline schedule: gpipe, 1f1b or interleaved [default: 1f1b].
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Training: model chunks per stage for the interleaved schedule [default: 2].
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
     /// Training: overlap the data-parallel gradient reduction with the last backward.
     #[arg(long)]
     pub overlap_grad_reduce: bool,
@@ -144,7 +147,133 @@ fn compute_options(a: &SimulateArgs) -> anyhow::Result<ComputeOptions> {
     })
 }
 
+/// Flags that only apply in another mode (`--plan`, `--train`, forward) are errors rather than
+/// ignored.
+fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
+    if a.trace_ranks.is_some() && a.trace.is_none() {
+        bail!("--trace-ranks selects the ranks of --trace; give --trace too");
+    }
+    if a.plan.is_some() {
+        let model_flags = [
+            (a.model.is_some(), "MODEL"),
+            (a.mesh.is_some(), "--mesh"),
+            (!a.strategy.is_empty(), "--strategy"),
+            (a.batch.is_some(), "--batch"),
+            (a.seq.is_some(), "--seq"),
+        ];
+        if let Some((_, f)) = model_flags.iter().find(|(given, _)| *given) {
+            bail!("{f} describes a model to compile; --plan replays a compiled plan as it is");
+        }
+    }
+    let train_flags = [
+        (a.global_batch.is_some(), "--global-batch"),
+        (a.micro_batch.is_some(), "--micro-batch"),
+        (a.recompute.is_some(), "--recompute"),
+        (a.zero.is_some(), "--zero"),
+        (a.schedule.is_some(), "--schedule"),
+        (a.virtual_stages.is_some(), "--virtual-stages"),
+        (a.overlap_grad_reduce, "--overlap-grad-reduce"),
+        (a.no_scatter_gather, "--no-scatter-gather"),
+    ];
+    if !a.train {
+        if let Some((_, f)) = train_flags.iter().find(|(given, _)| *given) {
+            bail!("{f} applies to training steps; add --train");
+        }
+    } else if a.batch.is_some() {
+        bail!("--batch is the forward batch; with --train give --global-batch and --micro-batch");
+    }
+    Ok(())
+}
+
+/// The training options of `simulate --train`, every flag checked.
+fn train_options(
+    a: &SimulateArgs,
+    cfg: &ModelConfig,
+    mesh: &Mesh,
+    seq: usize,
+    extra: Vec<String>,
+) -> anyhow::Result<TrainOptions> {
+    let dp = mesh.axis("dp").map_or(1, |x| mesh.axis_size(x));
+    let pp = mesh.axis("pp").map_or(1, |x| mesh.axis_size(x));
+    let micro_batch = a.micro_batch.unwrap_or(1);
+    at_least("--micro-batch", micro_batch, 1)?;
+    let gb = match a.global_batch {
+        Some(g) => g,
+        None => product(&[8, dp as u128, micro_batch as u128])
+            .try_into()
+            .context(
+                "--micro-batch: the default global batch (8 per data-parallel rank) overflows",
+            )?,
+    };
+    at_least("--global-batch", gb, 1)?;
+    cfg.check_activations(
+        &format!("--micro-batch {micro_batch} × --seq {seq}"),
+        micro_batch,
+        seq,
+    )?;
+    let mut t = TrainOptions::new(gb, micro_batch, seq);
+    let recompute = a.recompute.as_deref().unwrap_or("none");
+    t.recompute = Recompute::from_name(recompute)
+        .with_context(|| format!("--recompute `{recompute}`: expected none, selective or full"))?;
+    // --strategy: known names, one ZeRO stage, which --zero may repeat but not contradict.
+    let mut zero_strategy = None;
+    for name in extra.iter().flat_map(|e| e.split(',')).map(str::trim) {
+        if name.is_empty() {
+            continue;
+        }
+        let s = Strategy::from_name(name)?;
+        if s.zero_stage() > 0 {
+            if let Some(z) = zero_strategy.filter(|&z: &Strategy| z != s) {
+                bail!(
+                    "--strategy: `{z}` and `{s}` conflict: choose one ZeRO stage (zero1, zero2, \
+                     zero3 or fsdp, which is zero3)"
+                );
+            }
+            zero_strategy = Some(s);
+        }
+    }
+    t.zero = match (a.zero, zero_strategy) {
+        (Some(z), _) if z > 3 => bail!("--zero: must be 0, 1, 2 or 3 (found {z})"),
+        (Some(z), Some(s)) if z != s.zero_stage() => {
+            bail!(
+                "--zero {z} contradicts --strategy {s} (ZeRO stage {})",
+                s.zero_stage()
+            )
+        }
+        (Some(z), _) => z,
+        (None, s) => s.map_or(0, Strategy::zero_stage),
+    };
+    let schedule = a.schedule.as_deref().unwrap_or("1f1b");
+    if let Some(v) = a.virtual_stages {
+        at_least("--virtual-stages", v, 1)?;
+        if v > 1 && schedule != "interleaved" {
+            bail!(
+                "--virtual-stages {v} applies to --schedule interleaved (the {schedule} schedule \
+                 runs one chunk per pipeline rank)"
+            );
+        }
+    }
+    let v = a.virtual_stages.unwrap_or(2);
+    t.schedule = match schedule {
+        "gpipe" => PipeSchedule::Gpipe,
+        "1f1b" => PipeSchedule::OneFOneB,
+        "interleaved" => PipeSchedule::Interleaved(v),
+        other => bail!("--schedule `{other}`: expected gpipe, 1f1b or interleaved"),
+    };
+    // The simulated pipeline's passes, before they are allocated.
+    let m = gb / (dp * micro_batch).max(1);
+    let v = if pp > 1 { t.schedule.chunks() } else { 1 };
+    check_budget(simulated_pipeline_bytes(pp, m, v), || {
+        format!("--global-batch {gb}: {m} micro-batches × pp={pp} × {v} chunk(s): the simulated pipeline")
+    })?;
+    t.overlap_grad_reduce = a.overlap_grad_reduce;
+    t.scatter_gather = !a.no_scatter_gather;
+    t.strategies = extra;
+    Ok(t)
+}
+
 pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
+    check_modes(&a)?;
     if let Some(out) = &a.trace {
         outputs(&a).check_file("--trace", out)?;
     }
@@ -158,6 +287,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
     let path = a.model.clone().unwrap_or_else(super::default_model);
     let cfg = ModelConfig::from_path(&path)?;
     let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
+    check_seq("--seq", seq, &cfg)?;
     let source = path.display().to_string();
     // The mesh's world size decides the default node count; parse it once with a provisional
     // node size, then again with the cluster's.
@@ -170,32 +300,18 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
     let cluster = Cluster::resolve_for(&a.cluster, world)?;
     let mesh = Mesh::parse(&mesh_text, cluster.gpus_per_node())?;
     let sim = if a.train {
-        let dp = mesh.axis("dp").map_or(1, |x| mesh.axis_size(x));
-        let gb = a.global_batch.unwrap_or(8 * dp * a.micro_batch);
-        let mut t = TrainOptions::new(gb, a.micro_batch, seq);
-        t.recompute = Recompute::from_name(&a.recompute).with_context(|| {
-            format!(
-                "--recompute `{}`: expected none, selective or full",
-                a.recompute
-            )
-        })?;
-        t.zero = a.zero;
-        t.schedule = match a.schedule.as_str() {
-            "gpipe" => PipeSchedule::Gpipe,
-            "1f1b" => PipeSchedule::OneFOneB,
-            "interleaved" => PipeSchedule::Interleaved(a.virtual_stages.max(1)),
-            other => bail!("--schedule `{other}`: expected gpipe, 1f1b or interleaved"),
-        };
-        t.overlap_grad_reduce = a.overlap_grad_reduce;
-        t.scatter_gather = !a.no_scatter_gather;
-        t.strategies = extra;
+        let t = train_options(&a, &cfg, &mesh, seq, extra)?;
         simulate_training(&cfg, &source, &mesh, &t, &cluster, &copts)?
     } else {
+        let batch = a.batch.unwrap_or(8);
+        at_least("--batch", batch, 1)?;
+        cfg.check_ir(IrWork::Forward).map_err(|e| e.at(&path))?;
+        cfg.check_activations(&format!("--batch {batch} × --seq {seq}"), batch, seq)?;
         let opts = super::compile::options(
             &cfg,
             Some(&mesh_text),
             &extra,
-            a.batch,
+            batch,
             seq,
             cluster.gpus_per_node(),
         )?;

@@ -3,6 +3,7 @@
 //! `rope_parameters`; `head_dim` absent or null; `rope_scaling` or `rope_parameters` for the
 //! scaling type).
 
+use super::limits::{IrWork, LimitError, MAX_DIM, MAX_LAYERS, MAX_PARAMS};
 use crate::ir::{Float, RopeScaling, RopeSpec, RopeStyle, UnaryOp};
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
@@ -30,13 +31,13 @@ pub enum ModelError {
     /// `model_type` is not one of the supported architectures.
     #[error("unknown model_type {found:?}: supported are gpt2, llama, mistral, qwen2, mixtral")]
     UnknownModelType {
-        /// What the config says (empty when absent).
+        /// What the config says.
         found: String,
     },
-    /// A required key is missing or has the wrong type.
-    #[error("config key `{key}`: {msg}")]
+    /// A key is missing, has the wrong type or an invalid value.
+    #[error("{key}: {msg}")]
     Key {
-        /// The key.
+        /// The key (`rope_scaling.factor` for nested ones).
         key: String,
         /// What is wrong.
         msg: String,
@@ -44,6 +45,31 @@ pub enum ModelError {
     /// The config asks for something shardc does not implement.
     #[error("unsupported config: {0}")]
     Unsupported(String),
+    /// A size beyond a hard limit or the memory budget.
+    #[error(transparent)]
+    Limit(#[from] LimitError),
+    /// An error in the config file `path`.
+    #[error("{path}: {inner}")]
+    At {
+        /// The config file.
+        path: PathBuf,
+        /// The error.
+        inner: Box<ModelError>,
+    },
+}
+
+impl ModelError {
+    /// This error as one in the config file `path` (errors that name their file already are
+    /// returned as they are).
+    pub fn at(self, path: &Path) -> ModelError {
+        match self {
+            e @ (ModelError::Io { .. } | ModelError::Json { .. } | ModelError::At { .. }) => e,
+            e => ModelError::At {
+                path: path.to_path_buf(),
+                inner: Box::new(e),
+            },
+        }
+    }
 }
 
 /// The supported architectures.
@@ -137,131 +163,238 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
 }
 
-fn obj_get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
-    o.get(k).filter(|v| !v.is_null())
+/// Typed reads of one JSON object's keys, with errors that name the key (`prefix` names a
+/// nested object: `rope_scaling.`). `null` reads as absent.
+struct Fields<'a> {
+    o: &'a Map<String, Value>,
+    prefix: &'a str,
 }
 
-fn get_usize(o: &Map<String, Value>, k: &str) -> Result<Option<usize>, ModelError> {
-    match obj_get(o, k) {
-        None => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(|x| Some(x as usize))
-            .ok_or_else(|| ModelError::Key {
-                key: k.into(),
-                msg: format!("expected a non-negative integer, found {v}"),
-            }),
+impl<'a> Fields<'a> {
+    fn new(o: &'a Map<String, Value>) -> Fields<'a> {
+        Fields { o, prefix: "" }
+    }
+
+    fn err(&self, k: &str, msg: String) -> ModelError {
+        ModelError::Key {
+            key: format!("{}{k}", self.prefix),
+            msg,
+        }
+    }
+
+    fn get(&self, k: &str) -> Option<&'a Value> {
+        self.o.get(k).filter(|v| !v.is_null())
+    }
+
+    /// A non-negative integer.
+    fn usize(&self, k: &str) -> Result<Option<usize>, ModelError> {
+        let Some(v) = self.get(k) else {
+            return Ok(None);
+        };
+        if let Some(x) = v.as_u64() {
+            return usize::try_from(x)
+                .map(Some)
+                .map_err(|_| self.err(k, format!("{x} does not fit in this machine's usize")));
+        }
+        Err(self.err(
+            k,
+            if v.is_i64() {
+                format!("expected a non-negative integer, found {v}")
+            } else {
+                format!("expected an integer, found {v}")
+            },
+        ))
+    }
+
+    /// A count: an integer ≥ 1.
+    fn count(&self, k: &str) -> Result<Option<usize>, ModelError> {
+        match self.usize(k)? {
+            Some(0) => Err(self.err(k, "must be > 0 (found 0)".into())),
+            x => Ok(x),
+        }
+    }
+
+    /// A size: an integer in 1..=[`MAX_DIM`].
+    fn size(&self, k: &str) -> Result<Option<usize>, ModelError> {
+        match self.count(k)? {
+            Some(x) if x > MAX_DIM => Err(self.err(
+                k,
+                format!("must be at most {MAX_DIM} (found {x}; ids and dimensions are int32)"),
+            )),
+            x => Ok(x),
+        }
+    }
+
+    /// A required size.
+    fn req_size(&self, k: &str) -> Result<usize, ModelError> {
+        self.size(k)?.ok_or_else(|| self.err(k, "missing".into()))
+    }
+
+    fn f64(&self, k: &str) -> Result<Option<f64>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(k, format!("expected a number, found {v}"))),
+        }
+    }
+
+    /// A finite float32 > 0 (`default` when absent).
+    fn positive_f32(&self, k: &str, default: f64) -> Result<f32, ModelError> {
+        let x = self.f64(k)?.unwrap_or(default);
+        let f = x as f32;
+        if f.is_finite() && f > 0.0 {
+            Ok(f)
+        } else {
+            let found = self.get(k).map_or_else(|| x.to_string(), Value::to_string);
+            Err(self.err(
+                k,
+                format!("must be finite and > 0 in float32 (found {found})"),
+            ))
+        }
+    }
+
+    fn bool(&self, k: &str, default: bool) -> Result<bool, ModelError> {
+        match self.get(k) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.err(k, format!("expected true or false, found {v}"))),
+        }
+    }
+
+    fn str(&self, k: &str) -> Result<Option<&'a str>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.err(k, format!("expected a string, found {v}"))),
+        }
+    }
+
+    fn object(&self, k: &str) -> Result<Option<&'a Map<String, Value>>, ModelError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_object()
+                .map(Some)
+                .ok_or_else(|| self.err(k, format!("expected an object, found {v}"))),
+        }
     }
 }
 
-fn req_usize(o: &Map<String, Value>, k: &str) -> Result<usize, ModelError> {
-    match get_usize(o, k)? {
-        Some(0) => Err(ModelError::Key {
-            key: k.into(),
-            msg: "must be positive".into(),
-        }),
-        Some(x) => Ok(x),
-        None => Err(ModelError::Key {
-            key: k.into(),
-            msg: "missing".into(),
-        }),
-    }
-}
-
-fn get_f64(o: &Map<String, Value>, k: &str) -> Result<Option<f64>, ModelError> {
-    match obj_get(o, k) {
-        None => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| ModelError::Key {
-            key: k.into(),
-            msg: format!("expected a number, found {v}"),
-        }),
-    }
-}
-
-fn get_bool(o: &Map<String, Value>, k: &str, default: bool) -> Result<bool, ModelError> {
-    match obj_get(o, k) {
-        None => Ok(default),
-        Some(v) => v.as_bool().ok_or_else(|| ModelError::Key {
-            key: k.into(),
-            msg: format!("expected true/false, found {v}"),
-        }),
-    }
-}
-
-fn activation(name: &str, key: &str) -> Result<UnaryOp, ModelError> {
-    Ok(match name {
+fn activation(f: &Fields, key: &str, default: &str) -> Result<UnaryOp, ModelError> {
+    Ok(match f.str(key)?.unwrap_or(default) {
         "silu" | "swish" => UnaryOp::Silu,
         "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => UnaryOp::GeluTanh,
         "gelu" => UnaryOp::GeluErf,
         "relu" => UnaryOp::Relu,
         other => {
-            return Err(ModelError::Key {
-                key: key.into(),
-                msg: format!("unsupported activation {other:?} (supported: silu, gelu, gelu_new, gelu_pytorch_tanh, relu)"),
-            })
+            return Err(f.err(
+                key,
+                format!(
+                    "unsupported activation {other:?} (supported: silu, gelu, gelu_new, \
+                     gelu_pytorch_tanh, relu)"
+                ),
+            ))
         }
     })
 }
 
-fn rope_spec(o: &Map<String, Value>) -> Result<RopeSpec, ModelError> {
+fn rope_spec(f: &Fields) -> Result<RopeSpec, ModelError> {
     // transformers 5: everything under `rope_parameters`; 4: `rope_theta` + `rope_scaling`.
-    let params = obj_get(o, "rope_parameters").and_then(Value::as_object);
-    let theta = match params
-        .map(|p| get_f64(p, "rope_theta"))
-        .transpose()?
-        .flatten()
-    {
-        Some(t) => t,
-        None => get_f64(o, "rope_theta")?.unwrap_or(10000.0),
+    let params = f.object("rope_parameters")?.map(|o| Fields {
+        o,
+        prefix: "rope_parameters.",
+    });
+    let theta = match &params {
+        Some(p) if p.get("rope_theta").is_some() => p.positive_f32("rope_theta", 10000.0)?,
+        _ => f.positive_f32("rope_theta", 10000.0)?,
     };
-    let scaling_obj = obj_get(o, "rope_scaling")
-        .and_then(Value::as_object)
-        .or(params);
-    let scaling = match scaling_obj {
+    let scaling = match f.object("rope_scaling")? {
+        Some(o) => Some(Fields {
+            o,
+            prefix: "rope_scaling.",
+        }),
+        None => params,
+    };
+    let scaling = match scaling {
         None => None,
         Some(s) => {
-            let ty = obj_get(s, "rope_type")
-                .or_else(|| obj_get(s, "type"))
-                .and_then(Value::as_str)
-                .unwrap_or("default");
-            let factor = |k: &str| -> Result<f64, ModelError> {
-                get_f64(s, k)?.ok_or_else(|| ModelError::Key {
-                    key: format!("rope_scaling.{k}"),
-                    msg: format!("missing (required by rope_type {ty:?})"),
-                })
+            let ty = match s.str("rope_type")? {
+                Some(t) => t,
+                None => s.str("type")?.unwrap_or("default"),
+            };
+            let need = |k: &str| -> Result<(), ModelError> {
+                match s.get(k) {
+                    Some(_) => Ok(()),
+                    None => Err(s.err(k, format!("missing (required by rope_type {ty:?})"))),
+                }
             };
             match ty {
                 "default" => None,
-                "linear" => Some(RopeScaling::Linear {
-                    factor: Float(factor("factor")? as f32),
-                }),
-                "llama3" => Some(RopeScaling::Llama3 {
-                    factor: Float(factor("factor")? as f32),
-                    low_freq_factor: Float(factor("low_freq_factor")? as f32),
-                    high_freq_factor: Float(factor("high_freq_factor")? as f32),
-                    original_max_positions: get_usize(s, "original_max_position_embeddings")?
-                        .ok_or_else(|| ModelError::Key {
-                            key: "rope_scaling.original_max_position_embeddings".into(),
-                            msg: "missing (required by rope_type \"llama3\")".into(),
-                        })?,
-                }),
+                "linear" => {
+                    need("factor")?;
+                    Some(RopeScaling::Linear {
+                        factor: Float(s.positive_f32("factor", 1.0)?),
+                    })
+                }
+                "llama3" => {
+                    for k in [
+                        "factor",
+                        "low_freq_factor",
+                        "high_freq_factor",
+                        "original_max_position_embeddings",
+                    ] {
+                        need(k)?;
+                    }
+                    let low = s.positive_f32("low_freq_factor", 1.0)?;
+                    let high = s.positive_f32("high_freq_factor", 4.0)?;
+                    if high <= low {
+                        return Err(s.err(
+                            "high_freq_factor",
+                            format!("must be greater than low_freq_factor {low} (found {high})"),
+                        ));
+                    }
+                    Some(RopeScaling::Llama3 {
+                        factor: Float(s.positive_f32("factor", 1.0)?),
+                        low_freq_factor: Float(low),
+                        high_freq_factor: Float(high),
+                        original_max_positions: s
+                            .size("original_max_position_embeddings")?
+                            .expect("invariant: checked present"),
+                    })
+                }
                 other => {
-                    return Err(ModelError::Unsupported(format!(
-                        "rope_type {other:?} (supported: default, linear, llama3)"
-                    )))
+                    return Err(s.err(
+                        "rope_type",
+                        format!("unsupported {other:?} (supported: default, linear, llama3)"),
+                    ))
                 }
             }
         }
     };
     Ok(RopeSpec {
-        theta: Float(theta as f32),
+        theta: Float(theta),
         style: RopeStyle::Half,
         scaling,
     })
 }
 
+/// The config keys of a few fields, per architecture (for error messages).
+pub(crate) struct Keys {
+    pub(crate) layers: &'static str,
+    hidden: &'static str,
+    ffn: &'static str,
+    kv_heads: &'static str,
+    head_dim: &'static str,
+}
+
 impl ModelConfig {
-    /// Reads a `config.json`, or the `config.json` inside a model directory.
+    /// Reads a `config.json`, or the `config.json` inside a model directory. Errors name the
+    /// file.
     pub fn from_path(path: &Path) -> Result<ModelConfig, ModelError> {
         let file = if path.is_dir() {
             path.join("config.json")
@@ -276,63 +409,89 @@ impl ModelConfig {
             path: file.clone(),
             msg: e.to_string(),
         })?;
-        ModelConfig::from_json(&v)
+        ModelConfig::from_json(&v).map_err(|e| e.at(&file))
     }
 
-    /// Interprets a parsed `config.json`.
+    /// Interprets a parsed `config.json`: every size positive and within
+    /// [`MAX_DIM`](super::MAX_DIM), the shape consistent, norm ε and RoPE parameters finite and
+    /// positive, the forward IR within the memory budget and at most
+    /// [`MAX_LAYERS`](super::MAX_LAYERS) layers.
     pub fn from_json(v: &Value) -> Result<ModelConfig, ModelError> {
         let o = v.as_object().ok_or_else(|| ModelError::Key {
             key: "<root>".into(),
-            msg: "expected a JSON object".into(),
+            msg: format!("expected a JSON object, found {}", json_kind(v)),
         })?;
-        let model_type = obj_get(o, "model_type")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
-        let arch = match model_type.as_str() {
-            "gpt2" => Arch::Gpt2,
-            "llama" => Arch::Llama,
-            "mistral" => Arch::Mistral,
-            "qwen2" => Arch::Qwen2,
-            "mixtral" => Arch::Mixtral,
-            _ => return Err(ModelError::UnknownModelType { found: model_type }),
+        let f = Fields::new(o);
+        let arch = match f.str("model_type")? {
+            Some("gpt2") => Arch::Gpt2,
+            Some("llama") => Arch::Llama,
+            Some("mistral") => Arch::Mistral,
+            Some("qwen2") => Arch::Qwen2,
+            Some("mixtral") => Arch::Mixtral,
+            Some(other) => {
+                return Err(ModelError::UnknownModelType {
+                    found: other.to_string(),
+                })
+            }
+            None => {
+                return Err(f.err(
+                    "model_type",
+                    "missing (supported: gpt2, llama, mistral, qwen2, mixtral)".into(),
+                ))
+            }
         };
         let cfg = if arch == Arch::Gpt2 {
-            Self::gpt2(o)?
+            Self::gpt2(&f)?
         } else {
-            Self::llama_like(arch, o)?
+            Self::llama_like(arch, &f)?
         };
         cfg.check()?;
         Ok(cfg)
     }
 
-    fn gpt2(o: &Map<String, Value>) -> Result<ModelConfig, ModelError> {
-        let hidden = req_usize(o, "n_embd")?;
-        let heads = req_usize(o, "n_head")?;
-        if get_bool(o, "scale_attn_by_inverse_layer_idx", false)? {
+    fn gpt2(f: &Fields) -> Result<ModelConfig, ModelError> {
+        let hidden = f.req_size("n_embd")?;
+        let heads = f.req_size("n_head")?;
+        if f.bool("scale_attn_by_inverse_layer_idx", false)? {
             return Err(ModelError::Unsupported(
                 "scale_attn_by_inverse_layer_idx = true".into(),
             ));
         }
-        let act = obj_get(o, "activation_function")
-            .and_then(Value::as_str)
-            .unwrap_or("gelu_new");
+        if hidden % heads != 0 {
+            return Err(f.err(
+                "n_head",
+                format!("n_embd {hidden} is not divisible by {heads} heads"),
+            ));
+        }
         Ok(ModelConfig {
             arch: Arch::Gpt2,
-            vocab: req_usize(o, "vocab_size")?,
+            vocab: f.req_size("vocab_size")?,
             hidden,
-            layers: req_usize(o, "n_layer")?,
+            layers: f
+                .count("n_layer")?
+                .ok_or_else(|| f.err("n_layer", "missing".into()))?,
             heads,
             kv_heads: heads,
             head_dim: hidden / heads,
-            ffn: get_usize(o, "n_inner")?.unwrap_or(4 * hidden),
-            max_positions: req_usize(o, "n_positions")?,
+            ffn: match f.size("n_inner")? {
+                Some(n) => n,
+                None => 4usize
+                    .checked_mul(hidden)
+                    .filter(|&n| n <= MAX_DIM)
+                    .ok_or_else(|| {
+                        f.err(
+                            "n_embd",
+                            format!("{hidden}: the default MLP width 4 × n_embd exceeds {MAX_DIM}"),
+                        )
+                    })?,
+            },
+            max_positions: f.req_size("n_positions")?,
             norm: NormKind::Layer,
-            eps: get_f64(o, "layer_norm_epsilon")?.unwrap_or(1e-5) as f32,
-            act: activation(act, "activation_function")?,
+            eps: f.positive_f32("layer_norm_epsilon", 1e-5)?,
+            act: activation(f, "activation_function", "gelu_new")?,
             gated_mlp: false,
             rope: None,
-            tied: get_bool(o, "tie_word_embeddings", true)?,
+            tied: f.bool("tie_word_embeddings", true)?,
             qkv_bias: true,
             o_bias: true,
             mlp_bias: true,
@@ -341,30 +500,32 @@ impl ModelConfig {
         })
     }
 
-    fn llama_like(arch: Arch, o: &Map<String, Value>) -> Result<ModelConfig, ModelError> {
-        let hidden = req_usize(o, "hidden_size")?;
-        let heads = req_usize(o, "num_attention_heads")?;
-        let kv_heads = get_usize(o, "num_key_value_heads")?.unwrap_or(heads);
-        let head_dim = match get_usize(o, "head_dim")? {
+    fn llama_like(arch: Arch, f: &Fields) -> Result<ModelConfig, ModelError> {
+        let hidden = f.req_size("hidden_size")?;
+        let heads = f.req_size("num_attention_heads")?;
+        let kv_heads = f.size("num_key_value_heads")?.unwrap_or(heads);
+        let head_dim = match f.size("head_dim")? {
             Some(d) => d,
             None if hidden % heads == 0 => hidden / heads,
             None => {
-                return Err(ModelError::Key {
-                    key: "num_attention_heads".into(),
-                    msg: format!("hidden_size {hidden} is not divisible by {heads} heads (and head_dim is not given)"),
-                })
+                return Err(f.err(
+                    "num_attention_heads",
+                    format!(
+                        "hidden_size {hidden} is not divisible by {heads} heads (and head_dim is \
+                         not given)"
+                    ),
+                ))
             }
         };
-        let act = obj_get(o, "hidden_act")
-            .and_then(Value::as_str)
-            .unwrap_or("silu");
-        let attention_bias = get_bool(o, "attention_bias", false)?;
+        let attention_bias = f.bool("attention_bias", false)?;
+        let layers = f
+            .count("num_hidden_layers")?
+            .ok_or_else(|| f.err("num_hidden_layers", "missing".into()))?;
         let window = match arch {
-            Arch::Mistral | Arch::Mixtral => get_usize(o, "sliding_window")?,
-            Arch::Qwen2 if get_bool(o, "use_sliding_window", false)? => {
-                let w = get_usize(o, "sliding_window")?;
-                let max_window_layers = get_usize(o, "max_window_layers")?;
-                let layers = req_usize(o, "num_hidden_layers")?;
+            Arch::Mistral | Arch::Mixtral => f.size("sliding_window")?,
+            Arch::Qwen2 if f.bool("use_sliding_window", false)? => {
+                let w = f.size("sliding_window")?;
+                let max_window_layers = f.usize("max_window_layers")?;
                 if max_window_layers.is_some_and(|m| m < layers) {
                     return Err(ModelError::Unsupported(
                         "qwen2 with sliding window on only some layers (max_window_layers)".into(),
@@ -376,64 +537,105 @@ impl ModelConfig {
         };
         let moe = if arch == Arch::Mixtral {
             Some(MoeConfig {
-                experts: req_usize(o, "num_local_experts")?,
-                top_k: req_usize(o, "num_experts_per_tok")?,
+                experts: f.req_size("num_local_experts")?,
+                top_k: f.req_size("num_experts_per_tok")?,
             })
         } else {
             None
         };
         Ok(ModelConfig {
             arch,
-            vocab: req_usize(o, "vocab_size")?,
+            vocab: f.req_size("vocab_size")?,
             hidden,
-            layers: req_usize(o, "num_hidden_layers")?,
+            layers,
             heads,
             kv_heads,
             head_dim,
-            ffn: req_usize(o, "intermediate_size")?,
-            max_positions: get_usize(o, "max_position_embeddings")?.unwrap_or(2048),
+            ffn: f.req_size("intermediate_size")?,
+            max_positions: f.size("max_position_embeddings")?.unwrap_or(2048),
             norm: NormKind::Rms,
-            eps: get_f64(o, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
-            act: activation(act, "hidden_act")?,
+            eps: f.positive_f32("rms_norm_eps", 1e-6)?,
+            act: activation(f, "hidden_act", "silu")?,
             gated_mlp: true,
-            rope: Some(rope_spec(o)?),
-            tied: get_bool(o, "tie_word_embeddings", false)?,
+            rope: Some(rope_spec(f)?),
+            tied: f.bool("tie_word_embeddings", false)?,
             qkv_bias: arch == Arch::Qwen2 || attention_bias,
             o_bias: attention_bias,
-            mlp_bias: arch == Arch::Llama && get_bool(o, "mlp_bias", false)?,
+            mlp_bias: arch == Arch::Llama && f.bool("mlp_bias", false)?,
             window,
             moe,
         })
     }
 
+    /// The config keys of this architecture.
+    pub(crate) fn keys(&self) -> Keys {
+        if self.arch == Arch::Gpt2 {
+            Keys {
+                layers: "n_layer",
+                hidden: "n_embd",
+                ffn: "n_inner",
+                kv_heads: "n_head",
+                head_dim: "n_embd",
+            }
+        } else {
+            Keys {
+                layers: "num_hidden_layers",
+                hidden: "hidden_size",
+                ffn: "intermediate_size",
+                kv_heads: "num_key_value_heads",
+                head_dim: "head_dim",
+            }
+        }
+    }
+
+    /// Parameters as the shapes give them (an upper bound of the exact count: biases and
+    /// norms of every flavour counted).
+    fn params_estimate(&self) -> u128 {
+        let (h, v) = (self.hidden as u128, self.vocab as u128);
+        let q = self.heads as u128 * self.head_dim as u128;
+        let kv = self.kv_heads as u128 * self.head_dim as u128;
+        let attn = h * (q + 2 * kv) + q * h + q + 2 * kv + h;
+        let experts = self.moe.map_or(1, |m| m.experts) as u128;
+        let mlp = experts * 3 * (h * self.ffn as u128 + self.ffn as u128 + h)
+            + self.moe.map_or(0, |m| m.experts) as u128 * h;
+        let layer = attn + mlp + 4 * h;
+        let positions = if self.rope.is_none() {
+            self.max_positions as u128 * h
+        } else {
+            0
+        };
+        layer * self.layers as u128 + 2 * v * h + positions + 2 * h
+    }
+
     fn check(&self) -> Result<(), ModelError> {
+        let k = self.keys();
         let bad = |key: &str, msg: String| {
             Err(ModelError::Key {
                 key: key.into(),
                 msg,
             })
         };
+        if self.vocab < 2 {
+            return bad(
+                "vocab_size",
+                format!("must be at least 2 (found {})", self.vocab),
+            );
+        }
         if self.heads % self.kv_heads != 0 {
             return bad(
-                "num_key_value_heads",
+                k.kv_heads,
                 format!(
                     "{} heads is not a multiple of {} KV heads",
                     self.heads, self.kv_heads
                 ),
             );
         }
-        if self.head_dim == 0 || (self.rope.is_some() && self.head_dim % 2 != 0) {
+        if self.rope.is_some() && self.head_dim % 2 != 0 {
             return bad(
-                "head_dim",
-                format!("{} must be positive and even", self.head_dim),
-            );
-        }
-        if self.arch == Arch::Gpt2 && self.hidden % self.heads != 0 {
-            return bad(
-                "n_head",
+                k.head_dim,
                 format!(
-                    "n_embd {} is not divisible by {} heads",
-                    self.hidden, self.heads
+                    "must be even for rotary embeddings (found {})",
+                    self.head_dim
                 ),
             );
         }
@@ -445,6 +647,44 @@ impl ModelConfig {
                 );
             }
         }
+        // The forward graph within the memory budget, the hard limits on layers (which bound
+        // the time of what is built per layer) and parameters (which keep byte counts in 64
+        // bits).
+        self.check_ir(IrWork::Graph)?;
+        if self.layers > MAX_LAYERS {
+            return bad(
+                k.layers,
+                format!(
+                    "at most {MAX_LAYERS} layers are supported (found {})",
+                    self.layers
+                ),
+            );
+        }
+        let params = self.params_estimate();
+        if params > MAX_PARAMS {
+            return bad(
+                &format!(
+                    "{}={}, {}={}, {}={}, vocab_size={}",
+                    k.hidden, self.hidden, k.ffn, self.ffn, k.layers, self.layers, self.vocab
+                ),
+                format!(
+                    "the model would have ~{:.2e} parameters, more than the {:.2e} shardc supports",
+                    params as f64, MAX_PARAMS as f64
+                ),
+            );
+        }
         Ok(())
+    }
+}
+
+/// `an array`, `a string`, ... for messages.
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }

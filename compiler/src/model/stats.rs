@@ -4,6 +4,7 @@
 
 use super::build::{build_forward, BuildOptions};
 use super::config::{ModelConfig, ModelError};
+use super::limits::{product, IrWork};
 use crate::ir::{Op, ParamSource};
 use std::collections::BTreeMap;
 use std::collections::HashSet;
@@ -79,8 +80,19 @@ pub struct ModelStats {
 }
 
 impl ModelStats {
-    /// Computes the statistics; `seq` is the context length for attention FLOPs.
+    /// Computes the statistics; `seq` is the context length for attention FLOPs (1 ≤ `seq` ≤
+    /// the model's maximum positions).
     pub fn compute(cfg: &ModelConfig, seq: usize) -> Result<ModelStats, ModelError> {
+        if seq == 0 || seq > cfg.max_positions {
+            return Err(ModelError::Key {
+                key: "seq".into(),
+                msg: format!(
+                    "must be in 1..={} (the model's maximum positions; found {seq})",
+                    cfg.max_positions
+                ),
+            });
+        }
+        cfg.check_ir(IrWork::Graph)?;
         let g = build_forward(cfg, BuildOptions::new(1, 1))
             .map_err(|e| ModelError::Unsupported(format!("cannot build the graph: {e}")))?;
         let mut seen: HashSet<ParamSource> = HashSet::new();
@@ -115,15 +127,27 @@ impl ModelStats {
             None => 0,
         };
         let active = matmul_params + active_experts;
-        let attn = 4 * seq as u64 * (cfg.heads * cfg.head_dim) as u64 * cfg.layers as u64;
-        let fwd = 2 * active + attn;
+        // In u128: attention FLOPs grow with seq × width × layers.
+        let attn = product(&[
+            4,
+            seq as u128,
+            cfg.heads as u128 * cfg.head_dim as u128,
+            cfg.layers as u128,
+        ]);
+        let fwd = (2 * active as u128).saturating_add(attn);
+        let fits = |x: u128| {
+            u64::try_from(x).map_err(|_| ModelError::Key {
+                key: "seq".into(),
+                msg: format!("{seq}: FLOPs per token beyond 64 bits"),
+            })
+        };
         Ok(ModelStats {
             params,
             by_group,
             active_matmul_params: active,
             seq,
-            forward_flops_per_token: fwd,
-            training_flops_per_token: 3 * fwd,
+            forward_flops_per_token: fits(fwd)?,
+            training_flops_per_token: fits(3 * fwd)?,
             training_static_bytes: 16 * params,
             inference_bf16_bytes: 2 * params,
         })

@@ -82,6 +82,9 @@ pub enum PipelineError {
     /// Bad sizes.
     #[error("{0}")]
     Invalid(String),
+    /// A schedule beyond the memory budget.
+    #[error(transparent)]
+    Limit(#[from] crate::model::LimitError),
     /// The replay found ranks waiting on each other.
     #[error("deadlock: no rank can progress; rank {rank} waits at slot {slot} ({what})")]
     Deadlock {
@@ -280,8 +283,9 @@ fn w(micro: usize, chunk: usize) -> Slot {
 }
 
 impl PipelineSchedule {
-    /// Builds a schedule for `p` ranks, `m` micro-batches and `v` chunks per rank (`v` is used
-    /// by the interleaved schedule only and must then divide nothing but need `m % p == 0`).
+    /// Builds a schedule for `p` ranks, `m` micro-batches and `v` chunks per rank (`v` ≥ 1;
+    /// above 1 for the interleaved schedule only, which then needs `m % p == 0`). Refuses a
+    /// schedule beyond the memory budget before allocating it.
     pub fn new(
         kind: ScheduleKind,
         p: usize,
@@ -293,11 +297,23 @@ impl PipelineSchedule {
                 "a pipeline needs at least one stage and one micro-batch (got pp={p}, micro-batches={m})"
             )));
         }
-        let v = if kind == ScheduleKind::Interleaved {
-            v.max(1)
-        } else {
-            1
-        };
+        if v == 0 {
+            return Err(PipelineError::Invalid(
+                "--virtual-stages: must be at least 1 (found 0)".into(),
+            ));
+        }
+        if v > 1 && kind != ScheduleKind::Interleaved {
+            return Err(PipelineError::Invalid(format!(
+                "--virtual-stages {v} needs --schedule interleaved (the {} schedule runs one \
+                 chunk per pipeline rank)",
+                kind.name()
+            )));
+        }
+        // The slots of every rank, before they are allocated.
+        crate::model::check_budget(
+            crate::model::product(&[3, p as u128, m as u128, v as u128, 64]),
+            || format!("pp={p} × {m} micro-batches × {v} virtual stage(s): the schedule"),
+        )?;
         if kind == ScheduleKind::Interleaved && v > 1 && m % p != 0 {
             return Err(PipelineError::Invalid(format!(
                 "the interleaved schedule needs micro-batches divisible by pp: {m} % {p} != 0"
@@ -1052,8 +1068,8 @@ pub fn parse_stage_layers(
             "--stage-layers {text}: stage {i} has no layers (each needs at least one)"
         )));
     }
-    let sum: usize = v.iter().sum();
-    if sum != layers {
+    let sum = v.iter().fold(0u128, |s, &n| s + n as u128);
+    if sum != layers as u128 {
         return Err(PipelineError::Invalid(format!(
             "--stage-layers {text} covers {sum} layers (each stage ≥ 1), the model has {layers}"
         )));

@@ -1,6 +1,7 @@
 //! Device mesh: named axes with sizes and link classes. Ranks are row-major over the axes (the
 //! last axis varies fastest), so with `dp=2,tp=4` ranks 0..4 form the first `tp` group.
 
+use crate::model::MAX_RANKS;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use thiserror::Error;
@@ -50,11 +51,11 @@ pub struct MeshAxis {
     pub link: LinkClass,
 }
 
-/// A mesh that could not be built.
+/// A mesh that could not be built. Meshes come from `--mesh`, which the messages name.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum MeshError {
     /// The text form is malformed.
-    #[error("bad mesh {text:?}: {msg} (expected e.g. `dp=2,tp=4`)")]
+    #[error("--mesh {text:?}: {msg} (expected e.g. `dp=2,tp=4`)")]
     Syntax {
         /// Input.
         text: String,
@@ -62,16 +63,27 @@ pub enum MeshError {
         msg: String,
     },
     /// An axis name is used twice.
-    #[error("mesh axis `{0}` appears twice")]
+    #[error("--mesh: axis `{0}` appears twice")]
     Duplicate(String),
     /// An axis name is not known.
-    #[error("unknown mesh axis `{name}`; valid axes: {valid}")]
+    #[error("--mesh: unknown mesh axis `{name}`; valid axes: {valid}")]
     UnknownAxis {
         /// The name.
         name: String,
         /// Valid names, comma-separated.
         valid: String,
     },
+    /// More ranks than [`MAX_RANKS`].
+    #[error("--mesh {text:?}: {ranks} ranks, more than the {MAX_RANKS} supported")]
+    TooManyRanks {
+        /// Input.
+        text: String,
+        /// The product of the axis sizes (saturated).
+        ranks: u128,
+    },
+    /// A node of no GPUs.
+    #[error("--gpus-per-node: must be at least 1 (found {0})")]
+    GpusPerNode(usize),
 }
 
 /// Axis names the strategies understand.
@@ -87,13 +99,17 @@ pub struct Mesh {
 }
 
 impl Mesh {
-    /// Parses `dp=2,tp=4`. Link classes are assigned from the innermost axis outwards: axes
-    /// whose cumulative size fits in `gpus_per_node` are `nvlink`, the rest `ib`.
+    /// Parses `dp=2,tp=4`: known axis names, each once, sizes ≥ 1, at most [`MAX_RANKS`]
+    /// ranks, `gpus_per_node` ≥ 1. Link classes are assigned from the innermost axis outwards:
+    /// axes whose cumulative size fits in `gpus_per_node` are `nvlink`, the rest `ib`.
     pub fn parse(text: &str, gpus_per_node: usize) -> Result<Mesh, MeshError> {
         let syntax = |msg: String| MeshError::Syntax {
             text: text.to_string(),
             msg,
         };
+        if gpus_per_node == 0 {
+            return Err(MeshError::GpusPerNode(gpus_per_node));
+        }
         let mut axes: Vec<MeshAxis> = Vec::new();
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (name, size) = part
@@ -106,10 +122,12 @@ impl Mesh {
                     valid: KNOWN_AXES.join(", "),
                 });
             }
-            let size: usize =
-                size.trim().parse().ok().filter(|&s| s > 0).ok_or_else(|| {
-                    syntax(format!("size of `{name}` must be a positive integer"))
-                })?;
+            let size: usize = size.trim().parse().ok().filter(|&s| s > 0).ok_or_else(|| {
+                syntax(format!(
+                    "size of `{name}` must be a positive integer (found `{}`)",
+                    size.trim()
+                ))
+            })?;
             if axes.iter().any(|a| a.name == name) {
                 return Err(MeshError::Duplicate(name.to_string()));
             }
@@ -122,9 +140,18 @@ impl Mesh {
         if axes.is_empty() {
             return Err(syntax("no axes".into()));
         }
+        let ranks = axes
+            .iter()
+            .fold(1u128, |r, a| r.saturating_mul(a.size as u128));
+        if ranks > MAX_RANKS as u128 {
+            return Err(MeshError::TooManyRanks {
+                text: text.to_string(),
+                ranks,
+            });
+        }
         let mut m = Mesh {
             axes,
-            gpus_per_node: gpus_per_node.max(1),
+            gpus_per_node,
         };
         m.assign_links();
         Ok(m)
@@ -312,5 +339,24 @@ mod tests {
             Err(MeshError::Syntax { .. })
         ));
         assert!(matches!(Mesh::parse("", 8), Err(MeshError::Syntax { .. })));
+        assert_eq!(Mesh::parse("tp=2", 0), Err(MeshError::GpusPerNode(0)));
+        let e = Mesh::parse("dp=0", 8).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--mesh") && e.contains("`dp`") && e.contains("`0`"),
+            "{e}"
+        );
+        // 10,000-GPU meshes parse; more ranks than supported (or than usize holds) do not.
+        assert_eq!(
+            Mesh::parse("dp=125,tp=8,pp=10", 8).unwrap().world_size(),
+            10_000
+        );
+        assert!(matches!(
+            Mesh::parse("dp=1048576,tp=2", 8),
+            Err(MeshError::TooManyRanks { ranks: 2097152, .. })
+        ));
+        assert!(matches!(
+            Mesh::parse("dp=4294967296,tp=4294967296,pp=4294967296", 8),
+            Err(MeshError::TooManyRanks { .. })
+        ));
     }
 }

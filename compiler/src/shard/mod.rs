@@ -55,6 +55,17 @@ pub enum ShardError {
         /// Valid names.
         valid: String,
     },
+    /// Two strategies that exclude each other (two ZeRO stages).
+    #[error(
+        "--strategy: `{first}` and `{second}` conflict: choose one ZeRO stage (zero1, zero2, \
+         zero3 or fsdp, which is zero3)"
+    )]
+    ConflictingStrategies {
+        /// One strategy.
+        first: String,
+        /// The other.
+        second: String,
+    },
     /// Mesh error.
     #[error(transparent)]
     Mesh(#[from] MeshError),

@@ -106,7 +106,8 @@ impl fmt::Display for Strategy {
 }
 
 /// The strategies for a mesh: one per axis from its name, plus `extra` (e.g. `sp`), sorted
-/// and deduplicated. Errors name an axis with no strategy or a strategy without its axis.
+/// and deduplicated. Errors name an axis with no strategy, a strategy without its axis, or two
+/// ZeRO stages.
 pub fn resolve(mesh: &Mesh, extra: &[String]) -> Result<Vec<Strategy>, ShardError> {
     resolve_inner(mesh, extra, false)
 }
@@ -150,6 +151,17 @@ fn resolve_inner(
     }
     out.sort();
     out.dedup();
+    // One ZeRO stage: zero1, zero2, zero3 and fsdp (= zero3) exclude each other.
+    if let [a, b, ..] = out
+        .iter()
+        .filter(|s| s.zero_stage() > 0)
+        .collect::<Vec<_>>()[..]
+    {
+        return Err(ShardError::ConflictingStrategies {
+            first: a.name().to_string(),
+            second: b.name().to_string(),
+        });
+    }
     for s in &out {
         let needs = match s {
             Strategy::Dp | Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp => {

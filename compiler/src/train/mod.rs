@@ -171,8 +171,22 @@ pub fn compile_train(
     cfg: &ModelConfig,
     opts: &TrainOptions,
 ) -> Result<CompiledTrain, TrainCompileError> {
+    check_sizes(cfg, opts)?;
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
     compile_chunk(cfg, opts, &opts.mesh, strategies, None, &[])
+}
+
+/// Before anything is built: the step's IR (every micro-batch, every chunk) within the memory
+/// budget, its activations within byte accounting.
+pub(crate) fn check_sizes(cfg: &ModelConfig, opts: &TrainOptions) -> Result<(), ModelError> {
+    cfg.check_ir(crate::model::IrWork::Train {
+        micro_batches: opts.micro_batches,
+    })?;
+    cfg.check_activations(
+        &format!("batch {} × seq {}", opts.batch, opts.seq),
+        opts.batch,
+        opts.seq,
+    )
 }
 
 /// Compiles one training step of `cfg` (or of one pipeline chunk of it, `stage`) on `mesh`

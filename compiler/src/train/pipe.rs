@@ -247,6 +247,7 @@ pub fn compile_pipeline(
     cfg: &ModelConfig,
     opts: &TrainOptions,
 ) -> Result<CompiledPipeline, TrainCompileError> {
+    super::check_sizes(cfg, opts)?;
     let mesh = &opts.mesh;
     let pp = mesh.axis("pp").ok_or_else(|| {
         TrainCompileError::Options(format!("mesh {mesh} has no `pp` axis to pipeline over"))

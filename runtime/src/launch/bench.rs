@@ -370,10 +370,42 @@ pub fn sizes(min: u64, max: u64, factor: u64) -> Vec<u64> {
     out
 }
 
-/// Runs the benchmark (see the module docs) on a fresh group of `opts.kind`.
+/// Most ranks of one benchmark: each is a thread of this process (with its sockets for
+/// `tcp`).
+pub const MAX_BENCH_RANKS: usize = 1024;
+
+/// Estimated bytes of the benchmark's buffers at its largest size: every rank's send and
+/// receive buffers, with as much again for the communicator's staging copies.
+pub fn buffer_bytes(opts: &BenchOptions) -> u128 {
+    let n = opts.nranks.max(1);
+    let per_rank = opts
+        .ops
+        .iter()
+        .map(|op| {
+            let l = op.layout(opts.max_bytes, n);
+            4 * (l.send as u128 + l.recv as u128)
+        })
+        .max()
+        .unwrap_or(0);
+    2 * per_rank * n as u128
+}
+
+/// Runs the benchmark (see the module docs) on a fresh group of `opts.kind`. Refuses, before
+/// allocating, more than [`MAX_BENCH_RANKS`] ranks and buffers beyond the memory budget.
 pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>, LaunchError> {
     if opts.nranks == 0 {
         return Err(LaunchError::Config("--nranks must be at least 1".into()));
+    }
+    if opts.nranks > MAX_BENCH_RANKS {
+        return Err(LaunchError::Config(format!(
+            "--nranks: at most {MAX_BENCH_RANKS} ranks, each a thread of this process (found {})",
+            opts.nranks
+        )));
+    }
+    if opts.iters == 0 {
+        return Err(LaunchError::Config(
+            "--iters: must be at least 1 (found 0)".into(),
+        ));
     }
     if opts.min_bytes == 0 || opts.min_bytes > opts.max_bytes {
         return Err(LaunchError::Config(format!(
@@ -386,6 +418,13 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>, LaunchError> {
             "--step-factor must be at least 2".into(),
         ));
     }
+    shardc_compiler::model::check_budget(buffer_bytes(opts), || {
+        format!(
+            "--max-bytes {} on {} ranks: the buffers",
+            opts.max_bytes, opts.nranks
+        )
+    })
+    .map_err(|e| LaunchError::Config(e.to_string()))?;
     let comms = make_group(opts.kind, "bench", opts.nranks, opts.timeout)?;
     run_on(comms, opts)
 }
@@ -620,6 +659,34 @@ mod tests {
         assert_eq!(sizes(8, 100, 4), vec![8, 32]);
         assert_eq!(sizes(1 << 30, 1 << 30, 2), vec![1 << 30]);
         assert_eq!(sizes(u64::MAX / 2 + 1, u64::MAX, 2).len(), 1);
+    }
+
+    #[test]
+    fn buffers_are_refused_before_allocation() {
+        let opts = BenchOptions {
+            max_bytes: 1 << 40,
+            ..BenchOptions::default()
+        };
+        // 2 ranks of 1 TiB send + receive (all_reduce's in-place buffer and its receive
+        // buffer), doubled for the communicator's copies.
+        assert_eq!(buffer_bytes(&opts), 2 * 2 * (2 << 40));
+        let cap = shardc_compiler::model::MemoryCap {
+            bytes: 16 << 30,
+            source: shardc_compiler::model::CapSource::Env,
+        };
+        assert!(cap.check(buffer_bytes(&opts), String::new).is_err());
+        let small = BenchOptions {
+            max_bytes: 1 << 20,
+            ..BenchOptions::default()
+        };
+        assert!(cap.check(buffer_bytes(&small), String::new).is_ok());
+        let e = run(&BenchOptions {
+            nranks: MAX_BENCH_RANKS + 1,
+            ..BenchOptions::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--nranks"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,399 @@
+//! The sizes shardc accepts and the memory it may plan to use.
+//!
+//! Two kinds of bounds, both checked before anything is allocated:
+//!
+//! - **Hard limits** on what the formats and the arithmetic can represent: token and position
+//!   ids are int32 ([`MAX_DIM`]), at most [`MAX_LAYERS`] decoder layers (~800× the deepest
+//!   published model) and [`MAX_PARAMS`] parameters, at most [`MAX_RANKS`] ranks in a mesh, and
+//!   byte counts below [`ACCOUNTING_LIMIT`] so memory accounting cannot overflow.
+//! - **A memory budget** ([`MemoryCap`]): what grows with an input (the IR with the layer count
+//!   and micro-batches, a pipeline schedule with stages × micro-batches, benchmark buffers with
+//!   their size × ranks) is estimated first and refused, with the estimate, when it exceeds the
+//!   cap: `SHARDC_MAX_MEMORY` (bytes, optional `K`/`M`/`G`/`T` suffix, powers of 1024) or 3/4
+//!   of the machine's physical memory.
+//!
+//! The estimates are calibrated upper bounds on the resident memory of the structures named
+//! (measured on the bundled models), not exact counts.
+
+use super::build::{build_forward, BuildOptions};
+use super::config::{ModelConfig, ModelError};
+use std::fmt;
+use thiserror::Error;
+
+/// Largest vocabulary, number of positions and model dimension: token and position ids are
+/// int32.
+pub const MAX_DIM: usize = 1 << 31;
+/// Most decoder layers a config may have.
+pub const MAX_LAYERS: usize = 100_000;
+/// Most parameters a config may describe (~1.1 × 10¹⁵, 500× the largest published models),
+/// so parameter, gradient and optimizer byte counts fit in 64 bits.
+pub const MAX_PARAMS: u128 = 1 << 50;
+/// Most ranks in a mesh.
+pub const MAX_RANKS: usize = 1 << 20;
+/// Byte counts (of one step's activations, of a plan's buffers) stay below this (4 EiB), so
+/// sums over tensors, layers and micro-batches fit in 64 bits.
+pub const ACCOUNTING_LIMIT: u128 = 1 << 62;
+
+/// The environment variable that sets the memory cap.
+pub const MAX_MEMORY_ENV: &str = "SHARDC_MAX_MEMORY";
+
+/// Where the memory cap comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CapSource {
+    /// `SHARDC_MAX_MEMORY`.
+    Env,
+    /// 3/4 of `MemTotal` in `/proc/meminfo`.
+    PhysicalMemory,
+    /// 16 GiB where the physical memory cannot be read.
+    Fallback,
+}
+
+/// The memory shardc may plan to use for one command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryCap {
+    /// Bytes.
+    pub bytes: u64,
+    /// Where the value comes from.
+    pub source: CapSource,
+}
+
+impl fmt::Display for MemoryCap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let why = match self.source {
+            CapSource::Env => MAX_MEMORY_ENV.to_string(),
+            CapSource::PhysicalMemory => {
+                format!("3/4 of physical memory; {MAX_MEMORY_ENV} overrides")
+            }
+            CapSource::Fallback => format!("default; {MAX_MEMORY_ENV} overrides"),
+        };
+        write!(f, "{} memory cap ({why})", human_bytes(self.bytes as u128))
+    }
+}
+
+/// A size or budget that cannot be honoured.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LimitError {
+    /// An estimate exceeds the memory cap.
+    #[error("{what} would need ~{}, more than the {cap}", human_bytes(*.need))]
+    OverBudget {
+        /// The input that drives the size and the structure (`num_hidden_layers=…: the IR`).
+        what: String,
+        /// Estimated bytes.
+        need: u128,
+        /// The cap.
+        cap: MemoryCap,
+    },
+    /// `SHARDC_MAX_MEMORY` is not a size.
+    #[error(
+        "{MAX_MEMORY_ENV}=`{0}`: expected a positive size in bytes with an optional K, M, G or T \
+         suffix (e.g. 16G)"
+    )]
+    BadEnv(String),
+}
+
+impl MemoryCap {
+    /// The cap of this process: `SHARDC_MAX_MEMORY`, else 3/4 of physical memory, else 16 GiB.
+    pub fn current() -> Result<MemoryCap, LimitError> {
+        if let Some(v) = std::env::var_os(MAX_MEMORY_ENV) {
+            let s = v.to_string_lossy();
+            return parse_size(&s)
+                .map(|bytes| MemoryCap {
+                    bytes,
+                    source: CapSource::Env,
+                })
+                .ok_or_else(|| LimitError::BadEnv(s.into_owned()));
+        }
+        Ok(match physical_memory() {
+            Some(total) => MemoryCap {
+                bytes: total / 4 * 3,
+                source: CapSource::PhysicalMemory,
+            },
+            None => MemoryCap {
+                bytes: 16 << 30,
+                source: CapSource::Fallback,
+            },
+        })
+    }
+
+    /// An error naming `what` when `need` bytes exceed the cap.
+    pub fn check(self, need: u128, what: impl FnOnce() -> String) -> Result<(), LimitError> {
+        if need <= self.bytes as u128 {
+            Ok(())
+        } else {
+            Err(LimitError::OverBudget {
+                what: what(),
+                need,
+                cap: self,
+            })
+        }
+    }
+}
+
+/// [`MemoryCap::current`] then [`MemoryCap::check`].
+pub fn check_budget(need: u128, what: impl FnOnce() -> String) -> Result<(), LimitError> {
+    MemoryCap::current()?.check(need, what)
+}
+
+/// `MemTotal` of `/proc/meminfo`, in bytes.
+fn physical_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line
+        .trim_start_matches("MemTotal:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kb.checked_mul(1024)
+}
+
+/// Parses a positive size in bytes: `8`, `64K`, `64M`, `1G`, `1GiB`, `2T`, `512B` (binary
+/// multiples). `None` for anything else, zero included.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let upper = s.trim().to_ascii_uppercase();
+    let body = upper
+        .strip_suffix("IB")
+        .or_else(|| upper.strip_suffix('B'))
+        .unwrap_or(&upper);
+    let (digits, shift) = match body.chars().last() {
+        Some('K') => (&body[..body.len() - 1], 10),
+        Some('M') => (&body[..body.len() - 1], 20),
+        Some('G') => (&body[..body.len() - 1], 30),
+        Some('T') => (&body[..body.len() - 1], 40),
+        _ => (body, 0),
+    };
+    let digits = digits.trim();
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1u64 << shift))
+        .filter(|&n| n > 0)
+}
+
+/// `17.6 GiB`, `3.0 PiB`, `1.2e6 EiB`.
+pub fn human_bytes(b: u128) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut x = b as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else if x >= 1e4 {
+        format!("{x:.1e} {}", UNITS[u])
+    } else {
+        format!("{x:.1} {}", UNITS[u])
+    }
+}
+
+/// What an IR estimate is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IrWork {
+    /// The forward graph alone (`inspect`, an unsharded `run`).
+    Graph,
+    /// A forward plan: the logical and the SPMD graph, the schedule and the plan.
+    Forward,
+    /// A training step of `micro_batches` micro-batches: forward, backward and optimizer per
+    /// micro-batch, partitioned, and the plan (every chunk of a pipeline together).
+    Train {
+        /// Micro-batches per step.
+        micro_batches: usize,
+    },
+}
+
+/// Resident bytes per forward-graph node, measured on the bundled models (peak RSS over node
+/// count, rounded up ~2×): the graph alone, a forward plan, a training step per micro-batch.
+const BYTES_PER_NODE_GRAPH: u128 = 1 << 10;
+const BYTES_PER_NODE_FORWARD: u128 = 6 << 10;
+const BYTES_PER_NODE_TRAIN: u128 = 24 << 10;
+
+impl ModelConfig {
+    /// The config key of the layer count (`num_hidden_layers`, `n_layer`).
+    pub fn layers_key(&self) -> &'static str {
+        self.keys().layers
+    }
+
+    /// Nodes of the forward graph: `(base, per layer)`, counted on one- and two-layer graphs of
+    /// this config. `None` when the small graphs cannot be built.
+    fn graph_nodes(&self) -> Option<(u128, u128)> {
+        let count = |layers: usize| -> Option<u128> {
+            let mut c = self.clone();
+            c.layers = layers;
+            build_forward(&c, BuildOptions::new(1, 1))
+                .ok()
+                .map(|g| g.len() as u128)
+        };
+        let (one, two) = (count(1)?, count(2)?);
+        let per_layer = two.checked_sub(one)?;
+        Some((one.saturating_sub(per_layer), per_layer))
+    }
+
+    /// Estimated resident bytes of the IR for `work` (see [`IrWork`]).
+    pub fn ir_bytes(&self, work: IrWork) -> u128 {
+        // Without a small graph (an unbuildable config fails later with its own error), a
+        // generous 64 nodes per layer.
+        let (base, per_layer) = self.graph_nodes().unwrap_or((64, 64));
+        let nodes = base + per_layer * self.layers as u128;
+        let per_node = match work {
+            IrWork::Graph => BYTES_PER_NODE_GRAPH,
+            IrWork::Forward => BYTES_PER_NODE_FORWARD,
+            IrWork::Train { micro_batches } => {
+                BYTES_PER_NODE_FORWARD + BYTES_PER_NODE_TRAIN * micro_batches as u128
+            }
+        };
+        nodes.saturating_mul(per_node)
+    }
+
+    /// An error naming the layer count (and micro-batches) when the IR for `work` would not
+    /// fit the memory cap.
+    pub fn check_ir(&self, work: IrWork) -> Result<(), ModelError> {
+        let need = self.ir_bytes(work);
+        check_budget(need, || {
+            let mut what = format!("{}={}", self.layers_key(), self.layers);
+            if let IrWork::Train { micro_batches } = work {
+                if micro_batches > 1 {
+                    what += &format!(" with {micro_batches} micro-batches");
+                }
+            }
+            what + ": the IR"
+        })?;
+        Ok(())
+    }
+
+    /// Estimated bytes of one training step's activations at `batch` × `seq` (every layer's
+    /// tensors, attention scores included, with headroom for gradients): only used to keep
+    /// byte accounting in range.
+    pub fn activation_bytes(&self, batch: usize, seq: usize) -> u128 {
+        let (b, t) = (batch as u128, seq as u128);
+        let bt = b.saturating_mul(t);
+        let widest = [
+            self.hidden as u128,
+            self.ffn as u128 * self.moe.map_or(1, |m| m.top_k) as u128,
+            self.vocab as u128,
+            self.heads as u128 * self.head_dim as u128,
+            self.moe.map_or(0, |m| m.experts) as u128,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        let scores = product(&[bt, self.heads as u128, t]);
+        let per_layer = product(&[16, bt, widest]).saturating_add(scores);
+        // f32 elements, ×4 for backward, recomputation and optimizer temporaries.
+        product(&[per_layer, self.layers as u128 + 1, 16])
+    }
+
+    /// An error naming `what` (the flags that set batch and sequence, `--batch 8 × --seq 4096`)
+    /// when a step's activations would leave the range byte accounting can represent
+    /// ([`ACCOUNTING_LIMIT`]).
+    pub fn check_activations(
+        &self,
+        what: &str,
+        batch: usize,
+        seq: usize,
+    ) -> Result<(), ModelError> {
+        let need = self.activation_bytes(batch, seq);
+        if need <= ACCOUNTING_LIMIT {
+            return Ok(());
+        }
+        Err(ModelError::Key {
+            key: what.to_string(),
+            msg: format!(
+                "a step's activations would be ~{}, beyond the {} shardc can account",
+                human_bytes(need),
+                human_bytes(ACCOUNTING_LIMIT)
+            ),
+        })
+    }
+}
+
+/// Estimated bytes of building, replaying and drawing a pipeline schedule of `stages` ×
+/// `micro_batches` × `virtual_stages` (`shardc schedule`): the passes, and the diagram's grid
+/// of stages × time cells (one string per cell); `trace` adds the Perfetto events.
+pub fn schedule_bytes(
+    stages: usize,
+    micro_batches: usize,
+    virtual_stages: usize,
+    trace: bool,
+) -> u128 {
+    let (p, m, v) = (
+        stages as u128,
+        micro_batches as u128,
+        virtual_stages as u128,
+    );
+    let passes = product(&[3, p, m, v]);
+    // Makespan in cells: at most 3 units per pass of the busiest stage plus the fill and drain.
+    let cells = product(&[3, m, v]).saturating_add(3 * p);
+    let per_pass = if trace { 4 << 10 } else { 256 };
+    product(&[passes, per_pass]).saturating_add(product(&[p, cells, 96]))
+}
+
+/// Estimated bytes of the simulator's pipeline of `stages` × `micro_batches` ×
+/// `virtual_stages` (`shardc simulate --train`): its forward and backward passes.
+pub fn simulated_pipeline_bytes(
+    stages: usize,
+    micro_batches: usize,
+    virtual_stages: usize,
+) -> u128 {
+    product(&[
+        2 * 512,
+        stages as u128,
+        micro_batches as u128,
+        virtual_stages as u128,
+    ])
+}
+
+/// The saturating product of `xs`.
+pub fn product(xs: &[u128]) -> u128 {
+    xs.iter().fold(1u128, |a, &x| a.saturating_mul(x))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("8"), Some(8));
+        assert_eq!(parse_size("64K"), Some(64 << 10));
+        assert_eq!(parse_size("64m"), Some(64 << 20));
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("1GiB"), Some(1 << 30));
+        assert_eq!(parse_size("2T"), Some(2 << 40));
+        assert_eq!(parse_size("512b"), Some(512));
+        for bad in ["0", "", "x", "-1", "+1", "1.5G", "G", "99999999999T"] {
+            assert_eq!(parse_size(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 << 29), "1.5 GiB");
+        assert_eq!(human_bytes(1 << 60), "1.0 EiB");
+        assert!(
+            human_bytes(u128::MAX).ends_with("EiB"),
+            "{}",
+            human_bytes(u128::MAX)
+        );
+    }
+
+    #[test]
+    fn over_budget_names_the_input_and_the_cap() {
+        let cap = MemoryCap {
+            bytes: 1 << 30,
+            source: CapSource::Env,
+        };
+        assert!(cap.check(1 << 30, || unreachable!()).is_ok());
+        let e = cap.check(3 << 30, || "n=3: the table".into()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "n=3: the table would need ~3.0 GiB, more than the 1.0 GiB memory cap (SHARDC_MAX_MEMORY)"
+        );
+    }
+}
