@@ -34,10 +34,10 @@ pub struct CompileArgs {
     #[arg(long)]
     pub strategy: Vec<String>,
     /// Global batch (sequences).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, allow_negative_numbers = true)]
     pub batch: usize,
     /// Sequence length (default: min(max positions, 4096)).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<usize>,
     /// GPUs per node (axes that fit inside a node use NVLink).
     #[arg(long, default_value_t = 8)]

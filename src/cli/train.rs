@@ -63,19 +63,19 @@ pub struct TrainArgs {
     #[arg(long, default_value = "none")]
     recompute: String,
     /// AdamW learning rate.
-    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1e-3, allow_hyphen_values = true)]
     lr: f32,
     /// AdamW β₁.
-    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.9, allow_hyphen_values = true)]
     beta1: f32,
     /// AdamW β₂.
-    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.95, allow_hyphen_values = true)]
     beta2: f32,
     /// AdamW ε.
-    #[arg(long, default_value_t = 1e-8, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1e-8, allow_hyphen_values = true)]
     eps: f32,
     /// AdamW decoupled weight decay.
-    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.1, allow_hyphen_values = true)]
     weight_decay: f32,
     /// Write the trained checkpoint (model.safetensors with the checkpoint's tensor names,
     /// plus config.json) to this directory.
