@@ -376,7 +376,7 @@ fn sizes_beyond_the_limits_are_refused_up_front() {
     fails_with_env(
         &["inspect", &deeper],
         &[("SHARDC_MAX_MEMORY", "1T")],
-        &["num_hidden_layers: at most 100000 layers are supported (found 200000)"],
+        &["num_hidden_layers: at most 2048 layers are supported (found 200000)"],
     );
     fails_with_env(
         &["inspect", &deeper],

@@ -3,8 +3,9 @@
 //! Two kinds of bounds, both checked before anything is allocated:
 //!
 //! - **Hard limits** on what the formats and the arithmetic can represent: token and position
-//!   ids are int32 ([`MAX_DIM`]), at most [`MAX_LAYERS`] decoder layers (~800× the deepest
-//!   published model) and [`MAX_PARAMS`] parameters, at most [`MAX_RANKS`] ranks in a mesh, and
+//!   ids are int32 ([`MAX_DIM`]), at most [`MAX_LAYERS`] decoder layers (16× the deepest
+//!   published model; compile time grows faster than linearly in layers: 1,000 compile in
+//!   0.7 s forward and 15 s for a training step, 10,000 in 40 s and ~15 min) and [`MAX_PARAMS`] parameters, at most [`MAX_RANKS`] ranks in a mesh, and
 //!   byte counts below [`ACCOUNTING_LIMIT`] so memory accounting cannot overflow.
 //! - **A memory budget** ([`MemoryCap`]): what grows with an input (the IR with the layer count
 //!   and micro-batches, a pipeline schedule with stages × micro-batches, benchmark buffers with
@@ -23,8 +24,8 @@ use thiserror::Error;
 /// Largest vocabulary, number of positions and model dimension: token and position ids are
 /// int32.
 pub const MAX_DIM: usize = 1 << 31;
-/// Most decoder layers a config may have.
-pub const MAX_LAYERS: usize = 100_000;
+/// Most decoder layers a config may have (bounds compile time as well as memory).
+pub const MAX_LAYERS: usize = 2048;
 /// Most parameters a config may describe (~1.1 × 10¹⁵, 500× the largest published models),
 /// so parameter, gradient and optimizer byte counts fit in 64 bits.
 pub const MAX_PARAMS: u128 = 1 << 50;
