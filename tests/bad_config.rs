@@ -4,43 +4,10 @@
 
 mod common;
 
+use common::{fails_with, fails_with_env, run_shardc};
+
 use serde_json::{json, Value};
 use std::path::Path;
-
-/// Runs `shardc` with `env` set (and `SHARDC_MAX_MEMORY` cleared unless given).
-fn shardc(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
-    let mut c = common::shardc_clean();
-    c.env_remove("SHARDC_MAX_MEMORY");
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    let out = c.args(args).output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
-}
-
-/// Expects failure with one `error:` line containing every needle, and no panic.
-fn fails_with_env(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
-    let (ok, _, err) = shardc(args, env);
-    assert!(!ok, "{args:?} should fail");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "{args:?}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: one line: {err}"
-    );
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` not in: {err}");
-    }
-}
-
-fn fails_with(args: &[&str], needles: &[&str]) {
-    fails_with_env(args, &[], needles)
-}
 
 /// The llama fixture's config with `edit` merged in (`null` removes a key), as
 /// `<dir>/<name>.json`.
@@ -200,7 +167,7 @@ fn every_size_must_be_positive() {
         &["sliding_window: must be > 0 (found 0)"],
     );
     // A window that is present and positive is fine.
-    let (ok, _, err) = shardc(
+    let (ok, _, err) = run_shardc(
         &[
             "inspect",
             &with(d, "mixtral", "window8", json!({"sliding_window": 8})),
@@ -331,7 +298,7 @@ fn norm_and_rope_parameters_are_finite_and_positive() {
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}}),
     );
-    let (ok, out, err) = shardc(&["inspect", &ok], &[]);
+    let (ok, out, err) = run_shardc(&["inspect", &ok], &[]);
     assert!(ok && out.contains("parameters"), "{err}");
 }
 

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::shardc_clean;
+use common::{fails_with, run_shardc, shardc_clean};
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use shardc::compiler::model::ModelConfig;
@@ -18,34 +18,6 @@ use shardc::runtime::train::{train_step, Batch, TrainError, TrainState};
 use shardc::runtime::Weights;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-/// Exit status, stdout and stderr.
-fn shardc(args: &[&str]) -> (bool, String, String) {
-    let out = shardc_clean().args(args).output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
-}
-
-/// Runs and expects failure with a one-line `error:` message containing every `needle`;
-/// returns stdout.
-fn fails_with(args: &[&str], needles: &[&str]) -> String {
-    let (ok, out, err) = shardc(args);
-    assert!(!ok, "{args:?} should fail:\n{out}");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "{args:?}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: one line: {err}"
-    );
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` not in: {err}");
-    }
-    out
-}
 
 fn llama() -> PathBuf {
     common::fixtures().join("llama")
@@ -174,15 +146,18 @@ fn optimizer_and_run_flags_outside_their_domains_name_the_flag() {
     // `run`'s float flag.
     let out = tmp.path().join("out.json").display().to_string();
     for t in ["0", "NaN", "inf", "-1"] {
-        let (ok, _, err) = shardc(&[
-            "run",
-            &model,
-            "--tokens",
-            &ids,
-            "--out",
-            &out,
-            &format!("--comm-timeout={t}"),
-        ]);
+        let (ok, _, err) = run_shardc(
+            &[
+                "run",
+                &model,
+                "--tokens",
+                &ids,
+                "--out",
+                &out,
+                &format!("--comm-timeout={t}"),
+            ],
+            &[],
+        );
         assert!(!ok && err.contains("--comm-timeout"), "{t}: {err}");
         assert!(!err.contains("panicked"), "{t}: {err}");
     }
@@ -299,7 +274,7 @@ fn non_finite_outputs_are_refused_not_written_as_null() {
     assert!(!out.exists(), "an output was written");
     // The sound fixture still runs and writes only numbers.
     let model = llama().display().to_string();
-    let (ok, _, err) = shardc(&["run", &model, "--tokens", &ids, "--out", &out_s]);
+    let (ok, _, err) = run_shardc(&["run", &model, "--tokens", &ids, "--out", &out_s], &[]);
     assert!(ok, "{err}");
     let text = std::fs::read_to_string(&out).unwrap();
     assert!(!text.contains("null"), "{text}");

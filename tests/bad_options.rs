@@ -4,41 +4,7 @@
 
 mod common;
 
-/// Runs `shardc` with `env` set (and `SHARDC_MAX_MEMORY` cleared unless given).
-fn shardc(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
-    let mut c = common::shardc_clean();
-    c.env_remove("SHARDC_MAX_MEMORY");
-    c.current_dir(env!("CARGO_MANIFEST_DIR"));
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    let out = c.args(args).output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
-}
-
-/// Expects failure with one `error:` line containing every needle, and no panic.
-fn fails_with_env(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
-    let (ok, _, err) = shardc(args, env);
-    assert!(!ok, "{args:?} should fail");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "{args:?}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: one line: {err}"
-    );
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` not in: {err}");
-    }
-}
-
-fn fails_with(args: &[&str], needles: &[&str]) {
-    fails_with_env(args, &[], needles)
-}
+use common::{fails_with, fails_with_env, run_shardc};
 
 /// `cmd model extra...` for each `(extra, needles)`.
 fn each(cmd: &[&str], cases: &[(&[&str], &[&str])]) {
@@ -435,7 +401,7 @@ fn sizes_that_would_exhaust_memory_are_refused_with_the_estimate() {
         &["--nproc-per-node 1024 × --nnodes 100000: 102400000 ranks, more than the 1048576"],
     );
     // Real sizes still pass: a 10,000-rank mesh and a 70B training step.
-    let (ok, _, err) = shardc(
+    let (ok, _, err) = run_shardc(
         &[
             "simulate",
             "models/llama-3-70b.json",

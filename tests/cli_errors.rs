@@ -2,38 +2,11 @@
 
 mod common;
 
+use common::fails_with;
+
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn shardc(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
-}
-
-/// Runs and expects failure with a one-line `error:` message containing every `needle`.
-fn fails_with(args: &[&str], needles: &[&str]) {
-    let (ok, _, err) = shardc(args);
-    assert!(!ok, "{args:?} should fail");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "{args:?}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: one line: {err}"
-    );
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` not in: {err}");
-    }
-}
 
 fn write(dir: &Path, name: &str, text: &str) -> String {
     let p = dir.join(name);

@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::{fails_with, run_shardc};
+
 use proptest::prelude::*;
 use serde_json::Value;
 use shardc::compiler::cost::{chrome_trace, simulate_plan, AttentionImpl, Cluster, ComputeOptions};
@@ -13,36 +15,7 @@ use shardc::compiler::plan::{rehash, Plan};
 use shardc::compiler::schedule::pipeline::PassCosts;
 use shardc::compiler::schedule::Step;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
-
-fn shardc(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
-}
-
-/// Runs and expects failure with a one-line `error:` message containing every `needle`.
-fn fails_with(args: &[&str], needles: &[&str]) {
-    let (ok, _, err) = shardc(args);
-    assert!(!ok, "{args:?} should fail");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "{args:?}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: one line: {err}"
-    );
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` not in: {err}");
-    }
-}
 
 /// Every reader of a plan file refuses `file` with `needles` in its one-line error.
 fn every_reader_refuses(file: &Path, needles: &[&str]) {
@@ -106,7 +79,7 @@ fn plans() -> &'static [(&'static str, String)] {
                 let mut args = vec!["compile", llama.as_str()];
                 args.extend(flags);
                 args.extend(["-o", out.to_str().unwrap()]);
-                let (ok, _, err) = shardc(&args);
+                let (ok, _, err) = run_shardc(&args, &[]);
                 assert!(ok, "{name}: {err}");
                 (name, std::fs::read_to_string(&out).unwrap())
             })
@@ -153,13 +126,13 @@ fn untouched_plans_load_through_every_reader() {
         assert_eq!(p.to_json(), *text, "{name}: written again byte for byte");
         let f = write(dir.path(), "plan.json", text);
         let f = f.to_str().unwrap();
-        let (ok, out, err) = shardc(&["explain", f]);
+        let (ok, out, err) = run_shardc(&["explain", f], &[]);
         assert!(ok && out.contains("collectives"), "{name}: {err}");
-        let (ok, out, err) = shardc(&["simulate", "--plan", f, "--cluster", "dgx-h100x4"]);
+        let (ok, out, err) = run_shardc(&["simulate", "--plan", f, "--cluster", "dgx-h100x4"], &[]);
         assert!(ok && !out.is_empty(), "{name}: {err}");
     }
     let f = write(dir.path(), "pp.json", &plans()[PIPELINE].1);
-    let (ok, out, err) = shardc(&["schedule", f.to_str().unwrap()]);
+    let (ok, out, err) = run_shardc(&["schedule", f.to_str().unwrap()], &[]);
     assert!(ok && out.contains("send/recv pairs matched"), "{err}");
 }
 
@@ -325,7 +298,10 @@ fn swapped_steps_are_refused() {
     let node = steps[last]["value"].as_u64().unwrap();
     steps.remove(last);
     // (Named at its first reader, or by itself when nothing reads it.)
-    let (_, _, err) = shardc(&["explain", write_value(dir.path(), &v).to_str().unwrap()]);
+    let (_, _, err) = run_shardc(
+        &["explain", write_value(dir.path(), &v).to_str().unwrap()],
+        &[],
+    );
     let needles: [&str; 2] = if err.contains("no step computes it") {
         [&format!("program node %{node}"), "no step computes it"]
     } else {
@@ -434,7 +410,7 @@ fn an_edit_the_verifier_accepts_is_a_hash_mismatch() {
     // Formatting does not matter: compact JSON of the same plan loads.
     let compact = serde_json::to_string(&original).unwrap();
     let f = write(dir.path(), "compact.json", &compact);
-    let (ok, _, err) = shardc(&["explain", f.to_str().unwrap()]);
+    let (ok, _, err) = run_shardc(&["explain", f.to_str().unwrap()], &[]);
     assert!(ok, "{err}");
     // Re-hashed, the same edit loads (the verifier has nothing against it).
     let f = write(
@@ -442,7 +418,7 @@ fn an_edit_the_verifier_accepts_is_a_hash_mismatch() {
         "rehashed.json",
         &rehash(&serde_json::to_string(&v).unwrap()).unwrap(),
     );
-    let (ok, out, err) = shardc(&["explain", f.to_str().unwrap()]);
+    let (ok, out, err) = run_shardc(&["explain", f.to_str().unwrap()], &[]);
     assert!(ok && out.contains("params 1 B"), "{out}{err}");
     // A plan without a hash.
     v.as_object_mut().unwrap().remove("hash");

@@ -177,3 +177,43 @@ pub fn shardc_clean() -> std::process::Command {
     c.stdin(std::process::Stdio::null());
     c
 }
+
+/// Runs `shardc` as [`shardc_clean`] does, from the repository root, with `env` set and
+/// `SHARDC_MAX_MEMORY` cleared unless `env` sets it: (success, stdout, stderr).
+pub fn run_shardc(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let mut c = shardc_clean();
+    c.env_remove("SHARDC_MAX_MEMORY");
+    c.current_dir(env!("CARGO_MANIFEST_DIR"));
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// Expects `shardc args` (with `env`) to fail with one `error:` line containing every
+/// needle, and no panic; returns its stdout.
+pub fn fails_with_env(args: &[&str], env: &[(&str, &str)], needles: &[&str]) -> String {
+    let (ok, out, err) = run_shardc(args, env);
+    assert!(!ok, "{args:?} should fail:\n{out}");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    assert!(err.starts_with("error: "), "{args:?}: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: one line: {err}"
+    );
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: `{n}` not in: {err}");
+    }
+    out
+}
+
+/// [`fails_with_env`] with no extra environment.
+pub fn fails_with(args: &[&str], needles: &[&str]) -> String {
+    fails_with_env(args, &[], needles)
+}
