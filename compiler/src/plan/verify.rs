@@ -440,17 +440,12 @@ fn check_graph(
         name: esc(&g.nodes[v.index()].name),
         msg,
     };
+    check_indices(label, path, g)?;
     let mut labels = BTreeSet::new();
     let mut input_names = HashSet::new();
     let mut total = 0u64;
     for v in g.ids() {
         let n = g.node(v);
-        if let Some(&bad) = n.inputs.iter().find(|i| i.index() >= v.index()) {
-            return Err(node_err(
-                v,
-                format!("operand {bad} is not a node defined before it"),
-            ));
-        }
         let bytes =
             n.ty.checked_numel()
                 .and_then(|e| (e as u64).checked_mul(n.ty.dtype.size_bytes() as u64))
@@ -533,23 +528,11 @@ fn check_graph(
             labels.insert(l);
         }
     }
-    for (i, (name, v)) in g.outputs.iter().enumerate() {
-        if v.index() >= g.len() {
-            return Err(field(
-                format!("{path}.outputs[{i}]"),
-                format!(
-                    "output `{}` = {v} is not a node (the program has {})",
-                    esc(name),
-                    g.len()
-                ),
-            ));
-        }
-    }
     Ok(labels)
 }
 
 /// The indices of a program alone (operands defined before use, outputs defined): what the
-/// pipeline checks need before [`check_graph`] re-derives the types.
+/// pipeline checks need before [`check_graph`] (which starts with them) re-derives the types.
 fn check_indices(label: &str, path: &str, g: &Graph) -> Result<(), PlanError> {
     for v in g.ids() {
         let n = g.node(v);
