@@ -264,18 +264,24 @@ fn config_names(sources: &[(String, Value)], path: &Path) -> Vec<String> {
     names
 }
 
+/// Every key of the source configs, sorted, once each.
+fn config_keys(sources: &[(String, Value)]) -> Vec<String> {
+    let mut keys = Vec::new();
+    for (_, v) in sources {
+        all_keys(v, &mut keys);
+    }
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
 /// Model configs in-process: the parser, the graph builder and `inspect`'s accounting.
 #[test]
 fn fuzz_model_configs() {
     const CASES: usize = 12000;
     let started = Instant::now();
     let sources = config_sources();
-    let mut keys = Vec::new();
-    for (_, v) in &sources {
-        all_keys(v, &mut keys);
-    }
-    keys.sort();
-    keys.dedup();
+    let keys = config_keys(&sources);
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     let dir = scratch("config");
     let path = dir.join("config.json");
@@ -305,12 +311,7 @@ fn fuzz_model_configs_cli() {
     const CASES: usize = 40;
     let started = Instant::now();
     let sources = config_sources();
-    let mut keys = Vec::new();
-    for (_, v) in &sources {
-        all_keys(v, &mut keys);
-    }
-    keys.sort();
-    keys.dedup();
+    let keys = config_keys(&sources);
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     let dir = scratch("config-cli");
     let path = dir.join("config.json");
