@@ -3,8 +3,8 @@
 
 mod common;
 
+use shardc::compiler::compile::{compile_forward, CompileOptions};
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::pipeline::{compile_forward, CompileOptions};
 use shardc::compiler::shard::Mesh;
 use shardc::runtime::spmd::run_spmd;
 use shardc::runtime::Weights;

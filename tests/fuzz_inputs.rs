@@ -23,6 +23,7 @@ use fuzz::{
     scratch, special_value, Known, Outcome, Rng, Step, Tally, Verdict,
 };
 use serde_json::{json, Value};
+use shardc::compiler::compile::{compile_forward, CompileOptions};
 use shardc::compiler::cost::{
     collective_time, fit_profile_report, kernel_time, simulate_plan, Bytes, Cluster,
     CollectiveKind, ComputeOptions, DeviceProfile, GemmShape, GroupTopology, Kernel, Measurements,
@@ -30,7 +31,6 @@ use shardc::compiler::cost::{
 };
 use shardc::compiler::ir::{DType, Op, ParamSource, TensorType};
 use shardc::compiler::model::{build_forward, BuildOptions, ModelConfig, ModelStats};
-use shardc::compiler::pipeline::{compile_forward, CompileOptions};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::Mesh;
 use shardc::runtime::Weights;

@@ -5,8 +5,8 @@
 
 mod common;
 
+use shardc::compiler::compile::{compile_forward, compile_forward_with, CompileOptions};
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::pipeline::{compile_forward, compile_forward_with, CompileOptions};
 use shardc::compiler::rewrite::RewriteOptions;
 use shardc::compiler::shard::Mesh;
 use shardc::runtime::spmd::run_spmd;

@@ -2,13 +2,13 @@
 //! training plan from `compile_train` read through the same seam (`Program::from_steps`),
 //! checked against the training step model's derived backward.
 
+use shardc::compiler::compile::{compile_forward, CompileOptions};
 use shardc::compiler::cost::{
     simulate_plan, simulate_training, AttentionImpl, Cluster, ComputeOptions, Recompute,
     TrainOptions,
 };
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::pipeline::{compile_forward, CompileOptions};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{compile_train, Precision, TrainOptions as TrainCompile};

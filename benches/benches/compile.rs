@@ -4,8 +4,8 @@
 //! rewriting, and with layer planning off (every layer in the e-graph), for comparison.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use shardc_compiler::compile::{compile_forward_with, CompileOptions};
 use shardc_compiler::model::ModelConfig;
-use shardc_compiler::pipeline::{compile_forward_with, CompileOptions};
 use shardc_compiler::plan::Plan;
 use shardc_compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc_compiler::shard::Mesh;

@@ -2,8 +2,8 @@
 //! Llama-3-70B (80 layers) for dp=8,tp=8 with Megatron TP + SP.
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::model::ModelConfig;
-use shardc_compiler::pipeline::{compile_forward, CompileOptions};
 use shardc_compiler::plan::Plan;
 use shardc_compiler::shard::Mesh;
 use std::hint::black_box;

@@ -3,10 +3,10 @@
 #![deny(missing_docs)]
 
 pub mod autodiff;
+pub mod compile;
 pub mod cost;
 pub mod ir;
 pub mod model;
-pub mod pipeline;
 pub mod plan;
 pub mod rewrite;
 pub mod schedule;

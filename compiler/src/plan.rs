@@ -11,10 +11,11 @@ mod load;
 mod verify;
 
 pub use load::{content_hash, rehash};
+pub(crate) use verify::{check_layout, check_program};
 pub use verify::{MAX_TENSOR_BYTES, MAX_WORLD};
 
+use crate::compile::Compiled;
 use crate::ir::{Graph, Op, ValueId};
-use crate::pipeline::Compiled;
 use crate::schedule::{self, BufferSlot, Step};
 use crate::shard::{Mesh, Provenance, TensorSharding};
 use serde::{Deserialize, Serialize};

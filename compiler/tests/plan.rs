@@ -1,8 +1,8 @@
 //! Plans: byte-identical for the same inputs, JSON round trip, the collective-order check, and
 //! the per-rank activation savings of sequence parallelism.
 
+use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::model::ModelConfig;
-use shardc_compiler::pipeline::{compile_forward, CompileOptions};
 use shardc_compiler::plan::{Plan, PlanError};
 use shardc_compiler::shard::Mesh;
 use std::path::PathBuf;

@@ -1,8 +1,8 @@
 //! Collective counts of the presets on the bundled and fixture models.
 
+use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::ir::Graph;
 use shardc_compiler::model::ModelConfig;
-use shardc_compiler::pipeline::{compile_forward, CompileOptions};
 use shardc_compiler::shard::Mesh;
 use std::collections::BTreeMap;
 use std::path::PathBuf;

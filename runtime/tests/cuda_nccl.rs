@@ -11,8 +11,8 @@ mod cuda_common;
 
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, DevicePtr};
+use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::model::ModelConfig;
-use shardc_compiler::pipeline::{compile_forward, CompileOptions};
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
 use shardc_runtime::comm::nccl::{NcclComm, NcclId};

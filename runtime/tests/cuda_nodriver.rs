@@ -2,9 +2,9 @@
 //! entry point is a clean error (never a panic), and the host-side planning — arena reuse,
 //! fused groups, the GEMM plan-cache keys — on real model programs.
 
+use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::ir::{Op, ValueId};
 use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
-use shardc_compiler::pipeline::{compile_forward, CompileOptions};
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::nccl::NcclId;
 use shardc_runtime::cuda::{

@@ -6,16 +6,14 @@ use super::fmt::{bytes, thousands};
 use anyhow::{bail, Context};
 use clap::Args;
 use shardc::compiler::autodiff::Recompute;
+use shardc::compiler::compile::{compile_logged, CompileOptions, CompileSpec, Job, Pass, PassLog};
 use shardc::compiler::cost::Cluster;
 use shardc::compiler::model::{IrWork, ModelConfig};
-use shardc::compiler::pipeline::{compile_forward_with, CompileOptions};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc::compiler::schedule::pipeline::{parse_stage_layers, PassCosts, ScheduleKind};
 use shardc::compiler::shard::Mesh;
-use shardc::compiler::train::{
-    compile_pipeline, compile_train, PipelineOptions, Precision, TrainMemory, TrainOptions,
-};
+use shardc::compiler::train::{PipelineOptions, TrainMemory, TrainOptions};
 use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
 
@@ -81,6 +79,17 @@ pub struct CompileArgs {
     /// balanced by cost).
     #[arg(long, requires = "train")]
     pub stage_layers: Option<String>,
+    /// Print the program's text IR after this pass (build, autodiff, annotate, partition,
+    /// grad-layout, rewrite, buckets, stages, schedule, plan) and stop before writing.
+    #[arg(long, value_name = "PASS")]
+    pub dump_after: Option<String>,
+    /// Check every pass's result (the IR verifier, layouts, collectives, the plan as loaded);
+    /// always on in debug builds.
+    #[arg(long)]
+    pub verify: bool,
+    /// Print each pass's wall time.
+    #[arg(long)]
+    pub pass_times: bool,
 }
 
 /// Resolved inputs shared by `compile` and sharded `run`.
@@ -168,26 +177,45 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
         seq,
         a.gpus_per_node,
     )?;
-    if a.train {
-        return run_train(&a, &cfg, &path, opts, &outputs);
-    }
+    let dump_after = a.dump_after.as_deref().map(Pass::from_name).transpose()?;
     let mut rw = RewriteOptions::with_rules(a.rewrite.parse::<RuleSelection>()?);
     rw.cost.memory_us_per_mib = a.memory_weight;
+    if a.train && a.memory_weight != shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB {
+        bail!("--memory-weight tunes the forward rewriter; it does not apply with --train");
+    }
+    let job = if a.train {
+        Job::Train(train_options(&a, &cfg, opts)?)
+    } else {
+        Job::Forward(opts)
+    };
+    let mut spec = CompileSpec::new(cfg.clone(), path.display().to_string(), job);
+    spec.rewrite = rw;
+    spec.verify = a.verify;
+    spec.dump_after = dump_after;
     let t0 = std::time::Instant::now();
-    let compiled = compile_forward_with(&cfg, &opts, &rw)?;
-    let plan = Plan::new(
-        &compiled,
-        &path.display().to_string(),
-        cfg.arch.name(),
-        cfg.layers,
-    );
-    plan.check_collective_order()?;
+    let (plan, log) = compile_logged(&spec)?;
+    if !log.dumps.is_empty() {
+        for d in &log.dumps {
+            match d.chunk {
+                Some(c) => println!("// after pass `{}`, pipeline chunk {c}", d.pass),
+                None => println!("// after pass `{}`", d.pass),
+            }
+            print!("{}", d.text);
+        }
+        return Ok(());
+    }
+    if a.pass_times {
+        print_pass_times(&log);
+    }
+    if let Job::Train(opts) = &spec.job {
+        return finish_train(&a, &plan, opts, t0.elapsed(), &outputs);
+    }
     super::simulate::fit_check(&plan, &a.cluster, a.allow_oom)?;
     let elapsed = t0.elapsed();
     let json = plan.to_json();
     outputs.write("-o", &a.output, json.as_bytes())?;
     print_summary(&plan);
-    if let Some(r) = &compiled.report {
+    if let Some(r) = &plan.rewrite {
         print!("{r}");
     }
     println!(
@@ -337,45 +365,34 @@ fn train_options(
     Ok(t)
 }
 
-/// `compile --train`: compiles the step, checks the pipeline and the memory fit, writes the
-/// plan and prints its summary.
-fn run_train(
+/// Each pass's wall time (summed over pipeline chunks), in order.
+fn print_pass_times(log: &PassLog) {
+    println!("passes:");
+    for p in Pass::ALL {
+        if log.timings.iter().any(|t| t.pass == p) {
+            println!(
+                "  {:<12} {:>10.2} ms",
+                p.name(),
+                log.time_of(p).as_secs_f64() * 1e3
+            );
+        }
+    }
+}
+
+/// `compile --train`, after the driver: checks the memory fit, writes the plan and prints its
+/// summary.
+fn finish_train(
     a: &CompileArgs,
-    cfg: &ModelConfig,
-    path: &Path,
-    fwd: CompileOptions,
+    plan: &Plan,
+    opts: &TrainOptions,
+    elapsed: std::time::Duration,
     outputs: &Outputs,
 ) -> anyhow::Result<()> {
-    if a.rewrite != "none" {
-        bail!(
-            "--rewrite {} applies to forward plans; training steps are compiled without the \
-             rewriter (drop --rewrite or --train)",
-            a.rewrite
-        );
-    }
-    if a.memory_weight != shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB {
-        bail!("--memory-weight tunes the forward rewriter; it does not apply with --train");
-    }
-    let opts = train_options(a, cfg, fwd)?;
-    let source = path.display().to_string();
-    let (model_type, precision) = (cfg.arch.name(), Precision::mixed());
-    let t0 = std::time::Instant::now();
-    let pipelined = opts
-        .mesh
-        .axis("pp")
-        .is_some_and(|p| opts.mesh.axis_size(p) > 1);
-    let plan = if pipelined {
-        compile_pipeline(cfg, &opts)?.plan(&source, model_type, cfg.layers, precision)
-    } else {
-        compile_train(cfg, &opts)?.plan(&source, model_type, cfg.layers, precision)
-    };
-    plan.check_pipeline()?;
-    let ranks = rank_memory(&plan)?;
+    let ranks = rank_memory(plan)?;
     train_fit_check(&ranks, &a.cluster, a.allow_oom)?;
-    let elapsed = t0.elapsed();
     let json = plan.to_json();
     outputs.write("-o", &a.output, json.as_bytes())?;
-    print_train_summary(&plan, &opts, &ranks)?;
+    print_train_summary(plan, opts, &ranks)?;
     println!(
         "compiled in {:.1} ms; wrote {} (plan format v{}, {} nodes in {} program(s), {})",
         elapsed.as_secs_f64() * 1e3,

@@ -16,8 +16,8 @@
 use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
+use shardc::compiler::compile::compile_forward;
 use shardc::compiler::model::{build_forward, BuildOptions, ModelConfig};
-use shardc::compiler::pipeline::compile_forward;
 use shardc::compiler::plan::Plan;
 use shardc::runtime::cuda::{
     execute_cuda, run_spmd_local_gpu, CudaDevice, CudaOptions, GpuDType, ParamInit,

@@ -7,6 +7,7 @@ use super::compile::{at_least, check_seq};
 use super::fmt::{bytes, thousands};
 use anyhow::{bail, Context};
 use clap::Args;
+use shardc::compiler::compile::{compile, CompileSpec, Job};
 use shardc::compiler::cost::{
     chrome_trace, forward_plan_memory, simulate_plan, simulate_training, AttentionImpl, Cluster,
     ComputeOptions, PipeSchedule, Recompute, SimReport, Simulation, TrainOptions,
@@ -15,7 +16,6 @@ use shardc::compiler::ir::DType;
 use shardc::compiler::model::{
     check_budget, product, simulated_pipeline_bytes, IrWork, ModelConfig,
 };
-use shardc::compiler::pipeline::compile_forward;
 use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::{Mesh, Strategy};
 use shardc::runtime::output::Outputs;
@@ -315,8 +315,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
             seq,
             cluster.gpus_per_node(),
         )?;
-        let compiled = compile_forward(&cfg, &opts)?;
-        let plan = Plan::new(&compiled, &source, cfg.arch.name(), cfg.layers);
+        let plan = compile(&CompileSpec::new(cfg.clone(), source, Job::Forward(opts)))?;
         simulate_plan(&plan, &cluster, &copts)?
     };
     finish(&a, &sim)

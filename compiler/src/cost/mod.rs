@@ -136,7 +136,7 @@ pub enum CostError {
     Train(String),
     /// Compiling the layer plan failed.
     #[error(transparent)]
-    Compile(#[from] crate::pipeline::CompileError),
+    Compile(#[from] crate::compile::CompileError),
     /// Calibration data is unusable.
     #[error("calibration: {0}")]
     Calibrate(String),

@@ -597,6 +597,40 @@ fn check_layer_cover(
     Ok(())
 }
 
+/// An SPMD program alone (the compile driver's check after each pass): [`check_graph`] with
+/// any layer labels, then [`check_shardings`].
+pub(crate) fn check_program(
+    g: &Graph,
+    shardings: &[TensorSharding],
+    mesh: &Mesh,
+) -> Result<(), PlanError> {
+    check_graph("program", "program", g, mesh, None)?;
+    check_shardings("shardings", shardings, g, mesh)
+}
+
+/// A layout of a rank-`rank` value over distinct axes of `mesh`.
+pub(crate) fn check_layout(s: &TensorSharding, rank: usize, mesh: &Mesh) -> Result<(), String> {
+    if s.dims.len() != rank {
+        return Err(format!(
+            "layout of {} dims for a value of rank {rank}",
+            s.dims.len()
+        ));
+    }
+    let mut seen = HashSet::new();
+    for a in s.used_axes() {
+        if a.0 as usize >= mesh.axes.len() {
+            return Err(format!(
+                "axis {a} is not an axis of mesh {mesh} (it has {})",
+                mesh.axes.len()
+            ));
+        }
+        if !seen.insert(a) {
+            return Err(format!("axis `{}` is used twice", mesh.axis_name(a)));
+        }
+    }
+    Ok(())
+}
+
 /// One entry per node, of the node's rank, over distinct axes of `mesh`.
 fn check_shardings(
     path: &str,
@@ -615,26 +649,8 @@ fn check_shardings(
         ));
     }
     for (i, (s, n)) in shardings.iter().zip(&g.nodes).enumerate() {
-        let bad = |m: String| Err(field(format!("{path}[{i}]"), m));
-        if s.dims.len() != n.ty.rank() {
-            return bad(format!(
-                "{} dims for node %{i} of rank {}",
-                s.dims.len(),
-                n.ty.rank()
-            ));
-        }
-        let mut seen = HashSet::new();
-        for a in s.used_axes() {
-            if a.0 as usize >= mesh.axes.len() {
-                return bad(format!(
-                    "axis {a} is not an axis of mesh {mesh} (it has {})",
-                    mesh.axes.len()
-                ));
-            }
-            if !seen.insert(a) {
-                return bad(format!("axis `{}` is used twice", mesh.axis_name(a)));
-            }
-        }
+        check_layout(s, n.ty.rank(), mesh)
+            .map_err(|m| field(format!("{path}[{i}]"), format!("node %{i}: {m}")))?;
     }
     Ok(())
 }

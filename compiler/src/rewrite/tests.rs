@@ -3,8 +3,8 @@
 //! logits) are in the repository's `tests/rewrite_*.rs`.
 
 use super::*;
+use crate::compile::{compile_forward, compile_forward_with, CompileOptions};
 use crate::model::ModelConfig;
-use crate::pipeline::{compile_forward, compile_forward_with, CompileOptions};
 use crate::plan::Plan;
 use std::path::PathBuf;
 

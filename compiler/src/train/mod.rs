@@ -30,6 +30,7 @@ mod pipe;
 pub use comm::{comm_volume, CollectiveVolume, CommVolume};
 pub use memory::{memory_report, LayerActivations, Precision, TrainMemory};
 pub use passes::{Bucket, BucketCaps};
+pub(crate) use pipe::compile_pipeline_logged;
 pub use pipe::{
     activation_peaks, activation_values, boundary_name, check_boundary_types, chunk_specs,
     compile_pipeline, input_micro, instruction_nodes, is_received_input, micro_deps, sent_value,
@@ -37,6 +38,7 @@ pub use pipe::{
 };
 
 use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};
+use crate::compile::{Pass, PassLog, VerifyError};
 use crate::ir::{AdamWSpec, Graph, Op};
 use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
 use crate::plan::Plan;
@@ -118,7 +120,7 @@ impl CompiledTrain {
         layers: usize,
         precision: Precision,
     ) -> Plan {
-        let compiled = crate::pipeline::Compiled {
+        let compiled = crate::compile::Compiled {
             logical: self.train.graph.clone(),
             strategies: self.strategies.clone(),
             sharded: self.sharded.clone(),
@@ -160,6 +162,9 @@ pub enum TrainCompileError {
     /// A pipeline schedule or stage split that cannot be built.
     #[error(transparent)]
     Pipeline(#[from] crate::schedule::pipeline::PipelineError),
+    /// A pass's result failed its check.
+    #[error("compiler bug: {0}")]
+    Verify(#[from] VerifyError),
     /// An optimizer hyperparameter outside its domain.
     #[error("AdamW {0}")]
     AdamW(#[from] crate::ir::AdamWError),
@@ -171,9 +176,18 @@ pub fn compile_train(
     cfg: &ModelConfig,
     opts: &TrainOptions,
 ) -> Result<CompiledTrain, TrainCompileError> {
+    compile_train_logged(cfg, opts, &mut PassLog::default())
+}
+
+/// [`compile_train`], each pass checked by `log`.
+pub(crate) fn compile_train_logged(
+    cfg: &ModelConfig,
+    opts: &TrainOptions,
+    log: &mut PassLog,
+) -> Result<CompiledTrain, TrainCompileError> {
     check_sizes(cfg, opts)?;
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
-    compile_chunk(cfg, opts, &opts.mesh, strategies, None, &[])
+    compile_chunk(cfg, opts, &opts.mesh, strategies, None, &[], log)
 }
 
 /// Before anything is built: the step's IR (every micro-batch, every chunk) within the memory
@@ -198,6 +212,7 @@ pub(crate) fn compile_chunk(
     strategies: Vec<Strategy>,
     stage: Option<crate::model::StageSpec>,
     tied: &[String],
+    log: &mut PassLog,
 ) -> Result<CompiledTrain, TrainCompileError> {
     // 1. The optimizer's hyperparameters are in their domains; the micro-batch must divide.
     opts.adamw.validate()?;
@@ -239,6 +254,7 @@ pub(crate) fn compile_chunk(
     };
     let forward = build_forward(cfg, build)
         .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;
+    log.graph(Pass::Build, &forward)?;
     // 3. The training graph: forward, loss, backward per micro-batch, accumulation, AdamW.
     let denom = opts.denom.unwrap_or(opts.batch * (opts.seq - 1));
     let train = build_train_graph(
@@ -257,6 +273,7 @@ pub(crate) fn compile_chunk(
                 .collect(),
         },
     )?;
+    log.graph(Pass::Autodiff, &train.graph)?;
     // 4. Annotations: the forward presets per micro-batch, gradients, optimizer, ZeRO; a
     //    pipeline chunk's boundary tensors (activations and their gradients) are split over
     //    the data axes like its inputs, whole on the other axes.
@@ -296,14 +313,17 @@ pub(crate) fn compile_chunk(
             }
         }
     }
+    log.annotated(&train.graph, mesh, &annotations)?;
     // 5. SPMD partitioning: propagate layouts, insert reshards.
     let sharded = shard::partition(&train.graph, mesh, &annotations)?;
+    log.sharded(Pass::Partition, &sharded)?;
     // 6. Gradients and the loss are read in their natural layout (partial sums included).
     let sharded = passes::strip_output_reshards(sharded, |n| {
         n == "loss" || n.starts_with("grad.") || n.starts_with(crate::autodiff::PIPE_LOSS)
     })?;
     // 7. Vocabulary-sharded embedding gradients read shard-local token ids.
     let sharded = passes::embedding_grad_offsets(sharded)?;
+    log.sharded(Pass::GradLayout, &sharded)?;
     // 8. DDP: gradient all-reduces over `dp` grouped into buckets, each reduced when ready.
     let ddp = zero_stage == 0 && strategies.contains(&Strategy::Dp);
     let (sharded, buckets) = if ddp {
@@ -311,7 +331,7 @@ pub(crate) fn compile_chunk(
     } else {
         (sharded, Vec::new())
     };
-    crate::ir::verify_if_debug(&sharded.graph, "compile_train");
+    log.sharded(Pass::Buckets, &sharded)?;
     let mut options = opts.clone();
     options.mesh = mesh.clone();
     Ok(CompiledTrain {

@@ -20,6 +20,7 @@ use super::{compile_chunk, CompiledTrain, TrainCompileError, TrainOptions};
 use crate::autodiff::{
     input_name, TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS, PIPE_TIED_PREFIX,
 };
+use crate::compile::{Pass, PassLog};
 use crate::ir::{Graph, Op, ValueId};
 use crate::model::{ModelConfig, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
 use crate::plan::{Plan, PlanChunk};
@@ -247,6 +248,15 @@ pub fn compile_pipeline(
     cfg: &ModelConfig,
     opts: &TrainOptions,
 ) -> Result<CompiledPipeline, TrainCompileError> {
+    compile_pipeline_logged(cfg, opts, &mut PassLog::default())
+}
+
+/// [`compile_pipeline`], each pass (of each chunk) checked by `log`.
+pub(crate) fn compile_pipeline_logged(
+    cfg: &ModelConfig,
+    opts: &TrainOptions,
+    log: &mut PassLog,
+) -> Result<CompiledPipeline, TrainCompileError> {
     super::check_sizes(cfg, opts)?;
     let mesh = &opts.mesh;
     let pp = mesh.axis("pp").ok_or_else(|| {
@@ -290,6 +300,7 @@ pub fn compile_pipeline(
     let specs = chunk_specs(cfg, n, opts.seq, po.stage_layers.as_deref())?;
     let mut chunks = Vec::with_capacity(specs.len());
     for (index, spec) in specs.into_iter().enumerate() {
+        log.chunk = Some(index);
         let train = compile_chunk(
             cfg,
             opts,
@@ -297,6 +308,7 @@ pub fn compile_pipeline(
             strategies.clone(),
             Some(spec.clone()),
             &tied,
+            log,
         )
         .map_err(|e| match e {
             TrainCompileError::Options(m) => {
@@ -314,6 +326,12 @@ pub fn compile_pipeline(
     let graphs: Vec<&Graph> = chunks.iter().map(|c| &c.train.sharded.graph).collect();
     check_boundary_types(&graphs, opts.micro_batches)?;
     let nodes = instruction_nodes(&graphs, &program, p, opts.micro_batches)?;
+    log.chunk = None;
+    log.other(
+        Pass::Stages,
+        || Ok(()),
+        || stages_text(&schedule, &chunks, &program),
+    )?;
     Ok(CompiledPipeline {
         chunks,
         schedule,
@@ -761,4 +779,25 @@ pub fn activation_peaks(
         }
     }
     peaks
+}
+
+/// The `stages` dump: the schedule, each chunk's layers and rank, each rank's instructions.
+fn stages_text(s: &PipelineSchedule, chunks: &[PipelineChunk], program: &[Vec<PipeOp>]) -> String {
+    use std::fmt::Write as _;
+    let mut t = String::new();
+    let _ = writeln!(t, "// {}", s.describe().unwrap_or_else(|e| e.to_string()));
+    for c in chunks {
+        let _ = writeln!(
+            t,
+            "chunk {} on stage {}: {}",
+            c.index,
+            c.stage,
+            c.spec.describe()
+        );
+    }
+    for (r, ops) in program.iter().enumerate() {
+        let list: Vec<String> = ops.iter().map(ToString::to_string).collect();
+        let _ = writeln!(t, "rank {r}: {}", list.join("; "));
+    }
+    t
 }

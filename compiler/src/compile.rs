@@ -1,0 +1,644 @@
+//! The compile driver: one entry, [`compile`], for forward plans, training steps and pipelined
+//! training steps, as one list of named passes ([`Pass::ALL`]):
+//!
+//! ```text
+//! build ─► autodiff* ─► annotate ─► partition ─► grad-layout* ─► rewrite ─► buckets*
+//!       ─► stages** ─► schedule ─► plan            (* training only, ** pipelines only)
+//! ```
+//!
+//! - `build`: the logical forward graph of the model (one micro-batch; one chunk of a pipeline);
+//! - `autodiff`: forward, loss, backward per micro-batch, accumulation, AdamW;
+//! - `annotate`: the strategies' layouts on parameters, inputs, gradients, optimizer state;
+//! - `partition`: layouts propagated op by op, reshards (collectives) inserted: the SPMD program;
+//! - `grad-layout`: gradients and the loss read in their natural layout, vocabulary-shard ids for
+//!   embedding gradients;
+//! - `rewrite`: the e-graph rewriter (rules selected by `--rewrite`, cost extraction);
+//! - `buckets`: DDP gradient all-reduces grouped into buckets;
+//! - `stages`: the pipeline's chunks and each rank's instructions, verified;
+//! - `schedule`: steps on streams, activation buffers in the arena, memory and communication
+//!   accounting;
+//! - `plan`: the serialisable [`Plan`], verified as a loaded plan would be.
+//!
+//! After every pass a [`PassLog`] checks the result (the IR verifier on logical graphs; on SPMD
+//! programs every type re-derived, every layout of the node's rank over axes of the mesh, every
+//! collective on an axis of its size; on the plan the whole loader's verifier): always in debug
+//! and test builds, in release with `--verify`. A failed check is a [`CompileError::Verify`]
+//! naming the pass, never a panic. `--dump-after PASS` prints the text IR after a pass.
+
+use crate::ir::Graph;
+use crate::model::{build_forward, BuildOptions, IrWork, ModelConfig, ModelError};
+use crate::plan::{Plan, PlanError};
+use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
+use crate::shard::{self, Annotations, Mesh, ShardError, ShardedGraph, Strategy};
+use crate::train::{Precision, TrainCompileError, TrainOptions};
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// One pass of the driver, in pipeline order (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Pass {
+    /// The logical forward graph.
+    Build,
+    /// The training graph: forward, backward, accumulation, AdamW (training only).
+    Autodiff,
+    /// The strategies' layouts.
+    Annotate,
+    /// Layout propagation and reshards: the SPMD program.
+    Partition,
+    /// Gradients and loss in their natural layout; shard-local ids for embedding gradients
+    /// (training only).
+    GradLayout,
+    /// The e-graph rewriter.
+    Rewrite,
+    /// DDP gradient buckets (training only).
+    Buckets,
+    /// Pipeline chunks and instructions (pipelines only).
+    Stages,
+    /// Steps, buffers, memory and communication accounting.
+    Schedule,
+    /// The plan, verified.
+    Plan,
+}
+
+impl Pass {
+    /// Every pass, in order.
+    pub const ALL: [Pass; 10] = [
+        Pass::Build,
+        Pass::Autodiff,
+        Pass::Annotate,
+        Pass::Partition,
+        Pass::GradLayout,
+        Pass::Rewrite,
+        Pass::Buckets,
+        Pass::Stages,
+        Pass::Schedule,
+        Pass::Plan,
+    ];
+
+    /// The name `--dump-after` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Build => "build",
+            Pass::Autodiff => "autodiff",
+            Pass::Annotate => "annotate",
+            Pass::Partition => "partition",
+            Pass::GradLayout => "grad-layout",
+            Pass::Rewrite => "rewrite",
+            Pass::Buckets => "buckets",
+            Pass::Stages => "stages",
+            Pass::Schedule => "schedule",
+            Pass::Plan => "plan",
+        }
+    }
+
+    /// The pass named `name`; the error lists the valid names.
+    pub fn from_name(name: &str) -> Result<Pass, CompileError> {
+        Pass::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| CompileError::UnknownPass {
+                name: name.to_string(),
+                valid: Pass::ALL.map(Pass::name).join(", "),
+            })
+    }
+
+    /// Whether the pass runs for a job: `train` (training step), `pipelined` (a `pp` axis).
+    pub fn runs_for(self, train: bool, pipelined: bool) -> bool {
+        match self {
+            Pass::Autodiff | Pass::GradLayout | Pass::Buckets => train,
+            Pass::Stages => pipelined,
+            _ => true,
+        }
+    }
+}
+
+impl std::fmt::Display for Pass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A pass's result that fails its check: a compiler bug, reported rather than panicking.
+#[derive(Debug, Clone, Error)]
+#[error("after pass `{pass}`{}: {msg}", .chunk.map(|c| format!(" (pipeline chunk {c})")).unwrap_or_default())]
+pub struct VerifyError {
+    /// The pass.
+    pub pass: Pass,
+    /// The pipeline chunk, when compiling one.
+    pub chunk: Option<usize>,
+    /// What is wrong (the first error; the node, field or step it names).
+    pub msg: String,
+}
+
+/// The text IR of a program after a pass (`--dump-after`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PassDump {
+    /// The pass.
+    pub pass: Pass,
+    /// The pipeline chunk (`None`: the whole program).
+    pub chunk: Option<usize>,
+    /// The text: the graph (see [`crate::ir::text`]), then each value's layout as comments
+    /// on SPMD programs.
+    pub text: String,
+}
+
+/// Wall time of one pass (of one chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PassTiming {
+    /// The pass.
+    pub pass: Pass,
+    /// The pipeline chunk, when compiling one.
+    pub chunk: Option<usize>,
+    /// Time since the previous pass ended.
+    pub elapsed: Duration,
+}
+
+/// What the driver records and checks after each pass: the verifier (on by default in debug
+/// and test builds), the dump of one pass, the time of each.
+#[derive(Clone, Debug)]
+pub struct PassLog {
+    /// Check every pass's result.
+    pub verify: bool,
+    /// Dump the program after this pass.
+    pub dump_after: Option<Pass>,
+    /// The dumps taken.
+    pub dumps: Vec<PassDump>,
+    /// Per pass (and chunk), its time.
+    pub timings: Vec<PassTiming>,
+    pub(crate) chunk: Option<usize>,
+    last: Instant,
+}
+
+impl Default for PassLog {
+    /// Verify in debug and test builds, no dump.
+    fn default() -> PassLog {
+        PassLog::new(cfg!(debug_assertions), None)
+    }
+}
+
+impl PassLog {
+    /// A log that verifies when `verify` and dumps after `dump_after`.
+    pub fn new(verify: bool, dump_after: Option<Pass>) -> PassLog {
+        PassLog {
+            verify,
+            dump_after,
+            dumps: Vec::new(),
+            timings: Vec::new(),
+            chunk: None,
+            last: Instant::now(),
+        }
+    }
+
+    /// Total time of `pass` over all chunks.
+    pub fn time_of(&self, pass: Pass) -> Duration {
+        self.timings
+            .iter()
+            .filter(|t| t.pass == pass)
+            .map(|t| t.elapsed)
+            .sum()
+    }
+
+    fn time(&mut self, pass: Pass) {
+        let now = Instant::now();
+        self.timings.push(PassTiming {
+            pass,
+            chunk: self.chunk,
+            elapsed: now - self.last,
+        });
+        self.last = now;
+    }
+
+    fn fail(&self, pass: Pass, msg: String) -> VerifyError {
+        VerifyError {
+            pass,
+            chunk: self.chunk,
+            msg,
+        }
+    }
+
+    fn dump(&mut self, pass: Pass, text: impl FnOnce() -> String) {
+        if self.dump_after == Some(pass) {
+            self.dumps.push(PassDump {
+                pass,
+                chunk: self.chunk,
+                text: text(),
+            });
+        }
+    }
+
+    /// After a pass producing a logical graph: the IR verifier.
+    pub(crate) fn graph(&mut self, pass: Pass, g: &Graph) -> Result<(), VerifyError> {
+        self.time(pass);
+        if self.verify {
+            if let Err(errs) = crate::ir::verify(g) {
+                return Err(self.fail(pass, errs[0].to_string()));
+            }
+        }
+        self.dump(pass, || g.to_string());
+        self.last = Instant::now();
+        Ok(())
+    }
+
+    /// After `annotate`: the graph verified, every annotation of its value's rank over axes of
+    /// `mesh`, once each.
+    pub(crate) fn annotated(
+        &mut self,
+        g: &Graph,
+        mesh: &Mesh,
+        ann: &Annotations,
+    ) -> Result<(), VerifyError> {
+        let pass = Pass::Annotate;
+        self.time(pass);
+        if self.verify {
+            for (&v, s) in &ann.values {
+                if v.index() >= g.len() {
+                    return Err(self.fail(pass, format!("annotation of {v}, not a node")));
+                }
+                crate::plan::check_layout(s, g.ty(v).rank(), mesh)
+                    .map_err(|m| self.fail(pass, format!("{v} `{}`: {m}", g.node(v).name)))?;
+            }
+            for (name, s) in &ann.outputs {
+                let Some(v) = g.output(name) else {
+                    return Err(self.fail(pass, format!("annotation of `{name}`, not an output")));
+                };
+                crate::plan::check_layout(s, g.ty(v).rank(), mesh)
+                    .map_err(|m| self.fail(pass, format!("output `{name}`: {m}")))?;
+            }
+        }
+        self.dump(pass, || {
+            let mut t = g.to_string();
+            for (v, s) in &ann.values {
+                let _ = writeln!(
+                    t,
+                    "// {v}: {}  ({})",
+                    s.display(mesh),
+                    ann.why.get(v).map_or("", String::as_str)
+                );
+            }
+            for (name, s) in &ann.outputs {
+                let _ = writeln!(t, "// output {name}: {}", s.display(mesh));
+            }
+            t
+        });
+        self.last = Instant::now();
+        Ok(())
+    }
+
+    /// After a pass producing an SPMD program: every type re-derived, every layout of its
+    /// node's rank over distinct axes of the mesh, every collective on a mesh axis of its size.
+    pub(crate) fn sharded(&mut self, pass: Pass, sg: &ShardedGraph) -> Result<(), VerifyError> {
+        self.time(pass);
+        if self.verify {
+            crate::plan::check_program(&sg.graph, &sg.shardings, &sg.mesh)
+                .map_err(|e| self.fail(pass, e.to_string()))?;
+            if sg.provenance.len() != sg.graph.len() {
+                return Err(self.fail(
+                    pass,
+                    format!(
+                        "{} provenance entries for {} nodes",
+                        sg.provenance.len(),
+                        sg.graph.len()
+                    ),
+                ));
+            }
+        }
+        self.dump(pass, || sharded_text(sg));
+        self.last = Instant::now();
+        Ok(())
+    }
+
+    /// After `stages`, `schedule` or `plan`: the text is given; `check` runs when verifying.
+    pub(crate) fn other(
+        &mut self,
+        pass: Pass,
+        check: impl FnOnce() -> Result<(), String>,
+        text: impl FnOnce() -> String,
+    ) -> Result<(), VerifyError> {
+        self.time(pass);
+        if self.verify {
+            check().map_err(|m| self.fail(pass, m))?;
+        }
+        self.dump(pass, text);
+        self.last = Instant::now();
+        Ok(())
+    }
+}
+
+/// An SPMD program as text: the graph, then `// %N: layout` for every value.
+pub fn sharded_text(sg: &ShardedGraph) -> String {
+    let mut t = sg.graph.to_string();
+    let _ = writeln!(t, "// mesh {}", sg.mesh);
+    for (i, s) in sg.shardings.iter().enumerate() {
+        let _ = writeln!(t, "// %{i}: {}", s.display(&sg.mesh));
+    }
+    t
+}
+
+/// What to compile: a forward plan or a training step.
+#[derive(Clone, Debug)]
+pub enum Job {
+    /// The forward pass.
+    Forward(CompileOptions),
+    /// One training step (a pipeline when the mesh has a `pp` axis of size > 1).
+    Train(TrainOptions),
+}
+
+/// Everything [`compile`] needs.
+#[derive(Clone, Debug)]
+pub struct CompileSpec {
+    /// The model.
+    pub model: ModelConfig,
+    /// Where it came from (recorded in the plan).
+    pub source: String,
+    /// Forward or training.
+    pub job: Job,
+    /// The rewriter's rules and cost model.
+    pub rewrite: RewriteOptions,
+    /// Training memory is accounted at this precision.
+    pub precision: Precision,
+    /// Check every pass's result (on in debug and test builds regardless).
+    pub verify: bool,
+    /// Dump the program after this pass.
+    pub dump_after: Option<Pass>,
+}
+
+impl CompileSpec {
+    /// A spec for `job` on `model`: no rewriting, mixed precision, verification as the build.
+    pub fn new(model: ModelConfig, source: impl Into<String>, job: Job) -> CompileSpec {
+        CompileSpec {
+            model,
+            source: source.into(),
+            job,
+            rewrite: RewriteOptions::default(),
+            precision: Precision::mixed(),
+            verify: cfg!(debug_assertions),
+            dump_after: None,
+        }
+    }
+
+    /// Whether the job is a pipeline (a `pp` axis of size > 1 in a training mesh).
+    pub fn pipelined(&self) -> bool {
+        match &self.job {
+            Job::Forward(_) => false,
+            Job::Train(t) => t.mesh.axis("pp").is_some_and(|p| t.mesh.axis_size(p) > 1),
+        }
+    }
+}
+
+/// Compiles `spec` to its plan.
+pub fn compile(spec: &CompileSpec) -> Result<Plan, CompileError> {
+    compile_logged(spec).map(|(plan, _)| plan)
+}
+
+/// [`compile`], returning the pass log too (dumps, timings).
+pub fn compile_logged(spec: &CompileSpec) -> Result<(Plan, PassLog), CompileError> {
+    let mut log = PassLog::new(spec.verify || cfg!(debug_assertions), spec.dump_after);
+    if let Some(p) = spec.dump_after {
+        if !p.runs_for(matches!(spec.job, Job::Train(_)), spec.pipelined()) {
+            return Err(CompileError::PassNotRun(p));
+        }
+    }
+    if matches!(spec.job, Job::Train(_)) && !spec.rewrite.rules.resolve()?.is_empty() {
+        return Err(CompileError::Train(TrainCompileError::Options(
+            "--rewrite applies to forward plans; training steps are compiled without the \
+             rewriter (drop --rewrite or --train)"
+                .into(),
+        )));
+    }
+    let cfg = &spec.model;
+    let (source, model_type) = (spec.source.as_str(), cfg.arch.name());
+    let plan = match &spec.job {
+        Job::Forward(opts) => {
+            let compiled = compile_forward_logged(cfg, opts, &spec.rewrite, &mut log)?;
+            let plan = Plan::new(&compiled, source, model_type, cfg.layers);
+            log.other(Pass::Schedule, || Ok(()), || schedule_text(&plan))?;
+            plan
+        }
+        Job::Train(opts) if spec.pipelined() => {
+            let c = crate::train::compile_pipeline_logged(cfg, opts, &mut log)?;
+            log.chunk = None;
+            let plan = c.plan(source, model_type, cfg.layers, spec.precision);
+            log.other(Pass::Schedule, || Ok(()), || schedule_text(&plan))?;
+            plan
+        }
+        Job::Train(opts) => {
+            let c = crate::train::compile_train_logged(cfg, opts, &mut log)?;
+            let plan = c.plan(source, model_type, cfg.layers, spec.precision);
+            log.other(Pass::Schedule, || Ok(()), || schedule_text(&plan))?;
+            plan
+        }
+    };
+    // Every plan: collectives in the same order on every rank of a group, pipeline transfers
+    // matched. With verification, everything the loader checks.
+    plan.check_collective_order()?;
+    plan.check_pipeline()?;
+    log.other(
+        Pass::Plan,
+        || plan.verify().map_err(|e| e.to_string()),
+        || plan.to_json(),
+    )?;
+    Ok((plan, log))
+}
+
+/// The steps of a plan, one per line (the `schedule` dump).
+fn schedule_text(plan: &Plan) -> String {
+    let mut t = String::new();
+    for (i, s) in plan.steps.iter().enumerate() {
+        let _ = writeln!(t, "{i}: {s:?}");
+    }
+    for b in &plan.buffers {
+        let _ = writeln!(t, "buffer {b:?}");
+    }
+    t
+}
+
+/// What to compile.
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    /// Sequences per batch (global).
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// The mesh.
+    pub mesh: Mesh,
+    /// Strategies beyond the mesh axes' defaults (`sp`, ...).
+    pub extra_strategies: Vec<String>,
+}
+
+/// A compiled forward program.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// The logical (unsharded) graph.
+    pub logical: Graph,
+    /// The strategies applied.
+    pub strategies: Vec<Strategy>,
+    /// The SPMD program.
+    pub sharded: ShardedGraph,
+    /// The rewrite pass's report, when rules ran.
+    pub report: Option<RewriteReport>,
+}
+
+/// A compile error.
+#[derive(Debug, Error)]
+pub enum CompileError {
+    /// Model config or graph construction.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Sharding.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// Rewriting.
+    #[error(transparent)]
+    Rewrite(#[from] RewriteError),
+    /// A training step.
+    #[error(transparent)]
+    Train(#[from] TrainCompileError),
+    /// A pass's result failed its check.
+    #[error("compiler bug: {0}")]
+    Verify(#[from] VerifyError),
+    /// The plan fails a static check.
+    #[error(transparent)]
+    Plan(Box<PlanError>),
+    /// `--dump-after` names no pass.
+    #[error("unknown pass `{name}`; passes: {valid}")]
+    UnknownPass {
+        /// The name given.
+        name: String,
+        /// Valid names.
+        valid: String,
+    },
+    /// `--dump-after` names a pass this job does not run.
+    #[error("pass `{0}` does not run for this job (autodiff, grad-layout and buckets run for --train, stages for a pp axis)")]
+    PassNotRun(Pass),
+}
+
+impl From<PlanError> for CompileError {
+    fn from(e: PlanError) -> CompileError {
+        CompileError::Plan(Box::new(e))
+    }
+}
+
+/// Compiles the forward pass of `cfg` for `opts` (no rewriting).
+pub fn compile_forward(cfg: &ModelConfig, opts: &CompileOptions) -> Result<Compiled, CompileError> {
+    compile_forward_with(cfg, opts, &RewriteOptions::default())
+}
+
+/// Compiles the forward pass of `cfg` for `opts`, then rewrites it under `rw`.
+pub fn compile_forward_with(
+    cfg: &ModelConfig,
+    opts: &CompileOptions,
+    rw: &RewriteOptions,
+) -> Result<Compiled, CompileError> {
+    compile_forward_logged(cfg, opts, rw, &mut PassLog::default())
+}
+
+/// The forward passes, each checked by `log`.
+fn compile_forward_logged(
+    cfg: &ModelConfig,
+    opts: &CompileOptions,
+    rw: &RewriteOptions,
+    log: &mut PassLog,
+) -> Result<Compiled, CompileError> {
+    // Sizes: the IR within the memory budget, activations within byte accounting.
+    cfg.check_ir(IrWork::Forward)?;
+    cfg.check_activations(
+        &format!("batch {} × seq {}", opts.batch, opts.seq),
+        opts.batch,
+        opts.seq,
+    )?;
+    // Strategies: mesh axis defaults plus extras; model-level divisibility.
+    let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
+    shard::check_model(cfg, &opts.mesh, &strategies, opts.batch, opts.seq)?;
+    // build: the logical forward graph (KV heads repeated when tp exceeds them).
+    let build = BuildOptions {
+        batch: opts.batch,
+        seq: opts.seq,
+        kv_repeat: shard::kv_repeat(cfg, &opts.mesh, &strategies),
+        stage: None,
+    };
+    let logical = build_forward(cfg, build)
+        .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;
+    log.graph(Pass::Build, &logical)?;
+    // annotate: layouts from the presets.
+    let ann = shard::annotate(&logical, &opts.mesh, &strategies);
+    log.annotated(&logical, &opts.mesh, &ann)?;
+    // partition: propagate layouts, insert reshards.
+    let sharded = shard::partition(&logical, &opts.mesh, &ann)?;
+    log.sharded(Pass::Partition, &sharded)?;
+    // rewrite: collectives split, moved, cancelled, overlapped; kernels fused.
+    let (sharded, report) = if rw.rules.resolve()?.is_empty() {
+        (sharded, None)
+    } else {
+        let r = rewrite::rewrite(&sharded, rw)?;
+        (r.sharded, Some(r.report))
+    };
+    log.sharded(Pass::Rewrite, &sharded)?;
+    Ok(Compiled {
+        logical,
+        strategies,
+        sharded,
+        report,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::TensorSharding;
+
+    fn tiny() -> (ModelConfig, CompileOptions) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hf-tiny/llama");
+        let cfg = ModelConfig::from_path(&dir).expect("fixture");
+        let opts = CompileOptions {
+            batch: 2,
+            seq: 8,
+            mesh: Mesh::parse("tp=2", 8).expect("mesh"),
+            extra_strategies: Vec::new(),
+        };
+        (cfg, opts)
+    }
+
+    /// A pass whose SPMD program is inconsistent is reported as a compiler bug naming the
+    /// pass and the node, not a panic; with verification off it passes unchecked.
+    #[test]
+    fn a_broken_pass_result_is_a_verify_error_naming_the_pass() {
+        let (cfg, opts) = tiny();
+        let c = compile_forward(&cfg, &opts).expect("compile");
+        let mut bad = c.sharded.clone();
+        bad.shardings[5] = TensorSharding::replicated(7);
+        let e = PassLog::new(true, None)
+            .sharded(Pass::Rewrite, &bad)
+            .expect_err("caught");
+        assert_eq!(e.pass, Pass::Rewrite);
+        assert!(e.to_string().contains("after pass `rewrite`"), "{e}");
+        assert!(e.to_string().contains("shardings[5]"), "{e}");
+        PassLog::new(false, None)
+            .sharded(Pass::Rewrite, &bad)
+            .expect("unchecked");
+
+        let mut bad = c.sharded.clone();
+        bad.graph.nodes[6].ty = crate::ir::TensorType::plain(bad.graph.nodes[6].ty.dtype, &[3]);
+        let mut log = PassLog::new(true, None);
+        log.chunk = Some(1);
+        let e = log.sharded(Pass::Partition, &bad).expect_err("caught");
+        assert!(
+            e.to_string()
+                .starts_with("after pass `partition` (pipeline chunk 1): program node %6"),
+            "{e}"
+        );
+    }
+
+    /// A dump is taken after its pass only.
+    #[test]
+    fn the_dump_is_of_its_pass() {
+        let (cfg, opts) = tiny();
+        let mut log = PassLog::new(true, Some(Pass::Partition));
+        compile_forward_logged(&cfg, &opts, &RewriteOptions::default(), &mut log).expect("compile");
+        assert_eq!(log.dumps.len(), 1);
+        assert_eq!(log.dumps[0].pass, Pass::Partition);
+        assert!(log.dumps[0].text.contains("all_reduce{axis=tp}"));
+        assert_eq!(log.timings.len(), 4, "build, annotate, partition, rewrite");
+    }
+}
