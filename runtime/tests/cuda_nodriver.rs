@@ -6,7 +6,7 @@ use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::ir::{Op, ValueId};
 use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
 use shardc_compiler::shard::Mesh;
-use shardc_runtime::comm::nccl::NcclId;
+use shardc_runtime::cuda::comm::nccl::NcclId;
 use shardc_runtime::cuda::{
     cuda_device_count, last_uses, plan_arena, plan_memory, CudaDevice, CudaError, Epilogue,
     FusedGroup, GemmKey, GpuDType,

@@ -2,6 +2,7 @@
 //! default; with `--train` one training step (forward, backward, AdamW per micro-batch; a
 //! pipeline over a `pp` axis), from the config alone: no weights or tokens are read.
 
+use super::args::{at_least, check_seq, options};
 use super::fmt::{bytes, thousands};
 use anyhow::{bail, Context};
 use clap::Args;
@@ -12,14 +13,9 @@ use shardc::compiler::model::{IrWork, ModelConfig};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc::compiler::schedule::pipeline::{parse_stage_layers, PassCosts, ScheduleKind};
-use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{PipelineOptions, TrainMemory, TrainOptions};
 use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
-
-/// Default mesh and strategies of a bare `shardc compile`.
-const DEFAULT_MESH: &str = "dp=2,tp=4";
-const DEFAULT_EXTRA: &str = "sp";
 
 #[derive(Args, Debug)]
 pub struct CompileArgs {
@@ -90,49 +86,6 @@ pub struct CompileArgs {
     /// Print each pass's wall time.
     #[arg(long)]
     pub pass_times: bool,
-}
-
-/// Resolved inputs shared by `compile` and sharded `run`.
-pub fn options(
-    cfg: &ModelConfig,
-    mesh: Option<&str>,
-    strategy: &[String],
-    batch: usize,
-    seq: usize,
-    gpus_per_node: usize,
-) -> anyhow::Result<CompileOptions> {
-    let (mesh, extra) = match mesh {
-        Some(m) => (m.to_string(), strategy.to_vec()),
-        None if strategy.is_empty() => (DEFAULT_MESH.to_string(), vec![DEFAULT_EXTRA.to_string()]),
-        None => (DEFAULT_MESH.to_string(), strategy.to_vec()),
-    };
-    let _ = cfg;
-    Ok(CompileOptions {
-        batch,
-        seq,
-        mesh: Mesh::parse(&mesh, gpus_per_node)?,
-        extra_strategies: extra,
-    })
-}
-
-/// `--flag: must be at least MIN (found X)`.
-pub fn at_least(flag: &str, value: usize, min: usize) -> anyhow::Result<()> {
-    if value < min {
-        bail!("{flag}: must be at least {min} (found {value})");
-    }
-    Ok(())
-}
-
-/// A sequence length of 1 up to the model's maximum positions.
-pub fn check_seq(flag: &str, seq: usize, cfg: &ModelConfig) -> anyhow::Result<()> {
-    at_least(flag, seq, 1)?;
-    if seq > cfg.max_positions {
-        bail!(
-            "{flag}: {seq} exceeds the model's maximum positions {}",
-            cfg.max_positions
-        );
-    }
-    Ok(())
 }
 
 /// The flags of `compile` that take a size, checked before the model is built: no zero

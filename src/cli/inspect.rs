@@ -23,7 +23,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let path = a.model.unwrap_or_else(super::default_model);
     let cfg = ModelConfig::from_path(&path)?;
     let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
-    super::compile::check_seq("--seq", seq, &cfg)?;
+    super::args::check_seq("--seq", seq, &cfg)?;
     let s = ModelStats::compute(&cfg, seq).context("computing model statistics")?;
     if a.json {
         let groups: serde_json::Map<String, serde_json::Value> = s

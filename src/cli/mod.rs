@@ -1,5 +1,6 @@
 //! Subcommands.
 
+mod args;
 mod bench;
 mod calibrate;
 mod compile;

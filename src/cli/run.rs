@@ -270,7 +270,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
         Some(m) if world.is_some() => {
             let env = world.as_ref().expect("invariant: matched");
-            let opts = super::compile::options(&cfg, Some(m), &a.strategy, b, t, 8)?;
+            let opts = super::args::options(&cfg, Some(m), &a.strategy, b, t, 8)?;
             let c = compile_forward(&cfg, &opts)?;
             // Ranks must agree on the program (not on where each found the model).
             let plan = Plan::new(&c, "", cfg.arch.name(), cfg.layers);
@@ -301,7 +301,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             )
         }
         Some(m) => {
-            let opts = super::compile::options(&cfg, Some(m), &a.strategy, b, t, 8)?;
+            let opts = super::args::options(&cfg, Some(m), &a.strategy, b, t, 8)?;
             let c = compile_forward(&cfg, &opts)?;
             let mut outs = run_spmd(
                 &c.sharded.graph,
@@ -413,7 +413,7 @@ fn run_cuda(
             (out, format!("unsharded on {} ({})", dev.name(), opts.dtype))
         }
         Some(m) => {
-            let o = super::compile::options(cfg, Some(m), &a.strategy, b, t, 8)?;
+            let o = super::args::options(cfg, Some(m), &a.strategy, b, t, 8)?;
             let c = compile_forward(cfg, &o)?;
             let mut outs =
                 run_spmd_local_gpu(dev, &c.sharded.graph, &o.mesh, &params, inputs, opts)?;

@@ -2,7 +2,7 @@
 //! micro-batch, idle as dots), its bubble fraction and peak in-flight micro-batches, and a
 //! Perfetto trace.
 
-use super::compile::at_least;
+use super::args::at_least;
 use anyhow::{bail, Context};
 use clap::Args;
 use shardc::compiler::model::{check_budget, schedule_bytes};

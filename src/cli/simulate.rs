@@ -3,7 +3,7 @@
 //! every rank; with `--train` one training step is modelled (backward, recomputation, ZeRO,
 //! pipeline schedule) from one layer's plan.
 
-use super::compile::{at_least, check_seq};
+use super::args::{at_least, check_seq};
 use super::fmt::{bytes, thousands};
 use anyhow::{bail, Context};
 use clap::Args;
@@ -307,7 +307,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
         at_least("--batch", batch, 1)?;
         cfg.check_ir(IrWork::Forward).map_err(|e| e.at(&path))?;
         cfg.check_activations(&format!("--batch {batch} × --seq {seq}"), batch, seq)?;
-        let opts = super::compile::options(
+        let opts = super::args::options(
             &cfg,
             Some(&mesh_text),
             &extra,

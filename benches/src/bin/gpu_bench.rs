@@ -25,8 +25,8 @@ use shardc_compiler::ir::{
     AttnSpec, DType, Float, Graph, Op, ParamSource, RopeScaling, RopeSpec, RopeStyle, ShardSpec,
     TensorType, UnaryOp, ValueId,
 };
-use shardc_runtime::comm::device::DeviceCommunicator;
-use shardc_runtime::comm::local_gpu::group;
+use shardc_runtime::cuda::comm::device::DeviceCommunicator;
+use shardc_runtime::cuda::comm::local_gpu::group;
 use shardc_runtime::cuda::{
     CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, GpuDType, ParamInit,
 };

@@ -1,11 +1,10 @@
 //! Communicators: the collectives of the NCCL API plus the textbook ones, over one group of
 //! ranks (one mesh axis). Every rank of a group must call the same collectives in the same
 //! order with the same sizes; implementations return [`CommError`] (never hang forever) when a
-//! peer fails or stalls past the group's timeout.
+//! peer fails or stalls past the group's timeout. The device communicators (NCCL, local GPU)
+//! live with the CUDA backend, in `cuda::comm`.
 
-pub mod device;
-pub mod local_gpu;
-pub mod nccl;
+mod engine;
 pub mod tcp;
 pub mod thread;
 

@@ -1,5 +1,5 @@
 //! Multi-process communicator over TCP, like PyTorch's gloo backend: one process (or thread)
-//! per rank, a full mesh of sockets, and the same algorithms as [`super::thread`] (ring
+//! per rank, a full mesh of sockets, and the same algorithms as [`super::engine`] (ring
 //! all_reduce/reduce_scatter/all_gather, binary-tree broadcast/reduce, pairwise all_to_all),
 //! shared through its internal `Transport` trait.
 //!
@@ -14,7 +14,7 @@
 //! ([`checksum`]): a frame that arrives altered, or cut short, aborts the group naming the
 //! sender, rather than feeding a collective wrong numbers.
 //!
-//! Postconditions, beyond those of [`super::thread`]:
+//! Postconditions, beyond those of [`super::engine`]:
 //! - A wait past the timeout, or a socket write blocked past it, gives
 //!   [`CommError::Timeout`].
 //! - Dropping a handle sends a goodbye: peers' later waits on (and sends to) that rank return
@@ -22,7 +22,7 @@
 //!   died) aborts the whole handle, as does [`TcpComm::abort`] on any rank.
 //! - Setup failures (bind, connect, handshake, timeout) are [`CommError::Transport`].
 
-use super::thread::{Engine, GroupInfo, Inbox, Op, Tag, Transport};
+use super::engine::{Engine, GroupInfo, Inbox, Op, Tag, Transport};
 use super::{CommError, Communicator, ReduceOp};
 use std::fmt;
 use std::io::{self, Read, Write};
@@ -162,7 +162,7 @@ impl fmt::Debug for TcpComm {
     }
 }
 
-super::thread::communicator_via_engine!(TcpComm);
+super::engine::communicator_via_engine!(TcpComm);
 
 /// The TCP transport: a socket per peer, written under a lock, read by a thread per peer.
 struct TcpLink {

@@ -22,9 +22,9 @@ use super::gemm::{Epilogue, GemmCache, GemmKey};
 use super::ops::Launcher;
 use super::plan::GpuDType;
 use super::{CudaDevice, CudaError};
-use crate::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
-use crate::comm::local_gpu;
 use crate::comm::{CommError, ReduceOp};
+use crate::cuda::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
+use crate::cuda::comm::local_gpu;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use shardc_compiler::cost::{

@@ -11,7 +11,7 @@
 //! `CUBLAS_COMPUTE_32F` (true fp32, no TF32); bf16 with bf16 matrices, f32 compute and f32
 //! scale.
 
-use super::plan::GpuDType;
+use super::dtype::GpuDType;
 use super::CudaError;
 use crate::RuntimeError;
 use cudarc::cublaslt::result as lt;

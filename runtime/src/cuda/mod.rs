@@ -23,7 +23,9 @@
 
 pub mod calibrate;
 mod collective;
+pub mod comm;
 mod device;
+mod dtype;
 mod error;
 mod gemm;
 mod host;
@@ -37,10 +39,10 @@ mod strided;
 pub use device::{cuda_device_count, CudaDevice};
 pub use error::CudaError;
 pub use gemm::{Epilogue, GemmCache, GemmKey};
-pub use node::{cublas_epilogue, fused_expr};
+pub use node::cublas_epilogue;
 pub use plan::{
-    early_write_ok, last_uses, plan_arena, plan_memory, retyped, Action, ArenaPlan, FusedGroup,
-    FusionPlan, GpuDType, Slot, Storage,
+    early_write_ok, fused_expr, last_uses, plan_arena, plan_memory, retyped, Action, ArenaPlan,
+    FusedGroup, FusionPlan, GpuDType, Slot, Storage,
 };
 pub use program::{execute_cuda, CudaOptions, CudaProgram, CudaRankCtx, ParamInit};
 pub use spmd::{run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};

@@ -8,47 +8,13 @@
 
 use super::gemm::{Epilogue, GemmKey};
 use super::ops::Launcher;
-use super::plan::{FusedGroup, GpuDType};
+use super::plan::{fused_expr, FusedGroup, GpuDType};
 use super::program::{check_labels, CudaProgram, CudaRankCtx};
 use super::strided::StridedSpec;
 use super::CudaError;
 use crate::cpu::vocab;
 use crate::RuntimeError;
 use shardc_compiler::ir::{DType, EwExpr, EwStep, Node, Op, UnaryOp, ValueId};
-use shardc_kernels::{FusedExpr, FusedUnary};
-
-/// The kernel expression of an IR elementwise program over `n_inputs` operands, when the
-/// generator can express it: `Cast` to the storage precision (f32, or bf16 when the run is
-/// bf16) is the identity; other casts are not expressible (`None`).
-pub fn fused_expr(expr: &EwExpr, n_inputs: usize, dt: GpuDType) -> Option<FusedExpr> {
-    let mut vals: Vec<FusedExpr> = (0..n_inputs).map(FusedExpr::input).collect();
-    for s in &expr.steps {
-        let arg = |i: u32| vals.get(i as usize).cloned();
-        let e = match *s {
-            EwStep::Add { a, b } => arg(a)? + arg(b)?,
-            EwStep::Mul { a, b } => arg(a)? * arg(b)?,
-            EwStep::Unary { f, x } => FusedExpr::unary(fused_unary(f), arg(x)?),
-            EwStep::Scale { c, x } => FusedExpr::scale(arg(x)?, c.0),
-            EwStep::Cast { to, x } => match (to, dt) {
-                (DType::F32, _) | (DType::Bf16, GpuDType::Bf16) => arg(x)?,
-                _ => return None,
-            },
-        };
-        vals.push(e);
-    }
-    (!expr.steps.is_empty()).then(|| vals.pop()).flatten()
-}
-
-fn fused_unary(u: UnaryOp) -> FusedUnary {
-    match u {
-        UnaryOp::GeluTanh => FusedUnary::GeluTanh,
-        UnaryOp::GeluErf => FusedUnary::GeluErf,
-        UnaryOp::Silu => FusedUnary::Silu,
-        UnaryOp::Relu => FusedUnary::Relu,
-        UnaryOp::Exp => FusedUnary::Exp,
-        UnaryOp::Neg => FusedUnary::Neg,
-    }
-}
 
 /// The cuBLASLt epilogue equal to a `FusedMatMul` epilogue program, if any: `x0 + x1` with a
 /// 1-D `x1` of length N (bias), that then `gelu_tanh`, or `gelu_tanh(x0)`.

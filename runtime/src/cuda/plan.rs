@@ -14,71 +14,12 @@
 //!   early clobbers nothing. [`plan_memory`] makes (c) hold for the operands of the head: the
 //!   arena is planned with the tail also "using" them, so their bytes are not reused by it.
 
+pub use super::dtype::GpuDType;
 use super::gemm::Epilogue;
-use crate::comm::device::DeviceDType;
-use shardc_compiler::ir::{DType, Graph, Op, UnaryOp, ValueId};
+use crate::cuda::comm::device::DeviceDType;
+use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Op, UnaryOp, ValueId};
 use shardc_compiler::schedule::arena;
-use shardc_kernels::KernelDType;
-use std::fmt;
-
-/// Element type the CUDA backend computes float tensors in.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum GpuDType {
-    /// IEEE binary32 everywhere (GEMMs with true fp32 compute, no TF32).
-    #[default]
-    F32,
-    /// bfloat16 storage, f32 accumulation.
-    Bf16,
-}
-
-impl GpuDType {
-    /// Parses `f32` / `bf16`.
-    pub fn parse(s: &str) -> Option<GpuDType> {
-        match s {
-            "f32" | "fp32" | "float32" => Some(GpuDType::F32),
-            "bf16" | "bfloat16" => Some(GpuDType::Bf16),
-            _ => None,
-        }
-    }
-
-    /// `f32` or `bf16`.
-    pub fn name(self) -> &'static str {
-        match self {
-            GpuDType::F32 => "f32",
-            GpuDType::Bf16 => "bf16",
-        }
-    }
-
-    /// Bytes per element.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            GpuDType::F32 => 4,
-            GpuDType::Bf16 => 2,
-        }
-    }
-
-    /// The kernels' dtype (entry suffix).
-    pub fn kernel(self) -> KernelDType {
-        match self {
-            GpuDType::F32 => KernelDType::F32,
-            GpuDType::Bf16 => KernelDType::Bf16,
-        }
-    }
-
-    /// The IR dtype.
-    pub fn ir(self) -> DType {
-        match self {
-            GpuDType::F32 => DType::F32,
-            GpuDType::Bf16 => DType::Bf16,
-        }
-    }
-}
-
-impl fmt::Display for GpuDType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use shardc_kernels::{FusedExpr, FusedUnary};
 
 /// How one value is stored on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -481,6 +422,39 @@ fn swiglu_group(
             vec![mul],
         )
     })
+}
+
+/// The kernel expression of an IR elementwise program over `n_inputs` operands, when the
+/// generator can express it: `Cast` to the storage precision (f32, or bf16 when the run is
+/// bf16) is the identity; other casts are not expressible (`None`).
+pub fn fused_expr(expr: &EwExpr, n_inputs: usize, dt: GpuDType) -> Option<FusedExpr> {
+    let mut vals: Vec<FusedExpr> = (0..n_inputs).map(FusedExpr::input).collect();
+    for s in &expr.steps {
+        let arg = |i: u32| vals.get(i as usize).cloned();
+        let e = match *s {
+            EwStep::Add { a, b } => arg(a)? + arg(b)?,
+            EwStep::Mul { a, b } => arg(a)? * arg(b)?,
+            EwStep::Unary { f, x } => FusedExpr::unary(fused_unary(f), arg(x)?),
+            EwStep::Scale { c, x } => FusedExpr::scale(arg(x)?, c.0),
+            EwStep::Cast { to, x } => match (to, dt) {
+                (DType::F32, _) | (DType::Bf16, GpuDType::Bf16) => arg(x)?,
+                _ => return None,
+            },
+        };
+        vals.push(e);
+    }
+    (!expr.steps.is_empty()).then(|| vals.pop()).flatten()
+}
+
+fn fused_unary(u: UnaryOp) -> FusedUnary {
+    match u {
+        UnaryOp::GeluTanh => FusedUnary::GeluTanh,
+        UnaryOp::GeluErf => FusedUnary::GeluErf,
+        UnaryOp::Silu => FusedUnary::Silu,
+        UnaryOp::Relu => FusedUnary::Relu,
+        UnaryOp::Exp => FusedUnary::Exp,
+        UnaryOp::Neg => FusedUnary::Neg,
+    }
 }
 
 #[cfg(test)]

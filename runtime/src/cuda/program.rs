@@ -22,8 +22,8 @@ use super::plan::{
     plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType, Slot, Storage,
 };
 use super::{CudaDevice, CudaError};
-use crate::comm::device::DeviceCommunicator;
 use crate::cpu::{layout, vocab};
+use crate::cuda::comm::device::DeviceCommunicator;
 use crate::{RuntimeError, Tensor, Weights};
 use cudarc::driver::{CudaEvent, CudaStream};
 use shardc_compiler::ir::{DType, Graph, Op, ParamSource, ShardSpec, ValueId};
@@ -788,7 +788,7 @@ fn check_supported(
                 } else {
                     0
                 };
-            if super::node::fused_expr(expr, k, dt).is_none() {
+            if super::plan::fused_expr(expr, k, dt).is_none() {
                 return Err(bad("a cast inside the fused program".into()));
             }
         }

@@ -3,9 +3,9 @@
 //! communicators, one per mesh-axis group. The GPU counterpart of `spmd::run_spmd`.
 
 use super::{CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, ParamInit};
-use crate::comm::device::DeviceCommunicator;
-use crate::comm::local_gpu::{group, LocalGpuComm};
-use crate::comm::nccl::{NcclComm, NcclId};
+use crate::cuda::comm::device::DeviceCommunicator;
+use crate::cuda::comm::local_gpu::{group, LocalGpuComm};
+use crate::cuda::comm::nccl::{NcclComm, NcclId};
 use crate::Tensor;
 use shardc_compiler::ir::Graph;
 use shardc_compiler::shard::Mesh;

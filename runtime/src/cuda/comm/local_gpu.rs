@@ -17,7 +17,7 @@
 //! but do not sum here (NCCL sums them).
 
 use super::device::{check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
-use super::{CollectiveKind, CommError, ReduceOp};
+use crate::comm::{CollectiveKind, CommError, ReduceOp};
 use crate::cuda::ops::Launcher;
 use crate::cuda::{CudaDevice, CudaError};
 use cudarc::driver::{CudaEvent, CudaStream};

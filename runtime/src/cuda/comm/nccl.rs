@@ -19,7 +19,7 @@
 //! `NCCL_MULTI_RANK_GPU_ENABLE=1` (§5.2).
 
 use super::device::{check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
-use super::{CollectiveKind, CommError, ReduceOp};
+use crate::comm::{CollectiveKind, CommError, ReduceOp};
 use crate::cuda::{CudaDevice, CudaError};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::result as nres;

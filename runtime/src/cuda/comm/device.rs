@@ -1,8 +1,8 @@
 //! The GPU-side communicator interface: collectives over device buffers, enqueued on a CUDA
-//! stream (the CPU [`Communicator`](super::Communicator) trait moves host `f32` slices and
+//! stream (the CPU [`Communicator`](crate::comm::Communicator) trait moves host `f32` slices and
 //! stays as it is).
 //!
-//! Contract shared by every implementation ([`nccl`](super::nccl), [`local_gpu`](super::local_gpu)):
+//! Contract shared by every implementation (`nccl`, `local_gpu`):
 //! - every rank of a group issues the same collectives in the same order with the same sizes
 //!   and dtypes (the compiler guarantees it for plans);
 //! - a call *enqueues* the collective on `stream` and returns; the data is ready once `stream`
@@ -18,7 +18,7 @@
 //! (chunk j of `send` to rank j, chunk i of `recv` from rank i); `all_reduce`, `broadcast`:
 //! equal lengths.
 
-use super::{CollectiveKind, CommError, ReduceOp};
+use crate::comm::{CollectiveKind, CommError, ReduceOp};
 use cudarc::driver::CudaStream;
 use std::fmt;
 
