@@ -161,7 +161,7 @@ fn sharded_train_reports_the_mesh_and_writes_a_plan() {
         "2",
         "--recompute",
         "selective",
-        "--plan",
+        "--save-plan",
         plan.to_str().unwrap(),
     ]);
     assert!(ok, "{err}");
