@@ -120,6 +120,53 @@ fn compiled_forward_plans_reproduce_the_fixtures() {
     assert!(ran >= 8, "only {ran} plan runs");
 }
 
+#[test]
+fn a_compiled_forward_plan_runs_under_launch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let case = common::cases()
+        .into_iter()
+        .find(|c| c.model == "llama" && c.batch == 2 && c.mask.iter().all(|&x| x == 1.0))
+        .expect("the llama b2 fixture");
+    let m = model("llama");
+    let ids = write_json(d, "ids.json", &rows(&case.ids, case.seq));
+    let plan = compile(d, "plan.json", &m, "dp=2,tp=2", (case.batch, case.seq));
+    let out = d.join("out.json").display().to_string();
+    let printed = ok(&[
+        "launch",
+        "--nproc-per-node",
+        "4",
+        "--",
+        "run",
+        &m,
+        "--plan",
+        &plan,
+        "--tokens",
+        &ids,
+        "--out",
+        &out,
+        "--comm-timeout",
+        "30",
+    ]);
+    assert!(printed.contains("as rank 0 of 4 processes"), "{printed}");
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let logits: Vec<f32> = serde_json::from_value(j["logits"].clone()).unwrap();
+    let hidden: Vec<f32> = serde_json::from_value(j["hidden"].clone()).unwrap();
+    let shape = |k: &str| serde_json::from_value::<Vec<usize>>(j[k].clone()).unwrap();
+    let outs = BTreeMap::from([
+        (
+            "logits".to_string(),
+            Tensor::f32(shape("logits_shape"), logits),
+        ),
+        (
+            "hidden".to_string(),
+            Tensor::f32(shape("hidden_shape"), hidden),
+        ),
+    ]);
+    case.check(&outs, "launched plan dp=2,tp=2");
+}
+
 /// The fixture's training tokens (`dup` copies of each sequence: the same loss and
 /// gradients) as a tokens file.
 fn train_tokens(dir: &Path, m: &str, dup: usize) -> String {
