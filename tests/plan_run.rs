@@ -1,8 +1,8 @@
 //! The plan is what runs: a plan file compiled by `shardc compile` and executed by
 //! `shardc run --plan` / `shardc train --plan` reproduces transformers' fixtures (forward
-//! logits within 1e-4; training loss and every gradient within 1e-5) for tp, sp, dp, ep,
-//! zero1, zero3 and pipelines (1F1B, interleaved) on thread ranks, and through
-//! `shardc launch` in processes. Tokens of another shape, a plan of another model, a plan of
+//! logits within 1e-4, rewritten plans included; training loss and every gradient within
+//! 1e-5) for tp, sp, dp, ep, zero1, zero3 and pipelines (1F1B, interleaved) on thread ranks,
+//! and through `shardc launch` in processes. Tokens of another shape, a plan of another model, a plan of
 //! the other kind and flags that would recompile are each refused with a named error.
 
 mod common;
@@ -66,6 +66,8 @@ fn compiled_forward_plans_reproduce_the_fixtures() {
         ("gpt2", "dp=2", &[]),
         ("llama", "tp=2", &["--strategy", "sp"]),
         ("llama", "dp=2,tp=2", &[]),
+        // The rewriter's collectives and fused kernels run as the plan holds them.
+        ("llama", "tp=2", &["--rewrite", "all"]),
         ("mixtral", "ep=2", &[]),
         ("mixtral", "ep=2,tp=2", &["--strategy", "sp"]),
     ];
