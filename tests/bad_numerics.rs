@@ -12,7 +12,9 @@ use safetensors::SafeTensors;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::schedule::pipeline::ScheduleKind;
 use shardc::compiler::shard::Mesh;
-use shardc::compiler::train::{compile_pipeline, compile_train, PipelineOptions, TrainOptions};
+use shardc::compiler::train::{
+    compile_pipeline, compile_train, PipelineOptions, Precision, TrainOptions,
+};
 use shardc::runtime::pipeline::pipeline_step;
 use shardc::runtime::train::{train_step, Batch, TrainError, TrainState};
 use shardc::runtime::Weights;
@@ -509,10 +511,11 @@ fn the_micro_batch_of_a_non_finite_loss_is_named() {
         let mut o = TrainOptions::new(4, 8, mesh.clone());
         o.micro_batches = 2;
         let c = compile_train(&cfg, &o).unwrap();
-        let mut state = TrainState::load(&c, &w).unwrap();
+        let plan = c.plan("", cfg.arch.name(), cfg.layers, Precision::f32());
+        let mut state = TrainState::load(&plan, &w).unwrap();
         poison(&mut state, c.train.params.iter().collect());
         let before = bits(&state);
-        let r = train_step(&c, &mut state, &batch, &w, Duration::from_secs(30));
+        let r = train_step(&plan, &mut state, &batch, &w, Duration::from_secs(30));
         expect(&mesh.to_string(), r.map(|_| ()));
         assert_eq!(state.step, 0, "{mesh}: a failed step counted");
         assert!(
@@ -532,10 +535,11 @@ fn the_micro_batch_of_a_non_finite_loss_is_named() {
             stage_layers: None,
         };
         let c = compile_pipeline(&cfg, &o).unwrap();
-        let mut state = TrainState::load_params(c.params(), &w).unwrap();
+        let plan = c.plan("", cfg.arch.name(), cfg.layers, Precision::f32());
+        let mut state = TrainState::load(&plan, &w).unwrap();
         poison(&mut state, c.params().collect());
         let before = bits(&state);
-        let r = pipeline_step(&c, &mut state, &batch, Duration::from_secs(30), &w);
+        let r = pipeline_step(&plan, &mut state, &batch, Duration::from_secs(30), &w);
         expect(mesh, r.map(|_| ()));
         assert_eq!(state.step, 0, "{mesh}: a failed step counted");
         assert!(

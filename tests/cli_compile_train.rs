@@ -223,7 +223,7 @@ fn both_plans(mesh: &str, extra: &[&str]) -> (Value, Value) {
         &toks,
         "--mesh",
         mesh,
-        "--plan",
+        "--save-plan",
         "trained.json",
     ];
     train.extend_from_slice(extra);
@@ -255,6 +255,11 @@ fn flat_plan_equals_the_plan_shardc_train_writes() {
     assert_eq!(c["shardings"], t["shardings"]);
     assert_eq!(c["strategies"], t["strategies"]);
     assert_eq!(c["comm"], t["comm"]);
+    // The training section (micro-batches, loss divisor, optimizer, parameter bindings) too.
+    assert!(c["train"]["params"]
+        .as_array()
+        .is_some_and(|p| !p.is_empty()));
+    assert_eq!(c["train"], t["train"]);
     // Memory at mixed precision here, f32 there: the same elements.
     let (mc, mt) = (&c["memory"]["train"], &t["memory"]["train"]);
     assert_eq!(mc["param_elements"], mt["param_elements"]);

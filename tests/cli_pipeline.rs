@@ -182,7 +182,7 @@ fn pipeline_plan(dir: &Path) -> PathBuf {
         "pp=2,dp=2",
         "--micro-batches",
         "2",
-        "--plan",
+        "--save-plan",
         plan.to_str().unwrap(),
     ]);
     plan

@@ -1,6 +1,6 @@
 //! `shardc train` end to end: the loss per step, `--save` (a checkpoint transformers and
 //! `shardc run` load: the same tensor names and shapes), `--dump-grads` (`grad.<name>` equal
-//! to the fixture's gradients), `--plan`, sharded runs, and clear errors.
+//! to the fixture's gradients), `--save-plan`, sharded runs, and clear errors.
 
 mod train_support;
 
@@ -161,7 +161,7 @@ fn sharded_train_reports_the_mesh_and_writes_a_plan() {
         "2",
         "--recompute",
         "selective",
-        "--plan",
+        "--save-plan",
         plan.to_str().unwrap(),
     ]);
     assert!(ok, "{err}");

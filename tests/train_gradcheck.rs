@@ -7,8 +7,9 @@
 use serde_json::json;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::model::ModelConfig;
+use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::Mesh;
-use shardc::compiler::train::{compile_train, CompiledTrain, TrainOptions};
+use shardc::compiler::train::{compile_train, Precision, TrainOptions};
 use shardc::runtime::train::{save_safetensors, train_step, Batch, TrainState};
 use shardc::runtime::{Tensor, Weights};
 use std::collections::BTreeMap;
@@ -59,7 +60,7 @@ fn random_model(dir: &Path, config: serde_json::Value, seq: usize) -> (ModelConf
     (cfg, Weights::open(dir).unwrap())
 }
 
-fn loss_at(c: &CompiledTrain, state: &TrainState, batch: &Batch, w: &Weights) -> f64 {
+fn loss_at(c: &Plan, state: &TrainState, batch: &Batch, w: &Weights) -> f64 {
     let mut s = state.clone();
     train_step(c, &mut s, batch, w, Duration::from_secs(30))
         .unwrap()
@@ -77,14 +78,15 @@ fn gradcheck(config: serde_json::Value, seq: usize, mesh: &str, extra: &[&str]) 
     let mut o = TrainOptions::new(2, seq, Mesh::parse(mesh, 8).unwrap());
     o.extra_strategies = extra.iter().map(|s| s.to_string()).collect();
     o.recompute = Recompute::Selective;
-    let c = compile_train(&cfg, &o).unwrap();
+    let compiled = compile_train(&cfg, &o).unwrap();
+    let c = compiled.plan("", cfg.arch.name(), cfg.layers, Precision::f32());
     let state = TrainState::load(&c, &w).unwrap();
     let mut s = state.clone();
     let grads = train_step(&c, &mut s, &batch, &w, Duration::from_secs(30))
         .unwrap()
         .grads;
     let mut checked = 0;
-    for p in &c.train.params {
+    for p in &compiled.train.params {
         if p.label.starts_with("layers.") && !p.label.starts_with("layers.0.") {
             continue;
         }

@@ -286,10 +286,12 @@ fn step_of(
     timeout: Duration,
 ) -> (Result<f32, TrainError>, Duration) {
     let w = Weights::open(dir).unwrap();
-    let mut state = TrainState::load_params(c.params(), &w).unwrap();
+    let cfg = shardc::compiler::model::ModelConfig::from_path(dir).unwrap();
+    let plan = train_support::pipe_plan_of(c, &cfg);
+    let mut state = TrainState::load(&plan, &w).unwrap();
     let batch = token_batch(c.options.batch, c.options.seq, 256);
     let t0 = Instant::now();
-    let r = pipeline_step(c, &mut state, &batch, timeout, &w).map(|s| s.output.loss);
+    let r = pipeline_step(&plan, &mut state, &batch, timeout, &w).map(|s| s.output.loss);
     (r, t0.elapsed())
 }
 

@@ -90,7 +90,10 @@ fn step(c: &mut Criterion) {
     g.sample_size(20);
     let mut o = TrainOptions::new(b, t, Mesh::single());
     o.micro_batches = 4;
-    let flat = compile_train(&cfg, &o).expect("compiles");
+    let flat =
+        compile_train(&cfg, &o)
+            .expect("compiles")
+            .plan("", "llama", cfg.layers, Precision::f32());
     g.bench_function("unsharded m=4", |bn| {
         bn.iter(|| {
             let mut s = TrainState::load(&flat, &w).expect("state");
@@ -115,10 +118,15 @@ fn step(c: &mut Criterion) {
         } else {
             1
         };
-        let p = compile_pipeline(&cfg, &o).expect("compiles");
+        let p = compile_pipeline(&cfg, &o).expect("compiles").plan(
+            "",
+            "llama",
+            cfg.layers,
+            Precision::f32(),
+        );
         g.bench_function(BenchmarkId::new("pp=2 m=4", kind.name()), |bn| {
             bn.iter(|| {
-                let mut s = TrainState::load_params(p.params(), &w).expect("state");
+                let mut s = TrainState::load(&p, &w).expect("state");
                 let out = pipeline_step(&p, &mut s, &batch, timeout, &w).expect("step");
                 black_box(out.output.loss)
             })

@@ -8,9 +8,11 @@
 //! whose content no longer matches its hash. A loaded plan is safe to index.
 
 mod load;
+mod train;
 mod verify;
 
 pub use load::{content_hash, rehash};
+pub use train::{PlanParam, PlanTrain};
 pub(crate) use verify::{check_layout, check_program};
 pub use verify::{MAX_TENSOR_BYTES, MAX_WORLD};
 
@@ -25,7 +27,7 @@ use std::path::Path;
 use thiserror::Error;
 
 /// Version of the plan format; bumped on any incompatible change.
-pub const PLAN_FORMAT_VERSION: u32 = 2;
+pub const PLAN_FORMAT_VERSION: u32 = 3;
 
 /// What the plan was compiled from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,6 +138,10 @@ pub struct Plan {
     /// Communication volume per rank per step (training plans only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm: Option<crate::train::CommVolume>,
+    /// How a training plan steps: micro-batches, loss divisor, optimizer, and every trainable
+    /// parameter's checkpoint binding and program inputs/outputs (training plans only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train: Option<PlanTrain>,
     /// What the rewrite pass did (when rules ran).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rewrite: Option<crate::rewrite::RewriteReport>,
@@ -309,6 +315,7 @@ impl Plan {
             pipeline_nodes: Vec::new(),
             chunks: Vec::new(),
             comm: None,
+            train: None,
             rewrite: c.report.clone(),
         }
     }

@@ -35,7 +35,7 @@ fn same_inputs_give_byte_identical_plans() {
         let a = plan(model, mesh, &extra, 2, 16).to_json();
         let b = plan(model, mesh, &extra, 2, 16).to_json();
         assert_eq!(a, b, "{model} {mesh}");
-        assert!(a.contains("\"format_version\": 2"));
+        assert!(a.contains("\"format_version\": 3"));
     }
 }
 
@@ -158,4 +158,89 @@ fn per_rank_params_shrink_with_tp() {
     let two = plan("llama", "tp=2", &[], 2, 16).memory.param_bytes;
     // Everything but norms (replicated) halves.
     assert!(two < one && two * 2 > one, "{one} vs {two}");
+}
+
+/// A training plan of the llama fixture on `mesh` (a pipeline when it has `pp`).
+fn train_plan(mesh: &str, extra: &[&str], micro_batches: usize) -> Plan {
+    use shardc_compiler::train::{compile_pipeline, compile_train, Precision, TrainOptions};
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let cfg = ModelConfig::from_path(&root.join("tests/fixtures/hf-tiny/llama")).unwrap();
+    let mut o = TrainOptions::new(4, 16, Mesh::parse(mesh, 8).unwrap());
+    o.extra_strategies = extra.iter().map(|s| s.to_string()).collect();
+    o.micro_batches = micro_batches;
+    let (arch, layers, p) = ("llama", cfg.layers, Precision::f32());
+    if mesh.contains("pp") {
+        compile_pipeline(&cfg, &o)
+            .unwrap()
+            .plan("llama", arch, layers, p)
+    } else {
+        compile_train(&cfg, &o)
+            .unwrap()
+            .plan("llama", arch, layers, p)
+    }
+}
+
+/// An edit of a plan's JSON.
+type Edit = fn(&mut serde_json::Value);
+
+#[test]
+fn training_plans_carry_a_verified_training_section() {
+    for (mesh, extra, k) in [("dp=2,tp=2", vec!["zero1"], 2), ("pp=2,dp=2", vec![], 2)] {
+        let p = train_plan(mesh, &extra, k);
+        let t = p.train.as_ref().expect("a training section");
+        assert_eq!(t.micro_batches, k);
+        assert_eq!(t.denom, 4 * 15);
+        assert!(t
+            .params
+            .iter()
+            .any(|q| q.source.name == "model.embed_tokens.weight"));
+        if mesh.contains("pp") {
+            // Every chunk's parameters, each in the chunk that holds it.
+            let chunks: std::collections::BTreeSet<usize> =
+                t.params.iter().map(|q| q.chunk).collect();
+            assert_eq!(chunks.len(), p.chunks.len(), "{mesh}");
+        }
+        let json = p.to_json();
+        assert_eq!(Plan::from_json(&json).unwrap(), p, "{mesh}");
+        assert_eq!(json, p.to_json(), "{mesh}: deterministic");
+        // A name that is not an input of the program, a chunk that does not exist, a type that
+        // is not the program's: named errors, no panic.
+        let edits: [(&str, Edit, &str); 4] = [
+            (
+                "param",
+                |v| v["train"]["params"][0]["param"] = "param.nope".into(),
+                "`param.nope` of `",
+            ),
+            (
+                "grad",
+                |v| v["train"]["params"][1]["grad"] = "loss.x".into(),
+                "is not an output",
+            ),
+            (
+                "chunk",
+                |v| v["train"]["params"][0]["chunk"] = 9.into(),
+                "program 9 does not exist",
+            ),
+            (
+                "ty",
+                |v| v["train"]["params"][0]["ty"]["dims"][0]["size"] = 7.into(),
+                "train.params[0].ty",
+            ),
+        ];
+        for (what, edit, needle) in edits {
+            let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            edit(&mut v);
+            let text = shardc_compiler::plan::rehash(&v.to_string()).unwrap();
+            let e = Plan::from_json(&text).expect_err(what).to_string();
+            assert!(e.contains(needle), "{mesh} {what}: {e}");
+        }
+        let mut v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v["train"]["micro_batches"] = 3.into();
+        let text = shardc_compiler::plan::rehash(&v.to_string()).unwrap();
+        let e = Plan::from_json(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("plan field `train.micro_batches`"),
+            "{mesh}: {e}"
+        );
+    }
 }

@@ -1,8 +1,7 @@
 //! Pipeline-parallel training steps on thread ranks: every rank of the mesh is a thread with
 //! a thread communicator per group of every mesh axis, and executes its stage's instructions
-//! ([`shardc_compiler::train::CompiledPipeline::program`]) in order ([`run_stage`]): a pass
-//! runs the values the compiler listed for it
-//! ([`shardc_compiler::train::CompiledPipeline::nodes`], see
+//! (the plan's `pipeline_program`) in order ([`run_stage`]): a pass runs the values the
+//! compiler listed for it (the plan's `pipeline_nodes`, see
 //! [`shardc_compiler::train::instruction_nodes`]) with [`Stepwise`]; a send hands a boundary
 //! tensor (with a header: what, micro-batch, boundary) to the same stage-mesh coordinates of
 //! the other stage through the `pp` axis's communicator (point-to-point, buffered, matched in
@@ -18,15 +17,15 @@
 use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
 use crate::spmd::{root_cause, run_threads, thread_comms};
 use crate::train::{
-    assemble, at_step, batch_inputs, check_batch, kept_state, reduce_loss, Batch, StepCheck,
-    StepOutput, TrainError, TrainState,
+    assemble, at_step, batch_inputs, check_batch, kept_state, reduce_loss, train_section, Batch,
+    StepCheck, StepOutput, TrainError, TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
+use shardc_compiler::plan::{Plan, PlanTrain};
 use shardc_compiler::schedule::pipeline::{Carry, PipeOp};
-use shardc_compiler::train::{
-    activation_values, boundary_name, micro_deps, sent_value, CompiledPipeline,
-};
+use shardc_compiler::shard::AxisId;
+use shardc_compiler::train::{activation_values, boundary_name, micro_deps, sent_value};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use std::time::Instant;
@@ -60,21 +59,35 @@ fn pipe_err(op: &PipeOp, detail: impl Into<String>) -> RuntimeError {
     }
 }
 
-/// The global inputs of each chunk of `c` for step `step` (1-based) on `batch` from
-/// `state`: the batch (per micro-batch), the chunk's parameters and optimizer state, the step
-/// count.
+/// The training section and the `pp` axis of pipeline plan `plan`, or the error of a plan
+/// that is not one.
+pub fn pipe_section(plan: &Plan) -> Result<(&PlanTrain, AxisId), TrainError> {
+    let t = train_section(plan)?;
+    match (plan.pipeline.as_ref(), plan.mesh.axis("pp")) {
+        (Some(_), Some(pp)) => Ok((t, pp)),
+        _ => Err(TrainError::PlanKind(format!(
+            "the plan of {} has no pipeline schedule: it runs as one SPMD program",
+            plan.model.source
+        ))),
+    }
+}
+
+/// The global inputs of each chunk of pipeline plan `plan` (training section `t`) for step
+/// `step` (1-based) on `batch` from `state`: the batch (per micro-batch), the chunk's
+/// parameters and optimizer state, the step count.
 pub fn chunk_inputs(
-    c: &CompiledPipeline,
+    plan: &Plan,
+    t: &PlanTrain,
     state: &TrainState,
     batch: &Batch,
     step: u64,
 ) -> Vec<BTreeMap<String, Tensor>> {
-    let common = batch_inputs(batch, c.options.micro_batches);
-    c.chunks
+    let common = batch_inputs(batch, t.micro_batches);
+    plan.chunks
         .iter()
         .map(|ch| {
             let mut x = common.clone();
-            state.add_inputs_at(&ch.train.train.params, step, &mut x);
+            state.add_inputs_at(t.params_of(ch.index), step, &mut x);
             x
         })
         .collect()
@@ -84,20 +97,27 @@ pub fn chunk_inputs(
 /// torchrun): its stage's chunks run by [`run_stage`] with the communicators of a
 /// [`RankCtx`], their parameter and optimizer shards kept between steps.
 pub struct StageTrainer<'c> {
-    c: &'c CompiledPipeline,
+    plan: &'c Plan,
+    train: &'c PlanTrain,
     stage: usize,
     locals: Vec<BTreeMap<String, Tensor>>,
 }
 
 impl<'c> StageTrainer<'c> {
-    /// A trainer for global rank `rank` of `c`'s mesh.
-    pub fn new(c: &'c CompiledPipeline, rank: usize) -> StageTrainer<'c> {
-        let pp = c.mesh.axis("pp").map_or(0, |a| a.0 as usize);
-        StageTrainer {
-            c,
-            stage: c.mesh.coords(rank).get(pp).copied().unwrap_or(0),
-            locals: vec![BTreeMap::new(); c.chunks.len()],
-        }
+    /// A trainer for global rank `rank` of pipeline plan `plan`'s mesh.
+    pub fn new(plan: &'c Plan, rank: usize) -> Result<StageTrainer<'c>, TrainError> {
+        let (train, pp) = pipe_section(plan)?;
+        Ok(StageTrainer {
+            plan,
+            train,
+            stage: plan
+                .mesh
+                .coords(rank)
+                .get(pp.0 as usize)
+                .copied()
+                .unwrap_or(0),
+            locals: vec![BTreeMap::new(); plan.chunks.len()],
+        })
     }
 
     /// Runs step `step` (1-based) on `batch`; `initial` is the global state before step 1.
@@ -111,11 +131,12 @@ impl<'c> StageTrainer<'c> {
         ctx: &RankCtx,
         weights: &Weights,
     ) -> Result<f32, TrainError> {
-        let c = self.c;
-        check_batch(batch, c.options.batch, c.options.seq)?;
-        let inputs = chunk_inputs(c, initial, batch, step);
+        let (plan, t) = (self.plan, self.train);
+        check_batch(batch, plan.model.batch, plan.model.seq)?;
+        let inputs = chunk_inputs(plan, t, initial, batch, step);
+        let stage_mesh = plan.mesh.without_axis("pp");
         let run = run_stage(
-            c,
+            plan,
             self.stage,
             ctx,
             &inputs,
@@ -124,15 +145,14 @@ impl<'c> StageTrainer<'c> {
             Instant::now(),
         )
         .map_err(|e| at_step(step, e))?;
-        let head = c
+        let head = plan
             .chunks
             .last()
             .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
         let mut loss = [f32::NAN];
         if self.stage == head.stage {
-            let sg = &head.train.sharded;
-            let v = sg
-                .graph
+            let v = head
+                .program
                 .output("loss")
                 .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
             let local = run
@@ -140,7 +160,7 @@ impl<'c> StageTrainer<'c> {
                 .get(&head.index)
                 .and_then(|o| o.get("loss"))
                 .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
-            loss[0] = reduce_loss(local, &sg.shardings[v.index()], &c.stage_mesh, ctx)?;
+            loss[0] = reduce_loss(local, &head.shardings[v.index()], &stage_mesh, ctx)?;
         }
         if head.stage != 0 && (self.stage == head.stage || self.stage == 0) {
             let pp = ctx.comm("pp")?;
@@ -155,16 +175,16 @@ impl<'c> StageTrainer<'c> {
             })?;
         }
         // Every rank of every stage agrees on the step's first non-finite value, if any.
-        let check = StepCheck::new(c.params());
+        let check = StepCheck::new(&t.params);
         let mut codes = check.codes();
         if self.stage == head.stage {
             check.loss(&mut codes, loss[0]);
         }
         for (j, o) in &run.outputs {
-            let sg = &c.chunks[*j].train.sharded;
-            check.outputs(&mut codes, &sg.graph, &sg.shardings, &c.stage_mesh, ctx, o);
+            let ch = &plan.chunks[*j];
+            check.outputs(&mut codes, &ch.program, &ch.shardings, &stage_mesh, ctx, o);
         }
-        check.agree(step, codes, &c.mesh, ctx)?;
+        check.agree(step, codes, &plan.mesh, ctx)?;
         for (j, o) in &run.outputs {
             self.locals[*j] = kept_state(o);
         }
@@ -187,38 +207,36 @@ pub struct PipelineStep {
     pub timelines: Vec<Timeline>,
 }
 
-/// Runs one pipeline-parallel training step on thread ranks and updates `state` (which holds
-/// every chunk's parameters: [`TrainState::load_params`] with [`CompiledPipeline::params`]).
+/// Runs one step of pipeline plan `plan` on thread ranks and updates `state` (which holds
+/// every chunk's parameters: [`TrainState::load`]).
 pub fn pipeline_step(
-    c: &CompiledPipeline,
+    plan: &Plan,
     state: &mut TrainState,
     batch: &Batch,
     timeout: Duration,
     weights: &Weights,
 ) -> Result<PipelineStep, TrainError> {
-    check_batch(batch, c.options.batch, c.options.seq)?;
-    let mesh = &c.mesh;
-    let pp = mesh
-        .axis("pp")
-        .expect("invariant: a compiled pipeline's mesh has a pp axis");
+    let (t, pp) = pipe_section(plan)?;
+    check_batch(batch, plan.model.batch, plan.model.seq)?;
+    let mesh = &plan.mesh;
     let p = mesh.axis_size(pp);
 
     let step = state.step + 1;
-    let inputs = chunk_inputs(c, state, batch, step);
+    let inputs = chunk_inputs(plan, t, state, batch, step);
 
     // A thread communicator per group of every axis; the `pp` groups carry the transfers.
     let comms = thread_comms(mesh, |_| true, timeout);
     let epoch = Instant::now();
     let results = run_threads(comms, |rank, ctx| {
         let stage = mesh.coords(rank)[pp.0 as usize];
-        run_stage(c, stage, ctx, &inputs, &[], weights, epoch)
+        run_stage(plan, stage, ctx, &inputs, &[], weights, epoch)
     });
 
     // Prefer a root cause over the aborts and hang-ups it caused in its peers.
     let outs = root_cause(mesh, results).map_err(|e| at_step(step, e))?;
 
     // Each chunk's outputs from the ranks of its stage, in stage-mesh rank order.
-    let sm = &c.stage_mesh;
+    let sm = &mesh.without_axis("pp");
     let ranks_of = |stage: usize| -> Vec<usize> {
         (0..sm.world_size())
             .map(|q| {
@@ -243,12 +261,11 @@ pub fn pipeline_step(
         BTreeMap::new(),
         BTreeMap::new(),
     );
-    for ch in &c.chunks {
-        let sg = &ch.train.sharded;
+    for ch in &plan.chunks {
         let ranks = ranks_of(ch.stage);
         let get = |name: &str| -> Result<Tensor, TrainError> {
-            let v = sg
-                .graph
+            let v = ch
+                .program
                 .output(name)
                 .ok_or_else(|| TrainError::MissingOutput(name.to_string()))?;
             let locals = ranks
@@ -261,28 +278,28 @@ pub fn pipeline_step(
                         .ok_or_else(|| TrainError::MissingOutput(name.to_string()))
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            Ok(assemble(sm, &sg.shardings[v.index()], &locals))
+            Ok(assemble(sm, &ch.shardings[v.index()], &locals))
         };
-        if ch.spec.head {
+        if ch.head {
             loss = get("loss")?.as_f32().map_or(f32::NAN, |v| v[0]);
         }
-        for prm in &ch.train.train.params {
+        for prm in t.params_of(ch.index) {
             let l = &prm.label;
             // A tied parameter's two copies: its gradient is the sum of theirs (each copy's
             // update already used it, so the copies' updates agree).
-            let g = get(&format!("grad.{l}"))?;
+            let g = get(&prm.grad)?;
             let g = match grads.remove(l) {
                 Some(other) => add_tensors(&other, &g),
                 None => g,
             };
             grads.insert(l.clone(), g);
-            params.insert(l.clone(), get(&format!("param.{l}"))?);
-            m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
-            v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
+            params.insert(l.clone(), get(&prm.param)?);
+            m.insert(l.clone(), get(&prm.adam_m)?);
+            v.insert(l.clone(), get(&prm.adam_v)?);
         }
     }
     // A poisoned step leaves the state as it was.
-    StepCheck::new(c.params()).check_global(step, loss, &grads, &params)?;
+    StepCheck::new(&t.params).check_global(step, loss, &grads, &params)?;
     state.params.extend(params);
     state.m.extend(m);
     state.v.extend(v);
@@ -308,7 +325,7 @@ pub fn pipeline_step(
 /// previous step's outputs). Returns each chunk's outputs (local values), the most bytes of
 /// activations its programs held at once, and its timeline.
 pub fn run_stage(
-    c: &CompiledPipeline,
+    plan: &Plan,
     stage: usize,
     ctx: &RankCtx,
     inputs: &[BTreeMap<String, Tensor>],
@@ -330,25 +347,28 @@ pub fn run_stage(
             pipe_err(op, text)
         }
     };
-    let m = c.options.micro_batches;
-    let mine: Vec<usize> = c.chunks_of(stage).map(|ch| ch.index).collect();
+    let m = plan.pipeline.as_ref().map_or(1, |s| s.micro_batches).max(1);
+    let chunks = &plan.chunks;
+    let mine: Vec<usize> = chunks
+        .iter()
+        .filter(|ch| ch.stage == stage)
+        .map(|ch| ch.index)
+        .collect();
     let caches: Vec<ParamCache> = mine
         .iter()
-        .map(|&j| load_params(&c.chunks[j].train.sharded.graph, weights, ctx))
+        .map(|&j| load_params(&chunks[j].program, weights, ctx))
         .collect::<Result<_, _>>()?;
     let activation: Vec<Vec<bool>> = mine
         .iter()
         .map(|&j| {
-            let g = &c.chunks[j].train.sharded.graph;
+            let g = &chunks[j].program;
             activation_values(g, &micro_deps(g, m))
         })
         .collect();
     let mut steppers: Vec<Option<Stepwise>> = mine
         .iter()
         .zip(&caches)
-        .map(|(&j, cache)| {
-            Stepwise::new(&c.chunks[j].train.sharded.graph, cache, &inputs[j], ctx).map(Some)
-        })
+        .map(|(&j, cache)| Stepwise::new(&chunks[j].program, cache, &inputs[j], ctx).map(Some))
         .collect::<Result<_, _>>()?;
     for (st, &j) in steppers.iter_mut().zip(&mine) {
         if let (Some(st), Some(l)) = (st.as_mut(), locals.get(j)) {
@@ -364,7 +384,16 @@ pub fn run_stage(
         tracks: vec!["compute".into(), "p2p".into()],
         ..Timeline::default()
     };
-    for (op, nodes) in c.program[stage].iter().zip(&c.nodes[stage]) {
+    let (Some(ops), Some(lists)) = (
+        plan.pipeline_program.get(stage),
+        plan.pipeline_nodes.get(stage),
+    ) else {
+        return Err(RuntimeError::Pipeline {
+            op: format!("stage {stage}"),
+            detail: "the plan has no instructions for it".into(),
+        });
+    };
+    for (op, nodes) in ops.iter().zip(lists) {
         let start = epoch.elapsed().as_secs_f64();
         let mut bytes = 0u64;
         match *op {
@@ -374,9 +403,9 @@ pub fn run_stage(
                 micro,
                 boundary,
             } => {
-                let chunk = carry.receiver(boundary, c.chunks.len());
+                let chunk = carry.receiver(boundary, chunks.len());
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let g = &c.chunks[chunk].train.sharded.graph;
+                let g = &chunks[chunk].program;
                 let name = boundary_name(g, carry, micro, m)
                     .ok_or_else(|| pipe_err(op, "the chunk has no input for it"))?;
                 let ty = g
@@ -411,7 +440,7 @@ pub fn run_stage(
             } => {
                 let chunk = carry.sender(boundary);
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let g = &c.chunks[chunk].train.sharded.graph;
+                let g = &chunks[chunk].program;
                 let v = sent_value(g, carry, micro, m)
                     .ok_or_else(|| pipe_err(op, "the chunk has no output to send"))?;
                 let st = steppers[k]

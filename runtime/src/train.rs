@@ -1,6 +1,7 @@
 //! Training on the CPU reference backend: the state of a run (weights in graph layout, AdamW
-//! moments, step count), one compiled step ([`shardc_compiler::train::CompiledTrain`]) on
-//! thread ranks, and checkpoints in the checkpoint's own tensor names and layouts.
+//! moments, step count), one step of a training [`Plan`] (its program and its training
+//! section, [`PlanTrain`]) on thread ranks, and checkpoints in the checkpoint's own tensor
+//! names and layouts.
 //!
 //! A step feeds every rank the global state and batch (each takes its shard), runs the SPMD
 //! program, and assembles each output from the ranks' local values by its layout: shards are
@@ -10,10 +11,9 @@
 use crate::cpu::layout::permute;
 use crate::spmd::{run_spmd, RankError};
 use crate::{execute_with_params, ParamCache, RankCtx, RuntimeError, Tensor, Weights};
-use shardc_compiler::autodiff::{input_name, TrainParam};
-use shardc_compiler::ir::ParamSource;
+use shardc_compiler::autodiff::input_name;
+use shardc_compiler::plan::{Plan, PlanParam, PlanTrain};
 use shardc_compiler::shard::{Mesh, TensorSharding};
-use shardc_compiler::train::CompiledTrain;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -46,6 +46,10 @@ pub enum TrainError {
     /// The program lacks an output the runner reads (a compiler bug).
     #[error("the training program has no output `{0}`")]
     MissingOutput(String),
+    /// The plan cannot run as asked: a forward plan given to a trainer, a pipeline plan to
+    /// the single-program trainer or the reverse.
+    #[error("{0}")]
+    PlanKind(String),
     /// A step computed a NaN or infinite loss, gradient or updated parameter: training
     /// stopped there, before anything is written from the poisoned state.
     #[error("step {step}{}: {what} is {value}", micro.map_or(String::new(), |k| format!(", micro-batch {k}")))]
@@ -145,16 +149,20 @@ pub struct TrainState {
 }
 
 impl TrainState {
-    /// The initial state: the checkpoint's weights, zero moments, step 0.
-    pub fn load(c: &CompiledTrain, weights: &Weights) -> Result<TrainState, RuntimeError> {
-        TrainState::load_params(&c.train.params, weights)
+    /// The initial state of training plan `plan`: the checkpoint's weights, zero moments,
+    /// step 0.
+    pub fn load(plan: &Plan, weights: &Weights) -> Result<TrainState, TrainError> {
+        Ok(TrainState::load_params(
+            &train_section(plan)?.params,
+            weights,
+        )?)
     }
 
     /// Adds the next step's parameter, optimizer-state and step-count inputs of `params` to
     /// `inputs` (global tensors; the step count is `step + 1`).
     pub fn add_inputs<'a>(
         &self,
-        params: impl IntoIterator<Item = &'a TrainParam>,
+        params: impl IntoIterator<Item = &'a PlanParam>,
         inputs: &mut BTreeMap<String, Tensor>,
     ) {
         self.add_inputs_at(params, self.step + 1, inputs);
@@ -163,22 +171,22 @@ impl TrainState {
     /// [`TrainState::add_inputs`] with step count `step` (1-based).
     pub fn add_inputs_at<'a>(
         &self,
-        params: impl IntoIterator<Item = &'a TrainParam>,
+        params: impl IntoIterator<Item = &'a PlanParam>,
         step: u64,
         inputs: &mut BTreeMap<String, Tensor>,
     ) {
         for p in params {
             let l = &p.label;
-            inputs.insert(format!("param.{l}"), self.params[l].clone());
-            inputs.insert(format!("adam_m.{l}"), self.m[l].clone());
-            inputs.insert(format!("adam_v.{l}"), self.v[l].clone());
+            inputs.insert(p.param.clone(), self.params[l].clone());
+            inputs.insert(p.adam_m.clone(), self.m[l].clone());
+            inputs.insert(p.adam_v.clone(), self.v[l].clone());
         }
         inputs.insert("step".into(), Tensor::f32(vec![], vec![step as f32]));
     }
 
     /// The initial state of parameters `params` (e.g. every chunk's of a pipeline).
     pub fn load_params<'a>(
-        params: impl IntoIterator<Item = &'a TrainParam>,
+        params: impl IntoIterator<Item = &'a PlanParam>,
         weights: &Weights,
     ) -> Result<TrainState, RuntimeError> {
         let mut s = TrainState {
@@ -188,11 +196,7 @@ impl TrainState {
             step: 0,
         };
         for p in params {
-            let src = ParamSource {
-                shards: Vec::new(),
-                ..p.source.clone()
-            };
-            let t = weights.load(&src, &p.ty, &|_| None)?;
+            let t = weights.load(&p.source, &p.ty, &|_| None)?;
             let zeros = Tensor::zeros(p.ty.dtype, p.ty.shape());
             s.params.insert(p.label.clone(), t);
             s.m.insert(p.label.clone(), zeros.clone());
@@ -279,35 +283,55 @@ pub fn assemble(mesh: &Mesh, s: &TensorSharding, locals: &[&Tensor]) -> Tensor {
     Tensor::f32(global, data)
 }
 
-/// Runs one training step on thread ranks (an axis-less mesh: in this thread) and updates
-/// `state`.
+/// The training section of `plan`, or the error of a forward plan.
+pub fn train_section(plan: &Plan) -> Result<&PlanTrain, TrainError> {
+    plan.train.as_ref().ok_or_else(|| {
+        TrainError::PlanKind(format!(
+            "the plan of {} is a forward plan (no `train` section): compile a training step \
+             with `shardc compile --train`",
+            plan.model.source
+        ))
+    })
+}
+
+/// The training section of a plan of one SPMD program (no pipeline).
+fn flat_section(plan: &Plan) -> Result<&PlanTrain, TrainError> {
+    if plan.pipeline.is_some() {
+        return Err(TrainError::PlanKind(
+            "a pipeline plan runs with the pipeline trainer, not one SPMD program".into(),
+        ));
+    }
+    train_section(plan)
+}
+
+/// Runs one step of training plan `plan` (no pipeline) on thread ranks (an axis-less mesh:
+/// in this thread) and updates `state`.
 /// `weights` is the model's checkpoint (a training program reads its parameters as inputs,
 /// not from the checkpoint).
 pub fn train_step(
-    c: &CompiledTrain,
+    plan: &Plan,
     state: &mut TrainState,
     batch: &Batch,
     weights: &Weights,
     timeout: Duration,
 ) -> Result<StepOutput, TrainError> {
-    check_batch(batch, c.options.batch, c.options.seq)?;
-    let k = c.train.micro_batches;
-    let mut inputs = batch_inputs(batch, k);
-    state.add_inputs(&c.train.params, &mut inputs);
+    let t = flat_section(plan)?;
+    check_batch(batch, plan.model.batch, plan.model.seq)?;
+    let mut inputs = batch_inputs(batch, t.micro_batches);
+    state.add_inputs(&t.params, &mut inputs);
 
-    let sg = &c.sharded;
+    let (g, mesh) = (&plan.program, &plan.mesh);
     let step = state.step + 1;
-    let outs = if sg.mesh.axes.is_empty() {
+    let outs = if mesh.axes.is_empty() {
         vec![
-            execute_with_params(&sg.graph, &ParamCache::default(), &inputs, &RankCtx::new())
+            execute_with_params(g, &ParamCache::default(), &inputs, &RankCtx::new())
                 .map_err(|e| at_step(step, e))?,
         ]
     } else {
-        run_spmd(&sg.graph, &sg.mesh, weights, &inputs, timeout).map_err(|e| at_step(step, e))?
+        run_spmd(g, mesh, weights, &inputs, timeout).map_err(|e| at_step(step, e))?
     };
     let get = |name: &str| -> Result<Tensor, TrainError> {
-        let v = sg
-            .graph
+        let v = g
             .output(name)
             .ok_or_else(|| TrainError::MissingOutput(name.to_string()))?;
         let locals = outs
@@ -317,7 +341,7 @@ pub fn train_step(
                     .ok_or_else(|| TrainError::MissingOutput(name.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(assemble(&sg.mesh, &sg.shardings[v.index()], &locals))
+        Ok(assemble(mesh, &plan.shardings[v.index()], &locals))
     };
     let loss = get("loss")?.as_f32().map_or(f32::NAN, |v| v[0]);
     let (mut grads, mut params, mut m, mut v) = (
@@ -326,15 +350,15 @@ pub fn train_step(
         BTreeMap::new(),
         BTreeMap::new(),
     );
-    for p in &c.train.params {
+    for p in &t.params {
         let l = &p.label;
-        grads.insert(l.clone(), get(&format!("grad.{l}"))?);
-        params.insert(l.clone(), get(&format!("param.{l}"))?);
-        m.insert(l.clone(), get(&format!("adam_m.{l}"))?);
-        v.insert(l.clone(), get(&format!("adam_v.{l}"))?);
+        grads.insert(l.clone(), get(&p.grad)?);
+        params.insert(l.clone(), get(&p.param)?);
+        m.insert(l.clone(), get(&p.adam_m)?);
+        v.insert(l.clone(), get(&p.adam_v)?);
     }
     // A poisoned step leaves the state as it was.
-    StepCheck::new(&c.train.params).check_global(step, loss, &grads, &params)?;
+    StepCheck::new(&t.params).check_global(step, loss, &grads, &params)?;
     state.params.extend(params);
     state.m.extend(m);
     state.v.extend(v);
@@ -415,7 +439,7 @@ pub(crate) enum Checked {
 
 impl StepCheck {
     /// The check of a step over `params` (a label met twice, a tied copy, counts once).
-    pub(crate) fn new<'a>(params: impl IntoIterator<Item = &'a TrainParam>) -> StepCheck {
+    pub(crate) fn new<'a>(params: impl IntoIterator<Item = &'a PlanParam>) -> StepCheck {
         let mut c = StepCheck {
             names: Vec::new(),
             entries: BTreeMap::new(),
@@ -644,21 +668,19 @@ pub(crate) fn reduce_loss(
 /// parameter and optimizer shards kept between steps (the first step takes its shards of the
 /// global initial state).
 pub struct RankTrainer<'c> {
-    c: &'c CompiledTrain,
+    plan: &'c Plan,
+    train: &'c PlanTrain,
     cache: ParamCache,
     locals: BTreeMap<String, Tensor>,
 }
 
 impl<'c> RankTrainer<'c> {
-    /// A trainer for this rank (`ctx`) of `c`.
-    pub fn new(
-        c: &'c CompiledTrain,
-        weights: &Weights,
-        ctx: &RankCtx,
-    ) -> Result<Self, RuntimeError> {
+    /// A trainer for this rank (`ctx`) of training plan `plan` (no pipeline).
+    pub fn new(plan: &'c Plan, weights: &Weights, ctx: &RankCtx) -> Result<Self, TrainError> {
         Ok(RankTrainer {
-            c,
-            cache: crate::load_params(&c.sharded.graph, weights, ctx)?,
+            plan,
+            train: flat_section(plan)?,
+            cache: crate::load_params(&plan.program, weights, ctx)?,
             locals: BTreeMap::new(),
         })
     }
@@ -672,11 +694,11 @@ impl<'c> RankTrainer<'c> {
         step: u64,
         ctx: &RankCtx,
     ) -> Result<f32, TrainError> {
-        let c = self.c;
-        check_batch(batch, c.options.batch, c.options.seq)?;
-        let mut inputs = batch_inputs(batch, c.train.micro_batches);
-        initial.add_inputs_at(&c.train.params, step, &mut inputs);
-        let g = &c.sharded.graph;
+        let (plan, t) = (self.plan, self.train);
+        check_batch(batch, plan.model.batch, plan.model.seq)?;
+        let mut inputs = batch_inputs(batch, t.micro_batches);
+        initial.add_inputs_at(&t.params, step, &mut inputs);
+        let g = &plan.program;
         let mut st = crate::Stepwise::new(g, &self.cache, &inputs, ctx)?;
         for (n, t) in &self.locals {
             st.provide(n, t.clone())?;
@@ -688,12 +710,12 @@ impl<'c> RankTrainer<'c> {
         let local = out
             .get("loss")
             .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
-        let (sg, mesh) = (&c.sharded, &c.sharded.mesh);
-        let loss = reduce_loss(local, &sg.shardings[v.index()], mesh, ctx)?;
-        let check = StepCheck::new(&c.train.params);
+        let mesh = &plan.mesh;
+        let loss = reduce_loss(local, &plan.shardings[v.index()], mesh, ctx)?;
+        let check = StepCheck::new(&t.params);
         let mut codes = check.codes();
         check.loss(&mut codes, loss);
-        check.outputs(&mut codes, g, &sg.shardings, mesh, ctx, &out);
+        check.outputs(&mut codes, g, &plan.shardings, mesh, ctx, &out);
         check.agree(step, codes, mesh, ctx)?;
         self.locals = kept_state(&out);
         Ok(loss)
@@ -714,17 +736,22 @@ pub enum Fill {
 /// transposed ones transposed back, views written into their block. With [`Fill::Original`],
 /// stored tensors no parameter reads are copied from `weights` unchanged.
 pub fn stored_tensors(
-    c: &CompiledTrain,
+    plan: &Plan,
     values: &BTreeMap<String, Tensor>,
     weights: &Weights,
     fill: Fill,
-) -> Result<BTreeMap<String, Tensor>, RuntimeError> {
-    stored_tensors_of(&c.train.params, values, weights, fill)
+) -> Result<BTreeMap<String, Tensor>, TrainError> {
+    Ok(stored_tensors_of(
+        &train_section(plan)?.params,
+        values,
+        weights,
+        fill,
+    )?)
 }
 
 /// [`stored_tensors`] for the parameters `params` (e.g. every chunk's of a pipeline).
 pub fn stored_tensors_of<'a>(
-    params: impl IntoIterator<Item = &'a TrainParam>,
+    params: impl IntoIterator<Item = &'a PlanParam>,
     values: &BTreeMap<String, Tensor>,
     weights: &Weights,
     fill: Fill,
@@ -886,29 +913,25 @@ mod tests {
         assert_eq!(g.as_f32().unwrap(), &[1.0, 2.0]);
     }
 
-    fn param(label: &str, name: &str, stack: Option<usize>) -> TrainParam {
-        let v = shardc_compiler::ir::ValueId(0);
-        TrainParam {
+    fn param(label: &str, name: &str, stack: Option<usize>) -> PlanParam {
+        use shardc_compiler::ir::ParamSource;
+        PlanParam {
             label: label.into(),
             source: ParamSource {
                 stack,
                 ..ParamSource::whole(name)
             },
             ty: shardc_compiler::ir::TensorType::plain(shardc_compiler::ir::DType::F32, &[1]),
-            fwd: v,
-            input: v,
-            mb_grads: Vec::new(),
-            grad: v,
-            m_in: v,
-            v_in: v,
-            m_out: v,
-            v_out: v,
-            update: v,
+            chunk: 0,
+            param: format!("param.{label}"),
+            grad: format!("grad.{label}"),
+            adam_m: format!("adam_m.{label}"),
+            adam_v: format!("adam_v.{label}"),
         }
     }
 
     /// An embedding and three stacked experts (two rows each).
-    fn params() -> Vec<TrainParam> {
+    fn params() -> Vec<PlanParam> {
         vec![
             param("embed", "model.embed_tokens.weight", None),
             param("w1", "model.layers.0.experts.{}.w1.weight", Some(3)),

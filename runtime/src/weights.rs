@@ -305,21 +305,19 @@ impl Weights {
         Ok(e)
     }
 
-    /// Loads this rank's chunk of a parameter as an f32 tensor of shape `local.shape()`.
-    ///
-    /// The stored tensor(s) `src.stored_name(i)` (for `i in 0..n`, stacked along a new dim 0,
-    /// when `src.stack == Some(n)`) are read through, in order: `view` (a sub-block along a
-    /// dim of each stored tensor), `transposed` (swap of each stored tensor's last two dims),
-    /// then `shards` (chunk `coord` of `parts` along `dim`, with `coords(axis) == Some((coord,
-    /// axis size))`). A shape mismatch is reported in the stored layout: the shape the graph
-    /// implies (local shape × shard parts, un-transposed) against the stored one. The result
-    /// is rounded to `local.dtype` (bf16/f16) and kept as f32.
-    pub fn load(
+    /// Checks that the checkpoint holds what parameter `src` of local type `local` binds: its
+    /// stored tensor(s), of the shape the graph implies, in a float dtype (what
+    /// [`Weights::load`] checks before reading).
+    pub fn check_binding(&self, src: &ParamSource, local: &TensorType) -> Result<(), RuntimeError> {
+        self.bind(src, local).map(|_| ())
+    }
+
+    /// The stored names and entries parameter `src` of local type `local` reads, checked.
+    fn bind(
         &self,
         src: &ParamSource,
         local: &TensorType,
-        coords: &dyn Fn(&str) -> Option<(usize, usize)>,
-    ) -> Result<Tensor, RuntimeError> {
+    ) -> Result<(Vec<String>, Vec<&Entry>), RuntimeError> {
         if local.dtype == DType::I32 {
             return Err(RuntimeError::ParamDType {
                 name: src.name.clone(),
@@ -368,6 +366,28 @@ impl Weights {
         for (nm, e) in names.iter().zip(&entries) {
             check_stored(nm, &e.shape, src, per_entry)?;
         }
+        Ok((names, entries))
+    }
+
+    /// Loads this rank's chunk of a parameter as an f32 tensor of shape `local.shape()`.
+    ///
+    /// The stored tensor(s) `src.stored_name(i)` (for `i in 0..n`, stacked along a new dim 0,
+    /// when `src.stack == Some(n)`) are read through, in order: `view` (a sub-block along a
+    /// dim of each stored tensor), `transposed` (swap of each stored tensor's last two dims),
+    /// then `shards` (chunk `coord` of `parts` along `dim`, with `coords(axis) == Some((coord,
+    /// axis size))`). A shape mismatch is reported in the stored layout: the shape the graph
+    /// implies (local shape × shard parts, un-transposed) against the stored one. The result
+    /// is rounded to `local.dtype` (bf16/f16) and kept as f32.
+    pub fn load(
+        &self,
+        src: &ParamSource,
+        local: &TensorType,
+        coords: &dyn Fn(&str) -> Option<(usize, usize)>,
+    ) -> Result<Tensor, RuntimeError> {
+        let (names, entries) = self.bind(src, local)?;
+        let local_shape = local.shape();
+        let stacked = src.stack.is_some();
+        let n = src.stack.unwrap_or(1);
 
         // Strided access into each stored tensor, in graph layout.
         let stored = &entries[0].shape;

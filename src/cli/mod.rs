@@ -35,7 +35,8 @@ enum Command {
     Compile(compile::CompileArgs),
     /// Show per layer which collective sits where in a plan, and why.
     Explain(explain::ExplainArgs),
-    /// Run a model on token ids (CPU reference; `--mesh` runs the sharded plan on thread ranks).
+    /// Run a forward plan on token ids (CPU reference): `--plan` a compiled one, else the model
+    /// compiled here (`--mesh` shards it on thread ranks).
     Run(run::RunArgs),
     /// Show a pipeline schedule: per-stage timeline, bubble fraction, in-flight micro-batches.
     Schedule(schedule::ScheduleArgs),
@@ -49,8 +50,9 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Fit a device/cluster profile to GEMM, copy and collective micro-benchmarks.
     Calibrate(calibrate::CalibrateArgs),
-    /// Train on token ids (causal-LM loss, AdamW; CPU reference, `--mesh` on thread ranks):
-    /// prints the loss per step, `--save` writes the checkpoint.
+    /// Train on token ids (causal-LM loss, AdamW; CPU reference, `--mesh` on thread ranks) by
+    /// running a training plan (`--plan` a compiled one): prints the loss per step, `--save`
+    /// writes the checkpoint.
     Train(train::TrainArgs),
 }
 

@@ -1,5 +1,7 @@
-//! `shardc run`: execute a model on the CPU reference backend, unsharded or as a sharded plan
-//! on thread ranks, with the `--tokens/--out` JSON contract.
+//! `shardc run`: execute a forward plan on the CPU reference backend, unsharded or sharded on
+//! thread ranks, with the `--tokens/--out` JSON contract. `--plan` runs a compiled plan file
+//! (the model gives the weights); without it the model is compiled in memory for `--mesh`
+//! into a plan, and that plan runs.
 //!
 //! Multi-process: when `RANK`/`WORLD_SIZE` are set (by `shardc launch`, torchrun or mpirun;
 //! see `shardc::runtime::launch::env`) and `--mesh` is given, this process runs only its
@@ -16,16 +18,16 @@
 use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
-use shardc::compiler::compile::compile_forward;
-use shardc::compiler::model::{build_forward, BuildOptions, ModelConfig};
+use shardc::compiler::compile::{compile, CompileOptions, CompileSpec, Job};
+use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
+use shardc::compiler::shard::Mesh;
 use shardc::runtime::cuda::{
     execute_cuda, run_spmd_local_gpu, CudaDevice, CudaOptions, GpuDType, ParamInit,
 };
-use shardc::runtime::launch::{plan_fingerprint, ProcessGroup, WorldEnv};
+use shardc::runtime::launch::{fingerprint_of, ProcessGroup, WorldEnv};
 use shardc::runtime::output::Outputs;
-use shardc::runtime::spmd::run_spmd;
-use shardc::runtime::{execute, RankCtx, Tensor, Weights};
+use shardc::runtime::{check_inputs, execute_plan, Tensor, Weights};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -50,8 +52,13 @@ pub struct RunArgs {
     /// Allow `--out` to replace a file this command reads (still atomically).
     #[arg(long)]
     overwrite: bool,
-    /// Run the sharded plan for this mesh on thread ranks (e.g. `tp=2`, `dp=2,tp=2`), or,
-    /// when RANK/WORLD_SIZE are set (`shardc launch`), this process's rank of it.
+    /// Run this compiled forward plan (`shardc compile -o plan.json`); the model gives the
+    /// weights. The plan's mesh and strategies apply (`--mesh`/`--strategy` are refused).
+    #[arg(long)]
+    plan: Option<PathBuf>,
+    /// Compile and run the sharded plan for this mesh on thread ranks (e.g. `tp=2`,
+    /// `dp=2,tp=2`), or, when RANK/WORLD_SIZE are set (`shardc launch`), this process's rank
+    /// of it.
     #[arg(long)]
     mesh: Option<String>,
     /// Strategies beyond the mesh axes' defaults (e.g. `sp`).
@@ -162,14 +169,98 @@ fn read_mask(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
     Ok((b, t, v))
 }
 
+/// Reads plan file `path` (verified) for model `cfg`: a forward plan of the same
+/// architecture and layer count, whose every parameter the checkpoint holds in the shape the
+/// plan expects.
+pub fn load_plan(
+    path: &Path,
+    model: &Path,
+    cfg: &ModelConfig,
+    weights: &Weights,
+) -> anyhow::Result<Plan> {
+    let plan = Plan::load(path).with_context(|| format!("plan {}", path.display()))?;
+    check_plan_model(&plan, path, model, cfg, weights)?;
+    Ok(plan)
+}
+
+/// The model of `plan` (read from `path`) is the model at `model`: architecture, layers and
+/// every parameter's shape.
+pub fn check_plan_model(
+    plan: &Plan,
+    path: &Path,
+    model: &Path,
+    cfg: &ModelConfig,
+    weights: &Weights,
+) -> anyhow::Result<()> {
+    let m = &plan.model;
+    if m.model_type != cfg.arch.name() || m.layers != cfg.layers {
+        bail!(
+            "plan {} was compiled for another model: a {} with {} layers ({}), but {} is a {}              with {} layers",
+            path.display(),
+            m.model_type,
+            m.layers,
+            m.source,
+            model.display(),
+            cfg.arch.name(),
+            cfg.layers
+        );
+    }
+    shardc::runtime::check_weights(plan, weights).with_context(|| {
+        format!(
+            "plan {} was compiled for another model ({}): the checkpoint of {} does not fit it",
+            path.display(),
+            m.source,
+            model.display()
+        )
+    })
+}
+
+/// Tokens of `b` sequences of `t` for a plan compiled for another batch or sequence length.
+pub fn check_plan_tokens(
+    plan: &Plan,
+    path: &Path,
+    tokens: &Path,
+    b: usize,
+    t: usize,
+) -> anyhow::Result<()> {
+    let m = &plan.model;
+    if (m.batch, m.seq) != (b, t) {
+        bail!(
+            "tokens {} are [{b}, {t}] (batch × seq) but plan {} was compiled for batch {} × seq {}",
+            tokens.display(),
+            path.display(),
+            m.batch,
+            m.seq
+        );
+    }
+    Ok(())
+}
+
+/// Refuses flags that describe a plan to compile when `--plan` gives a compiled one.
+pub fn refuse_with_plan(flags: &[(&str, bool)]) -> anyhow::Result<()> {
+    if let Some((f, _)) = flags.iter().find(|(_, given)| *given) {
+        bail!("{f} describes a plan to compile; --plan runs a compiled plan as it is (drop {f})");
+    }
+    Ok(())
+}
+
 pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let files = Outputs::new(a.overwrite).inputs([
         Some(a.model.as_path()),
         Some(&a.tokens),
         a.attention_mask.as_deref(),
         a.position_ids.as_deref(),
+        a.plan.as_deref(),
     ]);
     files.check_file("--out", &a.out)?;
+    if a.plan.is_some() {
+        refuse_with_plan(&[
+            ("--mesh", a.mesh.is_some()),
+            ("--strategy", !a.strategy.is_empty()),
+        ])?;
+    } else if a.mesh.is_none() && !a.strategy.is_empty() {
+        bail!("--strategy applies to a sharded run: give --mesh too");
+    }
     let cuda = match a.backend.as_str() {
         "cpu" => None,
         "cuda" => Some(cuda_backend(&a)?),
@@ -181,11 +272,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    if let (None, Some(w)) = (&a.mesh, &world) {
+    if let (None, None, Some(w)) = (&a.mesh, &a.plan, &world) {
         if w.world_size > 1 {
             bail!(
                 "this process is rank {} of {} (RANK/WORLD_SIZE are set) but no --mesh was given; \
-                 a multi-process run needs a mesh of {} ranks",
+                 a multi-process run needs a mesh of {} ranks (or a --plan for one)",
                 w.rank,
                 w.world_size,
                 w.world_size
@@ -252,32 +343,55 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     inputs.insert("attention_mask".to_string(), Tensor::f32(vec![b, t], mask));
 
     let weights = Weights::open(&a.model)?;
+    // The plan that runs: the compiled file, or the model compiled here for `--mesh`.
+    let plan = match &a.plan {
+        Some(p) => {
+            let plan = load_plan(p, &a.model, &cfg, &weights)?;
+            check_plan_tokens(&plan, p, &a.tokens, b, t)?;
+            plan
+        }
+        None => {
+            let opts = match &a.mesh {
+                Some(m) => super::args::options(&cfg, Some(m), &a.strategy, b, t, 8)?,
+                None => CompileOptions {
+                    batch: b,
+                    seq: t,
+                    mesh: Mesh::single(),
+                    extra_strategies: Vec::new(),
+                },
+            };
+            let source = a.model.display().to_string();
+            compile(&CompileSpec::new(cfg.clone(), source, Job::Forward(opts)))?
+        }
+    };
+    if plan.train.is_some() {
+        bail!(
+            "plan {} is a training plan: run it with `shardc train --plan`",
+            a.plan.as_deref().unwrap_or(Path::new("")).display()
+        );
+    }
+    check_inputs(&plan, &inputs)?;
+    let strategies = if plan.strategies.is_empty() {
+        "none".to_string()
+    } else {
+        plan.strategies.join(",")
+    };
+    let distributed = world.is_some() && (a.mesh.is_some() || a.plan.is_some());
     let t0 = Instant::now();
-    let (outputs, how) = match &a.mesh {
+    let (outputs, how) = match &world {
         _ if cuda.is_some() => {
             if world.is_some() {
                 bail!("--backend cuda runs one process (--mesh runs every rank on GPU 0); multi-process CUDA runs are not wired into `shardc run` yet");
             }
             let (dev, opts) = cuda.as_ref().expect("invariant: matched");
-            run_cuda(dev, opts, &cfg, &a, &weights, &inputs, b, t)?
+            run_cuda(dev, opts, &plan, &weights, &inputs)?
         }
-        None => {
-            let g = build_forward(&cfg, BuildOptions::new(b, t))?;
-            (
-                execute(&g, &weights, &inputs, &RankCtx::new())?,
-                "unsharded".to_string(),
-            )
-        }
-        Some(m) if world.is_some() => {
-            let env = world.as_ref().expect("invariant: matched");
-            let opts = super::args::options(&cfg, Some(m), &a.strategy, b, t, 8)?;
-            let c = compile_forward(&cfg, &opts)?;
+        Some(env) if distributed => {
             // Ranks must agree on the program (not on where each found the model).
-            let plan = Plan::new(&c, "", cfg.arch.name(), cfg.layers);
-            let fingerprint = plan_fingerprint(plan.to_json().as_bytes());
-            let pg = ProcessGroup::connect(env, &opts.mesh, &fingerprint, None, a.comm_timeout)?;
+            let fingerprint = fingerprint_of(&plan);
+            let pg = ProcessGroup::connect(env, &plan.mesh, &fingerprint, None, a.comm_timeout)?;
             test_fault_hook(env.rank)?;
-            let out = pg.run(&c.sharded.graph, &weights, &inputs)?;
+            let out = pg.run(&plan.program, &weights, &inputs)?;
             let job: String = pg.bootstrap().iter().map(|x| format!("{x:02x}")).collect();
             if env.rank != 0 {
                 println!(
@@ -289,37 +403,26 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 );
                 return Ok(());
             }
-            let names: Vec<&str> = c.strategies.iter().map(|s| s.name()).collect();
             (
                 out,
                 format!(
-                    "mesh {} ({}) as rank 0 of {} processes (tcp; job {job})",
-                    opts.mesh,
-                    names.join(","),
-                    env.world_size
+                    "mesh {} ({strategies}) as rank 0 of {} processes (tcp; job {job})",
+                    plan.mesh, env.world_size
                 ),
             )
         }
-        Some(m) => {
-            let opts = super::args::options(&cfg, Some(m), &a.strategy, b, t, 8)?;
-            let c = compile_forward(&cfg, &opts)?;
-            let mut outs = run_spmd(
-                &c.sharded.graph,
-                &opts.mesh,
-                &weights,
-                &inputs,
-                a.comm_timeout,
-            )?;
-            let names: Vec<&str> = c.strategies.iter().map(|s| s.name()).collect();
-            (
-                outs.swap_remove(0),
+        _ => {
+            let mut outs = execute_plan(&plan, &weights, &inputs, a.comm_timeout)?;
+            let how = if plan.mesh.world_size() == 1 {
+                "unsharded".to_string()
+            } else {
                 format!(
-                    "mesh {} ({}) on {} thread ranks",
-                    opts.mesh,
-                    names.join(","),
-                    opts.mesh.world_size()
-                ),
-            )
+                    "mesh {} ({strategies}) on {} thread ranks",
+                    plan.mesh,
+                    plan.mesh.world_size()
+                )
+            };
+            (outs.swap_remove(0), how)
         }
     };
     let elapsed = t0.elapsed();
@@ -392,42 +495,32 @@ fn cuda_backend(a: &RunArgs) -> anyhow::Result<(Arc<CudaDevice>, CudaOptions)> {
     Ok((dev, opts))
 }
 
-/// `--backend cuda`: the unsharded graph on GPU 0, or the plan for `--mesh` on virtual ranks
-/// of GPU 0 (local-gpu communicator). Returns rank 0's outputs and a description.
-#[allow(clippy::too_many_arguments)]
+/// `--backend cuda`: an unsharded plan on GPU 0, or a sharded one on virtual ranks of GPU 0
+/// (local-gpu communicator). Returns rank 0's outputs and a description.
 fn run_cuda(
     dev: &Arc<CudaDevice>,
     opts: &CudaOptions,
-    cfg: &ModelConfig,
-    a: &RunArgs,
+    plan: &Plan,
     weights: &Weights,
     inputs: &BTreeMap<String, Tensor>,
-    b: usize,
-    t: usize,
 ) -> anyhow::Result<(BTreeMap<String, Tensor>, String)> {
     let params = ParamInit::Weights(weights);
-    Ok(match &a.mesh {
-        None => {
-            let g = build_forward(cfg, BuildOptions::new(b, t))?;
-            let out = execute_cuda(dev, &g, &params, inputs, opts.clone())?;
-            (out, format!("unsharded on {} ({})", dev.name(), opts.dtype))
-        }
-        Some(m) => {
-            let o = super::args::options(cfg, Some(m), &a.strategy, b, t, 8)?;
-            let c = compile_forward(cfg, &o)?;
-            let mut outs =
-                run_spmd_local_gpu(dev, &c.sharded.graph, &o.mesh, &params, inputs, opts)?;
-            (
-                outs.swap_remove(0),
-                format!(
-                    "mesh {} on {} virtual ranks of {} (local-gpu, {})",
-                    o.mesh,
-                    o.mesh.world_size(),
-                    dev.name(),
-                    opts.dtype
-                ),
-            )
-        }
+    let mesh = &plan.mesh;
+    Ok(if mesh.axes.is_empty() {
+        let out = execute_cuda(dev, &plan.program, &params, inputs, opts.clone())?;
+        (out, format!("unsharded on {} ({})", dev.name(), opts.dtype))
+    } else {
+        let mut outs = run_spmd_local_gpu(dev, &plan.program, mesh, &params, inputs, opts)?;
+        (
+            outs.swap_remove(0),
+            format!(
+                "mesh {} on {} virtual ranks of {} (local-gpu, {})",
+                mesh,
+                mesh.world_size(),
+                dev.name(),
+                opts.dtype
+            ),
+        )
     })
 }
 
@@ -447,6 +540,7 @@ mod cuda_tests {
             position_ids: None,
             out: PathBuf::from("/nonexistent/out.json"),
             overwrite: false,
+            plan: None,
             mesh: None,
             strategy: vec![],
             backend: "cuda".into(),

@@ -1,29 +1,30 @@
 //! `shardc train`: training steps (causal-LM loss, AdamW) on the CPU reference backend,
-//! unsharded or as a sharded plan on thread ranks; prints the loss per step. A mesh with a
-//! `pp` axis runs a pipeline: chunks on stages, a schedule, send/recv between them. With
-//! RANK/WORLD_SIZE set (`shardc launch`, torchrun) and `--mesh`, this process runs only its
-//! rank, over tcp; rank 0 prints the loss.
+//! unsharded or sharded on thread ranks; prints the loss per step. What runs is a training
+//! plan: the compiled file given by `--plan` (`shardc compile --train -o FILE`; the model
+//! gives the weights), or the model compiled here for `--mesh` and the step flags (which
+//! `--save-plan` writes). A plan with a pipeline runs its chunks on stages, its schedule's
+//! instructions with send/recv between them. With RANK/WORLD_SIZE set (`shardc launch`,
+//! torchrun) and `--mesh` or `--plan`, this process runs only its rank, over tcp; rank 0
+//! prints the loss.
 
 use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
+use shardc::compiler::compile::{compile, CompileSpec, Job};
 use shardc::compiler::cost::timelines_trace;
 use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
 use shardc::compiler::schedule::pipeline::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
-use shardc::compiler::train::{
-    compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, Precision,
-    TrainOptions,
-};
-use shardc::runtime::launch::{plan_fingerprint, ProcessGroup, WorldEnv};
+use shardc::compiler::train::{PipelineOptions, Precision, TrainOptions};
+use shardc::runtime::launch::{fingerprint_of, ProcessGroup, WorldEnv};
 use shardc::runtime::output::{Outputs, StagedDir};
 use shardc::runtime::pipeline::{pipeline_step, StageTrainer};
 use shardc::runtime::train::{
-    save_safetensors, stored_tensors_of, train_step, Batch, Fill, RankTrainer, StepOutput,
-    TrainError, TrainState,
+    save_safetensors, stored_tensors_of, train_section, train_step, Batch, Fill, RankTrainer,
+    StepOutput, TrainError, TrainState,
 };
 use shardc::runtime::Weights;
 use std::collections::BTreeMap;
@@ -37,16 +38,21 @@ pub struct TrainArgs {
     /// Token ids, a JSON list of equal-length lists (batch × seq); labels are the next tokens.
     #[arg(long)]
     tokens: PathBuf,
-    /// Run the sharded plan for this mesh on thread ranks (e.g. `dp=2`, `dp=2,tp=2`,
-    /// `pp=2,dp=2,tp=2`).
+    /// Run this compiled training plan (`shardc compile --train -o FILE`); the model gives the
+    /// weights. The plan fixes the mesh, strategies, micro-batches, recomputation, schedule and
+    /// optimizer (the flags that set them are refused).
+    #[arg(long)]
+    plan: Option<PathBuf>,
+    /// Compile and run the sharded step for this mesh on thread ranks (e.g. `dp=2`,
+    /// `dp=2,tp=2`, `pp=2,dp=2,tp=2`).
     #[arg(long)]
     mesh: Option<String>,
-    /// Pipeline schedule (meshes with `pp`): gpipe, 1f1b, interleaved or zb-h1.
-    #[arg(long, default_value = "1f1b")]
-    schedule: String,
-    /// Model chunks per pipeline rank (interleaved schedule).
-    #[arg(long, default_value_t = 1)]
-    virtual_stages: usize,
+    /// Pipeline schedule (meshes with `pp`): gpipe, 1f1b (default), interleaved or zb-h1.
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Model chunks per pipeline rank (interleaved schedule; default 1).
+    #[arg(long)]
+    virtual_stages: Option<usize>,
     /// Decoder layers per pipeline chunk, e.g. `9,8,8,7` (default: balanced by cost).
     #[arg(long)]
     stage_layers: Option<String>,
@@ -56,27 +62,27 @@ pub struct TrainArgs {
     /// Optimizer steps (each on the same tokens).
     #[arg(long, default_value_t = 1)]
     steps: usize,
-    /// Micro-batches per step (gradient accumulation).
-    #[arg(long, default_value_t = 1)]
-    micro_batches: usize,
-    /// Activation checkpointing: none, full or selective.
-    #[arg(long, default_value = "none")]
-    recompute: String,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 1e-3, allow_hyphen_values = true)]
-    lr: f32,
-    /// AdamW β₁.
-    #[arg(long, default_value_t = 0.9, allow_hyphen_values = true)]
-    beta1: f32,
-    /// AdamW β₂.
-    #[arg(long, default_value_t = 0.95, allow_hyphen_values = true)]
-    beta2: f32,
-    /// AdamW ε.
-    #[arg(long, default_value_t = 1e-8, allow_hyphen_values = true)]
-    eps: f32,
-    /// AdamW decoupled weight decay.
-    #[arg(long, default_value_t = 0.1, allow_hyphen_values = true)]
-    weight_decay: f32,
+    /// Micro-batches per step (gradient accumulation; default 1).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// Activation checkpointing: none (default), full or selective.
+    #[arg(long)]
+    recompute: Option<String>,
+    /// AdamW learning rate (default 1e-3).
+    #[arg(long, allow_hyphen_values = true)]
+    lr: Option<f32>,
+    /// AdamW β₁ (default 0.9).
+    #[arg(long, allow_hyphen_values = true)]
+    beta1: Option<f32>,
+    /// AdamW β₂ (default 0.95).
+    #[arg(long, allow_hyphen_values = true)]
+    beta2: Option<f32>,
+    /// AdamW ε (default 1e-8).
+    #[arg(long, allow_hyphen_values = true)]
+    eps: Option<f32>,
+    /// AdamW decoupled weight decay (default 0.1).
+    #[arg(long, allow_hyphen_values = true)]
+    weight_decay: Option<f32>,
     /// Write the trained checkpoint (model.safetensors with the checkpoint's tensor names,
     /// plus config.json) to this directory.
     #[arg(long)]
@@ -84,9 +90,10 @@ pub struct TrainArgs {
     /// Write the last step's gradients as `grad.<tensor name>` to this safetensors file.
     #[arg(long)]
     dump_grads: Option<PathBuf>,
-    /// Write the step's plan (with memory and communication accounting) to this JSON file.
+    /// Write the step's plan (with memory and communication accounting) to this JSON file;
+    /// `--plan` runs it later.
     #[arg(long)]
-    plan: Option<PathBuf>,
+    save_plan: Option<PathBuf>,
     /// Pipelines: write the last step as executed (every rank's passes, transfers and
     /// activation bytes, measured) as a Chrome/Perfetto trace.
     #[arg(long)]
@@ -106,11 +113,11 @@ pub struct TrainArgs {
 /// of timeout (zero micro-batches is the compiler's error).
 fn hyper_params(a: &TrainArgs) -> anyhow::Result<AdamWSpec> {
     let spec = AdamWSpec {
-        lr: Float(a.lr),
-        beta1: Float(a.beta1),
-        beta2: Float(a.beta2),
-        eps: Float(a.eps),
-        weight_decay: Float(a.weight_decay),
+        lr: Float(a.lr.unwrap_or(1e-3)),
+        beta1: Float(a.beta1.unwrap_or(0.9)),
+        beta2: Float(a.beta2.unwrap_or(0.95)),
+        eps: Float(a.eps.unwrap_or(1e-8)),
+        weight_decay: Float(a.weight_decay.unwrap_or(0.1)),
     };
     if let Err(e) = spec.validate() {
         bail!(
@@ -122,7 +129,7 @@ fn hyper_params(a: &TrainArgs) -> anyhow::Result<AdamWSpec> {
     }
     for (flag, n) in [
         ("--steps", a.steps as u64),
-        ("--virtual-stages", a.virtual_stages as u64),
+        ("--virtual-stages", a.virtual_stages.unwrap_or(1) as u64),
         ("--timeout", a.timeout),
     ] {
         if n == 0 {
@@ -171,37 +178,6 @@ fn read_tokens(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
     Ok((rows.len(), width.unwrap_or(0), out))
 }
 
-/// A compiled step: one SPMD program, or a pipeline of them.
-enum Compiled {
-    Flat(Box<CompiledTrain>),
-    Pipe(Box<CompiledPipeline>),
-}
-
-impl Compiled {
-    fn params(&self) -> Vec<&shardc::compiler::autodiff::TrainParam> {
-        match self {
-            Compiled::Flat(c) => c.train.params.iter().collect(),
-            Compiled::Pipe(c) => c.params().collect(),
-        }
-    }
-
-    fn strategies(&self) -> &[shardc::compiler::shard::Strategy] {
-        match self {
-            Compiled::Flat(c) => &c.strategies,
-            Compiled::Pipe(c) => &c.strategies,
-        }
-    }
-
-    /// The step's plan, as the CPU runtime executes it (f32).
-    fn plan(&self, source: &str, cfg: &ModelConfig) -> Plan {
-        let (arch, layers) = (cfg.arch.name(), cfg.layers);
-        match self {
-            Compiled::Flat(c) => c.plan(source, arch, layers, Precision::f32()),
-            Compiled::Pipe(c) => c.plan(source, arch, layers, Precision::f32()),
-        }
-    }
-}
-
 /// This process's rank of a multi-process run: connects its groups (tcp, torchrun's
 /// variables), runs its part of every step (its shard of the SPMD program, or its pipeline
 /// stage, whose transfers go over the `pp` groups), keeps its parameter and optimizer shards
@@ -209,10 +185,8 @@ impl Compiled {
 #[allow(clippy::too_many_arguments)]
 fn run_rank(
     a: &TrainArgs,
-    cfg: &ModelConfig,
-    c: &Compiled,
+    plan: &Plan,
     env: &WorldEnv,
-    opts: &TrainOptions,
     batch: &Batch,
     weights: &Weights,
     state: TrainState,
@@ -225,36 +199,28 @@ fn run_rank(
     }
     let timeout = Duration::from_secs(a.timeout);
     // Ranks must agree on the program (not on where each found the model).
-    let fingerprint = plan_fingerprint(c.plan("", cfg).to_json().as_bytes());
-    let pg = ProcessGroup::connect(env, &opts.mesh, &fingerprint, None, timeout)?;
+    let fingerprint = fingerprint_of(plan);
+    let pg = ProcessGroup::connect(env, &plan.mesh, &fingerprint, None, timeout)?;
     let ctx = pg.ctx();
     if env.rank == 0 {
-        let names: Vec<&str> = matches!(c, Compiled::Pipe(_))
-            .then_some("pp")
-            .into_iter()
-            .chain(c.strategies().iter().map(|s| s.name()))
-            .collect();
         println!(
             "training mesh {} ({}) as rank 0 of {} processes (tcp): batch {} × {} tokens, {} micro-batch(es)",
-            opts.mesh,
-            names.join(","),
+            plan.mesh,
+            plan.strategies.join(","),
             env.world_size,
             batch.batch,
             batch.seq,
-            opts.micro_batches
+            train_section(plan)?.micro_batches
         );
     }
     let run = || -> anyhow::Result<()> {
         let (st, ctx) = (&state, &ctx);
-        let mut one_step: Box<dyn FnMut(u64) -> anyhow::Result<f32>> = match c {
-            Compiled::Flat(c) => {
-                let mut t = RankTrainer::new(c, weights, ctx)?;
-                Box::new(move |n| Ok(t.step(st, batch, n, ctx)?))
-            }
-            Compiled::Pipe(c) => {
-                let mut t = StageTrainer::new(c, env.rank);
-                Box::new(move |n| Ok(t.step(st, batch, n, ctx, weights)?))
-            }
+        let mut one_step: Box<dyn FnMut(u64) -> anyhow::Result<f32>> = if plan.pipeline.is_some() {
+            let mut t = StageTrainer::new(plan, env.rank)?;
+            Box::new(move |n| Ok(t.step(st, batch, n, ctx, weights)?))
+        } else {
+            let mut t = RankTrainer::new(plan, weights, ctx)?;
+            Box::new(move |n| Ok(t.step(st, batch, n, ctx)?))
         };
         for step in 1..=a.steps {
             let t0 = Instant::now();
@@ -290,24 +256,85 @@ fn run_rank(
 }
 
 /// Chunk placement and the schedule's bubble.
-fn describe_pipeline(p: &CompiledPipeline) -> anyhow::Result<()> {
-    println!("pipeline: {}", p.schedule.describe()?);
+fn describe_pipeline(p: &Plan) -> anyhow::Result<()> {
+    let Some(s) = &p.pipeline else {
+        return Ok(());
+    };
+    println!("pipeline: {}", s.describe()?);
     for ch in &p.chunks {
         println!(
             "  chunk {} on stage {}: {}",
             ch.index,
             ch.stage,
-            ch.spec.describe()
+            ch.describe()
         );
     }
     Ok(())
 }
 
+/// The step compiled from the model and the step flags, as a plan (the CPU runtime runs f32).
+fn compile_plan(
+    a: &TrainArgs,
+    cfg: &ModelConfig,
+    batch: &Batch,
+    adamw: AdamWSpec,
+) -> anyhow::Result<Plan> {
+    let recompute_name = a.recompute.as_deref().unwrap_or("none");
+    let Some(recompute) = Recompute::from_name(recompute_name) else {
+        bail!("unknown recompute mode `{recompute_name}`; valid modes: none, full, selective");
+    };
+    let mesh = match &a.mesh {
+        Some(m) => Mesh::parse(m, 8)?,
+        None => Mesh::single(),
+    };
+    let (b, t) = (batch.batch, batch.seq);
+    let mut opts = TrainOptions::new(b, t, mesh);
+    opts.extra_strategies = a.strategy.clone();
+    opts.micro_batches = a.micro_batches.unwrap_or(1);
+    opts.recompute = recompute;
+    opts.denom = Some(batch.predicted_tokens());
+    opts.adamw = adamw;
+    let pipelined = opts
+        .mesh
+        .axis("pp")
+        .is_some_and(|p| opts.mesh.axis_size(p) > 1);
+    let virtual_stages = a.virtual_stages.unwrap_or(1);
+    if pipelined {
+        let schedule = ScheduleKind::from_name(a.schedule.as_deref().unwrap_or("1f1b"))?;
+        let chunks = opts.mesh.axis_size(opts.mesh.axis("pp").expect("checked"))
+            * if schedule == ScheduleKind::Interleaved {
+                virtual_stages
+            } else {
+                1
+            };
+        opts.pipeline = PipelineOptions {
+            schedule,
+            virtual_stages,
+            stage_layers: a
+                .stage_layers
+                .as_deref()
+                .map(|t| parse_stage_layers(t, cfg.layers, chunks))
+                .transpose()?,
+        };
+    } else if a.trace.is_some() {
+        bail!("--trace records a pipeline's executed schedule: it needs a mesh with a pp axis");
+    } else if a.stage_layers.is_some() || virtual_stages != 1 {
+        bail!("--stage-layers and --virtual-stages need a mesh with a pp axis (e.g. --mesh pp=2)");
+    }
+    let mut spec = CompileSpec::new(cfg.clone(), a.model.display().to_string(), Job::Train(opts));
+    spec.precision = Precision::f32();
+    Ok(compile(&spec)?)
+}
+
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let adamw = hyper_params(&a)?;
-    let outputs = Outputs::new(a.overwrite).inputs([Some(a.model.as_path()), Some(&a.tokens)]);
+    let outputs = Outputs::new(a.overwrite).inputs([
+        Some(a.model.as_path()),
+        Some(&a.tokens),
+        a.plan.as_deref(),
+    ]);
     for (flag, p) in [
-        ("--plan", &a.plan),
+        ("--save-plan", &a.save_plan),
         ("--dump-grads", &a.dump_grads),
         ("--trace", &a.trace),
     ] {
@@ -341,109 +368,105 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             cfg.vocab
         );
     }
-    let Some(recompute) = Recompute::from_name(&a.recompute) else {
-        bail!(
-            "unknown recompute mode `{}`; valid modes: none, full, selective",
-            a.recompute
-        );
-    };
-    let mesh = match &a.mesh {
-        Some(m) => Mesh::parse(m, 8)?,
-        None => Mesh::single(),
-    };
     let batch = Batch::causal_lm(ids.iter().map(|&x| x as i32).collect(), b, t);
-    let mut opts = TrainOptions::new(b, t, mesh);
-    opts.extra_strategies = a.strategy.clone();
-    opts.micro_batches = a.micro_batches;
-    opts.recompute = recompute;
-    opts.denom = Some(batch.predicted_tokens());
-    opts.adamw = adamw;
-    let pipelined = opts
-        .mesh
-        .axis("pp")
-        .is_some_and(|p| opts.mesh.axis_size(p) > 1);
-    if pipelined {
-        let schedule = ScheduleKind::from_name(&a.schedule)?;
-        let chunks = opts.mesh.axis_size(opts.mesh.axis("pp").expect("checked"))
-            * if schedule == ScheduleKind::Interleaved {
-                a.virtual_stages
-            } else {
-                1
+    // The plan that runs: the compiled file, or the model compiled here for the flags.
+    let (plan, weights) = match &a.plan {
+        Some(p) => {
+            super::run::refuse_with_plan(&[
+                ("--mesh", a.mesh.is_some()),
+                ("--strategy", !a.strategy.is_empty()),
+                ("--micro-batches", a.micro_batches.is_some()),
+                ("--recompute", a.recompute.is_some()),
+                ("--schedule", a.schedule.is_some()),
+                ("--virtual-stages", a.virtual_stages.is_some()),
+                ("--stage-layers", a.stage_layers.is_some()),
+                ("--lr", a.lr.is_some()),
+                ("--beta1", a.beta1.is_some()),
+                ("--beta2", a.beta2.is_some()),
+                ("--eps", a.eps.is_some()),
+                ("--weight-decay", a.weight_decay.is_some()),
+                ("--save-plan", a.save_plan.is_some()),
+            ])?;
+            let weights = Weights::open(&a.model)?;
+            let plan = super::run::load_plan(p, &a.model, &cfg, &weights)?;
+            let Some(tr) = &plan.train else {
+                bail!(
+                    "plan {} is a forward plan: `shardc train --plan` runs a training plan \
+                     (`shardc compile --train -o FILE`); `shardc run --plan` runs this one",
+                    p.display()
+                );
             };
-        opts.pipeline = PipelineOptions {
-            schedule,
-            virtual_stages: a.virtual_stages,
-            stage_layers: a
-                .stage_layers
-                .as_deref()
-                .map(|t| parse_stage_layers(t, cfg.layers, chunks))
-                .transpose()?,
-        };
-    } else if a.trace.is_some() {
-        bail!("--trace records a pipeline's executed schedule: it needs a mesh with a pp axis");
-    } else if a.stage_layers.is_some() || a.virtual_stages != 1 {
-        bail!("--stage-layers and --virtual-stages need a mesh with a pp axis (e.g. --mesh pp=2)");
-    }
-    let c = if pipelined {
-        Compiled::Pipe(Box::new(compile_pipeline(&cfg, &opts)?))
-    } else {
-        Compiled::Flat(Box::new(compile_train(&cfg, &opts)?))
+            super::run::check_plan_tokens(&plan, p, &a.tokens, b, t)?;
+            if tr.denom != batch.predicted_tokens() {
+                bail!(
+                    "plan {} divides the loss by {} predicted tokens, but tokens {} predict {}",
+                    p.display(),
+                    tr.denom,
+                    a.tokens.display(),
+                    batch.predicted_tokens()
+                );
+            }
+            if a.trace.is_some() && plan.pipeline.is_none() {
+                bail!(
+                    "--trace records a pipeline's executed schedule: plan {} has no pipeline",
+                    p.display()
+                );
+            }
+            (plan, weights)
+        }
+        None => {
+            let plan = compile_plan(&a, &cfg, &batch, adamw)?;
+            (plan, Weights::open(&a.model)?)
+        }
     };
+    let tr = train_section(&plan)?;
     // One rank of a multi-process run (`shardc launch`, torchrun): RANK/WORLD_SIZE set.
-    let world = (a.mesh.is_some() && WorldEnv::detected())
+    let world = ((a.mesh.is_some() || a.plan.is_some()) && WorldEnv::detected())
         .then(WorldEnv::from_env)
         .transpose()?;
     if let Some(p) = a
-        .plan
+        .save_plan
         .as_ref()
         .filter(|_| world.as_ref().is_none_or(|w| w.rank == 0))
     {
-        let source = a.model.display().to_string();
-        let plan = c.plan(&source, &cfg);
-        plan.check_pipeline()?;
-        outputs.write("--plan", p, plan.to_json().as_bytes())?;
+        outputs.write("--save-plan", p, plan.to_json().as_bytes())?;
     }
-    let weights = Weights::open(&a.model)?;
-    let mut state = TrainState::load_params(c.params(), &weights)?;
+    let mut state = TrainState::load(&plan, &weights)?;
     if let Some(env) = &world {
-        return run_rank(&a, &cfg, &c, env, &opts, &batch, &weights, state);
+        return run_rank(&a, &plan, env, &batch, &weights, state);
     }
-    let how = if opts.mesh.world_size() == 1 {
+    let mesh = &plan.mesh;
+    let how = if mesh.world_size() == 1 {
         "unsharded".to_string()
     } else {
-        let names: Vec<&str> = pipelined
-            .then_some("pp")
-            .into_iter()
-            .chain(c.strategies().iter().map(|s| s.name()))
-            .collect();
         format!(
-            "mesh {} ({}) on {} thread ranks",
-            opts.mesh,
-            names.join(","),
-            opts.mesh.world_size()
+            "mesh {mesh} ({}) on {} thread ranks",
+            plan.strategies.join(","),
+            mesh.world_size()
         )
     };
     println!(
-        "training {} ({} layers) {how}: batch {b} × {t} tokens, {} micro-batch(es), recompute {recompute}",
+        "training {} ({} layers) {how}: batch {b} × {t} tokens, {} micro-batch(es), recompute {}",
         cfg.arch.name(),
         cfg.layers,
-        a.micro_batches
+        tr.micro_batches,
+        tr.recompute
     );
-    if let Compiled::Pipe(p) = &c {
-        describe_pipeline(p)?;
-    }
+    describe_pipeline(&plan)?;
     let mut grads = BTreeMap::new();
     let mut timelines = Vec::new();
     let timeout = Duration::from_secs(a.timeout);
     for step in 1..=a.steps {
         let t0 = Instant::now();
-        let (out, peaks): (StepOutput, Option<Vec<usize>>) = match &c {
-            Compiled::Flat(c) => (train_step(c, &mut state, &batch, &weights, timeout)?, None),
-            Compiled::Pipe(c) => {
-                let s = pipeline_step(c, &mut state, &batch, timeout, &weights)?;
-                timelines = s.timelines;
-                (s.output, Some(s.peak_activation_bytes))
-            }
+        let (out, peaks): (StepOutput, Option<Vec<usize>>) = if plan.pipeline.is_some() {
+            let s = pipeline_step(&plan, &mut state, &batch, timeout, &weights)?;
+            timelines = s.timelines;
+            (s.output, Some(s.peak_activation_bytes))
+        } else {
+            (
+                train_step(&plan, &mut state, &batch, &weights, timeout)?,
+                None,
+            )
         };
         let peaks = peaks.map_or(String::new(), |p| {
             let kib: Vec<String> = p
@@ -460,7 +483,6 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         grads = out.grads;
     }
     if let Some(path) = &a.trace {
-        let mesh = &opts.mesh;
         let labels: Vec<String> = (0..mesh.world_size())
             .map(|r| mesh.coords_label(r))
             .collect();
@@ -477,7 +499,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(path) = &a.dump_grads {
-        let stored = stored_tensors_of(c.params(), &grads, &weights, Fill::Zeros)?;
+        let stored = stored_tensors_of(&tr.params, &grads, &weights, Fill::Zeros)?;
         let named = stored
             .into_iter()
             .map(|(k, v)| (format!("grad.{k}"), v))
@@ -489,7 +511,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         // Built whole beside `dir` (tensors first, config.json last), then swapped into place:
         // a failed or killed save leaves the previous checkpoint as it was.
         let stage = StagedDir::new(dir)?;
-        let stored = stored_tensors_of(c.params(), &state.params, &weights, Fill::Original)?;
+        let stored = stored_tensors_of(&tr.params, &state.params, &weights, Fill::Original)?;
         save_safetensors(&stage.path("model.safetensors"), &stored)?;
         let cfg_src = if a.model.is_dir() {
             a.model.join("config.json")

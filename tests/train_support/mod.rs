@@ -5,15 +5,15 @@
 use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::model::ModelConfig;
+use shardc::compiler::plan::Plan;
 use shardc::compiler::schedule::pipeline::ScheduleKind;
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{
-    compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, TrainOptions,
+    compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, Precision,
+    TrainOptions,
 };
 use shardc::runtime::pipeline::pipeline_step;
-use shardc::runtime::train::{
-    stored_tensors, stored_tensors_of, train_step, Batch, Fill, TrainState,
-};
+use shardc::runtime::train::{stored_tensors, train_step, Batch, Fill, TrainState};
 use shardc::runtime::{Tensor, Weights};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -147,6 +147,16 @@ pub struct Run {
     pub updated: BTreeMap<String, Tensor>,
 }
 
+/// The plan the runtime executes for compiled step `c` of `cfg`.
+pub fn plan_of(c: &CompiledTrain, cfg: &ModelConfig) -> Plan {
+    c.plan("", cfg.arch.name(), cfg.layers, Precision::f32())
+}
+
+/// The plan the runtime executes for compiled pipeline `c` of `cfg`.
+pub fn pipe_plan_of(c: &CompiledPipeline, cfg: &ModelConfig) -> Plan {
+    c.plan("", cfg.arch.name(), cfg.layers, Precision::f32())
+}
+
 /// One step of `model` on `mesh` (`""`: unsharded) with `extra` strategies, on the fixture
 /// tokens repeated `dup` times per row (a batch of `2·dup` with the same loss and gradients).
 pub fn run(
@@ -176,12 +186,13 @@ pub fn run(
     o.micro_batches = micro_batches;
     o.recompute = rc;
     let c = compile_train(&cfg, &o).unwrap_or_else(|e| panic!("{model} {extra:?}: {e}"));
+    let plan = plan_of(&c, &cfg);
     let w = Weights::open(dir(model)).unwrap();
-    let mut state = TrainState::load(&c, &w).unwrap();
-    let out = train_step(&c, &mut state, &batch, &w, Duration::from_secs(60))
+    let mut state = TrainState::load(&plan, &w).unwrap();
+    let out = train_step(&plan, &mut state, &batch, &w, Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{model}: {e}"));
-    let grads = stored_tensors(&c, &out.grads, &w, Fill::Zeros).unwrap();
-    let updated = stored_tensors(&c, &state.params, &w, Fill::Original).unwrap();
+    let grads = stored_tensors(&plan, &out.grads, &w, Fill::Zeros).unwrap();
+    let updated = stored_tensors(&plan, &state.params, &w, Fill::Original).unwrap();
     Run {
         compiled: c,
         loss: out.loss,
@@ -271,13 +282,14 @@ pub fn run_pipeline_on(model_dir: &std::path::Path, pipe: &Pipe, batch: &Batch) 
 pub fn run_pipeline_opts(model_dir: &std::path::Path, o: &TrainOptions, batch: &Batch) -> PipeRun {
     let cfg = ModelConfig::from_path(model_dir).unwrap();
     let c = compile_pipeline(&cfg, o).unwrap_or_else(|e| panic!("{}: {e}", o.mesh));
+    let plan = pipe_plan_of(&c, &cfg);
     let w = Weights::open(model_dir).unwrap();
-    let mut state = TrainState::load_params(c.params(), &w).unwrap();
-    let step = pipeline_step(&c, &mut state, batch, Duration::from_secs(60), &w)
+    let mut state = TrainState::load(&plan, &w).unwrap();
+    let step = pipeline_step(&plan, &mut state, batch, Duration::from_secs(60), &w)
         .unwrap_or_else(|e| panic!("{}: {e}", o.mesh));
     let out = step.output;
-    let grads = stored_tensors_of(c.params(), &out.grads, &w, Fill::Zeros).unwrap();
-    let updated = stored_tensors_of(c.params(), &state.params, &w, Fill::Original).unwrap();
+    let grads = stored_tensors(&plan, &out.grads, &w, Fill::Zeros).unwrap();
+    let updated = stored_tensors(&plan, &state.params, &w, Fill::Original).unwrap();
     PipeRun {
         compiled: c,
         loss: out.loss,
@@ -304,11 +316,12 @@ pub fn run_unsharded_on(model_dir: &std::path::Path, batch: &Batch) -> Run {
     let cfg = ModelConfig::from_path(model_dir).unwrap();
     let o = TrainOptions::new(batch.batch, batch.seq, Mesh::single());
     let c = compile_train(&cfg, &o).unwrap();
+    let plan = plan_of(&c, &cfg);
     let w = Weights::open(model_dir).unwrap();
-    let mut state = TrainState::load(&c, &w).unwrap();
-    let out = train_step(&c, &mut state, batch, &w, Duration::from_secs(60)).unwrap();
-    let grads = stored_tensors(&c, &out.grads, &w, Fill::Zeros).unwrap();
-    let updated = stored_tensors(&c, &state.params, &w, Fill::Original).unwrap();
+    let mut state = TrainState::load(&plan, &w).unwrap();
+    let out = train_step(&plan, &mut state, batch, &w, Duration::from_secs(60)).unwrap();
+    let grads = stored_tensors(&plan, &out.grads, &w, Fill::Zeros).unwrap();
+    let updated = stored_tensors(&plan, &state.params, &w, Fill::Original).unwrap();
     Run {
         compiled: c,
         loss: out.loss,

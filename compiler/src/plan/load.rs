@@ -262,7 +262,7 @@ fn field_error(v: &Value, whole: &serde_json::Error) -> PlanError {
     }
 
     type Finder = fn(&Value, &str) -> Option<(String, String)>;
-    let fields: [(&str, bool, Finder); 16] = [
+    let fields: [(&str, bool, Finder); 17] = [
         ("format_version", true, |x, p| {
             check::<u32>(x).err().map(|m| (p.into(), m))
         }),
@@ -331,6 +331,16 @@ fn field_error(v: &Value, whole: &serde_json::Error) -> PlanError {
         }),
         ("comm", false, |x, p| {
             check::<Option<crate::train::CommVolume>>(x)
+                .err()
+                .map(|m| (p.into(), m))
+        }),
+        ("train", false, |x, p| {
+            if let Some(ps) = x.get("params") {
+                if let Some(e) = each::<super::PlanParam>(ps, &format!("{p}.params")) {
+                    return Some(e);
+                }
+            }
+            check::<Option<super::PlanTrain>>(x)
                 .err()
                 .map(|m| (p.into(), m))
         }),

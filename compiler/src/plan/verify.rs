@@ -104,6 +104,15 @@ impl Plan {
             }
         }
         check_shardings("shardings", &self.shardings, &self.program, &mesh)?;
+        let programs: Vec<(&Graph, &[TensorSharding])> = if self.chunks.is_empty() {
+            vec![(&self.program, &self.shardings)]
+        } else {
+            self.chunks
+                .iter()
+                .map(|c| (&c.program, &c.shardings[..]))
+                .collect()
+        };
+        super::train::check_train(self, &programs, &mesh)?;
         let n = self.program.len();
         if let Some(&k) = self.provenance.keys().find(|&&k| k as usize >= n) {
             return Err(field(

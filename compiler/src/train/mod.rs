@@ -41,7 +41,7 @@ use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, T
 use crate::compile::{Pass, PassLog, VerifyError};
 use crate::ir::{AdamWSpec, Graph, Op};
 use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
-use crate::plan::Plan;
+use crate::plan::{Plan, PlanParam, PlanTrain};
 use crate::shard::{self, Annotations, Mesh, ShardError, ShardedGraph, Strategy};
 use thiserror::Error;
 
@@ -140,7 +140,27 @@ impl CompiledTrain {
             .sum();
         plan.memory.train = Some(memory_report(self, precision));
         plan.comm = Some(comm_volume(&self.sharded));
+        plan.train = Some(self.plan_train(0));
         plan
+    }
+
+    /// The plan's training section for this step as program `chunk` of its plan.
+    pub(crate) fn plan_train(&self, chunk: usize) -> PlanTrain {
+        let o = &self.options;
+        PlanTrain {
+            micro_batches: self.train.micro_batches,
+            denom: o.denom.unwrap_or(o.batch * o.seq.saturating_sub(1)),
+            adamw: o.adamw,
+            recompute: o.recompute,
+            zero_stage: self.zero_stage,
+            params: self
+                .train
+                .params
+                .iter()
+                .map(|p| PlanParam::of(p, chunk))
+                .collect(),
+            tied: Vec::new(),
+        }
     }
 }
 

@@ -148,6 +148,22 @@ impl CompiledPipeline {
             .unwrap_or(0);
         plan.memory.train = None;
         plan.comm = None;
+        let mut train = self.chunks[0].train.plan_train(0);
+        train.params = self
+            .chunks
+            .iter()
+            .flat_map(|c| c.train.plan_train(c.index).params)
+            .collect();
+        let mut tied: Vec<String> = Vec::new();
+        for p in &train.params {
+            if train.params.iter().filter(|q| q.label == p.label).count() > 1
+                && !tied.contains(&p.label)
+            {
+                tied.push(p.label.clone());
+            }
+        }
+        train.tied = tied;
+        plan.train = Some(train);
         plan.pipeline = Some(self.schedule.clone());
         plan.pipeline_program = self.program.clone();
         plan.pipeline_nodes = self.nodes.clone();

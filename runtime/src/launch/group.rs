@@ -283,3 +283,11 @@ pub fn random_bytes(n: usize) -> Vec<u8> {
 pub fn plan_fingerprint(plan: &[u8]) -> Vec<u8> {
     blake3::hash(plan).as_bytes().to_vec()
 }
+
+/// The fingerprint of `plan` ([`plan_fingerprint`] of its JSON without the model's path, so
+/// ranks that found the model or plan in different places agree).
+pub fn fingerprint_of(plan: &shardc_compiler::plan::Plan) -> Vec<u8> {
+    let mut p = plan.clone();
+    p.model.source.clear();
+    plan_fingerprint(p.to_json().as_bytes())
+}

@@ -31,7 +31,7 @@ pub mod rendezvous;
 pub mod spawn;
 
 pub use env::WorldEnv;
-pub use group::{plan_fingerprint, ProcessGroup};
+pub use group::{fingerprint_of, plan_fingerprint, ProcessGroup};
 pub use rendezvous::{Rendezvous, RendezvousServer, RendezvousTable};
 pub use spawn::{launch, LaunchConfig, LaunchReport};
 

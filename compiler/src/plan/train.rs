@@ -1,0 +1,236 @@
+//! The training section of a plan: what a runtime needs beyond the programs to run optimizer
+//! steps from a plan file alone: the step's micro-batches, loss divisor and AdamW
+//! hyperparameters, and every trainable parameter's binding (the checkpoint tensors it reads
+//! and writes, its global type, the program inputs and outputs that carry it, its gradient and
+//! its optimizer state).
+//!
+//! Post-condition of [`check_train`]: every name the section gives is an input or output of
+//! the program it points at, every parameter's local types times its layout's parts equal its
+//! global type, and a tied parameter lives in exactly two chunks (any other in exactly one).
+
+use super::{Plan, PlanError};
+use crate::autodiff::{Recompute, TrainParam};
+use crate::ir::{AdamWSpec, Graph, ParamSource, TensorType};
+use crate::shard::{Mesh, TensorSharding};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// How a training plan steps (see the module docs).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanTrain {
+    /// Micro-batches per step (gradient accumulation; the pipeline's micro-batches).
+    pub micro_batches: usize,
+    /// Predicted tokens per step: the loss divisor.
+    pub denom: usize,
+    /// The optimizer.
+    pub adamw: AdamWSpec,
+    /// Activation checkpointing.
+    pub recompute: Recompute,
+    /// ZeRO stage inside a stage (0: none).
+    pub zero_stage: u8,
+    /// Every trainable parameter, in model order (a tied one once per chunk holding a copy).
+    pub params: Vec<PlanParam>,
+    /// Labels of parameters with a copy on two pipeline chunks (their gradients summed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tied: Vec<String>,
+}
+
+/// One trainable parameter of a training plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanParam {
+    /// The forward graph's label (`layers.0.attn.q_proj.weight`, `embed`, ...).
+    pub label: String,
+    /// The checkpoint tensor(s) it binds (unsharded: no `shards`).
+    pub source: ParamSource,
+    /// Its global type, graph layout.
+    pub ty: TensorType,
+    /// The program holding it: 0 for a plan without a pipeline, else the chunk's index.
+    pub chunk: usize,
+    /// The input holding it before the step and the output holding it after.
+    pub param: String,
+    /// The output holding its accumulated gradient.
+    pub grad: String,
+    /// Input and output of its AdamW first moment.
+    pub adam_m: String,
+    /// Input and output of its AdamW second moment.
+    pub adam_v: String,
+}
+
+impl PlanParam {
+    /// The binding of `p`, a parameter of program `chunk`.
+    pub fn of(p: &TrainParam, chunk: usize) -> PlanParam {
+        let l = &p.label;
+        PlanParam {
+            label: l.clone(),
+            source: ParamSource {
+                shards: Vec::new(),
+                ..p.source.clone()
+            },
+            ty: p.ty.clone(),
+            chunk,
+            param: format!("param.{l}"),
+            grad: format!("grad.{l}"),
+            adam_m: format!("adam_m.{l}"),
+            adam_v: format!("adam_v.{l}"),
+        }
+    }
+}
+
+impl PlanTrain {
+    /// The parameters of program `chunk`.
+    pub fn params_of(&self, chunk: usize) -> impl Iterator<Item = &PlanParam> {
+        self.params.iter().filter(move |p| p.chunk == chunk)
+    }
+}
+
+fn field(path: String, msg: String) -> PlanError {
+    PlanError::Field { path, msg }
+}
+
+/// The training section's check (see the module docs); `programs` are the plan's programs
+/// with their layouts (one, or one per chunk), on `mesh` (a stage's for pipelines). Runs
+/// after the programs themselves are verified.
+pub(super) fn check_train(
+    plan: &Plan,
+    programs: &[(&Graph, &[TensorSharding])],
+    mesh: &Mesh,
+) -> Result<(), PlanError> {
+    let Some(t) = &plan.train else {
+        if plan.pipeline.is_some() {
+            return Err(field(
+                "train".into(),
+                "missing in a pipeline plan (pipelines are training plans)".into(),
+            ));
+        }
+        return Ok(());
+    };
+    let bad = |what: &str, msg: String| Err(field(format!("train.{what}"), msg));
+    if t.micro_batches == 0 || plan.model.batch % t.micro_batches != 0 {
+        return bad(
+            "micro_batches",
+            format!(
+                "{} does not split the batch of {}",
+                t.micro_batches, plan.model.batch
+            ),
+        );
+    }
+    if let Some(s) = &plan.pipeline {
+        if s.micro_batches != t.micro_batches {
+            return bad(
+                "micro_batches",
+                format!(
+                    "{}, but the schedule has {}",
+                    t.micro_batches, s.micro_batches
+                ),
+            );
+        }
+    }
+    if t.denom == 0 {
+        return bad("denom", "must be at least 1 (found 0)".into());
+    }
+    if t.zero_stage > 3 {
+        return bad(
+            "zero_stage",
+            format!("must be 0..=3 (found {})", t.zero_stage),
+        );
+    }
+    if let Err(e) = t.adamw.validate() {
+        return bad("adamw", super::verify::esc(&e.to_string()));
+    }
+    let mut copies: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, p) in t.params.iter().enumerate() {
+        let path = format!("train.params[{i}]");
+        let label = super::verify::esc(&p.label);
+        let Some(&(g, shardings)) = programs.get(p.chunk) else {
+            return Err(field(
+                format!("{path}.chunk"),
+                format!(
+                    "`{label}`: program {} does not exist (the plan has {})",
+                    p.chunk,
+                    programs.len()
+                ),
+            ));
+        };
+        if !p.source.shards.is_empty() {
+            return Err(field(
+                format!("{path}.source"),
+                format!("`{label}`: the checkpoint binding of a training parameter is unsharded"),
+            ));
+        }
+        *copies.entry(&p.label).or_default() += 1;
+        let program = if plan.pipeline.is_some() {
+            format!("chunk {}", p.chunk)
+        } else {
+            "the program".into()
+        };
+        let names = [
+            ("param", &p.param, true, true),
+            ("grad", &p.grad, false, true),
+            ("adam_m", &p.adam_m, true, true),
+            ("adam_v", &p.adam_v, true, true),
+        ];
+        for (what, name, input, output) in names {
+            let checks = [
+                (input, g.input_named(name), "an input"),
+                (output, g.output(name), "an output"),
+            ];
+            for (wanted, v, kind) in checks {
+                if !wanted {
+                    continue;
+                }
+                let Some(v) = v else {
+                    return Err(field(
+                        format!("{path}.{what}"),
+                        format!(
+                            "`{}` of `{label}` is not {kind} of {program}",
+                            super::verify::esc(name)
+                        ),
+                    ));
+                };
+                let local = g.ty(v);
+                let s = &shardings[v.index()];
+                let global: Option<Vec<usize>> = (local.rank() == p.ty.rank()).then(|| {
+                    (0..local.rank())
+                        .map(|d| local.dim(d) * s.parts(mesh, d))
+                        .collect()
+                });
+                if global.as_deref() != Some(&p.ty.shape()[..]) || local.dtype != p.ty.dtype {
+                    return Err(field(
+                        format!("{path}.ty"),
+                        format!(
+                            "`{label}` is {}, but {kind} `{}` of {program} is {local} laid out {}",
+                            p.ty,
+                            super::verify::esc(name),
+                            s.display(mesh)
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    for (label, n) in copies {
+        let tied = t.tied.iter().any(|l| l == label);
+        let want = if tied { 2 } else { 1 };
+        if n != want {
+            return bad(
+                "params",
+                format!(
+                    "`{}` appears {n} time(s); a {} parameter appears {want}",
+                    super::verify::esc(label),
+                    if tied { "tied" } else { "untied" }
+                ),
+            );
+        }
+    }
+    if let Some(l) = t
+        .tied
+        .iter()
+        .find(|l| !t.params.iter().any(|p| &p.label == *l))
+    {
+        return bad(
+            "tied",
+            format!("`{}` is not a parameter", super::verify::esc(l)),
+        );
+    }
+    Ok(())
+}
