@@ -346,17 +346,10 @@ fn run_train(
     fwd: CompileOptions,
     outputs: &Outputs,
 ) -> anyhow::Result<()> {
-    if a.rewrite != "none" {
-        bail!(
-            "--rewrite {} applies to forward plans; training steps are compiled without the \
-             rewriter (drop --rewrite or --train)",
-            a.rewrite
-        );
-    }
-    if a.memory_weight != shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB {
-        bail!("--memory-weight tunes the forward rewriter; it does not apply with --train");
-    }
-    let opts = train_options(a, cfg, fwd)?;
+    let mut opts = train_options(a, cfg, fwd)?;
+    // The rewriter runs on each compiled step (each pipeline chunk's).
+    opts.rewrite = RewriteOptions::with_rules(a.rewrite.parse::<RuleSelection>()?);
+    opts.rewrite.cost.memory_us_per_mib = a.memory_weight;
     let source = path.display().to_string();
     let (model_type, precision) = (cfg.arch.name(), Precision::mixed());
     let t0 = std::time::Instant::now();

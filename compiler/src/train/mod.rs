@@ -40,6 +40,7 @@ use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, T
 use crate::ir::{AdamWSpec, Graph, Op};
 use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
 use crate::plan::Plan;
+use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
 use crate::shard::{self, Annotations, Mesh, ShardError, ShardedGraph, Strategy};
 use thiserror::Error;
 
@@ -66,6 +67,9 @@ pub struct TrainOptions {
     pub buckets: BucketCaps,
     /// Pipeline schedule and stages (meshes with a `pp` axis; see [`compile_pipeline`]).
     pub pipeline: PipelineOptions,
+    /// The rewrite pass over the SPMD step (forward, backward and optimizer); no rules by
+    /// default.
+    pub rewrite: RewriteOptions,
 }
 
 impl TrainOptions {
@@ -84,6 +88,7 @@ impl TrainOptions {
             denom: None,
             buckets: BucketCaps::default(),
             pipeline: PipelineOptions::default(),
+            rewrite: RewriteOptions::default(),
         }
     }
 }
@@ -107,6 +112,8 @@ pub struct CompiledTrain {
     pub buckets: Vec<Bucket>,
     /// What was compiled.
     pub options: TrainOptions,
+    /// The rewrite pass's report, when rules ran.
+    pub report: Option<RewriteReport>,
 }
 
 impl CompiledTrain {
@@ -122,7 +129,7 @@ impl CompiledTrain {
             logical: self.train.graph.clone(),
             strategies: self.strategies.clone(),
             sharded: self.sharded.clone(),
-            report: None,
+            report: self.report.clone(),
         };
         let mut plan = Plan::new(&compiled, source, model_type, layers);
         plan.model.batch = self.options.batch;
@@ -163,6 +170,9 @@ pub enum TrainCompileError {
     /// An optimizer hyperparameter outside its domain.
     #[error("AdamW {0}")]
     AdamW(#[from] crate::ir::AdamWError),
+    /// Rewriting.
+    #[error(transparent)]
+    Rewrite(#[from] RewriteError),
 }
 
 /// Compiles one training step of `cfg` for `opts`. A mesh with a `pp` axis is compiled by
@@ -304,7 +314,17 @@ pub(crate) fn compile_chunk(
     })?;
     // 7. Vocabulary-sharded embedding gradients read shard-local token ids.
     let sharded = passes::embedding_grad_offsets(sharded)?;
-    // 8. DDP: gradient all-reduces over `dp` grouped into buckets, each reduced when ready.
+    // 8. Rewriting: collectives split, moved, cancelled, overlapped; kernels fused. It runs
+    //    on the program with its final outputs and shard-local ids (the passes above read the
+    //    partitioner's node order and provenance) and keeps the names and provenance of the
+    //    nodes it does not replace, which the bucket pass reads.
+    let (sharded, report) = if opts.rewrite.rules.resolve()?.is_empty() {
+        (sharded, None)
+    } else {
+        let r = rewrite::rewrite(&sharded, &opts.rewrite)?;
+        (r.sharded, Some(r.report))
+    };
+    // 9. DDP: gradient all-reduces over `dp` grouped into buckets, each reduced when ready.
     let ddp = zero_stage == 0 && strategies.contains(&Strategy::Dp);
     let (sharded, buckets) = if ddp {
         passes::ddp_buckets(sharded, &train, &opts.buckets)?
@@ -323,5 +343,6 @@ pub(crate) fn compile_chunk(
         sharded,
         buckets,
         options,
+        report,
     })
 }
