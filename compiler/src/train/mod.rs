@@ -5,7 +5,8 @@
 //!   per micro-batch, accumulation, AdamW) ─► annotations (forward presets carried over, plus
 //!   gradients, optimizer state and ZeRO layouts) ─► SPMD graph (partition + reshard)
 //!   ─► passes: output reshards of gradients dropped, vocabulary-shard ids for embedding
-//!   gradients, DDP gradient buckets ─► memory and communication accounting
+//!   gradients, the rewriter (`TrainOptions::rewrite`), DDP gradient buckets ─► memory and
+//!   communication accounting
 //! ```
 //!
 //! How the strategies become annotations (the sharding machinery inserts the collectives):
