@@ -336,7 +336,10 @@ fn bad_training_options_are_one_line_errors() {
             "use zero1 or zero2 with pp",
         ),
         (&["--recompute", "sometimes"], "unknown recompute mode"),
-        (&["--rewrite", "all"], "applies to forward plans"),
+        (
+            &["--rewrite", "frobnicate"],
+            "unknown rewrite rule `frobnicate`",
+        ),
         (
             &["--seq", "1000"],
             "exceeds the model's maximum positions 128",

@@ -12,7 +12,7 @@ mod common;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRng, TestRunner};
 use shardc::compiler::ir::{
-    DType, Dim, Float, Graph, Op, Role, ShardSpec, TensorType, UnaryOp, ValueId,
+    AdamWSpec, DType, Dim, Float, Graph, Op, Role, ShardSpec, TensorType, UnaryOp, ValueId,
 };
 use shardc::compiler::rewrite::{
     canonical_text, rewrite, Objective, RewriteOptions, RuleSelection,
@@ -104,6 +104,8 @@ enum Step {
     GatherMatMul,
     /// A GEMM feeding a reduce-scatter.
     MatMulScatter,
+    /// An all-reduced gradient feeding an AdamW update of replicated weight and moments.
+    WeightUpdate,
 }
 
 const BASE: [Step; 10] = [
@@ -128,6 +130,7 @@ fn menu(group: &str) -> Vec<Step> {
         "slice-of-gather" | "gather-of-slice" => &[Step::SliceGather, Step::SliceGather],
         "collective-matmul" => &[Step::GatherMatMul, Step::MatMulScatter],
         "fuse-elementwise" => &[Step::Fusable, Step::Fusable],
+        "weight-update-sharding" => &[Step::WeightUpdate, Step::WeightUpdate],
         _ => &[],
     };
     for _ in 0..3 {
@@ -212,6 +215,39 @@ impl Builder {
                 name,
             )
             .expect("inputs type-check")
+    }
+
+    /// AdamW on a weight shaped like `x` (weight, moments and step replicated inputs; the
+    /// second moment a square), its gradient `x` all-reduced over `tp` or `dp`.
+    fn weight_update(&mut self, x: ValueId, b: u16) -> Option<ValueId> {
+        let shape = self.shape(x);
+        let axis = if self.dp && b % 2 == 1 { "dp" } else { "tp" };
+        let g = self.add(Op::AllReduce { axis: axis.into() }, &[x])?;
+        let w = self.input(&shape, None, false, false);
+        let m = self.input(&shape, None, false, false);
+        let v = self.input(&shape, None, false, false);
+        let v = self.add(Op::Mul, &[v, v])?;
+        let t = self.input(&[], None, false, false);
+        let t = self.add(Op::Unary(UnaryOp::Exp), &[t])?;
+        let m1 = self.add(
+            Op::AdamMoment {
+                beta: Float(0.9),
+                squared: false,
+            },
+            &[m, g],
+        )?;
+        let m2 = self.add(
+            Op::AdamMoment {
+                beta: Float(0.95),
+                squared: true,
+            },
+            &[v, g],
+        )?;
+        if b % 3 == 0 {
+            // The moments are outputs too (as in a training step).
+            self.pool.push(m1);
+        }
+        self.add(Op::AdamWUpdate(AdamWSpec::default()), &[w, m1, m2, t])
     }
 
     fn add(&mut self, op: Op, ins: &[ValueId]) -> Option<ValueId> {
@@ -498,6 +534,7 @@ impl Builder {
                     }
                 })
             }
+            Step::WeightUpdate => self.weight_update(x, b),
             Step::Fusable => match b % 3 {
                 0 => {
                     let u = self.binary(x, b / 3);
@@ -739,6 +776,7 @@ rule_tests! {
     fuse_elementwise => ("fuse-elementwise", "fuse-elementwise", 0.3),
     gemm_epilogue => ("gemm-epilogue", "fuse-elementwise", 0.3),
     add_rms_norm => ("add-rms-norm", "fuse-elementwise", 0.3),
+    weight_update_sharding => ("weight-update-sharding", "weight-update-sharding", 0.3),
     // Each group's rules together (they enable one another).
     group_sequence_parallel => ("sequence-parallel", "gather-sink", 0.5),
     group_collective_matmul => ("collective-matmul", "collective-matmul", 0.5),

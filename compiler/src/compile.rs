@@ -340,8 +340,9 @@ pub fn sharded_text(sg: &ShardedGraph) -> String {
 pub enum Job {
     /// The forward pass.
     Forward(CompileOptions),
-    /// One training step (a pipeline when the mesh has a `pp` axis of size > 1).
-    Train(TrainOptions),
+    /// One training step (a pipeline when the mesh has a `pp` axis of size > 1). Its
+    /// `rewrite` options are replaced by the spec's ([`CompileSpec::rewrite`]).
+    Train(Box<TrainOptions>),
 }
 
 /// Everything [`compile`] needs.
@@ -377,6 +378,15 @@ impl CompileSpec {
         }
     }
 
+    /// The training options the driver compiles: `opts` with this spec's rewrite options
+    /// (the spec's are the ones that apply to every job).
+    fn train_options(&self, opts: &TrainOptions) -> TrainOptions {
+        TrainOptions {
+            rewrite: self.rewrite.clone(),
+            ..opts.clone()
+        }
+    }
+
     /// Whether the job is a pipeline (a `pp` axis of size > 1 in a training mesh).
     pub fn pipelined(&self) -> bool {
         match &self.job {
@@ -399,13 +409,6 @@ pub fn compile_logged(spec: &CompileSpec) -> Result<(Plan, PassLog), CompileErro
             return Err(CompileError::PassNotRun(p));
         }
     }
-    if matches!(spec.job, Job::Train(_)) && !spec.rewrite.rules.resolve()?.is_empty() {
-        return Err(CompileError::Train(TrainCompileError::Options(
-            "--rewrite applies to forward plans; training steps are compiled without the \
-             rewriter (drop --rewrite or --train)"
-                .into(),
-        )));
-    }
     let cfg = &spec.model;
     let (source, model_type) = (spec.source.as_str(), cfg.arch.name());
     let plan = match &spec.job {
@@ -416,6 +419,7 @@ pub fn compile_logged(spec: &CompileSpec) -> Result<(Plan, PassLog), CompileErro
             plan
         }
         Job::Train(opts) if spec.pipelined() => {
+            let opts = &spec.train_options(opts);
             let c = crate::train::compile_pipeline_logged(cfg, opts, &mut log)?;
             log.chunk = None;
             let plan = c.plan(source, model_type, cfg.layers, spec.precision);
@@ -423,6 +427,7 @@ pub fn compile_logged(spec: &CompileSpec) -> Result<(Plan, PassLog), CompileErro
             plan
         }
         Job::Train(opts) => {
+            let opts = &spec.train_options(opts);
             let c = crate::train::compile_train_logged(cfg, opts, &mut log)?;
             let plan = c.plan(source, model_type, cfg.layers, spec.precision);
             log.other(Pass::Schedule, || Ok(()), || schedule_text(&plan))?;

@@ -133,11 +133,8 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     let dump_after = a.dump_after.as_deref().map(Pass::from_name).transpose()?;
     let mut rw = RewriteOptions::with_rules(a.rewrite.parse::<RuleSelection>()?);
     rw.cost.memory_us_per_mib = a.memory_weight;
-    if a.train && a.memory_weight != shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB {
-        bail!("--memory-weight tunes the forward rewriter; it does not apply with --train");
-    }
     let job = if a.train {
-        Job::Train(train_options(&a, &cfg, opts)?)
+        Job::Train(Box::new(train_options(&a, &cfg, opts)?))
     } else {
         Job::Forward(opts)
     };

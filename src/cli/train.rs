@@ -321,7 +321,11 @@ fn compile_plan(
     } else if a.stage_layers.is_some() || virtual_stages != 1 {
         bail!("--stage-layers and --virtual-stages need a mesh with a pp axis (e.g. --mesh pp=2)");
     }
-    let mut spec = CompileSpec::new(cfg.clone(), a.model.display().to_string(), Job::Train(opts));
+    let mut spec = CompileSpec::new(
+        cfg.clone(),
+        a.model.display().to_string(),
+        Job::Train(Box::new(opts)),
+    );
     spec.precision = Precision::f32();
     Ok(compile(&spec)?)
 }

@@ -167,6 +167,19 @@ pub fn run(
     rc: Recompute,
     dup: usize,
 ) -> Run {
+    run_with(model, mesh, extra, micro_batches, rc, dup, |_| {})
+}
+
+/// As [`run`], with the compile options adjusted by `adjust` (e.g. a rewrite selection).
+pub fn run_with(
+    model: &str,
+    mesh: &str,
+    extra: &[&str],
+    micro_batches: usize,
+    rc: Recompute,
+    dup: usize,
+    adjust: impl FnOnce(&mut TrainOptions),
+) -> Run {
     let r = reference(model);
     let cfg = ModelConfig::from_path(&dir(model)).unwrap();
     let ids: Vec<i32> = r
@@ -185,6 +198,7 @@ pub fn run(
     o.extra_strategies = extra.iter().map(|s| s.to_string()).collect();
     o.micro_batches = micro_batches;
     o.recompute = rc;
+    adjust(&mut o);
     let c = compile_train(&cfg, &o).unwrap_or_else(|e| panic!("{model} {extra:?}: {e}"));
     let plan = plan_of(&c, &cfg);
     let w = Weights::open(dir(model)).unwrap();

@@ -1,7 +1,7 @@
 //! Graph → e-graph, and an extraction → graph.
 //!
 //! Loading adds every node of the SPMD program as an e-node (leaves carry their index, so
-//! none merge) and records, per class, the original node's type, layout, name and layer.
+//! none merge, and so does a node that repeats an earlier one) and records, per class, the original node's type, layout, name and layer.
 //!
 //! Emitting walks the chosen nodes from the outputs and lays them out in a priority
 //! topological order: an original node keeps its index as priority, a node made by a rule goes
@@ -44,8 +44,18 @@ pub(crate) fn load(sg: &ShardedGraph) -> Loaded {
             declared: node.op.needs_declared_type().then(|| node.ty.clone()),
             leaf,
         };
-        let op = eg.analysis.ops.intern(key);
-        let enode = ENode::new(op, node.inputs.iter().map(|i| ids[i.index()]).collect());
+        let children: Vec<Id> = node.inputs.iter().map(|i| ids[i.index()]).collect();
+        let mut enode = ENode::new(eg.analysis.ops.intern(key.clone()), children);
+        if eg.lookup(enode.clone()).is_some() {
+            // A node computing what an earlier one does (a ZeRO-3 re-gather of a parameter
+            // for the backward pass, a recomputed activation) stays a node of its own: the
+            // program frees and recomputes on purpose, and the round trip keeps it.
+            let distinct = OpKey {
+                leaf: Some(v as u32),
+                ..key
+            };
+            enode.op = eg.analysis.ops.intern(distinct);
+        }
         let existed = eg.lookup(enode.clone()).is_some();
         let id = eg.add(enode.clone());
         if !existed {

@@ -33,7 +33,8 @@ pub struct OpKey {
     pub op: Op,
     /// The node's declared type, for ops that need one (`Reshape`, `Param`, `Input`).
     pub declared: Option<TensorType>,
-    /// For leaves: the index of the original node, so distinct leaves stay distinct.
+    /// For leaves, and nodes repeating an earlier node: the index of the original node, so
+    /// they stay distinct.
     pub leaf: Option<u32>,
 }
 

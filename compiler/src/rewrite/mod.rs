@@ -410,3 +410,5 @@ pub fn rewrite(sg: &ShardedGraph, opts: &RewriteOptions) -> Result<Rewritten, Re
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod train_tests;

@@ -5,7 +5,8 @@
 //!   per micro-batch, accumulation, AdamW) ─► annotations (forward presets carried over, plus
 //!   gradients, optimizer state and ZeRO layouts) ─► SPMD graph (partition + reshard)
 //!   ─► passes: output reshards of gradients dropped, vocabulary-shard ids for embedding
-//!   gradients, DDP gradient buckets ─► memory and communication accounting
+//!   gradients, the rewriter (`TrainOptions::rewrite`), DDP gradient buckets ─► memory and
+//!   communication accounting
 //! ```
 //!
 //! How the strategies become annotations (the sharding machinery inserts the collectives):
@@ -42,6 +43,7 @@ use crate::compile::{Pass, PassLog, VerifyError};
 use crate::ir::{AdamWSpec, Graph, Op};
 use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
 use crate::plan::{Plan, PlanParam, PlanTrain};
+use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
 use crate::shard::{self, Annotations, Mesh, ShardError, ShardedGraph, Strategy};
 use thiserror::Error;
 
@@ -68,6 +70,9 @@ pub struct TrainOptions {
     pub buckets: BucketCaps,
     /// Pipeline schedule and stages (meshes with a `pp` axis; see [`compile_pipeline`]).
     pub pipeline: PipelineOptions,
+    /// The rewrite pass over the SPMD step (forward, backward and optimizer); no rules by
+    /// default.
+    pub rewrite: RewriteOptions,
 }
 
 impl TrainOptions {
@@ -86,6 +91,7 @@ impl TrainOptions {
             denom: None,
             buckets: BucketCaps::default(),
             pipeline: PipelineOptions::default(),
+            rewrite: RewriteOptions::default(),
         }
     }
 }
@@ -109,6 +115,8 @@ pub struct CompiledTrain {
     pub buckets: Vec<Bucket>,
     /// What was compiled.
     pub options: TrainOptions,
+    /// The rewrite pass's report, when rules ran.
+    pub report: Option<RewriteReport>,
 }
 
 impl CompiledTrain {
@@ -124,7 +132,7 @@ impl CompiledTrain {
             logical: self.train.graph.clone(),
             strategies: self.strategies.clone(),
             sharded: self.sharded.clone(),
-            report: None,
+            report: self.report.clone(),
         };
         let mut plan = Plan::new(&compiled, source, model_type, layers);
         plan.model.batch = self.options.batch;
@@ -188,6 +196,9 @@ pub enum TrainCompileError {
     /// An optimizer hyperparameter outside its domain.
     #[error("AdamW {0}")]
     AdamW(#[from] crate::ir::AdamWError),
+    /// Rewriting.
+    #[error(transparent)]
+    Rewrite(#[from] RewriteError),
 }
 
 /// Compiles one training step of `cfg` for `opts`. A mesh with a `pp` axis is compiled by
@@ -344,7 +355,18 @@ pub(crate) fn compile_chunk(
     // 7. Vocabulary-sharded embedding gradients read shard-local token ids.
     let sharded = passes::embedding_grad_offsets(sharded)?;
     log.sharded(Pass::GradLayout, &sharded)?;
-    // 8. DDP: gradient all-reduces over `dp` grouped into buckets, each reduced when ready.
+    // 8. Rewriting: collectives split, moved, cancelled, overlapped; kernels fused. It runs
+    //    on the program with its final outputs and shard-local ids (the passes above read the
+    //    partitioner's node order and provenance) and keeps the names and provenance of the
+    //    nodes it does not replace, which the bucket pass reads.
+    let (sharded, report) = if opts.rewrite.rules.resolve()?.is_empty() {
+        (sharded, None)
+    } else {
+        let r = rewrite::rewrite(&sharded, &opts.rewrite)?;
+        (r.sharded, Some(r.report))
+    };
+    log.sharded(Pass::Rewrite, &sharded)?;
+    // 9. DDP: gradient all-reduces over `dp` grouped into buckets, each reduced when ready.
     let ddp = zero_stage == 0 && strategies.contains(&Strategy::Dp);
     let (sharded, buckets) = if ddp {
         passes::ddp_buckets(sharded, &train, &opts.buckets)?
@@ -363,5 +385,6 @@ pub(crate) fn compile_chunk(
         sharded,
         buckets,
         options,
+        report,
     })
 }

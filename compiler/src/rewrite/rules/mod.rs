@@ -14,6 +14,7 @@
 
 pub(crate) mod collectives;
 pub(crate) mod fusion;
+pub(crate) mod optimizer;
 pub(crate) mod overlap;
 pub(crate) mod sequence_parallel;
 
@@ -64,6 +65,7 @@ pub fn registry() -> Vec<Arc<dyn RuleImpl>> {
     v.extend(sequence_parallel::rules());
     v.extend(overlap::rules());
     v.extend(fusion::rules());
+    v.extend(optimizer::rules());
     v.extend(sequence_parallel::broken_rules());
     v
 }
