@@ -7,6 +7,7 @@ pub mod compile;
 pub mod cost;
 pub mod ir;
 pub mod model;
+pub mod pass;
 pub mod plan;
 pub mod rewrite;
 pub mod schedule;

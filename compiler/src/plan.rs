@@ -7,19 +7,22 @@
 //! re-derived, steps in dependency order, collectives and pipeline transfers matched), or
 //! whose content no longer matches its hash. A loaded plan is safe to index.
 
+mod accounting;
+mod boundary;
 mod load;
 mod train;
 mod verify;
 
+pub use accounting::{CollectiveVolume, CommVolume, LayerActivations, Precision, TrainMemory};
+pub use boundary::{boundary_name, check_boundary_types, is_received_input, sent_value};
 pub use load::{content_hash, rehash};
 pub use train::{PlanParam, PlanTrain};
 pub(crate) use verify::{check_layout, check_program};
 pub use verify::{MAX_TENSOR_BYTES, MAX_WORLD};
 
-use crate::compile::Compiled;
 use crate::ir::{Graph, Op, ValueId};
 use crate::schedule::{self, BufferSlot, Step};
-use crate::shard::{Mesh, Provenance, TensorSharding};
+use crate::shard::{Mesh, Provenance, ShardedGraph, TensorSharding};
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -56,7 +59,7 @@ pub struct PlanMemory {
     /// Training step accounting: parameters, gradients, optimizer states, activations kept
     /// for backward (per layer), communication buffers, peak (training plans only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub train: Option<crate::train::TrainMemory>,
+    pub train: Option<TrainMemory>,
 }
 
 /// One model chunk of a pipeline-parallel training plan.
@@ -80,7 +83,7 @@ pub struct PlanChunk {
     pub memory: PlanMemory,
     /// Communication volume per rank of this chunk (inside its stage).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub comm: Option<crate::train::CommVolume>,
+    pub comm: Option<CommVolume>,
 }
 
 impl PlanChunk {
@@ -137,7 +140,7 @@ pub struct Plan {
     pub chunks: Vec<PlanChunk>,
     /// Communication volume per rank per step (training plans only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub comm: Option<crate::train::CommVolume>,
+    pub comm: Option<CommVolume>,
     /// How a training plan steps: micro-batches, loss divisor, optimizer, and every trainable
     /// parameter's checkpoint binding and program inputs/outputs (training plans only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -255,6 +258,21 @@ pub enum PlanError {
     },
 }
 
+/// `s` with control characters escaped, so that a name read from a file keeps a message on
+/// one line.
+pub(crate) fn esc(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| {
+            let e: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            e
+        })
+        .collect()
+}
+
 /// Collectives of one layer: (op mnemonic, axis, bytes, value).
 pub type LayerCollectives = Vec<(String, String, u64, ValueId)>;
 
@@ -265,41 +283,32 @@ fn collective_sig(g: &Graph, v: ValueId) -> String {
 }
 
 impl Plan {
-    /// Builds the plan of a compiled program.
-    pub fn new(c: &Compiled, source: &str, model_type: &str, layers: usize) -> Plan {
-        let g = &c.sharded.graph;
+    /// A plan from an SPMD program and what it was compiled from: its steps on the streams
+    /// and its activation buffers scheduled here (DESIGN §6), memory per rank from them.
+    pub fn assemble(
+        model: PlanModel,
+        sharded: &ShardedGraph,
+        strategies: Vec<String>,
+        rewrite: Option<crate::rewrite::RewriteReport>,
+    ) -> Plan {
+        let g = &sharded.graph;
         let steps = schedule::schedule(g);
         let (buffers, arena) = schedule::arena(g);
         let param_bytes = g.params().map(|v| g.ty(v).size_bytes() as u64).sum();
         let activation_total_bytes = buffers.iter().map(|b| b.size).sum();
-        let provenance = c
-            .sharded
+        let provenance = sharded
             .provenance
             .iter()
             .enumerate()
             .filter_map(|(i, p)| p.clone().map(|p| (i as u32, p)))
             .collect();
-        let batch = c
-            .logical
-            .input_named("input_ids")
-            .map_or(0, |v| c.logical.ty(v).dim(0));
-        let seq = c
-            .logical
-            .input_named("input_ids")
-            .map_or(0, |v| c.logical.ty(v).dim(1));
         Plan {
             format_version: PLAN_FORMAT_VERSION,
-            model: PlanModel {
-                source: source.to_string(),
-                model_type: model_type.to_string(),
-                layers,
-                batch,
-                seq,
-            },
-            mesh: c.sharded.mesh.clone(),
-            strategies: c.strategies.iter().map(|s| s.name().to_string()).collect(),
+            model,
+            mesh: sharded.mesh.clone(),
+            strategies,
             program: g.clone(),
-            shardings: c.sharded.shardings.clone(),
+            shardings: sharded.shardings.clone(),
             provenance,
             streams: vec!["compute".into(), "comm".into()],
             steps,
@@ -316,7 +325,7 @@ impl Plan {
             chunks: Vec::new(),
             comm: None,
             train: None,
-            rewrite: c.report.clone(),
+            rewrite,
         }
     }
 
@@ -429,7 +438,7 @@ impl Plan {
         };
         verify::pipeline_ranges(self, s)?;
         s.check_program(&self.pipeline_program)
-            .map_err(|e| PlanError::Pipeline(verify::esc(&e.to_string())))?;
+            .map_err(|e| PlanError::Pipeline(esc(&e.to_string())))?;
         if self.chunks.len() != s.chunks() {
             return Err(PlanError::Pipeline(format!(
                 "the schedule has {} chunks, the plan {}",
@@ -439,8 +448,8 @@ impl Plan {
         }
         self.check_pipeline_nodes(s.stages)?;
         let graphs: Vec<&Graph> = self.chunks.iter().map(|c| &c.program).collect();
-        crate::train::check_boundary_types(&graphs, s.micro_batches)
-            .map_err(|e| PlanError::Pipeline(verify::esc(&e.to_string())))
+        check_boundary_types(&graphs, s.micro_batches)
+            .map_err(|e| PlanError::Pipeline(esc(&e.to_string())))
     }
 
     fn check_pipeline_nodes(&self, p: usize) -> Result<(), PlanError> {
@@ -494,14 +503,14 @@ impl Plan {
                     if let Some(i) = node.inputs.iter().find(|i| !done[chunk][i.index()]) {
                         return err(format!(
                             "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} runs before its operand {i}",
-                            verify::esc(&node.name)
+                            esc(&node.name)
                         ));
                     }
-                    let boundary = crate::train::is_received_input(g, v);
+                    let boundary = is_received_input(g, v);
                     if boundary != matches!(op, PipeOp::Recv { .. }) {
                         return err(format!(
                             "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} is a received input filled elsewhere, or a receive fills something else",
-                            verify::esc(&node.name)
+                            esc(&node.name)
                         ));
                     }
                     done[chunk][v.index()] = true;
@@ -512,7 +521,7 @@ impl Plan {
             if let Some(v) = d.iter().position(|x| !x) {
                 return err(format!(
                     "value %{v} `{}` of chunk {c} never runs",
-                    verify::esc(&self.chunks[c].program.node(ValueId(v as u32)).name)
+                    esc(&self.chunks[c].program.node(ValueId(v as u32)).name)
                 ));
             }
         }

@@ -77,7 +77,7 @@ pub enum TrainError {
 impl TrainError {
     /// True when every rank of a process group reaches this error by itself, so none needs
     /// aborting (which could overtake a peer's last message): the end-of-step finiteness
-    /// check ([`RankTrainer::step`], [`crate::pipeline::StageTrainer::step`]), whose codes all
+    /// check ([`RankTrainer::step`], `StageTrainer::step` of the pipeline runtime), whose codes all
     /// ranks reduce before reporting. A micro-batch's non-finite loss is seen only by the
     /// ranks computing it; their peers may be waiting for them.
     pub fn every_rank_fails(&self) -> bool {

@@ -131,20 +131,6 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-/// Control characters escaped, so a message stays on one line.
-fn one_line(s: &str) -> String {
-    s.chars()
-        .flat_map(|c| {
-            let e: Vec<char> = if c.is_control() {
-                c.escape_default().collect()
-            } else {
-                vec![c]
-            };
-            e
-        })
-        .collect()
-}
-
 fn parse_value(text: &str) -> Result<Value, PlanError> {
     if text.trim().is_empty() {
         return Err(PlanError::Empty);
@@ -156,7 +142,7 @@ fn parse_value(text: &str) -> Result<Value, PlanError> {
                 column: e.column(),
             }
         } else {
-            PlanError::Json(format!("not valid JSON: {}", one_line(&e.to_string())))
+            PlanError::Json(format!("not valid JSON: {}", super::esc(&e.to_string())))
         }
     })
 }
@@ -209,7 +195,7 @@ pub(super) fn parse(text: &str) -> Result<Plan, PlanError> {
 
 /// At most 80 characters of a recorded value, escaped.
 fn shorten(s: &str) -> String {
-    let s = one_line(s);
+    let s = super::esc(s);
     match s.char_indices().nth(80) {
         Some((i, _)) => format!("{}…", &s[..i]),
         None => s,
@@ -229,7 +215,7 @@ fn field_error(v: &Value, whole: &serde_json::Error) -> PlanError {
     fn check<T: DeserializeOwned>(x: &Value) -> Result<(), String> {
         T::deserialize(x)
             .map(|_| ())
-            .map_err(|e| one_line(&e.to_string()))
+            .map_err(|e| super::esc(&e.to_string()))
     }
     /// `path[i]: msg` for the first element of array `x` that is not a `T`, else the whole.
     fn each<T: DeserializeOwned>(x: &Value, path: &str) -> Option<(String, String)> {
@@ -330,7 +316,7 @@ fn field_error(v: &Value, whole: &serde_json::Error) -> PlanError {
             each::<PlanChunk>(x, p)
         }),
         ("comm", false, |x, p| {
-            check::<Option<crate::train::CommVolume>>(x)
+            check::<Option<super::CommVolume>>(x)
                 .err()
                 .map(|m| (p.into(), m))
         }),
@@ -369,5 +355,5 @@ fn field_error(v: &Value, whole: &serde_json::Error) -> PlanError {
             };
         }
     }
-    PlanError::Json(one_line(&whole.to_string()))
+    PlanError::Json(super::esc(&whole.to_string()))
 }

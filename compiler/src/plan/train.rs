@@ -135,12 +135,12 @@ pub(super) fn check_train(
         );
     }
     if let Err(e) = t.adamw.validate() {
-        return bad("adamw", super::verify::esc(&e.to_string()));
+        return bad("adamw", super::esc(&e.to_string()));
     }
     let mut copies: BTreeMap<&str, usize> = BTreeMap::new();
     for (i, p) in t.params.iter().enumerate() {
         let path = format!("train.params[{i}]");
-        let label = super::verify::esc(&p.label);
+        let label = super::esc(&p.label);
         let Some(&(g, shardings)) = programs.get(p.chunk) else {
             return Err(field(
                 format!("{path}.chunk"),
@@ -183,7 +183,7 @@ pub(super) fn check_train(
                         format!("{path}.{what}"),
                         format!(
                             "`{}` of `{label}` is not {kind} of {program}",
-                            super::verify::esc(name)
+                            super::esc(name)
                         ),
                     ));
                 };
@@ -200,7 +200,7 @@ pub(super) fn check_train(
                         format!(
                             "`{label}` is {}, but {kind} `{}` of {program} is {local} laid out {}",
                             p.ty,
-                            super::verify::esc(name),
+                            super::esc(name),
                             s.display(mesh)
                         ),
                     ));
@@ -216,7 +216,7 @@ pub(super) fn check_train(
                 "params",
                 format!(
                     "`{}` appears {n} time(s); a {} parameter appears {want}",
-                    super::verify::esc(label),
+                    super::esc(label),
                     if tied { "tied" } else { "untied" }
                 ),
             );
@@ -227,10 +227,7 @@ pub(super) fn check_train(
         .iter()
         .find(|l| !t.params.iter().any(|p| &p.label == *l))
     {
-        return bad(
-            "tied",
-            format!("`{}` is not a parameter", super::verify::esc(l)),
-        );
+        return bad("tied", format!("`{}` is not a parameter", super::esc(l)));
     }
     Ok(())
 }

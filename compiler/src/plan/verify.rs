@@ -10,7 +10,7 @@
 //! pipeline's transfers match ([`Plan::check_pipeline`]). Consumers (explain, simulate,
 //! schedule) may then index the plan freely.
 
-use super::{Plan, PlanError};
+use super::{esc, Plan, PlanError};
 use crate::ir::{Graph, Op, TensorType, ValueId};
 use crate::schedule::pipeline::{Carry, Phase, PipeOp, PipelineSchedule};
 use crate::schedule::{collective_bytes, Step};
@@ -26,21 +26,6 @@ pub const MAX_TENSOR_BYTES: u64 = 1 << 50;
 const MAX_PROGRAM_BYTES: u64 = 1 << 60;
 /// Largest `batch × seq` (tokens per step), exact in an `f64`.
 const MAX_TOKENS: usize = 1 << 53;
-
-/// `s` with control characters escaped, so that a name read from a file keeps a message on
-/// one line.
-pub(crate) fn esc(s: &str) -> String {
-    s.chars()
-        .flat_map(|c| {
-            let e: Vec<char> = if c.is_control() {
-                c.escape_default().collect()
-            } else {
-                vec![c]
-            };
-            e
-        })
-        .collect()
-}
 
 fn field(path: impl Into<String>, msg: impl Into<String>) -> PlanError {
     PlanError::Field {

@@ -6,51 +6,9 @@
 //! `3Ψ(n−1)/n` (parameters gathered for forward and backward, gradients reduce-scattered).
 
 use crate::ir::Op;
+use crate::plan::{CollectiveVolume, CommVolume};
 use crate::shard::ShardedGraph;
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-
-/// The collectives of one kind on one axis.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CollectiveVolume {
-    /// Op mnemonic (`all_reduce`, ...).
-    pub op: String,
-    /// Mesh axis.
-    pub axis: String,
-    /// Ranks on the axis.
-    pub ranks: usize,
-    /// Number of collectives.
-    pub count: usize,
-    /// Σ of their sizes `N` (elements; the input of a reduce-scatter, the output of an
-    /// all-gather).
-    pub elements: u64,
-    /// Elements one rank sends (ring algorithms), rounded down.
-    pub sent_elements: u64,
-    /// Bytes one rank sends.
-    pub sent_bytes: u64,
-}
-
-/// Per-rank communication of one step.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CommVolume {
-    /// By (op, axis), sorted.
-    pub collectives: Vec<CollectiveVolume>,
-    /// Σ elements sent by one rank.
-    pub sent_elements: u64,
-    /// Σ bytes sent by one rank.
-    pub sent_bytes: u64,
-}
-
-impl CommVolume {
-    /// Elements sent on `axis` (all kinds).
-    pub fn sent_on(&self, axis: &str) -> u64 {
-        self.collectives
-            .iter()
-            .filter(|c| c.axis == axis)
-            .map(|c| c.sent_elements)
-            .sum()
-    }
-}
 
 /// Counts the collectives of `sg` (every rank runs the same program).
 pub fn comm_volume(sg: &ShardedGraph) -> CommVolume {

@@ -25,80 +25,9 @@
 
 use super::CompiledTrain;
 use crate::ir::{DType, Graph, Op, ValueId};
+use crate::plan::{LayerActivations, Precision, TrainMemory};
 use crate::shard::TensorSharding;
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-
-/// Bytes per element of each kind of state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Precision {
-    /// Per parameter element.
-    pub param_bytes: u64,
-    /// Per gradient element.
-    pub grad_bytes: u64,
-    /// Per parameter element of optimizer state.
-    pub optimizer_bytes: u64,
-    /// Per activation element.
-    pub activation_bytes: u64,
-}
-
-impl Precision {
-    /// Everything in f32 (the CPU reference): 4-byte parameters, gradients and activations;
-    /// Adam's m and v (8 bytes).
-    pub fn f32() -> Precision {
-        Precision {
-            param_bytes: 4,
-            grad_bytes: 4,
-            optimizer_bytes: 8,
-            activation_bytes: 4,
-        }
-    }
-
-    /// Mixed-precision Adam (ZeRO paper): 16-bit parameters, gradients and activations;
-    /// fp32 master weights, momentum and variance (12 bytes).
-    pub fn mixed() -> Precision {
-        Precision {
-            param_bytes: 2,
-            grad_bytes: 2,
-            optimizer_bytes: 12,
-            activation_bytes: 2,
-        }
-    }
-}
-
-/// Activations one layer keeps for its backward pass.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LayerActivations {
-    /// The layer.
-    pub layer: u32,
-    /// Bytes per rank (one micro-batch).
-    pub bytes: u64,
-}
-
-/// Memory per rank of one training step.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TrainMemory {
-    /// The precision the bytes are counted at.
-    pub precision: Precision,
-    /// Parameter elements per rank.
-    pub param_elements: u64,
-    /// Parameter bytes.
-    pub param_bytes: u64,
-    /// Gradient-buffer bytes.
-    pub grad_bytes: u64,
-    /// Optimizer-state bytes.
-    pub optimizer_bytes: u64,
-    /// Parameters + gradients + optimizer states.
-    pub static_bytes: u64,
-    /// Activations kept for backward (one micro-batch, all layers and outside them).
-    pub activation_bytes: u64,
-    /// The same, per transformer layer.
-    pub activations_per_layer: Vec<LayerActivations>,
-    /// Largest collective buffer.
-    pub comm_buffer_bytes: u64,
-    /// Peak over the step.
-    pub peak_bytes: u64,
-}
 
 /// The local element count of a tensor of global shape `shape` laid out as `s`.
 fn local_numel(c: &CompiledTrain, shape: &[usize], s: &TensorSharding) -> u64 {

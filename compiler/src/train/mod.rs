@@ -28,20 +28,23 @@ mod memory;
 mod passes;
 mod pipe;
 
-pub use comm::{comm_volume, CollectiveVolume, CommVolume};
-pub use memory::{memory_report, LayerActivations, Precision, TrainMemory};
+pub use crate::plan::{
+    boundary_name, check_boundary_types, is_received_input, sent_value, CollectiveVolume,
+    CommVolume, LayerActivations, Precision, TrainMemory,
+};
+pub use comm::comm_volume;
+pub use memory::memory_report;
 pub use passes::{Bucket, BucketCaps};
 pub(crate) use pipe::compile_pipeline_logged;
 pub use pipe::{
-    activation_peaks, activation_values, boundary_name, check_boundary_types, chunk_specs,
-    compile_pipeline, input_micro, instruction_nodes, is_received_input, micro_deps, sent_value,
-    CompiledPipeline, MicroDep, PipelineChunk, PipelineOptions,
+    activation_peaks, activation_values, chunk_specs, compile_pipeline, input_micro,
+    instruction_nodes, micro_deps, CompiledPipeline, MicroDep, PipelineChunk, PipelineOptions,
 };
 
 use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};
-use crate::compile::{Pass, PassLog, VerifyError};
 use crate::ir::{AdamWSpec, Graph, Op};
 use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
+use crate::pass::{Pass, PassLog, VerifyError};
 use crate::plan::{Plan, PlanParam, PlanTrain};
 use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
 use crate::shard::{self, Annotations, Mesh, ShardError, ShardedGraph, Strategy};
@@ -128,15 +131,19 @@ impl CompiledTrain {
         layers: usize,
         precision: Precision,
     ) -> Plan {
-        let compiled = crate::compile::Compiled {
-            logical: self.train.graph.clone(),
-            strategies: self.strategies.clone(),
-            sharded: self.sharded.clone(),
-            report: self.report.clone(),
+        let model = crate::plan::PlanModel {
+            source: source.to_string(),
+            model_type: model_type.to_string(),
+            layers,
+            batch: self.options.batch,
+            seq: self.options.seq,
         };
-        let mut plan = Plan::new(&compiled, source, model_type, layers);
-        plan.model.batch = self.options.batch;
-        plan.model.seq = self.options.seq;
+        let strategies = self
+            .strategies
+            .iter()
+            .map(|s| s.name().to_string())
+            .collect();
+        let mut plan = Plan::assemble(model, &self.sharded, strategies, self.report.clone());
         // Parameters are the program's `param.*` inputs (local, program dtype).
         let g = &self.sharded.graph;
         plan.memory.param_bytes = g
