@@ -9,7 +9,7 @@
 //! [`ParamCache`] with [`execute_with_params`]).
 
 use crate::comm::{CommError, Communicator};
-use crate::cpu::{self, collective, collective_matmul, elementwise, layout, vocab};
+use crate::cpu::{self, collective, collective_matmul, elementwise, vocab};
 use crate::weights::round_to;
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::ir::{DType, Graph, IrError, Node, Op, ParamSource, ShardSpec, ValueId};
@@ -356,7 +356,6 @@ impl<'g, 'p> Run<'g, 'p> {
     ) -> Result<Self, RuntimeError> {
         let n = graph.len();
         let mut last_use: Vec<usize> = (0..n).collect();
-        let mut local_ids = vec![false; n];
         for v in graph.ids() {
             let node = graph.node(v);
             for &i in &node.inputs {
@@ -369,21 +368,6 @@ impl<'g, 'p> Run<'g, 'p> {
                 }
                 last_use[i.index()] = v.index();
             }
-            local_ids[v.index()] = match node.op {
-                Op::RankOffset { .. } => true,
-                Op::Reshape
-                | Op::Transpose { .. }
-                | Op::Slice { .. }
-                | Op::Concat { .. }
-                | Op::Repeat { .. }
-                | Op::Cast(_)
-                | Op::Add
-                | Op::LocalSlice { .. }
-                | Op::AllGather { .. }
-                | Op::AllToAll { .. }
-                | Op::Broadcast { .. } => node.inputs.iter().any(|i| local_ids[i.index()]),
-                _ => false,
-            };
         }
         let mut is_output = vec![false; n];
         for (name, v) in &graph.outputs {
@@ -402,7 +386,7 @@ impl<'g, 'p> Run<'g, 'p> {
             ctx,
             last_use,
             is_output,
-            local_ids,
+            local_ids: crate::rank::local_ids(graph),
             vals: (0..n).map(|_| None).collect(),
         })
     }
@@ -579,23 +563,7 @@ impl<'g, 'p> Run<'g, 'p> {
 
     /// This rank's chunk `coord(axis)` of `spec.parts` along `spec.dim`.
     fn take_chunk(&self, x: &Tensor, spec: &ShardSpec) -> Result<Tensor, RuntimeError> {
-        let (coord, size) = self.coord(&spec.axis)?;
-        if size != spec.parts {
-            return Err(RuntimeError::AxisSize {
-                axis: spec.axis.clone(),
-                expected: spec.parts,
-                found: size,
-            });
-        }
-        if spec.dim >= x.shape.len() || x.shape[spec.dim] % spec.parts != 0 {
-            return Err(cpu::shape_err(
-                "local_slice",
-                &[x],
-                "dim out of range or not divisible by the axis size",
-            ));
-        }
-        let chunk = x.shape[spec.dim] / spec.parts;
-        layout::slice(x, spec.dim, coord * chunk, chunk)
+        crate::rank::chunk_of(x, spec, &|a| self.coord(a))
     }
 
     /// An `Input` node: the caller's global tensor, checked, then this rank's chunk of it.
@@ -605,37 +573,8 @@ impl<'g, 'p> Run<'g, 'p> {
         shards: &[ShardSpec],
         node: &Node,
     ) -> Result<Cow<'p, Tensor>, RuntimeError> {
-        let t = self
-            .inputs
-            .get(name)
-            .ok_or_else(|| RuntimeError::MissingInput {
-                name: name.to_string(),
-            })?;
-        let want_i32 = node.ty.dtype == DType::I32;
-        if want_i32 != t.as_i32().is_some() {
-            return Err(RuntimeError::InputDType {
-                name: name.to_string(),
-                expected: node.ty.dtype,
-                found: t.dtype_name(),
-            });
-        }
-        let mut global = node.ty.shape();
-        for s in shards {
-            if let Some(d) = global.get_mut(s.dim) {
-                *d *= s.parts;
-            }
-        }
-        if t.shape != global {
-            return Err(RuntimeError::InputShape {
-                name: name.to_string(),
-                expected: global,
-                found: t.shape.clone(),
-            });
-        }
-        let mut cur = Cow::Borrowed(t);
-        for s in shards {
-            cur = Cow::Owned(self.take_chunk(&cur, s)?);
-        }
+        let mut cur =
+            crate::rank::input_chunk(node, name, shards, self.inputs, &|a| self.coord(a))?;
         if matches!(node.ty.dtype, DType::Bf16 | DType::F16) {
             let mut owned = cur.into_owned();
             if let crate::Buffer::F32(v) = &mut owned.data {

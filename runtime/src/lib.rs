@@ -10,6 +10,7 @@ pub mod launch;
 pub mod output;
 pub mod pipeline;
 mod plan_run;
+mod rank;
 pub mod spmd;
 pub mod tensor;
 pub mod train;

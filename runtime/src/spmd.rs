@@ -9,19 +9,11 @@ use shardc_compiler::ir::Graph;
 use shardc_compiler::shard::{AxisId, Mesh};
 use std::collections::BTreeMap;
 use std::time::Duration;
-use thiserror::Error;
+
+pub use crate::rank::RankFailure;
 
 /// A rank failed.
-#[derive(Debug, Error)]
-#[error("rank {rank} (mesh coordinates {coords}): {error}")]
-pub struct RankError {
-    /// The failing rank.
-    pub rank: usize,
-    /// Its coordinates, `dp=0,tp=1`.
-    pub coords: String,
-    /// What went wrong.
-    pub error: RuntimeError,
-}
+pub type RankError = RankFailure<RuntimeError>;
 
 /// Outputs of every rank.
 pub type RankOutputs = Vec<BTreeMap<String, Tensor>>;
@@ -97,35 +89,10 @@ pub(crate) fn thread_comms(
     comms
 }
 
-/// Every rank's output, or the first root-cause error: a failure other than the knock-on
-/// ones it caused in its peers (an aborted collective, a neighbour found stopped), which are
-/// reported only when nothing else failed.
+/// Every rank's output, or the first root-cause error (see [`crate::rank::root_cause`]).
 pub(crate) fn root_cause<T>(
     mesh: &Mesh,
     results: Vec<Result<T, RuntimeError>>,
 ) -> Result<Vec<T>, RankError> {
-    let mut knock_on = None;
-    let mut outs = Vec::with_capacity(results.len());
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(o) => outs.push(o),
-            Err(e) => {
-                let text = e.to_string();
-                let secondary = text.contains("aborted") || text.contains("stopped");
-                let err = RankError {
-                    rank,
-                    coords: mesh.coords_label(rank),
-                    error: e,
-                };
-                if !secondary {
-                    return Err(err);
-                }
-                knock_on.get_or_insert(err);
-            }
-        }
-    }
-    match knock_on {
-        Some(e) => Err(e),
-        None => Ok(outs),
-    }
+    crate::rank::root_cause(mesh, results)
 }

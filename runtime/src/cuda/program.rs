@@ -22,7 +22,7 @@ use super::plan::{
     plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType, Slot, Storage,
 };
 use super::{CudaDevice, CudaError};
-use crate::cpu::{layout, vocab};
+use crate::cpu::vocab;
 use crate::cuda::comm::device::DeviceCommunicator;
 use crate::{RuntimeError, Tensor, Weights};
 use cudarc::driver::{CudaEvent, CudaStream};
@@ -228,7 +228,7 @@ impl CudaProgram {
             arena_plan,
             fusion,
             steps,
-            local_ids: local_ids(graph),
+            local_ids: crate::rank::local_ids(graph),
             coords,
             arena,
             scratch,
@@ -359,46 +359,8 @@ impl CudaProgram {
         inputs: &BTreeMap<String, Tensor>,
     ) -> Result<Tensor, CudaError> {
         let node = self.graph.node(v);
-        let t = inputs.get(name).ok_or_else(|| RuntimeError::MissingInput {
-            name: name.to_string(),
-        })?;
-        if (node.ty.dtype == DType::I32) != t.as_i32().is_some() {
-            return Err(RuntimeError::InputDType {
-                name: name.to_string(),
-                expected: node.ty.dtype,
-                found: t.dtype_name(),
-            }
-            .into());
-        }
-        let mut global = node.ty.shape();
-        for s in shards {
-            if let Some(d) = global.get_mut(s.dim) {
-                *d *= s.parts;
-            }
-        }
-        if t.shape != global {
-            return Err(RuntimeError::InputShape {
-                name: name.to_string(),
-                expected: global,
-                found: t.shape.clone(),
-            }
-            .into());
-        }
-        let mut cur = t.clone();
-        for s in shards {
-            let (coord, size) = self.coord(&s.axis)?;
-            if size != s.parts {
-                return Err(RuntimeError::AxisSize {
-                    axis: s.axis.clone(),
-                    expected: s.parts,
-                    found: size,
-                }
-                .into());
-            }
-            let chunk = cur.shape[s.dim] / s.parts;
-            cur = layout::slice(&cur, s.dim, coord * chunk, chunk)?;
-        }
-        Ok(cur)
+        let t = crate::rank::input_chunk(node, name, shards, inputs, &|a| self.coord(a))?;
+        Ok(t.into_owned())
     }
 
     pub(super) fn coord(&self, axis: &str) -> Result<(usize, usize), RuntimeError> {
@@ -810,31 +772,6 @@ fn check_supported(
         _ => {}
     }
     Ok(())
-}
-
-/// Values derived from a `RankOffset` (vocabulary-local token ids), as the CPU executor tracks
-/// them: their ids are not checked against the (sharded) table.
-fn local_ids(g: &Graph) -> Vec<bool> {
-    let mut local = vec![false; g.len()];
-    for v in g.ids() {
-        let node = g.node(v);
-        local[v.index()] = match node.op {
-            Op::RankOffset { .. } => true,
-            Op::Reshape
-            | Op::Transpose { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Repeat { .. }
-            | Op::Cast(_)
-            | Op::Add
-            | Op::LocalSlice { .. }
-            | Op::AllGather { .. }
-            | Op::AllToAll { .. }
-            | Op::Broadcast { .. } => node.inputs.iter().any(|i| local[i.index()]),
-            _ => false,
-        };
-    }
-    local
 }
 
 /// A label ≥ the vocabulary, as the CPU reference reports it.

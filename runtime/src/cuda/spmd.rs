@@ -11,52 +11,16 @@ use shardc_compiler::ir::Graph;
 use shardc_compiler::shard::Mesh;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use thiserror::Error;
 
 /// A GPU rank failed.
-#[derive(Debug, Error)]
-#[error("rank {rank} (mesh coordinates {coords}): {error}")]
-pub struct CudaRankError {
-    /// The failing rank.
-    pub rank: usize,
-    /// Its coordinates, `dp=0,tp=1`.
-    pub coords: String,
-    /// What went wrong.
-    pub error: CudaError,
-}
+pub type CudaRankError = crate::rank::RankFailure<CudaError>;
 
-fn coords_of(mesh: &Mesh, rank: usize) -> String {
-    mesh.coords_label(rank)
-}
-
-/// The first root-cause error (not a peer's "aborted"), or every rank's outputs.
+/// The first root-cause error (not a peer's knock-on failure), or every rank's outputs.
 fn collect(
     mesh: &Mesh,
     results: Vec<Result<BTreeMap<String, Tensor>, CudaError>>,
 ) -> Result<Vec<BTreeMap<String, Tensor>>, CudaRankError> {
-    let mut first_abort = None;
-    let mut outs = Vec::with_capacity(results.len());
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(o) => outs.push(o),
-            Err(error) => {
-                let aborted = error.to_string().contains("aborted");
-                let e = CudaRankError {
-                    rank,
-                    coords: coords_of(mesh, rank),
-                    error,
-                };
-                if !aborted {
-                    return Err(e);
-                }
-                first_abort.get_or_insert(e);
-            }
-        }
-    }
-    match first_abort {
-        Some(e) => Err(e),
-        None => Ok(outs),
-    }
+    crate::rank::root_cause(mesh, results)
 }
 
 /// Runs one rank: prepare, run; on failure abort the rank's communicators so peers stop.
@@ -146,7 +110,7 @@ pub fn run_spmd_nccl_threads(
     let world = mesh.world_size();
     let id = NcclId::new().map_err(|error| CudaRankError {
         rank: 0,
-        coords: coords_of(mesh, 0),
+        coords: mesh.coords_label(0),
         error,
     })?;
     let results = std::thread::scope(|s| {
