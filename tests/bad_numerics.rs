@@ -10,7 +10,7 @@ use common::{fails_with, run_shardc, shardc_clean};
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::schedule::pipeline::ScheduleKind;
+use shardc::compiler::schedule::pp::ScheduleKind;
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{
     compile_pipeline, compile_train, PipelineOptions, Precision, TrainOptions,

@@ -12,7 +12,7 @@ use serde_json::Value;
 use shardc::compiler::cost::{chrome_trace, simulate_plan, AttentionImpl, Cluster, ComputeOptions};
 use shardc::compiler::ir::DType;
 use shardc::compiler::plan::{rehash, Plan};
-use shardc::compiler::schedule::pipeline::PassCosts;
+use shardc::compiler::schedule::pp::PassCosts;
 use shardc::compiler::schedule::Step;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

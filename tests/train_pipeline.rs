@@ -5,7 +5,7 @@
 
 mod train_support;
 
-use shardc::compiler::schedule::pipeline::ScheduleKind;
+use shardc::compiler::schedule::pp::ScheduleKind;
 use train_support::{
     check, check_against, deep_llama, fixture_batch, run_pipeline_on, run_unsharded_on,
     token_batch, Pipe,
@@ -230,7 +230,7 @@ fn plan_verifier_checks_the_node_lists() {
     // The first forward's list: run its last value first.
     let k = plan.pipeline_program[0]
         .iter()
-        .position(|o| matches!(o, shardc::compiler::schedule::pipeline::PipeOp::Run(_)))
+        .position(|o| matches!(o, shardc::compiler::schedule::pp::PipeOp::Run(_)))
         .unwrap();
     let mut bad = plan.clone();
     let list = &mut bad.pipeline_nodes[0][k];
@@ -250,7 +250,7 @@ fn plan_verifier_checks_the_node_lists() {
     let mut bad = plan.clone();
     let recv = bad.pipeline_program[1]
         .iter()
-        .position(|o| matches!(o, shardc::compiler::schedule::pipeline::PipeOp::Recv { .. }))
+        .position(|o| matches!(o, shardc::compiler::schedule::pp::PipeOp::Recv { .. }))
         .unwrap();
     let v = bad.pipeline_nodes[1][recv].pop().unwrap();
     bad.pipeline_nodes[1][recv + 1].insert(0, v);
@@ -298,7 +298,7 @@ fn gpt2_tied_embeddings_across_stages() {
 /// receive ending after its matching send began on the other stage.
 #[test]
 fn executed_timelines_follow_the_program() {
-    use shardc::compiler::schedule::pipeline::PipeOp;
+    use shardc::compiler::schedule::pp::PipeOp;
     let dir = deep_llama(8);
     let batch = token_batch(8, 12, 256);
     for kind in SCHEDULES {

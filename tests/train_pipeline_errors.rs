@@ -8,7 +8,7 @@ mod common;
 mod train_support;
 
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::schedule::pipeline::{Carry, Phase, PipeOp, ScheduleKind};
+use shardc::compiler::schedule::pp::{Carry, Phase, PipeOp, ScheduleKind};
 use shardc::compiler::train::{compile_pipeline, CompiledPipeline, TrainCompileError};
 use shardc::runtime::pipeline::pipeline_step;
 use shardc::runtime::train::{TrainError, TrainState};

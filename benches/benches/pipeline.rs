@@ -7,7 +7,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use shardc_compiler::cost::{simulate_plan, Cluster, ComputeOptions};
 use shardc_compiler::model::ModelConfig;
-use shardc_compiler::schedule::pipeline::ScheduleKind;
+use shardc_compiler::schedule::pp::ScheduleKind;
 use shardc_compiler::shard::Mesh;
 use shardc_compiler::train::{
     compile_pipeline, compile_train, PipelineOptions, Precision, TrainOptions,

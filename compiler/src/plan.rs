@@ -126,11 +126,11 @@ pub struct Plan {
     pub memory: PlanMemory,
     /// The pipeline schedule, when the mesh has a `pp` axis.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pipeline: Option<crate::schedule::pipeline::PipelineSchedule>,
+    pub pipeline: Option<crate::schedule::pp::PipelineSchedule>,
     /// Each pipeline rank's instructions: passes and the send/recv around them
     /// (pipeline-parallel training plans; `program` is then chunk 0's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub pipeline_program: Vec<Vec<crate::schedule::pipeline::PipeOp>>,
+    pub pipeline_program: Vec<Vec<crate::schedule::pp::PipeOp>>,
     /// Per pipeline rank and instruction, the values of its chunk's program it computes, in
     /// order (a receive: the input it fills; a send: none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -427,7 +427,7 @@ impl Plan {
     /// The plan verifier's pipeline check (plans with a schedule): the instructions run
     /// every pass once in order, every send is received in the order sent (FIFO per rank
     /// pair) and no rank can wait forever (see
-    /// [`crate::schedule::pipeline::PipelineSchedule::check_program`]); each boundary tensor
+    /// [`crate::schedule::pp::PipelineSchedule::check_program`]); each boundary tensor
     /// is sent with the local type its receiver's program expects; the node lists run every
     /// value of every chunk once, on the chunk's rank, after its operands, a received input
     /// only at its receive. Sizes, indices and chunk programs are checked first, so any plan
@@ -453,7 +453,7 @@ impl Plan {
     }
 
     fn check_pipeline_nodes(&self, p: usize) -> Result<(), PlanError> {
-        use crate::schedule::pipeline::PipeOp;
+        use crate::schedule::pp::PipeOp;
         let err = |m: String| Err(PlanError::Pipeline(m));
         if self.pipeline_nodes.len() != self.pipeline_program.len()
             || self

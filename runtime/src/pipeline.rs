@@ -23,7 +23,7 @@ use crate::train::{
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
 use shardc_compiler::plan::{Plan, PlanTrain};
-use shardc_compiler::schedule::pipeline::{Carry, PipeOp};
+use shardc_compiler::schedule::pp::{Carry, PipeOp};
 use shardc_compiler::shard::AxisId;
 use shardc_compiler::train::{activation_values, boundary_name, micro_deps, sent_value};
 use std::collections::BTreeMap;

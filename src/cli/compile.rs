@@ -12,7 +12,7 @@ use shardc::compiler::cost::Cluster;
 use shardc::compiler::model::{IrWork, ModelConfig};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
-use shardc::compiler::schedule::pipeline::{parse_stage_layers, PassCosts, ScheduleKind};
+use shardc::compiler::schedule::pp::{parse_stage_layers, PassCosts, ScheduleKind};
 use shardc::compiler::train::{PipelineOptions, TrainMemory, TrainOptions};
 use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use shardc::compiler::model::{check_budget, schedule_bytes};
 use shardc::compiler::plan::Plan;
-use shardc::compiler::schedule::pipeline::{PassCosts, PipeOp, PipelineSchedule, ScheduleKind};
+use shardc::compiler::schedule::pp::{PassCosts, PipeOp, PipelineSchedule, ScheduleKind};
 use shardc::runtime::output::Outputs;
 use std::path::PathBuf;
 

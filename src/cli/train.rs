@@ -16,7 +16,7 @@ use shardc::compiler::cost::timelines_trace;
 use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
-use shardc::compiler::schedule::pipeline::{parse_stage_layers, ScheduleKind};
+use shardc::compiler::schedule::pp::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{PipelineOptions, Precision, TrainOptions};
 use shardc::runtime::launch::{fingerprint_of, ProcessGroup, WorldEnv};

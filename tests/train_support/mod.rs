@@ -6,7 +6,7 @@ use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
-use shardc::compiler::schedule::pipeline::ScheduleKind;
+use shardc::compiler::schedule::pp::ScheduleKind;
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{
     compile_pipeline, compile_train, CompiledPipeline, CompiledTrain, PipelineOptions, Precision,

@@ -142,8 +142,8 @@ pub enum CostError {
     Calibrate(String),
 }
 
-impl From<crate::schedule::pipeline::PipelineError> for CostError {
-    fn from(e: crate::schedule::pipeline::PipelineError) -> CostError {
+impl From<crate::schedule::pp::PipelineError> for CostError {
+    fn from(e: crate::schedule::pp::PipelineError) -> CostError {
         CostError::Replay(e.to_string())
     }
 }

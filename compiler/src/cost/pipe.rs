@@ -47,10 +47,10 @@ pub struct PipeOp {
 }
 
 /// The ops stage `stage` of `p` runs for `m` micro-batches, in order: the schedule's slots
-/// ([`crate::schedule::pipeline::PipelineSchedule`], the one source of schedule orders), with
+/// ([`crate::schedule::pp::PipelineSchedule`], the one source of schedule orders), with
 /// chunks numbered per stage.
 pub fn stage_order(schedule: PipeSchedule, p: usize, m: usize, stage: usize) -> Vec<PipeOp> {
-    use crate::schedule::pipeline::{Phase, PipelineSchedule, ScheduleKind};
+    use crate::schedule::pp::{Phase, PipelineSchedule, ScheduleKind};
     let (kind, v) = match schedule {
         PipeSchedule::Gpipe => (ScheduleKind::Gpipe, 1),
         PipeSchedule::OneFOneB => (ScheduleKind::OneFOneB, 1),

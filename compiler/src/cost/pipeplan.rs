@@ -18,7 +18,7 @@ use super::units::Bytes;
 use super::{Cluster, CostError};
 use crate::ir::{Graph, ValueId};
 use crate::plan::Plan;
-use crate::schedule::pipeline::{run_program, Carry, Phase, PipeOp};
+use crate::schedule::pp::{run_program, Carry, Phase, PipeOp};
 
 /// Replays pipeline plan `plan` (one with a schedule) on `cluster`.
 pub fn simulate_pipeline_plan(
@@ -189,7 +189,7 @@ pub fn simulate_pipeline_plan(
     );
     let stage_world = stage_mesh.world_size();
     let in_flight = sched
-        .replay(crate::schedule::pipeline::PassCosts::uniform(1.0))
+        .replay(crate::schedule::pp::PassCosts::uniform(1.0))
         .map(|r| r.peak_in_flight)
         .unwrap_or_default();
     let mut stages = Vec::with_capacity(p);

@@ -5,7 +5,7 @@
 use crate::autodiff::{input_name, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_TIED_PREFIX};
 use crate::ir::{Graph, Op, ValueId};
 use crate::model::{STAGE_INPUT, STAGE_OUTPUT};
-use crate::schedule::pipeline::{Carry, PipelineError};
+use crate::schedule::pp::{Carry, PipelineError};
 
 /// The boundary-type check of the plan verifier and the compiler: every tensor a chunk sends
 /// (its activation forward, its input's gradient backward, a tied copy's gradient) is an input

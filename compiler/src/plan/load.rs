@@ -207,7 +207,7 @@ fn shorten(s: &str) -> String {
 fn field_error(v: &Value, whole: &serde_json::Error) -> PlanError {
     use super::{PlanChunk, PlanMemory, PlanModel};
     use crate::ir::{Graph, Node, ValueId};
-    use crate::schedule::pipeline::{PipeOp, PipelineSchedule};
+    use crate::schedule::pp::{PipeOp, PipelineSchedule};
     use crate::schedule::{BufferSlot, Step};
     use crate::shard::{Mesh, Provenance, TensorSharding};
     use std::collections::BTreeMap;

@@ -12,7 +12,7 @@
 
 use super::{esc, Plan, PlanError};
 use crate::ir::{Graph, Op, TensorType, ValueId};
-use crate::schedule::pipeline::{Carry, Phase, PipeOp, PipelineSchedule};
+use crate::schedule::pp::{Carry, Phase, PipeOp, PipelineSchedule};
 use crate::schedule::{collective_bytes, Step};
 use crate::shard::{Mesh, TensorSharding, KNOWN_AXES};
 use std::collections::{BTreeSet, HashMap, HashSet};

@@ -5,7 +5,7 @@
 //! it, so communication overlaps independent compute. Activation buffers are placed in one
 //! arena by first-fit over their live ranges (parameters are held separately).
 
-pub mod pipeline;
+pub mod pp;
 
 use crate::ir::{Graph, Op, ValueId};
 use serde::{Deserialize, Serialize};

@@ -196,7 +196,7 @@ pub enum TrainCompileError {
     Options(String),
     /// A pipeline schedule or stage split that cannot be built.
     #[error(transparent)]
-    Pipeline(#[from] crate::schedule::pipeline::PipelineError),
+    Pipeline(#[from] crate::schedule::pp::PipelineError),
     /// A pass's result failed its check.
     #[error("compiler bug: {0}")]
     Verify(#[from] VerifyError),

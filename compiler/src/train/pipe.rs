@@ -26,8 +26,8 @@ use crate::pass::{Pass, PassLog};
 use crate::plan::{
     boundary_name, check_boundary_types, is_received_input, sent_value, Plan, PlanChunk,
 };
-use crate::schedule::pipeline::{balance, PipeOp, PipelineError, PipelineSchedule, ScheduleKind};
-use crate::schedule::pipeline::{Carry, Phase};
+use crate::schedule::pp::{balance, PipeOp, PipelineError, PipelineSchedule, ScheduleKind};
+use crate::schedule::pp::{Carry, Phase};
 use crate::shard::{self, Mesh, Strategy};
 
 /// How to pipeline a training step.
