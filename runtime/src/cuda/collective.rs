@@ -10,7 +10,8 @@
 
 use super::gemm::{Epilogue, GemmKey};
 use super::ops::Launcher;
-use super::program::{CudaProgram, CudaRankCtx};
+use super::program::CudaProgram;
+use super::rank::CudaRankCtx;
 use super::strided::{split3, StridedSpec};
 use super::CudaError;
 use crate::comm::{CommError, ReduceOp};

@@ -33,8 +33,10 @@ mod node;
 pub(crate) mod ops;
 mod plan;
 mod program;
+mod rank;
 mod spmd;
 mod strided;
+mod support;
 
 pub use device::{cuda_device_count, CudaDevice};
 pub use error::CudaError;
@@ -44,6 +46,7 @@ pub use plan::{
     early_write_ok, fused_expr, last_uses, plan_arena, plan_memory, retyped, Action, ArenaPlan,
     FusedGroup, FusionPlan, GpuDType, Slot, Storage,
 };
-pub use program::{execute_cuda, CudaOptions, CudaProgram, CudaRankCtx, ParamInit};
+pub use program::{execute_cuda, CudaProgram};
+pub use rank::{CudaOptions, CudaRankCtx, ParamInit};
 pub use spmd::{run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
 pub use strided::{contiguous_strides, StridedSpec, MAX_RANK};

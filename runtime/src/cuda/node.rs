@@ -9,8 +9,10 @@
 use super::gemm::{Epilogue, GemmKey};
 use super::ops::Launcher;
 use super::plan::{fused_expr, FusedGroup, GpuDType};
-use super::program::{check_labels, CudaProgram, CudaRankCtx};
+use super::program::CudaProgram;
+use super::rank::CudaRankCtx;
 use super::strided::StridedSpec;
+use super::support::check_labels;
 use super::CudaError;
 use crate::cpu::vocab;
 use crate::RuntimeError;

@@ -18,105 +18,17 @@
 use super::gemm::GemmCache;
 use super::host::{alloc, download, random_values, DevBuf, HostData};
 use super::ops::Launcher;
-use super::plan::{
-    plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType, Slot, Storage,
-};
+use super::plan::{plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage};
+use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
+use super::support::check_supported;
 use super::{CudaDevice, CudaError};
-use crate::cpu::vocab;
-use crate::cuda::comm::device::DeviceCommunicator;
-use crate::{RuntimeError, Tensor, Weights};
+use crate::{RuntimeError, Tensor};
 use cudarc::driver::{CudaEvent, CudaStream};
 use shardc_compiler::ir::{DType, Graph, Op, ParamSource, ShardSpec, ValueId};
 use shardc_compiler::schedule::{schedule, Step, COMM_STREAM};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// How a program runs on the GPU.
-#[derive(Clone, Debug)]
-pub struct CudaOptions {
-    /// Element type of every float tensor on the device.
-    pub dtype: GpuDType,
-    /// Run fused groups (GEMM epilogues, add+RMSNorm, SwiGLU) as single launches.
-    pub fuse: bool,
-    /// Fill the activation arena with NaN bytes (0xFF) before every run, so a kernel that
-    /// leaves part of its output unwritten shows up in the results (tests).
-    pub poison: bool,
-    /// How long the host waits for the GPU (and collectives) before failing.
-    pub timeout: Duration,
-}
-
-impl Default for CudaOptions {
-    fn default() -> CudaOptions {
-        CudaOptions {
-            dtype: GpuDType::F32,
-            fuse: true,
-            poison: false,
-            timeout: Duration::from_secs(60),
-        }
-    }
-}
-
-/// Where parameters come from.
-#[derive(Clone, Copy, Debug)]
-pub enum ParamInit<'a> {
-    /// A checkpoint (each rank loads its shards).
-    Weights(&'a Weights),
-    /// Deterministic uniform values in `[-scale, scale]` (benchmarks).
-    Random {
-        /// Generator seed.
-        seed: u64,
-        /// Half-width of the distribution.
-        scale: f32,
-    },
-}
-
-/// One GPU rank's view of the mesh: a device communicator per mesh axis (empty: unsharded).
-#[derive(Default)]
-pub struct CudaRankCtx<'a> {
-    comms: BTreeMap<String, &'a dyn DeviceCommunicator>,
-}
-
-impl<'a> CudaRankCtx<'a> {
-    /// An empty context (an unsharded run).
-    pub fn new() -> CudaRankCtx<'a> {
-        CudaRankCtx::default()
-    }
-
-    /// Sets the communicator of mesh axis `axis`.
-    pub fn insert(&mut self, axis: impl Into<String>, comm: &'a dyn DeviceCommunicator) {
-        self.comms.insert(axis.into(), comm);
-    }
-
-    /// This context with `comm` serving `axis`.
-    pub fn with_axis(mut self, axis: impl Into<String>, comm: &'a dyn DeviceCommunicator) -> Self {
-        self.insert(axis, comm);
-        self
-    }
-
-    /// The communicator of `axis`.
-    pub fn comm(&self, axis: &str) -> Result<&'a dyn DeviceCommunicator, RuntimeError> {
-        self.comms
-            .get(axis)
-            .copied()
-            .ok_or_else(|| RuntimeError::MissingAxis {
-                axis: axis.to_string(),
-            })
-    }
-
-    /// `(coord, size)` of this rank on every axis.
-    pub fn coords(&self) -> BTreeMap<String, (usize, usize)> {
-        self.comms
-            .iter()
-            .map(|(a, c)| (a.clone(), (c.rank(), c.size())))
-            .collect()
-    }
-
-    /// Every communicator, by axis.
-    pub fn comms(&self) -> impl Iterator<Item = (&str, &'a dyn DeviceCommunicator)> + '_ {
-        self.comms.iter().map(|(a, c)| (a.as_str(), *c))
-    }
-}
 
 /// A collective in flight on the comm stream: its done event and the arena bytes it touches.
 struct InFlight {
@@ -658,141 +570,6 @@ pub fn execute_cuda(
     CudaProgram::prepare(dev.clone(), graph, params, &ctx, opts)?.run(inputs, &ctx)
 }
 
-/// Rejects, before anything is allocated, what the CUDA backend cannot run.
-fn check_supported(
-    g: &Graph,
-    v: ValueId,
-    coords: &BTreeMap<String, (usize, usize)>,
-    dt: GpuDType,
-) -> Result<(), CudaError> {
-    let node = g.node(v);
-    let bad = |detail: String| CudaError::Unsupported {
-        node: v,
-        name: node.name.clone(),
-        op: node.op.mnemonic(),
-        detail,
-    };
-    if let Some(axis) = node.op.axis() {
-        if !coords.contains_key(axis) {
-            return Err(RuntimeError::MissingAxis {
-                axis: axis.to_string(),
-            }
-            .into());
-        }
-    }
-    let known = matches!(
-        node.op,
-        Op::Input { .. }
-            | Op::Param(_)
-            | Op::Embedding
-            | Op::MatMul { .. }
-            | Op::Add
-            | Op::Mul
-            | Op::Unary(_)
-            | Op::Scale(_)
-            | Op::Cast(_)
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::Rope(_)
-            | Op::Attention(_)
-            | Op::Softmax
-            | Op::Reshape
-            | Op::Transpose { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Repeat { .. }
-            | Op::Router { .. }
-            | Op::Dispatch
-            | Op::Combine
-            | Op::CrossEntropy { .. }
-            | Op::AllReduce { .. }
-            | Op::ReduceScatter { .. }
-            | Op::AllGather { .. }
-            | Op::AllToAll { .. }
-            | Op::Broadcast { .. }
-            | Op::RankOffset { .. }
-            | Op::LocalSlice { .. }
-            | Op::FusedElementwise { .. }
-            | Op::FusedMatMul { .. }
-            | Op::AddRmsNorm { .. }
-            | Op::AgMatMul { .. }
-            | Op::MatMulRs { .. }
-    );
-    if !known {
-        return Err(bad(
-            "no CUDA kernel for this op (training ops run on the CPU backend)".into(),
-        ));
-    }
-    let float_only = matches!(
-        node.op,
-        Op::Add
-            | Op::Mul
-            | Op::Unary(_)
-            | Op::Scale(_)
-            | Op::MatMul { .. }
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::Softmax
-            | Op::FusedElementwise { .. }
-            | Op::FusedMatMul { .. }
-            | Op::AddRmsNorm { .. }
-            | Op::AgMatMul { .. }
-            | Op::MatMulRs { .. }
-    );
-    if float_only && node.ty.dtype == DType::I32 {
-        return Err(bad("i32 arithmetic (the kernels are f32/bf16)".into()));
-    }
-    match &node.op {
-        Op::FusedElementwise { expr } | Op::FusedMatMul { epilogue: expr, .. } => {
-            let k = node.inputs.len()
-                - if matches!(node.op, Op::FusedMatMul { .. }) {
-                    1
-                } else {
-                    0
-                };
-            if super::plan::fused_expr(expr, k, dt).is_none() {
-                return Err(bad("a cast inside the fused program".into()));
-            }
-        }
-        Op::Cast(to) => {
-            let from = g.ty(node.inputs[0]).dtype;
-            if matches!(to, DType::I32 | DType::F16) || from == DType::I32 {
-                return Err(bad(format!("cast {from} → {to}")));
-            }
-        }
-        Op::Attention(_) => {
-            let d = node.ty.last();
-            if d > shardc_kernels::launch::ATTENTION_MAX_HEAD_DIM {
-                return Err(bad(format!("head_dim {d} above 256")));
-            }
-        }
-        Op::AllReduce { .. } | Op::ReduceScatter { .. } if node.ty.dtype == DType::I32 => {
-            // NCCL sums i32 natively; local-gpu refuses at run time with a clear error.
-        }
-        _ => {}
-    }
-    Ok(())
-}
-
-/// A label ≥ the vocabulary, as the CPU reference reports it.
-pub(super) fn check_labels(labels: &Tensor, vocab_n: usize) -> Result<(), RuntimeError> {
-    let Some(l) = labels.as_i32() else {
-        return Ok(());
-    };
-    match l.iter().position(|&x| x >= 0 && x as usize >= vocab_n) {
-        None => Ok(()),
-        Some(i) => {
-            let (batch, pos) = vocab::batch_pos(&labels.shape, i);
-            Err(RuntimeError::LabelOutOfRange {
-                label: l[i],
-                vocab: vocab_n,
-                batch,
-                pos,
-            })
-        }
-    }
-}
-
 /// `(compute scratch bytes, bytes of each of the two collective scratch halves, ring buffer
 /// bytes of the collective matmuls)`.
 fn scratch_sizes(g: &Graph, storage: &[Storage]) -> (usize, u64, usize) {
@@ -830,28 +607,4 @@ fn scratch_sizes(g: &Graph, storage: &[Storage]) -> (usize, u64, usize) {
         }
     }
     (compute, comm, ring)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn labels_beyond_the_vocabulary_are_reported() {
-        let l = Tensor::i32(vec![2, 3], vec![0, 1, -1, 2, 9, 0]);
-        let e = check_labels(&l, 5).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                RuntimeError::LabelOutOfRange {
-                    label: 9,
-                    batch: 1,
-                    pos: 1,
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        assert!(check_labels(&l, 10).is_ok());
-    }
 }

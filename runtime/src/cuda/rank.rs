@@ -1,0 +1,94 @@
+//! What one CUDA rank is given: the run's options, where its parameters come from, and its
+//! communicators and mesh coordinates.
+
+use super::GpuDType;
+use crate::cuda::comm::device::DeviceCommunicator;
+use crate::{RuntimeError, Weights};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// How a program runs on the GPU.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// Element type of every float tensor on the device.
+    pub dtype: GpuDType,
+    /// Run fused groups (GEMM epilogues, add+RMSNorm, SwiGLU) as single launches.
+    pub fuse: bool,
+    /// Fill the activation arena with NaN bytes (0xFF) before every run, so a kernel that
+    /// leaves part of its output unwritten shows up in the results (tests).
+    pub poison: bool,
+    /// How long the host waits for the GPU (and collectives) before failing.
+    pub timeout: Duration,
+}
+
+impl Default for CudaOptions {
+    fn default() -> CudaOptions {
+        CudaOptions {
+            dtype: GpuDType::F32,
+            fuse: true,
+            poison: false,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Where parameters come from.
+#[derive(Clone, Copy, Debug)]
+pub enum ParamInit<'a> {
+    /// A checkpoint (each rank loads its shards).
+    Weights(&'a Weights),
+    /// Deterministic uniform values in `[-scale, scale]` (benchmarks).
+    Random {
+        /// Generator seed.
+        seed: u64,
+        /// Half-width of the distribution.
+        scale: f32,
+    },
+}
+
+/// One GPU rank's view of the mesh: a device communicator per mesh axis (empty: unsharded).
+#[derive(Default)]
+pub struct CudaRankCtx<'a> {
+    comms: BTreeMap<String, &'a dyn DeviceCommunicator>,
+}
+
+impl<'a> CudaRankCtx<'a> {
+    /// An empty context (an unsharded run).
+    pub fn new() -> CudaRankCtx<'a> {
+        CudaRankCtx::default()
+    }
+
+    /// Sets the communicator of mesh axis `axis`.
+    pub fn insert(&mut self, axis: impl Into<String>, comm: &'a dyn DeviceCommunicator) {
+        self.comms.insert(axis.into(), comm);
+    }
+
+    /// This context with `comm` serving `axis`.
+    pub fn with_axis(mut self, axis: impl Into<String>, comm: &'a dyn DeviceCommunicator) -> Self {
+        self.insert(axis, comm);
+        self
+    }
+
+    /// The communicator of `axis`.
+    pub fn comm(&self, axis: &str) -> Result<&'a dyn DeviceCommunicator, RuntimeError> {
+        self.comms
+            .get(axis)
+            .copied()
+            .ok_or_else(|| RuntimeError::MissingAxis {
+                axis: axis.to_string(),
+            })
+    }
+
+    /// `(coord, size)` of this rank on every axis.
+    pub fn coords(&self) -> BTreeMap<String, (usize, usize)> {
+        self.comms
+            .iter()
+            .map(|(a, c)| (a.clone(), (c.rank(), c.size())))
+            .collect()
+    }
+
+    /// Every communicator, by axis.
+    pub fn comms(&self) -> impl Iterator<Item = (&str, &'a dyn DeviceCommunicator)> + '_ {
+        self.comms.iter().map(|(a, c)| (a.as_str(), *c))
+    }
+}
