@@ -3,7 +3,7 @@
 //! `rope_parameters`; `head_dim` absent or null; `rope_scaling` or `rope_parameters` for the
 //! scaling type).
 
-use super::limits::{IrWork, LimitError, MAX_DIM, MAX_LAYERS, MAX_PARAMS};
+use super::limits::{LimitError, MAX_DIM};
 use crate::ir::{Float, RopeScaling, RopeSpec, RopeStyle, UnaryOp};
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
@@ -386,37 +386,17 @@ fn rope_spec(f: &Fields) -> Result<RopeSpec, ModelError> {
 /// The config keys of a few fields, per architecture (for error messages).
 pub(crate) struct Keys {
     pub(crate) layers: &'static str,
-    hidden: &'static str,
-    ffn: &'static str,
+    pub(crate) hidden: &'static str,
+    pub(crate) ffn: &'static str,
     kv_heads: &'static str,
     head_dim: &'static str,
 }
 
 impl ModelConfig {
-    /// Reads a `config.json`, or the `config.json` inside a model directory. Errors name the
-    /// file.
-    pub fn from_path(path: &Path) -> Result<ModelConfig, ModelError> {
-        let file = if path.is_dir() {
-            path.join("config.json")
-        } else {
-            path.to_path_buf()
-        };
-        let text = std::fs::read_to_string(&file).map_err(|e| ModelError::Io {
-            path: file.clone(),
-            msg: e.to_string(),
-        })?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json {
-            path: file.clone(),
-            msg: e.to_string(),
-        })?;
-        ModelConfig::from_json(&v).map_err(|e| e.at(&file))
-    }
-
     /// Interprets a parsed `config.json`: every size positive and within
     /// [`MAX_DIM`](super::MAX_DIM), the shape consistent, norm ε and RoPE parameters finite and
-    /// positive, the forward IR within the memory budget and at most
-    /// [`MAX_LAYERS`](super::MAX_LAYERS) layers.
-    pub fn from_json(v: &Value) -> Result<ModelConfig, ModelError> {
+    /// positive (the sizes that need the graph are checked by `ModelConfig::from_json`).
+    pub(super) fn parse(v: &Value) -> Result<ModelConfig, ModelError> {
         let o = v.as_object().ok_or_else(|| ModelError::Key {
             key: "<root>".into(),
             msg: format!("expected a JSON object, found {}", json_kind(v)),
@@ -590,7 +570,7 @@ impl ModelConfig {
 
     /// Parameters as the shapes give them (an upper bound of the exact count: biases and
     /// norms of every flavour counted).
-    fn params_estimate(&self) -> u128 {
+    pub(super) fn params_estimate(&self) -> u128 {
         let (h, v) = (self.hidden as u128, self.vocab as u128);
         let q = self.heads as u128 * self.head_dim as u128;
         let kv = self.kv_heads as u128 * self.head_dim as u128;
@@ -646,32 +626,6 @@ impl ModelConfig {
                     format!("{} exceeds {} experts", m.top_k, m.experts),
                 );
             }
-        }
-        // The forward graph within the memory budget, the hard limits on layers (which bound
-        // the time of what is built per layer) and parameters (which keep byte counts in 64
-        // bits).
-        self.check_ir(IrWork::Graph)?;
-        if self.layers > MAX_LAYERS {
-            return bad(
-                k.layers,
-                format!(
-                    "at most {MAX_LAYERS} layers are supported (found {})",
-                    self.layers
-                ),
-            );
-        }
-        let params = self.params_estimate();
-        if params > MAX_PARAMS {
-            return bad(
-                &format!(
-                    "{}={}, {}={}, {}={}, vocab_size={}",
-                    k.hidden, self.hidden, k.ffn, self.ffn, k.layers, self.layers, self.vocab
-                ),
-                format!(
-                    "the model would have ~{:.2e} parameters, more than the {:.2e} shardc supports",
-                    params as f64, MAX_PARAMS as f64
-                ),
-            );
         }
         Ok(())
     }

@@ -16,8 +16,6 @@
 //! The estimates are calibrated upper bounds on the resident memory of the structures named
 //! (measured on the bundled models), not exact counts.
 
-use super::build::{build_forward, BuildOptions};
-use super::config::{ModelConfig, ModelError};
 use std::fmt;
 use thiserror::Error;
 
@@ -206,111 +204,6 @@ pub enum IrWork {
         /// Micro-batches per step.
         micro_batches: usize,
     },
-}
-
-/// Resident bytes per forward-graph node, measured on the bundled models (peak RSS over node
-/// count, rounded up ~2×): the graph alone, a forward plan, a training step per micro-batch.
-const BYTES_PER_NODE_GRAPH: u128 = 1 << 10;
-const BYTES_PER_NODE_FORWARD: u128 = 6 << 10;
-const BYTES_PER_NODE_TRAIN: u128 = 24 << 10;
-
-impl ModelConfig {
-    /// The config key of the layer count (`num_hidden_layers`, `n_layer`).
-    pub fn layers_key(&self) -> &'static str {
-        self.keys().layers
-    }
-
-    /// Nodes of the forward graph: `(base, per layer)`, counted on one- and two-layer graphs of
-    /// this config. `None` when the small graphs cannot be built.
-    fn graph_nodes(&self) -> Option<(u128, u128)> {
-        let count = |layers: usize| -> Option<u128> {
-            let mut c = self.clone();
-            c.layers = layers;
-            build_forward(&c, BuildOptions::new(1, 1))
-                .ok()
-                .map(|g| g.len() as u128)
-        };
-        let (one, two) = (count(1)?, count(2)?);
-        let per_layer = two.checked_sub(one)?;
-        Some((one.saturating_sub(per_layer), per_layer))
-    }
-
-    /// Estimated resident bytes of the IR for `work` (see [`IrWork`]).
-    pub fn ir_bytes(&self, work: IrWork) -> u128 {
-        // Without a small graph (an unbuildable config fails later with its own error), a
-        // generous 64 nodes per layer.
-        let (base, per_layer) = self.graph_nodes().unwrap_or((64, 64));
-        let nodes = base + per_layer * self.layers as u128;
-        let per_node = match work {
-            IrWork::Graph => BYTES_PER_NODE_GRAPH,
-            IrWork::Forward => BYTES_PER_NODE_FORWARD,
-            IrWork::Train { micro_batches } => {
-                BYTES_PER_NODE_FORWARD + BYTES_PER_NODE_TRAIN * micro_batches as u128
-            }
-        };
-        nodes.saturating_mul(per_node)
-    }
-
-    /// An error naming the layer count (and micro-batches) when the IR for `work` would not
-    /// fit the memory cap.
-    pub fn check_ir(&self, work: IrWork) -> Result<(), ModelError> {
-        let need = self.ir_bytes(work);
-        check_budget(need, || {
-            let mut what = format!("{}={}", self.layers_key(), self.layers);
-            if let IrWork::Train { micro_batches } = work {
-                if micro_batches > 1 {
-                    what += &format!(" with {micro_batches} micro-batches");
-                }
-            }
-            what + ": the IR"
-        })?;
-        Ok(())
-    }
-
-    /// Estimated bytes of one training step's activations at `batch` × `seq` (every layer's
-    /// tensors, attention scores included, with headroom for gradients): only used to keep
-    /// byte accounting in range.
-    pub fn activation_bytes(&self, batch: usize, seq: usize) -> u128 {
-        let (b, t) = (batch as u128, seq as u128);
-        let bt = b.saturating_mul(t);
-        let widest = [
-            self.hidden as u128,
-            self.ffn as u128 * self.moe.map_or(1, |m| m.top_k) as u128,
-            self.vocab as u128,
-            self.heads as u128 * self.head_dim as u128,
-            self.moe.map_or(0, |m| m.experts) as u128,
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0);
-        let scores = product(&[bt, self.heads as u128, t]);
-        let per_layer = product(&[16, bt, widest]).saturating_add(scores);
-        // f32 elements, ×4 for backward, recomputation and optimizer temporaries.
-        product(&[per_layer, self.layers as u128 + 1, 16])
-    }
-
-    /// An error naming `what` (the flags that set batch and sequence, `--batch 8 × --seq 4096`)
-    /// when a step's activations would leave the range byte accounting can represent
-    /// ([`ACCOUNTING_LIMIT`]).
-    pub fn check_activations(
-        &self,
-        what: &str,
-        batch: usize,
-        seq: usize,
-    ) -> Result<(), ModelError> {
-        let need = self.activation_bytes(batch, seq);
-        if need <= ACCOUNTING_LIMIT {
-            return Ok(());
-        }
-        Err(ModelError::Key {
-            key: what.to_string(),
-            msg: format!(
-                "a step's activations would be ~{}, beyond the {} shardc can account",
-                human_bytes(need),
-                human_bytes(ACCOUNTING_LIMIT)
-            ),
-        })
-    }
 }
 
 /// Estimated bytes of building, replaying and drawing a pipeline schedule of `stages` ×

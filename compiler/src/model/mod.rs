@@ -2,6 +2,7 @@
 //! plus the analytic statistics `shardc inspect` prints, and the limits on sizes and memory
 //! every command checks before building anything.
 
+mod budget;
 mod build;
 mod config;
 mod limits;
