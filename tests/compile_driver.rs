@@ -238,3 +238,101 @@ fn verify_and_pass_times_on_every_job() {
         Plan::load(&out).expect("the written plan loads");
     }
 }
+
+/// `shardc train --rewrite` trains the rewritten step: the same losses and gradients as the
+/// step without rewriting (1e-5), and `--plan` refuses it (the plan fixes the program).
+#[test]
+fn train_with_rewrite_matches_the_plain_step() {
+    let llama = fixtures().join("llama");
+    let m = llama.to_str().expect("utf-8 path");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("b.json");
+    std::fs::write(&tokens, "[[1,2,3,4,5,6,7,8],[9,10,11,12,13,14,15,16]]").expect("write");
+    let t = tokens.to_str().expect("utf-8");
+    let run = |extra: &[&str], grads: &str| {
+        let g = dir.path().join(grads);
+        let mut a = vec!["train", m, "--tokens", t, "--mesh", "tp=2", "--steps", "2"];
+        a.extend(["--dump-grads", g.to_str().expect("utf-8")]);
+        a.extend(extra.iter().copied());
+        let (ok, out, err) = run_shardc(&a, &[]);
+        assert!(ok, "{a:?}: {err}");
+        let losses: Vec<f32> = out
+            .lines()
+            .filter_map(|l| l.strip_prefix("step ")?.split("loss ").nth(1))
+            .map(|x| {
+                x.split_whitespace()
+                    .next()
+                    .expect("a number")
+                    .parse()
+                    .expect("f32")
+            })
+            .collect();
+        let bytes = std::fs::read(&g).expect("grads written");
+        let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+        let grads: Vec<(String, Vec<f32>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| {
+                let f = v
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                (n, f)
+            })
+            .collect();
+        (out, losses, grads)
+    };
+    let (_, plain, g0) = run(&[], "plain.safetensors");
+    let (out, rewritten, g1) = run(&["--rewrite", "all"], "rw.safetensors");
+    assert!(out.contains("rewritten: "), "{out}");
+    assert_eq!(plain.len(), 2);
+    for (a, b) in plain.iter().zip(&rewritten) {
+        assert!((a - b).abs() <= 1e-5, "loss {a} vs {b}");
+    }
+    let mut g0 = g0;
+    let mut g1 = g1;
+    g0.sort_by(|a, b| a.0.cmp(&b.0));
+    g1.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(g0.len(), g1.len());
+    for ((n0, a), (n1, b)) in g0.iter().zip(&g1) {
+        assert_eq!(n0, n1);
+        let d = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(d <= 1e-5, "{n0}: max |Δ| {d}");
+    }
+    let plan = dir.path().join("p.json");
+    let (ok, _, err) = run_shardc(
+        &[
+            "compile",
+            m,
+            "--train",
+            "--mesh",
+            "tp=2",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "-o",
+            plan.to_str().expect("utf-8"),
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    fails_with(
+        &[
+            "train",
+            m,
+            "--tokens",
+            t,
+            "--plan",
+            plan.to_str().expect("utf-8"),
+            "--rewrite",
+            "all",
+        ],
+        &["--rewrite"],
+    );
+}

@@ -16,6 +16,7 @@ use shardc::compiler::cost::timelines_trace;
 use shardc::compiler::ir::{AdamWSpec, Float};
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
+use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc::compiler::schedule::pp::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{PipelineOptions, Precision, TrainOptions};
@@ -94,6 +95,10 @@ pub struct TrainArgs {
     /// `--plan` runs it later.
     #[arg(long)]
     save_plan: Option<PathBuf>,
+    /// Rewrite rules for the step (`none`, `all`, `sequence-parallel`, or rule and group
+    /// names, as for `shardc compile`): the rewritten step is what trains.
+    #[arg(long)]
+    rewrite: Option<String>,
     /// Pipelines: write the last step as executed (every rank's passes, transfers and
     /// activation bytes, measured) as a Chrome/Perfetto trace.
     #[arg(long)]
@@ -327,6 +332,9 @@ fn compile_plan(
         Job::Train(Box::new(opts)),
     );
     spec.precision = Precision::f32();
+    if let Some(r) = &a.rewrite {
+        spec.rewrite = RewriteOptions::with_rules(r.parse::<RuleSelection>()?);
+    }
     Ok(compile(&spec)?)
 }
 
@@ -390,6 +398,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
                 ("--eps", a.eps.is_some()),
                 ("--weight-decay", a.weight_decay.is_some()),
                 ("--save-plan", a.save_plan.is_some()),
+                ("--rewrite", a.rewrite.is_some()),
             ])?;
             let weights = Weights::open(&a.model)?;
             let plan = super::run::load_plan(p, &a.model, &cfg, &weights)?;
@@ -456,6 +465,19 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         tr.micro_batches,
         tr.recompute
     );
+    if let Some(r) = &plan.rewrite {
+        let fired: usize = r.fired.values().sum();
+        let which = if plan.pipeline.is_some() {
+            " (chunk 0)"
+        } else {
+            ""
+        };
+        println!(
+            "rewritten{which}: {fired} rule applications ({} of the {} selected rules fired)",
+            r.fired.values().filter(|&&n| n > 0).count(),
+            r.rules.len()
+        );
+    }
     describe_pipeline(&plan)?;
     let mut grads = BTreeMap::new();
     let mut timelines = Vec::new();
