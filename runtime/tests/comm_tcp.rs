@@ -2,6 +2,9 @@
 //! naive definitions of its collectives and, bit for bit, against the in-process communicator
 //! (same algorithms, so same reduction order); plus its failure modes.
 
+mod comm_common;
+
+use comm_common::{bits, cases, input, inputs, naive, COUNTS, LONG};
 use shardc_runtime::comm::tcp::TcpComm;
 use shardc_runtime::comm::thread::group;
 use shardc_runtime::comm::{CollectiveKind, CommError, Communicator, ReduceOp};
@@ -9,80 +12,6 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Barrier;
 use std::thread;
 use std::time::{Duration, Instant};
-
-const COUNTS: [usize; 7] = [0, 1, 3, 7, 50, 783, 4097];
-const OPS: [ReduceOp; 5] = [
-    ReduceOp::Sum,
-    ReduceOp::Prod,
-    ReduceOp::Max,
-    ReduceOp::Min,
-    ReduceOp::Avg,
-];
-/// Generous: only a failing test ever waits this long.
-const LONG: Duration = Duration::from_secs(20);
-
-/// xorshift64*: a tiny seeded RNG.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [lo, hi).
-    fn f32_in(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-}
-
-/// Rank `rank`'s input for case `case`: values near ±1 for `Prod` so products stay tame.
-fn input(case: usize, rank: usize, len: usize, op: ReduceOp) -> Vec<f32> {
-    let mut rng = Rng::new(case as u64 * 1000 + rank as u64 + 1);
-    (0..len)
-        .map(|_| match op {
-            ReduceOp::Prod => {
-                let sign = if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
-                sign * rng.f32_in(0.5, 1.5)
-            }
-            _ => rng.f32_in(-2.0, 2.0),
-        })
-        .collect()
-}
-
-fn inputs(case: usize, size: usize, len: usize, op: ReduceOp) -> Vec<Vec<f32>> {
-    (0..size).map(|r| input(case, r, len, op)).collect()
-}
-
-/// Sequential rank-order reduction.
-fn naive(op: ReduceOp, inputs: &[Vec<f32>]) -> Vec<f32> {
-    let mut acc = inputs[0].clone();
-    for x in &inputs[1..] {
-        for (a, b) in acc.iter_mut().zip(x) {
-            *a = match op {
-                ReduceOp::Sum | ReduceOp::Avg => *a + b,
-                ReduceOp::Prod => *a * b,
-                ReduceOp::Max => a.max(*b),
-                ReduceOp::Min => a.min(*b),
-            };
-        }
-    }
-    if op == ReduceOp::Avg {
-        acc.iter_mut().for_each(|a| *a /= inputs.len() as f32);
-    }
-    acc
-}
-
-fn cases() -> Vec<(usize, ReduceOp)> {
-    COUNTS
-        .iter()
-        .flat_map(|&len| OPS.iter().map(move |&op| (len, op)))
-        .collect()
-}
 
 /// One labelled output of [`program`], and how to compare it with the naive result.
 struct Out {
@@ -196,10 +125,6 @@ fn expected(rank: usize, n: usize) -> Vec<Out> {
         ));
     }
     outs
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 fn assert_matches(got: &Out, want: &Out, what: &str) {

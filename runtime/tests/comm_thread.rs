@@ -4,6 +4,9 @@
 //! Every rank derives every rank's input from a seed, so expected results are computed
 //! directly from all inputs; ranks return their outputs and the test thread compares.
 
+mod comm_common;
+
+use comm_common::{bits, cases, input, inputs as all_inputs, naive, COUNTS, LONG};
 use shardc_runtime::comm::thread::{group, ThreadComm};
 use shardc_runtime::comm::{CollectiveKind, CommError, Communicator, ReduceOp};
 use std::sync::Barrier;
@@ -11,69 +14,6 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 const SIZES: [usize; 6] = [1, 2, 3, 4, 5, 8];
-const COUNTS: [usize; 7] = [0, 1, 3, 7, 50, 783, 4097];
-const OPS: [ReduceOp; 5] = [
-    ReduceOp::Sum,
-    ReduceOp::Prod,
-    ReduceOp::Max,
-    ReduceOp::Min,
-    ReduceOp::Avg,
-];
-/// Generous: only a failing test ever waits this long.
-const LONG: Duration = Duration::from_secs(20);
-
-/// xorshift64*: a tiny seeded RNG.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [lo, hi).
-    fn f32_in(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
-}
-
-/// Rank `rank`'s input for case `case`: values near ±1 for `Prod` so products stay tame.
-fn input(case: u64, rank: usize, len: usize, op: ReduceOp) -> Vec<f32> {
-    let mut rng = Rng::new(case * 1000 + rank as u64 + 1);
-    (0..len)
-        .map(|_| match op {
-            ReduceOp::Prod => {
-                let sign = if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
-                sign * rng.f32_in(0.5, 1.5)
-            }
-            _ => rng.f32_in(-2.0, 2.0),
-        })
-        .collect()
-}
-
-/// Sequential rank-order reduction of `inputs`.
-fn naive(op: ReduceOp, inputs: &[Vec<f32>]) -> Vec<f32> {
-    let mut acc = inputs[0].clone();
-    for x in &inputs[1..] {
-        for (a, b) in acc.iter_mut().zip(x) {
-            *a = match op {
-                ReduceOp::Sum | ReduceOp::Avg => *a + b,
-                ReduceOp::Prod => *a * b,
-                ReduceOp::Max => a.max(*b),
-                ReduceOp::Min => a.min(*b),
-            };
-        }
-    }
-    if op == ReduceOp::Avg {
-        acc.iter_mut().for_each(|a| *a /= inputs.len() as f32);
-    }
-    acc
-}
-
 /// Max/Min exactly, the rest to a tolerance (the ring order differs from rank order).
 fn assert_close(op: ReduceOp, got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -84,10 +24,6 @@ fn assert_close(op: ReduceOp, got: &[f32], want: &[f32], what: &str) {
         };
         assert!(ok, "{what}: element {i}: got {g}, want {w}");
     }
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Runs `body(comm)` on every rank of a fresh group, each in its own thread; returns the
@@ -111,23 +47,12 @@ fn all_reduce_outputs(size: usize) -> Vec<Vec<Vec<f32>>> {
     run(size, LONG, |comm| {
         let mut outs = Vec::new();
         for (case, &(len, op)) in cases().iter().enumerate() {
-            let mut buf = input(case as u64, comm.rank(), len, op);
+            let mut buf = input(case, comm.rank(), len, op);
             comm.all_reduce(&mut buf, op).expect("all_reduce");
             outs.push(buf);
         }
         outs
     })
-}
-
-fn cases() -> Vec<(usize, ReduceOp)> {
-    COUNTS
-        .iter()
-        .flat_map(|&len| OPS.iter().map(move |&op| (len, op)))
-        .collect()
-}
-
-fn all_inputs(case: usize, size: usize, len: usize, op: ReduceOp) -> Vec<Vec<f32>> {
-    (0..size).map(|r| input(case as u64, r, len, op)).collect()
 }
 
 #[test]
@@ -162,7 +87,7 @@ fn reduce_matches_naive_for_every_root() {
             let mut outs = Vec::new();
             for root in 0..comm.size() {
                 for (case, &(len, op)) in cases().iter().enumerate() {
-                    let send = input(case as u64, comm.rank(), len, op);
+                    let send = input(case, comm.rank(), len, op);
                     let mut recv = vec![f32::NAN; if comm.rank() == root { len } else { 0 }];
                     comm.reduce(&send, &mut recv, op, root).expect("reduce");
                     outs.push(recv);
@@ -192,7 +117,7 @@ fn broadcast_copies_the_root_buffer_for_every_root() {
             let mut outs = Vec::new();
             for root in 0..comm.size() {
                 for (case, len) in COUNTS.into_iter().enumerate() {
-                    let mut buf = input(case as u64, comm.rank(), len, ReduceOp::Sum);
+                    let mut buf = input(case, comm.rank(), len, ReduceOp::Sum);
                     comm.broadcast(&mut buf, root).expect("broadcast");
                     outs.push((root, case, buf));
                 }
@@ -201,7 +126,7 @@ fn broadcast_copies_the_root_buffer_for_every_root() {
         });
         for rank_outs in &outs {
             for (root, case, buf) in rank_outs {
-                let want = input(*case as u64, *root, buf.len(), ReduceOp::Sum);
+                let want = input(*case, *root, buf.len(), ReduceOp::Sum);
                 assert_eq!(
                     bits(buf),
                     bits(&want),
@@ -219,7 +144,7 @@ fn gather_and_all_gather_concatenate_in_rank_order() {
             let (rank, n) = (comm.rank(), comm.size());
             let mut outs = Vec::new();
             for (case, m) in COUNTS.into_iter().enumerate() {
-                let send = input(case as u64, rank, m, ReduceOp::Sum);
+                let send = input(case, rank, m, ReduceOp::Sum);
                 let mut all = vec![f32::NAN; m * n];
                 comm.all_gather(&send, &mut all).expect("all_gather");
                 let root = case % n;
@@ -254,7 +179,7 @@ fn scatter_hands_chunk_i_to_rank_i() {
             for (case, m) in COUNTS.into_iter().enumerate() {
                 let root = (case + 1) % n;
                 let send = if rank == root {
-                    input(case as u64, root, m * n, ReduceOp::Sum)
+                    input(case, root, m * n, ReduceOp::Sum)
                 } else {
                     Vec::new()
                 };
@@ -267,7 +192,7 @@ fn scatter_hands_chunk_i_to_rank_i() {
         for (rank, rank_outs) in outs.iter().enumerate() {
             for (case, m, recv) in rank_outs {
                 let root = (case + 1) % size;
-                let full = input(*case as u64, root, m * size, ReduceOp::Sum);
+                let full = input(*case, root, m * size, ReduceOp::Sum);
                 let want = &full[rank * m..(rank + 1) * m];
                 assert_eq!(bits(recv), bits(want), "size {size} m {m} rank {rank}");
             }
@@ -282,7 +207,7 @@ fn reduce_scatter_keeps_chunk_i_of_the_reduction_on_rank_i() {
             let n = comm.size();
             let mut outs = Vec::new();
             for (case, &(m, op)) in cases().iter().enumerate() {
-                let send = input(case as u64, comm.rank(), m * n, op);
+                let send = input(case, comm.rank(), m * n, op);
                 let mut recv = vec![f32::NAN; m];
                 comm.reduce_scatter(&send, &mut recv, op)
                     .expect("reduce_scatter");
@@ -307,7 +232,7 @@ fn all_to_all_transposes_chunks() {
             let n = comm.size();
             let mut outs = Vec::new();
             for (case, m) in [0, 1, 3, 7, 50].into_iter().enumerate() {
-                let send = input(case as u64, comm.rank(), m * n, ReduceOp::Sum);
+                let send = input(case, comm.rank(), m * n, ReduceOp::Sum);
                 let mut recv = vec![f32::NAN; m * n];
                 comm.all_to_all(&send, &mut recv).expect("all_to_all");
                 outs.push((case, m, recv));

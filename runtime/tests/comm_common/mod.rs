@@ -1,0 +1,88 @@
+//! What the communicator tests share: seeded inputs, the naive (sequential rank-order)
+//! reductions they are checked against, and the (count, op) cases.
+
+#![allow(dead_code)]
+
+use shardc_runtime::comm::ReduceOp;
+use std::time::Duration;
+
+pub const COUNTS: [usize; 7] = [0, 1, 3, 7, 50, 783, 4097];
+pub const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Max,
+    ReduceOp::Min,
+    ReduceOp::Avg,
+];
+/// Generous: only a failing test ever waits this long.
+pub const LONG: Duration = Duration::from_secs(20);
+
+/// xorshift64*: a tiny seeded RNG.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [lo, hi).
+    pub fn f32_in(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+}
+
+/// Rank `rank`'s input for case `case`: values near ±1 for `Prod` so products stay tame.
+pub fn input(case: usize, rank: usize, len: usize, op: ReduceOp) -> Vec<f32> {
+    let mut rng = Rng::new(case as u64 * 1000 + rank as u64 + 1);
+    (0..len)
+        .map(|_| match op {
+            ReduceOp::Prod => {
+                let sign = if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
+                sign * rng.f32_in(0.5, 1.5)
+            }
+            _ => rng.f32_in(-2.0, 2.0),
+        })
+        .collect()
+}
+
+/// Every rank's input for case `case` on a group of `size`.
+pub fn inputs(case: usize, size: usize, len: usize, op: ReduceOp) -> Vec<Vec<f32>> {
+    (0..size).map(|r| input(case, r, len, op)).collect()
+}
+
+/// Sequential rank-order reduction of `inputs`.
+pub fn naive(op: ReduceOp, inputs: &[Vec<f32>]) -> Vec<f32> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        for (a, b) in acc.iter_mut().zip(x) {
+            *a = match op {
+                ReduceOp::Sum | ReduceOp::Avg => *a + b,
+                ReduceOp::Prod => *a * b,
+                ReduceOp::Max => a.max(*b),
+                ReduceOp::Min => a.min(*b),
+            };
+        }
+    }
+    if op == ReduceOp::Avg {
+        acc.iter_mut().for_each(|a| *a /= inputs.len() as f32);
+    }
+    acc
+}
+
+/// Every (count, op) case.
+pub fn cases() -> Vec<(usize, ReduceOp)> {
+    COUNTS
+        .iter()
+        .flat_map(|&len| OPS.iter().map(move |&op| (len, op)))
+        .collect()
+}
+
+/// The bit patterns of `v`, for exact comparisons.
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
