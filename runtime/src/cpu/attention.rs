@@ -44,15 +44,8 @@ pub(crate) fn attention(
         return Err(shape_err(OP, &all, "mask must be [B, S]"));
     }
     let rep = hq / hkv;
-    let off = s as isize - t as isize;
     let scale = spec.scale.0;
-    let visible = |bi: usize, ti: usize, si: usize| -> bool {
-        let qpos = ti as isize + off;
-        let si = si as isize;
-        (!spec.causal || si <= qpos)
-            && spec.window.is_none_or(|w| qpos - si < w as isize)
-            && md.is_none_or(|m| m[bi * s + si as usize] != 0.0)
-    };
+    let visible = visibility(spec, t, s, md);
     // Per (b, h): [T, D] blocks, laid out [B, Hq, T, D]; permuted to [B, T, Hq, D] at the end.
     let mut tmp = vec![0.0f32; b * hq * t * d];
     if tmp.is_empty() {
@@ -140,6 +133,24 @@ pub(crate) fn strided_gemm(
 /// query cannot see dropped, softmax with max subtraction (sum in f64); a row with no visible
 /// key becomes zeros. The forward kernel and the backward's recomputation share it, so both
 /// see bit-identical probabilities.
+/// Whether query `ti` of batch row `bi` sees key `si` (of `s`, the queries being the last `t`
+/// positions): causal, inside the sliding window, and not masked out (`mask` `[B, S]`, 0 hides).
+pub(crate) fn visibility<'a>(
+    spec: &'a AttnSpec,
+    t: usize,
+    s: usize,
+    mask: Option<&'a [f32]>,
+) -> impl Fn(usize, usize, usize) -> bool + 'a {
+    let off = s as isize - t as isize;
+    move |bi: usize, ti: usize, si: usize| -> bool {
+        let qpos = ti as isize + off;
+        let si = si as isize;
+        (!spec.causal || si <= qpos)
+            && spec.window.is_none_or(|w| qpos - si < w as isize)
+            && mask.is_none_or(|m| m[bi * s + si as usize] != 0.0)
+    }
+}
+
 pub(crate) fn masked_softmax_row(row: &mut [f32], scale: f32, visible: impl Fn(usize) -> bool) {
     let mut max = f32::NEG_INFINITY;
     let mut any = false;

@@ -7,7 +7,7 @@
 //! `dK = scale·dSᵀ·Q`; `dK` and `dV` sum over the query heads sharing a KV head. Masked keys
 //! have `P = 0`, so they receive nothing. Gradients accumulate in f64.
 
-use crate::cpu::attention::{masked_softmax_row, strided_gemm};
+use crate::cpu::attention::{masked_softmax_row, strided_gemm, visibility};
 use crate::cpu::{f32_of, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
@@ -50,15 +50,8 @@ pub(crate) fn probs(
         return Err(shape_err(OP, &all, "mask must be [B, S]"));
     }
     let rep = hq / hkv;
-    let off = s as isize - t as isize;
     let scale = spec.scale.0;
-    let visible = |bi: usize, ti: usize, si: usize| -> bool {
-        let qpos = ti as isize + off;
-        let si = si as isize;
-        (!spec.causal || si <= qpos)
-            && spec.window.is_none_or(|w| qpos - si < w as isize)
-            && md.is_none_or(|m| m[bi * s + si as usize] != 0.0)
-    };
+    let visible = visibility(spec, t, s, md);
     let mut out = vec![0.0f32; b * hq * t * s];
     if out.is_empty() {
         return Ok(Tensor::f32(vec![b, hq, t, s], out));
