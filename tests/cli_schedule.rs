@@ -1,18 +1,13 @@
 //! `shardc schedule`: diagram rows, bubble fraction as the textbook formulas give, trace file.
 
-use std::process::Command;
+mod common;
+
+use common::run_shardc;
 
 fn schedule(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
-        .arg("schedule")
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
+    let mut all = vec!["schedule"];
+    all.extend_from_slice(args);
+    run_shardc(&all, &[])
 }
 
 fn bubble(out: &str) -> f64 {

@@ -1,20 +1,16 @@
 //! `shardc bench collectives`: every collective on every size checks clean against its
 //! definition (`#wrong` 0), and sizes and bandwidths follow nccl-tests' definitions.
 
+mod common;
+
+use common::run_shardc;
+
 use serde_json::Value;
-use std::process::Command;
 
 fn bench(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
-        .args(["bench", "collectives"])
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
+    let mut all = vec!["bench", "collectives"];
+    all.extend_from_slice(args);
+    run_shardc(&all, &[])
 }
 
 /// nccl-tests' bus bandwidth factors (doc/PERFORMANCE.md), written out independently.

@@ -1,19 +1,14 @@
 //! `shardc simulate`, `shardc calibrate` and `compile`'s fit check from the command line.
 
+mod common;
+
+use common::run_shardc;
+
 use std::path::Path;
 use std::process::Command;
 
 fn shardc(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
+    run_shardc(args, &[])
 }
 
 fn ok_json(args: &[&str]) -> serde_json::Value {

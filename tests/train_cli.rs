@@ -2,22 +2,17 @@
 //! `shardc run` load: the same tensor names and shapes), `--dump-grads` (`grad.<name>` equal
 //! to the fixture's gradients), `--save-plan`, sharded runs, and clear errors.
 
+mod common;
+
+use common::run_shardc;
+
 mod train_support;
 
 use shardc::runtime::Weights;
 use std::path::Path;
-use std::process::Command;
 
 fn shardc(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
+    run_shardc(args, &[])
 }
 
 fn tokens_file(dir: &Path, model: &str) -> String {
