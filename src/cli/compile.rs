@@ -102,9 +102,15 @@ fn check_args(a: &CompileArgs, cfg: &ModelConfig, path: &Path, seq: usize) -> an
             a.memory_weight
         );
     }
+    // A pipeline chunk's program holds every micro-batch; without a pipeline one program
+    // serves every micro-batch.
+    let pipelined = a
+        .mesh
+        .as_deref()
+        .is_some_and(|m| m.split(',').any(|ax| ax.trim().starts_with("pp=")));
     let work = if a.train {
         IrWork::Train {
-            micro_batches: a.micro_batches,
+            micro_batches: if pipelined { a.micro_batches } else { 1 },
         }
     } else {
         IrWork::Forward

@@ -2,12 +2,19 @@
 //!
 //! ```text
 //! config ─► forward graph (one micro-batch) ─► training graph (autodiff: forward + backward
-//!   per micro-batch, accumulation, AdamW) ─► annotations (forward presets carried over, plus
-//!   gradients, optimizer state and ZeRO layouts) ─► SPMD graph (partition + reshard)
-//!   ─► passes: output reshards of gradients dropped, vocabulary-shard ids for embedding
-//!   gradients, the rewriter (`TrainOptions::rewrite`), DDP gradient buckets ─► memory and
-//!   communication accounting
+//!   of one micro-batch — of every micro-batch in a pipeline chunk — accumulation, AdamW)
+//!   ─► annotations (forward presets carried over, plus gradients, optimizer state and ZeRO
+//!   layouts) ─► SPMD graph (partition + reshard) ─► passes: output reshards of gradients
+//!   dropped, vocabulary-shard ids for embedding gradients, the rewriter
+//!   (`TrainOptions::rewrite`), DDP gradient buckets ─► split (no pipeline): the micro-batch's
+//!   program and the step's program ─► memory and communication accounting
 //! ```
+//!
+//! Without a pipeline the plan's size and the compile time do not depend on the number of
+//! micro-batches: the graph is built for one micro-batch with the whole step's loss divisor
+//! and cut at the gradient boundary ([`split_step`]); the runtime runs the micro-batch's
+//! program once per micro-batch, sums its gradients and runs the step program once.
+//! Pipeline chunks still unroll their micro-batches (the schedule interleaves them).
 //!
 //! How the strategies become annotations (the sharding machinery inserts the collectives):
 //! - every strategy's forward annotations apply to each micro-batch's forward values, and the
@@ -241,17 +248,20 @@ pub(crate) fn compile_train_logged(
     opts: &TrainOptions,
     log: &mut PassLog,
 ) -> Result<CompiledTrain, TrainCompileError> {
-    check_sizes(cfg, opts)?;
+    check_sizes(cfg, opts, 1)?;
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
     compile_chunk(cfg, opts, &opts.mesh, strategies, None, &[], log)
 }
 
-/// Before anything is built: the step's IR (every micro-batch, every chunk) within the memory
-/// budget, its activations within byte accounting.
-pub(crate) fn check_sizes(cfg: &ModelConfig, opts: &TrainOptions) -> Result<(), ModelError> {
-    cfg.check_ir(crate::model::IrWork::Train {
-        micro_batches: opts.micro_batches,
-    })?;
+/// Before anything is built: the step's IR (`micro_batches` unrolled: a pipeline chunk's
+/// every micro-batch, one without a pipeline) within the memory budget, its activations
+/// within byte accounting.
+pub(crate) fn check_sizes(
+    cfg: &ModelConfig,
+    opts: &TrainOptions,
+    micro_batches: usize,
+) -> Result<(), ModelError> {
+    cfg.check_ir(crate::model::IrWork::Train { micro_batches })?;
     cfg.check_activations(
         &format!("batch {} × seq {}", opts.batch, opts.seq),
         opts.batch,
