@@ -15,9 +15,9 @@
 //!   (same local type and layout: partial sums add linearly), the others are the step's
 //!   state inputs (`param.*`, `adam_m.*`, `adam_v.*`, `step`).
 //!
-//! Pre-condition: the program's output `grad.<label>` is the parameter's gradient as the
-//! backward pass leaves it (before any once-per-step collective), which the driver's
-//! output-reshard stripping guarantees. Post-condition: running the micro program `k` times,
+//! Pre-condition: the first node named `grad.<label>` is the parameter's gradient as the
+//! backward pass leaves it (after the per-micro-batch reduce-scatter of ZeRO-2/3, before any
+//! once-per-step collective). Post-condition: running the micro program `k` times,
 //! summing its outputs and running the step program computes what the unrolled step computes,
 //! up to the order of floating-point additions.
 
@@ -116,27 +116,37 @@ fn input_shards(sg: &ShardedGraph, s: &TensorSharding) -> Vec<ShardSpec> {
 pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, ShardError> {
     let g = &sg.graph;
     let n = g.len();
-    // The gradient boundary: each parameter's `grad.<label>` output.
+    // The gradient boundary: each parameter's gradient as the backward pass leaves it, the
+    // first node named `grad.<label>` (the partitioner keeps logical names; the collectives
+    // it adds after it for the gradient's annotated layout carry other names).
+    let mut first: std::collections::HashMap<&str, ValueId> = std::collections::HashMap::new();
+    for v in g.ids() {
+        first.entry(g.node(v).name.as_str()).or_insert(v);
+    }
     let mut boundary: Vec<Option<String>> = vec![None; n];
+    let mut grads = Vec::new();
     for p in &train.params {
         let name = grad_name(&p.label);
-        let v = g.output(&name).ok_or_else(|| {
-            ShardError::Internal(format!("the step has no output `{name}` to split at"))
+        let v = *first.get(name.as_str()).ok_or_else(|| {
+            ShardError::Internal(format!("the step has no node `{name}` to split at"))
         })?;
-        boundary[v.index()] = Some(name);
+        boundary[v.index()] = Some(name.clone());
+        grads.push((name, v));
     }
     // The micro program: everything the boundary values and the other per-micro-batch
     // outputs (the loss) need.
     let step_output = |name: &str| {
         name.starts_with("param.") || name.starts_with("adam_m.") || name.starts_with("adam_v.")
     };
-    let mut micro = vec![false; n];
-    let mut stack: Vec<ValueId> = g
+    let micro_outputs: Vec<(String, ValueId)> = g
         .outputs
         .iter()
-        .filter(|(name, _)| !step_output(name))
-        .map(|&(_, v)| v)
+        .filter(|(name, _)| !step_output(name) && !name.starts_with("grad."))
+        .cloned()
+        .chain(grads)
         .collect();
+    let mut micro = vec![false; n];
+    let mut stack: Vec<ValueId> = micro_outputs.iter().map(|&(_, v)| v).collect();
     while let Some(v) = stack.pop() {
         if std::mem::replace(&mut micro[v.index()], true) {
             continue;
@@ -148,7 +158,7 @@ pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, Sh
         let node = g.node(v);
         m.push(sg, v, node.op.clone(), node.name.clone())?;
     }
-    for (name, v) in g.outputs.iter().filter(|(name, _)| !step_output(name)) {
+    for (name, v) in &micro_outputs {
         m.g.set_output(name, m.map[v.index()].expect("invariant: kept"));
     }
     // The step program: the rest, reading the boundary values and the step's state as
