@@ -329,6 +329,8 @@ fn sizes_that_would_exhaust_memory_are_refused_with_the_estimate() {
             "compile",
             LLAMA_8B,
             "--train",
+            "--mesh",
+            "pp=2",
             "--batch",
             "1000000000",
             "--micro-batches",

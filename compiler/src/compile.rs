@@ -2,18 +2,22 @@
 //! training steps, as one list of named passes ([`Pass::ALL`]):
 //!
 //! ```text
-//! build ─► autodiff* ─► annotate ─► partition ─► grad-layout* ─► rewrite ─► buckets*
-//!       ─► stages** ─► schedule ─► plan            (* training only, ** pipelines only)
+//! build ─► autodiff* ─► annotate ─► partition ─► grad-layout* ─► rewrite ─► buckets* ─► split***
+//!       ─► stages** ─► schedule ─► plan   (* training only, ** pipelines only, *** training
+//!                                           without a pipeline)
 //! ```
 //!
 //! - `build`: the logical forward graph of the model (one micro-batch; one chunk of a pipeline);
-//! - `autodiff`: forward, loss, backward per micro-batch, accumulation, AdamW;
+//! - `autodiff`: forward, loss, backward (per micro-batch in a pipeline chunk), AdamW;
 //! - `annotate`: the strategies' layouts on parameters, inputs, gradients, optimizer state;
 //! - `partition`: layouts propagated op by op, reshards (collectives) inserted: the SPMD program;
 //! - `grad-layout`: gradients and the loss read in their natural layout, vocabulary-shard ids for
 //!   embedding gradients;
 //! - `rewrite`: the e-graph rewriter (rules selected by `--rewrite`, cost extraction);
 //! - `buckets`: DDP gradient all-reduces grouped into buckets;
+//! - `split`: the step cut at the gradients into the program of one micro-batch (run once per
+//!   micro-batch) and the step program (gradient syncs, AdamW), so the plan does not grow
+//!   with the micro-batch count;
 //! - `stages`: the pipeline's chunks and each rank's instructions, verified;
 //! - `schedule`: steps on streams, activation buffers in the arena, memory and communication
 //!   accounting;

@@ -26,6 +26,9 @@ pub enum Pass {
     Rewrite,
     /// DDP gradient buckets (training only).
     Buckets,
+    /// The step cut into the micro-batch's program and the once-per-step program (training
+    /// without a pipeline).
+    Split,
     /// Pipeline chunks and instructions (pipelines only).
     Stages,
     /// Steps, buffers, memory and communication accounting.
@@ -36,7 +39,7 @@ pub enum Pass {
 
 impl Pass {
     /// Every pass, in order.
-    pub const ALL: [Pass; 10] = [
+    pub const ALL: [Pass; 11] = [
         Pass::Build,
         Pass::Autodiff,
         Pass::Annotate,
@@ -44,6 +47,7 @@ impl Pass {
         Pass::GradLayout,
         Pass::Rewrite,
         Pass::Buckets,
+        Pass::Split,
         Pass::Stages,
         Pass::Schedule,
         Pass::Plan,
@@ -59,6 +63,7 @@ impl Pass {
             Pass::GradLayout => "grad-layout",
             Pass::Rewrite => "rewrite",
             Pass::Buckets => "buckets",
+            Pass::Split => "split",
             Pass::Stages => "stages",
             Pass::Schedule => "schedule",
             Pass::Plan => "plan",
@@ -80,6 +85,7 @@ impl Pass {
     pub fn runs_for(self, train: bool, pipelined: bool) -> bool {
         match self {
             Pass::Autodiff | Pass::GradLayout | Pass::Buckets => train,
+            Pass::Split => train && !pipelined,
             Pass::Stages => pipelined,
             _ => true,
         }

@@ -16,7 +16,7 @@ mod verify;
 pub use accounting::{CollectiveVolume, CommVolume, LayerActivations, Precision, TrainMemory};
 pub use boundary::{boundary_name, check_boundary_types, is_received_input, sent_value};
 pub use load::{content_hash, rehash};
-pub use train::{PlanParam, PlanTrain};
+pub use train::{PlanParam, PlanStep, PlanTrain};
 pub(crate) use verify::{check_layout, check_program};
 pub use verify::{MAX_TENSOR_BYTES, MAX_WORLD};
 
@@ -30,7 +30,7 @@ use std::path::Path;
 use thiserror::Error;
 
 /// Version of the plan format; bumped on any incompatible change.
-pub const PLAN_FORMAT_VERSION: u32 = 3;
+pub const PLAN_FORMAT_VERSION: u32 = 4;
 
 /// What the plan was compiled from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -148,6 +148,10 @@ pub struct Plan {
     /// What the rewrite pass did (when rules ran).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rewrite: Option<crate::rewrite::RewriteReport>,
+    /// A training plan without a pipeline: the program run once per step after `program`
+    /// (then the micro-batch's program) ran once per micro-batch (see [`PlanStep`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<PlanStep>,
 }
 
 /// A plan that fails a static check or cannot be read. Every message is one line and names
@@ -326,6 +330,7 @@ impl Plan {
             comm: None,
             train: None,
             rewrite,
+            step: None,
         }
     }
 

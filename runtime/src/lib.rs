@@ -7,6 +7,7 @@ pub mod cuda;
 mod error;
 mod exec;
 pub mod launch;
+mod micro;
 pub mod output;
 pub mod pipeline;
 mod plan_run;

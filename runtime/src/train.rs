@@ -317,23 +317,58 @@ pub fn train_step(
 ) -> Result<StepOutput, TrainError> {
     let t = flat_section(plan)?;
     check_batch(batch, plan.model.batch, plan.model.seq)?;
-    let mut inputs = batch_inputs(batch, t.micro_batches);
-    state.add_inputs(&t.params, &mut inputs);
-
     let (g, mesh) = (&plan.program, &plan.mesh);
     let step = state.step + 1;
-    let outs = if mesh.axes.is_empty() {
-        vec![
-            execute_with_params(g, &ParamCache::default(), &inputs, &RankCtx::new())
-                .map_err(|e| at_step(step, e))?,
-        ]
-    } else {
-        run_spmd(g, mesh, weights, &inputs, timeout).map_err(|e| at_step(step, e))?
+    let outs = match &plan.step {
+        // The micro-batch's program per micro-batch, then the step program.
+        Some(sp) => {
+            let k = t.micro_batches;
+            let batches: Vec<_> = (0..k)
+                .map(|i| crate::micro::micro_batch_inputs(batch, k, i))
+                .collect();
+            let mut st = BTreeMap::new();
+            state.add_inputs(&t.params, &mut st);
+            let none = BTreeMap::new();
+            if mesh.axes.is_empty() {
+                let cache = ParamCache::default();
+                let ctx = RankCtx::new();
+                vec![
+                    crate::micro::run_rank_step(g, sp, &cache, &batches, &st, &none, &ctx)
+                        .map_err(|e| at_step(step, e))?,
+                ]
+            } else {
+                let comms = crate::spmd::thread_comms(mesh, |_| true, timeout);
+                let results = crate::spmd::run_threads(comms, |_, ctx| {
+                    let cache = crate::load_params(g, weights, ctx)?;
+                    crate::micro::run_rank_step(g, sp, &cache, &batches, &st, &none, ctx)
+                });
+                crate::spmd::root_cause(mesh, results).map_err(|e| at_step(step, e))?
+            }
+        }
+        None => {
+            let mut inputs = batch_inputs(batch, t.micro_batches);
+            state.add_inputs(&t.params, &mut inputs);
+            if mesh.axes.is_empty() {
+                vec![
+                    execute_with_params(g, &ParamCache::default(), &inputs, &RankCtx::new())
+                        .map_err(|e| at_step(step, e))?,
+                ]
+            } else {
+                run_spmd(g, mesh, weights, &inputs, timeout).map_err(|e| at_step(step, e))?
+            }
+        }
     };
     let get = |name: &str| -> Result<Tensor, TrainError> {
-        let v = g
-            .output(name)
-            .ok_or_else(|| TrainError::MissingOutput(name.to_string()))?;
+        let (v, shardings) = match (g.output(name), &plan.step) {
+            (Some(v), _) => (v, &plan.shardings),
+            (None, Some(sp)) => (
+                sp.program
+                    .output(name)
+                    .ok_or_else(|| TrainError::MissingOutput(name.to_string()))?,
+                &sp.shardings,
+            ),
+            (None, None) => return Err(TrainError::MissingOutput(name.to_string())),
+        };
         let locals = outs
             .iter()
             .map(|o| {
@@ -341,7 +376,7 @@ pub fn train_step(
                     .ok_or_else(|| TrainError::MissingOutput(name.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(assemble(mesh, &plan.shardings[v.index()], &locals))
+        Ok(assemble(mesh, &shardings[v.index()], &locals))
     };
     let loss = get("loss")?.as_f32().map_or(f32::NAN, |v| v[0]);
     let (mut grads, mut params, mut m, mut v) = (
@@ -696,14 +731,28 @@ impl<'c> RankTrainer<'c> {
     ) -> Result<f32, TrainError> {
         let (plan, t) = (self.plan, self.train);
         check_batch(batch, plan.model.batch, plan.model.seq)?;
-        let mut inputs = batch_inputs(batch, t.micro_batches);
-        initial.add_inputs_at(&t.params, step, &mut inputs);
         let g = &plan.program;
-        let mut st = crate::Stepwise::new(g, &self.cache, &inputs, ctx)?;
-        for (n, t) in &self.locals {
-            st.provide(n, t.clone())?;
-        }
-        let out = st.finish().map_err(|e| at_step(step, e))?;
+        let out = match &plan.step {
+            Some(sp) => {
+                let k = t.micro_batches;
+                let batches: Vec<_> = (0..k)
+                    .map(|i| crate::micro::micro_batch_inputs(batch, k, i))
+                    .collect();
+                let mut st = BTreeMap::new();
+                initial.add_inputs_at(&t.params, step, &mut st);
+                crate::micro::run_rank_step(g, sp, &self.cache, &batches, &st, &self.locals, ctx)
+                    .map_err(|e| at_step(step, e))?
+            }
+            None => {
+                let mut inputs = batch_inputs(batch, t.micro_batches);
+                initial.add_inputs_at(&t.params, step, &mut inputs);
+                let mut st = crate::Stepwise::new(g, &self.cache, &inputs, ctx)?;
+                for (n, t) in &self.locals {
+                    st.provide(n, t.clone())?;
+                }
+                st.finish().map_err(|e| at_step(step, e))?
+            }
+        };
         let v = g
             .output("loss")
             .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
@@ -716,6 +765,9 @@ impl<'c> RankTrainer<'c> {
         let mut codes = check.codes();
         check.loss(&mut codes, loss);
         check.outputs(&mut codes, g, &plan.shardings, mesh, ctx, &out);
+        if let Some(sp) = &plan.step {
+            check.outputs(&mut codes, &sp.program, &sp.shardings, mesh, ctx, &out);
+        }
         check.agree(step, codes, mesh, ctx)?;
         self.locals = kept_state(&out);
         Ok(loss)

@@ -76,7 +76,7 @@ pub struct CompileArgs {
     #[arg(long, requires = "train")]
     pub stage_layers: Option<String>,
     /// Print the program's text IR after this pass (build, autodiff, annotate, partition,
-    /// grad-layout, rewrite, buckets, stages, schedule, plan) and stop before writing.
+    /// grad-layout, rewrite, buckets, split, stages, schedule, plan) and stop before writing.
     #[arg(long, value_name = "PASS")]
     pub dump_after: Option<String>,
     /// Check every pass's result (the IR verifier, layouts, collectives, the plan as loaded);
@@ -102,9 +102,15 @@ fn check_args(a: &CompileArgs, cfg: &ModelConfig, path: &Path, seq: usize) -> an
             a.memory_weight
         );
     }
+    // A pipeline chunk's program holds every micro-batch; without a pipeline one program
+    // serves every micro-batch.
+    let pipelined = a
+        .mesh
+        .as_deref()
+        .is_some_and(|m| m.split(',').any(|ax| ax.trim().starts_with("pp=")));
     let work = if a.train {
         IrWork::Train {
-            micro_batches: a.micro_batches,
+            micro_batches: if pipelined { a.micro_batches } else { 1 },
         }
     } else {
         IrWork::Forward
@@ -350,6 +356,7 @@ fn finish_train(
         plan.format_version,
         thousands(
             (plan.program.len()
+                + plan.step.as_ref().map_or(0, |s| s.program.len())
                 + plan
                     .chunks
                     .iter()
@@ -357,7 +364,7 @@ fn finish_train(
                     .map(|c| c.program.len())
                     .sum::<usize>()) as u64
         ),
-        plan.chunks.len().max(1),
+        plan.chunks.len().max(1) + usize::from(plan.step.is_some()),
         bytes(json.len() as u64)
     );
     Ok(())

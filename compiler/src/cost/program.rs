@@ -437,18 +437,30 @@ impl Program {
 
     /// `self` then `other`, `other`'s events renumbered after `self`'s.
     pub fn then(&self, other: &Program) -> Program {
-        let mut p = self.clone();
-        let off = self.events;
-        for op in &other.ops {
-            let mut op = op.clone();
-            op.kind = match op.kind {
-                ProgKind::Record(e) => ProgKind::Record(e + off),
-                ProgKind::Wait(e) => ProgKind::Wait(e + off),
-                k => k,
-            };
-            p.ops.push(op);
+        Program::concat([self, other])
+    }
+
+    /// `parts` one after another (the first's initial bytes; events renumbered as by
+    /// [`Program::then`]).
+    pub fn concat<'a>(parts: impl IntoIterator<Item = &'a Program>) -> Program {
+        let mut parts = parts.into_iter();
+        let Some(first) = parts.next() else {
+            return Program::new();
+        };
+        let mut p = first.clone();
+        for other in parts {
+            let off = p.events;
+            p.ops.extend(other.ops.iter().map(|op| {
+                let mut op = op.clone();
+                op.kind = match op.kind {
+                    ProgKind::Record(e) => ProgKind::Record(e + off),
+                    ProgKind::Wait(e) => ProgKind::Wait(e + off),
+                    k => k,
+                };
+                op
+            }));
+            p.events = off + other.events;
         }
-        p.events = off + other.events;
         p
     }
 

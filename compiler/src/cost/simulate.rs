@@ -158,7 +158,13 @@ pub fn simulate_plan(
             GroupTopology::of_axis(mesh, axis, cluster),
         )
     };
-    let program = Program::from_steps(&plan.program, &plan.steps, dev, opts, &|_| true, &comm);
+    let mut program = Program::from_steps(&plan.program, &plan.steps, dev, opts, &|_| true, &comm);
+    // A training step: the micro-batch's program once per micro-batch, then the step's.
+    if let (Some(st), Some(t)) = (&plan.step, &plan.train) {
+        let step = Program::from_steps(&st.program, &st.steps, dev, opts, &|_| true, &comm);
+        let micro = std::mem::take(&mut program);
+        program = Program::concat(std::iter::repeat_n(&micro, t.micro_batches).chain([&step]));
+    }
     let topo = Topology::new(mesh, cluster);
     let rep = replay(&program, &topo, cluster, true)?;
     let world = mesh.world_size();

@@ -10,8 +10,9 @@
 
 use super::{Plan, PlanError};
 use crate::autodiff::{Recompute, TrainParam};
-use crate::ir::{AdamWSpec, Graph, ParamSource, TensorType};
-use crate::shard::{Mesh, TensorSharding};
+use crate::ir::{AdamWSpec, Graph, Op, ParamSource, TensorType};
+use crate::schedule::Step;
+use crate::shard::{Mesh, Provenance, ShardedGraph, TensorSharding};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -74,6 +75,79 @@ impl PlanParam {
             adam_v: format!("adam_v.{l}"),
         }
     }
+}
+
+/// The once-per-step program of a training plan without a pipeline: the gradient
+/// synchronisation, AdamW and the all-gather of updated shards. The plan's `program` is then
+/// the micro-batch's program (forward, loss and backward of one micro-batch), run
+/// `train.micro_batches` times per step; the step program's `grad.<label>` inputs take the
+/// sums of its `grad.<label>` outputs (same local types and layouts), its other inputs the
+/// step's state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanStep {
+    /// The SPMD program (local shapes).
+    pub program: Graph,
+    /// Layout of each value.
+    pub shardings: Vec<TensorSharding>,
+    /// Why each collective exists.
+    pub provenance: BTreeMap<u32, Provenance>,
+    /// Steps in issue order (on the plan's streams).
+    pub steps: Vec<Step>,
+}
+
+impl PlanStep {
+    /// The step program of SPMD program `sg`, scheduled.
+    pub fn of(sg: &ShardedGraph) -> PlanStep {
+        PlanStep {
+            program: sg.graph.clone(),
+            shardings: sg.shardings.clone(),
+            provenance: sg
+                .provenance
+                .iter()
+                .enumerate()
+                .filter_map(|(i, p)| p.clone().map(|p| (i as u32, p)))
+                .collect(),
+            steps: crate::schedule::schedule(&sg.graph),
+        }
+    }
+}
+
+/// The micro-batch and step programs agree: every `grad.*` input of the step program is an
+/// output of the micro-batch's program of the same local type and layout.
+pub(super) fn check_step_names(plan: &Plan, st: &PlanStep) -> Result<(), PlanError> {
+    let (g, s) = (&st.program, &st.shardings);
+    for v in g.ids() {
+        let Op::Input { name, .. } = &g.node(v).op else {
+            continue;
+        };
+        if !name.starts_with("grad.") {
+            continue;
+        }
+        let path = "step.program".to_string();
+        let Some(m) = plan.program.output(name) else {
+            return Err(field(
+                path,
+                format!(
+                    "input `{}` is not an output of the micro-batch's program",
+                    super::esc(name)
+                ),
+            ));
+        };
+        if plan.program.ty(m) != g.ty(v) || plan.shardings[m.index()] != s[v.index()] {
+            return Err(field(
+                path,
+                format!(
+                    "input `{}` is {} laid out {}, the micro-batch's output {} laid out {}",
+                    super::esc(name),
+                    g.ty(v),
+                    s[v.index()].display(&plan.mesh),
+                    plan.program.ty(m),
+                    plan.shardings[m.index()].display(&plan.mesh)
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl PlanTrain {
@@ -163,13 +237,40 @@ pub(super) fn check_train(
         } else {
             "the program".into()
         };
-        let names = [
-            ("param", &p.param, true, true),
-            ("grad", &p.grad, false, true),
-            ("adam_m", &p.adam_m, true, true),
-            ("adam_v", &p.adam_v, true, true),
-        ];
-        for (what, name, input, output) in names {
+        // (what, name, program, its label, layouts, wanted as input, wanted as output)
+        let micro = (g, shardings, program.clone());
+        let mut names = Vec::new();
+        match &plan.step {
+            None => {
+                for (what, name, input) in [
+                    ("param", &p.param, true),
+                    ("grad", &p.grad, false),
+                    ("adam_m", &p.adam_m, true),
+                    ("adam_v", &p.adam_v, true),
+                ] {
+                    names.push((what, name, micro.clone(), input, true));
+                }
+            }
+            Some(st) => {
+                let step = (
+                    &st.program,
+                    &st.shardings[..],
+                    "the step program".to_string(),
+                );
+                let micro = (g, shardings, "the micro-batch's program".to_string());
+                names.push(("param", &p.param, micro.clone(), true, false));
+                names.push(("grad", &p.grad, micro, false, true));
+                names.push(("grad", &p.grad, step.clone(), true, false));
+                for (what, name) in [
+                    ("param", &p.param),
+                    ("adam_m", &p.adam_m),
+                    ("adam_v", &p.adam_v),
+                ] {
+                    names.push((what, name, step.clone(), true, true));
+                }
+            }
+        }
+        for (what, name, (g, shardings, program), input, output) in names {
             let checks = [
                 (input, g.input_named(name), "an input"),
                 (output, g.output(name), "an output"),

@@ -97,6 +97,24 @@ impl Plan {
                 .map(|c| (&c.program, &c.shardings[..]))
                 .collect()
         };
+        if let Some(st) = &self.step {
+            if self.pipeline.is_some() || self.train.is_none() {
+                return Err(field(
+                    "step",
+                    "a step program belongs to a training plan without a pipeline",
+                ));
+            }
+            check_graph("step program", "step.program", &st.program, &mesh, None)?;
+            check_shardings("step.shardings", &st.shardings, &st.program, &mesh)?;
+            let n = st.program.len();
+            if let Some(&k) = st.provenance.keys().find(|&&k| k as usize >= n) {
+                return Err(field(
+                    "step.provenance",
+                    format!("key {k} is not a node of the step program (it has {n})"),
+                ));
+            }
+            super::train::check_step_names(self, st)?;
+        }
         super::train::check_train(self, &programs, &mesh)?;
         let n = self.program.len();
         if let Some(&k) = self.provenance.keys().find(|&&k| k as usize >= n) {
@@ -122,11 +140,19 @@ impl Plan {
     /// Every node of the program scheduled once, as a step of its kind, after its operands;
     /// collectives on their axis with their size; streams named; each wait after its record.
     fn check_steps(&self) -> Result<(), PlanError> {
-        let g = &self.program;
+        self.check_steps_of("program", &self.program, &self.steps)?;
+        match &self.step {
+            Some(st) => self.check_steps_of("step program", &st.program, &st.steps),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Plan::check_steps`] of one program (`label` names it in errors).
+    fn check_steps_of(&self, label: &str, g: &Graph, steps: &[Step]) -> Result<(), PlanError> {
         let scheduled = |op: &Op| !matches!(op, Op::Input { .. } | Op::Param(_));
         // Where each value is first computed.
         let mut at: Vec<Option<usize>> = vec![None; g.len()];
-        for (k, s) in self.steps.iter().enumerate() {
+        for (k, s) in steps.iter().enumerate() {
             let (value, stream) = match s {
                 Step::Kernel { value, stream }
                 | Step::Gemm { value, stream }
@@ -156,7 +182,7 @@ impl Plan {
         }
         let mut done = vec![false; g.len()];
         let mut recorded: HashMap<u32, usize> = HashMap::new();
-        for (k, s) in self.steps.iter().enumerate() {
+        for (k, s) in steps.iter().enumerate() {
             let v = match s {
                 Step::Record { event, .. } => {
                     if let Some(j) = recorded.insert(*event, k) {
@@ -250,7 +276,7 @@ impl Plan {
             .find(|&v| scheduled(&g.node(v).op) && !done[v.index()])
         {
             return Err(PlanError::Node {
-                program: "program".into(),
+                program: label.into(),
                 node: v,
                 name: esc(&g.node(v).name),
                 msg: "no step computes it".into(),

@@ -2,12 +2,19 @@
 //!
 //! ```text
 //! config ─► forward graph (one micro-batch) ─► training graph (autodiff: forward + backward
-//!   per micro-batch, accumulation, AdamW) ─► annotations (forward presets carried over, plus
-//!   gradients, optimizer state and ZeRO layouts) ─► SPMD graph (partition + reshard)
-//!   ─► passes: output reshards of gradients dropped, vocabulary-shard ids for embedding
-//!   gradients, the rewriter (`TrainOptions::rewrite`), DDP gradient buckets ─► memory and
-//!   communication accounting
+//!   of one micro-batch — of every micro-batch in a pipeline chunk — accumulation, AdamW)
+//!   ─► annotations (forward presets carried over, plus gradients, optimizer state and ZeRO
+//!   layouts) ─► SPMD graph (partition + reshard) ─► passes: output reshards of gradients
+//!   dropped, vocabulary-shard ids for embedding gradients, the rewriter
+//!   (`TrainOptions::rewrite`), DDP gradient buckets ─► split (no pipeline): the micro-batch's
+//!   program and the step's program ─► memory and communication accounting
 //! ```
+//!
+//! Without a pipeline the plan's size and the compile time do not depend on the number of
+//! micro-batches: the graph is built for one micro-batch with the whole step's loss divisor
+//! and cut at the gradient boundary ([`split_step`]); the runtime runs the micro-batch's
+//! program once per micro-batch, sums its gradients and runs the step program once.
+//! Pipeline chunks still unroll their micro-batches (the schedule interleaves them).
 //!
 //! How the strategies become annotations (the sharding machinery inserts the collectives):
 //! - every strategy's forward annotations apply to each micro-batch's forward values, and the
@@ -27,12 +34,13 @@ mod comm;
 mod memory;
 mod passes;
 mod pipe;
+mod split;
 
 pub use crate::plan::{
     boundary_name, check_boundary_types, is_received_input, sent_value, CollectiveVolume,
     CommVolume, LayerActivations, Precision, TrainMemory,
 };
-pub use comm::comm_volume;
+pub use comm::{comm_volume, comm_volume_of};
 pub use memory::memory_report;
 pub use passes::{Bucket, BucketCaps};
 pub(crate) use pipe::compile_pipeline_logged;
@@ -40,12 +48,13 @@ pub use pipe::{
     activation_peaks, activation_values, chunk_specs, compile_pipeline, input_micro,
     instruction_nodes, micro_deps, CompiledPipeline, MicroDep, PipelineChunk, PipelineOptions,
 };
+pub use split::{grad_name, split_step, StepSplit};
 
 use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};
 use crate::ir::{AdamWSpec, Graph, Op};
 use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
 use crate::pass::{Pass, PassLog, VerifyError};
-use crate::plan::{Plan, PlanParam, PlanTrain};
+use crate::plan::{Plan, PlanParam, PlanStep, PlanTrain};
 use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
 use crate::shard::{self, Annotations, Mesh, ShardError, ShardedGraph, Strategy};
 use thiserror::Error;
@@ -112,8 +121,12 @@ pub struct CompiledTrain {
     pub zero_stage: u8,
     /// The annotations the training graph was partitioned under.
     pub annotations: Annotations,
-    /// The SPMD program.
+    /// The SPMD program: every micro-batch of a pipeline chunk; one micro-batch, the gradient
+    /// synchronisation and the optimizer of a step without a pipeline (see `split`).
     pub sharded: ShardedGraph,
+    /// A step without a pipeline: `sharded` cut into the program run once per micro-batch
+    /// and the program run once per step.
+    pub split: Option<StepSplit>,
     /// DDP gradient buckets (empty unless plain `dp`), in reduction order.
     pub buckets: Vec<Bucket>,
     /// What was compiled.
@@ -143,9 +156,11 @@ impl CompiledTrain {
             .iter()
             .map(|s| s.name().to_string())
             .collect();
-        let mut plan = Plan::assemble(model, &self.sharded, strategies, self.report.clone());
+        // A step without a pipeline: the micro-batch's program, then the step's.
+        let program = self.split.as_ref().map_or(&self.sharded, |s| &s.micro);
+        let mut plan = Plan::assemble(model, program, strategies, self.report.clone());
         // Parameters are the program's `param.*` inputs (local, program dtype).
-        let g = &self.sharded.graph;
+        let g = &program.graph;
         plan.memory.param_bytes = g
             .ids()
             .filter(
@@ -154,8 +169,18 @@ impl CompiledTrain {
             .map(|v| g.ty(v).size_bytes() as u64)
             .sum();
         plan.memory.train = Some(memory_report(self, precision));
-        plan.comm = Some(comm_volume(&self.sharded));
+        plan.comm = Some(match &self.split {
+            Some(s) => comm_volume_of(
+                &s.micro.mesh,
+                &[
+                    (&s.micro.graph, self.options.micro_batches as u64),
+                    (&s.step.graph, 1),
+                ],
+            ),
+            None => comm_volume(&self.sharded),
+        });
         plan.train = Some(self.plan_train(0));
+        plan.step = self.split.as_ref().map(|s| PlanStep::of(&s.step));
         plan
     }
 
@@ -163,7 +188,7 @@ impl CompiledTrain {
     pub(crate) fn plan_train(&self, chunk: usize) -> PlanTrain {
         let o = &self.options;
         PlanTrain {
-            micro_batches: self.train.micro_batches,
+            micro_batches: o.micro_batches,
             denom: o.denom.unwrap_or(o.batch * o.seq.saturating_sub(1)),
             adamw: o.adamw,
             recompute: o.recompute,
@@ -223,17 +248,20 @@ pub(crate) fn compile_train_logged(
     opts: &TrainOptions,
     log: &mut PassLog,
 ) -> Result<CompiledTrain, TrainCompileError> {
-    check_sizes(cfg, opts)?;
+    check_sizes(cfg, opts, 1)?;
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
     compile_chunk(cfg, opts, &opts.mesh, strategies, None, &[], log)
 }
 
-/// Before anything is built: the step's IR (every micro-batch, every chunk) within the memory
-/// budget, its activations within byte accounting.
-pub(crate) fn check_sizes(cfg: &ModelConfig, opts: &TrainOptions) -> Result<(), ModelError> {
-    cfg.check_ir(crate::model::IrWork::Train {
-        micro_batches: opts.micro_batches,
-    })?;
+/// Before anything is built: the step's IR (`micro_batches` unrolled: a pipeline chunk's
+/// every micro-batch, one without a pipeline) within the memory budget, its activations
+/// within byte accounting.
+pub(crate) fn check_sizes(
+    cfg: &ModelConfig,
+    opts: &TrainOptions,
+    micro_batches: usize,
+) -> Result<(), ModelError> {
+    cfg.check_ir(crate::model::IrWork::Train { micro_batches })?;
     cfg.check_activations(
         &format!("batch {} × seq {}", opts.batch, opts.seq),
         opts.batch,
@@ -283,6 +311,9 @@ pub(crate) fn compile_chunk(
         e => e,
     })?;
     let zero_stage = strategies.iter().map(|s| s.zero_stage()).max().unwrap_or(0);
+    // Without a pipeline the graph holds one micro-batch (the step runs it `k` times); a
+    // pipeline chunk holds every micro-batch (its schedule interleaves them).
+    let unrolled = stage.is_some();
     // 2. The forward graph of one micro-batch (KV heads repeated when tp exceeds them).
     let build = BuildOptions {
         batch: micro,
@@ -298,7 +329,7 @@ pub(crate) fn compile_chunk(
     let train = build_train_graph(
         &forward,
         &TrainGraphOptions {
-            micro_batches: k,
+            micro_batches: if unrolled { k } else { 1 },
             denom,
             recompute: opts.recompute,
             adamw: opts.adamw,
@@ -342,9 +373,10 @@ pub(crate) fn compile_chunk(
             annotations.set(v, s, "pipeline: the tied copy's gradient");
         }
     }
-    for i in 0..k {
+    let kk = train.micro_batches;
+    for i in 0..kk {
         for base in [crate::model::STAGE_OUTPUT, crate::autodiff::PIPE_GRAD_OUT] {
-            let name = crate::autodiff::input_name(base, i, k);
+            let name = crate::autodiff::input_name(base, i, kk);
             if let Some(v) = train.graph.output(&name) {
                 let rank = train.graph.ty(v).rank();
                 annotations.outputs.insert(name, boundary(rank));
@@ -381,6 +413,28 @@ pub(crate) fn compile_chunk(
         (sharded, Vec::new())
     };
     log.sharded(Pass::Buckets, &sharded)?;
+    // 10. Without a pipeline: the micro-batch's program and the step's, cut at the gradients.
+    let split = if unrolled {
+        None
+    } else {
+        let s = split_step(&sharded, &train)?;
+        let check = |sg: &ShardedGraph| {
+            crate::plan::check_program(&sg.graph, &sg.shardings, &sg.mesh)
+                .map_err(|e| e.to_string())
+        };
+        log.other(
+            Pass::Split,
+            || check(&s.micro).and_then(|()| check(&s.step)),
+            || {
+                format!(
+                    "// micro-batch program\n{}// step program\n{}",
+                    crate::pass::sharded_text(&s.micro),
+                    crate::pass::sharded_text(&s.step)
+                )
+            },
+        )?;
+        Some(s)
+    };
     let mut options = opts.clone();
     options.mesh = mesh.clone();
     Ok(CompiledTrain {
@@ -390,6 +444,7 @@ pub(crate) fn compile_chunk(
         zero_stage,
         annotations,
         sharded,
+        split,
         buckets,
         options,
         report,

@@ -275,7 +275,7 @@ pub(crate) fn compile_pipeline_logged(
     opts: &TrainOptions,
     log: &mut PassLog,
 ) -> Result<CompiledPipeline, TrainCompileError> {
-    super::check_sizes(cfg, opts)?;
+    super::check_sizes(cfg, opts, opts.micro_batches)?;
     let mesh = &opts.mesh;
     let pp = mesh.axis("pp").ok_or_else(|| {
         TrainCompileError::Options(format!("mesh {mesh} has no `pp` axis to pipeline over"))

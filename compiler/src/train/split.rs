@@ -1,0 +1,208 @@
+//! The micro-batch / step split of a training step's SPMD program.
+//!
+//! A step of `k` micro-batches runs one program `k` times and another once. The training
+//! graph is built for one micro-batch (with the loss divisor of the whole step), partitioned
+//! and passed; this module cuts the result at the gradient boundary:
+//!
+//! - the **micro program**: forward, loss and backward of one micro-batch, with every
+//!   collective that happens per micro-batch (tensor-parallel all-reduces, ZeRO-2/3
+//!   reduce-scatters of each micro-batch's gradient, ZeRO-3 parameter gathers). Its outputs are
+//!   `loss` (this micro-batch's share of the step's loss) and `grad.<label>`, each parameter's
+//!   gradient contribution in its local layout (partial sums included);
+//! - the **step program**: what happens once per step: the gradient synchronisation (DDP
+//!   buckets, the ZeRO-1 reduce-scatter), AdamW and the all-gather of updated shards. Its
+//!   inputs `grad.<label>` take the sums of the micro program's outputs of the same names
+//!   (same local type and layout: partial sums add linearly), the others are the step's
+//!   state inputs (`param.*`, `adam_m.*`, `adam_v.*`, `step`).
+//!
+//! Pre-condition: the first node named `grad.<label>` is the parameter's gradient as the
+//! backward pass leaves it (after the per-micro-batch reduce-scatter of ZeRO-2/3, before any
+//! once-per-step collective). Post-condition: running the micro program `k` times,
+//! summing its outputs and running the step program computes what the unrolled step computes,
+//! up to the order of floating-point additions.
+
+use crate::autodiff::TrainGraph;
+use crate::ir::ShardSpec;
+use crate::ir::{Graph, Op, ValueId};
+use crate::shard::{Provenance, ShardError, ShardedGraph, TensorSharding};
+
+/// A step's two programs (see the module docs).
+#[derive(Clone, Debug)]
+pub struct StepSplit {
+    /// Forward, loss and backward of one micro-batch.
+    pub micro: ShardedGraph,
+    /// Gradient synchronisation and the optimizer, once per step.
+    pub step: ShardedGraph,
+}
+
+/// The name of the gradient output (micro program) and input (step program) of `label`.
+pub fn grad_name(label: &str) -> String {
+    format!("grad.{label}")
+}
+
+struct Part {
+    g: Graph,
+    shardings: Vec<TensorSharding>,
+    provenance: Vec<Option<Provenance>>,
+    map: Vec<Option<ValueId>>,
+}
+
+impl Part {
+    fn new(n: usize) -> Part {
+        Part {
+            g: Graph::new(),
+            shardings: Vec::new(),
+            provenance: Vec::new(),
+            map: vec![None; n],
+        }
+    }
+
+    fn push(
+        &mut self,
+        sg: &ShardedGraph,
+        v: ValueId,
+        op: Op,
+        name: String,
+    ) -> Result<ValueId, ShardError> {
+        let node = sg.graph.node(v);
+        let inputs: Vec<ValueId> = match op {
+            Op::Input { .. } => Vec::new(),
+            _ => node
+                .inputs
+                .iter()
+                .map(|i| self.map[i.index()].expect("invariant: operands are mapped first"))
+                .collect(),
+        };
+        self.g.current_layer = node.layer;
+        let x = self
+            .g
+            .add_typed(op, &inputs, Some(node.ty.clone()), name.clone())
+            .map_err(|e| ShardError::Internal(format!("splitting the step at `{name}`: {e}")))?;
+        self.shardings.push(sg.shardings[v.index()].clone());
+        self.provenance.push(sg.provenance[v.index()].clone());
+        self.map[v.index()] = Some(x);
+        Ok(x)
+    }
+
+    fn finish(mut self, mesh: &crate::shard::Mesh) -> ShardedGraph {
+        self.g.current_layer = None;
+        ShardedGraph {
+            graph: self.g,
+            shardings: self.shardings,
+            provenance: self.provenance,
+            mesh: mesh.clone(),
+        }
+    }
+}
+
+/// The shard specs of an input laid out as `s` (its split dims; partial axes hold no part of
+/// a global tensor and have none).
+fn input_shards(sg: &ShardedGraph, s: &TensorSharding) -> Vec<ShardSpec> {
+    let mut out = Vec::new();
+    for (dim, axes) in s.dims.iter().enumerate() {
+        for &a in axes {
+            out.push(ShardSpec {
+                dim,
+                axis: sg.mesh.axis_name(a).to_string(),
+                parts: sg.mesh.axis_size(a),
+            });
+        }
+    }
+    out
+}
+
+/// Cuts `sg`, the SPMD program of a one-micro-batch step of `train`, into its micro and step
+/// programs (see the module docs).
+pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, ShardError> {
+    let g = &sg.graph;
+    let n = g.len();
+    // The gradient boundary: each parameter's gradient as the backward pass leaves it, the
+    // first node named `grad.<label>` (the partitioner keeps logical names; the collectives
+    // it adds after it for the gradient's annotated layout carry other names).
+    let mut first: std::collections::HashMap<&str, ValueId> = std::collections::HashMap::new();
+    for v in g.ids() {
+        first.entry(g.node(v).name.as_str()).or_insert(v);
+    }
+    let mut boundary: Vec<Option<String>> = vec![None; n];
+    let mut grads = Vec::new();
+    for p in &train.params {
+        let name = grad_name(&p.label);
+        let v = *first.get(name.as_str()).ok_or_else(|| {
+            ShardError::Internal(format!("the step has no node `{name}` to split at"))
+        })?;
+        boundary[v.index()] = Some(name.clone());
+        grads.push((name, v));
+    }
+    // The micro program: everything the boundary values and the other per-micro-batch
+    // outputs (the loss) need.
+    let step_output = |name: &str| {
+        name.starts_with("param.") || name.starts_with("adam_m.") || name.starts_with("adam_v.")
+    };
+    let micro_outputs: Vec<(String, ValueId)> = g
+        .outputs
+        .iter()
+        .filter(|(name, _)| !step_output(name) && !name.starts_with("grad."))
+        .cloned()
+        .chain(grads)
+        .collect();
+    let mut micro = vec![false; n];
+    let mut stack: Vec<ValueId> = micro_outputs.iter().map(|&(_, v)| v).collect();
+    while let Some(v) = stack.pop() {
+        if std::mem::replace(&mut micro[v.index()], true) {
+            continue;
+        }
+        stack.extend(g.node(v).inputs.iter().copied());
+    }
+    let mut m = Part::new(n);
+    for v in g.ids().filter(|v| micro[v.index()]) {
+        let node = g.node(v);
+        m.push(sg, v, node.op.clone(), node.name.clone())?;
+    }
+    for (name, v) in &micro_outputs {
+        m.g.set_output(name, m.map[v.index()].expect("invariant: kept"));
+    }
+    // The step program: the rest, reading the boundary values and the step's state as
+    // inputs.
+    let mut s = Part::new(n);
+    for v in g.ids().filter(|v| !micro[v.index()]) {
+        let node = g.node(v);
+        for &i in &node.inputs {
+            if !micro[i.index()] || s.map[i.index()].is_some() {
+                continue;
+            }
+            let input = g.node(i);
+            let (op, name) = match (&input.op, &boundary[i.index()]) {
+                (Op::Input { name, .. }, _) => (input.op.clone(), name.clone()),
+                (_, Some(name)) => {
+                    let shards = input_shards(sg, &sg.shardings[i.index()]);
+                    let op = Op::Input {
+                        name: name.clone(),
+                        shards,
+                    };
+                    (op, name.clone())
+                }
+                _ => {
+                    return Err(ShardError::Internal(format!(
+                        "`{}` of the step's once-per-step part reads `{}` of a micro-batch, \
+                         which is neither an input nor a gradient",
+                        node.name, input.name
+                    )))
+                }
+            };
+            s.push(sg, i, op, name)?;
+        }
+        s.push(sg, v, node.op.clone(), node.name.clone())?;
+    }
+    for (name, v) in g.outputs.iter().filter(|(name, _)| step_output(name)) {
+        let x = s.map[v.index()].ok_or_else(|| {
+            ShardError::Internal(format!(
+                "output `{name}` is computed per micro-batch, not once per step"
+            ))
+        })?;
+        s.g.set_output(name, x);
+    }
+    Ok(StepSplit {
+        micro: m.finish(&sg.mesh),
+        step: s.finish(&sg.mesh),
+    })
+}
