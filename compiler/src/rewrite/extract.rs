@@ -16,6 +16,13 @@
 //! 3. **Local search**: single-class switches to another node (newly needed classes take the
 //!    unbiased greedy choice) are kept while they lower the exact total.
 //!
+//! Cost: the greedy visits nodes in program order (so a node is normally priced once) and
+//! keeps each sub-DAG as a bit set over the classes, priced incrementally from the largest
+//! operand's; the local search prices a switch by reference counts (only the classes it adds
+//! or drops), and proves it acyclic by a topological labelling, evaluating the whole program
+//! only when the labelling cannot tell. A switch never costs a pass over the program, so the
+//! extractor scales with program size, not its square.
+//!
 //! Ties keep the earlier candidate; every iteration order comes from the e-graph's insertion
 //! order, so the result is deterministic.
 
@@ -23,7 +30,8 @@ use super::analysis::SpmdEGraph;
 use super::lang::ENode;
 use egg::Id;
 use indexmap::{IndexMap, IndexSet};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::rc::Rc;
 
 /// A per-node cost (the node's own, not its sub-DAG's).
@@ -34,6 +42,8 @@ pub(crate) trait NodeCostFn {
 
 /// Discount of the nodes a biased greedy run favours.
 const BIAS: [f64; 2] = [0.5, 0.1];
+/// Spacing of the local search's topological labels.
+const LABEL_GAP: u64 = 1 << 12;
 /// Rounds of local search.
 const LOCAL_ROUNDS: usize = 8;
 
@@ -107,93 +117,140 @@ fn evaluate(eg: &SpmdEGraph, costs: &Costs, choice: &Choice, roots: &[Id]) -> Op
     Some(total)
 }
 
-/// A class's best greedy solution.
+/// Dense numbering of the e-graph's classes (bit positions of the greedy's sets).
+struct Dense {
+    ids: Vec<Id>,
+    index: HashMap<Id, usize>,
+}
+
+impl Dense {
+    fn new(eg: &SpmdEGraph) -> Dense {
+        let ids: Vec<Id> = eg.classes().map(|c| c.id).collect();
+        let index = ids.iter().enumerate().map(|(i, &c)| (c, i)).collect();
+        Dense { ids, index }
+    }
+}
+
+/// A class's best greedy solution: its node, the classes of its sub-DAG (a bit set over
+/// [`Dense`]) and the sub-DAG's cost.
 struct Solution {
     node: usize,
-    set: Rc<BTreeMap<Id, f64>>,
+    set: Rc<Vec<u64>>,
+    len: u32,
     total: f64,
 }
 
+fn has(set: &[u64], i: usize) -> bool {
+    set[i / 64] >> (i % 64) & 1 == 1
+}
+
 /// One greedy DAG run with node costs `own(class, index)`.
-fn greedy(eg: &SpmdEGraph, own: &dyn Fn(Id, usize) -> f64) -> Choice {
-    let mut parents: IndexMap<Id, Vec<(Id, usize)>> = IndexMap::new();
-    let mut work: VecDeque<(Id, usize)> = VecDeque::new();
-    let mut queued: IndexSet<(Id, usize)> = IndexSet::new();
-    for class in eg.classes() {
-        for (i, n) in class.nodes.iter().enumerate() {
-            if n.children.is_empty() {
-                work.push_back((class.id, i));
-                queued.insert((class.id, i));
+///
+/// Nodes are processed in the classes' program order (the analysis's anchor, then creation
+/// order), so that a node is normally priced once, after its operands; a class whose solution
+/// improves re-queues its users. A solution's sub-DAG is a bit set, and the union of the
+/// operands' sets is priced incrementally (the largest operand's total plus the classes the
+/// others add, each at its class's current best node's cost): one pass over `classes / 64`
+/// words per node, so a run is near-linear in practice instead of quadratic.
+fn greedy(eg: &SpmdEGraph, dense: &Dense, own: &dyn Fn(Id, usize) -> f64) -> Choice {
+    let n = dense.ids.len();
+    let words = n.div_ceil(64);
+    let mut parents: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
+    type Key = Reverse<(u32, u32, usize, usize)>;
+    let key = |c: usize, i: usize| -> Key {
+        let m = &eg[dense.ids[c]].data.meta;
+        Reverse((m.anchor, m.seq, c, i))
+    };
+    let mut work: BinaryHeap<Key> = BinaryHeap::new();
+    let mut queued: HashSet<(usize, usize)> = HashSet::new();
+    for (ci, &id) in dense.ids.iter().enumerate() {
+        for (i, node) in eg[id].nodes.iter().enumerate() {
+            if node.children.is_empty() {
+                work.push(key(ci, i));
+                queued.insert((ci, i));
             }
-            for &k in &n.children {
-                parents.entry(eg.find(k)).or_default().push((class.id, i));
+            for &k in &node.children {
+                parents[dense.index[&eg.find(k)]].push((ci, i));
             }
         }
     }
-    let mut best: IndexMap<Id, Solution> = IndexMap::new();
-    while let Some((c, i)) = work.pop_front() {
-        queued.swap_remove(&(c, i));
-        let node = &eg[c].nodes[i];
-        let mut kids: Vec<&Solution> = Vec::with_capacity(node.children.len());
-        for &k in &node.children {
-            match best.get(&eg.find(k)) {
-                Some(s) => kids.push(s),
-                None => break,
+    let mut best: Vec<Option<Solution>> = (0..n).map(|_| None).collect();
+    // The own cost of each class's current best node.
+    let mut cur = vec![0.0f64; n];
+    while let Some(Reverse((_, _, c, i))) = work.pop() {
+        queued.remove(&(c, i));
+        let id = dense.ids[c];
+        let node = &eg[id].nodes[i];
+        let kids: Option<Vec<usize>> = node
+            .children
+            .iter()
+            .map(|&k| {
+                let k = dense.index[&eg.find(k)];
+                best[k].as_ref().map(|_| k)
+            })
+            .collect();
+        let Some(kids) = kids else { continue };
+        let sol = |k: usize| best[k].as_ref().expect("invariant: kids have solutions");
+        if kids.iter().any(|&k| has(&sol(k).set, c)) {
+            continue;
+        }
+        let self_cost = own(id, i);
+        // The union, priced from the largest operand set (first of the largest on ties).
+        let big = kids
+            .iter()
+            .copied()
+            .reduce(|a, b| if sol(b).len > sol(a).len { b } else { a });
+        let (mut set, mut total) = match big {
+            Some(b) => ((*sol(b).set).clone(), sol(b).total),
+            None => (vec![0u64; words], 0.0),
+        };
+        for &k in &kids {
+            if Some(k) == big || Rc::ptr_eq(&sol(k).set, &sol(big.expect("kids")).set) {
+                continue;
+            }
+            for (w, (m, &o)) in set.iter_mut().zip(sol(k).set.iter()).enumerate() {
+                let mut add = o & !*m;
+                *m |= o;
+                while add != 0 {
+                    let b = add.trailing_zeros() as usize;
+                    add &= add - 1;
+                    total += cur[w * 64 + b];
+                }
             }
         }
-        if kids.len() != node.children.len() {
-            continue;
-        }
-        let self_cost = own(c, i);
-        let set = union(&kids);
-        if set.contains_key(&c) {
-            continue;
-        }
-        let total = set.values().sum::<f64>() + self_cost;
-        let better = match best.get(&c) {
+        let total = total + self_cost;
+        let better = match &best[c] {
             None => true,
             Some(s) => total < s.total - 1e-9 * s.total.abs().max(1.0),
         };
         if !better {
             continue;
         }
-        let mut set = (*set).clone();
-        set.insert(c, self_cost);
-        best.insert(
-            c,
-            Solution {
-                node: i,
-                set: Rc::new(set),
-                total,
-            },
-        );
-        for &p in parents.get(&c).into_iter().flatten() {
-            if queued.insert(p) {
-                work.push_back(p);
+        set[c / 64] |= 1 << (c % 64);
+        best[c] = Some(Solution {
+            node: i,
+            len: count(&set),
+            set: Rc::new(set),
+            total,
+        });
+        cur[c] = self_cost;
+        for &(pc, pi) in &parents[c] {
+            if queued.insert((pc, pi)) {
+                work.push(key(pc, pi));
             }
         }
     }
-    best.into_iter().map(|(c, s)| (c, s.node)).collect()
+    dense
+        .ids
+        .iter()
+        .zip(best)
+        .filter_map(|(&id, s)| s.map(|s| (id, s.node)))
+        .collect()
 }
 
-/// The union of solutions (the largest one reused when it is the only one).
-fn union(kids: &[&Solution]) -> Rc<BTreeMap<Id, f64>> {
-    let Some(big) = kids.iter().max_by_key(|s| s.set.len()) else {
-        return Rc::new(BTreeMap::new());
-    };
-    if kids.iter().all(|s| Rc::ptr_eq(&s.set, &big.set)) {
-        return Rc::clone(&big.set);
-    }
-    let mut m = (*big.set).clone();
-    for s in kids {
-        if Rc::ptr_eq(&s.set, &big.set) {
-            continue;
-        }
-        for (&k, &v) in s.set.iter() {
-            m.entry(k).or_insert(v);
-        }
-    }
-    Rc::new(m)
+/// Number of classes in a set.
+fn count(set: &[u64]) -> u32 {
+    set.iter().map(|w| w.count_ones()).sum()
 }
 
 /// Extracts the program rooted at `roots`. `groups` gives, for each e-node made by a rule,
@@ -221,7 +278,8 @@ pub(crate) fn extract(
         }
     }
     let costs = Costs { own };
-    let base = greedy(eg, &|c, i| costs.own[&(c, i)]);
+    let dense = Dense::new(eg);
+    let base = greedy(eg, &dense, &|c, i| costs.own[&(c, i)]);
     let mut best = base.clone();
     let mut best_total = evaluate(eg, &costs, &base, &roots).unwrap_or(f64::INFINITY);
     // The portfolio: all rule-made nodes discounted, then each group's.
@@ -238,7 +296,7 @@ pub(crate) fn extract(
                     _ => x,
                 }
             };
-            let mut cand = greedy(eg, &f);
+            let mut cand = greedy(eg, &dense, &f);
             // Classes the biased run left without a solution keep the unbiased one.
             for (c, i) in &base {
                 cand.entry(*c).or_insert(*i);
@@ -251,35 +309,66 @@ pub(crate) fn extract(
             }
         }
     }
-    // Local search: single-class switches.
-    for _ in 0..LOCAL_ROUNDS {
-        let mut improved = false;
-        let current = Extraction {
-            choice: best
-                .iter()
-                .map(|(&c, &i)| (c, eg[c].nodes[i].clone()))
-                .collect(),
-            total: best_total,
-        };
-        for c in current.reachable(eg, &roots) {
-            let n = eg[c].nodes.len();
-            for i in 0..n {
-                if best.get(&c) == Some(&i) {
+    // Local search: single-class switches, priced incrementally, each improvement confirmed
+    // by an exact evaluation (which also rejects a switch that closes a cycle).
+    if best_total.is_finite() {
+        let mut prog = Incremental::new(eg, &costs, best, &roots);
+        prog.total = best_total;
+        for _ in 0..LOCAL_ROUNDS {
+            let mut improved = false;
+            for c in prog.reachable() {
+                if !prog.refs.contains_key(&c) {
                     continue;
                 }
-                let mut cand = best.clone();
-                cand.insert(c, i);
-                if let Some(t) = evaluate(eg, &costs, &cand, &roots) {
-                    if t < best_total - 1e-9 * best_total.abs().max(1.0) {
-                        best = cand;
-                        best_total = t;
-                        improved = true;
+                let n = eg[c].nodes.len();
+                for i in 0..n {
+                    if prog.choice.get(&c) == Some(&i) {
+                        continue;
                     }
+                    let before = prog.total;
+                    let Some(old) = prog.switch(c, i) else {
+                        continue;
+                    };
+                    let eps = 1e-9 * best_total.abs().max(1.0);
+                    if prog.missing == 0 && prog.total < best_total - eps {
+                        // Acyclic by the labels, else by an exact evaluation.
+                        if prog.labels_allow(c, i) {
+                            best_total = prog.total;
+                            improved = true;
+                            continue;
+                        }
+                        match evaluate(eg, &costs, &prog.choice, &roots) {
+                            Some(t) if t < best_total - eps => {
+                                best_total = t;
+                                prog.total = t;
+                                prog.label_all();
+                                improved = true;
+                                continue;
+                            }
+                            Some(_) => {}
+                            None => {
+                                // A cycle: rebuild rather than unwind it.
+                                prog.choice.insert(c, old);
+                                let choice = std::mem::take(&mut prog.choice);
+                                prog = Incremental::new(eg, &costs, choice, &roots);
+                                prog.total = before;
+                                continue;
+                            }
+                        }
+                    }
+                    prog.switch(c, old);
+                    prog.relabel_added();
+                    prog.total = before;
                 }
             }
+            if !improved {
+                break;
+            }
         }
-        if !improved {
-            break;
+        best = prog.choice;
+        // The exact total (the incremental one carries rounding).
+        if let Some(t) = evaluate(eg, &costs, &best, &roots) {
+            best_total = t;
         }
     }
     Extraction {
@@ -291,59 +380,285 @@ pub(crate) fn extract(
     }
 }
 
-/// For class `class` of the extracted program: the cheapest other node of the class and the
-/// program's exact cost with it instead (`None` when no other node gives a valid program).
-pub(crate) fn best_alternative(
+/// A program (a choice map and its roots) under single-class switches, priced incrementally:
+/// each class's reference count (uses through the chosen nodes of the program's classes, and
+/// the roots), so a switch costs the classes it adds or drops rather than a pass over the
+/// program. The total is exact up to rounding while the program is acyclic; a switch that
+/// closes a cycle must be detected by the caller.
+struct Incremental<'a> {
+    eg: &'a SpmdEGraph,
+    costs: &'a Costs,
+    roots: Vec<Id>,
+    choice: Choice,
+    refs: HashMap<Id, u32>,
+    total: f64,
+    /// Classes of the program without a choice.
+    missing: usize,
+    /// Classes the last switch brought into the program.
+    added: Vec<Id>,
+    /// A topological labelling of the program's classes: every chosen node's operands are
+    /// labelled lower than its class (so the program is acyclic).
+    label: HashMap<Id, u64>,
+}
+
+impl<'a> Incremental<'a> {
+    fn new(eg: &'a SpmdEGraph, costs: &'a Costs, choice: Choice, roots: &[Id]) -> Self {
+        let mut p = Incremental {
+            eg,
+            costs,
+            roots: roots.to_vec(),
+            choice,
+            refs: HashMap::new(),
+            total: 0.0,
+            missing: 0,
+            added: Vec::new(),
+            label: HashMap::new(),
+        };
+        for &r in roots {
+            p.inc(r);
+        }
+        p.label_all();
+        p
+    }
+
+    /// Labels every class of the program afresh: post-order ranks spaced by [`LABEL_GAP`],
+    /// so that classes a later switch adds fit below their user.
+    fn label_all(&mut self) {
+        self.label.clear();
+        self.added = self.refs.keys().copied().collect();
+        self.added.sort();
+        self.label_added(true);
+    }
+
+    /// Labels the classes of `added` still in the program (one above their highest
+    /// operand); `false` when they close a cycle.
+    fn relabel_added(&mut self) -> bool {
+        self.label_added(false)
+    }
+
+    fn label_added(&mut self, spaced: bool) -> bool {
+        let mut next: u64 = 0;
+        let eg = self.eg;
+        let added = std::mem::take(&mut self.added);
+        let mut open: HashSet<Id> = HashSet::new();
+        let mut ok = true;
+        for &a in &added {
+            if !self.refs.contains_key(&a) || self.label.contains_key(&a) {
+                continue;
+            }
+            let mut stack: Vec<(Id, bool)> = vec![(a, false)];
+            while let Some((x, done)) = stack.pop() {
+                let kids: &[Id] = match self.choice.get(&x) {
+                    Some(&i) => &eg[x].nodes[i].children,
+                    None => &[],
+                };
+                if done {
+                    open.remove(&x);
+                    if spaced {
+                        next += 1;
+                        self.label.insert(x, next * LABEL_GAP);
+                        continue;
+                    }
+                    let h = kids
+                        .iter()
+                        .map(|&k| self.label.get(&eg.find(k)).copied().unwrap_or(0))
+                        .max()
+                        .map_or(0, |m| m + 1);
+                    self.label.insert(x, h);
+                    continue;
+                }
+                if self.label.contains_key(&x) {
+                    continue;
+                }
+                if !open.insert(x) {
+                    ok = false;
+                    continue;
+                }
+                stack.push((x, true));
+                for &k in kids {
+                    let k = eg.find(k);
+                    if open.contains(&k) {
+                        ok = false;
+                    } else if !self.label.contains_key(&k) {
+                        stack.push((k, false));
+                    }
+                }
+            }
+        }
+        self.added = added;
+        ok
+    }
+
+    /// After `switch(c, i)`: labels the classes it added and says whether the labelling shows
+    /// the program still acyclic (every operand of the new node labelled below `c`). `false`
+    /// is inconclusive.
+    fn labels_allow(&mut self, c: Id, i: usize) -> bool {
+        let eg = self.eg;
+        if !self.relabel_added() {
+            return false;
+        }
+        let Some(&lc) = self.label.get(&c) else {
+            return false;
+        };
+        eg[c].nodes[i]
+            .children
+            .iter()
+            .all(|&k| self.label.get(&eg.find(k)).is_some_and(|&l| l < lc))
+    }
+
+    fn own(&self, c: Id, i: usize) -> f64 {
+        self.costs
+            .own
+            .get(&(c, i))
+            .copied()
+            .unwrap_or(f64::INFINITY)
+    }
+
+    /// One more use of `c` (and of its chosen node's operands when it enters the program).
+    fn inc(&mut self, c: Id) {
+        let mut stack = vec![self.eg.find(c)];
+        while let Some(c) = stack.pop() {
+            let r = self.refs.entry(c).or_insert(0);
+            *r += 1;
+            if *r > 1 {
+                continue;
+            }
+            self.added.push(c);
+            match self.choice.get(&c) {
+                Some(&i) => {
+                    self.total += self.own(c, i);
+                    let eg = self.eg;
+                    stack.extend(eg[c].nodes[i].children.iter().map(|&k| eg.find(k)));
+                }
+                None => self.missing += 1,
+            }
+        }
+    }
+
+    /// One use of `c` fewer (and of its chosen node's operands when it leaves the program).
+    fn dec(&mut self, c: Id) {
+        let mut stack = vec![self.eg.find(c)];
+        while let Some(c) = stack.pop() {
+            let r = self
+                .refs
+                .get_mut(&c)
+                .expect("invariant: a used class is counted");
+            *r -= 1;
+            if *r > 0 {
+                continue;
+            }
+            self.refs.remove(&c);
+            self.label.remove(&c);
+            match self.choice.get(&c) {
+                Some(&i) => {
+                    self.total -= self.own(c, i);
+                    let eg = self.eg;
+                    stack.extend(eg[c].nodes[i].children.iter().map(|&k| eg.find(k)));
+                }
+                None => self.missing -= 1,
+            }
+        }
+    }
+
+    /// Chooses node `i` for class `c` of the program; returns the previous choice.
+    fn switch(&mut self, c: Id, i: usize) -> Option<usize> {
+        let eg = self.eg;
+        let old = *self.choice.get(&c)?;
+        if !self.refs.contains_key(&c) {
+            return None;
+        }
+        self.choice.insert(c, i);
+        self.total += self.own(c, i) - self.own(c, old);
+        self.added.clear();
+        for &k in &eg[c].nodes[i].children {
+            self.inc(k);
+        }
+        for &k in &eg[c].nodes[old].children {
+            self.dec(k);
+        }
+        Some(old)
+    }
+
+    /// The program's classes, each once, in DFS order from the roots.
+    fn reachable(&self) -> Vec<Id> {
+        let mut seen = IndexSet::new();
+        let mut stack: Vec<Id> = self.roots.iter().rev().copied().collect();
+        while let Some(c) = stack.pop() {
+            if !seen.insert(c) {
+                continue;
+            }
+            if let Some(&i) = self.choice.get(&c) {
+                stack.extend(
+                    self.eg[c].nodes[i]
+                        .children
+                        .iter()
+                        .rev()
+                        .map(|&k| self.eg.find(k)),
+                );
+            }
+        }
+        seen.into_iter().collect()
+    }
+}
+
+/// For each class of `classes` in the extracted program: the cheapest other node of the class
+/// and the program's cost with it instead (`None` when no other node gives a valid program).
+pub(crate) fn best_alternatives(
     eg: &SpmdEGraph,
     ex: &Extraction,
     roots: &[Id],
-    class: Id,
+    classes: &[Id],
     cost: &mut impl NodeCostFn,
-) -> Option<(ENode, f64)> {
-    let c = eg.find(class);
+) -> Vec<Option<(ENode, f64)>> {
     let roots: Vec<Id> = roots.iter().map(|&r| eg.find(r)).collect();
     let mut own = IndexMap::new();
     let mut choice: Choice = IndexMap::new();
+    for class in eg.classes() {
+        for (i, n) in class.nodes.iter().enumerate() {
+            own.insert((class.id, i), cost.cost(eg, class.id, n));
+        }
+    }
     for (&k, n) in &ex.choice {
-        let i = eg[k].nodes.iter().position(|m| m == n)?;
-        choice.insert(k, i);
-    }
-    for k in ex.reachable(eg, &roots) {
-        for (i, n) in eg[k].nodes.iter().enumerate() {
-            own.insert((k, i), cost.cost(eg, k, n));
+        if let Some(i) = eg[k].nodes.iter().position(|m| m == n) {
+            choice.insert(k, i);
         }
     }
-    for (i, n) in eg[c].nodes.iter().enumerate() {
-        own.entry((c, i)).or_insert_with(|| cost.cost(eg, c, n));
+    let costs = Costs { own };
+    let mut prog = Incremental::new(eg, &costs, choice, &roots);
+    if let Some(t) = evaluate(eg, &costs, &prog.choice, &roots) {
+        prog.total = t;
     }
-    let mut best: Option<(ENode, f64)> = None;
-    for (i, n) in eg[c].nodes.iter().enumerate() {
-        if choice.get(&c) == Some(&i) {
-            continue;
-        }
-        let mut cand = choice.clone();
-        cand.insert(c, i);
-        // Price every class the candidate reaches.
-        let reach = Extraction {
-            choice: cand
-                .iter()
-                .map(|(&k, &j)| (k, eg[k].nodes[j].clone()))
-                .collect(),
-            total: 0.0,
-        }
-        .reachable(eg, &roots);
-        for k in reach {
-            if let Some(&j) = cand.get(&k) {
-                let node = &eg[k].nodes[j];
-                own.entry((k, j)).or_insert_with(|| cost.cost(eg, k, node));
+    let base = prog.total;
+    classes
+        .iter()
+        .map(|&class| {
+            let c = eg.find(class);
+            let mut best: Option<(ENode, f64)> = None;
+            for (i, n) in eg[c].nodes.iter().enumerate() {
+                if prog.choice.get(&c) == Some(&i) {
+                    continue;
+                }
+                let Some(old) = prog.switch(c, i) else {
+                    continue;
+                };
+                let t = prog.total;
+                let acyclic =
+                    prog.labels_allow(c, i) || evaluate(eg, &costs, &prog.choice, &roots).is_some();
+                if prog.missing == 0 && acyclic && best.as_ref().is_none_or(|(_, b)| t < *b) {
+                    best = Some((n.clone(), t));
+                }
+                if acyclic {
+                    prog.switch(c, old);
+                    prog.relabel_added();
+                } else {
+                    // A cycle: rebuild rather than unwind it.
+                    prog.choice.insert(c, old);
+                    let choice = std::mem::take(&mut prog.choice);
+                    prog = Incremental::new(eg, &costs, choice, &roots);
+                }
+                prog.total = base;
             }
-        }
-        let costs = Costs { own: own.clone() };
-        if let Some(t) = evaluate(eg, &costs, &cand, &roots) {
-            if best.as_ref().is_none_or(|(_, b)| t < *b) {
-                best = Some((n.clone(), t));
-            }
-        }
-    }
-    best
+            best
+        })
+        .collect()
 }

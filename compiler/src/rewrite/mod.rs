@@ -267,18 +267,20 @@ fn run_once(
     // The cost that chose each communicating node: the program's exact cost, and what it
     // would be with the class's best other node.
     if let Some(mut cf) = model_cost {
-        for (v, note) in emitted.notes.iter_mut().enumerate() {
-            let node = emitted.sharded.graph.node(crate::ir::ValueId(v as u32));
-            if !node.op.communicates() {
-                continue;
-            }
-            let alternative = extract::best_alternative(&eg, &ex, &roots, note.class, &mut cf).map(
-                |(n, program_us)| Alternative {
-                    op: eg.analysis.ops.get(n.op).op.mnemonic().to_string(),
-                    program_us,
-                },
-            );
-            note.choice = Some((ex.total, alternative));
+        let comm: Vec<usize> = (0..emitted.notes.len())
+            .filter(|&v| {
+                let node = emitted.sharded.graph.node(crate::ir::ValueId(v as u32));
+                node.op.communicates()
+            })
+            .collect();
+        let classes: Vec<egg::Id> = comm.iter().map(|&v| emitted.notes[v].class).collect();
+        let alts = extract::best_alternatives(&eg, &ex, &roots, &classes, &mut cf);
+        for (v, alt) in comm.into_iter().zip(alts) {
+            let alternative = alt.map(|(n, program_us)| Alternative {
+                op: eg.analysis.ops.get(n.op).op.mnemonic().to_string(),
+                program_us,
+            });
+            emitted.notes[v].choice = Some((ex.total, alternative));
         }
     }
     Ok(Run {
