@@ -75,7 +75,35 @@ impl Extraction {
 
 /// Every node's own cost, by (class, index in the class).
 struct Costs {
-    own: IndexMap<(Id, usize), f64>,
+    own: Vec<Vec<f64>>,
+}
+
+impl Costs {
+    /// Every node's own cost.
+    fn new(eg: &SpmdEGraph, cost: &mut impl NodeCostFn) -> Costs {
+        let n = eg
+            .classes()
+            .map(|c| usize::from(c.id) + 1)
+            .max()
+            .unwrap_or(0);
+        let mut own = vec![Vec::new(); n];
+        for class in eg.classes() {
+            own[usize::from(class.id)] = class
+                .nodes
+                .iter()
+                .map(|node| cost.cost(eg, class.id, node))
+                .collect();
+        }
+        Costs { own }
+    }
+
+    fn get(&self, c: Id, i: usize) -> f64 {
+        self.own
+            .get(usize::from(c))
+            .and_then(|v| v.get(i))
+            .copied()
+            .unwrap_or(f64::INFINITY)
+    }
 }
 
 /// A choice map: class → node index.
@@ -84,33 +112,43 @@ type Choice = IndexMap<Id, usize>;
 /// The exact cost of the program of `choice` rooted at `roots`; `None` when a class has no
 /// choice or the choices form a cycle.
 fn evaluate(eg: &SpmdEGraph, costs: &Costs, choice: &Choice, roots: &[Id]) -> Option<f64> {
+    evaluate_with(eg, costs, &|c| choice.get(&c).copied(), roots)
+}
+
+/// [`evaluate`] with the choice map as a function.
+fn evaluate_with(
+    eg: &SpmdEGraph,
+    costs: &Costs,
+    choice: &dyn Fn(Id) -> Option<usize>,
+    roots: &[Id],
+) -> Option<f64> {
     // Iterative DFS with colours: 1 open, 2 done.
-    let mut colour: HashMap<Id, u8> = HashMap::new();
+    let mut colour: Vec<u8> = vec![0; costs.own.len()];
     let mut total = 0.0;
     for &r in roots {
         let mut stack: Vec<(Id, usize)> = vec![(eg.find(r), 0)];
         while let Some((c, k)) = stack.pop() {
             if k == 0 {
-                match colour.get(&c) {
-                    Some(2) => continue,
-                    Some(_) => return None,
-                    None => {}
+                match colour[usize::from(c)] {
+                    2 => continue,
+                    1 => return None,
+                    _ => {}
                 }
-                colour.insert(c, 1);
+                colour[usize::from(c)] = 1;
             }
-            let i = *choice.get(&c)?;
+            let i = choice(c)?;
             let node = &eg[c].nodes[i];
             if let Some(&child) = node.children.get(k) {
                 stack.push((c, k + 1));
                 let child = eg.find(child);
-                match colour.get(&child) {
-                    Some(2) => {}
-                    Some(_) => return None,
-                    None => stack.push((child, 0)),
+                match colour[usize::from(child)] {
+                    2 => {}
+                    1 => return None,
+                    _ => stack.push((child, 0)),
                 }
             } else {
-                colour.insert(c, 2);
-                total += costs.own[&(c, i)];
+                colour[usize::from(c)] = 2;
+                total += costs.get(c, i);
             }
         }
     }
@@ -262,12 +300,10 @@ pub(crate) fn extract(
     groups: &HashMap<ENode, &'static str>,
 ) -> Extraction {
     let roots: Vec<Id> = roots.iter().map(|&r| eg.find(r)).collect();
-    let mut own = IndexMap::new();
     let mut group_of: HashMap<(Id, usize), &'static str> = HashMap::new();
     let mut group_names: Vec<&'static str> = Vec::new();
     for class in eg.classes() {
         for (i, n) in class.nodes.iter().enumerate() {
-            own.insert((class.id, i), cost.cost(eg, class.id, n));
             let canon = ENode::new(n.op, n.children.iter().map(|&c| eg.find(c)).collect());
             if let Some(&g) = groups.get(&canon) {
                 group_of.insert((class.id, i), g);
@@ -277,9 +313,9 @@ pub(crate) fn extract(
             }
         }
     }
-    let costs = Costs { own };
+    let costs = Costs::new(eg, cost);
     let dense = Dense::new(eg);
-    let base = greedy(eg, &dense, &|c, i| costs.own[&(c, i)]);
+    let base = greedy(eg, &dense, &|c, i| costs.get(c, i));
     let mut best = base.clone();
     let mut best_total = evaluate(eg, &costs, &base, &roots).unwrap_or(f64::INFINITY);
     // The portfolio: all rule-made nodes discounted, then each group's.
@@ -290,7 +326,7 @@ pub(crate) fn extract(
     for &b in &BIAS {
         for &only in &biases {
             let f = |c: Id, i: usize| {
-                let x = costs.own[&(c, i)];
+                let x = costs.get(c, i);
                 match group_of.get(&(c, i)) {
                     Some(g) if only.is_none_or(|o| o == *g) => x * b,
                     _ => x,
@@ -317,44 +353,32 @@ pub(crate) fn extract(
         for _ in 0..LOCAL_ROUNDS {
             let mut improved = false;
             for c in prog.reachable() {
-                if !prog.refs.contains_key(&c) {
+                if !prog.in_program(c) {
                     continue;
                 }
                 let n = eg[c].nodes.len();
                 for i in 0..n {
-                    if prog.choice.get(&c) == Some(&i) {
+                    let Some(cur) = prog.chosen(c) else {
+                        continue;
+                    };
+                    let eps = 1e-9 * best_total.abs().max(1.0);
+                    if cur == i || !prog.may_gain(c, cur, i, best_total - eps - prog.total) {
+                        continue;
+                    }
+                    if prog.closes_cycle(c, i) {
                         continue;
                     }
                     let before = prog.total;
                     let Some(old) = prog.switch(c, i) else {
                         continue;
                     };
-                    let eps = 1e-9 * best_total.abs().max(1.0);
                     if prog.missing == 0 && prog.total < best_total - eps {
-                        // Acyclic by the labels, else by an exact evaluation.
-                        if prog.labels_allow(c, i) {
-                            best_total = prog.total;
-                            improved = true;
-                            continue;
+                        if !prog.labels_allow(c, i) {
+                            prog.label_all();
                         }
-                        match evaluate(eg, &costs, &prog.choice, &roots) {
-                            Some(t) if t < best_total - eps => {
-                                best_total = t;
-                                prog.total = t;
-                                prog.label_all();
-                                improved = true;
-                                continue;
-                            }
-                            Some(_) => {}
-                            None => {
-                                // A cycle: rebuild rather than unwind it.
-                                prog.choice.insert(c, old);
-                                let choice = std::mem::take(&mut prog.choice);
-                                prog = Incremental::new(eg, &costs, choice, &roots);
-                                prog.total = before;
-                                continue;
-                            }
-                        }
+                        best_total = prog.total;
+                        improved = true;
+                        continue;
                     }
                     prog.switch(c, old);
                     prog.relabel_added();
@@ -365,7 +389,7 @@ pub(crate) fn extract(
                 break;
             }
         }
-        best = prog.choice;
+        best = prog.into_choice();
         // The exact total (the incremental one carries rounding).
         if let Some(t) = evaluate(eg, &costs, &best, &roots) {
             best_total = t;
@@ -384,35 +408,57 @@ pub(crate) fn extract(
 /// each class's reference count (uses through the chosen nodes of the program's classes, and
 /// the roots), so a switch costs the classes it adds or drops rather than a pass over the
 /// program. The total is exact up to rounding while the program is acyclic; a switch that
-/// closes a cycle must be detected by the caller.
+/// closes a cycle must be detected by the caller. Per-class state is in vectors indexed by the
+/// class id.
 struct Incremental<'a> {
     eg: &'a SpmdEGraph,
     costs: &'a Costs,
     roots: Vec<Id>,
-    choice: Choice,
-    refs: HashMap<Id, u32>,
+    /// The chosen node of each class ([`NONE`]: none).
+    choice: Vec<u32>,
+    refs: Vec<u32>,
     total: f64,
     /// Classes of the program without a choice.
     missing: usize,
     /// Classes the last switch brought into the program.
     added: Vec<Id>,
-    /// A topological labelling of the program's classes: every chosen node's operands are
-    /// labelled lower than its class (so the program is acyclic).
-    label: HashMap<Id, u64>,
+    /// A topological labelling of the program's classes ([`UNLABELLED`]: none): every chosen
+    /// node's operands are labelled lower than its class (so the program is acyclic).
+    label: Vec<u64>,
+    /// Scratch: classes on the labelling walk's path.
+    open: Vec<bool>,
+    /// Scratch of [`Incremental::may_gain`]: uses a dry run drops, and a visit stamp.
+    pend: Vec<u32>,
+    seen: Vec<u32>,
+    stamp: u32,
 }
+
+const NONE: u32 = u32::MAX;
+const UNLABELLED: u64 = u64::MAX;
 
 impl<'a> Incremental<'a> {
     fn new(eg: &'a SpmdEGraph, costs: &'a Costs, choice: Choice, roots: &[Id]) -> Self {
+        let n = costs.own.len();
+        let mut v = vec![NONE; n];
+        for (c, i) in choice {
+            if let Some(x) = v.get_mut(usize::from(c)) {
+                *x = i as u32;
+            }
+        }
         let mut p = Incremental {
             eg,
             costs,
             roots: roots.to_vec(),
-            choice,
-            refs: HashMap::new(),
+            choice: v,
+            refs: vec![0; n],
             total: 0.0,
             missing: 0,
             added: Vec::new(),
-            label: HashMap::new(),
+            label: vec![UNLABELLED; n],
+            open: vec![false; n],
+            pend: vec![0; n],
+            seen: vec![0; n],
+            stamp: 0,
         };
         for &r in roots {
             p.inc(r);
@@ -421,12 +467,223 @@ impl<'a> Incremental<'a> {
         p
     }
 
+    fn chosen(&self, c: Id) -> Option<usize> {
+        match self.choice[usize::from(c)] {
+            NONE => None,
+            i => Some(i as usize),
+        }
+    }
+
+    fn in_program(&self, c: Id) -> bool {
+        self.refs[usize::from(c)] > 0
+    }
+
+    fn kids(&self, c: Id) -> &'a [Id] {
+        let eg = self.eg;
+        match self.chosen(c) {
+            Some(i) => &eg[c].nodes[i].children,
+            None => &[],
+        }
+    }
+
+    /// The choice map (classes with a choice).
+    fn into_choice(self) -> Choice {
+        self.choice
+            .iter()
+            .enumerate()
+            .filter(|(_, &i)| i != NONE)
+            .map(|(c, &i)| (Id::from(c), i as usize))
+            .collect()
+    }
+
+    /// The exact total, `None` when the program is cyclic or a class has no choice.
+    fn evaluate(&self) -> Option<f64> {
+        evaluate_with(self.eg, self.costs, &|c| self.chosen(c), &self.roots)
+    }
+
+    /// One more use of `c` (and of its chosen node's operands when it enters the program).
+    fn inc(&mut self, c: Id) {
+        let mut stack = vec![self.eg.find(c)];
+        while let Some(c) = stack.pop() {
+            let r = &mut self.refs[usize::from(c)];
+            *r += 1;
+            if *r > 1 {
+                continue;
+            }
+            self.added.push(c);
+            match self.chosen(c) {
+                Some(i) => {
+                    self.total += self.costs.get(c, i);
+                    stack.extend(self.kids(c).iter().map(|&k| self.eg.find(k)));
+                }
+                None => self.missing += 1,
+            }
+        }
+    }
+
+    /// One use of `c` fewer (and of its chosen node's operands when it leaves the program).
+    fn dec(&mut self, c: Id) {
+        let mut stack = vec![self.eg.find(c)];
+        while let Some(c) = stack.pop() {
+            let r = &mut self.refs[usize::from(c)];
+            *r -= 1;
+            if *r > 0 {
+                continue;
+            }
+            self.label[usize::from(c)] = UNLABELLED;
+            match self.chosen(c) {
+                Some(i) => {
+                    self.total -= self.costs.get(c, i);
+                    stack.extend(self.kids(c).iter().map(|&k| self.eg.find(k)));
+                }
+                None => self.missing -= 1,
+            }
+        }
+    }
+
+    /// Whether choosing node `j` for class `c` of the program (now on `old`) changes the total
+    /// by less than `limit`. A dry run (nothing changes): it prices the classes the switch
+    /// drops, then walks the classes it adds and stops as soon as the change reaches `limit`,
+    /// so a switch that would pull in a long chain of other classes is refused early.
+    fn may_gain(&mut self, c: Id, old: usize, j: usize, limit: f64) -> bool {
+        let eg = self.eg;
+        let mut delta = self.costs.get(c, j) - self.costs.get(c, old);
+        let mut touched: Vec<usize> = Vec::new();
+        let mut stack: Vec<Id> = eg[c].nodes[old]
+            .children
+            .iter()
+            .map(|&k| eg.find(k))
+            .collect();
+        while let Some(x) = stack.pop() {
+            let xi = usize::from(x);
+            if self.pend[xi] == 0 {
+                touched.push(xi);
+            }
+            self.pend[xi] += 1;
+            if self.pend[xi] == self.refs[xi] {
+                if let Some(i) = self.chosen(x) {
+                    delta -= self.costs.get(x, i);
+                    stack.extend(self.kids(x).iter().map(|&k| eg.find(k)));
+                }
+            }
+        }
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.seen.iter_mut().for_each(|s| *s = 0);
+            self.stamp = 1;
+        }
+        let mut ok = delta < limit;
+        if ok {
+            stack.extend(eg[c].nodes[j].children.iter().map(|&k| eg.find(k)));
+        }
+        while let Some(x) = stack.pop() {
+            let xi = usize::from(x);
+            if self.refs[xi] > self.pend[xi] || self.seen[xi] == self.stamp {
+                continue;
+            }
+            self.seen[xi] = self.stamp;
+            let Some(i) = self.chosen(x) else {
+                ok = false;
+                break;
+            };
+            delta += self.costs.get(x, i);
+            if delta >= limit {
+                ok = false;
+                break;
+            }
+            stack.extend(self.kids(x).iter().map(|&k| eg.find(k)));
+        }
+        for xi in touched {
+            self.pend[xi] = 0;
+        }
+        ok
+    }
+
+    /// Whether choosing node `j` for class `c` would close a cycle (a dry run): a walk from
+    /// `j`'s operands through the chosen nodes reaches `c`, or loops among classes outside
+    /// the program. Program classes labelled below `c` cannot reach it and are not entered.
+    fn closes_cycle(&mut self, c: Id, j: usize) -> bool {
+        let eg = self.eg;
+        let lc = self.label[usize::from(c)];
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.seen.iter_mut().for_each(|s| *s = 0);
+            self.stamp = 1;
+        }
+        let mut cycle = false;
+        let mut path: Vec<usize> = Vec::new();
+        let mut stack: Vec<(Id, bool)> = eg[c].nodes[j]
+            .children
+            .iter()
+            .map(|&k| (eg.find(k), false))
+            .collect();
+        while let Some((x, done)) = stack.pop() {
+            let xi = usize::from(x);
+            if done {
+                self.open[xi] = false;
+                continue;
+            }
+            if x == c || self.open[xi] {
+                cycle = true;
+                break;
+            }
+            if self.seen[xi] == self.stamp || (self.in_program(x) && self.label[xi] < lc) {
+                continue;
+            }
+            self.seen[xi] = self.stamp;
+            self.open[xi] = true;
+            path.push(xi);
+            stack.push((x, true));
+            stack.extend(self.kids(x).iter().map(|&k| (eg.find(k), false)));
+        }
+        for xi in path {
+            self.open[xi] = false;
+        }
+        cycle
+    }
+
+    /// Chooses node `i` for class `c` of the program; returns the previous choice.
+    fn switch(&mut self, c: Id, i: usize) -> Option<usize> {
+        let eg = self.eg;
+        let old = self.chosen(c)?;
+        if !self.in_program(c) {
+            return None;
+        }
+        self.choice[usize::from(c)] = i as u32;
+        self.total += self.costs.get(c, i) - self.costs.get(c, old);
+        self.added.clear();
+        for &k in &eg[c].nodes[i].children {
+            self.inc(k);
+        }
+        for &k in &eg[c].nodes[old].children {
+            self.dec(k);
+        }
+        Some(old)
+    }
+
+    /// The program's classes, each once, in DFS order from the roots.
+    fn reachable(&self) -> Vec<Id> {
+        let mut seen = vec![false; self.refs.len()];
+        let mut out = Vec::new();
+        let mut stack: Vec<Id> = self.roots.iter().rev().copied().collect();
+        while let Some(c) = stack.pop() {
+            if std::mem::replace(&mut seen[usize::from(c)], true) {
+                continue;
+            }
+            out.push(c);
+            stack.extend(self.kids(c).iter().rev().map(|&k| self.eg.find(k)));
+        }
+        out
+    }
+
     /// Labels every class of the program afresh: post-order ranks spaced by [`LABEL_GAP`],
     /// so that classes a later switch adds fit below their user.
     fn label_all(&mut self) {
-        self.label.clear();
-        self.added = self.refs.keys().copied().collect();
-        self.added.sort();
+        self.label.iter_mut().for_each(|l| *l = UNLABELLED);
+        self.added = (0..self.refs.len())
+            .filter(|&c| self.refs[c] > 0)
+            .map(Id::from)
+            .collect();
         self.label_added(true);
     }
 
@@ -437,53 +694,57 @@ impl<'a> Incremental<'a> {
     }
 
     fn label_added(&mut self, spaced: bool) -> bool {
-        let mut next: u64 = 0;
         let eg = self.eg;
+        let mut next: u64 = 0;
         let added = std::mem::take(&mut self.added);
-        let mut open: HashSet<Id> = HashSet::new();
         let mut ok = true;
         for &a in &added {
-            if !self.refs.contains_key(&a) || self.label.contains_key(&a) {
+            if !self.in_program(a) || self.label[usize::from(a)] != UNLABELLED {
                 continue;
             }
             let mut stack: Vec<(Id, bool)> = vec![(a, false)];
             while let Some((x, done)) = stack.pop() {
-                let kids: &[Id] = match self.choice.get(&x) {
-                    Some(&i) => &eg[x].nodes[i].children,
-                    None => &[],
-                };
+                let xi = usize::from(x);
                 if done {
-                    open.remove(&x);
+                    self.open[xi] = false;
                     if spaced {
                         next += 1;
-                        self.label.insert(x, next * LABEL_GAP);
+                        self.label[xi] = next * LABEL_GAP;
                         continue;
                     }
-                    let h = kids
+                    let h = self
+                        .kids(x)
                         .iter()
-                        .map(|&k| self.label.get(&eg.find(k)).copied().unwrap_or(0))
+                        .map(|&k| match self.label[usize::from(eg.find(k))] {
+                            UNLABELLED => 0,
+                            l => l,
+                        })
                         .max()
                         .map_or(0, |m| m + 1);
-                    self.label.insert(x, h);
+                    self.label[xi] = h;
                     continue;
                 }
-                if self.label.contains_key(&x) {
-                    continue;
-                }
-                if !open.insert(x) {
-                    ok = false;
-                    continue;
-                }
-                stack.push((x, true));
-                for &k in kids {
-                    let k = eg.find(k);
-                    if open.contains(&k) {
+                if self.label[xi] != UNLABELLED || self.open[xi] {
+                    if self.open[xi] {
                         ok = false;
-                    } else if !self.label.contains_key(&k) {
+                    }
+                    continue;
+                }
+                self.open[xi] = true;
+                stack.push((x, true));
+                for &k in self.kids(x) {
+                    let k = eg.find(k);
+                    if self.open[usize::from(k)] {
+                        ok = false;
+                    } else if self.label[usize::from(k)] == UNLABELLED {
                         stack.push((k, false));
                     }
                 }
             }
+        }
+        if !ok {
+            // Clear the scratch a cycle may have left set.
+            self.open.iter_mut().for_each(|o| *o = false);
         }
         self.added = added;
         ok
@@ -497,107 +758,14 @@ impl<'a> Incremental<'a> {
         if !self.relabel_added() {
             return false;
         }
-        let Some(&lc) = self.label.get(&c) else {
+        let lc = self.label[usize::from(c)];
+        if lc == UNLABELLED {
             return false;
-        };
+        }
         eg[c].nodes[i]
             .children
             .iter()
-            .all(|&k| self.label.get(&eg.find(k)).is_some_and(|&l| l < lc))
-    }
-
-    fn own(&self, c: Id, i: usize) -> f64 {
-        self.costs
-            .own
-            .get(&(c, i))
-            .copied()
-            .unwrap_or(f64::INFINITY)
-    }
-
-    /// One more use of `c` (and of its chosen node's operands when it enters the program).
-    fn inc(&mut self, c: Id) {
-        let mut stack = vec![self.eg.find(c)];
-        while let Some(c) = stack.pop() {
-            let r = self.refs.entry(c).or_insert(0);
-            *r += 1;
-            if *r > 1 {
-                continue;
-            }
-            self.added.push(c);
-            match self.choice.get(&c) {
-                Some(&i) => {
-                    self.total += self.own(c, i);
-                    let eg = self.eg;
-                    stack.extend(eg[c].nodes[i].children.iter().map(|&k| eg.find(k)));
-                }
-                None => self.missing += 1,
-            }
-        }
-    }
-
-    /// One use of `c` fewer (and of its chosen node's operands when it leaves the program).
-    fn dec(&mut self, c: Id) {
-        let mut stack = vec![self.eg.find(c)];
-        while let Some(c) = stack.pop() {
-            let r = self
-                .refs
-                .get_mut(&c)
-                .expect("invariant: a used class is counted");
-            *r -= 1;
-            if *r > 0 {
-                continue;
-            }
-            self.refs.remove(&c);
-            self.label.remove(&c);
-            match self.choice.get(&c) {
-                Some(&i) => {
-                    self.total -= self.own(c, i);
-                    let eg = self.eg;
-                    stack.extend(eg[c].nodes[i].children.iter().map(|&k| eg.find(k)));
-                }
-                None => self.missing -= 1,
-            }
-        }
-    }
-
-    /// Chooses node `i` for class `c` of the program; returns the previous choice.
-    fn switch(&mut self, c: Id, i: usize) -> Option<usize> {
-        let eg = self.eg;
-        let old = *self.choice.get(&c)?;
-        if !self.refs.contains_key(&c) {
-            return None;
-        }
-        self.choice.insert(c, i);
-        self.total += self.own(c, i) - self.own(c, old);
-        self.added.clear();
-        for &k in &eg[c].nodes[i].children {
-            self.inc(k);
-        }
-        for &k in &eg[c].nodes[old].children {
-            self.dec(k);
-        }
-        Some(old)
-    }
-
-    /// The program's classes, each once, in DFS order from the roots.
-    fn reachable(&self) -> Vec<Id> {
-        let mut seen = IndexSet::new();
-        let mut stack: Vec<Id> = self.roots.iter().rev().copied().collect();
-        while let Some(c) = stack.pop() {
-            if !seen.insert(c) {
-                continue;
-            }
-            if let Some(&i) = self.choice.get(&c) {
-                stack.extend(
-                    self.eg[c].nodes[i]
-                        .children
-                        .iter()
-                        .rev()
-                        .map(|&k| self.eg.find(k)),
-                );
-            }
-        }
-        seen.into_iter().collect()
+            .all(|&k| self.label[usize::from(eg.find(k))] < lc)
     }
 }
 
@@ -611,54 +779,47 @@ pub(crate) fn best_alternatives(
     cost: &mut impl NodeCostFn,
 ) -> Vec<Option<(ENode, f64)>> {
     let roots: Vec<Id> = roots.iter().map(|&r| eg.find(r)).collect();
-    let mut own = IndexMap::new();
+    let costs = Costs::new(eg, cost);
     let mut choice: Choice = IndexMap::new();
-    for class in eg.classes() {
-        for (i, n) in class.nodes.iter().enumerate() {
-            own.insert((class.id, i), cost.cost(eg, class.id, n));
-        }
-    }
     for (&k, n) in &ex.choice {
         if let Some(i) = eg[k].nodes.iter().position(|m| m == n) {
             choice.insert(k, i);
         }
     }
-    let costs = Costs { own };
     let mut prog = Incremental::new(eg, &costs, choice, &roots);
-    if let Some(t) = evaluate(eg, &costs, &prog.choice, &roots) {
+    if let Some(t) = prog.evaluate() {
         prog.total = t;
     }
     let base = prog.total;
-    classes
-        .iter()
-        .map(|&class| {
+    let mut out = Vec::with_capacity(classes.len());
+    for &class in classes {
+        {
             let c = eg.find(class);
             let mut best: Option<(ENode, f64)> = None;
             for (i, n) in eg[c].nodes.iter().enumerate() {
-                if prog.choice.get(&c) == Some(&i) {
+                let Some(cur) = prog.chosen(c) else {
+                    continue;
+                };
+                let limit = best.as_ref().map_or(f64::INFINITY, |(_, b)| b - base);
+                if cur == i || !prog.in_program(c) || !prog.may_gain(c, cur, i, limit) {
+                    continue;
+                }
+                if prog.closes_cycle(c, i) {
                     continue;
                 }
                 let Some(old) = prog.switch(c, i) else {
                     continue;
                 };
                 let t = prog.total;
-                let acyclic =
-                    prog.labels_allow(c, i) || evaluate(eg, &costs, &prog.choice, &roots).is_some();
-                if prog.missing == 0 && acyclic && best.as_ref().is_none_or(|(_, b)| t < *b) {
+                if prog.missing == 0 && best.as_ref().is_none_or(|(_, b)| t < *b) {
                     best = Some((n.clone(), t));
                 }
-                if acyclic {
-                    prog.switch(c, old);
-                    prog.relabel_added();
-                } else {
-                    // A cycle: rebuild rather than unwind it.
-                    prog.choice.insert(c, old);
-                    let choice = std::mem::take(&mut prog.choice);
-                    prog = Incremental::new(eg, &costs, choice, &roots);
-                }
+                prog.switch(c, old);
+                prog.relabel_added();
                 prog.total = base;
             }
-            best
-        })
-        .collect()
+            out.push(best);
+        }
+    }
+    out
 }

@@ -82,12 +82,14 @@ fn llama_70b_training_rewrite_time_few_layers() {
     }
 }
 
-/// The whole 80-layer step: repeated layers are not yet planned once for training programs
-/// (the backward blocks read the next layer's), so the whole program is rewritten.
+/// The whole 80-layer step (about 9,900 SPMD nodes, the whole program in the e-graph): under
+/// a second on two CPU cores (BENCHMARKS.md); the bound here only catches a return to the
+/// quadratic extractor (minutes).
 #[test]
-#[ignore = "minutes: the whole 80-layer training program is rewritten"]
 fn llama_70b_training_rewrite_time() {
-    llama_70b_training_rewrite(80);
+    let r = llama_70b_training_rewrite(80);
+    assert!(r.after.weighted_us <= r.before.weighted_us + 1e-6);
+    assert!(r.timing.total.as_secs_f64() < 20.0, "{:?}", r.timing);
 }
 
 /// Plain Megatron TP training rewritten with the sequence-parallel rules: the e-graph holds
