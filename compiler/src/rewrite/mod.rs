@@ -8,8 +8,9 @@
 //!
 //! 1. Select rules ([`RuleSelection`]); `none` returns the program unchanged.
 //! 2. Repeated layers: when at least four layer blocks are identical, rewrite a window of
-//!    three layers instead of the program (the `dedup` module), so rewriting time does not grow
-//!    with depth.
+//!    three layers instead of the program (the `dedup` module for forward programs, a chain of
+//!    blocks; the `window` module for training steps, whose backward blocks read the next
+//!    layer's), so rewriting time does not grow with depth.
 //! 3. Load the program into an e-graph and run the rules under [`Limits`] (iterations and
 //!    nodes, never time: the result is the same on every machine).
 //! 4. Extract with the greedy DAG extractor under the [`CostModel`] (per-rank time from a
@@ -30,6 +31,7 @@ mod extract;
 pub(crate) mod lang;
 mod report;
 pub mod rules;
+mod window;
 
 pub use canon::{canonical, canonical_text};
 pub use cost::{Bytes, CostModel, DeviceProfile, LinkProfile, Micros, NodeCost};
@@ -396,6 +398,28 @@ pub fn rewrite(sg: &ShardedGraph, opts: &RewriteOptions) -> Result<Rewritten, Re
                         });
                     }
                     Err(e) => why = format!("window not replicable: {e}"),
+                }
+            }
+        } else if let Some(plan) = window::TrainPlan::new(&sg.graph) {
+            match plan.window(sg) {
+                Err(e) => why = format!("the training window could not be built: {e}"),
+                Ok(win) => {
+                    let run = run_once(&win.sharded, &rules, opts)?;
+                    match plan.expand(sg, &run.emitted.sharded, &run.emitted.notes) {
+                        Ok((full, notes)) => {
+                            let layers = LayerPlanning::Window {
+                                layers: plan.layers as usize,
+                                window_nodes: win.nodes,
+                            };
+                            let mut r = report(Some(&run), &full, &notes, layers);
+                            r.timing.total = t0.elapsed();
+                            return Ok(Rewritten {
+                                sharded: full,
+                                report: r,
+                            });
+                        }
+                        Err(e) => why = format!("training window not replicable: {e}"),
+                    }
                 }
             }
         }

@@ -82,12 +82,17 @@ fn llama_70b_training_rewrite_time_few_layers() {
     }
 }
 
-/// The whole 80-layer step (about 9,900 SPMD nodes, the whole program in the e-graph): under
-/// a second on two CPU cores (BENCHMARKS.md); the bound here only catches a return to the
-/// quadratic extractor (minutes).
+/// The whole 80-layer step (about 9,900 SPMD nodes): planned through the training window of
+/// three layers, and replicated. The bound only catches a return to the quadratic extractor on
+/// the whole program (minutes); BENCHMARKS.md has the times.
 #[test]
 fn llama_70b_training_rewrite_time() {
     let r = llama_70b_training_rewrite(80);
+    assert!(
+        matches!(r.layers, LayerPlanning::Window { layers: 80, .. }),
+        "{:?}",
+        r.layers
+    );
     assert!(r.after.weighted_us <= r.before.weighted_us + 1e-6);
     assert!(r.timing.total.as_secs_f64() < 20.0, "{:?}", r.timing);
 }
@@ -152,4 +157,95 @@ fn weight_update_sharding_on_data_parallel_training() {
         );
         assert_eq!(r.fired.get("weight-update-sharding").copied(), Some(n));
     }
+}
+
+/// A training step with `layers` layers, rewritten with `rules`, through the layer window or
+/// with every layer in the e-graph.
+fn train_layers(
+    model: &str,
+    mesh: &str,
+    extra: &[&str],
+    rules: &str,
+    layers: usize,
+    window: bool,
+) -> CompiledTrain {
+    let mut c = cfg(model);
+    c.layers = layers;
+    let mut o = TrainOptions::new(2, 16, Mesh::parse(mesh, 8).expect("mesh"));
+    o.extra_strategies = extra.iter().map(|s| s.to_string()).collect();
+    o.rewrite = RewriteOptions::with_rules(rules.parse().expect("rules"));
+    o.rewrite.dedup = window;
+    compile_train(&c, &o).unwrap_or_else(|e| panic!("{model} {mesh} {extra:?}: {e}"))
+}
+
+/// Repeated layers of a training step planned once (forward and backward of layer 1, its
+/// optimizer update, replicated) give the program that planning every layer gives.
+#[test]
+fn training_window_matches_planning_every_layer() {
+    let cases: [(&str, &str, &[&str], &str); 6] = [
+        ("llama", "tp=2", &[], "all"),
+        ("llama", "tp=4", &[], "all"),
+        ("mixtral", "tp=2", &[], "all"),
+        ("llama", "tp=2", &[], "sequence-parallel"),
+        ("gpt2", "tp=2", &[], "all"),
+        ("llama", "dp=2,tp=2", &["sp"], "all"),
+    ];
+    for (model, mesh, extra, rules) in cases {
+        for layers in [4, 6] {
+            let w = train_layers(model, mesh, extra, rules, layers, true);
+            let all = train_layers(model, mesh, extra, rules, layers, false);
+            let r = w.report.as_ref().expect("report");
+            assert!(
+                matches!(r.layers, LayerPlanning::Window { .. }),
+                "{model} {mesh} {extra:?} {layers}: {:?}",
+                r.layers
+            );
+            let (a, b) = (
+                canonical_text(&w.sharded.graph),
+                canonical_text(&all.sharded.graph),
+            );
+            if a != b {
+                let d = a.lines().zip(b.lines()).find(|(x, y)| x != y);
+                panic!("{model} {mesh} {extra:?} {rules} {layers}: windowed differs: {d:?}");
+            }
+            // Layouts too, by label.
+            let layouts = |t: &CompiledTrain| {
+                let sg = &t.sharded;
+                let mut v: Vec<String> = (0..sg.graph.len())
+                    .map(|i| {
+                        let n = &sg.graph.nodes[i];
+                        format!("{} {} {}", n.name, n.ty, sg.shardings[i].display(&sg.mesh))
+                    })
+                    .collect();
+                v.sort();
+                v
+            };
+            assert_eq!(
+                layouts(&w),
+                layouts(&all),
+                "{model} {mesh} {extra:?} {layers}"
+            );
+        }
+    }
+}
+
+/// The 80-layer step with every layer in the e-graph: the extractor alone, near-linear in the
+/// program's size (BENCHMARKS.md).
+#[test]
+#[ignore = "about a second: run with --ignored for the benchmark figure"]
+fn llama_70b_training_rewrite_time_whole_program() {
+    let mut c = cfg("llama-3-70b.json");
+    c.layers = 80;
+    let mut o = TrainOptions::new(8, 4096, Mesh::parse("tp=8", 8).expect("mesh"));
+    o.rewrite = RewriteOptions::with_rules(RuleSelection::All);
+    o.rewrite.dedup = false;
+    let t = compile_train(&c, &o).expect("compile");
+    let r = t.report.expect("report");
+    eprintln!(
+        "Llama-3-70B training, 80 layers, tp=8, whole program: rewrite {:.3} s (saturate {:.3} s, \
+         extract {:.3} s)",
+        r.timing.total.as_secs_f64(),
+        r.timing.saturate.as_secs_f64(),
+        r.timing.extract.as_secs_f64()
+    );
 }
