@@ -182,10 +182,13 @@ fn train_layers(
 /// optimizer update, replicated) give the program that planning every layer gives.
 #[test]
 fn training_window_matches_planning_every_layer() {
-    let cases: [(&str, &str, &[&str], &str); 6] = [
+    let cases: [(&str, &str, &[&str], &str); 9] = [
         ("llama", "tp=2", &[], "all"),
         ("llama", "tp=4", &[], "all"),
         ("mixtral", "tp=2", &[], "all"),
+        ("mixtral", "ep=2,tp=2", &[], "all"),
+        ("gpt2", "tp=4", &[], "all"),
+        ("llama", "dp=2", &["zero1"], "all"),
         ("llama", "tp=2", &[], "sequence-parallel"),
         ("gpt2", "tp=2", &[], "all"),
         ("llama", "dp=2,tp=2", &["sp"], "all"),
@@ -248,4 +251,35 @@ fn llama_70b_training_rewrite_time_whole_program() {
         r.timing.saturate.as_secs_f64(),
         r.timing.extract.as_secs_f64()
     );
+}
+
+/// Pipelined training: the first stage's chunk (layers from 0) is planned through the window,
+/// the second (layers from L/2) as a whole; both as planning every layer gives.
+#[test]
+fn pipelined_training_window_matches_planning_every_layer() {
+    let run = |window: bool| {
+        let mut c = cfg("llama");
+        c.layers = 10;
+        let mut o = TrainOptions::new(2, 16, Mesh::parse("pp=2,tp=2", 8).expect("mesh"));
+        o.rewrite = RewriteOptions::with_rules(RuleSelection::All);
+        o.rewrite.dedup = window;
+        crate::train::compile_pipeline(&c, &o).expect("pipeline")
+    };
+    let (w, all) = (run(true), run(false));
+    for (x, y) in w.chunks.iter().zip(&all.chunks) {
+        let r = x.train.report.as_ref().expect("report");
+        assert_eq!(
+            matches!(r.layers, LayerPlanning::Window { layers: 5, .. }),
+            x.index == 0,
+            "chunk {}: {:?}",
+            x.index,
+            r.layers
+        );
+        assert_eq!(
+            canonical_text(&x.train.sharded.graph),
+            canonical_text(&y.train.sharded.graph),
+            "chunk {}",
+            x.index
+        );
+    }
 }
