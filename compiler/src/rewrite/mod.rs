@@ -166,7 +166,9 @@ impl NodeCostFn for ModelCost<'_> {
     fn cost(&mut self, eg: &SpmdEGraph, class: egg::Id, node: &ENode) -> f64 {
         let op = &eg.analysis.ops.get(node.op).op;
         let tys: Vec<&TensorType> = node.children.iter().map(|&c| &eg[c].data.ty).collect();
-        let c = self.0.node(&eg.analysis.mesh, op, &tys, &eg[class].data.ty);
+        let d = &eg[class].data;
+        let c =
+            self.0.node(&eg.analysis.mesh, op, &tys, &d.ty) + self.0.saved(&d.meta.name, op, &d.ty);
         self.0.weigh(&c)
     }
 }
@@ -303,7 +305,8 @@ pub fn program_cost(model: &CostModel, g: &Graph, mesh: &Mesh) -> ProgramCost {
     let mut weighted = 0.0;
     for node in &g.nodes {
         let tys: Vec<&TensorType> = node.inputs.iter().map(|&i| g.ty(i)).collect();
-        let c = model.node(mesh, &node.op, &tys, &node.ty);
+        let c = model.node(mesh, &node.op, &tys, &node.ty)
+            + model.saved(&node.name, &node.op, &node.ty);
         weighted += model.weigh(&c);
         total = total + c;
     }

@@ -100,9 +100,10 @@ fn llama_70b_training_rewrite_time() {
 /// Plain Megatron TP training rewritten with the sequence-parallel rules: the e-graph holds
 /// the `sp` preset's layouts (the rules fire on the forward and backward all-reduces), and
 /// the extractor's pick is never worse under the cost model than the preset's program. It is
-/// not the preset's program: per node, the model counts the preset's extra backward gathers
-/// and its gathered copies of the saved activations, not that the saved activations live
-/// `1/tp` the size from the forward to the backward pass.
+/// not the preset's program: per node, the default model counts the preset's extra backward
+/// gathers and its gathered copies of the saved activations, not that the saved activations
+/// live `1/tp` the size from the forward to the backward pass (the opt-in saved-activation
+/// term, `CostModel::saved_factor`, does: see the next test).
 fn assert_no_worse_than_sp_in_training(model: &str, mesh: &str) {
     let sp = train(model, mesh, &["sp"], "none");
     let tp = train(model, mesh, &[], "sequence-parallel");
@@ -281,5 +282,50 @@ fn pipelined_training_window_matches_planning_every_layer() {
             "chunk {}",
             x.index
         );
+    }
+}
+
+/// With the saved-activation term on (`saved_factor` 1), plain Megatron TP training rewritten
+/// with the sequence-parallel rules takes the `sp` preset's forward pass: every forward
+/// all-reduce split, the same reduce-scatters and all-gathers (counted here). The backward pass
+/// keeps its all-reduces: what remains between the rewrite and the preset is that the preset
+/// (1) reduce-scatters each norm's input gradient and runs the norm backward on sequence
+/// shards (no rule sinks a gather through `rms_norm_grad`/`layer_norm_grad`), (2) therefore
+/// all-reduces the norm weights' gradients (partial over sequence shards), and (3) gathers the
+/// saved sequence-sharded inputs again in the backward pass (`saved.*.all_gather`), where the
+/// rewrite reads the forward's gathered value (one e-class, one node).
+#[test]
+fn saved_activation_term_gives_the_sp_forward_in_training() {
+    for (model, mesh) in [("llama", "tp=2"), ("llama", "tp=4"), ("gpt2", "tp=2")] {
+        let sp = train(model, mesh, &["sp"], "none");
+        let mut o = TrainOptions::new(2, 16, Mesh::parse(mesh, 8).expect("mesh"));
+        o.rewrite = RewriteOptions::with_rules("sequence-parallel".parse().expect("rules"));
+        o.rewrite.cost.saved_factor = 1.0;
+        let tp = compile_train(&cfg(model), &o).expect("compile");
+        let forward = |g: &Graph, k: &str| {
+            g.nodes
+                .iter()
+                .filter(|n| n.op.mnemonic() == k)
+                .filter(|n| {
+                    !["bwd.", "grad.", "saved."]
+                        .iter()
+                        .any(|p| n.name.starts_with(p))
+                })
+                .count()
+        };
+        let (a, b) = (&tp.sharded.graph, &sp.sharded.graph);
+        for k in ["all_reduce", "reduce_scatter", "all_gather"] {
+            assert_eq!(forward(a, k), forward(b, k), "{model} {mesh} {k}");
+        }
+        assert_eq!(forward(a, "all_reduce"), 0, "{model} {mesh}");
+        // Off (the default), Llama's training forward keeps its all-reduces (GPT-2's already
+        // moves to sequence shards).
+        if model == "llama" {
+            let plain = train(model, mesh, &[], "sequence-parallel");
+            assert!(
+                forward(&plain.sharded.graph, "all_reduce") > 0,
+                "{model} {mesh}"
+            );
+        }
     }
 }
