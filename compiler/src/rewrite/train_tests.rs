@@ -329,3 +329,26 @@ fn saved_activation_term_gives_the_sp_forward_in_training() {
         }
     }
 }
+
+/// Llama-3-70B's 80-layer training step (tp=8): the window's program is the one planning every
+/// layer gives, node for node.
+#[test]
+fn llama_70b_training_window_matches_the_whole_program() {
+    let run = |window: bool| {
+        let mut c = cfg("llama-3-70b.json");
+        c.layers = 80;
+        let mut o = TrainOptions::new(8, 4096, Mesh::parse("tp=8", 8).expect("mesh"));
+        o.rewrite = RewriteOptions::with_rules(RuleSelection::All);
+        o.rewrite.dedup = window;
+        compile_train(&c, &o).expect("compile")
+    };
+    let (w, all) = (run(true), run(false));
+    assert!(matches!(
+        w.report.as_ref().expect("report").layers,
+        LayerPlanning::Window { layers: 80, .. }
+    ));
+    assert_eq!(
+        canonical_text(&w.sharded.graph),
+        canonical_text(&all.sharded.graph)
+    );
+}
