@@ -10,6 +10,14 @@
 //!   `n` launches plus one GEMM step plus `n − 1` steps of `max(GEMM step, transfer step)`.
 //! - Memory: the bytes of every activation a node produces (parameters, inputs and reshape
 //!   views excluded), weighted into time by [`CostModel::memory_us_per_mib`].
+//! - Saved activations (training steps, opt-in): the values of the forward pass that the
+//!   backward pass reads are the `saved.*` views autodiff inserts; each such view is charged
+//!   its bytes again, times [`CostModel::saved_factor`], because it is held from the forward to
+//!   the backward pass while other activations live about one op. This is the term that makes
+//!   Megatron sequence parallelism pay in training (Korthikanti et al. 2022: the norm and
+//!   residual inputs are saved `1/tp` the size and re-gathered in the backward). A saved view
+//!   sunk below a gather (`gather-sink-reshape`) keeps its label, so the sequence-sharded view
+//!   is charged at its `1/tp` size.
 //!
 //! Compute, communication and memory stay separate fields of [`NodeCost`]; [`CostModel::weigh`]
 //! turns one into the scalar the extractor minimises. The cost of a program is the sum over
@@ -199,6 +207,19 @@ pub struct CostModel {
     pub device: DeviceProfile,
     /// µs per MiB of activations (0 turns the memory term off).
     pub memory_us_per_mib: f64,
+    /// Weight of a byte saved for the backward pass, on top of its charge as an activation
+    /// (0, the default, leaves the saved-activation term off).
+    #[serde(default = "default_saved_factor")]
+    pub saved_factor: f64,
+}
+
+fn default_saved_factor() -> f64 {
+    0.0
+}
+
+/// Whether a label names a view of a forward value saved for the backward pass.
+pub fn is_saved_label(name: &str) -> bool {
+    name.starts_with("saved.") || name.contains(".saved.")
 }
 
 impl Default for CostModel {
@@ -206,6 +227,7 @@ impl Default for CostModel {
         CostModel {
             device: DeviceProfile::h100_sxm(),
             memory_us_per_mib: DEFAULT_MEMORY_US_PER_MIB,
+            saved_factor: default_saved_factor(),
         }
     }
 }
@@ -219,6 +241,19 @@ impl CostModel {
     pub fn weigh(&self, c: &NodeCost) -> f64 {
         let t = c.compute + c.comm;
         t.0 + self.memory_us_per_mib * c.memory.0 as f64 / (1u64 << 20) as f64
+    }
+
+    /// The saved-activation term of a node labelled `name`: a view saved for the backward
+    /// pass holds its bytes from the forward to the backward pass.
+    pub fn saved(&self, name: &str, op: &Op, out: &TensorType) -> NodeCost {
+        if matches!(op, Op::Reshape) && is_saved_label(name) && self.saved_factor > 0.0 {
+            NodeCost {
+                memory: Bytes((out.size_bytes() as f64 * self.saved_factor) as u64),
+                ..NodeCost::ZERO
+            }
+        } else {
+            NodeCost::ZERO
+        }
     }
 
     fn kernel(&self, flops: f64, bytes: f64, dt: DType) -> Micros {

@@ -8,8 +8,9 @@
 //!
 //! 1. Select rules ([`RuleSelection`]); `none` returns the program unchanged.
 //! 2. Repeated layers: when at least four layer blocks are identical, rewrite a window of
-//!    three layers instead of the program (the `dedup` module), so rewriting time does not grow
-//!    with depth.
+//!    three layers instead of the program (the `dedup` module for forward programs, a chain of
+//!    blocks; the `window` module for training steps, whose backward blocks read the next
+//!    layer's), so rewriting time does not grow with depth.
 //! 3. Load the program into an e-graph and run the rules under [`Limits`] (iterations and
 //!    nodes, never time: the result is the same on every machine).
 //! 4. Extract with the greedy DAG extractor under the [`CostModel`] (per-rank time from a
@@ -30,6 +31,7 @@ mod extract;
 pub(crate) mod lang;
 mod report;
 pub mod rules;
+mod window;
 
 pub use canon::{canonical, canonical_text};
 pub use cost::{Bytes, CostModel, DeviceProfile, LinkProfile, Micros, NodeCost};
@@ -164,7 +166,9 @@ impl NodeCostFn for ModelCost<'_> {
     fn cost(&mut self, eg: &SpmdEGraph, class: egg::Id, node: &ENode) -> f64 {
         let op = &eg.analysis.ops.get(node.op).op;
         let tys: Vec<&TensorType> = node.children.iter().map(|&c| &eg[c].data.ty).collect();
-        let c = self.0.node(&eg.analysis.mesh, op, &tys, &eg[class].data.ty);
+        let d = &eg[class].data;
+        let c =
+            self.0.node(&eg.analysis.mesh, op, &tys, &d.ty) + self.0.saved(&d.meta.name, op, &d.ty);
         self.0.weigh(&c)
     }
 }
@@ -267,18 +271,20 @@ fn run_once(
     // The cost that chose each communicating node: the program's exact cost, and what it
     // would be with the class's best other node.
     if let Some(mut cf) = model_cost {
-        for (v, note) in emitted.notes.iter_mut().enumerate() {
-            let node = emitted.sharded.graph.node(crate::ir::ValueId(v as u32));
-            if !node.op.communicates() {
-                continue;
-            }
-            let alternative = extract::best_alternative(&eg, &ex, &roots, note.class, &mut cf).map(
-                |(n, program_us)| Alternative {
-                    op: eg.analysis.ops.get(n.op).op.mnemonic().to_string(),
-                    program_us,
-                },
-            );
-            note.choice = Some((ex.total, alternative));
+        let comm: Vec<usize> = (0..emitted.notes.len())
+            .filter(|&v| {
+                let node = emitted.sharded.graph.node(crate::ir::ValueId(v as u32));
+                node.op.communicates()
+            })
+            .collect();
+        let classes: Vec<egg::Id> = comm.iter().map(|&v| emitted.notes[v].class).collect();
+        let alts = extract::best_alternatives(&eg, &ex, &roots, &classes, &mut cf);
+        for (v, alt) in comm.into_iter().zip(alts) {
+            let alternative = alt.map(|(n, program_us)| Alternative {
+                op: eg.analysis.ops.get(n.op).op.mnemonic().to_string(),
+                program_us,
+            });
+            emitted.notes[v].choice = Some((ex.total, alternative));
         }
     }
     Ok(Run {
@@ -299,7 +305,8 @@ pub fn program_cost(model: &CostModel, g: &Graph, mesh: &Mesh) -> ProgramCost {
     let mut weighted = 0.0;
     for node in &g.nodes {
         let tys: Vec<&TensorType> = node.inputs.iter().map(|&i| g.ty(i)).collect();
-        let c = model.node(mesh, &node.op, &tys, &node.ty);
+        let c = model.node(mesh, &node.op, &tys, &node.ty)
+            + model.saved(&node.name, &node.op, &node.ty);
         weighted += model.weigh(&c);
         total = total + c;
     }
@@ -394,6 +401,28 @@ pub fn rewrite(sg: &ShardedGraph, opts: &RewriteOptions) -> Result<Rewritten, Re
                         });
                     }
                     Err(e) => why = format!("window not replicable: {e}"),
+                }
+            }
+        } else if let Some(plan) = window::TrainPlan::new(&sg.graph) {
+            match plan.window(sg) {
+                Err(e) => why = format!("the training window could not be built: {e}"),
+                Ok(win) => {
+                    let run = run_once(&win.sharded, &rules, opts)?;
+                    match plan.expand(sg, &run.emitted.sharded, &run.emitted.notes) {
+                        Ok((full, notes)) => {
+                            let layers = LayerPlanning::Window {
+                                layers: plan.layers as usize,
+                                window_nodes: win.nodes,
+                            };
+                            let mut r = report(Some(&run), &full, &notes, layers);
+                            r.timing.total = t0.elapsed();
+                            return Ok(Rewritten {
+                                sharded: full,
+                                report: r,
+                            });
+                        }
+                        Err(e) => why = format!("training window not replicable: {e}"),
+                    }
                 }
             }
         }

@@ -92,10 +92,10 @@ pub enum ReshardReason {
 }
 
 impl ReshardReason {
-    /// Renames `from` to `to` in the node names it holds (a layer's nodes replicated as
-    /// another layer's).
-    pub fn relabel(&mut self, from: &str, to: &str) {
-        let r = |s: &mut String| *s = s.replace(from, to);
+    /// Maps the node names it holds through `f` (a layer's nodes replicated as another
+    /// layer's).
+    pub fn map_names(&mut self, f: impl Fn(&str) -> String) {
+        let r = |s: &mut String| *s = f(s);
         match self {
             ReshardReason::Operand { node, .. } | ReshardReason::Annotation { node, .. } => r(node),
             ReshardReason::Output { name } => r(name),
