@@ -223,7 +223,7 @@ fn out_of_range_ids_are_named() {
     v["pipeline_nodes"][1][0][0] = 31_337.into();
     every_reader_refuses(
         &write_value(dir.path(), &v),
-        &["rank 1, instruction 0", "value %31337", "does not exist"],
+        &["chunk 1, pass F", "value %31337", "does not exist"],
     );
 }
 
