@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::free_port;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus, Stdio};
@@ -33,14 +35,6 @@ fn tokens(dir: &Path) -> String {
     )
     .unwrap();
     p.display().to_string()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// `shardc run` arguments of one rank.

@@ -3,6 +3,10 @@
 //! errors naming them, within the timeout; a process group's communicators reduce over the
 //! right ranks.
 
+mod common;
+
+use common::free_port;
+
 use shardc::compiler::shard::Mesh;
 use shardc::runtime::comm::{Communicator, ReduceOp};
 use shardc::runtime::launch::{
@@ -17,14 +21,6 @@ const LONG: Duration = Duration::from_secs(20);
 
 fn addr(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Rank `r` of `world` registers `[r + 1000, r + 2000]` as its addresses (and 128 bytes, like an

@@ -8,24 +8,10 @@
 //! say) and this rank's own tensors (its parameter and optimizer shards kept from the previous
 //! step), the latter winning.
 
-use crate::train::Batch;
 use crate::{ParamCache, RankCtx, RuntimeError, Stepwise, Tensor};
 use shardc_compiler::ir::Graph;
 use shardc_compiler::plan::PlanStep;
 use std::collections::BTreeMap;
-
-/// The batch inputs of micro-batch `i` of `k` (global tensors, under the program's names).
-pub fn micro_batch_inputs(batch: &Batch, k: usize, i: usize) -> BTreeMap<String, Tensor> {
-    let mut all = crate::train::batch_inputs(batch, k);
-    let names = ["input_ids", "position_ids", "attention_mask", "labels"];
-    names
-        .into_iter()
-        .filter_map(|base| {
-            let name = shardc_compiler::autodiff::input_name(base, i, k);
-            all.remove(&name).map(|t| (base.to_string(), t))
-        })
-        .collect()
-}
 
 /// `acc += x`, elementwise (f32; same shapes).
 fn accumulate(acc: &mut Tensor, x: &Tensor, name: &str) -> Result<(), RuntimeError> {

@@ -323,9 +323,7 @@ pub fn train_step(
         // The micro-batch's program per micro-batch, then the step program.
         Some(sp) => {
             let k = t.micro_batches;
-            let batches: Vec<_> = (0..k)
-                .map(|i| crate::micro::micro_batch_inputs(batch, k, i))
-                .collect();
+            let batches: Vec<_> = (0..k).map(|i| micro_batch_inputs(batch, k, i)).collect();
             let mut st = BTreeMap::new();
             state.add_inputs(&t.params, &mut st);
             let none = BTreeMap::new();
@@ -667,6 +665,19 @@ pub fn batch_inputs(batch: &Batch, k: usize) -> BTreeMap<String, Tensor> {
     inputs
 }
 
+/// The batch inputs of micro-batch `i` of `k` (global tensors, under the program's names).
+pub fn micro_batch_inputs(batch: &Batch, k: usize, i: usize) -> BTreeMap<String, Tensor> {
+    let mut all = batch_inputs(batch, k);
+    let names = ["input_ids", "position_ids", "attention_mask", "labels"];
+    names
+        .into_iter()
+        .filter_map(|base| {
+            let name = shardc_compiler::autodiff::input_name(base, i, k);
+            all.remove(&name).map(|t| (base.to_string(), t))
+        })
+        .collect()
+}
+
 /// The outputs a rank keeps from one step to the next: its parameter and optimizer-state
 /// shards (the program's `param.*`, `adam_m.*`, `adam_v.*` outputs, in its inputs' layout).
 pub(crate) fn kept_state(out: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
@@ -735,9 +746,7 @@ impl<'c> RankTrainer<'c> {
         let out = match &plan.step {
             Some(sp) => {
                 let k = t.micro_batches;
-                let batches: Vec<_> = (0..k)
-                    .map(|i| crate::micro::micro_batch_inputs(batch, k, i))
-                    .collect();
+                let batches: Vec<_> = (0..k).map(|i| micro_batch_inputs(batch, k, i)).collect();
                 let mut st = BTreeMap::new();
                 initial.add_inputs_at(&t.params, step, &mut st);
                 crate::micro::run_rank_step(g, sp, &self.cache, &batches, &st, &self.locals, ctx)

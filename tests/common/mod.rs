@@ -217,3 +217,12 @@ pub fn fails_with_env(args: &[&str], env: &[(&str, &str)], needles: &[&str]) -> 
 pub fn fails_with(args: &[&str], needles: &[&str]) -> String {
     fails_with_env(args, &[], needles)
 }
+
+/// A TCP port free on 127.0.0.1 now (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

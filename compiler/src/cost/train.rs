@@ -259,7 +259,7 @@ pub fn simulate_training(
     let outputs: BTreeSet<u32> = plan
         .provenance
         .iter()
-        .filter(|(_, p)| p.required_by.starts_with("output"))
+        .filter(|(_, p)| matches!(p.required_by, crate::shard::ReshardReason::Output { .. }))
         .map(|(&v, _)| v)
         .collect();
     let keep_layer = |v: ValueId| g.node(v).layer == Some(0);

@@ -195,10 +195,9 @@ pub(crate) fn emit(
                         value: first.map(|f| f.name.clone()).unwrap_or_default(),
                         from,
                         to: d.sharding.display(&src.mesh),
-                        required_by: format!(
-                            "rewrite rule `{}`",
-                            rule_of.get(node).copied().unwrap_or("?")
-                        ),
+                        required_by: crate::shard::ReshardReason::Rule {
+                            rule: rule_of.get(node).copied().unwrap_or("?").to_string(),
+                        },
                     }
                 });
                 (d.ty.clone(), name, layer, d.sharding.clone(), prov)

@@ -438,7 +438,7 @@ impl Emit {
         if let (Some(p), Some((from, to))) = (&mut p, relayer) {
             let (a, b) = (format!("layers.{from}."), format!("layers.{to}."));
             p.value = p.value.replace(&a, &b);
-            p.required_by = p.required_by.replace(&a, &b);
+            p.required_by.relabel(&a, &b);
         }
         self.provenance.push(p);
         self.notes.push(notes[i].clone());

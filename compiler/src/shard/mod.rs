@@ -9,7 +9,7 @@ mod rules;
 mod sharding;
 
 pub use mesh::{AxisId, LinkClass, Mesh, MeshAxis, MeshError, KNOWN_AXES};
-pub use partition::{partition, Annotations, Provenance, ShardedGraph};
+pub use partition::{partition, Annotations, Provenance, ReshardReason, ShardedGraph};
 pub(crate) use presets::data_axes;
 pub use presets::{annotate, check_model, kv_repeat, resolve, resolve_stage, Strategy};
 pub use reshard::{apply_public as apply_reshard_step, reshard};

@@ -43,8 +43,96 @@ pub struct Provenance {
     pub from: String,
     /// The layout required.
     pub to: String,
-    /// Who required it: the consuming op and operand, an annotation, or an output.
-    pub required_by: String,
+    /// Who required it: the consuming op and operand, an annotation, an output, a DDP bucket
+    /// or a rewrite rule.
+    pub required_by: ReshardReason,
+}
+
+/// Who required a reshard (typed; `Display` gives the sentence `explain` prints).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ReshardReason {
+    /// Operand `index` of node `node` (op `op`) needs this layout.
+    Operand {
+        /// The consuming node's name.
+        node: String,
+        /// Its op's mnemonic.
+        op: String,
+        /// Which operand.
+        index: usize,
+    },
+    /// The strategies annotated the value with this layout.
+    Annotation {
+        /// The annotated node's name.
+        node: String,
+        /// The preset and role that wrote the annotation.
+        why: String,
+    },
+    /// A named output of the program is required in this layout.
+    Output {
+        /// The output's name.
+        name: String,
+    },
+    /// A DDP bucket's all-reduce of the gradients in it.
+    DdpBucket {
+        /// Its index, in reduction order.
+        bucket: usize,
+        /// Its bytes.
+        bytes: u64,
+        /// The parameters whose gradients it holds.
+        params: Vec<String>,
+        /// The node after which every gradient in it is complete.
+        ready_after: String,
+    },
+    /// A rewrite rule made the node.
+    Rule {
+        /// The rule's name.
+        rule: String,
+    },
+}
+
+impl ReshardReason {
+    /// Renames `from` to `to` in the node names it holds (a layer's nodes replicated as
+    /// another layer's).
+    pub fn relabel(&mut self, from: &str, to: &str) {
+        let r = |s: &mut String| *s = s.replace(from, to);
+        match self {
+            ReshardReason::Operand { node, .. } | ReshardReason::Annotation { node, .. } => r(node),
+            ReshardReason::Output { name } => r(name),
+            ReshardReason::DdpBucket {
+                params,
+                ready_after,
+                ..
+            } => {
+                params.iter_mut().for_each(r);
+                r(ready_after);
+            }
+            ReshardReason::Rule { .. } => {}
+        }
+    }
+}
+
+impl std::fmt::Display for ReshardReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReshardReason::Operand { node, op, index } => {
+                write!(f, "operand {index} of `{node}` ({op})")
+            }
+            ReshardReason::Annotation { node, why } => write!(f, "annotation of `{node}` ({why})"),
+            ReshardReason::Output { name } => write!(f, "output `{name}`"),
+            ReshardReason::DdpBucket {
+                bucket,
+                bytes,
+                params,
+                ready_after,
+            } => write!(
+                f,
+                "DDP bucket {bucket} ({bytes} bytes): gradients of {} ready after `{ready_after}`",
+                params.join(", ")
+            ),
+            ReshardReason::Rule { rule } => write!(f, "rewrite rule `{rule}`"),
+        }
+    }
 }
 
 /// The SPMD program and its side tables (indexed by the new graph's value ids).
@@ -119,7 +207,7 @@ impl Ctx<'_> {
         &mut self,
         v: ValueId,
         to: &TensorSharding,
-        required_by: &str,
+        required_by: &ReshardReason,
     ) -> Result<ValueId, ShardError> {
         let from = self.cur[v.index()].clone();
         if let Some(&x) = self.versions.get(&(v, to.clone())) {
@@ -146,7 +234,7 @@ impl Ctx<'_> {
                 value: node.name.clone(),
                 from: from.display(self.mesh),
                 to: to.display(self.mesh),
-                required_by: required_by.to_string(),
+                required_by: required_by.clone(),
             };
             let name = format!("{}.{}", node.name, op.mnemonic());
             let ty = self.out.ty(x).clone();
@@ -391,7 +479,11 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for (i, &x) in node.inputs.iter().enumerate() {
             let req = layout(&r.operands[i], &fa, keep[i].clone());
-            let why = format!("operand {i} of `{}` ({})", node.name, node.op.mnemonic());
+            let why = ReshardReason::Operand {
+                node: node.name.clone(),
+                op: node.op.mnemonic().to_string(),
+                index: i,
+            };
             inputs.push(cx.version(x, &req, &why)?);
         }
         // Vocabulary-parallel lookup: ids made local to this rank's rows.
@@ -463,7 +555,11 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
                     .get(&v)
                     .cloned()
                     .unwrap_or_else(|| "annotation".into());
-                let y = cx.version(v, &a, &format!("annotation of `{}` ({why})", node.name))?;
+                let why = ReshardReason::Annotation {
+                    node: node.name.clone(),
+                    why,
+                };
+                let y = cx.version(v, &a, &why)?;
                 cx.cur[v.index()] = a.clone();
                 cx.versions.insert((v, a), y);
             }
@@ -475,7 +571,8 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
             .get(name)
             .cloned()
             .unwrap_or_else(|| TensorSharding::replicated(g.ty(*v).rank()));
-        let x = cx.version(*v, &want, &format!("output `{name}`"))?;
+        let why = ReshardReason::Output { name: name.clone() };
+        let x = cx.version(*v, &want, &why)?;
         cx.out.set_output(name, x);
     }
     cx.out.current_layer = None;

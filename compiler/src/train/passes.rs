@@ -11,7 +11,7 @@
 
 use crate::autodiff::TrainGraph;
 use crate::ir::{Graph, Op, TensorType, ValueId};
-use crate::shard::{Provenance, ShardError, ShardedGraph, TensorSharding};
+use crate::shard::{Provenance, ReshardReason, ShardError, ShardedGraph, TensorSharding};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -130,7 +130,7 @@ pub(super) fn strip_output_reshards(
         .find(|&i| {
             sg.provenance[i]
                 .as_ref()
-                .is_some_and(|p| p.required_by.starts_with("output `"))
+                .is_some_and(|p| matches!(p.required_by, ReshardReason::Output { .. }))
         })
         .unwrap_or(n);
     let mut outputs = sg.graph.outputs.clone();
@@ -284,7 +284,10 @@ pub(super) fn ddp_buckets(
         let (Op::AllReduce { axis }, Some(p)) = (&node.op, &sg.provenance[v.index()]) else {
             continue;
         };
-        if axis == "dp" && p.value.starts_with("grad.") && p.required_by.starts_with("annotation") {
+        if axis == "dp"
+            && p.value.starts_with("grad.")
+            && matches!(p.required_by, ReshardReason::Annotation { .. })
+        {
             ar_of.insert(p.value["grad.".len()..].to_string(), v);
         }
     }
@@ -394,12 +397,12 @@ fn emit_bucket(
         value: format!("ddp.bucket{b}"),
         from: "partial(dp)".into(),
         to: "replicated".into(),
-        required_by: format!(
-            "DDP bucket {b} ({} bytes): gradients of {} ready after `{}`",
-            bucket.bytes,
-            bucket.params.join(", "),
-            bucket.ready_after
-        ),
+        required_by: ReshardReason::DdpBucket {
+            bucket: b,
+            bytes: bucket.bytes,
+            params: bucket.params.clone(),
+            ready_after: bucket.ready_after.clone(),
+        },
     };
     let op = Op::AllReduce { axis: "dp".into() };
     let red = r.push(
