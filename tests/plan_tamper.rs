@@ -318,7 +318,7 @@ fn version_truncation_and_json_errors_are_named() {
     v["format_version"] = 1.into();
     every_reader_refuses(
         &write_value(dir.path(), &v),
-        &["plan format version 1, this shardc reads version 5"],
+        &["plan format version 1, this shardc reads version 6"],
     );
     every_reader_refuses(
         &write(dir.path(), "cut.json", &text[..text.len() / 2]),

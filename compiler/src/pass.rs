@@ -85,7 +85,7 @@ impl Pass {
     pub fn runs_for(self, train: bool, pipelined: bool) -> bool {
         match self {
             Pass::Autodiff | Pass::GradLayout | Pass::Buckets => train,
-            Pass::Split => train && !pipelined,
+            Pass::Split => train,
             Pass::Stages => pipelined,
             _ => true,
         }

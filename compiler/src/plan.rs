@@ -32,7 +32,7 @@ use std::path::Path;
 use thiserror::Error;
 
 /// Version of the plan format; bumped on any incompatible change.
-pub const PLAN_FORMAT_VERSION: u32 = 5;
+pub const PLAN_FORMAT_VERSION: u32 = 6;
 
 /// What the plan was compiled from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

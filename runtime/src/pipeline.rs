@@ -86,7 +86,7 @@ pub fn chunk_inputs(
 ) -> Vec<Vec<BTreeMap<String, Tensor>>> {
     let k = t.micro_batches.max(1);
     let batches: Vec<_> = (0..k)
-        .map(|i| crate::micro::micro_batch_inputs(batch, k, i))
+        .map(|i| crate::train::micro_batch_inputs(batch, k, i))
         .collect();
     plan.chunks
         .iter()
@@ -562,7 +562,16 @@ pub fn run_stage(
                     .get(slot.chunk)
                     .and_then(|l| l.get(phase_index(slot.phase)))
                     .ok_or_else(|| pipe_err(op, "the plan has no node list for it"))?;
-                flight!(op, k, slot.micro).run_nodes(nodes)?;
+                flight!(op, k, slot.micro)
+                    .run_nodes(nodes)
+                    .map_err(|e| match e {
+                        // Every micro-batch runs the same program: name the one this is.
+                        RuntimeError::NonFiniteLoss { value, .. } => RuntimeError::NonFiniteLoss {
+                            micro: slot.micro,
+                            value,
+                        },
+                        e => e,
+                    })?;
                 if slot.phase == Phase::W {
                     let mut st = flights[k]
                         .remove(&slot.micro)
