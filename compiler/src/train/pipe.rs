@@ -7,10 +7,17 @@
 //! config ─► chunks (layers balanced by cost, embedding with the first, head with the last;
 //!   or --stage-layers) ─► per chunk: forward graph (input `pipe.act_in`, output
 //!   `pipe.act_out`) ─► training graph (backward seeded by `pipe.grad_in`, input gradient
-//!   `pipe.grad_out`) ─► SPMD program on the mesh without `pp`
+//!   `pipe.grad_out`) of ONE micro-batch ─► SPMD program on the mesh without `pp` ─► split:
+//!   the micro program (its F, B and W node lists, the same for every micro-batch) and the
+//!   chunk's step program (gradient syncs, the tied copy's gradient, AdamW)
 //! schedule (GPipe / 1F1B / interleaved / ZB-H1) ─► per pp rank: passes + send/recv
 //!   ─► verified: matched FIFO transfers, no deadlock, boundary types agree
 //! ```
+//!
+//! The runtime keeps one execution of a chunk's micro program per micro-batch in flight (its
+//! activations live from F to W), sums each micro-batch's gradients, and runs the step
+//! program at the chunk's optimizer instruction; so the plan does not grow with the number of
+//! micro-batches.
 //!
 //! Chunk `j` of `p·v` lives on pipeline rank `j mod p`. The tensors crossing a boundary are
 //! split over the data axes like the batch and whole on the other axes, so pipeline rank `s`
