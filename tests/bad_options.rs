@@ -339,9 +339,10 @@ fn sizes_that_would_exhaust_memory_are_refused_with_the_estimate() {
             "/dev/null",
         ],
         &cap,
+        // (The IR is one micro-batch's whatever the count; the activations are refused.)
         &[
-            "llama-3-8b.json: num_hidden_layers=32 with 1000000000 micro-batches: the IR would need ~",
-            over,
+            "--batch 1000000000 × --seq 4096: a step's activations would be ~",
+            "EiB",
         ],
     );
     fails_with_env(

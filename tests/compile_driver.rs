@@ -102,6 +102,7 @@ fn every_pass_of_each_job_runs_in_order() {
                 | Pass::GradLayout
                 | Pass::Rewrite
                 | Pass::Buckets
+                | Pass::Split
                     if pipelined =>
                 {
                     chunks

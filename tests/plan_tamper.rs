@@ -223,7 +223,7 @@ fn out_of_range_ids_are_named() {
     v["pipeline_nodes"][1][0][0] = 31_337.into();
     every_reader_refuses(
         &write_value(dir.path(), &v),
-        &["rank 1, instruction 0", "value %31337", "does not exist"],
+        &["chunk 1, pass F", "value %31337", "does not exist"],
     );
 }
 
@@ -318,7 +318,7 @@ fn version_truncation_and_json_errors_are_named() {
     v["format_version"] = 1.into();
     every_reader_refuses(
         &write_value(dir.path(), &v),
-        &["plan format version 1, this shardc reads version 5"],
+        &["plan format version 1, this shardc reads version 6"],
     );
     every_reader_refuses(
         &write(dir.path(), "cut.json", &text[..text.len() / 2]),

@@ -95,8 +95,10 @@ fn replayed_bubble_is_textbook_for_equal_stages() {
         }
         let zb = pass_bubble(&pipelined(&cfg, "pp=4", ScheduleKind::ZbH1, m, m), p);
         let il = pass_bubble(&pipelined(&cfg, "pp=4", ScheduleKind::Interleaved, m, m), p);
+        // (ZB-H1 fills the bubble with the weight-gradient passes; here W is ~0.8 of B, and the
+        // gradient all-reduce is the step program's, not the last W's.)
         assert!(
-            zb < got[1] - 0.02,
+            zb < got[1] - 0.01,
             "m={m}: zb-h1 {zb:.4} vs 1f1b {:.4}",
             got[1]
         );
@@ -170,8 +172,14 @@ fn pipelined_work_equals_the_flat_step_and_the_model_agrees() {
         x * 1e3,
         y * 1e3
     );
-    // Measured 2026-11-21: 225 vs 164 ms. The replay costs the real backward kernels and
-    // times the optimizer and gradient all-reduce inside the last instruction of each stage;
-    // the schedule itself replays to the textbook bubble (test above).
-    assert!(x > y && x / y < 1.6, "replayed {x:.4} s vs model {y:.4} s");
+    // Measured 2026-11-24: 161.5 vs 164 ms (225 vs 164 ms while each chunk's program was
+    // unrolled per micro-batch: the gradient all-reduces sat in the last micro-batch's
+    // backward, ahead of its gradient send, and so delayed every stage before it; they now run
+    // in the step program after the pipeline flush, as Megatron-LM's default does). The
+    // replay costs the real backward kernels, the model derives them; the schedule itself
+    // replays to the textbook bubble (test above).
+    assert!(
+        (0.8..1.6).contains(&(x / y)),
+        "replayed {x:.4} s vs model {y:.4} s"
+    );
 }

@@ -227,39 +227,35 @@ fn plan_verifier_checks_the_node_lists() {
     // Through JSON and back: still verified.
     let back = shardc::compiler::plan::Plan::from_json(&plan.to_json()).unwrap();
     back.check_pipeline().unwrap();
-    // The first forward's list: run its last value first.
-    let k = plan.pipeline_program[0]
-        .iter()
-        .position(|o| matches!(o, shardc::compiler::schedule::pp::PipeOp::Run(_)))
-        .unwrap();
+    // Chunk 0's forward list: run its last value first.
     let mut bad = plan.clone();
-    let list = &mut bad.pipeline_nodes[0][k];
+    let list = &mut bad.pipeline_nodes[0][0];
     let last = list.pop().unwrap();
     list.insert(0, last);
     let e = bad.check_pipeline().unwrap_err().to_string();
     assert!(e.contains("runs before its operand"), "{e}");
     // A value nobody runs.
     let mut bad = plan.clone();
-    bad.pipeline_nodes[0][k].pop();
+    bad.pipeline_nodes[0][0].pop();
     let e = bad.check_pipeline().unwrap_err().to_string();
     assert!(
         e.contains("never runs") || e.contains("before its operand"),
         "{e}"
     );
-    // A received input moved into a pass of stage 1.
+    // A received input computed by a pass of chunk 1.
     let mut bad = plan.clone();
-    let recv = bad.pipeline_program[1]
-        .iter()
-        .position(|o| matches!(o, shardc::compiler::schedule::pp::PipeOp::Recv { .. }))
-        .unwrap();
-    let v = bad.pipeline_nodes[1][recv].pop().unwrap();
-    bad.pipeline_nodes[1][recv + 1].insert(0, v);
+    let v = bad.chunks[1].program.input_named("pipe.act_in").unwrap();
+    bad.pipeline_nodes[1][0].insert(0, v);
     let e = bad.check_pipeline().unwrap_err().to_string();
     assert!(e.contains("received input"), "{e}");
+    // The node lists are one micro-batch's: the same size for any number of micro-batches.
+    let o8 = train_support::pipe_options(&pipe("pp=2", &[], 8, ScheduleKind::OneFOneB), 8, 12);
+    let c8 = shardc::compiler::train::compile_pipeline(&cfg, &o8).unwrap();
+    assert_eq!(c8.nodes, c.nodes);
     // Stage 1 expecting activations of another size than stage 0 sends.
     let mut bad = plan.clone();
     let g = &mut bad.chunks[1].program;
-    let v = g.input_named("pipe.act_in.mb0").unwrap();
+    let v = g.input_named("pipe.act_in").unwrap();
     g.nodes[v.index()].ty.dims[2].size += 1;
     let e = bad.check_pipeline().unwrap_err().to_string();
     assert!(

@@ -2,9 +2,8 @@
 //! training steps, as one list of named passes ([`Pass::ALL`]):
 //!
 //! ```text
-//! build ─► autodiff* ─► annotate ─► partition ─► grad-layout* ─► rewrite ─► buckets* ─► split***
-//!       ─► stages** ─► schedule ─► plan   (* training only, ** pipelines only, *** training
-//!                                           without a pipeline)
+//! build ─► autodiff* ─► annotate ─► partition ─► grad-layout* ─► rewrite ─► buckets* ─► split*
+//!       ─► stages** ─► schedule ─► plan          (* training only, ** pipelines only)
 //! ```
 //!
 //! - `build`: the logical forward graph of the model (one micro-batch; one chunk of a pipeline);

@@ -26,8 +26,8 @@ pub enum Pass {
     Rewrite,
     /// DDP gradient buckets (training only).
     Buckets,
-    /// The step cut into the micro-batch's program and the once-per-step program (training
-    /// without a pipeline).
+    /// The step (each pipeline chunk's) cut into the micro-batch's program and the
+    /// once-per-step program (training only).
     Split,
     /// Pipeline chunks and instructions (pipelines only).
     Stages,
@@ -85,7 +85,7 @@ impl Pass {
     pub fn runs_for(self, train: bool, pipelined: bool) -> bool {
         match self {
             Pass::Autodiff | Pass::GradLayout | Pass::Buckets => train,
-            Pass::Split => train && !pipelined,
+            Pass::Split => train,
             Pass::Stages => pipelined,
             _ => true,
         }

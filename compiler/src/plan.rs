@@ -14,7 +14,9 @@ mod train;
 mod verify;
 
 pub use accounting::{CollectiveVolume, CommVolume, LayerActivations, Precision, TrainMemory};
-pub use boundary::{boundary_name, check_boundary_types, is_received_input, sent_value};
+pub use boundary::{
+    boundary_name, check_boundary_types, is_received_input, sent_value, ChunkGraphs,
+};
 pub use load::{content_hash, rehash};
 pub use train::{PlanParam, PlanStep, PlanTrain};
 pub(crate) use verify::{check_layout, check_program};
@@ -30,7 +32,7 @@ use std::path::Path;
 use thiserror::Error;
 
 /// Version of the plan format; bumped on any incompatible change.
-pub const PLAN_FORMAT_VERSION: u32 = 5;
+pub const PLAN_FORMAT_VERSION: u32 = 6;
 
 /// What the plan was compiled from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,10 +77,15 @@ pub struct PlanChunk {
     pub embed: bool,
     /// Ends with the final norm and head.
     pub head: bool,
-    /// Its SPMD training program on the stage mesh (every micro-batch, its optimizer step).
+    /// Its micro-batch's SPMD program on the stage mesh: forward, loss and backward of one
+    /// micro-batch (boundary tensors unsuffixed), run once per micro-batch.
     pub program: Graph,
     /// Layout of each program value.
     pub shardings: Vec<TensorSharding>,
+    /// Its optimizer step, run once per step on the sums of the micro-batches' `grad.*`
+    /// outputs (and a tied copy's gradient received).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<PlanStep>,
     /// Memory per rank of this chunk.
     pub memory: PlanMemory,
     /// Communication volume per rank of this chunk (inside its stage).
@@ -131,8 +138,9 @@ pub struct Plan {
     /// (pipeline-parallel training plans; `program` is then chunk 0's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pipeline_program: Vec<Vec<crate::schedule::pp::PipeOp>>,
-    /// Per pipeline rank and instruction, the values of its chunk's program it computes, in
-    /// order (a receive: the input it fills; a send: none).
+    /// Per chunk and pass (`F`, `B`, `W`), the values of its micro-batch's program the pass
+    /// computes, in order: the same for every micro-batch (received inputs are filled by
+    /// their receives; the optimizer step runs the chunk's step program).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pipeline_nodes: Vec<Vec<Vec<ValueId>>>,
     /// The model chunks of a pipeline-parallel training plan, in model order.
@@ -451,82 +459,77 @@ impl Plan {
                 self.chunks.len()
             )));
         }
-        self.check_pipeline_nodes(s.stages)?;
-        let graphs: Vec<&Graph> = self.chunks.iter().map(|c| &c.program).collect();
-        check_boundary_types(&graphs, s.micro_batches)
-            .map_err(|e| PlanError::Pipeline(esc(&e.to_string())))
+        let chunks = self.chunk_graphs()?;
+        self.check_pipeline_nodes()?;
+        check_boundary_types(&chunks).map_err(|e| PlanError::Pipeline(esc(&e.to_string())))
     }
 
-    fn check_pipeline_nodes(&self, p: usize) -> Result<(), PlanError> {
-        use crate::schedule::pp::PipeOp;
+    /// Each chunk's micro-batch and step programs; an error names a chunk without a step
+    /// program.
+    pub fn chunk_graphs(&self) -> Result<Vec<ChunkGraphs<'_>>, PlanError> {
+        self.chunks
+            .iter()
+            .map(|c| {
+                let step = c.step.as_ref().ok_or_else(|| PlanError::Field {
+                    path: format!("chunks[{}].step", c.index),
+                    msg: "missing (every chunk has its step program)".into(),
+                })?;
+                Ok(ChunkGraphs {
+                    micro: &c.program,
+                    step: &step.program,
+                })
+            })
+            .collect()
+    }
+
+    fn check_pipeline_nodes(&self) -> Result<(), PlanError> {
+        use crate::schedule::pp::Phase;
         let err = |m: String| Err(PlanError::Pipeline(m));
-        if self.pipeline_nodes.len() != self.pipeline_program.len()
-            || self
-                .pipeline_nodes
-                .iter()
-                .zip(&self.pipeline_program)
-                .any(|(n, o)| n.len() != o.len())
+        if self.pipeline_nodes.len() != self.chunks.len()
+            || self.pipeline_nodes.iter().any(|n| n.len() != 3)
         {
-            return err("node lists do not match the instructions".into());
+            return err("node lists: need three passes (F, B, W) per chunk".into());
         }
-        let mut done: Vec<Vec<bool>> = self
-            .chunks
-            .iter()
-            .map(|c| vec![false; c.program.len()])
-            .collect();
-        for (r, (ops, lists)) in self
-            .pipeline_program
-            .iter()
-            .zip(&self.pipeline_nodes)
-            .enumerate()
-        {
-            for (k, (op, list)) in ops.iter().zip(lists).enumerate() {
-                // (A tied gradient is completed before it is sent; other sends compute none.)
-                let Some(chunk) = op.chunk(self.chunks.len()) else {
-                    if !list.is_empty() {
-                        return err(format!("rank {r}, instruction {k} ({op}) computes values"));
-                    }
-                    continue;
+        for (c, (chunk, lists)) in self.chunks.iter().zip(&self.pipeline_nodes).enumerate() {
+            let g = &chunk.program;
+            let mut done = vec![false; g.len()];
+            let phases = [Phase::F, Phase::B, Phase::W];
+            for (phase, list) in phases.into_iter().zip(lists) {
+                // The receive of this pass's boundary input comes before it.
+                let received = match phase {
+                    Phase::F => g.input_named(crate::model::STAGE_INPUT),
+                    Phase::B => g.input_named(crate::autodiff::PIPE_GRAD_IN),
+                    Phase::W => None,
                 };
-                let Some(c) = self
-                    .chunks
-                    .get(chunk)
-                    .filter(|c| c.stage == r && c.index % p == r)
-                else {
-                    return err(format!(
-                        "rank {r}, instruction {k} ({op}): chunk {chunk} is not this rank's"
-                    ));
-                };
-                let g = &c.program;
+                if let Some(v) = received {
+                    done[v.index()] = true;
+                }
                 for &v in list {
-                    if v.index() >= g.len() || done[chunk][v.index()] {
+                    if v.index() < g.len() && is_received_input(g, v) {
                         return err(format!(
-                            "rank {r}, instruction {k} ({op}): value {v} of chunk {chunk} runs twice or does not exist"
+                            "chunk {c}, pass {phase:?}: `{}` is a received input, filled by its receive",
+                            esc(&g.node(v).name)
+                        ));
+                    }
+                    if v.index() >= g.len() || done[v.index()] {
+                        return err(format!(
+                            "chunk {c}, pass {phase:?}: value {v} runs twice or does not exist"
                         ));
                     }
                     let node = g.node(v);
-                    if let Some(i) = node.inputs.iter().find(|i| !done[chunk][i.index()]) {
+                    if let Some(i) = node.inputs.iter().find(|i| !done[i.index()]) {
                         return err(format!(
-                            "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} runs before its operand {i}",
+                            "chunk {c}, pass {phase:?}: `{}` runs before its operand {i}",
                             esc(&node.name)
                         ));
                     }
-                    let boundary = is_received_input(g, v);
-                    if boundary != matches!(op, PipeOp::Recv { .. }) {
-                        return err(format!(
-                            "rank {r}, instruction {k} ({op}): `{}` of chunk {chunk} is a received input filled elsewhere, or a receive fills something else",
-                            esc(&node.name)
-                        ));
-                    }
-                    done[chunk][v.index()] = true;
+                    done[v.index()] = true;
                 }
             }
-        }
-        for (c, d) in done.iter().enumerate() {
-            if let Some(v) = d.iter().position(|x| !x) {
+            if let Some(v) = done.iter().position(|x| !x) {
                 return err(format!(
                     "value %{v} `{}` of chunk {c} never runs",
-                    esc(&self.chunks[c].program.node(ValueId(v as u32)).name)
+                    esc(&g.node(ValueId(v as u32)).name)
                 ));
             }
         }

@@ -35,7 +35,7 @@ fn same_inputs_give_byte_identical_plans() {
         let a = plan(model, mesh, &extra, 2, 16).to_json();
         let b = plan(model, mesh, &extra, 2, 16).to_json();
         assert_eq!(a, b, "{model} {mesh}");
-        assert!(a.contains("\"format_version\": 5"));
+        assert!(a.contains("\"format_version\": 6"));
     }
 }
 

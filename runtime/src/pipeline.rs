@@ -17,15 +17,15 @@
 use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
 use crate::spmd::{root_cause, run_threads, thread_comms};
 use crate::train::{
-    assemble, at_step, batch_inputs, check_batch, kept_state, reduce_loss, train_section, Batch,
-    StepCheck, StepOutput, TrainError, TrainState,
+    assemble, at_step, check_batch, kept_state, reduce_loss, train_section, Batch, StepCheck,
+    StepOutput, TrainError, TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
 use shardc_compiler::plan::{Plan, PlanTrain};
-use shardc_compiler::schedule::pp::{Carry, PipeOp};
+use shardc_compiler::schedule::pp::{Carry, Phase, PipeOp};
 use shardc_compiler::shard::AxisId;
-use shardc_compiler::train::{activation_values, boundary_name, micro_deps, sent_value};
+use shardc_compiler::train::{activation_values, boundary_name, phase_index, sent_value};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use std::time::Instant;
@@ -63,6 +63,8 @@ fn pipe_err(op: &PipeOp, detail: impl Into<String>) -> RuntimeError {
 /// that is not one.
 pub fn pipe_section(plan: &Plan) -> Result<(&PlanTrain, AxisId), TrainError> {
     let t = train_section(plan)?;
+    plan.chunk_graphs()
+        .map_err(|e| TrainError::PlanKind(e.to_string()))?;
     match (plan.pipeline.as_ref(), plan.mesh.axis("pp")) {
         (Some(_), Some(pp)) => Ok((t, pp)),
         _ => Err(TrainError::PlanKind(format!(
@@ -73,22 +75,32 @@ pub fn pipe_section(plan: &Plan) -> Result<(&PlanTrain, AxisId), TrainError> {
 }
 
 /// The global inputs of each chunk of pipeline plan `plan` (training section `t`) for step
-/// `step` (1-based) on `batch` from `state`: the batch (per micro-batch), the chunk's
-/// parameters and optimizer state, the step count.
+/// `step` (1-based) on `batch` from `state`, per micro-batch: its batch (under the micro-batch
+/// program's names), the chunk's parameters and optimizer state, the step count.
 pub fn chunk_inputs(
     plan: &Plan,
     t: &PlanTrain,
     state: &TrainState,
     batch: &Batch,
     step: u64,
-) -> Vec<BTreeMap<String, Tensor>> {
-    let common = batch_inputs(batch, t.micro_batches);
+) -> Vec<Vec<BTreeMap<String, Tensor>>> {
+    let k = t.micro_batches.max(1);
+    let batches: Vec<_> = (0..k)
+        .map(|i| crate::train::micro_batch_inputs(batch, k, i))
+        .collect();
     plan.chunks
         .iter()
         .map(|ch| {
-            let mut x = common.clone();
-            state.add_inputs_at(t.params_of(ch.index), step, &mut x);
-            x
+            let mut common = BTreeMap::new();
+            state.add_inputs_at(t.params_of(ch.index), step, &mut common);
+            batches
+                .iter()
+                .map(|b| {
+                    let mut x = common.clone();
+                    x.extend(b.iter().map(|(n, t)| (n.clone(), t.clone())));
+                    x
+                })
+                .collect()
         })
         .collect()
 }
@@ -183,6 +195,9 @@ impl<'c> StageTrainer<'c> {
         for (j, o) in &run.outputs {
             let ch = &plan.chunks[*j];
             check.outputs(&mut codes, &ch.program, &ch.shardings, &stage_mesh, ctx, o);
+            if let Some(st) = &ch.step {
+                check.outputs(&mut codes, &st.program, &st.shardings, &stage_mesh, ctx, o);
+            }
         }
         check.agree(step, codes, &plan.mesh, ctx)?;
         for (j, o) in &run.outputs {
@@ -264,9 +279,7 @@ pub fn pipeline_step(
     for ch in &plan.chunks {
         let ranks = ranks_of(ch.stage);
         let get = |name: &str| -> Result<Tensor, TrainError> {
-            let v = ch
-                .program
-                .output(name)
+            let (v, shardings) = chunk_output(ch, name)
                 .ok_or_else(|| TrainError::MissingOutput(name.to_string()))?;
             let locals = ranks
                 .iter()
@@ -278,7 +291,7 @@ pub fn pipeline_step(
                         .ok_or_else(|| TrainError::MissingOutput(name.to_string()))
                 })
                 .collect::<Result<Vec<_>, _>>()?;
-            Ok(assemble(sm, &ch.shardings[v.index()], &locals))
+            Ok(assemble(sm, &shardings[v.index()], &locals))
         };
         if ch.head {
             loss = get("loss")?.as_f32().map_or(f32::NAN, |v| v[0]);
@@ -316,19 +329,58 @@ pub fn pipeline_step(
     })
 }
 
+/// Where output `name` of chunk `ch` comes from: its micro-batch program (loss, gradients:
+/// summed over the micro-batches) or its step program (parameters, optimizer state); the
+/// value and the layouts of that program.
+fn chunk_output<'a>(
+    ch: &'a shardc_compiler::plan::PlanChunk,
+    name: &str,
+) -> Option<(
+    shardc_compiler::ir::ValueId,
+    &'a [shardc_compiler::shard::TensorSharding],
+)> {
+    if let Some(st) = &ch.step {
+        if let Some(v) = st.program.output(name) {
+            return Some((v, &st.shardings));
+        }
+    }
+    ch.program.output(name).map(|v| (v, &ch.shardings[..]))
+}
+
+/// `acc += x`, elementwise (f32; same shapes).
+fn accumulate(acc: &mut Tensor, x: &Tensor, name: &str) -> Result<(), RuntimeError> {
+    match (&mut acc.data, &x.data) {
+        (crate::Buffer::F32(a), crate::Buffer::F32(b)) if a.len() == b.len() => {
+            for (a, b) in a.iter_mut().zip(b) {
+                *a += b;
+            }
+            Ok(())
+        }
+        _ => Err(RuntimeError::InputShape {
+            name: format!("{name} (summed over micro-batches)"),
+            expected: acc.shape.clone(),
+            found: x.shape.clone(),
+        }),
+    }
+}
+
 /// One rank of pipeline stage `stage`: its chunks' programs driven by the stage's
 /// instructions, transfers over the `pp` axis's communicator in `ctx` (point-to-point; the
 /// k-th send to a peer matches its k-th receive), the stage-mesh axes' communicators for the
 /// programs' collectives. Any [`Communicator`](crate::comm::Communicator) serves: thread ranks here, a process group
-/// across processes. Inputs are global tensors per chunk (each rank takes its shard), except
-/// those in `locals` (per chunk, already this rank's: e.g. its parameter shards from the
-/// previous step's outputs). Returns each chunk's outputs (local values), the most bytes of
-/// activations its programs held at once, and its timeline.
+/// across processes. Inputs are global tensors per chunk and micro-batch (each rank takes
+/// its shard), except those in `locals` (per chunk, already this rank's: e.g. its parameter
+/// shards from the previous step's outputs). Each micro-batch in flight on a chunk has its
+/// own run of the chunk's micro-batch program, from its first receive or pass to its `W`
+/// pass, which adds its `loss` and `grad.*` outputs to the chunk's sums (in micro-batch
+/// order, as the schedules finish them); the optimizer step runs the chunk's step program on
+/// the sums. Returns each chunk's outputs (local values: the sums and the step's outputs),
+/// the most bytes of activations its runs held at once, and its timeline.
 pub fn run_stage(
     plan: &Plan,
     stage: usize,
     ctx: &RankCtx,
-    inputs: &[BTreeMap<String, Tensor>],
+    inputs: &[Vec<BTreeMap<String, Tensor>>],
     locals: &[BTreeMap<String, Tensor>],
     weights: &Weights,
     epoch: Instant,
@@ -347,8 +399,11 @@ pub fn run_stage(
             pipe_err(op, text)
         }
     };
-    let m = plan.pipeline.as_ref().map_or(1, |s| s.micro_batches).max(1);
     let chunks = &plan.chunks;
+    let graphs = plan.chunk_graphs().map_err(|e| RuntimeError::Pipeline {
+        op: format!("stage {stage}"),
+        detail: e.to_string(),
+    })?;
     let mine: Vec<usize> = chunks
         .iter()
         .filter(|ch| ch.stage == stage)
@@ -360,23 +415,29 @@ pub fn run_stage(
         .collect::<Result<_, _>>()?;
     let activation: Vec<Vec<bool>> = mine
         .iter()
-        .map(|&j| {
-            let g = &chunks[j].program;
-            activation_values(g, &micro_deps(g, m))
-        })
+        .map(|&j| activation_values(&chunks[j].program))
         .collect();
-    let mut steppers: Vec<Option<Stepwise>> = mine
-        .iter()
-        .zip(&caches)
-        .map(|(&j, cache)| Stepwise::new(&chunks[j].program, cache, &inputs[j], ctx).map(Some))
-        .collect::<Result<_, _>>()?;
-    for (st, &j) in steppers.iter_mut().zip(&mine) {
-        if let (Some(st), Some(l)) = (st.as_mut(), locals.get(j)) {
-            for (name, t) in l {
-                st.provide(name, t.clone())?;
-            }
-        }
-    }
+    let no_locals = BTreeMap::new();
+    let locals_of = |j: usize| locals.get(j).unwrap_or(&no_locals);
+    let input_of = |j: usize, i: usize| -> Result<&BTreeMap<String, Tensor>, RuntimeError> {
+        inputs
+            .get(j)
+            .and_then(|x| x.get(i))
+            .ok_or_else(|| RuntimeError::Pipeline {
+                op: format!("chunk {j}"),
+                detail: format!("no inputs for micro-batch {i}"),
+            })
+    };
+    // Per chunk of this rank: the runs of the micro-batches in flight, the sums of the
+    // finished ones, the tied copy's gradient received, whether it stepped.
+    let mut flights: Vec<BTreeMap<usize, Stepwise>> =
+        mine.iter().map(|_| BTreeMap::new()).collect();
+    let mut sums: Vec<BTreeMap<String, Tensor>> = vec![BTreeMap::new(); mine.len()];
+    let mut tied: Vec<Option<(String, Tensor)>> = vec![None; mine.len()];
+    let mut stepped = vec![false; mine.len()];
+    // Boundary tensors of finished runs not sent yet (a `B` pass's input gradient when its
+    // `W` follows it before the send), by chunk slot, carry and micro-batch.
+    let mut unsent: BTreeMap<(usize, u8, usize), Tensor> = BTreeMap::new();
     let slot_of = |chunk: usize| mine.iter().position(|&j| j == chunk);
     let mut outputs = BTreeMap::new();
     let mut peak = 0usize;
@@ -384,16 +445,35 @@ pub fn run_stage(
         tracks: vec!["compute".into(), "p2p".into()],
         ..Timeline::default()
     };
-    let (Some(ops), Some(lists)) = (
-        plan.pipeline_program.get(stage),
-        plan.pipeline_nodes.get(stage),
-    ) else {
+    let (Some(ops), Some(lists)) = (plan.pipeline_program.get(stage), Some(&plan.pipeline_nodes))
+    else {
         return Err(RuntimeError::Pipeline {
             op: format!("stage {stage}"),
             detail: "the plan has no instructions for it".into(),
         });
     };
-    for (op, nodes) in ops.iter().zip(lists) {
+    // The run of micro-batch `i` on chunk slot `k` (started on first use).
+    macro_rules! flight {
+        ($op:expr, $k:expr, $i:expr) => {{
+            let (k, i) = ($k, $i);
+            if stepped[k] {
+                return Err(pipe_err($op, "after the chunk's optimizer step"));
+            }
+            if !flights[k].contains_key(&i) {
+                let j = mine[k];
+                let mut st = Stepwise::new(&chunks[j].program, &caches[k], input_of(j, i)?, ctx)?;
+                let g = &chunks[j].program;
+                for (name, t) in locals_of(j) {
+                    if g.input_named(name).is_some() {
+                        st.provide(name, t.clone())?;
+                    }
+                }
+                flights[k].insert(i, st);
+            }
+            flights[k].get_mut(&i).expect("invariant: just inserted")
+        }};
+    }
+    for op in ops {
         let start = epoch.elapsed().as_secs_f64();
         let mut bytes = 0u64;
         match *op {
@@ -405,8 +485,8 @@ pub fn run_stage(
             } => {
                 let chunk = carry.receiver(boundary, chunks.len());
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let g = &chunks[chunk].program;
-                let name = boundary_name(g, carry, micro, m)
+                let g = graphs[chunk].receiver(carry);
+                let name = boundary_name(&graphs[chunk], carry)
                     .ok_or_else(|| pipe_err(op, "the chunk has no input for it"))?;
                 let ty = g
                     .input_named(&name)
@@ -426,11 +506,16 @@ pub fn run_stage(
                         ),
                     ));
                 }
-                let st = steppers[k]
-                    .as_mut()
-                    .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
                 buf.drain(..3);
-                st.provide(&name, Tensor::f32(ty.shape(), buf))?;
+                let t = Tensor::f32(ty.shape(), buf);
+                if carry == Carry::Tied {
+                    if stepped[k] {
+                        return Err(pipe_err(op, "after the chunk's optimizer step"));
+                    }
+                    tied[k] = Some((name, t));
+                } else {
+                    flight!(op, k, micro).provide(&name, t)?;
+                }
             }
             PipeOp::Send {
                 to,
@@ -440,18 +525,25 @@ pub fn run_stage(
             } => {
                 let chunk = carry.sender(boundary);
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let g = &chunks[chunk].program;
-                let v = sent_value(g, carry, micro, m)
+                let v = sent_value(&graphs[chunk], carry)
                     .ok_or_else(|| pipe_err(op, "the chunk has no output to send"))?;
-                let st = steppers[k]
-                    .as_mut()
-                    .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
-                // Boundary tensors are handed over; a tied gradient is also an output of the
-                // step, so it is copied (after the values it still needs).
-                st.run_nodes(nodes)?;
+                // Boundary tensors are handed over; a tied copy's gradient is its sum over
+                // the micro-batches, also an output of the step, so it is copied.
                 let tensor = match carry {
-                    Carry::Tied => st.value(v).cloned(),
-                    _ => st.take(v),
+                    Carry::Tied => {
+                        let name = chunks[chunk].program.node(v).name.clone();
+                        let out = chunks[chunk]
+                            .program
+                            .outputs
+                            .iter()
+                            .find(|(_, x)| *x == v)
+                            .map_or(name, |(n, _)| n.clone());
+                        sums[k].get(&out).cloned()
+                    }
+                    _ => match unsent.remove(&(k, code(carry) as u8, micro)) {
+                        Some(t) => Some(t),
+                        None => flight!(op, k, micro).take(v),
+                    },
                 }
                 .ok_or_else(|| pipe_err(op, "the value was not computed"))?;
                 let data = tensor
@@ -466,18 +558,67 @@ pub fn run_stage(
             PipeOp::Run(slot) => {
                 let k =
                     slot_of(slot.chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let st = steppers[k]
-                    .as_mut()
-                    .ok_or_else(|| pipe_err(op, "after the chunk's optimizer step"))?;
-                st.run_nodes(nodes)?;
+                let nodes = lists
+                    .get(slot.chunk)
+                    .and_then(|l| l.get(phase_index(slot.phase)))
+                    .ok_or_else(|| pipe_err(op, "the plan has no node list for it"))?;
+                flight!(op, k, slot.micro)
+                    .run_nodes(nodes)
+                    .map_err(|e| match e {
+                        // Every micro-batch runs the same program: name the one this is.
+                        RuntimeError::NonFiniteLoss { value, .. } => RuntimeError::NonFiniteLoss {
+                            micro: slot.micro,
+                            value,
+                        },
+                        e => e,
+                    })?;
+                if slot.phase == Phase::W {
+                    let mut st = flights[k]
+                        .remove(&slot.micro)
+                        .expect("invariant: the run exists");
+                    for carry in [Carry::Act, Carry::Grad] {
+                        if let Some(t) =
+                            sent_value(&graphs[slot.chunk], carry).and_then(|v| st.take(v))
+                        {
+                            unsent.insert((k, code(carry) as u8, slot.micro), t);
+                        }
+                    }
+                    for (name, t) in st.finish()? {
+                        match sums[k].get_mut(&name) {
+                            Some(acc) => accumulate(acc, &t, &name)?,
+                            None => {
+                                sums[k].insert(name, t);
+                            }
+                        }
+                    }
+                }
             }
             PipeOp::Step { chunk } => {
                 let k = slot_of(chunk).ok_or_else(|| pipe_err(op, "not a chunk of this rank"))?;
-                let mut st = steppers[k]
-                    .take()
-                    .ok_or_else(|| pipe_err(op, "the chunk stepped twice"))?;
-                st.run_nodes(nodes)?;
-                outputs.insert(chunk, st.finish()?);
+                if std::mem::replace(&mut stepped[k], true) {
+                    return Err(pipe_err(op, "the chunk stepped twice"));
+                }
+                if let Some(&i) = flights[k].keys().next() {
+                    return Err(pipe_err(op, format!("micro-batch {i} has not finished")));
+                }
+                let step = chunks[chunk]
+                    .step
+                    .as_ref()
+                    .ok_or_else(|| pipe_err(op, "the chunk has no step program"))?;
+                let g = &step.program;
+                let mut st = Stepwise::new(g, &caches[k], input_of(chunk, 0)?, ctx)?;
+                let given = locals_of(chunk)
+                    .iter()
+                    .chain(sums[k].iter().filter(|(n, _)| n.starts_with("grad.")))
+                    .chain(tied[k].iter().map(|(n, t)| (n, t)));
+                for (name, t) in given {
+                    if g.input_named(name).is_some() {
+                        st.provide(name, t.clone())?;
+                    }
+                }
+                let mut out = std::mem::take(&mut sums[k]);
+                out.extend(st.finish()?);
+                outputs.insert(chunk, out);
             }
         }
         let transfer = matches!(op, PipeOp::Send { .. } | PipeOp::Recv { .. });
@@ -490,17 +631,17 @@ pub fn run_stage(
             bytes,
             flops: 0.0,
         });
-        let live: usize = steppers
+        let live: usize = flights
             .iter()
             .zip(&activation)
-            .filter_map(|(s, a)| s.as_ref().map(|s| s.live_bytes_of(|v| a[v.index()])))
+            .flat_map(|(f, a)| f.values().map(move |s| s.live_bytes_of(|v| a[v.index()])))
             .sum();
         peak = peak.max(live);
         timeline
             .memory
             .push((epoch.elapsed().as_secs_f64(), live as u64));
     }
-    if let Some(k) = steppers.iter().position(Option::is_some) {
+    if let Some(k) = stepped.iter().position(|s| !s) {
         return Err(RuntimeError::Pipeline {
             op: "end of instructions".into(),
             detail: format!("chunk {} never ran its optimizer step", mine[k]),

@@ -102,16 +102,9 @@ fn check_args(a: &CompileArgs, cfg: &ModelConfig, path: &Path, seq: usize) -> an
             a.memory_weight
         );
     }
-    // A pipeline chunk's program holds every micro-batch; without a pipeline one program
-    // serves every micro-batch.
-    let pipelined = a
-        .mesh
-        .as_deref()
-        .is_some_and(|m| m.split(',').any(|ax| ax.trim().starts_with("pp=")));
+    // One program serves every micro-batch (a pipeline chunk's too).
     let work = if a.train {
-        IrWork::Train {
-            micro_batches: if pipelined { a.micro_batches } else { 1 },
-        }
+        IrWork::Train { micro_batches: 1 }
     } else {
         IrWork::Forward
     };
@@ -360,11 +353,18 @@ fn finish_train(
                 + plan
                     .chunks
                     .iter()
-                    .skip(1)
-                    .map(|c| c.program.len())
+                    .enumerate()
+                    .map(|(i, c)| {
+                        usize::from(i > 0) * c.program.len()
+                            + c.step.as_ref().map_or(0, |s| s.program.len())
+                    })
                     .sum::<usize>()) as u64
         ),
-        plan.chunks.len().max(1) + usize::from(plan.step.is_some()),
+        if plan.chunks.is_empty() {
+            1 + usize::from(plan.step.is_some())
+        } else {
+            2 * plan.chunks.len()
+        },
         bytes(json.len() as u64)
     );
     Ok(())

@@ -46,67 +46,78 @@ pub fn simulate_pipeline_plan(
             GroupTopology::of_axis(&stage_mesh, axis, cluster),
         )
     };
+    let chunks = plan
+        .chunk_graphs()
+        .map_err(|e| CostError::Replay(e.to_string()))?;
     let steps: Vec<_> = plan
         .chunks
         .iter()
         .map(|c| crate::schedule::schedule(&c.program))
         .collect();
-
-    // Duration and FLOPs (per rank) of each instruction.
-    let mut dur: Vec<Vec<(f64, f64)>> = Vec::with_capacity(p);
-    for (ops, lists) in plan.pipeline_program.iter().zip(&plan.pipeline_nodes) {
-        let mut d = Vec::with_capacity(ops.len());
-        for (op, list) in ops.iter().zip(lists) {
-            // A receive only fills an input: no work on the compute track.
-            let chunk = op.chunk(plan.chunks.len());
-            let Some(c) = chunk.filter(|_| !list.is_empty() && !matches!(op, PipeOp::Recv { .. }))
-            else {
-                d.push((0.0, 0.0));
-                continue;
-            };
-            let g = &plan.chunks[c].program;
-            let mut keep = vec![false; g.len()];
+    // Duration and FLOPs (per rank) of each chunk's passes (`F`, `B`, `W`: the same for every
+    // micro-batch) and of its optimizer step.
+    let time = |g: &Graph, steps: &[crate::schedule::Step], keep: &[bool]| {
+        let prog = Program::from_steps(g, steps, dev, opts, &|v| keep[v.index()], &comm);
+        Ok::<_, CostError>((replay(&prog, &topo, cluster, false)?.end().0, prog.flops()))
+    };
+    let mut passes: Vec<[(f64, f64); 3]> = Vec::with_capacity(plan.chunks.len());
+    let mut paired_w: Vec<(f64, f64)> = Vec::with_capacity(plan.chunks.len());
+    let mut optimizer: Vec<(f64, f64)> = Vec::with_capacity(plan.chunks.len());
+    for (c, ch) in plan.chunks.iter().enumerate() {
+        let g = &ch.program;
+        let lists = &plan.pipeline_nodes[c];
+        let mut d = [(0.0, 0.0); 3];
+        let mut keep = vec![false; g.len()];
+        for (k, list) in lists.iter().enumerate() {
+            keep.fill(false);
             for v in list {
                 keep[v.index()] = true;
             }
-            let time = |keep: &[bool]| -> Result<(f64, f64), CostError> {
-                let prog =
-                    Program::from_steps(g, &steps[c], dev, opts, &|v| keep[v.index()], &comm);
-                Ok((replay(&prog, &topo, cluster, false)?.end().0, prog.flops()))
-            };
-            // A weight-gradient pass right after its backward (schedules that do not split
-            // them) runs with it as one pass on the GPU: the backward's collectives overlap
-            // the weight-gradient GEMMs. Time the pair and give W what the pair adds.
-            let paired = match (op, d.len().checked_sub(1).map(|k| (ops[k], &lists[k]))) {
-                (PipeOp::Run(w), Some((PipeOp::Run(b), b_list)))
-                    if w.phase == Phase::W
-                        && b.phase == Phase::B
-                        && (b.micro, b.chunk) == (w.micro, w.chunk) =>
-                {
-                    Some(b_list)
-                }
-                _ => None,
-            };
-            match paired {
-                Some(b_list) => {
-                    let b = d.last().copied().unwrap_or((0.0, 0.0));
-                    for v in b_list {
-                        keep[v.index()] = true;
+            d[k] = time(g, &steps[c], &keep)?;
+        }
+        // A weight-gradient pass right after its backward (schedules that do not split them)
+        // runs with it as one pass on the GPU: the backward's collectives overlap the
+        // weight-gradient GEMMs. Time the pair and give W what the pair adds.
+        for v in &lists[1] {
+            keep[v.index()] = true;
+        }
+        let both = time(g, &steps[c], &keep)?;
+        paired_w.push(((both.0 - d[1].0).max(0.0), both.1 - d[1].1));
+        passes.push(d);
+        let st = ch.step.as_ref().map(|s| (&s.program, &s.steps));
+        optimizer.push(match st {
+            Some((g, steps)) => time(g, steps, &vec![true; g.len()])?,
+            None => (0.0, 0.0),
+        });
+    }
+    let mut dur: Vec<Vec<(f64, f64)>> = Vec::with_capacity(p);
+    for ops in &plan.pipeline_program {
+        let mut d: Vec<(f64, f64)> = Vec::with_capacity(ops.len());
+        for (k, op) in ops.iter().enumerate() {
+            d.push(match *op {
+                PipeOp::Run(s) => {
+                    let after_b = k.checked_sub(1).map(|j| ops[j]).is_some_and(|o| {
+                        matches!(o, PipeOp::Run(b) if b.phase == Phase::B
+                            && (b.micro, b.chunk) == (s.micro, s.chunk))
+                    });
+                    if s.phase == Phase::W && after_b {
+                        paired_w[s.chunk]
+                    } else {
+                        passes[s.chunk][crate::train::phase_index(s.phase)]
                     }
-                    let (both, flops) = time(&keep)?;
-                    d.push(((both - b.0).max(0.0), flops - b.1));
                 }
-                None => d.push(time(&keep)?),
-            }
+                PipeOp::Step { chunk } => optimizer[chunk],
+                _ => (0.0, 0.0),
+            });
         }
         dur.push(d);
     }
 
     // The pipeline: instructions in order per rank, FIFO transfers per rank pair.
     let pp_link = GroupTopology::of_axis(mesh, "pp", cluster);
-    let transfer = |c: usize, carry: Carry, micro: usize| -> (f64, u64) {
-        let g: &Graph = &plan.chunks[c].program;
-        let bytes = crate::train::sent_value(g, carry, micro, m)
+    let transfer = |c: usize, carry: Carry| -> (f64, u64) {
+        let g: &Graph = chunks[c].micro;
+        let bytes = crate::train::sent_value(&chunks[c], carry)
             .map_or(0.0, |v: ValueId| sim_bytes(g.ty(v), opts.dtype));
         let t = collective_time(
             cluster,
@@ -146,18 +157,10 @@ pub fn simulate_pipeline_plan(
                 Ok(None)
             }
             PipeOp::Send {
-                carry,
-                micro,
-                boundary,
-                ..
+                carry, boundary, ..
             } => {
-                let c = carry.sender(boundary);
-                if carry == Carry::Tied {
-                    // The tied copy's gradient completes first.
-                    let name = format!("complete the tied gradient of chunk {c}");
-                    pass(name, "backward", &mut now[r]);
-                }
-                let (t, bytes) = transfer(c, carry, micro);
+                // (A tied copy's gradient is the micro-batches' sum, complete by now.)
+                let (t, bytes) = transfer(carry.sender(boundary), carry);
                 slices[r].push(Slice {
                     track: 1,
                     name: op.to_string(),
@@ -178,13 +181,10 @@ pub fn simulate_pipeline_plan(
     let step = now.iter().cloned().fold(0.0, f64::max);
 
     // Memory per stage at the simulated dtype.
-    let graphs: Vec<&Graph> = plan.chunks.iter().map(|c| &c.program).collect();
     let act = crate::train::activation_peaks(
-        &graphs,
+        &chunks,
         &plan.pipeline_program,
         &plan.pipeline_nodes,
-        p,
-        m,
         opts.dtype.size_bytes() as f64,
     );
     let stage_world = stage_mesh.world_size();

@@ -114,7 +114,13 @@ impl PlanStep {
 
 /// The micro-batch and step programs agree: every `grad.*` input of the step program is an
 /// output of the micro-batch's program of the same local type and layout.
-pub(super) fn check_step_names(plan: &Plan, st: &PlanStep) -> Result<(), PlanError> {
+pub(super) fn check_step_names(
+    micro: &Graph,
+    micro_shardings: &[TensorSharding],
+    st: &PlanStep,
+    mesh: &Mesh,
+    path: &str,
+) -> Result<(), PlanError> {
     let (g, s) = (&st.program, &st.shardings);
     for v in g.ids() {
         let Op::Input { name, .. } = &g.node(v).op else {
@@ -123,8 +129,8 @@ pub(super) fn check_step_names(plan: &Plan, st: &PlanStep) -> Result<(), PlanErr
         if !name.starts_with("grad.") {
             continue;
         }
-        let path = "step.program".to_string();
-        let Some(m) = plan.program.output(name) else {
+        let path = path.to_string();
+        let Some(m) = micro.output(name) else {
             return Err(field(
                 path,
                 format!(
@@ -133,16 +139,16 @@ pub(super) fn check_step_names(plan: &Plan, st: &PlanStep) -> Result<(), PlanErr
                 ),
             ));
         };
-        if plan.program.ty(m) != g.ty(v) || plan.shardings[m.index()] != s[v.index()] {
+        if micro.ty(m) != g.ty(v) || micro_shardings[m.index()] != s[v.index()] {
             return Err(field(
                 path,
                 format!(
                     "input `{}` is {} laid out {}, the micro-batch's output {} laid out {}",
                     super::esc(name),
                     g.ty(v),
-                    s[v.index()].display(&plan.mesh),
-                    plan.program.ty(m),
-                    plan.shardings[m.index()].display(&plan.mesh)
+                    s[v.index()].display(mesh),
+                    micro.ty(m),
+                    micro_shardings[m.index()].display(mesh)
                 ),
             ));
         }
@@ -161,12 +167,15 @@ fn field(path: String, msg: String) -> PlanError {
     PlanError::Field { path, msg }
 }
 
+/// A program of a training plan, its layouts and its step program (when it has one).
+pub(super) type TrainPrograms<'a> = (&'a Graph, &'a [TensorSharding], Option<&'a PlanStep>);
+
 /// The training section's check (see the module docs); `programs` are the plan's programs
 /// with their layouts (one, or one per chunk), on `mesh` (a stage's for pipelines). Runs
 /// after the programs themselves are verified.
 pub(super) fn check_train(
     plan: &Plan,
-    programs: &[(&Graph, &[TensorSharding])],
+    programs: &[TrainPrograms],
     mesh: &Mesh,
 ) -> Result<(), PlanError> {
     let Some(t) = &plan.train else {
@@ -215,7 +224,7 @@ pub(super) fn check_train(
     for (i, p) in t.params.iter().enumerate() {
         let path = format!("train.params[{i}]");
         let label = super::esc(&p.label);
-        let Some(&(g, shardings)) = programs.get(p.chunk) else {
+        let Some(&(g, shardings, step)) = programs.get(p.chunk) else {
             return Err(field(
                 format!("{path}.chunk"),
                 format!(
@@ -240,7 +249,7 @@ pub(super) fn check_train(
         // (what, name, program, its label, layouts, wanted as input, wanted as output)
         let micro = (g, shardings, program.clone());
         let mut names = Vec::new();
-        match &plan.step {
+        match step {
             None => {
                 for (what, name, input) in [
                     ("param", &p.param, true),

@@ -79,6 +79,25 @@ impl Plan {
                     check_layer_cover(&format!("{path}.layers"), &labels, a..b)?;
                     let s = format!("{path}.shardings");
                     check_shardings(&s, &c.shardings, &c.program, &mesh)?;
+                    let st = c.step.as_ref().ok_or_else(|| {
+                        field(
+                            format!("{path}.step"),
+                            "missing (every chunk has its step program)",
+                        )
+                    })?;
+                    check_step(
+                        &format!("{path}.step"),
+                        &format!("chunk {i}'s step program"),
+                        st,
+                        &mesh,
+                    )?;
+                    super::train::check_step_names(
+                        &c.program,
+                        &c.shardings,
+                        st,
+                        &mesh,
+                        &format!("{path}.step.program"),
+                    )?;
                 }
                 if self.program != self.chunks[0].program {
                     return Err(field("program", "differs from chunk 0's program"));
@@ -89,12 +108,12 @@ impl Plan {
             }
         }
         check_shardings("shardings", &self.shardings, &self.program, &mesh)?;
-        let programs: Vec<(&Graph, &[TensorSharding])> = if self.chunks.is_empty() {
-            vec![(&self.program, &self.shardings)]
+        let programs: Vec<super::train::TrainPrograms> = if self.chunks.is_empty() {
+            vec![(&self.program, &self.shardings, self.step.as_ref())]
         } else {
             self.chunks
                 .iter()
-                .map(|c| (&c.program, &c.shardings[..]))
+                .map(|c| (&c.program, &c.shardings[..], c.step.as_ref()))
                 .collect()
         };
         if let Some(st) = &self.step {
@@ -104,16 +123,14 @@ impl Plan {
                     "a step program belongs to a training plan without a pipeline",
                 ));
             }
-            check_graph("step program", "step.program", &st.program, &mesh, None)?;
-            check_shardings("step.shardings", &st.shardings, &st.program, &mesh)?;
-            let n = st.program.len();
-            if let Some(&k) = st.provenance.keys().find(|&&k| k as usize >= n) {
-                return Err(field(
-                    "step.provenance",
-                    format!("key {k} is not a node of the step program (it has {n})"),
-                ));
-            }
-            super::train::check_step_names(self, st)?;
+            check_step("step", "step program", st, &mesh)?;
+            super::train::check_step_names(
+                &self.program,
+                &self.shardings,
+                st,
+                &mesh,
+                "step.program",
+            )?;
         }
         super::train::check_train(self, &programs, &mesh)?;
         let n = self.program.len();
@@ -838,13 +855,24 @@ pub(super) fn pipeline_ranges(plan: &Plan, s: &PipelineSchedule) -> Result<(), P
             )));
         }
     }
-    if plan.pipeline_nodes.len() != p {
+    Ok(())
+}
+
+/// A step program (`path`: its field; `what`: its name in messages): its graph, layouts and
+/// provenance keys.
+fn check_step(path: &str, what: &str, st: &super::PlanStep, mesh: &Mesh) -> Result<(), PlanError> {
+    check_graph(what, &format!("{path}.program"), &st.program, mesh, None)?;
+    check_shardings(
+        &format!("{path}.shardings"),
+        &st.shardings,
+        &st.program,
+        mesh,
+    )?;
+    let n = st.program.len();
+    if let Some(&k) = st.provenance.keys().find(|&&k| k as usize >= n) {
         return Err(field(
-            "pipeline_nodes",
-            format!(
-                "{} ranks, but the schedule has {p}",
-                plan.pipeline_nodes.len()
-            ),
+            format!("{path}.provenance"),
+            format!("key {k} is not a node of the step program (it has {n})"),
         ));
     }
     Ok(())

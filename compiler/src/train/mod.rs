@@ -37,16 +37,16 @@ mod pipe;
 mod split;
 
 pub use crate::plan::{
-    boundary_name, check_boundary_types, is_received_input, sent_value, CollectiveVolume,
-    CommVolume, LayerActivations, Precision, TrainMemory,
+    boundary_name, check_boundary_types, is_received_input, sent_value, ChunkGraphs,
+    CollectiveVolume, CommVolume, LayerActivations, Precision, TrainMemory,
 };
 pub use comm::{comm_volume, comm_volume_of};
 pub use memory::memory_report;
 pub use passes::{Bucket, BucketCaps};
 pub(crate) use pipe::compile_pipeline_logged;
 pub use pipe::{
-    activation_peaks, activation_values, chunk_specs, compile_pipeline, input_micro,
-    instruction_nodes, micro_deps, CompiledPipeline, MicroDep, PipelineChunk, PipelineOptions,
+    activation_peaks, activation_values, chunk_specs, compile_pipeline, pass_nodes, phase_index,
+    CompiledPipeline, PipelineChunk, PipelineOptions,
 };
 pub use split::{grad_name, split_step, StepSplit};
 
@@ -311,9 +311,6 @@ pub(crate) fn compile_chunk(
         e => e,
     })?;
     let zero_stage = strategies.iter().map(|s| s.zero_stage()).max().unwrap_or(0);
-    // Without a pipeline the graph holds one micro-batch (the step runs it `k` times); a
-    // pipeline chunk holds every micro-batch (its schedule interleaves them).
-    let unrolled = stage.is_some();
     // 2. The forward graph of one micro-batch (KV heads repeated when tp exceeds them).
     let build = BuildOptions {
         batch: micro,
@@ -329,7 +326,7 @@ pub(crate) fn compile_chunk(
     let train = build_train_graph(
         &forward,
         &TrainGraphOptions {
-            micro_batches: if unrolled { k } else { 1 },
+            micro_batches: 1,
             denom,
             recompute: opts.recompute,
             adamw: opts.adamw,
@@ -369,7 +366,16 @@ pub(crate) fn compile_chunk(
         let input = train
             .graph
             .input_named(&crate::autodiff::tied_input(&p.label));
-        if let (Some(v), Some(s)) = (input, annotations.values.get(&p.grad).cloned()) {
+        if let (Some(v), Some(mut s)) = (input, annotations.values.get(&p.grad).cloned()) {
+            // The other copy sends its gradient summed over its micro-batches, before the
+            // data-parallel sync (the step program's): a partial sum over the data axes, which
+            // the partitioner reduces before adding it to this copy's synced gradient.
+            for a in &data {
+                if !s.partial.contains(a) && !s.used_axes().contains(a) {
+                    s.partial.push(*a);
+                }
+            }
+            s.partial.sort();
             annotations.set(v, s, "pipeline: the tied copy's gradient");
         }
     }
@@ -413,10 +419,8 @@ pub(crate) fn compile_chunk(
         (sharded, Vec::new())
     };
     log.sharded(Pass::Buckets, &sharded)?;
-    // 10. Without a pipeline: the micro-batch's program and the step's, cut at the gradients.
-    let split = if unrolled {
-        None
-    } else {
+    // 10. The micro-batch's program and the step's, cut at the gradients.
+    let split = {
         let s = split_step(&sharded, &train)?;
         let check = |sg: &ShardedGraph| {
             crate::plan::check_program(&sg.graph, &sg.shardings, &sg.mesh)

@@ -7,24 +7,30 @@
 //! config ─► chunks (layers balanced by cost, embedding with the first, head with the last;
 //!   or --stage-layers) ─► per chunk: forward graph (input `pipe.act_in`, output
 //!   `pipe.act_out`) ─► training graph (backward seeded by `pipe.grad_in`, input gradient
-//!   `pipe.grad_out`) ─► SPMD program on the mesh without `pp`
+//!   `pipe.grad_out`) of ONE micro-batch ─► SPMD program on the mesh without `pp` ─► split:
+//!   the micro program (its F, B and W node lists, the same for every micro-batch) and the
+//!   chunk's step program (gradient syncs, the tied copy's gradient, AdamW)
 //! schedule (GPipe / 1F1B / interleaved / ZB-H1) ─► per pp rank: passes + send/recv
 //!   ─► verified: matched FIFO transfers, no deadlock, boundary types agree
 //! ```
+//!
+//! The runtime keeps one execution of a chunk's micro program per micro-batch in flight (its
+//! activations live from F to W), sums each micro-batch's gradients, and runs the step
+//! program at the chunk's optimizer instruction; so the plan does not grow with the number of
+//! micro-batches.
 //!
 //! Chunk `j` of `p·v` lives on pipeline rank `j mod p`. The tensors crossing a boundary are
 //! split over the data axes like the batch and whole on the other axes, so pipeline rank `s`
 //! at stage-mesh coordinates `c` exchanges them with rank `s ± 1` at the same `c`.
 
 use super::{compile_chunk, CompiledTrain, TrainCompileError, TrainOptions};
-use crate::autodiff::{
-    input_name, TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS, PIPE_TIED_PREFIX,
-};
+use crate::autodiff::{TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS};
 use crate::ir::{Graph, Op, ValueId};
 use crate::model::{ModelConfig, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
 use crate::pass::{Pass, PassLog};
 use crate::plan::{
-    boundary_name, check_boundary_types, is_received_input, sent_value, Plan, PlanChunk,
+    boundary_name, check_boundary_types, is_received_input, sent_value, ChunkGraphs, Plan,
+    PlanChunk,
 };
 use crate::schedule::pp::{balance, PipeOp, PipelineError, PipelineSchedule, ScheduleKind};
 use crate::schedule::pp::{Carry, Phase};
@@ -61,8 +67,24 @@ pub struct PipelineChunk {
     pub stage: usize,
     /// Its layers, embedding and head.
     pub spec: StageSpec,
-    /// Its training step on the stage mesh (every micro-batch; its own optimizer step).
+    /// Its training step on the stage mesh: one micro-batch's program and its own optimizer
+    /// step's (`train.split`).
     pub train: CompiledTrain,
+}
+
+impl PipelineChunk {
+    /// Its micro-batch's and step's programs.
+    pub fn graphs(&self) -> ChunkGraphs<'_> {
+        let s = self
+            .train
+            .split
+            .as_ref()
+            .expect("invariant: a pipeline chunk is split into its micro-batch and step");
+        ChunkGraphs {
+            micro: &s.micro.graph,
+            step: &s.step.graph,
+        }
+    }
 }
 
 /// A compiled pipeline-parallel training step.
@@ -74,8 +96,8 @@ pub struct CompiledPipeline {
     pub schedule: PipelineSchedule,
     /// Each pipeline rank's instructions (passes and transfers), verified.
     pub program: Vec<Vec<PipeOp>>,
-    /// Per pipeline rank and instruction, the values of its chunk's program it computes, in
-    /// order (a receive: the input it fills; a send: nothing).
+    /// Per chunk and pass (`F`, `B`, `W`), the values of its micro-batch's program the pass
+    /// computes, in order (see [`pass_nodes`]).
     pub nodes: Vec<Vec<Vec<ValueId>>>,
     /// The whole mesh.
     pub mesh: Mesh,
@@ -101,15 +123,8 @@ impl CompiledPipeline {
     /// Per pipeline rank, the most bytes of activations held at once at `elem_bytes` per
     /// element (see [`activation_peaks`]).
     pub fn activation_peaks(&self, elem_bytes: f64) -> Vec<u64> {
-        let graphs: Vec<&Graph> = self.chunks.iter().map(|c| &c.train.sharded.graph).collect();
-        activation_peaks(
-            &graphs,
-            &self.program,
-            &self.nodes,
-            self.stages(),
-            self.options.micro_batches,
-            elem_bytes,
-        )
+        let graphs: Vec<ChunkGraphs> = self.chunks.iter().map(PipelineChunk::graphs).collect();
+        activation_peaks(&graphs, &self.program, &self.nodes, elem_bytes)
     }
 
     /// The chunks pipeline rank `stage` runs.
@@ -150,6 +165,7 @@ impl CompiledPipeline {
             .unwrap_or(0);
         plan.memory.train = None;
         plan.comm = None;
+        plan.step = None;
         let mut train = self.chunks[0].train.plan_train(0);
         train.params = self
             .chunks
@@ -181,6 +197,7 @@ impl CompiledPipeline {
                 head: c.spec.head,
                 program: p.program,
                 shardings: p.shardings,
+                step: p.step,
                 memory: p.memory,
                 comm: p.comm,
             })
@@ -275,7 +292,7 @@ pub(crate) fn compile_pipeline_logged(
     opts: &TrainOptions,
     log: &mut PassLog,
 ) -> Result<CompiledPipeline, TrainCompileError> {
-    super::check_sizes(cfg, opts, opts.micro_batches)?;
+    super::check_sizes(cfg, opts, 1)?;
     let mesh = &opts.mesh;
     let pp = mesh.axis("pp").ok_or_else(|| {
         TrainCompileError::Options(format!("mesh {mesh} has no `pp` axis to pipeline over"))
@@ -341,9 +358,9 @@ pub(crate) fn compile_pipeline_logged(
             train,
         });
     }
-    let graphs: Vec<&Graph> = chunks.iter().map(|c| &c.train.sharded.graph).collect();
-    check_boundary_types(&graphs, opts.micro_batches)?;
-    let nodes = instruction_nodes(&graphs, &program, p, opts.micro_batches)?;
+    let graphs: Vec<ChunkGraphs> = chunks.iter().map(PipelineChunk::graphs).collect();
+    check_boundary_types(&graphs)?;
+    let nodes = pass_nodes(&graphs)?;
     log.chunk = None;
     log.other(
         Pass::Stages,
@@ -392,125 +409,45 @@ fn add_tied_exchange(program: &mut [Vec<PipeOp>], p: usize, n: usize) {
     }
 }
 
-/// Which micro-batches a value of a chunk program depends on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MicroDep {
-    /// None: parameters, optimizer state, the step count, what derives from them alone.
-    Free,
-    /// Micro-batch `i` alone.
-    One(usize),
-    /// Several: accumulated gradients, the summed loss, the optimizer update.
-    Many,
-}
+/// The batch inputs of a chunk's micro-batch program: what makes a value one micro-batch's.
+const BATCH_INPUTS: [&str; 6] = [
+    "input_ids",
+    "position_ids",
+    "attention_mask",
+    "labels",
+    STAGE_INPUT,
+    PIPE_GRAD_IN,
+];
 
-impl MicroDep {
-    fn join(self, o: MicroDep) -> MicroDep {
-        match (self, o) {
-            (MicroDep::Free, x) | (x, MicroDep::Free) => x,
-            (MicroDep::One(a), MicroDep::One(b)) if a == b => MicroDep::One(a),
-            _ => MicroDep::Many,
-        }
-    }
-}
-
-/// The micro-batch of a program input of a step with `m` micro-batches (`input_ids.mb3` → 3;
-/// with one micro-batch the batch inputs are unsuffixed); `None` for parameters, optimizer
-/// state and the step count.
-pub fn input_micro(name: &str, m: usize) -> Option<usize> {
-    if m > 1 {
-        let (_, k) = name.rsplit_once(".mb")?;
-        return k.parse().ok();
-    }
-    let batch = [
-        "input_ids",
-        "position_ids",
-        "attention_mask",
-        "labels",
-        STAGE_INPUT,
-        PIPE_GRAD_IN,
-    ];
-    batch.contains(&name).then_some(0)
-}
-
-/// The [`MicroDep`] of every value of `g`. The optimizer's own inputs (moments, step count,
-/// a tied copy's gradient) count as [`MicroDep::Many`]: the optimizer step reads them after
-/// every micro-batch, even when there is only one.
-pub fn micro_deps(g: &Graph, m: usize) -> Vec<MicroDep> {
-    let optimizer_input = |name: &str| {
-        name == "step"
-            || name.starts_with("adam_m.")
-            || name.starts_with("adam_v.")
-            || name.starts_with(PIPE_TIED_PREFIX)
-    };
-    let mut out: Vec<MicroDep> = Vec::with_capacity(g.len());
+/// The activations of a chunk's micro-batch program `g`: values that depend on the
+/// micro-batch (its batch inputs or boundary tensors), except its gradient and loss outputs,
+/// which go into the sums over micro-batches.
+pub fn activation_values(g: &Graph) -> Vec<bool> {
+    let mut a = vec![false; g.len()];
     for v in g.ids() {
         let n = g.node(v);
-        let d = match &n.op {
-            Op::Input { name, .. } if optimizer_input(name) => MicroDep::Many,
-            Op::Input { name, .. } => input_micro(name, m).map_or(MicroDep::Free, MicroDep::One),
-            _ => n
-                .inputs
-                .iter()
-                .fold(MicroDep::Free, |acc, i| acc.join(out[i.index()])),
+        a[v.index()] = match &n.op {
+            Op::Input { name, .. } => BATCH_INPUTS.contains(&name.as_str()),
+            _ => n.inputs.iter().any(|i| a[i.index()]),
         };
-        out.push(d);
     }
-    out
-}
-
-/// The activations of a chunk program: values of one micro-batch that no value combining
-/// micro-batches reads (which leaves out a micro-batch's weight gradients on their way into
-/// the accumulation).
-pub fn activation_values(g: &Graph, deps: &[MicroDep]) -> Vec<bool> {
-    let mut a: Vec<bool> = deps.iter().map(|d| matches!(d, MicroDep::One(_))).collect();
-    for v in g.ids() {
-        if deps[v.index()] == MicroDep::Many {
-            for &i in &g.node(v).inputs {
-                a[i.index()] = false;
-            }
+    for (name, v) in &g.outputs {
+        if name == "loss" || name == PIPE_LOSS || name.starts_with("grad.") {
+            a[v.index()] = false;
         }
     }
     a
 }
 
-/// The values pass `phase` of micro-batch `i` asks for on a chunk program: `F`, the chunk's
-/// output (its loss, on the last chunk); `B`, its input gradient; `W`, everything else of
-/// micro-batch `i` (weight gradients).
-fn roots(g: &Graph, deps: &[MicroDep], phase: Phase, i: usize, m: usize) -> Vec<ValueId> {
-    let out = |b: &str| g.output(&input_name(b, i, m));
-    match phase {
-        Phase::F => {
-            let mut r: Vec<ValueId> = [STAGE_OUTPUT, PIPE_LOSS]
-                .iter()
-                .filter_map(|b| out(b))
-                .collect();
-            if r.is_empty() {
-                r.extend(g.output("loss"));
-            }
-            r
-        }
-        Phase::B => out(PIPE_GRAD_OUT).into_iter().collect(),
-        Phase::W => g
-            .ids()
-            .filter(|v| deps[v.index()] == MicroDep::One(i))
-            .collect(),
-    }
-}
-
 /// `roots` and every value they need that is not `done`; an error names a received input
-/// (`received`) that is needed but not there yet.
-fn pending(
-    g: &Graph,
-    mut stack: Vec<ValueId>,
-    done: &[bool],
-    received: &dyn Fn(&Graph, ValueId) -> bool,
-) -> Result<Vec<bool>, String> {
+/// that is needed but not received before the pass.
+fn pending(g: &Graph, mut stack: Vec<ValueId>, done: &[bool]) -> Result<Vec<bool>, String> {
     let mut need = vec![false; g.len()];
     while let Some(v) = stack.pop() {
         if need[v.index()] || done[v.index()] {
             continue;
         }
-        if received(g, v) {
+        if is_received_input(g, v) {
             return Err(format!("needs `{}` before it is received", g.node(v).name));
         }
         need[v.index()] = true;
@@ -519,180 +456,128 @@ fn pending(
     Ok(need)
 }
 
-/// What each instruction computes, derived once for every rank: a pass computes the values
-/// it asks for (see `roots`) and every value they need that is not computed yet, in program
-/// order, then the values combining micro-batches whose operands are all there (gradient
-/// accumulation as early as it can); a receive fills its input; the optimizer step computes
-/// the rest. A pass that would need a boundary input not received yet is an error (the
-/// schedule would read data before it arrives).
-pub fn instruction_nodes(
-    graphs: &[&Graph],
-    program: &[Vec<PipeOp>],
-    p: usize,
-    m: usize,
-) -> Result<Vec<Vec<Vec<ValueId>>>, PipelineError> {
-    let deps: Vec<Vec<MicroDep>> = graphs.iter().map(|g| micro_deps(g, m)).collect();
-    let boundary_input = is_received_input;
-    let n = graphs.len();
-    let mut out = Vec::with_capacity(program.len());
-    for (r, ops) in program.iter().enumerate() {
-        let mut done: Vec<Vec<bool>> = graphs
-            .iter()
-            .enumerate()
-            .map(|(c, g)| {
-                if c % p == r {
-                    vec![false; g.len()]
-                } else {
-                    Vec::new()
+/// What each pass of a micro-batch computes on its chunk's micro-batch program, the same for
+/// every micro-batch: `F`, the chunk's output (its loss, on the last chunk) and what it needs
+/// (the activation received before it); `B`, the input's gradient and what it needs beyond
+/// `F` (the output's gradient received before it); `W`, the rest (weight gradients). The
+/// schedule runs `W` of every micro-batch (right after its `B` where it does not split
+/// them); the optimizer step runs the chunk's step program. A pass that would need a boundary
+/// input received only later is an error.
+pub fn pass_nodes(chunks: &[ChunkGraphs]) -> Result<Vec<Vec<Vec<ValueId>>>, PipelineError> {
+    chunks
+        .iter()
+        .enumerate()
+        .map(|(c, ch)| {
+            let g = ch.micro;
+            let mut done = vec![false; g.len()];
+            let mut lists = Vec::with_capacity(3);
+            for phase in [Phase::F, Phase::B, Phase::W] {
+                let (received, roots): (_, Vec<ValueId>) = match phase {
+                    Phase::F => {
+                        let mut r: Vec<ValueId> = [STAGE_OUTPUT, PIPE_LOSS]
+                            .iter()
+                            .filter_map(|b| g.output(b))
+                            .collect();
+                        if r.is_empty() {
+                            r.extend(g.output("loss"));
+                        }
+                        (g.input_named(STAGE_INPUT), r)
+                    }
+                    Phase::B => (
+                        g.input_named(PIPE_GRAD_IN),
+                        g.output(PIPE_GRAD_OUT).into_iter().collect(),
+                    ),
+                    Phase::W => (
+                        None,
+                        g.ids()
+                            .filter(|&v| !done[v.index()] && !is_received_input(g, v))
+                            .collect(),
+                    ),
+                };
+                if let Some(v) = received {
+                    done[v.index()] = true;
                 }
-            })
-            .collect();
-        let mut lists = Vec::with_capacity(ops.len());
-        for (k, op) in ops.iter().enumerate() {
-            let bad = |msg: String| {
-                PipelineError::Invalid(format!("pipeline rank {r}, instruction {k} ({op}): {msg}"))
-            };
-            let mut list = Vec::new();
+                let need = pending(g, roots, &done).map_err(|m| {
+                    PipelineError::Invalid(format!("chunk {c}, pass {phase:?}: {m}"))
+                })?;
+                let list: Vec<ValueId> = g.ids().filter(|v| need[v.index()]).collect();
+                for &v in &list {
+                    done[v.index()] = true;
+                }
+                lists.push(list);
+            }
+            Ok(lists)
+        })
+        .collect()
+}
+
+/// One micro-batch's run of a chunk's micro-batch program, as [`activation_peaks`] follows
+/// it: readers left per value, outputs still held, bytes held.
+struct Flight {
+    users: Vec<usize>,
+    output: Vec<bool>,
+    held: Vec<f64>,
+}
+
+impl Flight {
+    fn new(g: &Graph) -> Flight {
+        let mut users = vec![0; g.len()];
+        for v in g.ids() {
+            for &i in &g.node(v).inputs {
+                users[i.index()] += 1;
+            }
+        }
+        let mut output = vec![false; g.len()];
+        for (_, v) in &g.outputs {
+            output[v.index()] = true;
+        }
+        Flight {
+            users,
+            output,
+            held: vec![0.0; g.len()],
+        }
+    }
+}
+
+/// Per pipeline rank, the most bytes of activations ([`activation_values`]) held at once
+/// after any instruction, at `elem_bytes` per element: the static account of what the thread
+/// runtime measures (`shardc_runtime::pipeline::PipelineStep::peak_activation_bytes` with
+/// `elem_bytes` 4). Each micro-batch in flight on a chunk has its own values, from its first
+/// receive or pass until its `W` pass, which hands its gradients and loss to the chunk's sums.
+/// A value is held from the instruction that computes (or receives) it until its last reader
+/// has run; outputs are kept, except boundary tensors, which are handed over by their send.
+pub fn activation_peaks(
+    chunks: &[ChunkGraphs],
+    program: &[Vec<PipeOp>],
+    nodes: &[Vec<Vec<ValueId>>],
+    elem_bytes: f64,
+) -> Vec<u64> {
+    let n = chunks.len();
+    let act: Vec<Vec<bool>> = chunks.iter().map(|c| activation_values(c.micro)).collect();
+    let size = |g: &Graph, v: ValueId| g.ty(v).numel() as f64 * elem_bytes;
+    let mut peaks = vec![0u64; program.len()];
+    for (r, ops) in program.iter().enumerate() {
+        let mut flights: std::collections::BTreeMap<(usize, usize), Flight> =
+            std::collections::BTreeMap::new();
+        for op in ops {
             match *op {
                 PipeOp::Recv {
                     carry,
                     micro,
                     boundary,
                     ..
-                } => {
+                } if carry != Carry::Tied => {
                     let c = carry.receiver(boundary, n);
-                    let g = graphs.get(c).ok_or_else(|| bad("no such chunk".into()))?;
-                    let name = boundary_name(g, carry, micro, m)
-                        .ok_or_else(|| bad(format!("chunk {c} receives no {carry:?}")))?;
-                    let v = g
-                        .input_named(&name)
-                        .ok_or_else(|| bad(format!("chunk {c} has no input `{name}`")))?;
-                    done[c][v.index()] = true;
-                    list.push(v);
-                }
-                PipeOp::Send {
-                    carry: Carry::Tied,
-                    boundary,
-                    ..
-                } => {
-                    // The complete gradient the tied copy sends, and what it still needs.
-                    let c = boundary;
-                    let g = graphs.get(c).ok_or_else(|| bad("no such chunk".into()))?;
-                    let v = sent_value(g, Carry::Tied, 0, m)
-                        .ok_or_else(|| bad(format!("chunk {c} has no tied gradient")))?;
-                    let need = pending(g, vec![v], &done[c], &boundary_input).map_err(bad)?;
-                    for v in g.ids().filter(|v| need[v.index()]) {
-                        done[c][v.index()] = true;
-                        list.push(v);
-                    }
-                }
-                PipeOp::Send { .. } => {}
-                PipeOp::Run(slot) => {
-                    let c = slot.chunk;
-                    let g = graphs[c];
-                    let d = &deps[c];
-                    let roots = roots(g, d, slot.phase, slot.micro, m);
-                    let need = pending(g, roots, &done[c], &boundary_input).map_err(bad)?;
-                    for v in g.ids() {
-                        let ready = || g.node(v).inputs.iter().all(|i| done[c][i.index()]);
-                        let eager = !done[c][v.index()]
-                            && d[v.index()] == MicroDep::Many
-                            && !g.node(v).inputs.is_empty()
-                            && ready();
-                        if need[v.index()] || eager {
-                            done[c][v.index()] = true;
-                            list.push(v);
+                    let g = chunks[c].micro;
+                    let f = flights.entry((c, micro)).or_insert_with(|| Flight::new(g));
+                    let v = boundary_name(&chunks[c], carry).and_then(|x| g.input_named(&x));
+                    if let Some(v) = v {
+                        if f.users[v.index()] > 0 || f.output[v.index()] {
+                            f.held[v.index()] = size(g, v);
                         }
                     }
                 }
-                PipeOp::Step { chunk } => {
-                    let g = graphs[chunk];
-                    for v in g.ids() {
-                        if !done[chunk][v.index()] {
-                            if boundary_input(g, v) {
-                                return Err(bad(format!("`{}` is never received", g.node(v).name)));
-                            }
-                            done[chunk][v.index()] = true;
-                            list.push(v);
-                        }
-                    }
-                }
-            }
-            lists.push(list);
-        }
-        out.push(lists);
-    }
-    Ok(out)
-}
-
-/// Per pipeline rank, the most bytes of activations ([`activation_values`]) held at once
-/// after any instruction, at `elem_bytes` per element: the static account of what the thread
-/// runtime measures (`shardc_runtime::pipeline::PipelineStep::peak_activation_bytes` with
-/// `elem_bytes` 4). A value is held from the instruction that computes (or receives) it until
-/// its last reader has run; outputs are kept, except boundary tensors, which are handed over
-/// by their send; a chunk's values are gone after its optimizer step.
-pub fn activation_peaks(
-    graphs: &[&Graph],
-    program: &[Vec<PipeOp>],
-    nodes: &[Vec<Vec<ValueId>>],
-    p: usize,
-    m: usize,
-    elem_bytes: f64,
-) -> Vec<u64> {
-    let act: Vec<Vec<bool>> = graphs
-        .iter()
-        .map(|g| activation_values(g, &micro_deps(g, m)))
-        .collect();
-    let mut peaks = vec![0u64; program.len()];
-    for (r, (ops, lists)) in program.iter().zip(nodes).enumerate() {
-        let mine: Vec<usize> = (0..graphs.len()).filter(|c| c % p == r).collect();
-        let mut users: Vec<Vec<usize>> = graphs
-            .iter()
-            .map(|g| {
-                let mut u = vec![0; g.len()];
-                for v in g.ids() {
-                    for &i in &g.node(v).inputs {
-                        u[i.index()] += 1;
-                    }
-                }
-                u
-            })
-            .collect();
-        let mut output: Vec<Vec<bool>> = graphs
-            .iter()
-            .map(|g| {
-                let mut o = vec![false; g.len()];
-                for (_, v) in &g.outputs {
-                    o[v.index()] = true;
-                }
-                o
-            })
-            .collect();
-        let mut held: Vec<Vec<f64>> = graphs.iter().map(|g| vec![0.0; g.len()]).collect();
-        let mut live_chunks: Vec<bool> = (0..graphs.len()).map(|c| mine.contains(&c)).collect();
-        let size = |g: &Graph, v: ValueId| g.ty(v).numel() as f64 * elem_bytes;
-        for (op, list) in ops.iter().zip(lists) {
-            if let Some(c) = op.chunk(graphs.len()) {
-                let g = graphs[c];
-                for &v in list {
-                    let node = g.node(v);
-                    for &i in &node.inputs {
-                        users[c][i.index()] -= 1;
-                        if users[c][i.index()] == 0 && !output[c][i.index()] {
-                            held[c][i.index()] = 0.0;
-                        }
-                    }
-                    let kept = users[c][v.index()] > 0 || output[c][v.index()];
-                    let computed = !matches!(node.op, Op::Input { .. } | Op::Param(_));
-                    let received = matches!(op, PipeOp::Recv { .. });
-                    if kept && (computed || received) {
-                        held[c][v.index()] = size(g, v);
-                    }
-                }
-            }
-            match *op {
-                // Boundary tensors are handed over (a tied gradient is copied: it is also an
-                // output of the step).
+                // Boundary tensors are handed over.
                 PipeOp::Send {
                     carry,
                     micro,
@@ -700,20 +585,46 @@ pub fn activation_peaks(
                     ..
                 } if carry != Carry::Tied => {
                     let c = carry.sender(boundary);
-                    if let Some(v) = sent_value(graphs[c], carry, micro, m) {
-                        output[c][v.index()] = false;
-                        if users[c][v.index()] == 0 {
-                            held[c][v.index()] = 0.0;
+                    if let (Some(v), Some(f)) =
+                        (sent_value(&chunks[c], carry), flights.get_mut(&(c, micro)))
+                    {
+                        f.output[v.index()] = false;
+                        if f.users[v.index()] == 0 {
+                            f.held[v.index()] = 0.0;
                         }
                     }
                 }
-                PipeOp::Step { chunk } => live_chunks[chunk] = false,
+                PipeOp::Run(slot) => {
+                    let c = slot.chunk;
+                    let g = chunks[c].micro;
+                    let f = flights
+                        .entry((c, slot.micro))
+                        .or_insert_with(|| Flight::new(g));
+                    let list = nodes.get(c).and_then(|l| l.get(phase_index(slot.phase)));
+                    for &v in list.into_iter().flatten() {
+                        let node = g.node(v);
+                        for &i in &node.inputs {
+                            f.users[i.index()] -= 1;
+                            if f.users[i.index()] == 0 && !f.output[i.index()] {
+                                f.held[i.index()] = 0.0;
+                            }
+                        }
+                        let kept = f.users[v.index()] > 0 || f.output[v.index()];
+                        let computed = !matches!(node.op, Op::Input { .. } | Op::Param(_));
+                        if kept && computed {
+                            f.held[v.index()] = size(g, v);
+                        }
+                    }
+                    if slot.phase == Phase::W {
+                        flights.remove(&(c, slot.micro));
+                    }
+                }
                 _ => {}
             }
-            let live: f64 = (0..graphs.len())
-                .filter(|&c| live_chunks[c])
-                .map(|c| {
-                    held[c]
+            let live: f64 = flights
+                .iter()
+                .map(|(&(c, _), f)| {
+                    f.held
                         .iter()
                         .zip(&act[c])
                         .filter(|(_, &a)| a)
@@ -725,6 +636,15 @@ pub fn activation_peaks(
         }
     }
     peaks
+}
+
+/// The position of pass `phase` in a chunk's node lists (`F`, `B`, `W`).
+pub fn phase_index(phase: Phase) -> usize {
+    match phase {
+        Phase::F => 0,
+        Phase::B => 1,
+        Phase::W => 2,
+    }
 }
 
 /// The `stages` dump: the schedule, each chunk's layers and rank, each rank's instructions.
