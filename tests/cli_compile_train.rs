@@ -132,6 +132,16 @@ fn llama_70b_pipeline_plan_holds_every_parameter_once_and_its_schedule_verifies(
         8,
         "memory and sends per stage: {out}"
     );
+    // Per step: the first stage sends each micro-batch's activation, a middle stage also
+    // its gradient: 8 and 16 sends of 8 micro-batches.
+    let sends = |stage: usize| {
+        out.lines()
+            .filter(|l| l.starts_with(&format!("  stage {stage}:")))
+            .find_map(|l| l.split(", ").nth(1).map(str::to_string))
+            .unwrap_or_default()
+    };
+    assert!(sends(0).starts_with("8 sends "), "{out}");
+    assert!(sends(1).starts_with("16 sends "), "{out}");
 
     let plan = read_json(&tmp.path().join("p.json"));
     assert_eq!(

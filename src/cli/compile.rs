@@ -621,11 +621,13 @@ fn print_train_summary(
                     .map(|&(_, v)| c.program.ty(v).size_bytes() as u64)
             })
             .collect();
+        // A chunk's program is one micro-batch's: its sends happen once per micro-batch.
+        let m = s.micro_batches as u64;
         println!(
             "  stage {stage}: {count} collectives {}, {} sends {}",
             bytes(collectives),
-            sends.len(),
-            bytes(sends.iter().sum())
+            sends.len() as u64 * m,
+            bytes(sends.iter().sum::<u64>() * m)
         );
     }
     Ok(())

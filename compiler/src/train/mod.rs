@@ -2,19 +2,20 @@
 //!
 //! ```text
 //! config ─► forward graph (one micro-batch) ─► training graph (autodiff: forward + backward
-//!   of one micro-batch — of every micro-batch in a pipeline chunk — accumulation, AdamW)
+//!   of one micro-batch, accumulation, AdamW)
 //!   ─► annotations (forward presets carried over, plus gradients, optimizer state and ZeRO
 //!   layouts) ─► SPMD graph (partition + reshard) ─► passes: output reshards of gradients
 //!   dropped, vocabulary-shard ids for embedding gradients, the rewriter
-//!   (`TrainOptions::rewrite`), DDP gradient buckets ─► split (no pipeline): the micro-batch's
-//!   program and the step's program ─► memory and communication accounting
+//!   (`TrainOptions::rewrite`), DDP gradient buckets ─► split: the micro-batch's program and
+//!   the step's program ─► memory and communication accounting
 //! ```
 //!
-//! Without a pipeline the plan's size and the compile time do not depend on the number of
-//! micro-batches: the graph is built for one micro-batch with the whole step's loss divisor
-//! and cut at the gradient boundary ([`split_step`]); the runtime runs the micro-batch's
-//! program once per micro-batch, sums its gradients and runs the step program once.
-//! Pipeline chunks still unroll their micro-batches (the schedule interleaves them).
+//! The plan's size and the compile time do not depend on the number of micro-batches: the
+//! graph is built for one micro-batch with the whole step's loss divisor and cut at the
+//! gradient boundary ([`split_step`]); the runtime runs the micro-batch's program once per
+//! micro-batch, sums its gradients and runs the step program once. A pipeline chunk is split
+//! the same way, and the pipeline schedule invokes its micro-batch program (per pass) for
+//! each micro-batch in flight.
 //!
 //! How the strategies become annotations (the sharding machinery inserts the collectives):
 //! - every strategy's forward annotations apply to each micro-batch's forward values, and the
@@ -253,9 +254,9 @@ pub(crate) fn compile_train_logged(
     compile_chunk(cfg, opts, &opts.mesh, strategies, None, &[], log)
 }
 
-/// Before anything is built: the step's IR (`micro_batches` unrolled: a pipeline chunk's
-/// every micro-batch, one without a pipeline) within the memory budget, its activations
-/// within byte accounting.
+/// Before anything is built: the IR of `micro_batches` micro-batches (one: programs are
+/// built per micro-batch) within the memory budget, the step's activations within byte
+/// accounting.
 pub(crate) fn check_sizes(
     cfg: &ModelConfig,
     opts: &TrainOptions,
