@@ -75,6 +75,13 @@ pub struct SimulateArgs {
     /// Training: send whole activations between stages (no scatter/gather over tp).
     #[arg(long)]
     pub no_scatter_gather: bool,
+    /// Training, mixture-of-experts on an `ep` axis: tokens routed to the busiest rank's
+    /// experts over the mean (1 = balanced) [default: 1].
+    #[arg(long)]
+    pub moe_imbalance: Option<f64>,
+    /// Print the arithmetic behind the numbers (the MoE terms of an `ep` training step).
+    #[arg(long)]
+    pub explain: bool,
     /// Compute dtype the f32 IR is simulated in: bf16, f16 or f32 (tf32 tensor cores).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
@@ -174,6 +181,7 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
         (a.virtual_stages.is_some(), "--virtual-stages"),
         (a.overlap_grad_reduce, "--overlap-grad-reduce"),
         (a.no_scatter_gather, "--no-scatter-gather"),
+        (a.moe_imbalance.is_some(), "--moe-imbalance"),
     ];
     if !a.train {
         if let Some((_, f)) = train_flags.iter().find(|(given, _)| *given) {
@@ -193,8 +201,10 @@ fn train_options(
     seq: usize,
     extra: Vec<String>,
 ) -> anyhow::Result<TrainOptions> {
-    let dp = mesh.axis("dp").map_or(1, |x| mesh.axis_size(x));
-    let pp = mesh.axis("pp").map_or(1, |x| mesh.axis_size(x));
+    // Ranks holding different tokens: dp, and ep outside the experts.
+    let size = |n: &str| mesh.axis(n).map_or(1, |x| mesh.axis_size(x));
+    let dp = size("dp") * size("ep");
+    let pp = size("pp");
     let micro_batch = a.micro_batch.unwrap_or(1);
     at_least("--micro-batch", micro_batch, 1)?;
     let gb = match a.global_batch {
@@ -268,6 +278,19 @@ fn train_options(
     })?;
     t.overlap_grad_reduce = a.overlap_grad_reduce;
     t.scatter_gather = !a.no_scatter_gather;
+    if let Some(f) = a.moe_imbalance {
+        if !(f.is_finite() && f >= 1.0) {
+            bail!(
+                "--moe-imbalance {f}: the busiest rank's routed tokens over the mean, at least 1"
+            );
+        }
+        if size("ep") < 2 {
+            bail!(
+                "--moe-imbalance applies to experts split over an `ep` mesh axis (mesh is {mesh})"
+            );
+        }
+        t.moe_imbalance = f;
+    }
     t.strategies = extra;
     Ok(t)
 }
@@ -338,6 +361,14 @@ fn finish(a: &SimulateArgs, sim: &Simulation) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&sim.report)?);
     } else {
         print_report(sim);
+        if a.explain {
+            if sim.report.notes.is_empty() {
+                println!("explain: no terms beyond the lines above for this configuration");
+            }
+            for n in &sim.report.notes {
+                println!("  {n}");
+            }
+        }
         if let Some(out) = &a.trace {
             println!("wrote {} (open in https://ui.perfetto.dev)", out.display());
         }
@@ -438,9 +469,10 @@ fn print_report(sim: &Simulation) {
         _ => println!("  batch          {} sequences × {} tokens ({})", r.global_batch, r.seq, r.dtype),
     }
     println!(
-        "  step time      {}  ({} tokens/s)",
+        "  step time      {}  ({} tokens/s, {} tokens/s/GPU)",
         secs(r.step_time_s),
-        thousands(r.tokens_per_s as u64)
+        thousands(r.tokens_per_s as u64),
+        thousands((r.tokens_per_s / r.gpus.max(1) as f64) as u64)
     );
     println!(
         "  throughput     {:.1} TFLOP/s per GPU (Megatron-LM count), model {:.1} TFLOP/s, MFU {:.1}%",

@@ -121,7 +121,7 @@ pub enum CostError {
         parts: usize,
     },
     /// A mesh axis the training model does not simulate.
-    #[error("mesh axis `{axis}` (size {size}) is not simulated in training mode; supported axes: dp, tp, pp (use --zero 3 for fsdp)")]
+    #[error("mesh axis `{axis}` (size {size}) is not simulated in training mode; supported axes: dp, tp, pp, ep (fsdp is `--strategy fsdp` on dp)")]
     UnsupportedAxis {
         /// Axis name.
         axis: String,

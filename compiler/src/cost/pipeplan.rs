@@ -300,6 +300,7 @@ pub fn simulate_pipeline_plan(
         device_memory_bytes: device_memory.0,
         fits: peak_mem <= device_memory,
         stages,
+        notes: Vec::new(),
     };
     let timelines: Vec<Timeline> = slices
         .into_iter()

@@ -104,6 +104,10 @@ pub struct SimReport {
     pub fits: bool,
     /// Per pipeline stage (training).
     pub stages: Vec<StageReport>,
+    /// The arithmetic behind the numbers, one line each (`simulate --explain`): today the
+    /// mixture-of-experts terms of an expert-parallel training step.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 /// A slice on a track: a kernel, a collective, a pipeline op.

@@ -239,6 +239,7 @@ pub fn simulate_plan(
         device_memory_bytes: device_memory.0,
         fits: memory.total() <= device_memory,
         stages: Vec::new(),
+        notes: Vec::new(),
     };
     Ok(Simulation {
         report,

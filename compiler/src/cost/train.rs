@@ -31,7 +31,9 @@ use super::profile::Cluster;
 use super::program::{Grad, ProgKind, ProgOp, Program, Work, COMPUTE};
 use super::replay::{replay, Topology};
 use super::report::{SimReport, Simulation, Slice, StageReport, Timeline};
-use super::roofline::{kernel_time, sim_bytes, ComputeOptions, Kernel};
+use super::roofline::{
+    is_expert_major, kernel_time, routed_fraction, sim_bytes, ComputeOptions, Kernel,
+};
 use super::simulate::{check_gpus, rank_labels};
 use super::units::{Bytes, Seconds};
 use super::CostError;
@@ -70,6 +72,10 @@ pub struct TrainOptions {
     pub scatter_gather: bool,
     /// Strategies beyond the mesh axes' defaults (`sp`).
     pub strategies: Vec<String>,
+    /// Mixture-of-experts load imbalance: the busiest expert-parallel rank's routed tokens
+    /// over the mean (1: perfectly balanced). Its expert GEMMs and all-to-all traffic scale
+    /// by it, and every rank waits for it.
+    pub moe_imbalance: f64,
 }
 
 impl TrainOptions {
@@ -85,6 +91,7 @@ impl TrainOptions {
             overlap_grad_reduce: false,
             scatter_gather: true,
             strategies: Vec::new(),
+            moe_imbalance: 1.0,
         }
     }
 
@@ -173,7 +180,12 @@ fn compile_error(e: impl Into<ShardError>) -> CostError {
     CostError::Compile(CompileError::Shard(e.into()))
 }
 
-/// Simulates one training step of `cfg` on `mesh` (axes `dp`, `tp`, `pp`) on `cluster`.
+/// Simulates one training step of `cfg` on `mesh` (axes `dp`, `tp`, `pp`, `ep`) on `cluster`.
+///
+/// Expert parallelism (`ep`, a mixture-of-experts model): outside the experts the `ep` ranks
+/// hold different tokens, as data-parallel ranks do; each holds `experts / ep` experts, and the
+/// tokens routed to them arrive and leave by all-to-all. Dense parameters' gradients are
+/// synchronised (and ZeRO-sharded) over `dp × ep`, the experts' over `dp`.
 pub fn simulate_training(
     cfg: &ModelConfig,
     source: &str,
@@ -184,7 +196,7 @@ pub fn simulate_training(
 ) -> Result<Simulation, CostError> {
     check_gpus(mesh, cluster)?;
     for a in &mesh.axes {
-        if !["dp", "tp", "pp"].contains(&a.name.as_str()) && a.size > 1 {
+        if !["dp", "tp", "pp", "ep"].contains(&a.name.as_str()) && a.size > 1 {
             return Err(CostError::UnsupportedAxis {
                 axis: a.name.clone(),
                 size: a.size,
@@ -192,8 +204,31 @@ pub fn simulate_training(
         }
     }
     let size = |n: &str| mesh.axis(n).map_or(1, |a| mesh.axis_size(a));
-    let (dp, tp, pp) = (size("dp"), size("tp"), size("pp"));
+    let (dp, tp, pp, ep) = (size("dp"), size("tp"), size("pp"), size("ep"));
+    // Ranks holding different tokens.
+    let data = dp * ep;
     let world = mesh.world_size();
+    if ep > 1 {
+        let Some(moe) = cfg.moe else {
+            return Err(CostError::Train(format!(
+                "mesh axis `ep` (size {ep}) splits experts, and this model has none"
+            )));
+        };
+        if moe.experts % ep != 0 {
+            return Err(CostError::Indivisible {
+                what: "experts".into(),
+                size: moe.experts,
+                by: "ep".into(),
+                parts: ep,
+            });
+        }
+    }
+    if !(t.moe_imbalance.is_finite() && t.moe_imbalance >= 1.0) {
+        return Err(CostError::Train(format!(
+            "MoE load imbalance {} must be a finite ratio of at least 1 (busiest rank over mean)",
+            t.moe_imbalance
+        )));
+    }
     let sp = t.sp();
     let (schedule, v) = if pp > 1 {
         (t.schedule, t.schedule.chunks())
@@ -219,27 +254,38 @@ pub fn simulate_training(
             parts: pp * v,
         });
     }
-    if t.global_batch == 0 || t.global_batch % (dp * t.micro_batch) != 0 {
+    if t.global_batch == 0 || t.global_batch % (data * t.micro_batch) != 0 {
         return Err(CostError::Indivisible {
             what: "global batch".into(),
             size: t.global_batch,
-            by: "dp*micro-batch".into(),
-            parts: dp * t.micro_batch,
+            by: if ep > 1 {
+                "dp*ep*micro-batch"
+            } else {
+                "dp*micro-batch"
+            }
+            .into(),
+            parts: data * t.micro_batch,
         });
     }
-    let m = t.global_batch / (dp * t.micro_batch);
+    let m = t.global_batch / (data * t.micro_batch);
     let n_layers = cfg.layers / (pp * v);
     let dev = &cluster.device;
     let dt = copts.dtype;
 
-    // 1. The two-layer plan on the tensor-parallel mesh.
+    // 1. The two-layer plan on the tensor-parallel mesh (with the expert-parallel axis: one
+    //    micro-batch per `ep` rank).
     let mut c2 = cfg.clone();
     c2.layers = cfg.layers.min(2);
-    let lmesh = Mesh::parse(&format!("tp={tp}"), cluster.gpus_per_node()).map_err(compile_error)?;
+    let lmesh_text = if ep > 1 {
+        format!("ep={ep},tp={tp}")
+    } else {
+        format!("tp={tp}")
+    };
+    let lmesh = Mesh::parse(&lmesh_text, cluster.gpus_per_node()).map_err(compile_error)?;
     let compiled = compile_forward(
         &c2,
         &CompileOptions {
-            batch: t.micro_batch,
+            batch: t.micro_batch * ep,
             seq: t.seq,
             mesh: lmesh.clone(),
             extra_strategies: if sp { vec!["sp".into()] } else { Vec::new() },
@@ -267,11 +313,30 @@ pub fn simulate_training(
     let keep_post =
         |v: ValueId| g.node(v).layer.is_none() && v.index() > last && !outputs.contains(&v.0);
     let tp_topo = GroupTopology::of_axis(mesh, "tp", cluster);
-    let comm = |_: &str, kind: CollectiveKind, bytes: u64| {
-        collective_time(cluster, kind, Bytes(bytes), tp_topo)
+    let ep_topo = GroupTopology::of_axis(mesh, "ep", cluster);
+    let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
+        let topo = if axis == "ep" { ep_topo } else { tp_topo };
+        collective_time(cluster, kind, Bytes(bytes), topo)
     };
     let pre_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_pre, &comm);
-    let layer_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_layer, &comm);
+    let mut layer_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_layer, &comm);
+    if t.moe_imbalance > 1.0 {
+        imbalance(&mut layer_p, t.moe_imbalance);
+    }
+    // The layer's expert-parallel traffic as simulated: (collectives, bytes, time) forward.
+    let ep_traffic = layer_p
+        .ops
+        .iter()
+        .filter_map(|o| match &o.kind {
+            ProgKind::Collective { axis, kind, bytes } if axis == "ep" => Some((
+                *bytes,
+                collective_time(cluster, *kind, Bytes(*bytes), ep_topo),
+            )),
+            _ => None,
+        })
+        .fold((0usize, 0u64, 0.0f64), |(n, b, s), (x, d)| {
+            (n + 1, b + x, s + d.0)
+        });
     let mut post_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_post, &comm);
     // Vocabulary-parallel cross-entropy in fp32: read the logits, exponentiate and normalise
     // (max and sum all-reduced over tp), write the loss; backward writes the logits' gradient.
@@ -318,7 +383,9 @@ pub fn simulate_training(
     }
 
     // 2. Forward and backward of each part on one tp group, laid out as the full mesh's.
-    let topo = Topology::new(&lmesh, cluster).with_axis("tp", tp_topo);
+    let topo = Topology::new(&lmesh, cluster)
+        .with_axis("tp", tp_topo)
+        .with_axis("ep", ep_topo);
     let layer_rc = t.recompute;
     let edge_rc = if t.recompute == Recompute::Full {
         Recompute::None
@@ -334,6 +401,17 @@ pub fn simulate_training(
     let pre_set = params_used(g, &keep_pre);
     let post_set = params_used(g, &keep_post);
     let layer_elems = elems(g, &layer_set);
+    // Experts' weights `[experts, out, in]` (local: `experts / ep` of them), synchronised
+    // over `dp` alone; the router's `[experts, hidden]` is replicated, a dense parameter.
+    let layer_expert = elems(
+        g,
+        &layer_set
+            .iter()
+            .copied()
+            .filter(|&v| g.ty(v).rank() == 3 && is_expert_major(g.ty(v)))
+            .collect(),
+    );
+    let layer_dense = layer_elems - layer_expert;
     let pre_elems = elems(g, &pre_set);
     let post_elems = elems(g, &post_set);
     let shared_elems = elems(g, &pre_set.intersection(&post_set).copied().collect());
@@ -341,13 +419,30 @@ pub fn simulate_training(
     // 3. ZeRO-3: each layer's parameters gathered before its forward and backward, its
     // gradients reduce-scattered, prefetched behind the layer's compute.
     let dp_topo = GroupTopology::of_axis(mesh, "dp", cluster);
+    let data_topo = data_group(mesh, cluster);
     let ct = |k: CollectiveKind, b: u64, topo: GroupTopology| {
         collective_time(cluster, k, Bytes(b), topo)
     };
-    if t.zero == 3 && dp > 1 {
+    // A collective over (dense, expert) parameter bytes: the dense part over `dp × ep`, the
+    // experts' over `dp` (one after the other on the stream).
+    let split_ct = |k: CollectiveKind, dense: u64, expert: u64| {
+        let on = |b: u64, n: usize, topo| {
+            if b > 0 && n > 1 {
+                ct(k, b, topo)
+            } else {
+                Seconds::ZERO
+            }
+        };
+        on(dense, data, data_topo) + on(expert, dp, dp_topo)
+    };
+    if t.zero == 3 && data > 1 {
         let bytes = layer_elems * 2;
-        let ag = ct(CollectiveKind::AllGather, bytes, dp_topo);
-        let rs = ct(CollectiveKind::ReduceScatter, bytes, dp_topo);
+        let ag = split_ct(CollectiveKind::AllGather, layer_dense * 2, layer_expert * 2);
+        let rs = split_ct(
+            CollectiveKind::ReduceScatter,
+            layer_dense * 2,
+            layer_expert * 2,
+        );
         layer.fwd = layer.fwd.max(ag);
         layer.bwd = layer.bwd.max(ag + rs);
         layer.fwd_comm += ag;
@@ -435,7 +530,8 @@ pub fn simulate_training(
     let run: PipeRun = run_pipeline(schedule, pp, m, &dur, p2p.0)?;
 
     // 5. Gradient synchronisation, embedding all-reduce, optimizer.
-    let stage_elems: Vec<u64> = (0..pp)
+    // Per stage: (all, experts') local parameter elements.
+    let stage_elems: Vec<(u64, u64)> = (0..pp)
         .map(|s| {
             let mut e = layer_elems * (n_layers * v) as u64;
             if s == 0 {
@@ -447,7 +543,7 @@ pub fn simulate_training(
                     e -= shared_elems;
                 }
             }
-            e
+            (e, layer_expert * (n_layers * v) as u64)
         })
         .collect();
     let grad_kind = if t.zero == 0 {
@@ -475,10 +571,20 @@ pub fn simulate_training(
             ..saved_opts
         },
     );
+    // The largest value of a layer; a dense `[experts, ..]` one at its routed fraction.
+    let routed = routed_fraction(g);
     let biggest = g
         .ids()
         .filter(|&v| keep_layer(v))
-        .map(|v| sim_bytes(g.ty(v), dt) as u64)
+        .map(|v| {
+            let b = sim_bytes(g.ty(v), dt) as f64;
+            let routed_b = if is_expert_major(g.ty(v)) {
+                b * routed
+            } else {
+                b
+            };
+            routed_b as u64
+        })
         .max()
         .unwrap_or(0);
     let chunk_act = saved_layer.0 * n_layers as u64;
@@ -494,7 +600,8 @@ pub fn simulate_training(
         timeline: Timeline,
     }
     let mut outs: Vec<StageOut> = Vec::with_capacity(pp);
-    for (s, &psi) in stage_elems.iter().enumerate() {
+    for (s, &(psi, psi_expert)) in stage_elems.iter().enumerate() {
+        let psi_dense = psi - psi_expert;
         let pipe_end = run.stage_end(s);
         let mut tl = Timeline {
             tracks: vec!["compute".into(), "comm:pp".into(), "comm:dp".into()],
@@ -528,8 +635,9 @@ pub fn simulate_training(
         let mut sync_free = 0f64;
         let mut sync_total = 0f64;
         let mut param_ag = 0f64;
-        if dp > 1 && t.zero < 3 {
-            let mut buckets: Vec<(f64, u64)> = Vec::new();
+        if data > 1 && t.zero < 3 {
+            // (ready, dense bytes, expert bytes).
+            let mut buckets: Vec<(f64, u64, u64)> = Vec::new();
             for c in 0..v {
                 let lastb = run.stages[s]
                     .iter()
@@ -541,7 +649,7 @@ pub fn simulate_training(
                 };
                 for j in 0..n_layers {
                     let ready = b0 + (j + 1) as f64 * (b1 - b0) / n_layers as f64;
-                    buckets.push((ready, layer_elems * 2));
+                    buckets.push((ready, layer_dense * 2, layer_expert * 2));
                 }
                 let gc = c * pp + s;
                 let mut edge = 0;
@@ -552,12 +660,13 @@ pub fn simulate_training(
                     edge += post_elems - if pp == 1 { shared_elems } else { 0 };
                 }
                 if edge > 0 {
-                    buckets.push((b1, edge * 2));
+                    buckets.push((b1, edge * 2, 0));
                 }
             }
             buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-            for (ready, bytes) in buckets {
-                let d = ct(grad_kind, bytes, dp_topo).0;
+            for (ready, dense, expert) in buckets {
+                let bytes = dense + expert;
+                let d = split_ct(grad_kind, dense, expert).0;
                 let start = sync_free.max(ready);
                 tl.slices.push(Slice {
                     track: 2,
@@ -572,7 +681,7 @@ pub fn simulate_training(
                 sync_total += d;
             }
             if t.zero >= 1 {
-                param_ag = ct(CollectiveKind::AllGather, psi * 2, dp_topo).0;
+                param_ag = split_ct(CollectiveKind::AllGather, psi_dense * 2, psi_expert * 2).0;
             }
         }
         let mut end = pipe_end.max(sync_free);
@@ -590,7 +699,7 @@ pub fn simulate_training(
             end += emb_sync.0;
         }
         let opt_params = if t.zero >= 1 {
-            psi.div_ceil(dp as u64)
+            psi_dense.div_ceil(data as u64) + psi_expert.div_ceil(dp as u64)
         } else {
             psi
         };
@@ -623,7 +732,11 @@ pub fn simulate_training(
             end += param_ag;
         }
         // Memory.
-        let (w, gr, opt) = zero_static(psi, dp, t.zero);
+        let (w, gr, opt) = {
+            let (a, b, c) = zero_static(psi_dense, data, t.zero);
+            let (x, y, z) = zero_static(psi_expert, dp, t.zero);
+            (a + x, b + y, c + z)
+        };
         let (peak_if, in_flight) = run.in_flight(s);
         let mut transient = 2 * biggest;
         if t.recompute == Recompute::Full {
@@ -638,7 +751,7 @@ pub fn simulate_training(
             optimizer: opt,
             activations: Bytes(peak_if as u64 * chunk_act),
             transient: Bytes(transient),
-            comm_buffers: Bytes(if t.zero == 3 && dp > 1 {
+            comm_buffers: Bytes(if t.zero == 3 && data > 1 {
                 2 * layer_elems * 2
             } else {
                 0
@@ -677,7 +790,7 @@ pub fn simulate_training(
                 .sum()
         })
         .collect();
-    let flops: f64 = per_rank_flops.iter().sum::<f64>() * (tp * dp) as f64;
+    let flops: f64 = per_rank_flops.iter().sum::<f64>() * (tp * data) as f64;
     let stats = ModelStats::compute(cfg, t.seq).map_err(|e| CostError::Compile(e.into()))?;
     let tokens = (t.global_batch * t.seq) as f64;
     let model_flops = 3.0 * stats.forward_flops_per_token as f64 * tokens;
@@ -798,6 +911,14 @@ pub fn simulate_training(
         device_memory_bytes: device_memory.0,
         fits: outs.iter().all(|o| o.memory.total() <= device_memory),
         stages,
+        notes: moe_notes(
+            cfg,
+            t,
+            [dp, ep, tp],
+            dt.size_bytes(),
+            [layer_dense, layer_expert],
+            ep_traffic,
+        ),
     };
     let rank_timeline = (0..world).map(|r| stage_of(mesh, r) as u32).collect();
     Ok(Simulation {
@@ -806,6 +927,107 @@ pub fn simulate_training(
         rank_timeline,
         rank_labels: rank_labels(mesh),
     })
+}
+
+/// The mixture-of-experts arithmetic of an expert-parallel step, per rank and layer (empty
+/// for a dense model or without `ep`): routed tokens, expert GEMM FLOPs, all-to-all bytes and
+/// where each parameter's gradient is synchronised.
+fn moe_notes(
+    cfg: &ModelConfig,
+    t: &TrainOptions,
+    [dp, ep, tp]: [usize; 3],
+    dtype_bytes: usize,
+    [dense, expert]: [u64; 2],
+    (a2a_count, a2a_bytes, a2a_time): (usize, u64, f64),
+) -> Vec<String> {
+    let Some(moe) = cfg.moe.filter(|_| ep > 1) else {
+        return Vec::new();
+    };
+    let tokens = (t.micro_batch * t.seq) as f64;
+    let routed = tokens * moe.top_k as f64;
+    let busiest = routed * t.moe_imbalance;
+    let (h, f) = (cfg.hidden as f64, cfg.ffn as f64);
+    let gemm = 6.0 * h * f * busiest / tp as f64;
+    let a2a = busiest * h * dtype_bytes as f64;
+    let gib = |x: f64| x / (1u64 << 30) as f64;
+    vec![
+        format!(
+            "moe: {} experts, top-{} routing; ep={ep}: {} expert(s) per rank; outside the experts \
+             the ep ranks hold different tokens, as dp ranks do",
+            moe.experts,
+            moe.top_k,
+            moe.experts / ep
+        ),
+        format!(
+            "moe: per rank and micro-batch, {tokens:.0} tokens × top-{} = {routed:.0} routed \
+             token-slots; the busiest rank's experts get {busiest:.0} (load imbalance {:.2})",
+            moe.top_k, t.moe_imbalance
+        ),
+        format!(
+            "moe: expert GEMMs per layer (gate, up, down) forward = 3 × 2 × hidden {h:.0} × ffn \
+             {f:.0} × {busiest:.0} / tp {tp} = {:.3} TFLOP; backward 2×",
+            gemm / 1e12
+        ),
+        format!(
+            "moe: all-to-all per layer, dispatch and combine each ≈ {busiest:.0} × hidden {h:.0} × \
+             {dtype_bytes} B = {:.3} GiB per tp group ({:.3} GiB per rank with tp {tp}); \
+             simulated: {a2a_count} collectives, {:.3} GiB per rank, {:.3} ms forward (the \
+             backward the same)",
+            gib(a2a),
+            gib(a2a / tp as f64),
+            gib(a2a_bytes as f64),
+            a2a_time * 1e3
+        ),
+        format!(
+            "moe: parameters per layer and rank: dense {:.3} GiB (gradients over dp×ep = {}), \
+             experts {:.3} GiB (gradients over dp = {dp})",
+            gib(dense as f64 * 2.0),
+            dp * ep,
+            gib(expert as f64 * 2.0)
+        ),
+    ]
+}
+
+/// The group of rank 0 over the axes whose ranks hold different tokens (`dp` and `ep`).
+fn data_group(mesh: &Mesh, cluster: &Cluster) -> GroupTopology {
+    let data: Vec<usize> = ["dp", "ep"]
+        .iter()
+        .filter_map(|n| mesh.axis(n))
+        .map(|a| a.0 as usize)
+        .collect();
+    let members: Vec<usize> = (0..mesh.world_size())
+        .filter(|&r| {
+            mesh.coords(r)
+                .iter()
+                .enumerate()
+                .all(|(a, &c)| data.contains(&a) || c == 0)
+        })
+        .collect();
+    GroupTopology::of_members(&members, cluster.profile.nvlink_domain.value as usize)
+}
+
+/// Scales a layer's mixture-of-experts work by load imbalance `f`: the expert GEMMs and
+/// elementwise ops (`*.moe.*` kernels but the router) and the all-to-all traffic over `ep` of
+/// the busiest rank, which every rank waits for.
+fn imbalance(p: &mut Program, f: f64) {
+    for op in &mut p.ops {
+        let moe = op.label.contains(".moe.") && !op.label.contains("router");
+        match &mut op.kind {
+            ProgKind::Kernel { work, .. } if moe => {
+                work.time = Seconds(work.time.0 * f);
+                if let Some(g) = &mut op.grad {
+                    g.dgrad.time = Seconds(g.dgrad.time.0 * f);
+                    if let Some(w) = &mut g.wgrad {
+                        w.time = Seconds(w.time.0 * f);
+                    }
+                }
+            }
+            ProgKind::Collective { axis, bytes, .. } if axis == "ep" => {
+                *bytes = (*bytes as f64 * f) as u64;
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The pipeline stage of `rank`.
