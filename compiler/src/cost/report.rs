@@ -90,7 +90,9 @@ pub struct SimReport {
     pub bubble_fraction: f64,
     /// Forward/backward pipeline time (training), seconds.
     pub pipeline_s: f64,
-    /// Optimizer step time (training), seconds.
+    /// Optimizer step time (training), seconds: with a training plan replayed, its step
+    /// program (the gradient synchronisation left after the last micro-batch, AdamW and the
+    /// ZeRO parameter gathers).
     pub optimizer_s: f64,
     /// Peak memory of the most loaded rank, bytes.
     pub peak_memory_bytes_per_rank: u64,

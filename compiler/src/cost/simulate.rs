@@ -1,4 +1,5 @@
-//! Layer (a) of the simulator: a compiled plan replayed over every rank, and the memory of a
+//! Layer (a) of the simulator: a compiled plan replayed over every rank (a training plan's
+//! micro-batch program once per micro-batch, then its step program), and the memory of a
 //! forward plan (what `compile`'s fit check uses).
 
 use super::collective::{collective_time, CollectiveKind, GroupTopology};
@@ -159,13 +160,16 @@ pub fn simulate_plan(
         )
     };
     let mut program = Program::from_steps(&plan.program, &plan.steps, dev, opts, &|_| true, &comm);
-    // A training step: the micro-batch's program once per micro-batch, then the step's.
+    let topo = Topology::new(mesh, cluster);
+    // A training step: the micro-batch's program once per micro-batch, then the step's
+    // (gradient synchronisation left after the last micro-batch, AdamW), timed alone too.
+    let mut step_program_s = 0.0;
     if let (Some(st), Some(t)) = (&plan.step, &plan.train) {
         let step = Program::from_steps(&st.program, &st.steps, dev, opts, &|_| true, &comm);
+        step_program_s = replay(&step, &topo, cluster, false)?.end().0;
         let micro = std::mem::take(&mut program);
         program = Program::concat(std::iter::repeat_n(&micro, t.micro_batches).chain([&step]));
     }
-    let topo = Topology::new(mesh, cluster);
     let rep = replay(&program, &topo, cluster, true)?;
     let world = mesh.world_size();
     let step = rep.end().0;
@@ -185,11 +189,25 @@ pub fn simulate_plan(
             (worst, worst_live) = (i, r.peak_live);
         }
     }
-    let memory = MemoryBreakdown {
-        params,
-        activations: worst_live,
-        ..MemoryBreakdown::default()
+    // A training plan: parameters, gradients, optimizer state and collective buffers as the
+    // compiler accounted them (its precision), the activations of the replay.
+    let train_memory = plan.memory.train.as_ref().filter(|_| plan.train.is_some());
+    let memory = match train_memory {
+        Some(t) => MemoryBreakdown {
+            params: Bytes(t.param_bytes),
+            grads: Bytes(t.grad_bytes),
+            optimizer: Bytes(t.optimizer_bytes),
+            activations: worst_live,
+            comm_buffers: Bytes(t.comm_buffer_bytes),
+            ..MemoryBreakdown::default()
+        },
+        None => MemoryBreakdown {
+            params,
+            activations: worst_live,
+            ..MemoryBreakdown::default()
+        },
     };
+    let static_bytes = (memory.total().0).saturating_sub(worst_live.0);
     let flops = program.flops() * world as f64;
     let tokens = (plan.model.batch * plan.model.seq) as f64;
     let peak = dev.peak(opts.dtype);
@@ -201,10 +219,17 @@ pub fn simulate_plan(
         }
     };
     let exposed = cr.exposed_comm().0.min(cr.comm.0);
-    let (tls, of) = timelines(&program, &rep, params.0);
+    let (tls, of) = timelines(&program, &rep, static_bytes);
     let device_memory = dev.memory();
+    let train = plan.train.as_ref();
+    let data_parts: usize = mesh
+        .axes
+        .iter()
+        .filter(|a| a.name == "dp" || a.name == "ep")
+        .map(|a| a.size)
+        .product();
     let report = SimReport {
-        mode: "forward".into(),
+        mode: if train.is_some() { "train" } else { "forward" }.into(),
         model: plan.model.source.clone(),
         mesh: mesh.to_string(),
         strategies: plan.strategies.clone(),
@@ -214,11 +239,18 @@ pub fn simulate_plan(
         dtype: opts.dtype.name().into(),
         global_batch: plan.model.batch,
         seq: plan.model.seq,
-        micro_batch: None,
-        micro_batches: None,
-        schedule: None,
-        recompute: None,
-        zero: None,
+        micro_batch: train.map(|t| plan.model.batch / t.micro_batches.max(1) / data_parts.max(1)),
+        micro_batches: train.map(|t| t.micro_batches),
+        schedule: train.map(|_| "none".into()),
+        recompute: train.map(|t| {
+            match t.recompute {
+                crate::autodiff::Recompute::None => "none",
+                crate::autodiff::Recompute::Selective => "selective",
+                crate::autodiff::Recompute::Full => "full",
+            }
+            .into()
+        }),
+        zero: train.map(|t| t.zero_stage),
         step_time_s: step,
         tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
         flops_per_step: flops,
@@ -231,8 +263,12 @@ pub fn simulate_plan(
         exposed_comm_s: exposed,
         hidden_comm_s: (cr.comm.0 - exposed).max(0.0),
         bubble_fraction: 0.0,
-        pipeline_s: 0.0,
-        optimizer_s: 0.0,
+        pipeline_s: if train.is_some() {
+            (step - step_program_s).max(0.0)
+        } else {
+            0.0
+        },
+        optimizer_s: step_program_s,
         peak_memory_bytes_per_rank: memory.total().0,
         peak_memory_rank: worst,
         memory_breakdown: memory,

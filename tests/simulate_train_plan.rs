@@ -1,0 +1,83 @@
+//! A compiled training plan without a pipeline, replayed (`simulate --plan`): reported as a
+//! training step (micro-batches, recompute, ZeRO stage from the plan), with the parameters,
+//! gradients, optimizer state and collective buffers the compiler accounted, and the
+//! micro-batch program run once per micro-batch.
+
+mod common;
+
+use common::run_shardc;
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let (ok, out, err) = run_shardc(args, &[]);
+    assert!(ok, "{args:?}: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+#[test]
+fn training_plan_replay_is_a_training_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = |m: usize| {
+        let p = dir.path().join(format!("p{m}.json"));
+        let (ok, _, err) = run_shardc(
+            &[
+                "compile",
+                "models/llama-3-8b.json",
+                "--train",
+                "--mesh",
+                "dp=2,tp=4",
+                "--strategy",
+                "sp,zero1",
+                "--batch",
+                &(4 * m).to_string(),
+                "--seq",
+                "2048",
+                "--micro-batches",
+                &m.to_string(),
+                "--recompute",
+                "selective",
+                "--allow-oom",
+                "-o",
+                p.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(ok, "{err}");
+        p
+    };
+    let p2 = plan(2);
+    let file: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p2).unwrap()).unwrap();
+    let r = json(&["simulate", "--plan", p2.to_str().unwrap(), "--json"]);
+    assert_eq!(r["mode"], "train", "{r}");
+    assert_eq!(r["micro_batches"], 2);
+    assert_eq!(r["micro_batch"], 2, "4 sequences per micro-batch over dp=2");
+    assert_eq!(r["recompute"], "selective");
+    assert_eq!(r["zero"], 1);
+    let t = &file["memory"]["train"];
+    let m = &r["memory_breakdown"];
+    for (got, want) in [
+        ("params", "param_bytes"),
+        ("grads", "grad_bytes"),
+        ("optimizer", "optimizer_bytes"),
+        ("comm_buffers", "comm_buffer_bytes"),
+    ] {
+        assert_eq!(m[got], t[want], "{got}: {r}");
+        assert!(m[got].as_u64().unwrap() > 0, "{got}");
+    }
+    assert!(m["activations"].as_u64().unwrap() > 0);
+    let step = r["step_time_s"].as_f64().unwrap();
+    let opt = r["optimizer_s"].as_f64().unwrap();
+    assert!(opt > 0.0 && opt < step, "{r}");
+    assert!((r["pipeline_s"].as_f64().unwrap() + opt - step).abs() < 1e-9 * step.max(1.0));
+    // Twice the micro-batches of the same size: the micro-batch part takes twice as long,
+    // the step program the same.
+    let r4 = json(&["simulate", "--plan", plan(4).to_str().unwrap(), "--json"]);
+    let micro = |r: &serde_json::Value| r["pipeline_s"].as_f64().unwrap();
+    assert!(
+        (micro(&r4) / micro(&r) - 2.0).abs() < 0.02,
+        "{} {}",
+        micro(&r4),
+        micro(&r)
+    );
+    assert!((r4["optimizer_s"].as_f64().unwrap() / opt - 1.0).abs() < 1e-6);
+}
