@@ -42,7 +42,8 @@ pub struct CompileArgs {
     /// Allow `-o` to replace a file this command reads (still atomically).
     #[arg(long)]
     pub overwrite: bool,
-    /// Cluster profile whose device memory every rank must fit (`dgx-h100`, a `.toml` path).
+    /// Cluster profile: every rank must fit its device memory, and the rewriter costs nodes
+    /// with its rates (`dgx-h100`, `dgx-a100`, a `.toml` path).
     #[arg(long, default_value = "dgx-h100")]
     pub cluster: String,
     /// Write the plan even when a rank's memory exceeds the device's.
@@ -132,6 +133,7 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     let dump_after = a.dump_after.as_deref().map(Pass::from_name).transpose()?;
     let mut rw = RewriteOptions::with_rules(a.rewrite.parse::<RuleSelection>()?);
     rw.cost.memory_us_per_mib = a.memory_weight;
+    rw.cost.device = Cluster::resolve(&a.cluster)?.rewrite_device();
     let job = if a.train {
         Job::Train(Box::new(train_options(&a, &cfg, opts)?))
     } else {

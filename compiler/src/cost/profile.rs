@@ -546,6 +546,36 @@ impl Cluster {
         self.device.nvlink_per_direction() * self.device.efficiency.nvlink.value
     }
 
+    /// The peak rates the rewriter's extractor costs nodes with: the device's dense peaks
+    /// (bf16, fp32), HBM bandwidth and launch floor, NVLink per direction and each GPU's share
+    /// of its node's network adapters, with the profile's per-step latencies (the raw rates:
+    /// the extractor compares programs, the simulator applies the efficiencies). PCIe, which
+    /// profiles do not describe, stays a Gen5 x16 link.
+    pub fn rewrite_device(&self) -> crate::rewrite::cost::DeviceProfile {
+        use crate::rewrite::cost::{DeviceProfile as Rates, LinkProfile};
+        let (d, p) = (&self.device, &self.profile);
+        let per_us = |x: f64| x / 1e6;
+        Rates {
+            name: d.name.clone(),
+            flops_per_us_16: per_us(d.peak_flops.bf16.value),
+            flops_per_us_32: per_us(d.peak_flops.fp32.value),
+            hbm_bytes_per_us: per_us(d.hbm_bandwidth.value),
+            launch_us: d.launch_floor.value * 1e6,
+            nvlink: LinkProfile {
+                bytes_per_us: per_us(d.nvlink_per_direction()),
+                latency_us: p.nvlink_latency.value * 1e6,
+            },
+            ib: LinkProfile {
+                bytes_per_us: per_us(
+                    p.nic_bandwidth.value * p.nics_per_node.value as f64
+                        / p.gpus_per_node.value as f64,
+                ),
+                latency_us: p.network_latency.value * 1e6,
+            },
+            pcie: Rates::h100_sxm().pcie,
+        }
+    }
+
     /// `"dgx-h100x128"`.
     pub fn label(&self) -> String {
         format!("{}x{}", self.profile.name, self.nodes)
@@ -596,6 +626,25 @@ mod tests {
         assert_eq!(h100.peak(DType::Bf16), 989.4e12);
         assert_eq!(h100.hbm_bandwidth.value, 3.35e12);
         assert_eq!(h100.nvlink_bandwidth.value, 900e9);
+        // The rewriter's default rates are the DGX H100 profile's.
+        let rw = Cluster::resolve("dgx-h100").unwrap().rewrite_device();
+        let h = crate::rewrite::cost::DeviceProfile::h100_sxm();
+        let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-12;
+        assert_eq!(rw.name, h.name);
+        for (a, b) in [
+            (rw.flops_per_us_16, h.flops_per_us_16),
+            (rw.flops_per_us_32, h.flops_per_us_32),
+            (rw.hbm_bytes_per_us, h.hbm_bytes_per_us),
+            (rw.launch_us, h.launch_us),
+            (rw.nvlink.bytes_per_us, h.nvlink.bytes_per_us),
+            (rw.nvlink.latency_us, h.nvlink.latency_us),
+            (rw.ib.bytes_per_us, h.ib.bytes_per_us),
+            (rw.ib.latency_us, h.ib.latency_us),
+        ] {
+            assert!(close(a, b), "{a} vs {b}");
+        }
+        let a100 = Cluster::resolve("dgx-a100").unwrap().rewrite_device();
+        assert!(close(a100.flops_per_us_16, 312e6));
         let h200 = DeviceProfile::load("h200-sxm").unwrap();
         assert_eq!(h200.hbm_bandwidth.value, 4.8e12);
         assert_eq!(h200.memory(), Bytes(141_000_000_000));

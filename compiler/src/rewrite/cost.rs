@@ -25,8 +25,9 @@
 //! the greedy DAG extractor assumes. Overlap between different nodes (streams) is not
 //! modelled here; the schedule and simulator do that.
 //!
-//! The device numbers are the H100 SXM's, with sources; `compiler::cost` holds the calibrated
-//! profiles for the simulator.
+//! The device's peak rates and link classes come from the simulator's cluster profile
+//! (`compiler::cost::Cluster::rewrite_device`, what `compile --cluster` passes); without one
+//! they are the DGX H100's ([`DeviceProfile::h100_sxm`], equal to that profile's, by test).
 
 use crate::ir::{DType, Op, TensorType};
 use crate::shard::{LinkClass, Mesh};

@@ -358,6 +358,7 @@ pub fn rewrite(sg: &ShardedGraph, opts: &RewriteOptions) -> Result<Rewritten, Re
             egraph_classes: run.map_or(0, |r| r.classes),
             limits: opts.limits,
             memory_us_per_mib: opts.cost.memory_us_per_mib,
+            device: opts.cost.device.name.clone(),
             before,
             after: program_cost(&opts.cost, g, &after.mesh),
             layers,

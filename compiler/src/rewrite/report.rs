@@ -105,6 +105,9 @@ pub struct RewriteReport {
     pub limits: Limits,
     /// The memory weight, µs per MiB.
     pub memory_us_per_mib: f64,
+    /// The device whose rates costed the nodes (the cluster profile's: `compile --cluster`).
+    #[serde(default)]
+    pub device: String,
     /// The program's cost before.
     pub before: ProgramCost,
     /// And after.
@@ -180,7 +183,8 @@ impl fmt::Display for RewriteReport {
         };
         writeln!(
             f,
-            "  cost per rank (memory weight {} µs/MiB): {} → {}",
+            "  cost per rank ({}, memory weight {} µs/MiB): {} → {}",
+            self.device,
             self.memory_us_per_mib,
             c(&self.before),
             c(&self.after)
