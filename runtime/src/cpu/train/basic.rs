@@ -3,6 +3,7 @@
 //! `RepeatGrad`.
 
 use crate::cpu::layout::split3;
+use crate::cpu::linalg::strided_gemm;
 use crate::cpu::vocab::cross_entropy_operands;
 use crate::cpu::{f32_of, for_each_row, i32_of, prod, shape_err};
 use crate::{RuntimeError, Tensor};
@@ -83,54 +84,6 @@ pub(crate) fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor, RuntimeError>
     ))
 }
 
-/// `c[m×n] = a · b` in f64 with `a` `m×k` at element strides `sa` (row, col) and `b` `k×n`
-/// at `sb`.
-#[allow(clippy::too_many_arguments)]
-fn dgemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f64],
-    sa: (usize, usize),
-    b: &[f64],
-    sb: (usize, usize),
-    c: &mut [f64],
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        c[..m * n].fill(0.0);
-        return;
-    }
-    let last = |r: usize, cc: usize, (rs, cs): (usize, usize)| (r - 1) * rs + (cc - 1) * cs;
-    assert!(
-        last(m, k, sa) < a.len() && last(k, n, sb) < b.len() && m * n <= c.len(),
-        "invariant: dgemm operands in bounds"
-    );
-    // SAFETY: the assert bounds the largest index dgemm reads in `a` and `b` and writes in
-    // `c` (row-major m×n, strides (n, 1)); `c` is a unique borrow, so it aliases neither input,
-    // and beta = 0 means it is only written.
-    unsafe {
-        matrixmultiply::dgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            sa.0 as isize,
-            sa.1 as isize,
-            b.as_ptr(),
-            sb.0 as isize,
-            sb.1 as isize,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
-}
-
 /// `WeightGrad { transpose_b }`: the gradient of `a · b` (or `a · bᵀ`) wrt `b`, summed over the
 /// rows of `a` and `dy`; per leading index for a batched (3-D) `b`. Computed in f64.
 pub(crate) fn weight_grad(
@@ -171,10 +124,10 @@ pub(crate) fn weight_grad(
             let ge = &g64[e * rows * n..(e + 1) * rows * n];
             if transpose_b {
                 // [n, k] = dyᵀ · a
-                dgemm(n, rows, k, ge, (1, n), ae, (k, 1), c);
+                strided_gemm(n, rows, k, ge, (1, n), ae, (k, 1), c, k);
             } else {
                 // [k, n] = aᵀ · dy
-                dgemm(k, rows, n, ae, (1, k), ge, (n, 1), c);
+                strided_gemm(k, rows, n, ae, (1, k), ge, (n, 1), c, n);
             }
         });
     Ok(Tensor::f32(
