@@ -4,11 +4,12 @@
 
 use crate::cpu::layout::split3;
 use crate::cpu::linalg::strided_gemm;
+use crate::cpu::rope::rotate_pairs;
 use crate::cpu::vocab::cross_entropy_operands;
 use crate::cpu::{f32_of, for_each_row, i32_of, prod, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
-use shardc_compiler::ir::{RopeSpec, RopeStyle, UnaryOp};
+use shardc_compiler::ir::{RopeSpec, UnaryOp};
 
 /// √(2/π), the GeLU tanh-approximation constant.
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -143,40 +144,18 @@ pub(crate) fn rope_grad(
     pos: &Tensor,
     spec: &RopeSpec,
 ) -> Result<Tensor, RuntimeError> {
-    const OP: &str = "rope_grad";
-    let pd = i32_of(OP, pos, 1)?;
-    if dy.shape.len() != 4 || pos.shape.len() != 2 || dy.shape[..2] != pos.shape[..] {
-        return Err(shape_err(
-            OP,
-            &[dy, pos],
-            "expects dy[B,T,N,D] and pos[B,T]",
-        ));
-    }
-    let (n, d) = (dy.shape[2], dy.shape[3]);
-    if d % 2 != 0 {
-        return Err(shape_err(OP, &[dy, pos], "head dim must be even"));
-    }
-    let half = d / 2;
-    let inv = spec.inv_freq(d);
-    let style = spec.style;
-    let mut out = f32_of(OP, dy, 0)?.to_vec();
-    for_each_row(&mut out, n * d, |r, row| {
-        let p = pd[r] as f32;
-        for (i, &f) in inv.iter().enumerate() {
-            let angle = (f * p) as f64;
-            let (s, c) = (angle.sin(), angle.cos());
-            let (lo, hi) = match style {
-                RopeStyle::Half => (i, i + half),
-                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-            };
-            for head in row.chunks_mut(d) {
-                let (a, b) = (head[lo] as f64, head[hi] as f64);
-                head[lo] = (a * c + b * s) as f32;
-                head[hi] = (b * c - a * s) as f32;
-            }
-        }
-    });
-    Ok(Tensor::f32(dy.shape.clone(), out))
+    let turn = |a: f32, b: f32, s: f64, c: f64| {
+        let (a, b) = (a as f64, b as f64);
+        ((a * c + b * s) as f32, (b * c - a * s) as f32)
+    };
+    rotate_pairs(
+        "rope_grad",
+        dy,
+        pos,
+        spec,
+        "expects dy[B,T,N,D] and pos[B,T]",
+        turn,
+    )
 }
 
 /// `EmbeddingGrad`: row `i` of the result is the sum of the rows of `dy` whose id is `i`;
@@ -280,7 +259,7 @@ mod tests {
     use super::super::check::{check_vjp, rand_tensor, Rng};
     use super::*;
     use crate::cpu::{elementwise, linalg, rope, vocab};
-    use shardc_compiler::ir::Float;
+    use shardc_compiler::ir::{Float, RopeStyle};
 
     #[test]
     fn unary_grads_match_finite_differences() {
