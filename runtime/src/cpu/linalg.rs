@@ -19,7 +19,6 @@ pub(crate) trait GemmElem: Copy {
     /// # Safety
     /// As `matrixmultiply::sgemm`: every element reached through the pointers and strides is
     /// in bounds, and `c` aliases neither input.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn gemm_raw(
         m: usize,
         k: usize,
@@ -30,45 +29,33 @@ pub(crate) trait GemmElem: Copy {
     );
 }
 
-impl GemmElem for f32 {
-    const ZERO: f32 = 0.0;
+/// `impl GemmElem for $t` calling `matrixmultiply::$gemm`.
+macro_rules! gemm_elem {
+    ($t:ty, $gemm:ident) => {
+        impl GemmElem for $t {
+            const ZERO: $t = 0.0;
 
-    unsafe fn gemm_raw(
-        m: usize,
-        k: usize,
-        n: usize,
-        a: (*const f32, isize, isize),
-        b: (*const f32, isize, isize),
-        c: (*mut f32, isize, isize),
-    ) {
-        // SAFETY: forwarded from the caller (the trait contract).
-        unsafe {
-            matrixmultiply::sgemm(
-                m, k, n, 1.0, a.0, a.1, a.2, b.0, b.1, b.2, 0.0, c.0, c.1, c.2,
-            )
+            unsafe fn gemm_raw(
+                m: usize,
+                k: usize,
+                n: usize,
+                a: (*const $t, isize, isize),
+                b: (*const $t, isize, isize),
+                c: (*mut $t, isize, isize),
+            ) {
+                // SAFETY: forwarded from the caller (the trait contract).
+                unsafe {
+                    matrixmultiply::$gemm(
+                        m, k, n, 1.0, a.0, a.1, a.2, b.0, b.1, b.2, 0.0, c.0, c.1, c.2,
+                    )
+                }
+            }
         }
-    }
+    };
 }
 
-impl GemmElem for f64 {
-    const ZERO: f64 = 0.0;
-
-    unsafe fn gemm_raw(
-        m: usize,
-        k: usize,
-        n: usize,
-        a: (*const f64, isize, isize),
-        b: (*const f64, isize, isize),
-        c: (*mut f64, isize, isize),
-    ) {
-        // SAFETY: forwarded from the caller (the trait contract).
-        unsafe {
-            matrixmultiply::dgemm(
-                m, k, n, 1.0, a.0, a.1, a.2, b.0, b.1, b.2, 0.0, c.0, c.1, c.2,
-            )
-        }
-    }
-}
+gemm_elem!(f32, sgemm);
+gemm_elem!(f64, dgemm);
 
 /// `c[m×n] (row stride ldc) = a · b` with `a` `m×k` at element strides `sa` (row, col) and `b`
 /// `k×n` at `sb`; elements of `c` outside the `m×n` block are left alone.
