@@ -107,7 +107,7 @@ fn test_fault_hook(rank: usize) -> anyhow::Result<()> {
 }
 
 /// Reads a JSON `[[int, ...], ...]` file as a rectangular batch × seq matrix.
-fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64>)> {
+pub(super) fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64>)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading {what} {}", path.display()))?;
     let v: Value = serde_json::from_str(&text)
