@@ -154,6 +154,34 @@ pub(super) fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usi
     Ok((rows.len(), width, out))
 }
 
+/// Reads a token file for model `cfg`: a batch × seq matrix of ids inside the vocabulary,
+/// no longer than the model's positions.
+pub(super) fn read_tokens(
+    path: &Path,
+    cfg: &ModelConfig,
+) -> anyhow::Result<(usize, usize, Vec<i64>)> {
+    let (b, t, ids) = read_matrix(path, "tokens")?;
+    if t > cfg.max_positions {
+        bail!(
+            "sequence length {t} exceeds the model's maximum positions {}",
+            cfg.max_positions
+        );
+    }
+    if let Some((i, &id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as usize >= cfg.vocab)
+    {
+        bail!(
+            "token id {id} at [{}][{}] is out of range for vocabulary size {}",
+            i / t,
+            i % t,
+            cfg.vocab
+        );
+    }
+    Ok((b, t, ids))
+}
+
 /// Reads an attention mask: a batch × seq matrix of 0 (padding) and 1 (keep).
 fn read_mask(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
     let (b, t, v) = read_matrix(path, "attention mask")?;
@@ -284,23 +312,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
     }
     let cfg = ModelConfig::from_path(&a.model)?;
-    let (b, t, ids) = read_matrix(&a.tokens, "tokens")?;
-    if t > cfg.max_positions {
-        bail!(
-            "sequence length {t} exceeds the model's maximum positions {}",
-            cfg.max_positions
-        );
-    }
-    for (i, &id) in ids.iter().enumerate() {
-        if id < 0 || id as usize >= cfg.vocab {
-            bail!(
-                "token id {id} at [{}][{}] is out of range for vocabulary size {}",
-                i / t,
-                i % t,
-                cfg.vocab
-            );
-        }
-    }
+    let (b, t, ids) = read_tokens(&a.tokens, &cfg)?;
     let same_shape =
         |what: &str, (bb, tt, v): (usize, usize, Vec<i64>)| -> anyhow::Result<Vec<i64>> {
             if (bb, tt) != (b, t) {

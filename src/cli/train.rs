@@ -7,7 +7,7 @@
 //! torchrun) and `--mesh` or `--plan`, this process runs only its rank, over tcp; rank 0
 //! prints the loss.
 
-use super::run::read_matrix;
+use super::run::read_tokens;
 use anyhow::{bail, Context};
 use clap::Args;
 use shardc::compiler::autodiff::Recompute;
@@ -319,27 +319,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         outputs.check_dir("--save", dir, &CHECKPOINT_FILES)?;
     }
     let cfg = ModelConfig::from_path(&a.model)?;
-    let (b, t, ids) = read_matrix(&a.tokens, "tokens")?;
+    let (b, t, ids) = read_tokens(&a.tokens, &cfg)?;
     if t < 2 {
         bail!("sequences of {t} token(s) have nothing to predict; need at least 2");
-    }
-    if t > cfg.max_positions {
-        bail!(
-            "sequence length {t} exceeds the model's maximum positions {}",
-            cfg.max_positions
-        );
-    }
-    if let Some((i, &id)) = ids
-        .iter()
-        .enumerate()
-        .find(|(_, &id)| id < 0 || id as usize >= cfg.vocab)
-    {
-        bail!(
-            "token id {id} at [{}][{}] is out of range for vocabulary size {}",
-            i / t,
-            i % t,
-            cfg.vocab
-        );
     }
     let batch = Batch::causal_lm(ids.iter().map(|&x| x as i32).collect(), b, t);
     // The plan that runs: the compiled file, or the model compiled here for the flags.
