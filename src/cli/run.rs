@@ -167,31 +167,29 @@ pub(super) fn read_tokens(
             cfg.max_positions
         );
     }
-    if let Some((i, &id)) = ids
-        .iter()
-        .enumerate()
-        .find(|(_, &id)| id < 0 || id as usize >= cfg.vocab)
-    {
+    if let Some((id, at)) = first_outside(&ids, t, |id| id >= 0 && (id as usize) < cfg.vocab) {
         bail!(
-            "token id {id} at [{}][{}] is out of range for vocabulary size {}",
-            i / t,
-            i % t,
+            "token id {id} at {at} is out of range for vocabulary size {}",
             cfg.vocab
         );
     }
     Ok((b, t, ids))
 }
 
+/// The first entry of row-major matrix `v` (rows of `t`) that is not `inside`, with its
+/// place `[b][t]`.
+fn first_outside(v: &[i64], t: usize, inside: impl Fn(i64) -> bool) -> Option<(i64, String)> {
+    let i = v.iter().position(|&x| !inside(x))?;
+    Some((v[i], format!("[{}][{}]", i / t, i % t)))
+}
+
 /// Reads an attention mask: a batch × seq matrix of 0 (padding) and 1 (keep).
 fn read_mask(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
     let (b, t, v) = read_matrix(path, "attention mask")?;
-    if let Some(i) = v.iter().position(|&x| x != 0 && x != 1) {
+    if let Some((x, at)) = first_outside(&v, t, |x| x == 0 || x == 1) {
         bail!(
-            "attention mask {}: [{}][{}] = {} is not 0 (padding) or 1 (keep)",
-            path.display(),
-            i / t,
-            i % t,
-            v[i]
+            "attention mask {}: {at} = {x} is not 0 (padding) or 1 (keep)",
+            path.display()
         );
     }
     Ok((b, t, v))
@@ -330,15 +328,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let pos: Vec<i32> = match &a.position_ids {
         Some(p) => {
             let v = same_shape("position ids", read_matrix(p, "position ids")?)?;
-            if let Some((i, &x)) = v
-                .iter()
-                .enumerate()
-                .find(|(_, &x)| x < 0 || x as usize >= cfg.max_positions)
-            {
+            let inside = |x: i64| x >= 0 && (x as usize) < cfg.max_positions;
+            if let Some((x, at)) = first_outside(&v, t, inside) {
                 bail!(
-                    "position id {x} at [{}][{}] is outside [0, {})",
-                    i / t,
-                    i % t,
+                    "position id {x} at {at} is outside [0, {})",
                     cfg.max_positions
                 );
             }
