@@ -243,6 +243,21 @@ pub fn tokens_4x16(dir: &std::path::Path) -> String {
     p.to_string_lossy().to_string()
 }
 
+/// A tensor to write: name, dtype, shape, little-endian bytes.
+pub type RawTensor = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// Writes `tensors` as the safetensors file `path`.
+pub fn write_safetensors(path: &std::path::Path, tensors: &[RawTensor]) {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, dt, s, d)| {
+            let view = safetensors::tensor::TensorView::new(*dt, s.clone(), d).expect("view");
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("writing safetensors");
+}
+
 /// A TCP port free on 127.0.0.1 now (bound and released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
