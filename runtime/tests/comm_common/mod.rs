@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use shardc_runtime::comm::ReduceOp;
+use shardc_runtime::comm::{CommError, ReduceOp};
 use std::time::Duration;
 
 pub const COUNTS: [usize; 7] = [0, 1, 3, 7, 50, 783, 4097];
@@ -85,4 +85,27 @@ pub fn cases() -> Vec<(usize, ReduceOp)> {
 /// The bit patterns of `v`, for exact comparisons.
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Checks each rank's `(error, elapsed)`: an [`CommError::Aborted`] naming that rank, whose
+/// reason holds every needle, within 5 s of the abort.
+pub fn assert_aborted_promptly(outs: Vec<(CommError, Duration)>, needles: &[&str]) {
+    for (rank, (err, elapsed)) in outs.into_iter().enumerate() {
+        let CommError::Aborted {
+            rank: r,
+            ref reason,
+            ..
+        } = err
+        else {
+            panic!("rank {rank}: expected Aborted, got {err}");
+        };
+        assert_eq!(r, rank);
+        for n in needles {
+            assert!(reason.contains(n), "`{n}` not in: {reason}");
+        }
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "rank {rank} took {elapsed:?}"
+        );
+    }
 }
