@@ -109,3 +109,23 @@ pub fn assert_aborted_promptly(outs: Vec<(CommError, Duration)>, needles: &[&str
         );
     }
 }
+
+/// Checks rank `rank`'s timeout `err`: its message holds every part, and it came after the
+/// group's `timeout` (and within 1.5 s of it).
+pub fn assert_timed_out(
+    rank: usize,
+    err: &CommError,
+    elapsed: Duration,
+    timeout: Duration,
+    parts: &[&str],
+) {
+    let msg = err.to_string();
+    for part in parts {
+        assert!(msg.contains(part), "`{msg}` lacks `{part}`");
+    }
+    assert!(elapsed >= timeout, "rank {rank} gave up early: {elapsed:?}");
+    assert!(
+        elapsed < timeout + Duration::from_millis(1500),
+        "rank {rank} too slow: {elapsed:?}"
+    );
+}
