@@ -258,6 +258,25 @@ pub fn write_safetensors(path: &std::path::Path, tensors: &[RawTensor]) {
     safetensors::serialize_to_file(views, None, path).expect("writing safetensors");
 }
 
+/// Starts `c` as rank `rank` of `world`, by hand as torchrun would (RANK, WORLD_SIZE,
+/// MASTER_ADDR `addr`, MASTER_PORT `port`), with stdout and stderr piped.
+pub fn spawn_rank(
+    c: &mut std::process::Command,
+    rank: usize,
+    world: usize,
+    addr: &str,
+    port: u16,
+) -> std::process::Child {
+    c.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", addr)
+        .env("MASTER_PORT", port.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// A TCP port free on 127.0.0.1 now (bound and released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
