@@ -7,7 +7,6 @@
 mod common;
 
 use common::{fails_with, run_shardc, shardc_clean};
-use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::schedule::pp::ScheduleKind;
@@ -51,7 +50,7 @@ fn edited_model(
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+    let tensors: Vec<common::RawTensor> = st
         .tensors()
         .into_iter()
         .map(|(name, view)| {
@@ -62,19 +61,10 @@ fn edited_model(
                 .collect();
             edit(&name, &mut v);
             let data = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            (name, view.shape().to_vec(), data)
+            (name, safetensors::Dtype::F32, view.shape().to_vec(), data)
         })
         .collect();
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, s, d)| {
-            (
-                n.clone(),
-                TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    common::write_safetensors(&dir.join("model.safetensors"), &tensors);
     dir.display().to_string()
 }
 

@@ -4,7 +4,6 @@ mod common;
 
 use common::fails_with;
 
-use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 
@@ -29,26 +28,17 @@ fn edited_model(dir: &Path, edit: impl Fn(&str, Vec<usize>) -> Option<Vec<usize>
     std::fs::copy(src.join("config.json"), model.join("config.json")).unwrap();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut kept: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut kept: Vec<common::RawTensor> = Vec::new();
     for (name, view) in st.tensors() {
         if let Some(shape) = edit(&name, view.shape().to_vec()) {
             let n: usize = shape.iter().product();
             let data = view.data()[..n.min(view.data().len() / 4) * 4].to_vec();
             let mut data = data;
             data.resize(n * 4, 0);
-            kept.push((name, shape, data));
+            kept.push((name, safetensors::Dtype::F32, shape, data));
         }
     }
-    let views: Vec<(String, TensorView)> = kept
-        .iter()
-        .map(|(n, s, d)| {
-            (
-                n.clone(),
-                TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &model.join("model.safetensors")).unwrap();
+    common::write_safetensors(&model.join("model.safetensors"), &kept);
     model
 }
 

@@ -9,19 +9,9 @@ use serde_json::Value;
 use shardc::runtime::Weights;
 use std::path::{Path, PathBuf};
 
-/// Runs `shardc args…`: (success, stdout, stderr).
-fn shardc(args: &[&str]) -> (bool, String, String) {
-    let out = common::shardc_clean().args(args).output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
-}
-
 /// Runs `shardc args…` and expects success; returns stdout.
 fn ok(args: &[&str]) -> String {
-    let (ok, out, err) = shardc(args);
+    let (ok, out, err) = common::run_shardc(args, &[]);
     assert!(ok, "{args:?} failed: {err}");
     assert!(!err.contains("panicked"), "{args:?}: {err}");
     out
@@ -32,17 +22,6 @@ fn llama() -> String {
         .join("llama")
         .to_string_lossy()
         .to_string()
-}
-
-/// Four sequences of 16 token ids below the llama fixture's vocabulary (256), written as the
-/// `--tokens` file: a batch that splits into 2 micro-batches of 2 over `dp=2`.
-fn tokens(dir: &Path) -> String {
-    let rows: Vec<Vec<usize>> = (0..4)
-        .map(|b| (0..16).map(|t| ((b * 16 + t) * 7919 + 13) % 256).collect())
-        .collect();
-    let p = dir.join("toks.json");
-    std::fs::write(&p, serde_json::to_string(&rows).unwrap()).unwrap();
-    p.to_string_lossy().to_string()
 }
 
 /// The `step N: loss X` lines: (N, X).
@@ -94,7 +73,7 @@ fn same_losses(what: &str, got: &str, want: &str, steps: usize) {
 #[test]
 fn pipelined_losses_equal_the_unsharded_run_and_chunks_are_placed() {
     let tmp = tempfile::tempdir().unwrap();
-    let (m, ids) = (llama(), tokens(tmp.path()));
+    let (m, ids) = (llama(), common::tokens_4x16(tmp.path()));
     let base = ok(&["train", &m, "--tokens", &ids, "--steps", "2"]);
     assert!(base.contains("unsharded"), "{base}");
 
@@ -171,7 +150,7 @@ fn pipelined_losses_equal_the_unsharded_run_and_chunks_are_placed() {
 
 /// Trains one pipelined step writing its plan; returns the plan's path.
 fn pipeline_plan(dir: &Path) -> PathBuf {
-    let (m, ids) = (llama(), tokens(dir));
+    let (m, ids) = (llama(), common::tokens_4x16(dir));
     let plan = dir.join("p.json");
     ok(&[
         "train",
@@ -245,7 +224,7 @@ fn find(ops: &[Value], kind: &str, carry: &str, micro: u64) -> usize {
 
 /// Expects `shardc schedule path` to fail (no panic, one-line error) naming every needle.
 fn rejected(path: &str, needles: &[&str]) {
-    let (ok, out, err) = shardc(&["schedule", path]);
+    let (ok, out, err) = common::run_shardc(&["schedule", path], &[]);
     assert!(!ok, "{path} should be rejected: {out}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(err.starts_with("error: "), "{err}");
@@ -345,13 +324,7 @@ fn diff_files(a: &Path, b: &Path, tol: f32) -> Vec<(String, f32)> {
     for n in wa.names() {
         let (x, y) = (wa.get(&n).unwrap(), wb.get(&n).unwrap());
         assert_eq!(x.shape, y.shape, "`{n}`");
-        let d = x
-            .as_f32()
-            .unwrap()
-            .iter()
-            .zip(y.as_f32().unwrap())
-            .map(|(p, q)| (p - q).abs())
-            .fold(0.0f32, f32::max);
+        let d = common::max_abs_diff(x.as_f32().unwrap(), y.as_f32().unwrap());
         if d.is_nan() || d >= tol {
             bad.push((n, d));
         }
@@ -362,7 +335,7 @@ fn diff_files(a: &Path, b: &Path, tol: f32) -> Vec<(String, f32)> {
 #[test]
 fn pipelined_checkpoint_and_gradients_equal_the_unsharded_ones() {
     let tmp = tempfile::tempdir().unwrap();
-    let (m, ids) = (llama(), tokens(tmp.path()));
+    let (m, ids) = (llama(), common::tokens_4x16(tmp.path()));
     let mut files = Vec::new();
     for (tag, mesh) in [("base", None), ("pp", Some("pp=2,dp=2"))] {
         let save = tmp.path().join(format!("{tag}-ckpt"));

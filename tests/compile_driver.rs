@@ -298,11 +298,7 @@ fn train_with_rewrite_matches_the_plain_step() {
     assert_eq!(g0.len(), g1.len());
     for ((n0, a), (n1, b)) in g0.iter().zip(&g1) {
         assert_eq!(n0, n1);
-        let d = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0f32, f32::max);
+        let d = common::max_abs_diff(a, b);
         assert!(d <= 1e-5, "{n0}: max |Δ| {d}");
     }
     let plan = dir.path().join("p.json");

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::free_port;
+use common::{free_port, spawn_rank};
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -104,18 +104,11 @@ fn spawn_ranks(dir: &Path, mesh: &str, world: usize, fail: usize, mode: &str) ->
     let args = run_args(dir, mesh, TIMEOUT_S); // Once: it writes the tokens file.
     (0..world)
         .map(|rank| {
-            shardc()
-                .args(&args)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
+            let mut c = shardc();
+            c.args(&args)
                 .env("SHARDC_TEST_FAIL_RANK", fail.to_string())
-                .env("SHARDC_TEST_FAIL_MODE", mode)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
+                .env("SHARDC_TEST_FAIL_MODE", mode);
+            spawn_rank(&mut c, rank, world, "127.0.0.1", port)
         })
         .collect()
 }
@@ -306,16 +299,9 @@ fn the_launcher_kills_a_job_past_its_timeout() {
 fn a_rank_that_never_starts_fails_the_rendezvous() {
     let tmp = tempfile::tempdir().unwrap();
     let t0 = Instant::now();
-    let child = shardc()
-        .args(run_args(tmp.path(), "tp=2", 1))
-        .env("RANK", "0")
-        .env("WORLD_SIZE", "2")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", free_port().to_string())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut c = shardc();
+    c.args(run_args(tmp.path(), "tp=2", 1));
+    let child = spawn_rank(&mut c, 0, 2, "127.0.0.1", free_port());
     let d = wait(child, t0, Duration::from_secs(1) + SLACK).expect("rank 0 hung");
     assert!(!d.status.success());
     assert!(
@@ -487,14 +473,7 @@ fn a_rank_with_another_plan_is_refused_at_the_rendezvous() {
             if rank == 1 {
                 c.args(["--strategy", "sp"]);
             }
-            c.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
+            spawn_rank(&mut c, rank, 2, "127.0.0.1", port)
         })
         .collect();
     let limit = Duration::from_secs(TIMEOUT_S) + SLACK;

@@ -8,7 +8,7 @@ use serde_json::Value;
 use shardc::runtime::Tensor;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Output, Stdio};
+use std::process::Output;
 
 use common::shardc_clean as shardc;
 
@@ -151,27 +151,16 @@ fn ranks_started_with_torchrun_variables() {
     let tmp = tempfile::tempdir().unwrap();
     let tokens = write_tokens(tmp.path(), &case);
     let out = tmp.path().join("out.json");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let children: Vec<_> = (0..2)
         .map(|rank| {
-            shardc()
-                .args(["run", &llama(), "--tokens", &tokens, "--mesh", "tp=2"])
+            let mut c = shardc();
+            c.args(["run", &llama(), "--tokens", &tokens, "--mesh", "tp=2"])
                 .args(["--comm-timeout", "60", "--out"])
                 .arg(&out)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
                 .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "localhost")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
+                .env("LOCAL_WORLD_SIZE", "2");
+            common::spawn_rank(&mut c, rank, 2, "localhost", port)
         })
         .collect();
     let mut outs = Vec::new();

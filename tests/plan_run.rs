@@ -235,13 +235,7 @@ fn train_plan_step(dir: &Path, m: &str, mesh: &str, dup: usize, extra: &[&str]) 
             .get(&format!("grad.{name}"))
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(got.shape, want.shape, "{what}: `{name}`");
-        let d = got
-            .as_f32()
-            .unwrap()
-            .iter()
-            .zip(want.as_f32().unwrap())
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let d = common::max_abs_diff(got.as_f32().unwrap(), want.as_f32().unwrap());
         assert!(d < 1e-5, "{what}: gradient `{name}` off by {d}");
         names += 1;
     }

@@ -90,7 +90,6 @@ fn rewritten_plans_reproduce_every_fixture() {
 /// A copy of a fixture model with `layers` decoder layers, layer `l` holding the fixture's
 /// layer `l mod n` weights (`layers.<i>.` or `h.<i>.` in the tensor names).
 fn deeper(model: &str, layers: usize, dir: &std::path::Path) -> std::path::PathBuf {
-    use safetensors::tensor::TensorView;
     let src = common::fixtures().join(model);
     let out = dir.join(model);
     std::fs::create_dir_all(&out).expect("dir");
@@ -135,11 +134,7 @@ fn deeper(model: &str, layers: usize, dir: &std::path::Path) -> std::path::PathB
             )),
         }
     }
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, dt, s, d)| (n.clone(), TensorView::new(*dt, s.clone(), d).expect("view")))
-        .collect();
-    safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).expect("write");
+    common::write_safetensors(&out.join("model.safetensors"), &tensors);
     out
 }
 

@@ -682,11 +682,7 @@ fn check(
             let y = &b[name];
             if !close(x, y) {
                 let worst = match (x.as_f32(), y.as_f32()) {
-                    (Some(p), Some(q)) => p
-                        .iter()
-                        .zip(q)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0.0f32, f32::max),
+                    (Some(p), Some(q)) => common::max_abs_diff(p, q),
                     _ => f32::NAN,
                 };
                 return Err(TestCaseError::fail(format!(

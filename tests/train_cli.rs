@@ -126,13 +126,7 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
     let r = train_support::reference(model);
     for (name, want) in &r.grads {
         let got = g.get(&format!("grad.{name}")).unwrap();
-        let d = got
-            .as_f32()
-            .unwrap()
-            .iter()
-            .zip(want.as_f32().unwrap())
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let d = common::max_abs_diff(got.as_f32().unwrap(), want.as_f32().unwrap());
         assert!(d < 1e-5, "`{name}` off by {d}");
     }
 }

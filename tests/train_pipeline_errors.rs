@@ -17,41 +17,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 use train_support::{pipe_options, token_batch, Pipe};
 
-/// Runs `shardc args…`: (success, stdout, stderr).
-fn shardc(args: &[&str]) -> (bool, String, String) {
-    let out = common::shardc_clean().args(args).output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
-}
-
-/// Expects `shardc args…` to fail with a one-line `error:` (no panic) containing every needle.
+/// Expects `shardc args…` to fail with a one-line `error:` (no panic) containing every needle,
+/// before any step ran.
 fn fails_with(args: &[&str], needles: &[&str]) {
-    let (ok, out, err) = shardc(args);
-    assert!(!ok, "{args:?} should fail: {out}");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "{args:?}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: one line: {err}"
-    );
+    let out = common::fails_with(args, needles);
     assert!(!out.contains("step 1: loss"), "{args:?} trained: {out}");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` not in: {err}");
-    }
-}
-
-/// Four sequences of 16 token ids below 256 (every fixture's vocabulary is at least 256).
-fn tokens(dir: &Path) -> String {
-    let rows: Vec<Vec<usize>> = (0..4)
-        .map(|b| (0..16).map(|t| ((b * 16 + t) * 7919 + 13) % 256).collect())
-        .collect();
-    let p = dir.join("toks.json");
-    std::fs::write(&p, serde_json::to_string(&rows).unwrap()).unwrap();
-    p.to_string_lossy().to_string()
 }
 
 fn model(name: &str) -> String {
@@ -61,7 +31,7 @@ fn model(name: &str) -> String {
 /// `shardc train <model> --tokens … extra…` must fail naming every needle.
 fn train_fails(model_name: &str, extra: &[&str], needles: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
-    let (m, ids) = (model(model_name), tokens(tmp.path()));
+    let (m, ids) = (model(model_name), common::tokens_4x16(tmp.path()));
     let mut args = vec!["train", m.as_str(), "--tokens", ids.as_str()];
     args.extend_from_slice(extra);
     fails_with(&args, needles);

@@ -13,8 +13,8 @@ use shardc_compiler::ir::Graph;
 use shardc_compiler::plan::PlanStep;
 use std::collections::BTreeMap;
 
-/// `acc += x`, elementwise (f32; same shapes).
-fn accumulate(acc: &mut Tensor, x: &Tensor, name: &str) -> Result<(), RuntimeError> {
+/// `acc += x`, elementwise (f32; same shapes): one micro-batch's output added to the sum.
+pub(crate) fn accumulate(acc: &mut Tensor, x: &Tensor, name: &str) -> Result<(), RuntimeError> {
     match (&mut acc.data, &x.data) {
         (crate::Buffer::F32(a), crate::Buffer::F32(b)) if a.len() == b.len() => {
             for (a, b) in a.iter_mut().zip(b) {

@@ -18,7 +18,7 @@ use crate::exec::{load_params, ParamCache, RankCtx, Stepwise};
 use crate::spmd::{root_cause, run_threads, thread_comms};
 use crate::train::{
     assemble, at_step, check_batch, kept_state, reduce_loss, train_section, Batch, StepCheck,
-    StepOutput, TrainError, TrainState,
+    StepOutput, StepUpdate, TrainError, TrainState,
 };
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
@@ -270,12 +270,7 @@ pub fn pipeline_step(
             .collect()
     };
     let mut loss = f32::NAN;
-    let (mut grads, mut params, mut m, mut v) = (
-        BTreeMap::new(),
-        BTreeMap::new(),
-        BTreeMap::new(),
-        BTreeMap::new(),
-    );
+    let (mut grads, mut update) = (BTreeMap::new(), StepUpdate::default());
     for ch in &plan.chunks {
         let ranks = ranks_of(ch.stage);
         let get = |name: &str| -> Result<Tensor, TrainError> {
@@ -306,17 +301,10 @@ pub fn pipeline_step(
                 None => g,
             };
             grads.insert(l.clone(), g);
-            params.insert(l.clone(), get(&prm.param)?);
-            m.insert(l.clone(), get(&prm.adam_m)?);
-            v.insert(l.clone(), get(&prm.adam_v)?);
+            update.take(prm, &get)?;
         }
     }
-    // A poisoned step leaves the state as it was.
-    StepCheck::new(&t.params).check_global(step, loss, &grads, &params)?;
-    state.params.extend(params);
-    state.m.extend(m);
-    state.v.extend(v);
-    state.step = step;
+    state.commit(&t.params, step, loss, &grads, update)?;
     let mut peak_activation_bytes = vec![0; p];
     for (r, o) in outs.iter().enumerate() {
         let s = mesh.coords(r)[pp.0 as usize];
@@ -345,23 +333,6 @@ fn chunk_output<'a>(
         }
     }
     ch.program.output(name).map(|v| (v, &ch.shardings[..]))
-}
-
-/// `acc += x`, elementwise (f32; same shapes).
-fn accumulate(acc: &mut Tensor, x: &Tensor, name: &str) -> Result<(), RuntimeError> {
-    match (&mut acc.data, &x.data) {
-        (crate::Buffer::F32(a), crate::Buffer::F32(b)) if a.len() == b.len() => {
-            for (a, b) in a.iter_mut().zip(b) {
-                *a += b;
-            }
-            Ok(())
-        }
-        _ => Err(RuntimeError::InputShape {
-            name: format!("{name} (summed over micro-batches)"),
-            expected: acc.shape.clone(),
-            found: x.shape.clone(),
-        }),
-    }
 }
 
 /// One rank of pipeline stage `stage`: its chunks' programs driven by the stage's
@@ -585,7 +556,7 @@ pub fn run_stage(
                     }
                     for (name, t) in st.finish()? {
                         match sums[k].get_mut(&name) {
-                            Some(acc) => accumulate(acc, &t, &name)?,
+                            Some(acc) => crate::micro::accumulate(acc, &t, &name)?,
                             None => {
                                 sums[k].insert(name, t);
                             }

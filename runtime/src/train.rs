@@ -204,6 +204,49 @@ impl TrainState {
         }
         Ok(s)
     }
+
+    /// Makes `update` the state of step `step` once the step checks out (loss, gradients and
+    /// updated parameters finite): a poisoned step leaves the state as it was.
+    pub(crate) fn commit<'a>(
+        &mut self,
+        params: impl IntoIterator<Item = &'a PlanParam>,
+        step: u64,
+        loss: f32,
+        grads: &BTreeMap<String, Tensor>,
+        update: StepUpdate,
+    ) -> Result<(), TrainError> {
+        StepCheck::new(params).check_global(step, loss, grads, &update.params)?;
+        self.params.extend(update.params);
+        self.m.extend(update.m);
+        self.v.extend(update.v);
+        self.step = step;
+        Ok(())
+    }
+}
+
+/// A step's updated parameters and AdamW moments by label, gathered from its outputs and
+/// kept until [`TrainState::commit`].
+#[derive(Default)]
+pub(crate) struct StepUpdate {
+    params: BTreeMap<String, Tensor>,
+    m: BTreeMap<String, Tensor>,
+    v: BTreeMap<String, Tensor>,
+}
+
+impl StepUpdate {
+    /// Takes parameter `p`'s updated weight and moments, each read by `get` (a step output by
+    /// name).
+    pub(crate) fn take(
+        &mut self,
+        p: &PlanParam,
+        get: &impl Fn(&str) -> Result<Tensor, TrainError>,
+    ) -> Result<(), TrainError> {
+        let l = &p.label;
+        self.params.insert(l.clone(), get(&p.param)?);
+        self.m.insert(l.clone(), get(&p.adam_m)?);
+        self.v.insert(l.clone(), get(&p.adam_v)?);
+        Ok(())
+    }
 }
 
 /// What one step returns.
@@ -377,25 +420,12 @@ pub fn train_step(
         Ok(assemble(mesh, &shardings[v.index()], &locals))
     };
     let loss = get("loss")?.as_f32().map_or(f32::NAN, |v| v[0]);
-    let (mut grads, mut params, mut m, mut v) = (
-        BTreeMap::new(),
-        BTreeMap::new(),
-        BTreeMap::new(),
-        BTreeMap::new(),
-    );
+    let (mut grads, mut update) = (BTreeMap::new(), StepUpdate::default());
     for p in &t.params {
-        let l = &p.label;
-        grads.insert(l.clone(), get(&p.grad)?);
-        params.insert(l.clone(), get(&p.param)?);
-        m.insert(l.clone(), get(&p.adam_m)?);
-        v.insert(l.clone(), get(&p.adam_v)?);
+        grads.insert(p.label.clone(), get(&p.grad)?);
+        update.take(p, &get)?;
     }
-    // A poisoned step leaves the state as it was.
-    StepCheck::new(&t.params).check_global(step, loss, &grads, &params)?;
-    state.params.extend(params);
-    state.m.extend(m);
-    state.v.extend(v);
-    state.step = step;
+    state.commit(&t.params, step, loss, &grads, update)?;
     Ok(StepOutput { loss, grads })
 }
 

@@ -2,6 +2,9 @@
 //! random inputs at odd sizes, and the executor on tiny hand-built graphs with checkpoints
 //! written by the test.
 
+mod cuda_common;
+
+use cuda_common::{ty_of, Rng};
 use half::bf16;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -20,50 +23,6 @@ use std::path::Path;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// xorshift64* with a fixed seed per test.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    /// Uniform in [-scale, scale).
-    fn sym(&mut self, scale: f32) -> f32 {
-        (self.unit() * 2.0 - 1.0) * scale
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.sym(scale)).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn tensor(&mut self, shape: &[usize], scale: f32) -> Tensor {
-        let n = shape.iter().product();
-        Tensor::f32(shape.to_vec(), self.vec(n, scale))
-    }
-}
-
-fn ty_of(t: &Tensor) -> TensorType {
-    let dt = if t.as_i32().is_some() {
-        DType::I32
-    } else {
-        DType::F32
-    };
-    TensorType::plain(dt, &t.shape)
-}
 
 /// Type-checks `op` on the operands (as the IR would) and evaluates it.
 fn run(op: Op, ins: &[&Tensor]) -> Tensor {

@@ -180,11 +180,12 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The summary `compile` prints (also used by `explain`).
-pub fn print_summary(plan: &Plan) {
+/// The first line of both summaries: `model (type, N layers){what} on mesh M (R ranks, G
+/// GPUs/node), strategies S, batch B × seq T`.
+fn headline(plan: &Plan, what: &str) -> String {
     let strategies = plan.strategies.join(",");
-    println!(
-        "{} ({}, {} layers) on mesh {} ({} ranks, {} GPUs/node), strategies {}, batch {} × seq {}",
+    format!(
+        "{} ({}, {} layers){what} on mesh {} ({} ranks, {} GPUs/node), strategies {}, batch {} × seq {}",
         plan.model.source,
         plan.model.model_type,
         plan.model.layers,
@@ -192,13 +193,18 @@ pub fn print_summary(plan: &Plan) {
         plan.mesh.world_size(),
         plan.mesh.gpus_per_node,
         if strategies.is_empty() {
-            "none".into()
+            "none"
         } else {
-            strategies
+            &strategies
         },
         plan.model.batch,
         plan.model.seq
-    );
+    )
+}
+
+/// The summary `compile` prints (also used by `explain`).
+pub fn print_summary(plan: &Plan) {
+    println!("{}", headline(plan, ""));
     print_axes(&plan.mesh);
     println!(
         "per rank: params {}, activations {} peak (arena), {} without reuse; norm+residual activations {}",
@@ -533,16 +539,8 @@ fn print_train_summary(
 ) -> anyhow::Result<()> {
     let k = opts.micro_batches;
     println!(
-        "{} ({}, {} layers) training step on mesh {} ({} ranks, {} GPUs/node), strategies {}, batch {} × seq {}, {k} micro-batch(es) of {}, recompute {}",
-        plan.model.source,
-        plan.model.model_type,
-        plan.model.layers,
-        plan.mesh,
-        plan.mesh.world_size(),
-        plan.mesh.gpus_per_node,
-        plan.strategies.join(","),
-        plan.model.batch,
-        plan.model.seq,
+        "{}, {k} micro-batch(es) of {}, recompute {}",
+        headline(plan, " training step"),
         plan.model.batch / k.max(1),
         opts.recompute
     );

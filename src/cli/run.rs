@@ -107,7 +107,7 @@ fn test_fault_hook(rank: usize) -> anyhow::Result<()> {
 }
 
 /// Reads a JSON `[[int, ...], ...]` file as a rectangular batch × seq matrix.
-fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64>)> {
+pub(super) fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64>)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading {what} {}", path.display()))?;
     let v: Value = serde_json::from_str(&text)
@@ -154,16 +154,42 @@ fn read_matrix(path: &Path, what: &str) -> anyhow::Result<(usize, usize, Vec<i64
     Ok((rows.len(), width, out))
 }
 
+/// Reads a token file for model `cfg`: a batch × seq matrix of ids inside the vocabulary,
+/// no longer than the model's positions.
+pub(super) fn read_tokens(
+    path: &Path,
+    cfg: &ModelConfig,
+) -> anyhow::Result<(usize, usize, Vec<i64>)> {
+    let (b, t, ids) = read_matrix(path, "tokens")?;
+    if t > cfg.max_positions {
+        bail!(
+            "sequence length {t} exceeds the model's maximum positions {}",
+            cfg.max_positions
+        );
+    }
+    if let Some((id, at)) = first_outside(&ids, t, |id| id >= 0 && (id as usize) < cfg.vocab) {
+        bail!(
+            "token id {id} at {at} is out of range for vocabulary size {}",
+            cfg.vocab
+        );
+    }
+    Ok((b, t, ids))
+}
+
+/// The first entry of row-major matrix `v` (rows of `t`) that is not `inside`, with its
+/// place `[b][t]`.
+fn first_outside(v: &[i64], t: usize, inside: impl Fn(i64) -> bool) -> Option<(i64, String)> {
+    let i = v.iter().position(|&x| !inside(x))?;
+    Some((v[i], format!("[{}][{}]", i / t, i % t)))
+}
+
 /// Reads an attention mask: a batch × seq matrix of 0 (padding) and 1 (keep).
 fn read_mask(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
     let (b, t, v) = read_matrix(path, "attention mask")?;
-    if let Some(i) = v.iter().position(|&x| x != 0 && x != 1) {
+    if let Some((x, at)) = first_outside(&v, t, |x| x == 0 || x == 1) {
         bail!(
-            "attention mask {}: [{}][{}] = {} is not 0 (padding) or 1 (keep)",
-            path.display(),
-            i / t,
-            i % t,
-            v[i]
+            "attention mask {}: {at} = {x} is not 0 (padding) or 1 (keep)",
+            path.display()
         );
     }
     Ok((b, t, v))
@@ -284,23 +310,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
     }
     let cfg = ModelConfig::from_path(&a.model)?;
-    let (b, t, ids) = read_matrix(&a.tokens, "tokens")?;
-    if t > cfg.max_positions {
-        bail!(
-            "sequence length {t} exceeds the model's maximum positions {}",
-            cfg.max_positions
-        );
-    }
-    for (i, &id) in ids.iter().enumerate() {
-        if id < 0 || id as usize >= cfg.vocab {
-            bail!(
-                "token id {id} at [{}][{}] is out of range for vocabulary size {}",
-                i / t,
-                i % t,
-                cfg.vocab
-            );
-        }
-    }
+    let (b, t, ids) = read_tokens(&a.tokens, &cfg)?;
     let same_shape =
         |what: &str, (bb, tt, v): (usize, usize, Vec<i64>)| -> anyhow::Result<Vec<i64>> {
             if (bb, tt) != (b, t) {
@@ -318,15 +328,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let pos: Vec<i32> = match &a.position_ids {
         Some(p) => {
             let v = same_shape("position ids", read_matrix(p, "position ids")?)?;
-            if let Some((i, &x)) = v
-                .iter()
-                .enumerate()
-                .find(|(_, &x)| x < 0 || x as usize >= cfg.max_positions)
-            {
+            let inside = |x: i64| x >= 0 && (x as usize) < cfg.max_positions;
+            if let Some((x, at)) = first_outside(&v, t, inside) {
                 bail!(
-                    "position id {x} at [{}][{}] is outside [0, {})",
-                    i / t,
-                    i % t,
+                    "position id {x} at {at} is outside [0, {})",
                     cfg.max_positions
                 );
             }

@@ -7,9 +7,9 @@
 //! torchrun) and `--mesh` or `--plan`, this process runs only its rank, over tcp; rank 0
 //! prints the loss.
 
+use super::run::read_tokens;
 use anyhow::{bail, Context};
 use clap::Args;
-use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::compile::{compile, CompileSpec, Job};
 use shardc::compiler::cost::timelines_trace;
@@ -29,7 +29,7 @@ use shardc::runtime::train::{
 };
 use shardc::runtime::Weights;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
@@ -142,45 +142,6 @@ fn hyper_params(a: &TrainArgs) -> anyhow::Result<AdamWSpec> {
         }
     }
     Ok(spec)
-}
-
-/// Reads a JSON `[[int, ...], ...]` file of token ids as a batch × seq matrix.
-fn read_tokens(path: &Path) -> anyhow::Result<(usize, usize, Vec<i64>)> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading tokens {}", path.display()))?;
-    let v: Value = serde_json::from_str(&text)
-        .with_context(|| format!("tokens {}: malformed JSON", path.display()))?;
-    let rows = v
-        .as_array()
-        .with_context(|| format!("tokens {}: expected a list of lists", path.display()))?;
-    if rows.is_empty() {
-        bail!("tokens {}: empty batch", path.display());
-    }
-    let mut out = Vec::new();
-    let mut width = None;
-    for (b, row) in rows.iter().enumerate() {
-        let row = row
-            .as_array()
-            .with_context(|| format!("tokens {}: row {b} is not a list", path.display()))?;
-        if *width.get_or_insert(row.len()) != row.len() {
-            bail!(
-                "tokens {}: ragged rows: row 0 has {} entries, row {b} has {}",
-                path.display(),
-                width.unwrap_or(0),
-                row.len()
-            );
-        }
-        for (t, x) in row.iter().enumerate() {
-            out.push(x.as_i64().with_context(|| {
-                format!(
-                    "tokens {}: [{b}][{t}] = {x} is not an integer{}",
-                    path.display(),
-                    if x.is_u64() { " below 2^63" } else { "" }
-                )
-            })?);
-        }
-    }
-    Ok((rows.len(), width.unwrap_or(0), out))
 }
 
 /// This process's rank of a multi-process run: connects its groups (tcp, torchrun's
@@ -358,27 +319,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         outputs.check_dir("--save", dir, &CHECKPOINT_FILES)?;
     }
     let cfg = ModelConfig::from_path(&a.model)?;
-    let (b, t, ids) = read_tokens(&a.tokens)?;
+    let (b, t, ids) = read_tokens(&a.tokens, &cfg)?;
     if t < 2 {
         bail!("sequences of {t} token(s) have nothing to predict; need at least 2");
-    }
-    if t > cfg.max_positions {
-        bail!(
-            "sequence length {t} exceeds the model's maximum positions {}",
-            cfg.max_positions
-        );
-    }
-    if let Some((i, &id)) = ids
-        .iter()
-        .enumerate()
-        .find(|(_, &id)| id < 0 || id as usize >= cfg.vocab)
-    {
-        bail!(
-            "token id {id} at [{}][{}] is out of range for vocabulary size {}",
-            i / t,
-            i % t,
-            cfg.vocab
-        );
     }
     let batch = Batch::causal_lm(ids.iter().map(|&x| x as i32).collect(), b, t);
     // The plan that runs: the compiled file, or the model compiled here for the flags.

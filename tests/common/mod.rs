@@ -218,6 +218,65 @@ pub fn fails_with(args: &[&str], needles: &[&str]) -> String {
     fails_with_env(args, &[], needles)
 }
 
+/// The largest `|a[i] − b[i]|` over the pairs of `a` and `b`; NaN when any difference is.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, |m, d| {
+            if m.is_nan() || d.is_nan() {
+                f32::NAN
+            } else {
+                m.max(d)
+            }
+        })
+}
+
+/// Four sequences of 16 token ids below 256 (every fixture's vocabulary is at least 256),
+/// written to `dir/toks.json`; returns its path.
+pub fn tokens_4x16(dir: &std::path::Path) -> String {
+    let rows: Vec<Vec<usize>> = (0..4)
+        .map(|b| (0..16).map(|t| ((b * 16 + t) * 7919 + 13) % 256).collect())
+        .collect();
+    let p = dir.join("toks.json");
+    std::fs::write(&p, serde_json::to_string(&rows).unwrap()).unwrap();
+    p.to_string_lossy().to_string()
+}
+
+/// A tensor to write: name, dtype, shape, little-endian bytes.
+pub type RawTensor = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// Writes `tensors` as the safetensors file `path`.
+pub fn write_safetensors(path: &std::path::Path, tensors: &[RawTensor]) {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, dt, s, d)| {
+            let view = safetensors::tensor::TensorView::new(*dt, s.clone(), d).expect("view");
+            (n.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("writing safetensors");
+}
+
+/// Starts `c` as rank `rank` of `world`, by hand as torchrun would (RANK, WORLD_SIZE,
+/// MASTER_ADDR `addr`, MASTER_PORT `port`), with stdout and stderr piped.
+pub fn spawn_rank(
+    c: &mut std::process::Command,
+    rank: usize,
+    world: usize,
+    addr: &str,
+    port: u16,
+) -> std::process::Child {
+    c.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", addr)
+        .env("MASTER_PORT", port.to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// A TCP port free on 127.0.0.1 now (bound and released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

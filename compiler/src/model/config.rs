@@ -230,14 +230,23 @@ impl<'a> Fields<'a> {
         self.size(k)?.ok_or_else(|| self.err(k, "missing".into()))
     }
 
-    fn f64(&self, k: &str) -> Result<Option<f64>, ModelError> {
+    /// Field `k` through `read` when present; an error expecting `what` when `read` refuses it.
+    fn typed<T>(
+        &self,
+        k: &str,
+        what: &str,
+        read: impl Fn(&'a Value) -> Option<T>,
+    ) -> Result<Option<T>, ModelError> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
+            Some(v) => read(v)
                 .map(Some)
-                .ok_or_else(|| self.err(k, format!("expected a number, found {v}"))),
+                .ok_or_else(|| self.err(k, format!("expected {what}, found {v}"))),
         }
+    }
+
+    fn f64(&self, k: &str) -> Result<Option<f64>, ModelError> {
+        self.typed(k, "a number", Value::as_f64)
     }
 
     /// A finite float32 > 0 (`default` when absent).
@@ -256,32 +265,17 @@ impl<'a> Fields<'a> {
     }
 
     fn bool(&self, k: &str, default: bool) -> Result<bool, ModelError> {
-        match self.get(k) {
-            None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| self.err(k, format!("expected true or false, found {v}"))),
-        }
+        Ok(self
+            .typed(k, "true or false", Value::as_bool)?
+            .unwrap_or(default))
     }
 
     fn str(&self, k: &str) -> Result<Option<&'a str>, ModelError> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| self.err(k, format!("expected a string, found {v}"))),
-        }
+        self.typed(k, "a string", Value::as_str)
     }
 
     fn object(&self, k: &str) -> Result<Option<&'a Map<String, Value>>, ModelError> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(v) => v
-                .as_object()
-                .map(Some)
-                .ok_or_else(|| self.err(k, format!("expected an object, found {v}"))),
-        }
+        self.typed(k, "an object", Value::as_object)
     }
 }
 

@@ -6,6 +6,7 @@
 //! outputs zeros. Query head `h` reads KV head `h / (Hq / Hkv)`.
 
 use super::layout::permute;
+use super::linalg::strided_gemm;
 use super::{f32_of, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
@@ -79,54 +80,6 @@ pub(crate) fn attention(
     });
     let out = permute(&tmp, &[b, hq, t, d], &[0, 2, 1, 3]);
     Ok(Tensor::f32(q.shape.clone(), out))
-}
-
-/// `c[m×n] (row stride ldc) = a · b` with `a` `m×k` at strides `sa` and `b` `k×n` at `sb`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn strided_gemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
-    c: &mut [f32],
-    ldc: usize,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        c.fill(0.0);
-        return;
-    }
-    let last =
-        |rows: usize, cols: usize, (rs, cs): (usize, usize)| (rows - 1) * rs + (cols - 1) * cs;
-    assert!(
-        last(m, k, sa) < a.len() && last(k, n, sb) < b.len() && last(m, n, (ldc, 1)) < c.len(),
-        "invariant: strided gemm operands in bounds"
-    );
-    // SAFETY: the assert bounds the largest index sgemm reads or writes in each operand; `c`
-    // is a unique borrow (no aliasing with `a`/`b`) and beta = 0 means it is only written.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            sa.0 as isize,
-            sa.1 as isize,
-            b.as_ptr(),
-            sb.0 as isize,
-            sb.1 as isize,
-            0.0,
-            c.as_mut_ptr(),
-            ldc as isize,
-            1,
-        );
-    }
 }
 
 /// Turns one row of raw scores `q·k` into attention probabilities in place: scaled, keys the

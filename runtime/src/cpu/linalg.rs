@@ -9,41 +9,110 @@ use rayon::prelude::*;
 /// Multiply-adds above which batched matmuls run their batch entries in parallel.
 const PAR_FLOPS: usize = 1 << 18;
 
+/// An element type `matrixmultiply` multiplies: f32 (`sgemm`) or f64 (`dgemm`).
+pub(crate) trait GemmElem: Copy {
+    /// Zero.
+    const ZERO: Self;
+
+    /// `matrixmultiply`'s gemm with alpha = 1 and beta = 0 (`c` is only written).
+    ///
+    /// # Safety
+    /// As `matrixmultiply::sgemm`: every element reached through the pointers and strides is
+    /// in bounds, and `c` aliases neither input.
+    unsafe fn gemm_raw(
+        m: usize,
+        k: usize,
+        n: usize,
+        a: (*const Self, isize, isize),
+        b: (*const Self, isize, isize),
+        c: (*mut Self, isize, isize),
+    );
+}
+
+/// `impl GemmElem for $t` calling `matrixmultiply::$gemm`.
+macro_rules! gemm_elem {
+    ($t:ty, $gemm:ident) => {
+        impl GemmElem for $t {
+            const ZERO: $t = 0.0;
+
+            unsafe fn gemm_raw(
+                m: usize,
+                k: usize,
+                n: usize,
+                a: (*const $t, isize, isize),
+                b: (*const $t, isize, isize),
+                c: (*mut $t, isize, isize),
+            ) {
+                // SAFETY: forwarded from the caller (the trait contract).
+                unsafe {
+                    matrixmultiply::$gemm(
+                        m, k, n, 1.0, a.0, a.1, a.2, b.0, b.1, b.2, 0.0, c.0, c.1, c.2,
+                    )
+                }
+            }
+        }
+    };
+}
+
+gemm_elem!(f32, sgemm);
+gemm_elem!(f64, dgemm);
+
+/// `c[m×n] (row stride ldc) = a · b` with `a` `m×k` at element strides `sa` (row, col) and `b`
+/// `k×n` at `sb`; elements of `c` outside the `m×n` block are left alone.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn strided_gemm<T: GemmElem>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    sa: (usize, usize),
+    b: &[T],
+    sb: (usize, usize),
+    c: &mut [T],
+    ldc: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last =
+        |rows: usize, cols: usize, (rs, cs): (usize, usize)| (rows - 1) * rs + (cols - 1) * cs;
+    assert!(
+        ldc >= n && last(m, n, (ldc, 1)) < c.len(),
+        "invariant: strided gemm result in bounds"
+    );
+    if k == 0 {
+        for row in c.chunks_mut(ldc).take(m) {
+            row[..n].fill(T::ZERO);
+        }
+        return;
+    }
+    assert!(
+        last(m, k, sa) < a.len() && last(k, n, sb) < b.len(),
+        "invariant: strided gemm operands in bounds"
+    );
+    let s = |x: usize| x as isize;
+    // SAFETY: the asserts bound the largest index the gemm reads in `a` and `b` and writes in
+    // `c`; `c` is a unique borrow, so it aliases neither input.
+    unsafe {
+        T::gemm_raw(
+            m,
+            k,
+            n,
+            (a.as_ptr(), s(sa.0), s(sa.1)),
+            (b.as_ptr(), s(sb.0), s(sb.1)),
+            (c.as_mut_ptr(), s(ldc), 1),
+        );
+    }
+}
+
 /// `c[m×n] = a[m×k] · b`, row-major `a` and `c`; `b` is `[k, n]` or, with `tb`, `[n, k]`.
 pub(crate) fn gemm(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], tb: bool, c: &mut [f32]) {
     assert!(
         a.len() >= m * k && b.len() >= k * n && c.len() >= m * n,
         "invariant: gemm operand lengths"
     );
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        c[..m * n].fill(0.0);
-        return;
-    }
-    let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
-    // SAFETY: the assert above bounds every index sgemm touches: a is m×k with strides (k, 1),
-    // b is k×n with strides (rsb, csb) inside k·n elements, c is m×n with strides (n, 1).
-    // `c` is a unique borrow, so it aliases neither input; beta = 0 means c is only written.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            k as isize,
-            1,
-            b.as_ptr(),
-            rsb,
-            csb,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
+    let sb = if tb { (1, k) } else { (n, 1) };
+    strided_gemm(m, k, n, a, (k, 1), b, sb, c, n);
 }
 
 /// `MatMul { transpose_b }`.

@@ -38,13 +38,7 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
         return r;
     }
     let m = op.mnemonic();
-    let want = |n: usize| -> Result<(), RuntimeError> {
-        if inputs.len() == n {
-            Ok(())
-        } else {
-            Err(shape_err(m, inputs, "wrong number of operands"))
-        }
-    };
+    let want = |n: usize| arity(m, inputs, n);
     match op {
         Op::Embedding => {
             want(2)?;
@@ -178,6 +172,15 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
             op: m,
             detail: "a training op outside the training kernels".into(),
         }),
+    }
+}
+
+/// `Ok` when `op` got `n` operands, else a [`RuntimeError::Shape`] listing them.
+pub(crate) fn arity(op: &'static str, inputs: &[&Tensor], n: usize) -> Result<(), RuntimeError> {
+    if inputs.len() == n {
+        Ok(())
+    } else {
+        Err(shape_err(op, inputs, "wrong number of operands"))
     }
 }
 

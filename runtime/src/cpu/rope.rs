@@ -12,32 +12,54 @@ use shardc_compiler::ir::{RopeSpec, RopeStyle};
 /// `2i + 1`. Pair `i` rotates by `pos · inv_freq[i]`, with `inv_freq` from
 /// [`RopeSpec::inv_freq`] (which applies any frequency scaling).
 pub(crate) fn rope(x: &Tensor, pos: &Tensor, spec: &RopeSpec) -> Result<Tensor, RuntimeError> {
-    const OP: &str = "rope";
-    let pd = i32_of(OP, pos, 1)?;
+    let turn = |a: f32, b: f32, sin: f64, cos: f64| {
+        let (s, c) = (sin as f32, cos as f32);
+        (a * c + (-b) * s, b * c + a * s)
+    };
+    rotate_pairs(
+        "rope",
+        x,
+        pos,
+        spec,
+        "expects x[B,T,N,D] and pos[B,T]",
+        turn,
+    )
+}
+
+/// Checks `x[B, T, N, D]` and `pos[B, T]` (D even) and returns `x` with every head's rotary
+/// pair `(a, b)` replaced by `turn(a, b, sin, cos)` of its angle, `pos · inv_freq[i]` computed
+/// in f32 (the forward kernel and its gradient share the pairing and the angles).
+pub(crate) fn rotate_pairs(
+    op: &'static str,
+    x: &Tensor,
+    pos: &Tensor,
+    spec: &RopeSpec,
+    expects: &'static str,
+    turn: impl Fn(f32, f32, f64, f64) -> (f32, f32) + Sync,
+) -> Result<Tensor, RuntimeError> {
+    let pd = i32_of(op, pos, 1)?;
     if x.shape.len() != 4 || pos.shape.len() != 2 || x.shape[..2] != pos.shape[..] {
-        return Err(shape_err(OP, &[x, pos], "expects x[B,T,N,D] and pos[B,T]"));
+        return Err(shape_err(op, &[x, pos], expects));
     }
     let (n, d) = (x.shape[2], x.shape[3]);
     if d % 2 != 0 {
-        return Err(shape_err(OP, &[x, pos], "head dim must be even"));
+        return Err(shape_err(op, &[x, pos], "head dim must be even"));
     }
     let half = d / 2;
     let inv = spec.inv_freq(d);
     let style = spec.style;
-    let mut out = f32_of(OP, x, 0)?.to_vec();
+    let mut out = f32_of(op, x, 0)?.to_vec();
     for_each_row(&mut out, n * d, |r, row| {
         let p = pd[r] as f32;
         for (i, &f) in inv.iter().enumerate() {
             let angle = (f * p) as f64;
-            let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+            let (s, c) = (angle.sin(), angle.cos());
             let (lo, hi) = match style {
                 RopeStyle::Half => (i, i + half),
                 RopeStyle::Interleaved => (2 * i, 2 * i + 1),
             };
             for head in row.chunks_mut(d) {
-                let (a, b) = (head[lo], head[hi]);
-                head[lo] = a * c + (-b) * s;
-                head[hi] = b * c + a * s;
+                (head[lo], head[hi]) = turn(head[lo], head[hi], s, c);
             }
         }
     });

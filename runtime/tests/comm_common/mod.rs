@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use shardc_runtime::comm::ReduceOp;
+use shardc_runtime::comm::{CommError, ReduceOp};
 use std::time::Duration;
 
 pub const COUNTS: [usize; 7] = [0, 1, 3, 7, 50, 783, 4097];
@@ -85,4 +85,47 @@ pub fn cases() -> Vec<(usize, ReduceOp)> {
 /// The bit patterns of `v`, for exact comparisons.
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Checks each rank's `(error, elapsed)`: an [`CommError::Aborted`] naming that rank, whose
+/// reason holds every needle, within 5 s of the abort.
+pub fn assert_aborted_promptly(outs: Vec<(CommError, Duration)>, needles: &[&str]) {
+    for (rank, (err, elapsed)) in outs.into_iter().enumerate() {
+        let CommError::Aborted {
+            rank: r,
+            ref reason,
+            ..
+        } = err
+        else {
+            panic!("rank {rank}: expected Aborted, got {err}");
+        };
+        assert_eq!(r, rank);
+        for n in needles {
+            assert!(reason.contains(n), "`{n}` not in: {reason}");
+        }
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "rank {rank} took {elapsed:?}"
+        );
+    }
+}
+
+/// Checks rank `rank`'s timeout `err`: its message holds every part, and it came after the
+/// group's `timeout` (and within 1.5 s of it).
+pub fn assert_timed_out(
+    rank: usize,
+    err: &CommError,
+    elapsed: Duration,
+    timeout: Duration,
+    parts: &[&str],
+) {
+    let msg = err.to_string();
+    for part in parts {
+        assert!(msg.contains(part), "`{msg}` lacks `{part}`");
+    }
+    assert!(elapsed >= timeout, "rank {rank} gave up early: {elapsed:?}");
+    assert!(
+        elapsed < timeout + Duration::from_millis(1500),
+        "rank {rank} too slow: {elapsed:?}"
+    );
 }

@@ -1,5 +1,6 @@
 //! Shared helpers of the GPU tests (`cuda_*.rs`): the device, seeded random tensors,
-//! single-op graphs run on the GPU and on the CPU reference, fixtures and comparisons.
+//! single-op graphs run on the GPU and on the CPU reference, fixtures and comparisons. The CPU
+//! kernel tests (`kernels_cpu.rs`) draw their inputs from the same RNG.
 #![allow(dead_code)]
 
 use safetensors::tensor::TensorView;
@@ -32,16 +33,23 @@ impl Rng {
         self.0 = x;
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
     /// Uniform in [-scale, scale).
     pub fn sym(&mut self, scale: f32) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        (self.unit() * 2.0 - 1.0) * scale
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.sym(scale)).collect()
     }
     pub fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize
     }
     pub fn tensor(&mut self, shape: &[usize], scale: f32) -> Tensor {
         let n = shape.iter().product();
-        Tensor::f32(shape.to_vec(), (0..n).map(|_| self.sym(scale)).collect())
+        Tensor::f32(shape.to_vec(), self.vec(n, scale))
     }
     pub fn ids(&mut self, shape: &[usize], lo: i32, hi: i32) -> Tensor {
         let n = shape.iter().product();

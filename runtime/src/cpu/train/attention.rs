@@ -7,7 +7,8 @@
 //! `dK = scale·dSᵀ·Q`; `dK` and `dV` sum over the query heads sharing a KV head. Masked keys
 //! have `P = 0`, so they receive nothing. Gradients accumulate in f64.
 
-use crate::cpu::attention::{masked_softmax_row, strided_gemm, visibility};
+use crate::cpu::attention::{masked_softmax_row, visibility};
+use crate::cpu::linalg::strided_gemm;
 use crate::cpu::{f32_of, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;

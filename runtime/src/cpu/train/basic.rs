@@ -3,11 +3,13 @@
 //! `RepeatGrad`.
 
 use crate::cpu::layout::split3;
+use crate::cpu::linalg::strided_gemm;
+use crate::cpu::rope::rotate_pairs;
 use crate::cpu::vocab::cross_entropy_operands;
 use crate::cpu::{f32_of, for_each_row, i32_of, prod, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
-use shardc_compiler::ir::{RopeSpec, RopeStyle, UnaryOp};
+use shardc_compiler::ir::{RopeSpec, UnaryOp};
 
 /// √(2/π), the GeLU tanh-approximation constant.
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -83,54 +85,6 @@ pub(crate) fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor, RuntimeError>
     ))
 }
 
-/// `c[m×n] = a · b` in f64 with `a` `m×k` at element strides `sa` (row, col) and `b` `k×n`
-/// at `sb`.
-#[allow(clippy::too_many_arguments)]
-fn dgemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f64],
-    sa: (usize, usize),
-    b: &[f64],
-    sb: (usize, usize),
-    c: &mut [f64],
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        c[..m * n].fill(0.0);
-        return;
-    }
-    let last = |r: usize, cc: usize, (rs, cs): (usize, usize)| (r - 1) * rs + (cc - 1) * cs;
-    assert!(
-        last(m, k, sa) < a.len() && last(k, n, sb) < b.len() && m * n <= c.len(),
-        "invariant: dgemm operands in bounds"
-    );
-    // SAFETY: the assert bounds the largest index dgemm reads in `a` and `b` and writes in
-    // `c` (row-major m×n, strides (n, 1)); `c` is a unique borrow, so it aliases neither input,
-    // and beta = 0 means it is only written.
-    unsafe {
-        matrixmultiply::dgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            sa.0 as isize,
-            sa.1 as isize,
-            b.as_ptr(),
-            sb.0 as isize,
-            sb.1 as isize,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
-}
-
 /// `WeightGrad { transpose_b }`: the gradient of `a · b` (or `a · bᵀ`) wrt `b`, summed over the
 /// rows of `a` and `dy`; per leading index for a batched (3-D) `b`. Computed in f64.
 pub(crate) fn weight_grad(
@@ -171,10 +125,10 @@ pub(crate) fn weight_grad(
             let ge = &g64[e * rows * n..(e + 1) * rows * n];
             if transpose_b {
                 // [n, k] = dyᵀ · a
-                dgemm(n, rows, k, ge, (1, n), ae, (k, 1), c);
+                strided_gemm(n, rows, k, ge, (1, n), ae, (k, 1), c, k);
             } else {
                 // [k, n] = aᵀ · dy
-                dgemm(k, rows, n, ae, (1, k), ge, (n, 1), c);
+                strided_gemm(k, rows, n, ae, (1, k), ge, (n, 1), c, n);
             }
         });
     Ok(Tensor::f32(
@@ -190,40 +144,18 @@ pub(crate) fn rope_grad(
     pos: &Tensor,
     spec: &RopeSpec,
 ) -> Result<Tensor, RuntimeError> {
-    const OP: &str = "rope_grad";
-    let pd = i32_of(OP, pos, 1)?;
-    if dy.shape.len() != 4 || pos.shape.len() != 2 || dy.shape[..2] != pos.shape[..] {
-        return Err(shape_err(
-            OP,
-            &[dy, pos],
-            "expects dy[B,T,N,D] and pos[B,T]",
-        ));
-    }
-    let (n, d) = (dy.shape[2], dy.shape[3]);
-    if d % 2 != 0 {
-        return Err(shape_err(OP, &[dy, pos], "head dim must be even"));
-    }
-    let half = d / 2;
-    let inv = spec.inv_freq(d);
-    let style = spec.style;
-    let mut out = f32_of(OP, dy, 0)?.to_vec();
-    for_each_row(&mut out, n * d, |r, row| {
-        let p = pd[r] as f32;
-        for (i, &f) in inv.iter().enumerate() {
-            let angle = (f * p) as f64;
-            let (s, c) = (angle.sin(), angle.cos());
-            let (lo, hi) = match style {
-                RopeStyle::Half => (i, i + half),
-                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-            };
-            for head in row.chunks_mut(d) {
-                let (a, b) = (head[lo] as f64, head[hi] as f64);
-                head[lo] = (a * c + b * s) as f32;
-                head[hi] = (b * c - a * s) as f32;
-            }
-        }
-    });
-    Ok(Tensor::f32(dy.shape.clone(), out))
+    let turn = |a: f32, b: f32, s: f64, c: f64| {
+        let (a, b) = (a as f64, b as f64);
+        ((a * c + b * s) as f32, (b * c - a * s) as f32)
+    };
+    rotate_pairs(
+        "rope_grad",
+        dy,
+        pos,
+        spec,
+        "expects dy[B,T,N,D] and pos[B,T]",
+        turn,
+    )
 }
 
 /// `EmbeddingGrad`: row `i` of the result is the sum of the rows of `dy` whose id is `i`;
@@ -327,7 +259,7 @@ mod tests {
     use super::super::check::{check_vjp, rand_tensor, Rng};
     use super::*;
     use crate::cpu::{elementwise, linalg, rope, vocab};
-    use shardc_compiler::ir::Float;
+    use shardc_compiler::ir::{Float, RopeStyle};
 
     #[test]
     fn unary_grads_match_finite_differences() {

@@ -16,20 +16,14 @@ mod optim;
 #[cfg(test)]
 mod check;
 
-use super::shape_err;
+use super::{arity, shape_err};
 use crate::{RuntimeError, Tensor};
 use shardc_compiler::ir::{NormWrt, Op};
 
 /// Evaluates a training op; `None` for every other op.
 pub(crate) fn eval(op: &Op, inputs: &[&Tensor]) -> Option<Result<Tensor, RuntimeError>> {
     let m = op.mnemonic();
-    let want = |n: usize| -> Result<(), RuntimeError> {
-        if inputs.len() == n {
-            Ok(())
-        } else {
-            Err(shape_err(m, inputs, "wrong number of operands"))
-        }
-    };
+    let want = |n: usize| arity(m, inputs, n);
     let i = inputs;
     Some(match op {
         Op::UnaryGrad(u) => want(2).and_then(|_| basic::unary_grad(*u, i[0], i[1])),

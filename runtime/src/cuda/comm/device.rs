@@ -208,6 +208,26 @@ pub trait DeviceCommunicator {
     fn abort(&self, reason: &str);
 }
 
+/// Checks that `peer` (a peer or a root) is a rank of a group of `size`; `Ok` or a
+/// [`CommError::BadPeer`] naming the collective and this `rank`.
+pub fn check_peer(
+    kind: CollectiveKind,
+    rank: usize,
+    peer: usize,
+    size: usize,
+) -> Result<(), CommError> {
+    if peer < size {
+        Ok(())
+    } else {
+        Err(CommError::BadPeer {
+            kind,
+            rank,
+            peer,
+            size,
+        })
+    }
+}
+
 /// Checks the element counts of a collective against the contract; `Ok` or a
 /// [`CommError::Size`] naming the collective and the rank.
 pub fn check_sizes(

@@ -16,7 +16,7 @@
 //! [`CommError::Aborted`]. Reductions support `Sum` and `Avg` on f32 and bf16; i32 values move
 //! but do not sum here (NCCL sums them).
 
-use super::device::{check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
+use super::device::{check_peer, check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
 use crate::comm::{CollectiveKind, CommError, ReduceOp};
 use crate::cuda::ops::Launcher;
 use crate::cuda::{CudaDevice, CudaError};
@@ -589,14 +589,7 @@ impl DeviceCommunicator for LocalGpuComm {
         stream: &CudaStream,
     ) -> Result<(), CommError> {
         let kind = CollectiveKind::Broadcast;
-        if root >= self.shared.size {
-            return Err(CommError::BadPeer {
-                kind,
-                rank: self.rank,
-                peer: root,
-                size: self.shared.size,
-            });
-        }
+        check_peer(kind, self.rank, root, self.shared.size)?;
         self.collective(kind, send, recv, root, ReduceOp::Sum, stream, |l, posts| {
             l.copy(recv.ptr, posts[root].send.ptr, recv.bytes())
                 .map_err(transport("copy"))

@@ -18,7 +18,7 @@
 //! NOTES-cuda.md §1.3. Several ranks on one GPU need NCCL ≥ 2.30 with
 //! `NCCL_MULTI_RANK_GPU_ENABLE=1` (§5.2).
 
-use super::device::{check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
+use super::device::{check_peer, check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
 use crate::comm::{CollectiveKind, CommError, ReduceOp};
 use crate::cuda::{CudaDevice, CudaError};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -449,6 +449,52 @@ impl NcclComm {
             }
         })
     }
+
+    /// Enqueues `ncclSend` of `buf` to `peer` on `s`.
+    ///
+    /// # Safety
+    /// `buf` is valid device memory of this communicator's context (the trait contract).
+    unsafe fn send_raw(
+        &self,
+        buf: DeviceBuffer,
+        peer: usize,
+        s: nsys::cudaStream_t,
+    ) -> nsys::ncclResult_t {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            nsys::ncclSend(
+                buf.ptr as *const c_void,
+                buf.len,
+                nccl_type(buf.dtype),
+                peer as i32,
+                self.comm,
+                s,
+            )
+        }
+    }
+
+    /// Enqueues `ncclRecv` into `buf` from `peer` on `s`.
+    ///
+    /// # Safety
+    /// As [`NcclComm::send_raw`].
+    unsafe fn recv_raw(
+        &self,
+        buf: DeviceBuffer,
+        peer: usize,
+        s: nsys::cudaStream_t,
+    ) -> nsys::ncclResult_t {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            nsys::ncclRecv(
+                buf.ptr as *mut c_void,
+                buf.len,
+                nccl_type(buf.dtype),
+                peer as i32,
+                self.comm,
+                s,
+            )
+        }
+    }
 }
 
 fn comm_err(e: CommError) -> CudaError {
@@ -584,18 +630,16 @@ impl DeviceCommunicator for NcclComm {
         let kind = CollectiveKind::AllToAll;
         check_sizes(kind, self.rank, self.size, &send, &recv)?;
         let c = send.len / self.size;
-        let ty = nccl_type(send.dtype);
         self.grouped(kind, stream, |s| {
             for peer in 0..self.size {
                 let (sb, rb) = (send.sub(peer * c, c), recv.sub(peer * c, c));
                 // SAFETY: sub-buffers of caller-guaranteed buffers (trait contract).
                 let r = unsafe {
-                    let r =
-                        nsys::ncclSend(sb.ptr as *const c_void, c, ty, peer as i32, self.comm, s);
+                    let r = self.send_raw(sb, peer, s);
                     if !ok_or_progress(r) {
                         return r;
                     }
-                    nsys::ncclRecv(rb.ptr as *mut c_void, c, ty, peer as i32, self.comm, s)
+                    self.recv_raw(rb, peer, s)
                 };
                 if !ok_or_progress(r) {
                     return r;
@@ -614,14 +658,7 @@ impl DeviceCommunicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CollectiveKind::Broadcast;
         check_sizes(kind, self.rank, self.size, &send, &recv)?;
-        if root >= self.size {
-            return Err(CommError::BadPeer {
-                kind,
-                rank: self.rank,
-                peer: root,
-                size: self.size,
-            });
-        }
+        check_peer(kind, self.rank, root, self.size)?;
         self.issue(kind, "ncclBroadcast", stream, |s| {
             // SAFETY: caller guarantees the buffers (trait contract).
             unsafe {
@@ -645,26 +682,10 @@ impl DeviceCommunicator for NcclComm {
         stream: &CudaStream,
     ) -> Result<(), CommError> {
         let kind = CollectiveKind::Send;
-        if peer >= self.size {
-            return Err(CommError::BadPeer {
-                kind,
-                rank: self.rank,
-                peer,
-                size: self.size,
-            });
-        }
+        check_peer(kind, self.rank, peer, self.size)?;
         self.issue(kind, "ncclSend", stream, |s| {
             // SAFETY: caller guarantees the buffer (trait contract).
-            unsafe {
-                nsys::ncclSend(
-                    buf.ptr as *const c_void,
-                    buf.len,
-                    nccl_type(buf.dtype),
-                    peer as i32,
-                    self.comm,
-                    s,
-                )
-            }
+            unsafe { self.send_raw(buf, peer, s) }
         })
     }
 
@@ -675,26 +696,10 @@ impl DeviceCommunicator for NcclComm {
         stream: &CudaStream,
     ) -> Result<(), CommError> {
         let kind = CollectiveKind::Recv;
-        if peer >= self.size {
-            return Err(CommError::BadPeer {
-                kind,
-                rank: self.rank,
-                peer,
-                size: self.size,
-            });
-        }
+        check_peer(kind, self.rank, peer, self.size)?;
         self.issue(kind, "ncclRecv", stream, |s| {
             // SAFETY: caller guarantees the buffer (trait contract).
-            unsafe {
-                nsys::ncclRecv(
-                    buf.ptr as *mut c_void,
-                    buf.len,
-                    nccl_type(buf.dtype),
-                    peer as i32,
-                    self.comm,
-                    s,
-                )
-            }
+            unsafe { self.recv_raw(buf, peer, s) }
         })
     }
 
@@ -708,37 +713,16 @@ impl DeviceCommunicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CollectiveKind::Send;
         for peer in [to, from] {
-            if peer >= self.size {
-                return Err(CommError::BadPeer {
-                    kind,
-                    rank: self.rank,
-                    peer,
-                    size: self.size,
-                });
-            }
+            check_peer(kind, self.rank, peer, self.size)?;
         }
         self.grouped(kind, stream, |s| {
             // SAFETY: caller guarantees the buffers (trait contract).
             unsafe {
-                let r = nsys::ncclSend(
-                    send.ptr as *const c_void,
-                    send.len,
-                    nccl_type(send.dtype),
-                    to as i32,
-                    self.comm,
-                    s,
-                );
+                let r = self.send_raw(send, to, s);
                 if !ok_or_progress(r) {
                     return r;
                 }
-                nsys::ncclRecv(
-                    recv.ptr as *mut c_void,
-                    recv.len,
-                    nccl_type(recv.dtype),
-                    from as i32,
-                    self.comm,
-                    s,
-                )
+                self.recv_raw(recv, from, s)
             }
         })
     }
