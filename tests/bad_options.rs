@@ -236,16 +236,24 @@ fn flags_of_another_mode_are_errors() {
                 &["--zero applies to training steps; add --train"],
             ),
             (
-                &["--global-batch", "8"],
-                &["--global-batch applies to training steps"],
+                &["--micro-batch", "2"],
+                &["--micro-batch applies to training steps"],
+            ),
+            (
+                &["--micro-batches", "2"],
+                &["--micro-batches applies to training steps"],
             ),
             (
                 &["--schedule", "gpipe"],
                 &["--schedule applies to training steps"],
             ),
             (
-                &["--train", "--seq", "16", "--batch", "4"],
-                &["--batch is the forward batch; with --train give --global-batch"],
+                &["--train", "--seq", "16", "--micro-batches", "4"],
+                &["--micro-batches: give the global batch too"],
+            ),
+            (
+                &["--train", "--seq", "16", "--batch", "4", "--micro-batches", "4"],
+                &["--micro-batches 4: the global batch 4 does not split into 4 micro-batches on each of the 2 data-parallel rank(s)"],
             ),
             (
                 &["--train", "--seq", "16", "--virtual-stages", "4"],
@@ -422,4 +430,127 @@ fn sizes_that_would_exhaust_memory_are_refused_with_the_estimate() {
         &cap,
     );
     assert!(ok, "{err}");
+}
+
+/// One batch vocabulary: `--batch` and `--global-batch` are one flag everywhere, and a
+/// micro-batch is given by its count (`--micro-batches`) or its size per data-parallel rank
+/// (`--micro-batch`), with the same meaning in `compile --train`, `train` and
+/// `simulate --train`.
+#[test]
+fn batch_flags_mean_the_same_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = |extra: &[&str]| {
+        let out = dir.path().join("p.json");
+        let mut args = vec![
+            "compile",
+            "tests/fixtures/hf-tiny/llama",
+            "--train",
+            "--mesh",
+            "dp=2",
+            "--seq",
+            "8",
+            "-o",
+            out.to_str().unwrap(),
+            "--overwrite",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, _, err) = run_shardc(&args, &[]);
+        assert!(ok, "{extra:?}: {err}");
+        std::fs::read_to_string(&out).unwrap()
+    };
+    // 8 sequences over dp=2: 2 micro-batches of 2 sequences per rank, said either way.
+    let by_count = plan(&["--batch", "8", "--micro-batches", "2"]);
+    let by_size = plan(&["--global-batch", "8", "--micro-batch", "2"]);
+    assert_eq!(by_count, by_size);
+    fails_with(
+        &[
+            "compile",
+            "tests/fixtures/hf-tiny/llama",
+            "--train",
+            "--mesh",
+            "dp=2",
+            "--batch",
+            "8",
+            "--micro-batch",
+            "3",
+        ],
+        &["--micro-batch 3: the global batch 8 does not split"],
+    );
+    // train: the token file's 4 sequences over dp=2 in micro-batches of 1 = 2 micro-batches.
+    let tokens = dir.path().join("t.json");
+    std::fs::write(
+        &tokens,
+        "[[1,2,3,4,5,6,7,8],[9,10,11,12,13,14,15,16],[3,1,4,1,5,9,2,6],[2,7,1,8,2,8,1,8]]",
+    )
+    .unwrap();
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "tests/fixtures/hf-tiny/llama",
+            "--tokens",
+            tokens.to_str().unwrap(),
+            "--mesh",
+            "dp=2",
+            "--steps",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = run_shardc(&args, &[]);
+        assert!(ok, "{extra:?}: {err}");
+        // The losses and the header, not the step times.
+        out.lines()
+            .map(|l| l.split(" (").next().unwrap_or(l).to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        train(&["--micro-batch", "1"]),
+        train(&["--micro-batches", "2"])
+    );
+    // simulate: --batch is --global-batch in both modes; counts and sizes agree.
+    let sim = |extra: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            "models/llama-3-8b.json",
+            "--train",
+            "--mesh",
+            "dp=4",
+            "--seq",
+            "2048",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = run_shardc(&args, &[]);
+        assert!(ok, "{extra:?}: {err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let a = sim(&["--global-batch", "32", "--micro-batch", "2"]);
+    let b = sim(&["--batch", "32", "--micro-batches", "4"]);
+    assert_eq!(a, b);
+    assert_eq!(a["micro_batches"], 4);
+    let (ok, fwd_a, _) = run_shardc(
+        &[
+            "simulate",
+            "models/llama-3-8b.json",
+            "--batch",
+            "4",
+            "--seq",
+            "512",
+            "--json",
+        ],
+        &[],
+    );
+    let (ok2, fwd_b, _) = run_shardc(
+        &[
+            "simulate",
+            "models/llama-3-8b.json",
+            "--global-batch",
+            "4",
+            "--seq",
+            "512",
+            "--json",
+        ],
+        &[],
+    );
+    assert!(ok && ok2);
+    assert_eq!(fwd_a, fwd_b);
 }

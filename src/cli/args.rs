@@ -34,6 +34,29 @@ pub fn options(
 }
 
 /// `--flag: must be at least MIN (found X)`.
+/// Micro-batches per step from `--micro-batch` (sequences per micro-batch per data-parallel
+/// rank, Megatron-LM's `--micro-batch-size`): the global batch over `dp × ep` ranks and
+/// `size`, which must divide it.
+pub fn micro_batch_count(
+    batch: usize,
+    size: usize,
+    mesh: &shardc::compiler::shard::Mesh,
+) -> anyhow::Result<usize> {
+    at_least("--micro-batch", size, 1)?;
+    let data: usize = ["dp", "ep"]
+        .iter()
+        .filter_map(|n| mesh.axis(n))
+        .map(|a| mesh.axis_size(a))
+        .product();
+    match data.checked_mul(size) {
+        Some(per_step) if batch % per_step == 0 => Ok(batch / per_step),
+        _ => bail!(
+            "--micro-batch {size}: the global batch {batch} does not split into micro-batches of \
+             {size} sequences on each of the {data} data-parallel rank(s) (dp × ep)"
+        ),
+    }
+}
+
 pub fn at_least(flag: &str, value: usize, min: usize) -> anyhow::Result<()> {
     if value < min {
         bail!("{flag}: must be at least {min} (found {value})");

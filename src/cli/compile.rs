@@ -27,8 +27,14 @@ pub struct CompileArgs {
     /// Strategies beyond the mesh axes' defaults, comma-separated (e.g. `sp`).
     #[arg(long)]
     pub strategy: Vec<String>,
-    /// Global batch (sequences).
-    #[arg(long, default_value_t = 8, allow_negative_numbers = true)]
+    /// Global batch: sequences per forward pass or optimizer step (`--global-batch` is the
+    /// same flag, in every subcommand).
+    #[arg(
+        long,
+        visible_alias = "global-batch",
+        default_value_t = 8,
+        allow_negative_numbers = true
+    )]
     pub batch: usize,
     /// Sequence length (default: min(max positions, 4096)).
     #[arg(long, allow_negative_numbers = true)]
@@ -63,6 +69,10 @@ pub struct CompileArgs {
     /// Training: micro-batches per step (gradient accumulation; the pipeline's micro-batches).
     #[arg(long, default_value_t = 1, requires = "train")]
     pub micro_batches: usize,
+    /// Training: sequences per micro-batch on each data-parallel rank, instead of
+    /// --micro-batches (`--global-batch` = micro-batch × micro-batches × dp × ep).
+    #[arg(long, requires = "train", conflicts_with = "micro_batches")]
+    pub micro_batch: Option<usize>,
     /// Training: activation checkpointing: none, full or selective.
     #[arg(long, default_value = "none", requires = "train")]
     pub recompute: String,
@@ -284,7 +294,10 @@ fn train_options(
     }
     let mut t = TrainOptions::new(fwd.batch, fwd.seq, fwd.mesh);
     t.extra_strategies = fwd.extra_strategies;
-    t.micro_batches = a.micro_batches;
+    t.micro_batches = match a.micro_batch {
+        Some(size) => super::args::micro_batch_count(a.batch, size, &t.mesh)?,
+        None => a.micro_batches,
+    };
     t.recompute = recompute;
     let pp = t
         .mesh

@@ -35,8 +35,10 @@ pub struct SimulateArgs {
     /// (optionally followed by `xNODES`). Without a count, just enough nodes for the mesh.
     #[arg(long, default_value = "dgx-h100")]
     pub cluster: String,
-    /// Forward mode: sequences per batch (global) [default: 8].
-    #[arg(long)]
+    /// Global batch: sequences per forward pass, or per optimizer step with --train
+    /// (`--global-batch` is the same flag) [default: 8; with --train, 8 micro-batches per
+    /// data-parallel rank].
+    #[arg(long, visible_alias = "global-batch")]
     pub batch: Option<usize>,
     /// Tokens per sequence (default: min(max positions, 4096)).
     #[arg(long)]
@@ -48,12 +50,13 @@ pub struct SimulateArgs {
     /// Model one training step instead of replaying the forward plan.
     #[arg(long)]
     pub train: bool,
-    /// Training: sequences per optimizer step (default: 8 micro-batches per data-parallel rank).
-    #[arg(long)]
-    pub global_batch: Option<usize>,
-    /// Training: sequences per micro-batch [default: 1].
-    #[arg(long)]
+    /// Training: sequences per micro-batch on each data-parallel rank [default: 1].
+    #[arg(long, conflicts_with = "micro_batches")]
     pub micro_batch: Option<usize>,
+    /// Training: micro-batches per step (per pipeline), instead of --micro-batch (the global
+    /// batch = micro-batch × micro-batches × dp × ep).
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
     /// Training: activation recomputation: none, selective or full [default: none].
     #[arg(long)]
     pub recompute: Option<String>,
@@ -173,8 +176,8 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
         }
     }
     let train_flags = [
-        (a.global_batch.is_some(), "--global-batch"),
         (a.micro_batch.is_some(), "--micro-batch"),
+        (a.micro_batches.is_some(), "--micro-batches"),
         (a.recompute.is_some(), "--recompute"),
         (a.zero.is_some(), "--zero"),
         (a.schedule.is_some(), "--schedule"),
@@ -187,8 +190,6 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
         if let Some((_, f)) = train_flags.iter().find(|(given, _)| *given) {
             bail!("{f} applies to training steps; add --train");
         }
-    } else if a.batch.is_some() {
-        bail!("--batch is the forward batch; with --train give --global-batch and --micro-batch");
     }
     Ok(())
 }
@@ -205,9 +206,25 @@ fn train_options(
     let size = |n: &str| mesh.axis(n).map_or(1, |x| mesh.axis_size(x));
     let dp = size("dp") * size("ep");
     let pp = size("pp");
-    let micro_batch = a.micro_batch.unwrap_or(1);
+    let micro_batch = match (a.micro_batch, a.micro_batches, a.batch) {
+        (_, Some(m), Some(gb)) => {
+            at_least("--micro-batches", m, 1)?;
+            at_least("--global-batch", gb, 1)?;
+            if gb % (dp * m) != 0 {
+                bail!(
+                    "--micro-batches {m}: the global batch {gb} does not split into {m} \
+                     micro-batches on each of the {dp} data-parallel rank(s) (dp × ep)"
+                );
+            }
+            gb / (dp * m)
+        }
+        (_, Some(_), None) => {
+            bail!("--micro-batches: give the global batch too (--global-batch), or --micro-batch")
+        }
+        (size, None, _) => size.unwrap_or(1),
+    };
     at_least("--micro-batch", micro_batch, 1)?;
-    let gb = match a.global_batch {
+    let gb = match a.batch {
         Some(g) => g,
         None => product(&[8, dp as u128, micro_batch as u128])
             .try_into()

@@ -66,6 +66,10 @@ pub struct TrainArgs {
     /// Micro-batches per step (gradient accumulation; default 1).
     #[arg(long)]
     micro_batches: Option<usize>,
+    /// Sequences per micro-batch on each data-parallel rank, instead of --micro-batches
+    /// (the token file's batch = micro-batch × micro-batches × dp × ep).
+    #[arg(long, conflicts_with = "micro_batches")]
+    micro_batch: Option<usize>,
     /// Activation checkpointing: none (default), full or selective.
     #[arg(long)]
     recompute: Option<String>,
@@ -256,7 +260,10 @@ fn compile_plan(
     let (b, t) = (batch.batch, batch.seq);
     let mut opts = TrainOptions::new(b, t, mesh);
     opts.extra_strategies = a.strategy.clone();
-    opts.micro_batches = a.micro_batches.unwrap_or(1);
+    opts.micro_batches = match a.micro_batch {
+        Some(size) => super::args::micro_batch_count(b, size, &opts.mesh)?,
+        None => a.micro_batches.unwrap_or(1),
+    };
     opts.recompute = recompute;
     opts.denom = Some(batch.predicted_tokens());
     opts.adamw = adamw;
@@ -331,6 +338,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
                 ("--mesh", a.mesh.is_some()),
                 ("--strategy", !a.strategy.is_empty()),
                 ("--micro-batches", a.micro_batches.is_some()),
+                ("--micro-batch", a.micro_batch.is_some()),
                 ("--recompute", a.recompute.is_some()),
                 ("--schedule", a.schedule.is_some()),
                 ("--virtual-stages", a.virtual_stages.is_some()),

@@ -227,20 +227,6 @@ pub fn simulate_pipeline_plan(
         });
     }
     let world = mesh.world_size();
-    // Sequences per micro-batch per data-parallel rank, as the training model counts them.
-    let data_parts: usize = mesh
-        .axes
-        .iter()
-        .filter(|a| a.name == "dp" || a.name == "ep")
-        .map(|a| a.size)
-        .product();
-    let zero = plan
-        .strategies
-        .iter()
-        .filter_map(|s| crate::shard::Strategy::from_name(s).ok())
-        .map(|s| s.zero_stage())
-        .max()
-        .unwrap_or(0);
     let (worst, peak_mem) = stages.iter().map(|s| s.memory.total()).enumerate().fold(
         (0, Bytes::ZERO),
         |acc, (i, b)| if b > acc.1 { (i, b) } else { acc },
@@ -264,22 +250,11 @@ pub fn simulate_pipeline_plan(
         .max_by(|&a, &b| busy[a].total_cmp(&busy[b]))
         .unwrap_or(0);
     let device_memory = dev.memory();
+    let base = super::simulate::plan_report(plan, cluster, opts);
     let report = SimReport {
         mode: "pipeline".into(),
-        model: plan.model.source.clone(),
-        mesh: mesh.to_string(),
-        strategies: plan.strategies.clone(),
-        cluster: cluster.label(),
-        device: dev.name.clone(),
-        gpus: world,
-        dtype: opts.dtype.name().into(),
-        global_batch: plan.model.batch,
-        seq: plan.model.seq,
-        micro_batch: Some(plan.model.batch / m.max(1) / data_parts.max(1)),
-        micro_batches: Some(m),
         schedule: Some(sched.kind.name().into()),
-        recompute: Some("as compiled".into()),
-        zero: Some(zero),
+        micro_batches: Some(m),
         step_time_s: step,
         tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
         flops_per_step: total_flops,
@@ -300,7 +275,7 @@ pub fn simulate_pipeline_plan(
         device_memory_bytes: device_memory.0,
         fits: peak_mem <= device_memory,
         stages,
-        notes: Vec::new(),
+        ..base
     };
     let timelines: Vec<Timeline> = slices
         .into_iter()

@@ -138,6 +138,67 @@ pub(crate) fn timelines(
     (tls, of)
 }
 
+/// The fields of a replayed plan's report that the plan and the cluster give (mode `forward`
+/// or `train`, the batch, a training plan's micro-batches, recomputation and ZeRO stage);
+/// the numbers are zero, for the replay to fill.
+pub(crate) fn plan_report(plan: &Plan, cluster: &Cluster, opts: &ComputeOptions) -> SimReport {
+    let mesh = &plan.mesh;
+    let train = plan.train.as_ref();
+    // Sequences per micro-batch per data-parallel rank, as the training model counts them.
+    let data_parts: usize = mesh
+        .axes
+        .iter()
+        .filter(|a| a.name == "dp" || a.name == "ep")
+        .map(|a| a.size)
+        .product();
+    let dev = &cluster.device;
+    SimReport {
+        mode: if train.is_some() { "train" } else { "forward" }.into(),
+        model: plan.model.source.clone(),
+        mesh: mesh.to_string(),
+        strategies: plan.strategies.clone(),
+        cluster: cluster.label(),
+        device: dev.name.clone(),
+        gpus: mesh.world_size(),
+        dtype: opts.dtype.name().into(),
+        global_batch: plan.model.batch,
+        seq: plan.model.seq,
+        micro_batch: train.map(|t| plan.model.batch / t.micro_batches.max(1) / data_parts.max(1)),
+        micro_batches: train.map(|t| t.micro_batches),
+        schedule: train.map(|_| "none".into()),
+        recompute: train.map(|t| {
+            match t.recompute {
+                crate::autodiff::Recompute::None => "none",
+                crate::autodiff::Recompute::Selective => "selective",
+                crate::autodiff::Recompute::Full => "full",
+            }
+            .into()
+        }),
+        zero: train.map(|t| t.zero_stage),
+        step_time_s: 0.0,
+        tokens_per_s: 0.0,
+        flops_per_step: 0.0,
+        model_flops_per_step: 0.0,
+        tflops_per_gpu: 0.0,
+        model_tflops_per_gpu: 0.0,
+        mfu: 0.0,
+        compute_s: 0.0,
+        comm_s: 0.0,
+        exposed_comm_s: 0.0,
+        hidden_comm_s: 0.0,
+        bubble_fraction: 0.0,
+        pipeline_s: 0.0,
+        optimizer_s: 0.0,
+        peak_memory_bytes_per_rank: 0,
+        peak_memory_rank: 0,
+        memory_breakdown: MemoryBreakdown::default(),
+        device_memory_bytes: dev.memory().0,
+        fits: true,
+        stages: Vec::new(),
+        notes: Vec::new(),
+    }
+}
+
 /// Replays a compiled plan over every rank of its mesh on `cluster` (a pipeline plan through
 /// [`super::simulate_pipeline_plan`]).
 pub fn simulate_plan(
@@ -222,35 +283,8 @@ pub fn simulate_plan(
     let (tls, of) = timelines(&program, &rep, static_bytes);
     let device_memory = dev.memory();
     let train = plan.train.as_ref();
-    let data_parts: usize = mesh
-        .axes
-        .iter()
-        .filter(|a| a.name == "dp" || a.name == "ep")
-        .map(|a| a.size)
-        .product();
+    let base = plan_report(plan, cluster, opts);
     let report = SimReport {
-        mode: if train.is_some() { "train" } else { "forward" }.into(),
-        model: plan.model.source.clone(),
-        mesh: mesh.to_string(),
-        strategies: plan.strategies.clone(),
-        cluster: cluster.label(),
-        device: dev.name.clone(),
-        gpus: world,
-        dtype: opts.dtype.name().into(),
-        global_batch: plan.model.batch,
-        seq: plan.model.seq,
-        micro_batch: train.map(|t| plan.model.batch / t.micro_batches.max(1) / data_parts.max(1)),
-        micro_batches: train.map(|t| t.micro_batches),
-        schedule: train.map(|_| "none".into()),
-        recompute: train.map(|t| {
-            match t.recompute {
-                crate::autodiff::Recompute::None => "none",
-                crate::autodiff::Recompute::Selective => "selective",
-                crate::autodiff::Recompute::Full => "full",
-            }
-            .into()
-        }),
-        zero: train.map(|t| t.zero_stage),
         step_time_s: step,
         tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
         flops_per_step: flops,
@@ -274,8 +308,7 @@ pub fn simulate_plan(
         memory_breakdown: memory,
         device_memory_bytes: device_memory.0,
         fits: memory.total() <= device_memory,
-        stages: Vec::new(),
-        notes: Vec::new(),
+        ..base
     };
     Ok(Simulation {
         report,
