@@ -42,12 +42,14 @@ fn the_driver_builds_the_same_plan_as_the_passes_alone() {
     let Job::Forward(opts) = &job else {
         unreachable!()
     };
-    let by_hand = Plan::new(
+    let mut by_hand = Plan::new(
         &compile_forward(&c, opts).expect("forward"),
         "m",
         "llama",
         3,
     );
+    // The spec's mixed precision: a bf16 plan.
+    by_hand.dtype = shardc::compiler::ir::DType::Bf16;
     let driven = compile(&CompileSpec::new(c.clone(), "m", job)).expect("driver");
     assert_eq!(driven.to_json(), by_hand.to_json());
 

@@ -397,7 +397,7 @@ fn an_edit_the_verifier_accepts_is_a_hash_mismatch() {
     let dir = tempfile::tempdir().unwrap();
     let original = plan_value(FORWARD);
     let mut v = original.clone();
-    v["memory"]["param_bytes"] = 1.into();
+    v["memory"]["param_bytes"] = 1024.into();
     let recorded = original["hash"].as_str().unwrap();
     assert!(recorded.starts_with("blake3:") && recorded.len() == 7 + 64);
     every_reader_refuses(
@@ -419,7 +419,8 @@ fn an_edit_the_verifier_accepts_is_a_hash_mismatch() {
         &rehash(&serde_json::to_string(&v).unwrap()).unwrap(),
     );
     let (ok, out, err) = run_shardc(&["explain", f.to_str().unwrap()], &[]);
-    assert!(ok && out.contains("params 1 B"), "{out}{err}");
+    // 1024 bytes of f32 parameters, reported at the plan's bf16.
+    assert!(ok && out.contains("params 512 B"), "{out}{err}");
     // A plan without a hash.
     v.as_object_mut().unwrap().remove("hash");
     every_reader_refuses(&write_value(dir.path(), &v), &["plan has no `hash` field"]);

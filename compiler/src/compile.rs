@@ -62,7 +62,8 @@ pub struct CompileSpec {
     pub job: Job,
     /// The rewriter's rules and cost model.
     pub rewrite: RewriteOptions,
-    /// Training memory is accounted at this precision.
+    /// Memory is accounted at this precision, and the plan's compute dtype is its
+    /// ([`Precision::dtype`]: bf16 for mixed precision, the default).
     pub precision: Precision,
     /// Check every pass's result (on in debug and test builds regardless).
     pub verify: bool,
@@ -140,6 +141,8 @@ pub fn compile_logged(spec: &CompileSpec) -> Result<(Plan, PassLog), CompileErro
             plan
         }
     };
+    let mut plan = plan;
+    plan.dtype = spec.precision.dtype();
     // Every plan: collectives in the same order on every rank of a group, pipeline transfers
     // matched. With verification, everything the loader checks.
     plan.check_collective_order()?;

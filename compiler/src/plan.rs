@@ -22,7 +22,7 @@ pub use train::{PlanParam, PlanStep, PlanTrain};
 pub(crate) use verify::{check_layout, check_program};
 pub use verify::{MAX_TENSOR_BYTES, MAX_WORLD};
 
-use crate::ir::{Graph, Op, ValueId};
+use crate::ir::{DType, Graph, Op, ValueId};
 use crate::schedule::{self, BufferSlot, Step};
 use crate::shard::{Mesh, Provenance, ShardedGraph, TensorSharding};
 use serde::{Deserialize, Serialize};
@@ -105,6 +105,14 @@ impl PlanChunk {
     }
 }
 
+fn f32_dtype() -> DType {
+    DType::F32
+}
+
+fn is_f32(d: &DType) -> bool {
+    *d == DType::F32
+}
+
 /// The plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -116,6 +124,11 @@ pub struct Plan {
     pub mesh: Mesh,
     /// Strategies applied.
     pub strategies: Vec<String>,
+    /// The compute dtype the plan is accounted in (memory, traffic, the simulator's default):
+    /// bf16 for a GPU plan. The program's values are f32, which the CPU reference runs; a
+    /// plan without the field (or `f32`) is accounted in f32.
+    #[serde(default = "f32_dtype", skip_serializing_if = "is_f32")]
+    pub dtype: DType,
     /// The SPMD program every rank runs (local shapes; rank-dependent slices come from the
     /// rank's mesh coordinates).
     pub program: Graph,
@@ -319,6 +332,7 @@ impl Plan {
             model,
             mesh: sharded.mesh.clone(),
             strategies,
+            dtype: DType::F32,
             program: g.clone(),
             shardings: sharded.shardings.clone(),
             provenance,

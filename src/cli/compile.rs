@@ -9,8 +9,9 @@ use clap::Args;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::compile::{compile_logged, CompileOptions, CompileSpec, Job, Pass, PassLog};
 use shardc::compiler::cost::Cluster;
+use shardc::compiler::ir::DType;
 use shardc::compiler::model::{IrWork, ModelConfig};
-use shardc::compiler::plan::Plan;
+use shardc::compiler::plan::{Plan, Precision};
 use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc::compiler::schedule::pp::{parse_stage_layers, PassCosts, ScheduleKind};
 use shardc::compiler::train::{PipelineOptions, TrainMemory, TrainOptions};
@@ -59,6 +60,10 @@ pub struct CompileArgs {
     /// comma-separated (e.g. `allreduce-split,gather-sink,collective-matmul`).
     #[arg(long, default_value = "none")]
     pub rewrite: String,
+    /// Compute dtype the plan is accounted in (memory, traffic, fit check, the simulator's
+    /// default): bf16 as a GPU runs it, or f32; the CPU reference executes f32 either way.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
     /// Weight of the rewriter's activation-memory term, µs per MiB (0: time only).
     #[arg(long, allow_hyphen_values = true, default_value_t = shardc::compiler::rewrite::cost::DEFAULT_MEMORY_US_PER_MIB)]
     pub memory_weight: f64,
@@ -151,6 +156,11 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     };
     let mut spec = CompileSpec::new(cfg.clone(), path.display().to_string(), job);
     spec.rewrite = rw;
+    spec.precision = Precision::of_dtype(match a.dtype.as_str() {
+        "bf16" => DType::Bf16,
+        "f32" | "fp32" => DType::F32,
+        other => bail!("--dtype `{other}`: expected bf16 or f32"),
+    });
     spec.verify = a.verify;
     spec.dump_after = dump_after;
     let t0 = std::time::Instant::now();
@@ -216,12 +226,20 @@ fn headline(plan: &Plan, what: &str) -> String {
 pub fn print_summary(plan: &Plan) {
     println!("{}", headline(plan, ""));
     print_axes(&plan.mesh);
+    // The program's f32 values at the plan's compute dtype.
+    let dt = plan.dtype;
+    let at = |b: u64| b / 4 * dt.size_bytes() as u64;
     println!(
-        "per rank: params {}, activations {} peak (arena), {} without reuse; norm+residual activations {}",
-        bytes(plan.memory.param_bytes),
-        bytes(plan.memory.activation_arena_bytes),
-        bytes(plan.memory.activation_total_bytes),
-        bytes(plan.norm_residual_bytes())
+        "per rank ({}): params {}, activations {} peak (arena), {} without reuse; norm+residual activations {}",
+        if dt == DType::F32 {
+            "f32".to_string()
+        } else {
+            format!("{}; the CPU reference runs f32", dt.name())
+        },
+        bytes(at(plan.memory.param_bytes)),
+        bytes(at(plan.memory.activation_arena_bytes)),
+        bytes(at(plan.memory.activation_total_bytes)),
+        bytes(at(plan.norm_residual_bytes()))
     );
     let by_layer = plan.collectives_by_layer();
     let sig = |l: Option<u32>| -> Vec<(String, String, u64)> {
@@ -243,7 +261,7 @@ pub fn print_summary(plan: &Plan) {
             println!("  (none)");
         }
         for (op, axis, b) in list {
-            println!("  {op:<15} {axis:<4} {:>12}", bytes(*b));
+            println!("  {op:<15} {axis:<4} {:>12}", bytes(at(*b)));
         }
     };
     if layers > 0 && same {
@@ -266,8 +284,9 @@ pub fn print_summary(plan: &Plan) {
     let total: u64 = by_layer.values().flatten().map(|(_, _, b, _)| *b).sum();
     let count: usize = by_layer.values().map(Vec::len).sum();
     println!(
-        "total per forward: {count} collectives, {} per rank",
-        bytes(total)
+        "total per forward: {count} collectives, {} per rank ({})",
+        bytes(at(total)),
+        dt.name()
     );
 }
 

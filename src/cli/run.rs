@@ -448,7 +448,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     });
     files.write("--out", &a.out, serde_json::to_string(&out)?.as_bytes())?;
     println!(
-        "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms; logits {:?} → {}",
+        "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms (CPU reference, f32); logits {:?} → {}",
         cfg.arch.name(),
         cfg.layers,
         elapsed.as_secs_f64() * 1e3,

@@ -85,9 +85,10 @@ pub struct SimulateArgs {
     /// Print the arithmetic behind the numbers (the MoE terms of an `ep` training step).
     #[arg(long)]
     pub explain: bool,
-    /// Compute dtype the f32 IR is simulated in: bf16, f16 or f32 (tf32 tensor cores).
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    /// Compute dtype the f32 IR is simulated in: bf16, f16 or f32 (tf32 tensor cores)
+    /// [default: a plan's own (`compile --dtype`), else bf16].
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Attention implementation: flash or unfused (score matrix materialised).
     #[arg(long, default_value = "flash")]
     pub attention: String,
@@ -137,8 +138,8 @@ fn parse_ranks(s: &str, world: usize) -> anyhow::Result<Vec<usize>> {
     Ok(out)
 }
 
-fn compute_options(a: &SimulateArgs) -> anyhow::Result<ComputeOptions> {
-    let dtype = match a.dtype.as_str() {
+fn compute_options(a: &SimulateArgs, default: DType) -> anyhow::Result<ComputeOptions> {
+    let dtype = match a.dtype.as_deref().unwrap_or(default.name()) {
         "bf16" => DType::Bf16,
         "f16" | "fp16" => DType::F16,
         "f32" | "fp32" | "tf32" => DType::F32,
@@ -317,13 +318,14 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
     if let Some(out) = &a.trace {
         outputs(&a).check_file("--trace", out)?;
     }
-    let copts = compute_options(&a)?;
     if let Some(p) = &a.plan {
         let plan = Plan::load(p).with_context(|| format!("reading {}", p.display()))?;
+        let copts = compute_options(&a, plan.dtype)?;
         let cluster = Cluster::resolve_for(&a.cluster, plan.mesh.world_size())?;
         let sim = simulate_plan(&plan, &cluster, &copts)?;
         return finish(&a, &sim);
     }
+    let copts = compute_options(&a, DType::Bf16)?;
     let path = a.model.clone().unwrap_or_else(super::default_model);
     let cfg = ModelConfig::from_path(&path)?;
     let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
@@ -400,7 +402,7 @@ fn finish(a: &SimulateArgs, sim: &Simulation) -> anyhow::Result<()> {
 /// device memory of `cluster`, a warning with `allow_oom`.
 pub fn fit_check(plan: &Plan, cluster: &str, allow_oom: bool) -> anyhow::Result<()> {
     let c = Cluster::resolve(cluster)?;
-    let m = forward_plan_memory(plan, DType::F32);
+    let m = forward_plan_memory(plan, plan.dtype);
     let device = c.device.memory();
     if m.total() <= device {
         return Ok(());

@@ -410,7 +410,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         )
     };
     println!(
-        "training {} ({} layers) {how}: batch {b} × {t} tokens, {} micro-batch(es), recompute {}",
+        "training {} ({} layers) {how}: batch {b} × {t} tokens, {} micro-batch(es), recompute {} (CPU reference, f32)",
         cfg.arch.name(),
         cfg.layers,
         tr.micro_batches,

@@ -39,6 +39,23 @@ impl Precision {
             activation_bytes: 2,
         }
     }
+
+    /// The compute dtype of this precision: bf16 for 16-bit activations, else f32.
+    pub fn dtype(&self) -> crate::ir::DType {
+        if self.activation_bytes == 2 {
+            crate::ir::DType::Bf16
+        } else {
+            crate::ir::DType::F32
+        }
+    }
+
+    /// The precision of compute dtype `dtype`: mixed for 16-bit ones, f32 otherwise.
+    pub fn of_dtype(dtype: crate::ir::DType) -> Precision {
+        match dtype {
+            crate::ir::DType::Bf16 | crate::ir::DType::F16 => Precision::mixed(),
+            _ => Precision::f32(),
+        }
+    }
 }
 
 /// Activations one layer keeps for its backward pass.

@@ -39,6 +39,18 @@ impl Plan {
     /// but the syntax, the version and the hash.
     pub fn verify(&self) -> Result<(), PlanError> {
         check_mesh(&self.mesh)?;
+        if !matches!(
+            self.dtype,
+            crate::ir::DType::Bf16 | crate::ir::DType::F16 | crate::ir::DType::F32
+        ) {
+            return Err(field(
+                "dtype",
+                format!(
+                    "compute dtype {} is not a floating-point type (bf16, f16 or f32)",
+                    self.dtype.name()
+                ),
+            ));
+        }
         let tokens = self.model.batch.checked_mul(self.model.seq);
         if tokens.is_none_or(|t| t > MAX_TOKENS) {
             return Err(field(

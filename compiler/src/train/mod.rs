@@ -160,6 +160,7 @@ impl CompiledTrain {
         // A step without a pipeline: the micro-batch's program, then the step's.
         let program = self.split.as_ref().map_or(&self.sharded, |s| &s.micro);
         let mut plan = Plan::assemble(model, program, strategies, self.report.clone());
+        plan.dtype = precision.dtype();
         // Parameters are the program's `param.*` inputs (local, program dtype).
         let g = &program.graph;
         plan.memory.param_bytes = g

@@ -149,6 +149,7 @@ impl CompiledPipeline {
             .map(|c| c.train.plan(source, model_type, layers, precision))
             .collect();
         let mut plan = plans[0].clone();
+        plan.dtype = precision.dtype();
         plan.mesh = self.mesh.clone();
         plan.strategies = std::iter::once("pp".to_string())
             .chain(self.strategies.iter().map(|s| s.name().to_string()))
