@@ -44,7 +44,19 @@ fn try_compile(
 ) -> Option<String> {
     let plan = dir.join(name).display().to_string();
     let (b, t) = (b.to_string(), t.to_string());
-    let mut args = vec!["compile", m, "--mesh", mesh, "--batch", &b, "--seq", &t];
+    // Every position's logits, to compare with the fixtures'.
+    let mut args = vec![
+        "compile",
+        m,
+        "--mesh",
+        mesh,
+        "--batch",
+        &b,
+        "--seq",
+        &t,
+        "--returns",
+        "logits",
+    ];
     args.extend_from_slice(extra);
     args.extend(["-o", plan.as_str()]);
     let (ok, _, err) = common::run_shardc(&args, &[]);

@@ -29,7 +29,7 @@
 //! naming the pass, never a panic. `--dump-after PASS` prints the text IR after a pass.
 
 use crate::ir::Graph;
-use crate::model::{build_forward, BuildOptions, IrWork, ModelConfig, ModelError};
+use crate::model::{build_forward, BuildOptions, ForwardOutput, IrWork, ModelConfig, ModelError};
 use crate::plan::{Plan, PlanError, PlanModel};
 use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
 use crate::shard::{self, Mesh, ShardError, ShardedGraph, Strategy};
@@ -65,6 +65,8 @@ pub struct CompileSpec {
     /// Memory is accounted at this precision, and the plan's compute dtype is its
     /// ([`Precision::dtype`]: bf16 for mixed precision, the default).
     pub precision: Precision,
+    /// What a forward plan returns (training steps return their loss and gradients).
+    pub output: ForwardOutput,
     /// Check every pass's result (on in debug and test builds regardless).
     pub verify: bool,
     /// Dump the program after this pass.
@@ -80,6 +82,7 @@ impl CompileSpec {
             job,
             rewrite: RewriteOptions::default(),
             precision: Precision::mixed(),
+            output: ForwardOutput::Logits,
             verify: cfg!(debug_assertions),
             dump_after: None,
         }
@@ -120,7 +123,7 @@ pub fn compile_logged(spec: &CompileSpec) -> Result<(Plan, PassLog), CompileErro
     let (source, model_type) = (spec.source.as_str(), cfg.arch.name());
     let plan = match &spec.job {
         Job::Forward(opts) => {
-            let compiled = compile_forward_logged(cfg, opts, &spec.rewrite, &mut log)?;
+            let compiled = compile_forward_logged(cfg, opts, spec.output, &spec.rewrite, &mut log)?;
             let plan = Plan::new(&compiled, source, model_type, cfg.layers);
             log.other(Pass::Schedule, || Ok(()), || schedule_text(&plan))?;
             plan
@@ -259,13 +262,20 @@ pub fn compile_forward_with(
     opts: &CompileOptions,
     rw: &RewriteOptions,
 ) -> Result<Compiled, CompileError> {
-    compile_forward_logged(cfg, opts, rw, &mut PassLog::default())
+    compile_forward_logged(
+        cfg,
+        opts,
+        ForwardOutput::Logits,
+        rw,
+        &mut PassLog::default(),
+    )
 }
 
 /// The forward passes, each checked by `log`.
 fn compile_forward_logged(
     cfg: &ModelConfig,
     opts: &CompileOptions,
+    output: ForwardOutput,
     rw: &RewriteOptions,
     log: &mut PassLog,
 ) -> Result<Compiled, CompileError> {
@@ -285,6 +295,7 @@ fn compile_forward_logged(
         seq: opts.seq,
         kv_repeat: shard::kv_repeat(cfg, &opts.mesh, &strategies),
         stage: None,
+        output,
     };
     let logical = build_forward(cfg, build)
         .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;
@@ -364,7 +375,14 @@ mod tests {
     fn the_dump_is_of_its_pass() {
         let (cfg, opts) = tiny();
         let mut log = PassLog::new(true, Some(Pass::Partition));
-        compile_forward_logged(&cfg, &opts, &RewriteOptions::default(), &mut log).expect("compile");
+        compile_forward_logged(
+            &cfg,
+            &opts,
+            ForwardOutput::Logits,
+            &RewriteOptions::default(),
+            &mut log,
+        )
+        .expect("compile");
         assert_eq!(log.dumps.len(), 1);
         assert_eq!(log.dumps[0].pass, Pass::Partition);
         assert!(log.dumps[0].text.contains("all_reduce{axis=tp}"));

@@ -57,6 +57,24 @@ pub fn micro_batch_count(
     }
 }
 
+/// `--returns`: what a forward plan returns (`logits`, `last` or `hidden`).
+pub fn forward_output(
+    given: Option<&str>,
+    default: shardc::compiler::model::ForwardOutput,
+) -> anyhow::Result<shardc::compiler::model::ForwardOutput> {
+    use shardc::compiler::model::ForwardOutput;
+    match given {
+        None => Ok(default),
+        Some(s) => ForwardOutput::from_name(s).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--returns `{s}`: expected {} (every position's logits, the last position's, or \
+                 the final hidden states alone)",
+                ForwardOutput::ALL.map(ForwardOutput::name).join(", ")
+            )
+        }),
+    }
+}
+
 pub fn at_least(flag: &str, value: usize, min: usize) -> anyhow::Result<()> {
     if value < min {
         bail!("{flag}: must be at least {min} (found {value})");

@@ -10,7 +10,7 @@ use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::compile::{compile_logged, CompileOptions, CompileSpec, Job, Pass, PassLog};
 use shardc::compiler::cost::Cluster;
 use shardc::compiler::ir::DType;
-use shardc::compiler::model::{IrWork, ModelConfig};
+use shardc::compiler::model::{ForwardOutput, IrWork, ModelConfig};
 use shardc::compiler::plan::{Plan, Precision};
 use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc::compiler::schedule::pp::{parse_stage_layers, PassCosts, ScheduleKind};
@@ -60,6 +60,11 @@ pub struct CompileArgs {
     /// comma-separated (e.g. `allreduce-split,gather-sink,collective-matmul`).
     #[arg(long, default_value = "none")]
     pub rewrite: String,
+    /// What a forward plan returns: `last` (the last position's logits, what generation
+    /// reads), `logits` (every position's: a vocabulary-parallel plan gathers them all) or
+    /// `hidden` (no head) [default: last].
+    #[arg(long)]
+    pub returns: Option<String>,
     /// Compute dtype the plan is accounted in (memory, traffic, fit check, the simulator's
     /// default): bf16 as a GPU runs it, or f32; the CPU reference executes f32 either way.
     #[arg(long, default_value = "bf16")]
@@ -156,6 +161,10 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     };
     let mut spec = CompileSpec::new(cfg.clone(), path.display().to_string(), job);
     spec.rewrite = rw;
+    if a.train && a.returns.is_some() {
+        bail!("--returns is what a forward plan returns; a training step returns its loss and gradients");
+    }
+    spec.output = super::args::forward_output(a.returns.as_deref(), ForwardOutput::Last)?;
     spec.precision = Precision::of_dtype(match a.dtype.as_str() {
         "bf16" => DType::Bf16,
         "f32" | "fp32" => DType::F32,

@@ -19,7 +19,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
 use shardc::compiler::compile::{compile, CompileOptions, CompileSpec, Job};
-use shardc::compiler::model::ModelConfig;
+use shardc::compiler::model::{ForwardOutput, ModelConfig};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::Mesh;
 use shardc::runtime::cuda::{
@@ -49,6 +49,11 @@ pub struct RunArgs {
     /// Where to write logits and final hidden states.
     #[arg(long)]
     out: PathBuf,
+    /// What the compiled plan returns: `logits` (every position's, the default here),
+    /// `last` (the last position's) or `hidden` (no head). A `--plan` returns what it was
+    /// compiled to.
+    #[arg(long)]
+    returns: Option<String>,
     /// Allow `--out` to replace a file this command reads (still atomically).
     #[arg(long)]
     overwrite: bool,
@@ -283,6 +288,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         refuse_with_plan(&[
             ("--mesh", a.mesh.is_some()),
             ("--strategy", !a.strategy.is_empty()),
+            ("--returns", a.returns.is_some()),
         ])?;
     } else if a.mesh.is_none() && !a.strategy.is_empty() {
         bail!("--strategy applies to a sharded run: give --mesh too");
@@ -366,7 +372,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
                 },
             };
             let source = a.model.display().to_string();
-            compile(&CompileSpec::new(cfg.clone(), source, Job::Forward(opts)))?
+            let mut spec = CompileSpec::new(cfg.clone(), source, Job::Forward(opts));
+            spec.output = super::args::forward_output(a.returns.as_deref(), ForwardOutput::Logits)?;
+            compile(&spec)?
         }
     };
     if plan.train.is_some() {
@@ -436,23 +444,33 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             .get(name)
             .with_context(|| format!("the program has no `{name}` output"))
     };
-    let (logits, hidden) = (get("logits")?, get("hidden")?);
-    check_finite_output("logits", logits)?;
+    // What the plan returns: logits (every position's or the last one's) and the final hidden
+    // states, or the hidden states alone.
+    let hidden = get("hidden")?;
+    let logits = outputs.get("logits");
     check_finite_output("hidden", hidden)?;
+    if let Some(l) = logits {
+        check_finite_output("logits", l)?;
+    }
     let f = |x: &Tensor| x.as_f32().map(<[f32]>::to_vec).unwrap_or_default();
-    let out = json!({
-        "logits_shape": logits.shape,
-        "logits": f(logits),
+    let mut out = json!({
         "hidden_shape": hidden.shape,
         "hidden": f(hidden),
     });
+    if let Some(l) = logits {
+        out["logits_shape"] = json!(l.shape);
+        out["logits"] = json!(f(l));
+    }
     files.write("--out", &a.out, serde_json::to_string(&out)?.as_bytes())?;
+    let returned = match logits {
+        Some(l) => format!("logits {:?}", l.shape),
+        None => format!("hidden {:?}", hidden.shape),
+    };
     println!(
-        "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms (CPU reference, f32); logits {:?} → {}",
+        "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms (CPU reference, f32); {returned} → {}",
         cfg.arch.name(),
         cfg.layers,
         elapsed.as_secs_f64() * 1e3,
-        logits.shape,
         a.out.display()
     );
     Ok(())
@@ -544,6 +562,7 @@ mod cuda_tests {
             attention_mask: None,
             position_ids: None,
             out: PathBuf::from("/nonexistent/out.json"),
+            returns: None,
             overwrite: false,
             plan: None,
             mesh: None,

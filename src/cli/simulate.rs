@@ -14,7 +14,7 @@ use shardc::compiler::cost::{
 };
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::{
-    check_budget, product, simulated_pipeline_bytes, IrWork, ModelConfig,
+    check_budget, product, simulated_pipeline_bytes, ForwardOutput, IrWork, ModelConfig,
 };
 use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::{Mesh, Strategy};
@@ -43,6 +43,10 @@ pub struct SimulateArgs {
     /// Tokens per sequence (default: min(max positions, 4096)).
     #[arg(long)]
     pub seq: Option<usize>,
+    /// Forward mode: what the compiled plan returns: `last` (the last position's logits),
+    /// `logits` (every position's) or `hidden` (no head) [default: last].
+    #[arg(long)]
+    pub returns: Option<String>,
     /// Replay this compiled plan (`shardc compile -o`, forward or training) instead of
     /// compiling the model.
     #[arg(long, conflicts_with = "train")]
@@ -171,6 +175,7 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
             (!a.strategy.is_empty(), "--strategy"),
             (a.batch.is_some(), "--batch"),
             (a.seq.is_some(), "--seq"),
+            (a.returns.is_some(), "--returns"),
         ];
         if let Some((_, f)) = model_flags.iter().find(|(given, _)| *given) {
             bail!("{f} describes a model to compile; --plan replays a compiled plan as it is");
@@ -187,6 +192,9 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
         (a.no_scatter_gather, "--no-scatter-gather"),
         (a.moe_imbalance.is_some(), "--moe-imbalance"),
     ];
+    if a.train && a.returns.is_some() {
+        bail!("--returns is what a forward plan returns; a training step returns its loss and gradients");
+    }
     if !a.train {
         if let Some((_, f)) = train_flags.iter().find(|(given, _)| *given) {
             bail!("{f} applies to training steps; add --train");
@@ -357,7 +365,9 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
             seq,
             cluster.gpus_per_node(),
         )?;
-        let plan = compile(&CompileSpec::new(cfg.clone(), source, Job::Forward(opts)))?;
+        let mut spec = CompileSpec::new(cfg.clone(), source, Job::Forward(opts));
+        spec.output = super::args::forward_output(a.returns.as_deref(), ForwardOutput::Last)?;
+        let plan = compile(&spec)?;
         simulate_plan(&plan, &cluster, &copts)?
     };
     finish(&a, &sim)

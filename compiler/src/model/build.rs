@@ -22,6 +22,45 @@ pub struct BuildOptions {
     pub kv_repeat: usize,
     /// Build one pipeline chunk instead of the whole model.
     pub stage: Option<StageSpec>,
+    /// What the forward pass returns (a chunk with the head only).
+    pub output: ForwardOutput,
+}
+
+/// What a forward pass returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ForwardOutput {
+    /// `logits` `[B,T,V]` and the final hidden states `hidden` `[B,T,H]`, every position.
+    #[default]
+    Logits,
+    /// The last position's: `logits` `[B,1,V]` and `hidden` `[B,1,H]` (what generation
+    /// reads; the head runs on one position, and a vocabulary-parallel plan gathers `1/T` of
+    /// the logits).
+    Last,
+    /// `hidden` `[B,T,H]` only: no head.
+    Hidden,
+}
+
+impl ForwardOutput {
+    /// All of them, for messages.
+    pub const ALL: [ForwardOutput; 3] = [
+        ForwardOutput::Logits,
+        ForwardOutput::Last,
+        ForwardOutput::Hidden,
+    ];
+
+    /// `logits`, `last` or `hidden`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ForwardOutput::Logits => "logits",
+            ForwardOutput::Last => "last",
+            ForwardOutput::Hidden => "hidden",
+        }
+    }
+
+    /// Parses a name.
+    pub fn from_name(s: &str) -> Option<ForwardOutput> {
+        ForwardOutput::ALL.into_iter().find(|o| o.name() == s)
+    }
 }
 
 /// One pipeline chunk of the model: a contiguous range of decoder layers, with the
@@ -74,6 +113,7 @@ impl BuildOptions {
             seq,
             kv_repeat: 1,
             stage: None,
+            output: ForwardOutput::Logits,
         }
     }
 }
@@ -177,6 +217,7 @@ impl Builder<'_> {
 /// Builds the forward graph.
 pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrError> {
     let (b, t) = (opts.batch, opts.seq);
+    let opts_output = opts.output;
     let mut bl = Builder {
         g: Graph::new(),
         cfg,
@@ -252,6 +293,27 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
         "model.norm"
     };
     let h = bl.norm(x, final_norm, "final_norm")?;
+    let (h, positions) = match opts_output {
+        ForwardOutput::Hidden => {
+            bl.g.set_output("hidden", h);
+            crate::ir::verify_if_debug(&bl.g, "build_forward");
+            return Ok(bl.g);
+        }
+        ForwardOutput::Last => {
+            let t = bl.t;
+            let last = bl.g.add(
+                Op::Slice {
+                    dim: 1,
+                    start: t - 1,
+                    len: 1,
+                },
+                &[h],
+                "final_norm.last",
+            )?;
+            (last, 1)
+        }
+        ForwardOutput::Logits => (h, bl.t),
+    };
     let head = match (cfg.tied, table) {
         (true, Some(t)) => t,
         // A tied head in a chunk without the embedding: its own copy of the table, labelled
@@ -262,7 +324,10 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
     let logits = bl.g.add_typed(
         Op::MatMul { transpose_b: true },
         &[h, head],
-        Some(bl.act(vd)),
+        Some(TensorType::new(
+            DType::F32,
+            vec![d(Role::Batch, bl.b), d(Role::Seq, positions), vd],
+        )),
         "lm_head.matmul",
     )?;
     bl.g.set_output("logits", logits);

@@ -8,7 +8,7 @@ mod config;
 mod limits;
 mod stats;
 
-pub use build::{build_forward, BuildOptions, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
+pub use build::{build_forward, BuildOptions, ForwardOutput, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
 pub use config::{Arch, ModelConfig, ModelError, MoeConfig, NormKind};
 pub use limits::{
     check_budget, human_bytes, parse_size, product, schedule_bytes, simulated_pipeline_bytes,

@@ -319,6 +319,7 @@ pub(crate) fn compile_chunk(
         seq: opts.seq,
         kv_repeat: shard::kv_repeat(cfg, mesh, &strategies),
         stage,
+        output: crate::model::ForwardOutput::Logits,
     };
     let forward = build_forward(cfg, build)
         .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;
