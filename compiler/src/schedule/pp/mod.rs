@@ -13,7 +13,7 @@ mod replay;
 
 pub use balance::{balance, parse_stage_layers};
 pub use ops::{Carry, PipeOp};
-pub use replay::{PassCosts, Replay, Timed};
+pub use replay::{PassCosts, RankTimes, Replay, Timed};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
