@@ -349,3 +349,60 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
         "{err}"
     );
 }
+
+#[test]
+fn train_runs_every_pipeline_schedule() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            "models/llama-3-70b.json",
+            "--train",
+            "--mesh",
+            "pp=8,dp=16,tp=8",
+            "--strategy",
+            "sp",
+            "--global-batch",
+            "512",
+            "--seq",
+            "4096",
+            "--cluster",
+            "dgx-h100x128",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        ok_json(&args)
+    };
+    let bubble = |v: &serde_json::Value| v["bubble_fraction"].as_f64().unwrap();
+    let one = run(&["--schedule", "1f1b"]);
+    let zb = run(&["--schedule", "zb-h1"]);
+    assert_eq!(zb["schedule"], "zb-h1");
+    // ZB-H1 fills 1F1B's bubble with the deferred weight-gradient passes.
+    assert!(
+        bubble(&zb) < bubble(&one),
+        "{} vs {}",
+        bubble(&zb),
+        bubble(&one)
+    );
+    assert_eq!(run(&["--schedule", "gpipe"])["schedule"], "gpipe");
+    let il = run(&["--schedule", "interleaved", "--virtual-stages", "2"]);
+    assert_eq!(il["schedule"], "interleaved(v=2)");
+    assert!(bubble(&il) < bubble(&one));
+    // An unknown name: one line naming the flag and the valid names.
+    let (ok, _, err) = shardc(&[
+        "simulate",
+        "models/llama-3-70b.json",
+        "--train",
+        "--mesh",
+        "pp=8,dp=16,tp=8",
+        "--cluster",
+        "dgx-h100x128",
+        "--schedule",
+        "zb-h2",
+    ]);
+    assert!(!ok);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("--schedule") && err.contains("gpipe, 1f1b, interleaved, zb-h1"),
+        "{err}"
+    );
+}

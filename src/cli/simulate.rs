@@ -5,7 +5,7 @@
 
 use super::args::{at_least, check_seq};
 use super::fmt::{bytes, thousands};
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use shardc::compiler::compile::{compile, CompileSpec, Job};
 use shardc::compiler::cost::{
@@ -17,6 +17,7 @@ use shardc::compiler::model::{
     check_budget, product, simulated_pipeline_bytes, ForwardOutput, IrWork, ModelConfig,
 };
 use shardc::compiler::plan::Plan;
+use shardc::compiler::schedule::pp::ScheduleKind;
 use shardc::compiler::shard::{Mesh, Strategy};
 use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
@@ -67,7 +68,7 @@ pub struct SimulateArgs {
     /// Training: ZeRO stage over the dp axis (0-3) [default: 0, or the --strategy zeroN].
     #[arg(long)]
     pub zero: Option<u8>,
-    /// Training: pipeline schedule: gpipe, 1f1b or interleaved [default: 1f1b].
+    /// Training: pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 [default: 1f1b].
     #[arg(long)]
     pub schedule: Option<String>,
     /// Training: model chunks per stage for the interleaved schedule [default: 2].
@@ -280,9 +281,10 @@ fn train_options(
         (None, s) => s.map_or(0, Strategy::zero_stage),
     };
     let schedule = a.schedule.as_deref().unwrap_or("1f1b");
+    let kind = ScheduleKind::from_name(schedule).map_err(|e| anyhow!("--schedule: {e}"))?;
     if let Some(v) = a.virtual_stages {
         at_least("--virtual-stages", v, 1)?;
-        if v > 1 && schedule != "interleaved" {
+        if v > 1 && kind != ScheduleKind::Interleaved {
             bail!(
                 "--virtual-stages {v} applies to --schedule interleaved (the {schedule} schedule \
                  runs one chunk per pipeline rank)"
@@ -290,12 +292,7 @@ fn train_options(
         }
     }
     let v = a.virtual_stages.unwrap_or(2);
-    t.schedule = match schedule {
-        "gpipe" => PipeSchedule::Gpipe,
-        "1f1b" => PipeSchedule::OneFOneB,
-        "interleaved" => PipeSchedule::Interleaved(v),
-        other => bail!("--schedule `{other}`: expected gpipe, 1f1b or interleaved"),
-    };
+    t.schedule = PipeSchedule::of(kind, v);
     // The simulated pipeline's passes, before they are allocated.
     let m = gb / (dp * micro_batch).max(1);
     let v = if pp > 1 { t.schedule.chunks() } else { 1 };

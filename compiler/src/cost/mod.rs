@@ -10,7 +10,8 @@
 //! - [`simulate_training`] models one training step from one layer's plan: the layer's
 //!   forward replayed, its backward derived from it ([`Program::derive_backward`]),
 //!   recomputation, data-parallel gradient synchronisation with ZeRO, the optimizer, and the
-//!   pipeline schedule as a per-stage discrete-event simulation ([`run_pipeline`]). Repeated layers are
+//!   pipeline schedule ([`PipeSchedule`]: any of [`crate::schedule::pp`]'s, replayed by that
+//!   module's one event-driven replay with the simulated pass durations). Repeated layers are
 //!   simulated once, which keeps a 1,024-GPU step well under a second.
 //!
 //! The seam for real training plans: once `autodiff/` emits forward + backward + optimizer
@@ -52,7 +53,7 @@ pub use collective::{
 pub use memory::{
     korthikanti_per_layer, saved_activations, zero_static, MemoryBreakdown, Recompute, SavedOptions,
 };
-pub use pipe::{run_pipeline, stage_order, PipeEvent, PipeOp, PipeRun, PipeSchedule};
+pub use pipe::PipeSchedule;
 pub use pipeplan::simulate_pipeline_plan;
 pub use profile::{
     Cluster, ClusterProfile, DeviceProfile, Efficiency, PeakFlops, Sourced, BUILTIN_PROFILES,

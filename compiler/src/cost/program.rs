@@ -464,6 +464,25 @@ impl Program {
         p
     }
 
+    /// A derived backward ([`Program::derive_backward`]) split in two, as zero-bubble
+    /// schedules run it: the input-gradient pass (everything but the weight-gradient GEMMs,
+    /// `*.wgrad`, and the all-gathers repeated for them, `*.regather`) and the weight-gradient
+    /// pass (those alone). Both keep every event record and wait, so each replays on its own.
+    pub fn split_weight_grad(&self) -> (Program, Program) {
+        let weight = |o: &ProgOp| match &o.kind {
+            ProgKind::Kernel { .. } => o.label.ends_with(".wgrad"),
+            ProgKind::Collective { .. } => o.label.ends_with(".regather"),
+            ProgKind::Record(_) | ProgKind::Wait(_) => true,
+        };
+        let input =
+            |o: &ProgOp| matches!(o.kind, ProgKind::Record(_) | ProgKind::Wait(_)) || !weight(o);
+        let keep = |f: &dyn Fn(&ProgOp) -> bool| Program {
+            ops: self.ops.iter().filter(|o| f(o)).cloned().collect(),
+            ..self.clone()
+        };
+        (keep(&input), keep(&weight))
+    }
+
     /// A copy without memory bookkeeping (for recomputed or derived parts).
     pub fn without_memory(&self) -> Program {
         let mut p = self.clone();
@@ -569,6 +588,30 @@ mod tests {
                 "p.dgrad",
                 "p.wgrad"
             ]
+        );
+        // Split for a zero-bubble schedule: the weight gradients apart, the events in both.
+        let (input, weight) = b.split_weight_grad();
+        let kernels = |p: &Program| -> Vec<String> {
+            p.ops
+                .iter()
+                .filter(|o| matches!(o.kind, ProgKind::Kernel { .. }))
+                .map(|o| o.label.clone())
+                .collect()
+        };
+        assert_eq!(kernels(&input), ["u.dgrad", "p.dgrad"]);
+        assert_eq!(kernels(&weight), ["u.wgrad", "p.wgrad"]);
+        assert_eq!(input.flops() + weight.flops(), b.flops());
+        assert!(input
+            .ops
+            .iter()
+            .any(|o| matches!(o.kind, ProgKind::Collective { .. })));
+        assert_eq!(
+            weight
+                .ops
+                .iter()
+                .filter(|o| matches!(o.kind, ProgKind::Wait(_)))
+                .count(),
+            2
         );
     }
 }

@@ -12,9 +12,15 @@
 //!    chunk, head on the last); ZeRO-3 gathers each layer's parameters before its forward and
 //!    backward and reduce-scatters its gradients, prefetched (a layer takes the longer of its
 //!    compute and that traffic).
-//! 4. The pipeline schedule runs as a per-stage discrete-event simulation ([`run_pipeline`]),
-//!    point-to-point transfers of one micro-batch's activations between stages (scattered over
-//!    the `tp` ranks and gathered over NVLink, as Megatron-LM does).
+//! 4. The pipeline schedule (any of the compiler's: GPipe, 1F1B, interleaved, ZB-H1) is built
+//!    by [`crate::schedule::pp`] and replayed there
+//!    ([`crate::schedule::pp::PipelineSchedule::replay_with`]) with each (stage, chunk, pass)'s
+//!    duration, and point-to-point transfers of one micro-batch's activations between stages
+//!    (scattered over the `tp` ranks and gathered over NVLink, as Megatron-LM does). ZB-H1's
+//!    `B` pass is the backward without its weight-gradient GEMMs (`*.wgrad`, and the
+//!    all-gathers sequence parallelism repeats for them), its `W` pass those alone, each
+//!    replayed on its own ([`Program::split_weight_grad`]): `B` + `W` can exceed the whole
+//!    backward, whose collectives overlap the weight-gradient GEMMs.
 //! 5. Data-parallel gradient synchronisation (all-reduce; ZeRO-1/2 reduce-scatter and a
 //!    parameter all-gather after the optimizer), per-layer buckets overlapped with the last
 //!    backward when `overlap_grad_reduce`, the tied-embedding all-reduce between the first and
@@ -26,7 +32,7 @@
 
 use super::collective::{collective_time, CollectiveKind, GroupTopology};
 use super::memory::{saved_activations, zero_static, MemoryBreakdown, Recompute, SavedOptions};
-use super::pipe::{run_pipeline, PipeRun, PipeSchedule};
+use super::pipe::PipeSchedule;
 use super::profile::Cluster;
 use super::program::{Grad, ProgKind, ProgOp, Program, Work, COMPUTE};
 use super::replay::{replay, Topology};
@@ -41,6 +47,7 @@ use crate::compile::{compile_forward, CompileError, CompileOptions};
 use crate::ir::{Graph, Op, ValueId};
 use crate::model::{ModelConfig, ModelStats};
 use crate::plan::Plan;
+use crate::schedule::pp::{Phase, Replay, Timed};
 use crate::shard::{Mesh, ShardError};
 use std::collections::BTreeSet;
 
@@ -103,19 +110,37 @@ impl TrainOptions {
     }
 }
 
-/// One program's forward and derived backward, timed on a tensor-parallel group.
+/// One pass of a program, timed on a tensor-parallel group.
+#[derive(Clone, Copy, Debug, Default)]
+struct Pass {
+    time: Seconds,
+    compute: Seconds,
+    comm: Seconds,
+    comm_bytes: u64,
+    flops: f64,
+}
+
+/// One program's forward and derived backward, timed on a tensor-parallel group: the
+/// backward whole, and split into its input-gradient and weight-gradient passes
+/// ([`Program::split_weight_grad`]) for schedules that run them apart (ZB-H1).
 #[derive(Clone, Debug, Default)]
 struct Part {
-    fwd: Seconds,
-    fwd_compute: Seconds,
-    fwd_comm: Seconds,
-    fwd_comm_bytes: u64,
-    bwd: Seconds,
-    bwd_compute: Seconds,
-    bwd_comm: Seconds,
-    bwd_comm_bytes: u64,
-    fwd_flops: f64,
-    bwd_flops: f64,
+    fwd: Pass,
+    bwd: Pass,
+    bwd_input: Pass,
+    bwd_weight: Pass,
+}
+
+impl Part {
+    /// The pass a `phase` slot runs; `B` is the input gradient alone when `split`.
+    fn pass(&self, phase: Phase, split: bool) -> &Pass {
+        match phase {
+            Phase::F => &self.fwd,
+            Phase::B if split => &self.bwd_input,
+            Phase::B => &self.bwd,
+            Phase::W => &self.bwd_weight,
+        }
+    }
 }
 
 fn comm_bytes(p: &Program) -> u64 {
@@ -126,6 +151,18 @@ fn comm_bytes(p: &Program) -> u64 {
             _ => 0,
         })
         .sum()
+}
+
+fn time_pass(p: &Program, topo: &Topology, cluster: &Cluster) -> Result<Pass, CostError> {
+    let r = replay(p, topo, cluster, false)?;
+    let x = &r.ranks[r.critical_rank()];
+    Ok(Pass {
+        time: x.end,
+        compute: x.compute,
+        comm: x.comm,
+        comm_bytes: comm_bytes(p),
+        flops: p.flops(),
+    })
 }
 
 fn time_part(
@@ -143,20 +180,12 @@ fn time_part(
     } else {
         bwd
     };
-    let rf = replay(fwd, topo, cluster, false)?;
-    let rb = replay(&bwd, topo, cluster, false)?;
-    let (f, b) = (&rf.ranks[rf.critical_rank()], &rb.ranks[rb.critical_rank()]);
+    let (input, weight) = bwd.split_weight_grad();
     Ok(Part {
-        fwd: f.end,
-        fwd_compute: f.compute,
-        fwd_comm: f.comm,
-        fwd_comm_bytes: comm_bytes(fwd),
-        bwd: b.end,
-        bwd_compute: b.compute,
-        bwd_comm: b.comm,
-        bwd_comm_bytes: comm_bytes(&bwd),
-        fwd_flops: fwd.flops(),
-        bwd_flops: bwd.flops(),
+        fwd: time_pass(fwd, topo, cluster)?,
+        bwd: time_pass(&bwd, topo, cluster)?,
+        bwd_input: time_pass(&input, topo, cluster)?,
+        bwd_weight: time_pass(&weight, topo, cluster)?,
     })
 }
 
@@ -443,61 +472,34 @@ pub fn simulate_training(
             layer_dense * 2,
             layer_expert * 2,
         );
-        layer.fwd = layer.fwd.max(ag);
-        layer.bwd = layer.bwd.max(ag + rs);
-        layer.fwd_comm += ag;
-        layer.bwd_comm += ag + rs;
-        layer.fwd_comm_bytes += bytes;
-        layer.bwd_comm_bytes += 2 * bytes;
+        // The split backward gathers before its input gradient and reduce-scatters after
+        // its weight gradient.
+        let add = |p: &mut Pass, t: Seconds, b: u64| {
+            p.time = p.time.max(t);
+            p.comm += t;
+            p.comm_bytes += b;
+        };
+        add(&mut layer.fwd, ag, bytes);
+        add(&mut layer.bwd, ag + rs, 2 * bytes);
+        add(&mut layer.bwd_input, ag, bytes);
+        add(&mut layer.bwd_weight, rs, bytes);
     }
 
-    // Chunk costs.
+    // Chunk costs: the pass a `phase` slot of local chunk `c` of stage `s` runs.
     let last_gc = pp * v - 1;
-    let chunk = |s: usize, c: usize, f: &dyn Fn(&Part) -> f64| -> f64 {
+    let split = schedule == PipeSchedule::ZbH1;
+    let chunk = |s: usize, c: usize, ph: Phase, f: &dyn Fn(&Pass) -> f64| -> f64 {
         let gc = c * pp + s;
-        n_layers as f64 * f(&layer)
-            + if gc == 0 { f(&pre) } else { 0.0 }
-            + if gc == last_gc { f(&post) } else { 0.0 }
+        let of = |p: &Part| f(p.pass(ph, split));
+        n_layers as f64 * of(&layer)
+            + if gc == 0 { of(&pre) } else { 0.0 }
+            + if gc == last_gc { of(&post) } else { 0.0 }
     };
-    let dur = |s: usize, c: usize, fwd: bool| {
-        chunk(s, c, &|p: &Part| if fwd { p.fwd.0 } else { p.bwd.0 })
-    };
-    let compute_of = |s: usize, c: usize, fwd: bool| {
-        chunk(s, c, &|p: &Part| {
-            if fwd {
-                p.fwd_compute.0
-            } else {
-                p.bwd_compute.0
-            }
-        })
-    };
-    let comm_of = |s: usize, c: usize, fwd: bool| {
-        chunk(s, c, &|p: &Part| {
-            if fwd {
-                p.fwd_comm.0
-            } else {
-                p.bwd_comm.0
-            }
-        })
-    };
-    let flops_of = |s: usize, c: usize, fwd: bool| {
-        chunk(s, c, &|p: &Part| {
-            if fwd {
-                p.fwd_flops
-            } else {
-                p.bwd_flops
-            }
-        })
-    };
-    let comm_bytes_of = |s: usize, c: usize, fwd: bool| {
-        chunk(s, c, &|p: &Part| {
-            (if fwd {
-                p.fwd_comm_bytes
-            } else {
-                p.bwd_comm_bytes
-            }) as f64
-        })
-    };
+    let dur = |s: usize, c: usize, ph: Phase| chunk(s, c, ph, &|p| p.time.0);
+    let compute_of = |s: usize, c: usize, ph: Phase| chunk(s, c, ph, &|p| p.compute.0);
+    let comm_of = |s: usize, c: usize, ph: Phase| chunk(s, c, ph, &|p| p.comm.0);
+    let flops_of = |s: usize, c: usize, ph: Phase| chunk(s, c, ph, &|p| p.flops);
+    let comm_bytes_of = |s: usize, c: usize, ph: Phase| chunk(s, c, ph, &|p| p.comm_bytes as f64);
 
     // 4. The pipeline.
     let act_bytes = (t.micro_batch * t.seq * cfg.hidden * dt.size_bytes()) as u64;
@@ -527,7 +529,16 @@ pub fn simulate_training(
     } else {
         (0, Seconds::ZERO)
     };
-    let run: PipeRun = run_pipeline(schedule, pp, m, &dur, p2p.0)?;
+    // Slot `F`/`B`/`W` of global chunk `gc` runs on stage `gc mod pp` as its local chunk
+    // `gc / pp`.
+    let run: Replay = schedule
+        .build(pp, m)?
+        .replay_with(&|gc, ph| dur(gc % pp, gc / pp, ph), p2p.0)?;
+    let pass_name = |ph: Phase| match ph {
+        Phase::F => "forward",
+        Phase::B => "backward",
+        Phase::W => "weight-gradient",
+    };
 
     // 5. Gradient synchronisation, embedding all-reduce, optimizer.
     // Per stage: (all, experts') local parameter elements.
@@ -602,26 +613,27 @@ pub fn simulate_training(
     let mut outs: Vec<StageOut> = Vec::with_capacity(pp);
     for (s, &(psi, psi_expert)) in stage_elems.iter().enumerate() {
         let psi_dense = psi - psi_expert;
-        let pipe_end = run.stage_end(s);
+        let pipe_end = run.ranks[s].end;
         let mut tl = Timeline {
             tracks: vec!["compute".into(), "comm:pp".into(), "comm:dp".into()],
             ..Timeline::default()
         };
-        for e in &run.stages[s] {
-            let (c, f) = (e.op.chunk, e.op.fwd);
+        for e in run.rank(s) {
+            let (c, ph, mb) = (e.slot.chunk / pp, e.slot.phase, e.slot.micro);
             tl.slices.push(Slice {
                 track: 0,
-                name: format!("{} mb{} chunk{}", if f { "F" } else { "B" }, e.op.mb, c),
-                cat: if f { "forward" } else { "backward" }.into(),
+                name: format!("{ph:?} mb{mb} chunk{c}"),
+                cat: pass_name(ph).into(),
                 start: e.start,
                 dur: e.end - e.start,
-                bytes: comm_bytes_of(s, c, f) as u64,
-                flops: flops_of(s, c, f),
+                bytes: comm_bytes_of(s, c, ph) as u64,
+                flops: flops_of(s, c, ph),
             });
             if let Some(r) = e.recv {
+                let what = if ph == Phase::F { "act" } else { "grad" };
                 tl.slices.push(Slice {
                     track: 1,
-                    name: format!("recv {} mb{}", if f { "act" } else { "grad" }, e.op.mb),
+                    name: format!("recv {what} mb{mb}"),
                     cat: "p2p".into(),
                     start: r,
                     dur: p2p.0,
@@ -630,8 +642,9 @@ pub fn simulate_training(
                 });
             }
         }
-        // Gradient reduction: per-layer buckets, ready through the chunk's last backward when
-        // overlapped, all at the end of the pipeline otherwise.
+        // Gradient reduction: per-layer buckets, ready through the chunk's last backward (its
+        // last weight-gradient pass when split) when overlapped, all at the end of the
+        // pipeline otherwise.
         let mut sync_free = 0f64;
         let mut sync_total = 0f64;
         let mut param_ag = 0f64;
@@ -639,10 +652,12 @@ pub fn simulate_training(
             // (ready, dense bytes, expert bytes).
             let mut buckets: Vec<(f64, u64, u64)> = Vec::new();
             for c in 0..v {
-                let lastb = run.stages[s]
+                let grads = if split { Phase::W } else { Phase::B };
+                let lastb = run
+                    .rank(s)
                     .iter()
                     .rev()
-                    .find(|e| !e.op.fwd && e.op.chunk == c);
+                    .find(|e| e.slot.phase == grads && e.slot.chunk / pp == c);
                 let (b0, b1) = match (t.overlap_grad_reduce, lastb) {
                     (true, Some(e)) => (e.start, e.end),
                     _ => (pipe_end, pipe_end),
@@ -737,7 +752,7 @@ pub fn simulate_training(
             let (x, y, z) = zero_static(psi_expert, dp, t.zero);
             (a + x, b + y, c + z)
         };
-        let (peak_if, in_flight) = run.in_flight(s);
+        let (peak_if, in_flight) = (run.ranks[s].peak_in_flight, &run.ranks[s].in_flight);
         let mut transient = 2 * biggest;
         if t.recompute == Recompute::Full {
             transient += saved_full_layer.0;
@@ -784,9 +799,9 @@ pub fn simulate_training(
         .unwrap_or(0);
     let per_rank_flops: Vec<f64> = (0..pp)
         .map(|s| {
-            run.stages[s]
+            run.rank(s)
                 .iter()
-                .map(|e| flops_of(s, e.op.chunk, e.op.fwd))
+                .map(|e| flops_of(s, e.slot.chunk / pp, e.slot.phase))
                 .sum()
         })
         .collect();
@@ -801,12 +816,22 @@ pub fn simulate_training(
             0.0
         }
     };
-    let ce = &run.stages[crit];
+    let ce = run.rank(crit);
+    let op = |e: &Timed| (crit, e.slot.chunk / pp, e.slot.phase);
     let exposed_in_ops: f64 = ce
         .iter()
-        .map(|e| dur(crit, e.op.chunk, e.op.fwd) - compute_of(crit, e.op.chunk, e.op.fwd))
+        .map(|e| {
+            let (s, c, ph) = op(e);
+            dur(s, c, ph) - compute_of(s, c, ph)
+        })
         .sum();
-    let comm_in_ops: f64 = ce.iter().map(|e| comm_of(crit, e.op.chunk, e.op.fwd)).sum();
+    let comm_in_ops: f64 = ce
+        .iter()
+        .map(|e| {
+            let (s, c, ph) = op(e);
+            comm_of(s, c, ph)
+        })
+        .sum();
     let remote_ops = ce.iter().filter(|e| e.recv.is_some()).count() as f64;
     let co = &outs[crit];
     let edge_comm = if crit == 0 || crit == pp - 1 {
@@ -815,11 +840,14 @@ pub fn simulate_training(
         0.0
     };
     let exposed =
-        exposed_in_ops + run.p2p_exposed(crit) + co.sync_exposed + edge_comm + co.param_ag;
+        exposed_in_ops + run.ranks[crit].p2p_wait + co.sync_exposed + edge_comm + co.param_ag;
     let comm_total = comm_in_ops + p2p.0 * remote_ops + co.sync_total + edge_comm + co.param_ag;
     let compute: f64 = ce
         .iter()
-        .map(|e| compute_of(crit, e.op.chunk, e.op.fwd))
+        .map(|e| {
+            let (s, c, ph) = op(e);
+            compute_of(s, c, ph)
+        })
         .sum::<f64>()
         + co.optimizer;
     let bubble = (0..pp).map(|s| run.bubble(s)).sum::<f64>() / pp as f64;
@@ -838,9 +866,9 @@ pub fn simulate_training(
             stage: s,
             layers: n_layers * v,
             end_s: outs[s].end,
-            busy_s: run.busy(s),
+            busy_s: run.ranks[s].busy,
             bubble_s: run.bubble(s),
-            p2p_exposed_s: run.p2p_exposed(s),
+            p2p_exposed_s: run.ranks[s].p2p_wait,
             dp_sync_exposed_s: outs[s].sync_exposed,
             peak_in_flight: outs[s].peak_in_flight,
             memory: outs[s].memory,
@@ -877,11 +905,7 @@ pub fn simulate_training(
         seq: t.seq,
         micro_batch: Some(t.micro_batch),
         micro_batches: Some(m),
-        schedule: Some(match schedule {
-            PipeSchedule::Gpipe => "gpipe".to_string(),
-            PipeSchedule::OneFOneB => "1f1b".to_string(),
-            PipeSchedule::Interleaved(v) => format!("interleaved(v={v})"),
-        }),
+        schedule: Some(schedule.label()),
         recompute: Some(
             match t.recompute {
                 Recompute::None => "none",
@@ -903,7 +927,7 @@ pub fn simulate_training(
         exposed_comm_s: exposed,
         hidden_comm_s: (comm_total - exposed).max(0.0),
         bubble_fraction: if step > 0.0 { bubble / step } else { 0.0 },
-        pipeline_s: run.makespan.0,
+        pipeline_s: run.makespan,
         optimizer_s: co.optimizer,
         peak_memory_bytes_per_rank: wm.total().0,
         peak_memory_rank: worst_rank,

@@ -1,7 +1,10 @@
 //! Pipeline schedules as data: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B (Megatron-LM
 //! virtual pipeline) and ZB-H1 (Qi et al. 2023, zero-bubble with the weight gradient split
 //! out of the backward pass), plus stage partitioning, a replay that times a schedule and
-//! checks it cannot deadlock, and renderings (text diagram, Chrome/Perfetto trace).
+//! checks it cannot deadlock, and renderings (text diagram, Chrome/Perfetto trace). The
+//! replay is the compiler's one pipeline replay: `shardc schedule` and the plan verifier time
+//! schedules with it, and so does the analytic training model (`cost::simulate_training`), with
+//! each pass's simulated duration and the point-to-point transfer time.
 //!
 //! A schedule is, per pipeline rank, the ordered list of [`Slot`]s it executes. Model chunk
 //! `j` (of `p·v`) lives on rank `j mod p`; activations of micro-batch `i` flow chunk `j → j+1`
@@ -13,7 +16,7 @@ mod replay;
 
 pub use balance::{balance, parse_stage_layers};
 pub use ops::{Carry, PipeOp};
-pub use replay::{PassCosts, Replay, Timed};
+pub use replay::{PassCosts, RankTimes, Replay, Timed};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
