@@ -24,7 +24,7 @@ use super::collective::CollectiveKind;
 use super::profile::DeviceProfile;
 use super::roofline::{
     fused_into_consumer, is_expert_major, kernels_bytes, kernels_flops, kernels_time,
-    node_cost_routed, routed_fraction, sim_bytes, ComputeOptions,
+    node_cost_routed, routed_fraction, sim_bytes, AttentionImpl, ComputeOptions,
 };
 use super::units::Seconds;
 use crate::ir::{Graph, Op, ValueId};
@@ -145,8 +145,42 @@ impl Program {
         keep: &dyn Fn(ValueId) -> bool,
         comm: &dyn Fn(&str, CollectiveKind, u64) -> Seconds,
     ) -> Program {
+        Program::from_steps_with(g, steps, dev, opts, keep, comm, &|_| false)
+    }
+
+    /// [`Program::from_steps`] with the values `resident` says live in buffers accounted
+    /// elsewhere (a training micro-batch's gradients, which accumulate into the step's
+    /// gradient buffers): they take no activation memory here. Every other value holds its
+    /// bytes at the simulated dtype from its kernel to its last reader, but a fused one
+    /// (never written) and, with flash attention, attention probabilities: a fused kernel
+    /// keeps only each row's log-sum-exp (`[B, T, heads]` f32), not the `[.., T, S]` matrix.
+    pub fn from_steps_with(
+        g: &Graph,
+        steps: &[Step],
+        dev: &DeviceProfile,
+        opts: &ComputeOptions,
+        keep: &dyn Fn(ValueId) -> bool,
+        comm: &dyn Fn(&str, CollectiveKind, u64) -> Seconds,
+        resident: &dyn Fn(ValueId) -> bool,
+    ) -> Program {
         let fused = fused_into_consumer(g, opts);
         let routed = routed_fraction(g);
+        let held = |v: ValueId| -> u64 {
+            let node = g.node(v);
+            if resident(v) || fused[v.index()] || matches!(node.op, Op::Reshape) {
+                return 0;
+            }
+            match node.op {
+                Op::AttentionProbs(_) if opts.attention == AttentionImpl::Flash => {
+                    let t = &node.ty;
+                    // [B, heads, T, S] → one f32 per row.
+                    (t.numel() / t.dims.last().map_or(1, |d| d.size.max(1))) as u64 * 4
+                }
+                // A dense `[experts, ..]` value holds only its routed tokens.
+                _ if is_expert_major(&node.ty) => (sim_bytes(&node.ty, opts.dtype) * routed) as u64,
+                _ => sim_bytes(&node.ty, opts.dtype) as u64,
+            }
+        };
         // Which collective each event belongs to (schedule(): record, wait, collective, record).
         let mut owner: BTreeMap<u32, ValueId> = BTreeMap::new();
         for (i, s) in steps.iter().enumerate() {
@@ -179,13 +213,22 @@ impl Program {
                 if matches!(g.node(v).op, Op::Param(_)) {
                     continue;
                 }
-                *frees.entry(u).or_insert(0) += sim_bytes(g.ty(v), opts.dtype) as u64;
+                // An input holds its bytes from the start (`initial_live`).
+                *frees.entry(u).or_insert(0) += if matches!(g.node(v).op, Op::Input { .. }) {
+                    if resident(v) {
+                        0
+                    } else {
+                        sim_bytes(g.ty(v), opts.dtype) as u64
+                    }
+                } else {
+                    held(v)
+                };
             }
         }
         let mut p = Program::new();
         p.initial_live = g
             .ids()
-            .filter(|&v| matches!(g.node(v).op, Op::Input { .. }))
+            .filter(|&v| matches!(g.node(v).op, Op::Input { .. }) && !resident(v))
             .map(|v| sim_bytes(g.ty(v), opts.dtype) as u64)
             .sum();
         let mut max_event = 0u32;
@@ -234,11 +277,7 @@ impl Program {
                         }),
                         attention: matches!(node.op, Op::Attention(_)),
                     });
-                    let alloc = if view || fused[value.index()] {
-                        0
-                    } else {
-                        sim_bytes(&node.ty, opts.dtype) as u64
-                    };
+                    let alloc = held(*value);
                     let mut fwd = work(&c.fwd);
                     if let Some((axis, kind, bytes, parts)) = &c.embedded_comm {
                         // A ring of `parts` partial GEMMs: communication overlaps all but
@@ -279,7 +318,7 @@ impl Program {
                             kind,
                             bytes: collective_bytes_routed(g, *value, opts, routed),
                         },
-                        alloc: sim_bytes(&node.ty, opts.dtype) as u64,
+                        alloc: held(*value),
                         free: frees.get(value).copied().unwrap_or(0),
                         grad: None,
                     });

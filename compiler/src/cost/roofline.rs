@@ -266,10 +266,11 @@ pub fn node_cost_routed(
 ) -> NodeCost {
     let node = g.node(v);
     let dt = opts.dtype;
-    // Dense [experts, ..] activations count at the routed fraction; weights in full.
+    // Dense [experts, ..] activations count at the routed fraction; weights (parameters, and
+    // a training program's `[experts, out, in]` weight inputs and gradients) in full.
     let scaled = |ty: &TensorType, is_param: bool| {
         let x = sim_bytes(ty, dt);
-        if !is_param && is_expert_major(ty) {
+        if !is_param && is_expert_major(ty) && ty.rank() > 3 {
             x * routed
         } else {
             x
@@ -394,7 +395,11 @@ pub fn node_cost_routed(
             } else {
                 1
             };
-            let rows = g.ty(a).numel() / k.max(1) / batch.max(1);
+            let mut rows = g.ty(a).numel() / k.max(1) / batch.max(1);
+            if is_expert_major(g.ty(a)) {
+                // Only the routed tokens of each expert contribute.
+                rows = ((rows as f64 * routed).ceil() as usize).max(1);
+            }
             c.fwd.push(Kernel::gemm(
                 GemmShape {
                     m: k,

@@ -11,7 +11,7 @@ use super::report::{SimReport, Simulation, Slice, Timeline};
 use super::roofline::{sim_bytes, ComputeOptions};
 use super::units::Bytes;
 use super::CostError;
-use crate::ir::{DType, Op};
+use crate::ir::{DType, Op, ValueId};
 use crate::plan::Plan;
 use crate::shard::Mesh;
 use std::collections::HashMap;
@@ -220,13 +220,26 @@ pub fn simulate_plan(
             GroupTopology::of_axis(mesh, axis, cluster),
         )
     };
-    let mut program = Program::from_steps(&plan.program, &plan.steps, dev, opts, &|_| true, &comm);
+    // A training micro-batch's inputs (parameters, tokens) and outputs (gradients, which
+    // accumulate into the step's buffers; the loss) are static state, accounted apart.
+    let g = &plan.program;
+    let training = plan.step.is_some() && plan.train.is_some();
+    let mut outputs = vec![false; g.len()];
+    for &(_, v) in &g.outputs {
+        outputs[v.index()] = true;
+    }
+    let resident =
+        |v: ValueId| training && (outputs[v.index()] || matches!(g.node(v).op, Op::Input { .. }));
+    let mut program =
+        Program::from_steps_with(g, &plan.steps, dev, opts, &|_| true, &comm, &resident);
     let topo = Topology::new(mesh, cluster);
     // A training step: the micro-batch's program once per micro-batch, then the step's
-    // (gradient synchronisation left after the last micro-batch, AdamW), timed alone too.
+    // (gradient synchronisation left after the last micro-batch, AdamW, updating the static
+    // state in place), timed alone too.
     let mut step_program_s = 0.0;
     if let (Some(st), Some(t)) = (&plan.step, &plan.train) {
-        let step = Program::from_steps(&st.program, &st.steps, dev, opts, &|_| true, &comm);
+        let step = Program::from_steps(&st.program, &st.steps, dev, opts, &|_| true, &comm)
+            .without_memory();
         step_program_s = replay(&step, &topo, cluster, false)?.end().0;
         let micro = std::mem::take(&mut program);
         program = Program::concat(std::iter::repeat_n(&micro, t.micro_batches).chain([&step]));
@@ -234,7 +247,6 @@ pub fn simulate_plan(
     let rep = replay(&program, &topo, cluster, true)?;
     let world = mesh.world_size();
     let step = rep.end().0;
-    let g = &plan.program;
     let params = Bytes(
         g.ids()
             .filter(|&v| matches!(g.node(v).op, Op::Param(_)))
@@ -250,8 +262,10 @@ pub fn simulate_plan(
             (worst, worst_live) = (i, r.peak_live);
         }
     }
-    // A training plan: parameters, gradients, optimizer state and collective buffers as the
-    // compiler accounted them (its precision), the activations of the replay.
+    // A training plan: parameters, gradients and optimizer state as the compiler accounted
+    // them (its precision); the activations, working memory and collective outputs (ZeRO-3's
+    // gathered parameters included) are the replay's live bytes, each value held from its
+    // kernel to its last reader.
     let train_memory = plan.memory.train.as_ref().filter(|_| plan.train.is_some());
     let memory = match train_memory {
         Some(t) => MemoryBreakdown {
@@ -259,7 +273,6 @@ pub fn simulate_plan(
             grads: Bytes(t.grad_bytes),
             optimizer: Bytes(t.optimizer_bytes),
             activations: worst_live,
-            comm_buffers: Bytes(t.comm_buffer_bytes),
             ..MemoryBreakdown::default()
         },
         None => MemoryBreakdown {
