@@ -371,3 +371,65 @@ fn bad_training_options_are_one_line_errors() {
     );
     assert!(!ok && err.contains("--train"), "{err}");
 }
+
+/// `--schedule interleaved` means two chunks per pipeline rank unless `--virtual-stages` says
+/// otherwise, in `compile --train`, `simulate --train` and `schedule` alike.
+#[test]
+fn interleaved_defaults_to_two_chunks_per_rank_everywhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = ok_in(
+        tmp.path(),
+        &[
+            "compile",
+            &format!("{}/models/llama-3-8b.json", env!("CARGO_MANIFEST_DIR")),
+            "--train",
+            "--mesh",
+            "pp=4",
+            "--schedule",
+            "interleaved",
+            "--batch",
+            "8",
+            "--seq",
+            "1024",
+            "--micro-batches",
+            "8",
+            "--allow-oom",
+            "-o",
+            "p.json",
+        ],
+    );
+    assert!(
+        out.contains("interleaved schedule, 4 stages × 2 chunk(s)"),
+        "{out}"
+    );
+    let sim = ok_in(
+        tmp.path(),
+        &[
+            "simulate",
+            &format!("{}/models/llama-3-8b.json", env!("CARGO_MANIFEST_DIR")),
+            "--train",
+            "--mesh",
+            "pp=4",
+            "--schedule",
+            "interleaved",
+            "--global-batch",
+            "8",
+            "--seq",
+            "1024",
+        ],
+    );
+    assert!(sim.contains("schedule interleaved(v=2)"), "{sim}");
+    let sched = ok_in(
+        tmp.path(),
+        &[
+            "schedule",
+            "--pp",
+            "4",
+            "--micro-batches",
+            "8",
+            "--schedule",
+            "interleaved",
+        ],
+    );
+    assert!(sched.contains("4 stages, 8 micro-batches, 2 chunks per stage"), "{sched}");
+}

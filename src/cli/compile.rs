@@ -89,7 +89,8 @@ pub struct CompileArgs {
     /// Training, meshes with `pp`: the schedule: gpipe, 1f1b, interleaved or zb-h1 [default: 1f1b].
     #[arg(long, requires = "train")]
     pub schedule: Option<String>,
-    /// Training, meshes with `pp`: model chunks per pipeline rank (interleaved) [default: 1].
+    /// Training, meshes with `pp`: model chunks per pipeline rank for the interleaved schedule
+    /// [default: 2].
     #[arg(long, requires = "train")]
     pub virtual_stages: Option<usize>,
     /// Training, meshes with `pp`: decoder layers per chunk, e.g. `21,20,20,19` (default:
@@ -342,7 +343,15 @@ fn train_options(
         }
         return Ok(t);
     };
-    let v = a.virtual_stages.unwrap_or(1);
+    // Model chunks per rank: 2 for the interleaved schedule unless given (as `simulate` and
+    // `schedule` default), 1 for the others.
+    let v = a
+        .virtual_stages
+        .unwrap_or(if schedule == ScheduleKind::Interleaved {
+            2
+        } else {
+            1
+        });
     at_least("--virtual-stages", v, 1)?;
     if v > 1 && schedule != ScheduleKind::Interleaved {
         bail!(

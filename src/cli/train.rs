@@ -51,7 +51,7 @@ pub struct TrainArgs {
     /// Pipeline schedule (meshes with `pp`): gpipe, 1f1b (default), interleaved or zb-h1.
     #[arg(long)]
     schedule: Option<String>,
-    /// Model chunks per pipeline rank (interleaved schedule; default 1).
+    /// Model chunks per pipeline rank for the interleaved schedule (default 2).
     #[arg(long)]
     virtual_stages: Option<usize>,
     /// Decoder layers per pipeline chunk, e.g. `9,8,8,7` (default: balanced by cost).
@@ -274,6 +274,14 @@ fn compile_plan(
     let virtual_stages = a.virtual_stages.unwrap_or(1);
     if pipelined {
         let schedule = ScheduleKind::from_name(a.schedule.as_deref().unwrap_or("1f1b"))?;
+        // 2 chunks per rank for the interleaved schedule unless given, as everywhere.
+        let virtual_stages = a
+            .virtual_stages
+            .unwrap_or(if schedule == ScheduleKind::Interleaved {
+                2
+            } else {
+                1
+            });
         let chunks = opts.mesh.axis_size(opts.mesh.axis("pp").expect("checked"))
             * if schedule == ScheduleKind::Interleaved {
                 virtual_stages
