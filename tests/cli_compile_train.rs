@@ -431,5 +431,8 @@ fn interleaved_defaults_to_two_chunks_per_rank_everywhere() {
             "interleaved",
         ],
     );
-    assert!(sched.contains("4 stages, 8 micro-batches, 2 chunks per stage"), "{sched}");
+    assert!(
+        sched.contains("4 stages, 8 micro-batches, 2 chunks per stage"),
+        "{sched}"
+    );
 }

@@ -89,3 +89,51 @@ fn training_plan_replay_is_a_training_step() {
         "{r4}"
     );
 }
+
+/// A pipeline plan replayed reports its tensor-parallel collectives as communication (inside
+/// its passes), not only the transfers between stages.
+#[test]
+fn pipeline_plan_replay_counts_the_collectives_inside_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("pp.json");
+    let (ok, _, err) = run_shardc(
+        &[
+            "compile",
+            "models/llama-3-8b.json",
+            "--train",
+            "--mesh",
+            "pp=2,tp=4",
+            "--strategy",
+            "sp",
+            "--batch",
+            "8",
+            "--seq",
+            "2048",
+            "--micro-batches",
+            "8",
+            "--allow-oom",
+            "-o",
+            p.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    let r = json(&["simulate", "--plan", p.to_str().unwrap(), "--json"]);
+    let f = |k: &str| r[k].as_f64().unwrap();
+    let p2p: f64 = r["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["p2p_exposed_s"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(f("comm_s") > 2.0 * p2p, "{r}");
+    assert!(f("exposed_comm_s") <= f("comm_s") + 1e-12, "{r}");
+    assert!(
+        (f("exposed_comm_s") + f("hidden_comm_s") - f("comm_s")).abs() < 1e-9,
+        "{r}"
+    );
+    assert!(
+        f("compute_s") > 0.0 && f("compute_s") < f("step_time_s"),
+        "{r}"
+    );
+}

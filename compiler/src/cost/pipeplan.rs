@@ -20,6 +20,28 @@ use crate::ir::{Graph, ValueId};
 use crate::plan::Plan;
 use crate::schedule::pp::{run_program, Carry, Phase, PipeOp};
 
+/// One pass of a chunk (or its optimizer step) on one rank: its time, FLOPs, and the time of
+/// its collectives, all of it and the part compute does not hide.
+#[derive(Clone, Copy, Debug, Default)]
+struct PassTime {
+    time: f64,
+    flops: f64,
+    comm: f64,
+    exposed: f64,
+}
+
+impl PassTime {
+    /// What `self` (a pair of passes timed together) adds to `first`.
+    fn minus(&self, first: &PassTime) -> PassTime {
+        PassTime {
+            time: (self.time - first.time).max(0.0),
+            flops: self.flops - first.flops,
+            comm: (self.comm - first.comm).max(0.0),
+            exposed: (self.exposed - first.exposed).max(0.0),
+        }
+    }
+}
+
 /// Replays pipeline plan `plan` (one with a schedule) on `cluster`.
 pub fn simulate_pipeline_plan(
     plan: &Plan,
@@ -58,15 +80,22 @@ pub fn simulate_pipeline_plan(
     // micro-batch) and of its optimizer step.
     let time = |g: &Graph, steps: &[crate::schedule::Step], keep: &[bool]| {
         let prog = Program::from_steps(g, steps, dev, opts, &|v| keep[v.index()], &comm);
-        Ok::<_, CostError>((replay(&prog, &topo, cluster, false)?.end().0, prog.flops()))
+        let rep = replay(&prog, &topo, cluster, false)?;
+        let r = &rep.ranks[rep.critical_rank()];
+        Ok::<_, CostError>(PassTime {
+            time: rep.end().0,
+            flops: prog.flops(),
+            comm: r.comm.0,
+            exposed: r.exposed_comm().0.min(r.comm.0),
+        })
     };
-    let mut passes: Vec<[(f64, f64); 3]> = Vec::with_capacity(plan.chunks.len());
-    let mut paired_w: Vec<(f64, f64)> = Vec::with_capacity(plan.chunks.len());
-    let mut optimizer: Vec<(f64, f64)> = Vec::with_capacity(plan.chunks.len());
+    let mut passes: Vec<[PassTime; 3]> = Vec::with_capacity(plan.chunks.len());
+    let mut paired_w: Vec<PassTime> = Vec::with_capacity(plan.chunks.len());
+    let mut optimizer: Vec<PassTime> = Vec::with_capacity(plan.chunks.len());
     for (c, ch) in plan.chunks.iter().enumerate() {
         let g = &ch.program;
         let lists = &plan.pipeline_nodes[c];
-        let mut d = [(0.0, 0.0); 3];
+        let mut d = [PassTime::default(); 3];
         let mut keep = vec![false; g.len()];
         for (k, list) in lists.iter().enumerate() {
             keep.fill(false);
@@ -82,17 +111,17 @@ pub fn simulate_pipeline_plan(
             keep[v.index()] = true;
         }
         let both = time(g, &steps[c], &keep)?;
-        paired_w.push(((both.0 - d[1].0).max(0.0), both.1 - d[1].1));
+        paired_w.push(both.minus(&d[1]));
         passes.push(d);
         let st = ch.step.as_ref().map(|s| (&s.program, &s.steps));
         optimizer.push(match st {
             Some((g, steps)) => time(g, steps, &vec![true; g.len()])?,
-            None => (0.0, 0.0),
+            None => PassTime::default(),
         });
     }
-    let mut dur: Vec<Vec<(f64, f64)>> = Vec::with_capacity(p);
+    let mut dur: Vec<Vec<PassTime>> = Vec::with_capacity(p);
     for ops in &plan.pipeline_program {
-        let mut d: Vec<(f64, f64)> = Vec::with_capacity(ops.len());
+        let mut d: Vec<PassTime> = Vec::with_capacity(ops.len());
         for (k, op) in ops.iter().enumerate() {
             d.push(match *op {
                 PipeOp::Run(s) => {
@@ -107,7 +136,7 @@ pub fn simulate_pipeline_plan(
                     }
                 }
                 PipeOp::Step { chunk } => optimizer[chunk],
-                _ => (0.0, 0.0),
+                _ => PassTime::default(),
             });
         }
         dur.push(d);
@@ -130,11 +159,21 @@ pub fn simulate_pipeline_plan(
     let mut now = vec![0.0f64; p];
     let mut busy = vec![0.0f64; p];
     let mut p2p_wait = vec![0.0f64; p];
+    // Collective time inside each rank's passes, and the part of it not hidden by compute.
+    let mut pass_comm = vec![0.0f64; p];
+    let mut pass_exposed = vec![0.0f64; p];
     let mut slices: Vec<Vec<Slice>> = vec![Vec::new(); p];
     // A message is (arrival, transfer time).
     run_program::<(f64, f64), CostError>(&plan.pipeline_program, |r, k, op, got| {
         let mut pass = |name: String, cat: &str, now: &mut f64| {
-            let (d, flops) = dur[r][k];
+            let PassTime {
+                time: d,
+                flops,
+                comm,
+                exposed,
+            } = dur[r][k];
+            pass_comm[r] += comm;
+            pass_exposed[r] += exposed;
             slices[r].push(Slice {
                 track: 0,
                 name,
@@ -212,7 +251,7 @@ pub fn simulate_pipeline_plan(
                 None => mem.params += Bytes(c.memory.param_bytes),
             }
         }
-        total_flops += dur[r].iter().map(|d| d.1).sum::<f64>() * stage_world as f64;
+        total_flops += dur[r].iter().map(|d| d.flops).sum::<f64>() * stage_world as f64;
         let p2p_exposed: f64 = p2p_wait[r].min(step);
         stages.push(StageReport {
             stage: r,
@@ -262,10 +301,10 @@ pub fn simulate_pipeline_plan(
         tflops_per_gpu: per_gpu(total_flops) / 1e12,
         model_tflops_per_gpu: per_gpu(total_flops) / 1e12,
         mfu: per_gpu(total_flops) / peak,
-        compute_s: busy[crit],
-        comm_s: p2p_wait[crit],
-        exposed_comm_s: p2p_wait[crit],
-        hidden_comm_s: 0.0,
+        compute_s: busy[crit] - pass_exposed[crit],
+        comm_s: pass_comm[crit] + p2p_wait[crit],
+        exposed_comm_s: pass_exposed[crit] + p2p_wait[crit],
+        hidden_comm_s: (pass_comm[crit] - pass_exposed[crit]).max(0.0),
         bubble_fraction: bubble,
         pipeline_s: step,
         optimizer_s: 0.0,
