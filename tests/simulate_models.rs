@@ -3,10 +3,11 @@
 //! the simulator's peak breakdown, Megatron-LM's FLOP count, the pipeline bubble, and the
 //! published Megatron-LM SC'21 Table 1 throughputs (±15%).
 
+use shardc::compiler::compile::simulate_training;
 use shardc::compiler::cost::{
-    collective_time, korthikanti_per_layer, megatron_flops_per_step, replay, simulate_training,
-    AttentionImpl, Bytes, Cluster, CollectiveKind, ComputeOptions, GroupTopology, PipeSchedule,
-    Program, Recompute, Topology, TrainOptions, MEGATRON_SC21_TABLE1,
+    collective_time, korthikanti_per_layer, megatron_flops_per_step, replay, AttentionImpl, Bytes,
+    Cluster, CollectiveKind, ComputeOptions, GroupTopology, PipeSchedule, Program, Recompute,
+    Topology, TrainOptions, MEGATRON_SC21_TABLE1,
 };
 use shardc::compiler::cost::{gpt_config, zero_static};
 use shardc::compiler::ir::{DType, Dim, Graph, Op, ParamSource, Role, TensorType};

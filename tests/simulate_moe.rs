@@ -7,9 +7,9 @@
 mod common;
 
 use common::{fails_with, run_shardc};
+use shardc::compiler::compile::{simulate_training, SimulateError};
 use shardc::compiler::cost::{
-    simulate_training, AttentionImpl, Cluster, ComputeOptions, CostError, Recompute, Simulation,
-    TrainOptions,
+    AttentionImpl, Cluster, ComputeOptions, Recompute, Simulation, TrainOptions,
 };
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::{ModelConfig, ModelStats};
@@ -26,7 +26,7 @@ fn copts() -> ComputeOptions {
     }
 }
 
-fn sim(model: &str, mesh: &str, zero: u8, imbalance: f64) -> Result<Simulation, CostError> {
+fn sim(model: &str, mesh: &str, zero: u8, imbalance: f64) -> Result<Simulation, SimulateError> {
     let cfg = ModelConfig::from_path(std::path::Path::new(model)).unwrap();
     let mesh = Mesh::parse(mesh, 8).unwrap();
     let c = Cluster::resolve_for("dgx-h100", mesh.world_size()).unwrap();

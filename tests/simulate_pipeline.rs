@@ -4,9 +4,10 @@
 //! same as the unpipelined step's, and the step time agrees with the analytical training
 //! model within its modelling differences.
 
+use shardc::compiler::compile::simulate_training;
 use shardc::compiler::cost::{
-    simulate_plan, simulate_training, AttentionImpl, Cluster, ComputeOptions, PipeSchedule,
-    Recompute, Simulation, TrainOptions as SimTrain,
+    simulate_plan, AttentionImpl, Cluster, ComputeOptions, PipeSchedule, Recompute, Simulation,
+    TrainOptions as SimTrain,
 };
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::ModelConfig;

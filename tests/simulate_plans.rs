@@ -2,10 +2,10 @@
 //! training plan from `compile_train` read through the same seam (`Program::from_steps`),
 //! checked against the training step model's derived backward.
 
+use shardc::compiler::compile::simulate_training;
 use shardc::compiler::compile::{compile_forward, CompileOptions};
 use shardc::compiler::cost::{
-    simulate_plan, simulate_training, AttentionImpl, Cluster, ComputeOptions, Recompute,
-    TrainOptions,
+    simulate_plan, AttentionImpl, Cluster, ComputeOptions, Recompute, TrainOptions,
 };
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::ModelConfig;

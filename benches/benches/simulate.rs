@@ -4,10 +4,10 @@
 //! ranks (dp=128, tp=8).
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use shardc_compiler::compile::simulate_training;
 use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::cost::{
-    chrome_trace, simulate_plan, simulate_training, Cluster, ComputeOptions, Recompute,
-    TrainOptions,
+    chrome_trace, simulate_plan, Cluster, ComputeOptions, Recompute, TrainOptions,
 };
 use shardc_compiler::model::ModelConfig;
 use shardc_compiler::plan::Plan;

@@ -389,3 +389,41 @@ mod tests {
         assert_eq!(log.timings.len(), 4, "build, annotate, partition, rewrite");
     }
 }
+
+/// A training step simulated by the analytic model that could not be compiled or costed.
+#[derive(Debug, Error)]
+pub enum SimulateError {
+    /// The two-layer plan did not compile.
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    /// The configuration or the cost model refused it.
+    #[error(transparent)]
+    Cost(#[from] crate::cost::CostError),
+}
+
+/// One training step of `cfg` on `mesh` simulated by the analytic model
+/// ([`crate::cost::simulate_training_on`]) on the two-layer plan it replays
+/// ([`crate::cost::layer_plan_spec`]), compiled here: the cost model never compiles a model.
+pub fn simulate_training(
+    cfg: &ModelConfig,
+    source: &str,
+    mesh: &Mesh,
+    t: &crate::cost::TrainOptions,
+    cluster: &crate::cost::Cluster,
+    copts: &crate::cost::ComputeOptions,
+) -> Result<crate::cost::Simulation, SimulateError> {
+    let spec = crate::cost::layer_plan_spec(cfg, mesh, t, cluster)?;
+    let compiled = compile_forward(
+        &spec.model,
+        &CompileOptions {
+            batch: spec.batch,
+            seq: spec.seq,
+            mesh: spec.mesh,
+            extra_strategies: spec.strategies,
+        },
+    )?;
+    let plan = Plan::new(&compiled, source, cfg.arch.name(), spec.model.layers);
+    Ok(crate::cost::simulate_training_on(
+        cfg, &plan, source, mesh, t, cluster, copts,
+    )?)
+}

@@ -7,10 +7,11 @@ use super::args::{at_least, check_seq};
 use super::fmt::{bytes, thousands};
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
+use shardc::compiler::compile::simulate_training;
 use shardc::compiler::compile::{compile, CompileSpec, Job};
 use shardc::compiler::cost::{
-    chrome_trace, forward_plan_memory, simulate_plan, simulate_training, AttentionImpl, Cluster,
-    ComputeOptions, PipeSchedule, Recompute, SimReport, Simulation, TrainOptions,
+    chrome_trace, forward_plan_memory, simulate_plan, AttentionImpl, Cluster, ComputeOptions,
+    PipeSchedule, Recompute, SimReport, Simulation, TrainOptions,
 };
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::{

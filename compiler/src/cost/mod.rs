@@ -69,7 +69,7 @@ pub use roofline::{
 };
 pub use simulate::{forward_plan_memory, simulate_plan};
 pub use trace::{chrome_trace, timelines_trace};
-pub use train::{simulate_training, TrainOptions};
+pub use train::{layer_plan_spec, simulate_training_on, LayerPlanSpec, TrainOptions};
 pub use units::{Bytes, Seconds};
 
 use thiserror::Error;
@@ -135,9 +135,9 @@ pub enum CostError {
     /// The training configuration is invalid.
     #[error("training: {0}")]
     Train(String),
-    /// Compiling the layer plan failed.
+    /// A model the cost model reads is unusable.
     #[error(transparent)]
-    Compile(#[from] crate::compile::CompileError),
+    Model(#[from] crate::model::ModelError),
     /// Calibration data is unusable.
     #[error("calibration: {0}")]
     Calibrate(String),

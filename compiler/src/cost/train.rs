@@ -43,12 +43,11 @@ use super::roofline::{
 use super::simulate::{check_gpus, rank_labels};
 use super::units::{Bytes, Seconds};
 use super::CostError;
-use crate::compile::{compile_forward, CompileError, CompileOptions};
 use crate::ir::{Graph, Op, ValueId};
 use crate::model::{ModelConfig, ModelStats};
 use crate::plan::Plan;
 use crate::schedule::pp::{Phase, Replay, Timed};
-use crate::shard::{Mesh, ShardError};
+use crate::shard::Mesh;
 use std::collections::BTreeSet;
 
 /// Bytes of HBM traffic per local parameter of a mixed-precision Adam step: bf16 gradient
@@ -205,24 +204,42 @@ fn elems(g: &Graph, s: &BTreeSet<ValueId>) -> u64 {
     s.iter().map(|&v| g.ty(v).numel() as u64).sum()
 }
 
-fn compile_error(e: impl Into<ShardError>) -> CostError {
-    CostError::Compile(CompileError::Shard(e.into()))
+/// The plan the training model replays: a two-layer copy of the model compiled for one
+/// micro-batch per `ep` rank on the tensor-parallel (and expert-parallel) mesh, `sp` if the
+/// step uses it. The compile driver compiles it (`compile::simulate_training`); the cost
+/// model never compiles a model.
+#[derive(Clone, Debug)]
+pub struct LayerPlanSpec {
+    /// The model, cut to (at most) two layers.
+    pub model: ModelConfig,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// `tp=T` or `ep=E,tp=T`, laid out as `cluster`'s nodes.
+    pub mesh: Mesh,
+    /// `sp` or nothing.
+    pub strategies: Vec<String>,
 }
 
-/// Simulates one training step of `cfg` on `mesh` (axes `dp`, `tp`, `pp`, `ep`) on `cluster`.
-///
-/// Expert parallelism (`ep`, a mixture-of-experts model): outside the experts the `ep` ranks
-/// hold different tokens, as data-parallel ranks do; each holds `experts / ep` experts, and the
-/// tokens routed to them arrive and leave by all-to-all. Dense parameters' gradients are
-/// synchronised (and ZeRO-sharded) over `dp × ep`, the experts' over `dp`.
-pub fn simulate_training(
+/// The sizes of a checked training configuration.
+struct Sizes {
+    dp: usize,
+    tp: usize,
+    pp: usize,
+    ep: usize,
+    /// Chunks per pipeline rank.
+    v: usize,
+    schedule: PipeSchedule,
+}
+
+/// Checks `t` on `mesh` for `cfg` (axes, divisibility, ranges) and returns the axis sizes.
+fn check_training(
     cfg: &ModelConfig,
-    source: &str,
     mesh: &Mesh,
     t: &TrainOptions,
     cluster: &Cluster,
-    copts: &ComputeOptions,
-) -> Result<Simulation, CostError> {
+) -> Result<Sizes, CostError> {
     check_gpus(mesh, cluster)?;
     for a in &mesh.axes {
         if !["dp", "tp", "pp", "ep"].contains(&a.name.as_str()) && a.size > 1 {
@@ -236,7 +253,6 @@ pub fn simulate_training(
     let (dp, tp, pp, ep) = (size("dp"), size("tp"), size("pp"), size("ep"));
     // Ranks holding different tokens.
     let data = dp * ep;
-    let world = mesh.world_size();
     if ep > 1 {
         let Some(moe) = cfg.moe else {
             return Err(CostError::Train(format!(
@@ -258,7 +274,6 @@ pub fn simulate_training(
             t.moe_imbalance
         )));
     }
-    let sp = t.sp();
     let (schedule, v) = if pp > 1 {
         (t.schedule, t.schedule.chunks())
     } else {
@@ -296,6 +311,74 @@ pub fn simulate_training(
             parts: data * t.micro_batch,
         });
     }
+    Ok(Sizes {
+        dp,
+        tp,
+        pp,
+        ep,
+        v,
+        schedule,
+    })
+}
+
+/// The plan [`simulate_training_on`] replays for `t` on `mesh` (checked).
+pub fn layer_plan_spec(
+    cfg: &ModelConfig,
+    mesh: &Mesh,
+    t: &TrainOptions,
+    cluster: &Cluster,
+) -> Result<LayerPlanSpec, CostError> {
+    let Sizes { tp, ep, .. } = check_training(cfg, mesh, t, cluster)?;
+    let mut model = cfg.clone();
+    model.layers = cfg.layers.min(2);
+    let text = if ep > 1 {
+        format!("ep={ep},tp={tp}")
+    } else {
+        format!("tp={tp}")
+    };
+    let layer_mesh = Mesh::parse(&text, cluster.gpus_per_node())
+        .map_err(|e| CostError::Train(format!("the layer plan's mesh {text}: {e}")))?;
+    Ok(LayerPlanSpec {
+        model,
+        batch: t.micro_batch * ep,
+        seq: t.seq,
+        mesh: layer_mesh,
+        strategies: if t.sp() {
+            vec!["sp".into()]
+        } else {
+            Vec::new()
+        },
+    })
+}
+
+/// Simulates one training step of `cfg` on `mesh` (axes `dp`, `tp`, `pp`, `ep`) on `cluster`
+/// from `plan`, the compiled plan [`layer_plan_spec`] describes.
+///
+/// Expert parallelism (`ep`, a mixture-of-experts model): outside the experts the `ep` ranks
+/// hold different tokens, as data-parallel ranks do; each holds `experts / ep` experts, and the
+/// tokens routed to them arrive and leave by all-to-all. Dense parameters' gradients are
+/// synchronised (and ZeRO-sharded) over `dp × ep`, the experts' over `dp`.
+pub fn simulate_training_on(
+    cfg: &ModelConfig,
+    plan: &Plan,
+    source: &str,
+    mesh: &Mesh,
+    t: &TrainOptions,
+    cluster: &Cluster,
+    copts: &ComputeOptions,
+) -> Result<Simulation, CostError> {
+    let Sizes {
+        dp,
+        tp,
+        pp,
+        ep,
+        v,
+        schedule,
+    } = check_training(cfg, mesh, t, cluster)?;
+    let data = dp * ep;
+    let world = mesh.world_size();
+    let sp = t.sp();
+    let lmesh = &plan.mesh;
     let m = t.global_batch / (data * t.micro_batch);
     let n_layers = cfg.layers / (pp * v);
     let dev = &cluster.device;
@@ -303,24 +386,6 @@ pub fn simulate_training(
 
     // 1. The two-layer plan on the tensor-parallel mesh (with the expert-parallel axis: one
     //    micro-batch per `ep` rank).
-    let mut c2 = cfg.clone();
-    c2.layers = cfg.layers.min(2);
-    let lmesh_text = if ep > 1 {
-        format!("ep={ep},tp={tp}")
-    } else {
-        format!("tp={tp}")
-    };
-    let lmesh = Mesh::parse(&lmesh_text, cluster.gpus_per_node()).map_err(compile_error)?;
-    let compiled = compile_forward(
-        &c2,
-        &CompileOptions {
-            batch: t.micro_batch * ep,
-            seq: t.seq,
-            mesh: lmesh.clone(),
-            extra_strategies: if sp { vec!["sp".into()] } else { Vec::new() },
-        },
-    )?;
-    let plan = Plan::new(&compiled, source, cfg.arch.name(), c2.layers);
     let g = &plan.program;
     let first = g
         .ids()
@@ -412,7 +477,7 @@ pub fn simulate_training(
     }
 
     // 2. Forward and backward of each part on one tp group, laid out as the full mesh's.
-    let topo = Topology::new(&lmesh, cluster)
+    let topo = Topology::new(lmesh, cluster)
         .with_axis("tp", tp_topo)
         .with_axis("ep", ep_topo);
     let layer_rc = t.recompute;
@@ -588,7 +653,7 @@ pub fn simulate_training(
         .ids()
         .filter(|&v| keep_layer(v))
         .map(|v| {
-            let b = sim_bytes(g.ty(v), dt) as f64;
+            let b = sim_bytes(g.ty(v), dt);
             let routed_b = if is_expert_major(g.ty(v)) {
                 b * routed
             } else {
@@ -806,7 +871,7 @@ pub fn simulate_training(
         })
         .collect();
     let flops: f64 = per_rank_flops.iter().sum::<f64>() * (tp * data) as f64;
-    let stats = ModelStats::compute(cfg, t.seq).map_err(|e| CostError::Compile(e.into()))?;
+    let stats = ModelStats::compute(cfg, t.seq).map_err(CostError::Model)?;
     let tokens = (t.global_batch * t.seq) as f64;
     let model_flops = 3.0 * stats.forward_flops_per_token as f64 * tokens;
     let per_gpu = |f: f64| {

@@ -3,7 +3,7 @@
 //! out of the backward pass), plus stage partitioning, a replay that times a schedule and
 //! checks it cannot deadlock, and renderings (text diagram, Chrome/Perfetto trace). The
 //! replay is the compiler's one pipeline replay: `shardc schedule` and the plan verifier time
-//! schedules with it, and so does the analytic training model (`cost::simulate_training`), with
+//! schedules with it, and so does the analytic training model (`compile::simulate_training`, replayed by `cost::simulate_training_on`), with
 //! each pass's simulated duration and the point-to-point transfer time.
 //!
 //! A schedule is, per pipeline rank, the ordered list of [`Slot`]s it executes. Model chunk

@@ -2,7 +2,7 @@
 //! idle time (the bubble), exposed transfer time and in-flight activations over time, and the
 //! renderings (text diagram, Chrome/Perfetto trace). This is the one pipeline replay: the
 //! schedule tools time a schedule with uniform [`PassCosts`], the analytic training model
-//! (`cost::simulate_training`) with each (rank, chunk, pass)'s simulated duration and the
+//! (`compile::simulate_training`, replayed by `cost::simulate_training_on`) with each (rank, chunk, pass)'s simulated duration and the
 //! point-to-point time of an activation or gradient ([`PipelineSchedule::replay_with`]).
 //!
 //! Rule: each rank runs its slots in order, a slot starting when the rank is free and its
