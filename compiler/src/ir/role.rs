@@ -1,6 +1,6 @@
 //! What a value of a training step is: [`ValueRole`], given to each node where it is created
-//! (the training-graph builder of [`crate::autodiff`] knows what every node is) and carried by
-//! every pass that copies nodes, like the node's layer.
+//! (autodiff's training-graph builder knows what every node is) and carried by every pass
+//! that copies nodes, like the node's layer.
 //!
 //! This module is also the one place that spells the names of a training program's
 //! interface — its inputs and outputs per parameter (`param.<label>`, `grad.<label>`,
