@@ -6,6 +6,7 @@
 mod common;
 
 use serde_json::Value;
+use shardc::compiler::ir::ValueRole;
 use shardc::runtime::Weights;
 use std::path::{Path, PathBuf};
 
@@ -380,7 +381,10 @@ fn pipelined_checkpoint_and_gradients_equal_the_unsharded_ones() {
         "gradients differ from the unsharded run's: {bad:?}"
     );
     let g = Weights::open(&pp.1).unwrap();
-    assert!(g.names().iter().all(|n| n.starts_with("grad.")));
+    assert!(g
+        .names()
+        .iter()
+        .all(|n| ValueRole::gradient_label(n).is_some()));
     let gnorm: f32 = g
         .names()
         .iter()

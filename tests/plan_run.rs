@@ -8,6 +8,7 @@
 mod common;
 mod train_support;
 
+use shardc::compiler::ir::ValueRole;
 use shardc::runtime::{Tensor, Weights};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -244,7 +245,7 @@ fn train_plan_step(dir: &Path, m: &str, mesh: &str, dup: usize, extra: &[&str]) 
     let mut names = 0;
     for (name, want) in &r.grads {
         let got = g
-            .get(&format!("grad.{name}"))
+            .get(&ValueRole::Gradient.name(name))
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(got.shape, want.shape, "{what}: `{name}`");
         let d = common::max_abs_diff(got.as_f32().unwrap(), want.as_f32().unwrap());

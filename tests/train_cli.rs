@@ -8,6 +8,7 @@ use common::run_shardc;
 
 mod train_support;
 
+use shardc::compiler::ir::ValueRole;
 use shardc::runtime::Weights;
 use std::path::Path;
 
@@ -97,7 +98,7 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
         let names: Vec<String> = g
             .names()
             .iter()
-            .map(|n| n["grad.".len()..].to_string())
+            .map(|n| ValueRole::gradient_label(n).unwrap().to_string())
             .collect();
         assert_eq!(
             names,
@@ -125,7 +126,7 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
     let g = Weights::open(&grads).unwrap();
     let r = train_support::reference(model);
     for (name, want) in &r.grads {
-        let got = g.get(&format!("grad.{name}")).unwrap();
+        let got = g.get(&ValueRole::Gradient.name(name)).unwrap();
         let d = common::max_abs_diff(got.as_f32().unwrap(), want.as_f32().unwrap());
         assert!(d < 1e-5, "`{name}` off by {d}");
     }

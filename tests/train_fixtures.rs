@@ -6,7 +6,7 @@
 mod train_support;
 
 use shardc::compiler::autodiff::Recompute;
-use shardc::compiler::ir::Op;
+use shardc::compiler::ir::{Op, ValueRole};
 use train_support::{check, grad_diff, run};
 
 const MODELS: [&str; 3] = ["llama", "gpt2", "mixtral"];
@@ -32,7 +32,7 @@ fn recomputation_changes_the_graph_not_the_numbers() {
             .collect();
         // No recomputation: the probabilities are computed in the forward pass and saved.
         assert!(!probs.is_empty() && probs.iter().all(|n| n.ends_with(".attn.sdpa.probs")));
-        assert!(g.nodes.iter().all(|n| !n.name.contains("recompute.")));
+        assert!(g.nodes.iter().all(|n| n.role != ValueRole::Recompute));
         for rc in [Recompute::Full, Recompute::Selective] {
             let other = run(model, "", &[], 1, rc, 1);
             check(model, rc.name(), &other);
@@ -43,7 +43,7 @@ fn recomputation_changes_the_graph_not_the_numbers() {
             let recomputed: Vec<&str> = g
                 .nodes
                 .iter()
-                .filter(|n| n.name.starts_with("recompute."))
+                .filter(|n| n.role == ValueRole::Recompute)
                 .map(|n| n.name.as_str())
                 .collect();
             match rc {
@@ -76,11 +76,10 @@ fn recomputation_changes_the_graph_not_the_numbers() {
                         );
                     }
                     // Only layer inputs are saved from the layers' forward.
-                    for n in g
-                        .nodes
-                        .iter()
-                        .filter(|n| n.name.starts_with("saved.layers."))
-                    {
+                    for n in g.nodes.iter().filter(|n| {
+                        n.role == ValueRole::Saved
+                            && g.node(n.inputs[0]).name.starts_with("layers.")
+                    }) {
                         assert!(
                             n.name.ends_with(".residual"),
                             "{model}: {} saved under full recompute",

@@ -8,7 +8,7 @@
 mod train_support;
 
 use shardc::compiler::autodiff::Recompute;
-use shardc::compiler::ir::Op;
+use shardc::compiler::ir::{Op, ValueRole};
 use train_support::{check, grad_diff, run};
 
 /// (mesh, strategies, micro-batches, recompute, times each sequence is repeated)
@@ -103,7 +103,14 @@ fn data_parallel_reduces_gradients_in_ddp_buckets() {
     // Issued right after the last gradient is complete, before any optimizer op.
     let first_opt = g
         .ids()
-        .find(|&v| g.node(v).name.starts_with("opt."))
+        .find(|&v| {
+            let n = g.node(v);
+            !matches!(n.op, Op::Input { .. })
+                && matches!(
+                    n.role,
+                    ValueRole::FirstMoment | ValueRole::SecondMoment | ValueRole::Update
+                )
+        })
         .unwrap();
     assert!(ars[0] < first_opt);
 }
@@ -143,7 +150,7 @@ fn sequence_parallel_training_keeps_weights_sharded() {
             let mut v = v;
             loop {
                 match &g.node(v).op {
-                    Op::Input { name, .. } => return name.starts_with("param."),
+                    Op::Input { .. } => return g.node(v).role == ValueRole::Parameter,
                     Op::Reshape => v = g.node(v).inputs[0],
                     _ => return false,
                 }
@@ -171,7 +178,7 @@ fn sequence_parallel_training_keeps_weights_sharded() {
             g.ids()
                 .filter(|&v| {
                     let n = g.node(v);
-                    let bwd = n.name.starts_with("bwd.") || n.name.starts_with("saved.");
+                    let bwd = matches!(n.role, ValueRole::Backward | ValueRole::Saved);
                     let kind = match &n.op {
                         Op::ReduceScatter { axis, .. } => axis == "tp" && rs,
                         Op::AllGather { axis, .. } => axis == "tp" && !rs,

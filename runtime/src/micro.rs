@@ -9,7 +9,7 @@
 //! step), the latter winning.
 
 use crate::{ParamCache, RankCtx, RuntimeError, Stepwise, Tensor};
-use shardc_compiler::ir::Graph;
+use shardc_compiler::ir::{Graph, ValueRole};
 use shardc_compiler::plan::PlanStep;
 use std::collections::BTreeMap;
 
@@ -85,7 +85,7 @@ pub fn run_rank_step(
     let mut step_locals = locals.clone();
     step_locals.extend(
         sums.iter()
-            .filter(|(n, _)| n.starts_with("grad."))
+            .filter(|(n, _)| ValueRole::gradient_label(n).is_some())
             .map(|(n, t)| (n.clone(), t.clone())),
     );
     let out = run(&step.program, cache, state, &step_locals, ctx)?;

@@ -22,6 +22,7 @@ use crate::train::{
 };
 use crate::{RuntimeError, Tensor, Weights};
 use shardc_compiler::cost::{Slice, Timeline};
+use shardc_compiler::ir::ValueRole;
 use shardc_compiler::plan::{Plan, PlanTrain};
 use shardc_compiler::schedule::pp::{Carry, Phase, PipeOp};
 use shardc_compiler::shard::AxisId;
@@ -580,7 +581,11 @@ pub fn run_stage(
                 let mut st = Stepwise::new(g, &caches[k], input_of(chunk, 0)?, ctx)?;
                 let given = locals_of(chunk)
                     .iter()
-                    .chain(sums[k].iter().filter(|(n, _)| n.starts_with("grad.")))
+                    .chain(
+                        sums[k]
+                            .iter()
+                            .filter(|(n, _)| ValueRole::gradient_label(n).is_some()),
+                    )
                     .chain(tied[k].iter().map(|(n, t)| (n, t)));
                 for (name, t) in given {
                     if g.input_named(name).is_some() {

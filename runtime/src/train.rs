@@ -12,6 +12,7 @@ use crate::cpu::layout::permute;
 use crate::spmd::{run_spmd, RankError};
 use crate::{execute_with_params, ParamCache, RankCtx, RuntimeError, Tensor, Weights};
 use shardc_compiler::autodiff::input_name;
+use shardc_compiler::ir::ValueRole;
 use shardc_compiler::plan::{Plan, PlanParam, PlanTrain};
 use shardc_compiler::shard::{Mesh, TensorSharding};
 use std::collections::BTreeMap;
@@ -607,9 +608,18 @@ impl StepCheck {
         ctx: &RankCtx,
         out: &BTreeMap<String, Tensor>,
     ) {
-        for (what, prefix) in [(Checked::Grad, "grad."), (Checked::Updated, "param.")] {
-            for (name, t) in out.iter().filter(|(n, _)| n.starts_with(prefix)) {
+        for (what, role) in [
+            (Checked::Grad, ValueRole::Gradient),
+            (Checked::Updated, ValueRole::Update),
+        ] {
+            for (name, t) in out {
+                let Some((r, label)) = ValueRole::of_output(name) else {
+                    continue;
+                };
                 let Some(v) = g.output(name) else { continue };
+                if r != role {
+                    continue;
+                }
                 // The block's first stack entry: its shard index along dim 0 × local size.
                 let first = shardings[v.index()].dims.first().map_or(0, |axes| {
                     let idx = axes.iter().fold(0, |acc, &a| {
@@ -618,7 +628,7 @@ impl StepCheck {
                     });
                     idx * t.shape.first().copied().unwrap_or(0)
                 });
-                self.tensor(codes, what, &name[prefix.len()..], t, first);
+                self.tensor(codes, what, label, t, first);
             }
         }
     }
@@ -709,11 +719,17 @@ pub fn micro_batch_inputs(batch: &Batch, k: usize, i: usize) -> BTreeMap<String,
 }
 
 /// The outputs a rank keeps from one step to the next: its parameter and optimizer-state
-/// shards (the program's `param.*`, `adam_m.*`, `adam_v.*` outputs, in its inputs' layout).
+/// shards (the program's updated-weight and moment outputs, in its inputs' layout).
 pub(crate) fn kept_state(out: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
     out.iter()
         .filter(|(n, _)| {
-            n.starts_with("param.") || n.starts_with("adam_m.") || n.starts_with("adam_v.")
+            matches!(
+                ValueRole::of_output(n),
+                Some((
+                    ValueRole::Update | ValueRole::FirstMoment | ValueRole::SecondMoment,
+                    _
+                ))
+            )
         })
         .map(|(n, t)| (n.clone(), t.clone()))
         .collect()
@@ -1014,10 +1030,10 @@ mod tests {
             },
             ty: shardc_compiler::ir::TensorType::plain(shardc_compiler::ir::DType::F32, &[1]),
             chunk: 0,
-            param: format!("param.{label}"),
-            grad: format!("grad.{label}"),
-            adam_m: format!("adam_m.{label}"),
-            adam_v: format!("adam_v.{label}"),
+            param: ValueRole::Parameter.name(label),
+            grad: ValueRole::Gradient.name(label),
+            adam_m: ValueRole::FirstMoment.name(label),
+            adam_v: ValueRole::SecondMoment.name(label),
         }
     }
 

@@ -13,7 +13,7 @@ use clap::Args;
 use shardc::compiler::autodiff::Recompute;
 use shardc::compiler::compile::{compile, CompileSpec, Job};
 use shardc::compiler::cost::timelines_trace;
-use shardc::compiler::ir::{AdamWSpec, Float};
+use shardc::compiler::ir::{AdamWSpec, Float, ValueRole};
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
 use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
@@ -487,7 +487,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         let stored = stored_tensors_of(&tr.params, &grads, &weights, Fill::Zeros)?;
         let named = stored
             .into_iter()
-            .map(|(k, v)| (format!("grad.{k}"), v))
+            .map(|(k, v)| (ValueRole::Gradient.name(&k), v))
             .collect();
         save_safetensors(path, &named)?;
         println!("gradients → {}", path.display());

@@ -4,6 +4,7 @@
 
 use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
+use shardc::compiler::ir::ValueRole;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
 use shardc::compiler::schedule::pp::ScheduleKind;
@@ -119,7 +120,7 @@ pub fn reference(model: &str) -> Reference {
     let (mut grads, mut updated) = (BTreeMap::new(), BTreeMap::new());
     for name in w.names() {
         let t = w.get(&name).unwrap();
-        if let Some(n) = name.strip_prefix("grad.") {
+        if let Some(n) = ValueRole::gradient_label(&name) {
             to_stored(n, t, &mut grads);
         } else if let Some(n) = name.strip_prefix("updated.") {
             to_stored(n, t, &mut updated);

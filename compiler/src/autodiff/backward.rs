@@ -22,7 +22,7 @@
 
 use super::builder::Builder;
 use super::{AutodiffError, Recompute};
-use crate::ir::{AttnWrt, CombineWrt, DType, NormWrt, Op, ValueId};
+use crate::ir::{AttnWrt, CombineWrt, DType, NormWrt, Op, ValueId, ValueRole};
 
 impl Builder<'_> {
     /// Where `d` (a gradient wrt forward operand `u`) goes: a parameter's contributions, an
@@ -56,7 +56,14 @@ impl Builder<'_> {
             None => format!("saved.{}", node.name),
         };
         let ty = node.ty.clone();
-        let s = self.add(Op::Reshape, &[x], Some(ty), name, self.cur_layer)?;
+        let s = self.add_as(
+            ValueRole::Saved,
+            Op::Reshape,
+            &[x],
+            Some(ty),
+            name,
+            self.cur_layer,
+        )?;
         self.saved.insert(x, s);
         Ok(s)
     }
@@ -104,7 +111,15 @@ impl Builder<'_> {
         }
         let declared = node.op.needs_declared_type().then(|| node.ty.clone());
         let name = format!("{}recompute.{}", self.prefix, node.name);
-        let x = self.add(node.op.clone(), &inputs, declared, name, node.layer)?;
+        let op = node.op.clone();
+        let x = self.add_as(
+            ValueRole::Recompute,
+            op,
+            &inputs,
+            declared,
+            name,
+            node.layer,
+        )?;
         self.recomputed.insert(u, x);
         Ok(x)
     }
@@ -236,7 +251,8 @@ impl Builder<'_> {
                             qk.push(self.saved_fwd(m)?);
                         }
                         let name = format!("{}recompute.{}.probs", self.prefix, node.name);
-                        self.add(Op::AttentionProbs(*spec), &qk, None, name, layer)?
+                        let op = Op::AttentionProbs(*spec);
+                        self.add_as(ValueRole::Recompute, op, &qk, None, name, layer)?
                     }
                 };
                 for (wrt, s) in [(AttnWrt::Q, "dq"), (AttnWrt::K, "dk"), (AttnWrt::V, "dv")] {

@@ -3,7 +3,7 @@
 //! [`crate::autodiff`]).
 
 use super::{AutodiffError, Recompute};
-use crate::ir::{AdamWSpec, DType, Graph, Op, ParamSource, TensorType, ValueId};
+use crate::ir::{AdamWSpec, DType, Graph, Op, ParamSource, TensorType, ValueId, ValueRole};
 use std::collections::HashMap;
 
 /// What [`build_train_graph`] builds.
@@ -35,6 +35,11 @@ pub struct TrainGraphOptions {
 /// from.
 pub fn tied_input(label: &str) -> String {
     format!("{PIPE_TIED_PREFIX}{label}")
+}
+
+/// The parameter label of input `name` when [`tied_input`] names it.
+pub fn tied_label(name: &str) -> Option<&str> {
+    name.strip_prefix(PIPE_TIED_PREFIX)
 }
 
 /// Name prefix of the inputs [`tied_input`] names.
@@ -153,6 +158,8 @@ pub(super) struct Builder<'f> {
     pub(super) prefix: String,
     /// Layer of the forward node whose gradient is being built.
     pub(super) cur_layer: Option<u32>,
+    /// Role of the nodes [`Builder::add`] appends: the phase being built.
+    pub(super) role: ValueRole,
     pub(super) map: Vec<Option<ValueId>>,
     pub(super) ct: Vec<Vec<ValueId>>,
     pub(super) cot: Vec<Option<ValueId>>,
@@ -171,7 +178,7 @@ pub(super) struct Builder<'f> {
 }
 
 impl Builder<'_> {
-    /// Appends a node in layer `layer`.
+    /// Appends a node in layer `layer`, in the role of the phase being built.
     pub(super) fn add(
         &mut self,
         op: Op,
@@ -180,10 +187,31 @@ impl Builder<'_> {
         name: String,
         layer: Option<u32>,
     ) -> Result<ValueId, AutodiffError> {
+        self.add_as(self.role, op, inputs, ty, name, layer)
+    }
+
+    /// Appends a node in layer `layer` and role `role`.
+    pub(super) fn add_as(
+        &mut self,
+        role: ValueRole,
+        op: Op,
+        inputs: &[ValueId],
+        ty: Option<TensorType>,
+        name: String,
+        layer: Option<u32>,
+    ) -> Result<ValueId, AutodiffError> {
         self.g.current_layer = layer;
+        self.g.current_role = role;
         self.g
             .add_typed(op, inputs, ty, name.clone())
             .map_err(|source| AutodiffError::Build { node: name, source })
+    }
+
+    /// Appends the graph input `name` (in no layer).
+    pub(super) fn input(&mut self, name: &str, ty: TensorType, role: ValueRole) -> ValueId {
+        self.g.current_layer = None;
+        self.g.current_role = role;
+        self.g.input(name, ty)
     }
 
     fn start_micro_batch(&mut self, k: usize) {
@@ -212,10 +240,14 @@ impl Builder<'_> {
         if let Some(&x) = self.uses.get(&(p, bwd)) {
             return Ok(x);
         }
-        let phase = if bwd { "bwd.gather" } else { "gather" };
+        let (phase, role) = if bwd {
+            ("bwd.gather", ValueRole::Backward)
+        } else {
+            ("gather", ValueRole::Forward)
+        };
         let name = format!("{}{phase}.{}", self.prefix, self.params[p].label);
         let ty = self.params[p].ty.clone();
-        let x = self.add(Op::Reshape, &[input], Some(ty), name, self.cur_layer)?;
+        let x = self.add_as(role, Op::Reshape, &[input], Some(ty), name, self.cur_layer)?;
         self.uses.insert((p, bwd), x);
         self.gathers.push((x, p));
         Ok(x)
@@ -233,13 +265,14 @@ impl Builder<'_> {
     fn forward(&mut self, k: usize) -> Result<Option<(ValueId, ValueId)>, AutodiffError> {
         let fwd = self.fwd;
         let kk = self.opts.micro_batches;
+        self.role = ValueRole::Forward;
         for v in fwd.ids() {
             let node = fwd.node(v);
             match &node.op {
                 Op::Param(_) => continue,
                 Op::Input { name, .. } => {
-                    let x = self.g.input(&input_name(name, k, kk), node.ty.clone());
-                    self.g.nodes[x.index()].layer = None;
+                    let name = input_name(name, k, kk);
+                    let x = self.input(&name, node.ty.clone(), ValueRole::Forward);
                     self.map[v.index()] = Some(x);
                     continue;
                 }
@@ -278,9 +311,11 @@ impl Builder<'_> {
             .input_named("input_ids")
             .or_else(|| fwd.input_named("position_ids"))
             .ok_or_else(|| AutodiffError::Forward("no `input_ids` input".into()))?;
-        let labels = self
-            .g
-            .input(&input_name("labels", k, kk), fwd.ty(ids).clone());
+        let labels = self.input(
+            &input_name("labels", k, kk),
+            fwd.ty(ids).clone(),
+            ValueRole::Forward,
+        );
         Ok(Some((logits, labels)))
     }
 
@@ -313,40 +348,46 @@ impl Builder<'_> {
             )));
         }
         let kk = self.opts.micro_batches;
+        let grad = ValueRole::Gradient.name(&label);
         let own = if kk > 1 {
-            format!("mb{k}.grad.{label}")
+            format!("mb{k}.{grad}")
         } else {
-            format!("grad.{label}")
+            grad.clone()
         };
-        let sum_name = if self.opts.sync_grads {
-            format!("{}bwd.grad.{label}", self.prefix)
+        let (sum_name, sum_role) = if self.opts.sync_grads {
+            (format!("{}bwd.{grad}", self.prefix), ValueRole::Backward)
         } else {
-            own.clone()
+            (own.clone(), ValueRole::Gradient)
         };
         let layer = self
             .g
             .node(*parts.last().expect("invariant: non-empty"))
             .layer;
         let mut g = if parts.len() == 1 {
-            self.g.nodes[parts[0].index()].name = sum_name;
+            let node = &mut self.g.nodes[parts[0].index()];
+            (node.name, node.role) = (sum_name, sum_role);
             parts[0]
         } else {
-            self.sum(&parts, &sum_name, layer)?
+            self.role = sum_role;
+            let sum = self.sum(&parts, &sum_name, layer);
+            self.role = ValueRole::Backward;
+            sum?
         };
         if self.opts.sync_grads {
             let ty = self.params[p].ty.clone();
-            g = self.add(Op::Reshape, &[g], Some(ty), own, layer)?;
+            g = self.add_as(ValueRole::Gradient, Op::Reshape, &[g], Some(ty), own, layer)?;
         }
         self.params[p].mb_grads.push(g);
         if k > 0 {
             let prev = self.params[p].grad;
             let name = if k + 1 == kk {
-                format!("grad.{label}")
+                grad
             } else {
-                format!("grad.{label}.acc{k}")
+                format!("{grad}.acc{k}")
             };
             let layer = self.g.node(g).layer;
-            self.params[p].grad = self.add(Op::Add, &[prev, g], None, name, layer)?;
+            let acc = self.add_as(ValueRole::Gradient, Op::Add, &[prev, g], None, name, layer);
+            self.params[p].grad = acc?;
         } else {
             self.params[p].grad = g;
         }
@@ -373,6 +414,7 @@ impl Builder<'_> {
             }
         }
         self.cur_layer = None;
+        self.role = ValueRole::Backward;
         let mut seed_input = None;
         match head {
             Some((logits, labels)) => {
@@ -393,8 +435,7 @@ impl Builder<'_> {
                     .output(crate::model::STAGE_OUTPUT)
                     .ok_or_else(|| AutodiffError::Forward("no `logits` output".into()))?;
                 let name = input_name(PIPE_GRAD_IN, k, self.opts.micro_batches);
-                let d = self.g.input(&name, fwd.ty(out).clone());
-                self.g.nodes[d.index()].layer = None;
+                let d = self.input(&name, fwd.ty(out).clone(), ValueRole::Backward);
                 self.ct[out.index()].push(d);
                 seed_input = Some(d);
             }
@@ -443,7 +484,7 @@ impl Builder<'_> {
 
     /// The AdamW step of every parameter; returns the step input.
     fn optimizer(&mut self) -> Result<ValueId, AutodiffError> {
-        let step = self.g.input("step", TensorType::plain(DType::F32, &[]));
+        let step = self.input("step", TensorType::plain(DType::F32, &[]), ValueRole::Step);
         let spec = self.opts.adamw;
         for p in 0..self.params.len() {
             let (label, ty, input, grad) = {
@@ -451,8 +492,9 @@ impl Builder<'_> {
                 (tp.label.clone(), tp.ty.clone(), tp.input, tp.grad)
             };
             let grad = if self.opts.tied.contains(&label) {
-                let other = self.g.input(&tied_input(&label), ty.clone());
-                self.add(
+                let other = self.input(&tied_input(&label), ty.clone(), ValueRole::Gradient);
+                self.add_as(
+                    ValueRole::Gradient,
                     Op::Add,
                     &[grad, other],
                     None,
@@ -462,24 +504,28 @@ impl Builder<'_> {
             } else {
                 grad
             };
-            let m_in = self.g.input(&format!("adam_m.{label}"), ty.clone());
-            let v_in = self.g.input(&format!("adam_v.{label}"), ty);
+            let (m, v) = (ValueRole::FirstMoment, ValueRole::SecondMoment);
+            let m_in = self.input(&m.name(&label), ty.clone(), m);
+            let v_in = self.input(&v.name(&label), ty, v);
             let moment = |beta, squared| Op::AdamMoment { beta, squared };
-            let m_out = self.add(
+            let m_out = self.add_as(
+                m,
                 moment(spec.beta1, false),
                 &[m_in, grad],
                 None,
                 format!("opt.m.{label}"),
                 None,
             )?;
-            let v_out = self.add(
+            let v_out = self.add_as(
+                v,
                 moment(spec.beta2, true),
                 &[v_in, grad],
                 None,
                 format!("opt.v.{label}"),
                 None,
             )?;
-            let update = self.add(
+            let update = self.add_as(
+                ValueRole::Update,
                 Op::AdamWUpdate(spec),
                 &[input, m_out, v_out, step],
                 None,
@@ -512,6 +558,7 @@ pub fn build_train_graph(
         gathers: Vec::new(),
         prefix: String::new(),
         cur_layer: None,
+        role: ValueRole::Forward,
         map: Vec::new(),
         ct: Vec::new(),
         cot: Vec::new(),
@@ -534,7 +581,8 @@ pub fn build_train_graph(
                 node.name
             )));
         }
-        let input = b.g.input(&format!("param.{}", node.name), node.ty.clone());
+        let name = ValueRole::Parameter.name(&node.name);
+        let input = b.input(&name, node.ty.clone(), ValueRole::Parameter);
         b.param_of[v.index()] = Some(b.params.len());
         b.params.push(TrainParam {
             label: node.name.clone(),
@@ -561,7 +609,8 @@ pub fn build_train_graph(
         let head = b.forward(k)?;
         if let Some((logits, labels)) = head {
             let lv = b.map[logits.index()].expect("invariant: logits were computed");
-            let loss = b.add(
+            let loss = b.add_as(
+                ValueRole::Loss,
                 Op::CrossEntropy { denom: opts.denom },
                 &[lv, labels],
                 None,
@@ -578,6 +627,7 @@ pub fn build_train_graph(
         fwd_maps.push(std::mem::take(&mut b.map));
         cotangents.push(std::mem::take(&mut b.cot));
     }
+    b.role = ValueRole::Loss;
     let loss = match losses.len() {
         0 => None,
         1 => Some(losses[0]),
@@ -587,6 +637,7 @@ pub fn build_train_graph(
     let step = b.optimizer()?;
     let mut g = std::mem::take(&mut b.g);
     g.current_layer = None;
+    g.current_role = ValueRole::Forward;
     let kk = opts.micro_batches;
     if let Some(loss) = loss {
         g.set_output("loss", loss);
@@ -603,10 +654,11 @@ pub fn build_train_graph(
         g.set_output(&input_name(PIPE_GRAD_OUT, k, kk), v);
     }
     for p in &b.params {
-        g.set_output(&format!("grad.{}", p.label), p.grad);
-        g.set_output(&format!("param.{}", p.label), p.update);
-        g.set_output(&format!("adam_m.{}", p.label), p.m_out);
-        g.set_output(&format!("adam_v.{}", p.label), p.v_out);
+        let l = &p.label;
+        g.set_output(&ValueRole::Gradient.name(l), p.grad);
+        g.set_output(&ValueRole::Update.name(l), p.update);
+        g.set_output(&ValueRole::FirstMoment.name(l), p.m_out);
+        g.set_output(&ValueRole::SecondMoment.name(l), p.v_out);
     }
     crate::ir::verify_if_debug(&g, "build_train_graph");
     Ok(TrainGraph {

@@ -19,6 +19,10 @@
 //! Outputs: `loss`, and per parameter `grad.<label>`, `param.<label>` (updated),
 //! `adam_m.<label>`, `adam_v.<label>`.
 //!
+//! Each node gets its [`crate::ir::ValueRole`] here, where what it is is known (forward,
+//! saved, recomputed, backward, gradient, parameter, moment, update, step, loss); later passes
+//! carry it, and the interface names above are formatted by [`crate::ir::ValueRole::name`].
+//!
 //! Pre: the forward graph verifies and has a `logits` output `[B, T, V]`; its ops are those
 //! the five architectures use (others are an [`AutodiffError::NoGradient`]).
 //! Post: the result verifies; no node reads a parameter except through its input (or, with
@@ -29,8 +33,8 @@ mod backward;
 mod builder;
 
 pub use builder::{
-    build_train_graph, input_name, tied_input, TrainGraph, TrainGraphOptions, TrainParam,
-    PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS, PIPE_TIED_PREFIX,
+    build_train_graph, input_name, tied_input, tied_label, TrainGraph, TrainGraphOptions,
+    TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS, PIPE_TIED_PREFIX,
 };
 
 use serde::{Deserialize, Serialize};

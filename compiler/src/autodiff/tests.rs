@@ -2,7 +2,7 @@
 //! training references in `tests/train_*.rs`).
 
 use super::*;
-use crate::ir::{DType, Graph, Op, TensorType};
+use crate::ir::{DType, Graph, Op, TensorType, ValueRole};
 use crate::model::{build_forward, BuildOptions, ModelConfig};
 use std::path::PathBuf;
 
@@ -33,11 +33,18 @@ fn training_graphs_verify_and_round_trip() {
                 assert_eq!(back, tg.graph, "{model} {rc} {k}");
                 // Every parameter: an input, a gradient, an update, two moments.
                 for p in &tg.params {
-                    for out in ["grad", "param", "adam_m", "adam_v"] {
-                        assert!(tg.graph.output(&format!("{out}.{}", p.label)).is_some());
+                    for out in [
+                        ValueRole::Gradient,
+                        ValueRole::Update,
+                        ValueRole::FirstMoment,
+                        ValueRole::SecondMoment,
+                    ] {
+                        assert!(tg.graph.output(&out.name(&p.label)).is_some());
                     }
                     assert_eq!(p.mb_grads.len(), k);
-                    assert_eq!(tg.graph.node(p.grad).name, format!("grad.{}", p.label));
+                    let grad = tg.graph.node(p.grad);
+                    assert_eq!(grad.name, ValueRole::Gradient.name(&p.label));
+                    assert_eq!(grad.role, ValueRole::Gradient);
                 }
                 // No node reads a forward parameter any more.
                 assert!(tg.graph.nodes.iter().all(|n| !matches!(n.op, Op::Param(_))));
@@ -55,13 +62,13 @@ fn backward_reads_forward_values_only_through_saved_nodes() {
         .ids()
         .map(|v| {
             let n = g.node(v);
-            let probs = matches!(n.op, Op::AttentionProbs(_)) && !n.name.starts_with("recompute.");
+            let probs = matches!(n.op, Op::AttentionProbs(_)) && n.role != ValueRole::Recompute;
             tg.fwd_maps[0].contains(&Some(v)) || probs
         })
         .collect();
     for v in g.ids() {
         let n = g.node(v);
-        let backward = n.name.starts_with("bwd.") || n.name.starts_with("grad.");
+        let backward = matches!(n.role, ValueRole::Backward | ValueRole::Gradient);
         if !backward {
             continue;
         }

@@ -3,7 +3,7 @@
 //! Invariant (checked by [`crate::ir::verify`]): every operand of node `i` is a node `j < i`,
 //! and each node's type equals what its op infers from its operands.
 
-use super::{IrError, Op, TensorType, ValueId};
+use super::{IrError, Op, TensorType, ValueId, ValueRole};
 use serde::{Deserialize, Serialize};
 
 /// One node: an op over earlier values, its result type, and labels.
@@ -19,10 +19,13 @@ pub struct Node {
     pub name: String,
     /// The transformer layer this node belongs to, when it belongs to one.
     pub layer: Option<u32>,
+    /// The part of a training step it belongs to (forward when not given).
+    #[serde(default, skip_serializing_if = "ValueRole::is_forward")]
+    pub role: ValueRole,
 }
 
 /// A tensor program: nodes in topological order and named outputs. Equality compares nodes
-/// and outputs (not the builder's `current_layer`).
+/// and outputs (not the builder's `current_layer` and `current_role`).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Graph {
     /// Nodes; a node's index is its `ValueId`.
@@ -32,6 +35,9 @@ pub struct Graph {
     /// Layer label given to nodes added from now on (builders set it).
     #[serde(skip)]
     pub current_layer: Option<u32>,
+    /// Role given to nodes added from now on (builders and passes set it).
+    #[serde(skip)]
+    pub current_role: ValueRole,
 }
 
 impl PartialEq for Graph {
@@ -129,6 +135,7 @@ impl Graph {
             ty,
             name: name.into(),
             layer: self.current_layer,
+            role: self.current_role,
         });
         Ok(id)
     }

@@ -7,6 +7,7 @@ mod grad;
 mod graph;
 mod ids;
 mod op;
+mod role;
 mod text;
 mod types;
 mod verify;
@@ -20,6 +21,7 @@ pub use op::{
     dims, AttnSpec, AxisName, Op, ParamSource, ParamView, RopeScaling, RopeSpec, RopeStyle,
     ShardSpec, UnaryOp,
 };
+pub use role::ValueRole;
 pub use text::parse_graph;
 pub use types::{DType, Dim, Role, TensorType};
 pub use verify::{verify, verify_if_debug};

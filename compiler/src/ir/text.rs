@@ -1,7 +1,7 @@
 //! The text form of a [`Graph`]: `Display` prints it, [`parse_graph`] (and `FromStr`) reads it.
 //!
 //! Post-conditions: for a graph built through [`Graph::add_typed`], parsing its text gives an
-//! equal graph (`current_layer` = `None`) whose text is identical. The parser builds every node
+//! equal graph (`current_layer` = `None`, `current_role` forward) whose text is identical. The parser builds every node
 //! through [`Graph::add_typed`], so each node is type-checked; it never panics, and reports the
 //! first problem as [`IrError::Parse`] with its 1-based line.
 //!
@@ -14,9 +14,10 @@
 //! }
 //! ```
 //!
-//! A node is `%N: TYPE = MNEMONIC{ATTRS}(OPERANDS) "LABEL" @layer L`. Ids are dense and in
-//! order. `{ATTRS}` is left out when the op has none, `(OPERANDS)` when there are none, the
-//! label when empty and `@layer` when `None`. Attribute values are integers, floats ([`Float`]'s
+//! A node is `%N: TYPE = MNEMONIC{ATTRS}(OPERANDS) "LABEL" @layer L @role R`. Ids are dense
+//! and in order. `{ATTRS}` is left out when the op has none, `(OPERANDS)` when there are none,
+//! the label when empty, `@layer` when `None` and `@role` for a forward value (the role's
+//! [`crate::ir::ValueRole`] text name otherwise: `saved`, `backward`, `gradient`, ...). Attribute values are integers, floats ([`Float`]'s
 //! Display; a NaN other than `f32::NAN` as `NaN:0x7fc00001`), `true`/`false`, words, strings,
 //! lists `[a, b]`, records `{k=v, ..}` and tagged records (`linear{factor=2.0}`). An `Option`
 //! attribute is left out when `None`, `shards` when empty. Strings (`name`, labels) are quoted
@@ -206,7 +207,9 @@ mod tests {
             &[le],
             "",
         )?;
+        g.current_role = crate::ir::ValueRole::Saved;
         let disp = g.add(Op::Dispatch, &[m, gates], "")?;
+        g.current_role = crate::ir::ValueRole::Forward;
         let src = ParamSource {
             stack: Some(4),
             shards: vec![shard(0, "ep", 2), shard(2, "tp", 1)],
@@ -222,7 +225,9 @@ mod tests {
             t(F32, &[(Vocab, 16), (Hidden, 8)]),
         )?;
         let logits = g.add(Op::MatMul { transpose_b: true }, &[comb, lm], "logits")?;
+        g.current_role = crate::ir::ValueRole::Loss;
         let loss = g.add(Op::CrossEntropy { denom: 7 }, &[logits, labels], "")?;
+        g.current_role = crate::ir::ValueRole::Forward;
         let ar = g.add(Op::AllReduce { axis: "tp".into() }, &[logits], "")?;
         let rs = g.add(
             Op::ReduceScatter {
@@ -493,6 +498,21 @@ mod tests {
         check_err("  %1: f32[2,4] = unary{fn=tanh}(%0)", 3, "unary function");
         check_err("  %1: f32[2,4] = softmax(%0) junk", 3, "unexpected");
         check_err("  %1: f32[2,4] = softmax(%0) @lay 2", 3, "expected `layer`");
+        check_err(
+            "  %1: f32[2,4] = softmax(%0) @role x",
+            3,
+            "expected a value role",
+        );
+        check_err(
+            "  %1: f32[2,4] = softmax(%0) @role forward",
+            3,
+            "value role",
+        );
+        check_err(
+            "  %1: f32[2,4] = softmax(%0) @role saved @layer 1",
+            3,
+            "`layer`",
+        );
         check_err("  output y = %1", 3, "undefined value %1");
         check_err("  outptu y = %0", 3, "expected a node");
         check_err(

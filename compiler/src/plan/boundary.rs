@@ -9,7 +9,7 @@
 //! over the micro-batches, the sum of the micro-batch program's `grad.<label>` outputs.
 
 use crate::autodiff::{PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_TIED_PREFIX};
-use crate::ir::{Graph, Op, ValueId};
+use crate::ir::{Graph, Op, ValueId, ValueRole};
 use crate::model::{STAGE_INPUT, STAGE_OUTPUT};
 use crate::schedule::pp::{Carry, PipelineError};
 
@@ -100,8 +100,8 @@ pub fn sent_value(c: &ChunkGraphs, carry: Carry) -> Option<ValueId> {
         Carry::Grad => c.micro.output(PIPE_GRAD_OUT),
         Carry::Tied => {
             let name = boundary_name(c, Carry::Tied)?;
-            let label = name.strip_prefix(PIPE_TIED_PREFIX)?;
-            c.micro.output(&format!("grad.{label}"))
+            let label = crate::autodiff::tied_label(&name)?;
+            c.micro.output(&ValueRole::Gradient.name(label))
         }
     }
 }

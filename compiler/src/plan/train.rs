@@ -10,7 +10,7 @@
 
 use super::{Plan, PlanError};
 use crate::autodiff::{Recompute, TrainParam};
-use crate::ir::{AdamWSpec, Graph, Op, ParamSource, TensorType};
+use crate::ir::{AdamWSpec, Graph, Op, ParamSource, TensorType, ValueRole};
 use crate::schedule::Step;
 use crate::shard::{Mesh, Provenance, ShardedGraph, TensorSharding};
 use serde::{Deserialize, Serialize};
@@ -69,10 +69,10 @@ impl PlanParam {
             },
             ty: p.ty.clone(),
             chunk,
-            param: format!("param.{l}"),
-            grad: format!("grad.{l}"),
-            adam_m: format!("adam_m.{l}"),
-            adam_v: format!("adam_v.{l}"),
+            param: ValueRole::Parameter.name(l),
+            grad: ValueRole::Gradient.name(l),
+            adam_m: ValueRole::FirstMoment.name(l),
+            adam_v: ValueRole::SecondMoment.name(l),
         }
     }
 }
@@ -112,7 +112,7 @@ impl PlanStep {
     }
 }
 
-/// The micro-batch and step programs agree: every `grad.*` input of the step program is an
+/// The micro-batch and step programs agree: every gradient input of the step program is an
 /// output of the micro-batch's program of the same local type and layout.
 pub(super) fn check_step_names(
     micro: &Graph,
@@ -126,7 +126,7 @@ pub(super) fn check_step_names(
         let Op::Input { name, .. } = &g.node(v).op else {
             continue;
         };
-        if !name.starts_with("grad.") {
+        if ValueRole::gradient_label(name).is_none() {
             continue;
         }
         let path = path.to_string();

@@ -12,7 +12,7 @@
 //! ([`Meta`]: a name, a layer, an order hint), which prefers the original node's.
 
 use super::lang::{ENode, OpTable};
-use crate::ir::{Op, Role, ShardSpec, TensorType};
+use crate::ir::{Op, Role, ShardSpec, TensorType, ValueRole};
 use crate::shard::{apply_reshard_step, AxisId, Mesh, TensorSharding};
 use egg::{Analysis, DidMerge, EGraph, Id};
 
@@ -55,6 +55,8 @@ pub struct Meta {
     pub name: String,
     /// Transformer layer.
     pub layer: Option<u32>,
+    /// Role in the training step.
+    pub role: ValueRole,
     /// Emission-order hint: the original node's index, or for classes made by rules the
     /// latest operand's hint.
     pub anchor: u32,
@@ -294,13 +296,14 @@ impl Analysis<ENode> for SpmdAnalysis {
         let rep = rep_of(mesh, &key.op, &reps);
         let shs: Vec<&TensorSharding> = kids.iter().map(|d| &d.sharding).collect();
         let sharding = derive_sharding(mesh, &key.op, &shs, &tys, &ty);
-        let (name, layer) = match kids.first() {
+        let (name, layer, role) = match kids.first() {
             Some(k) if key.op.is_collective() || matches!(key.op, Op::LocalSlice { .. }) => (
                 format!("{}.{}", k.meta.name, key.op.mnemonic()),
                 k.meta.layer,
+                k.meta.role,
             ),
-            Some(k) => (k.meta.name.clone(), k.meta.layer),
-            None => (String::new(), None),
+            Some(k) => (k.meta.name.clone(), k.meta.layer, k.meta.role),
+            None => (String::new(), None, ValueRole::Forward),
         };
         let anchor = kids.iter().map(|d| d.meta.anchor).max().unwrap_or(0);
         let token = token_dims(&ty);
@@ -314,6 +317,7 @@ impl Analysis<ENode> for SpmdAnalysis {
             meta: Meta {
                 name,
                 layer,
+                role,
                 anchor,
                 seq,
                 original: false,

@@ -15,7 +15,7 @@ use super::analysis::{Meta, SpmdAnalysis, SpmdEGraph};
 use super::extract::Extraction;
 use super::lang::{ENode, OpKey};
 use super::RewriteError;
-use crate::ir::{Graph, Op, ValueId};
+use crate::ir::{Graph, Op, ValueId, ValueRole};
 use crate::shard::{Provenance, ShardedGraph, TensorSharding};
 use egg::Id;
 use std::cmp::Reverse;
@@ -67,6 +67,7 @@ pub(crate) fn load(sg: &ShardedGraph) -> Loaded {
             d.meta = Meta {
                 name: node.name.clone(),
                 layer: node.layer,
+                role: node.role,
                 anchor: v as u32,
                 seq: 0,
                 original: true,
@@ -169,22 +170,22 @@ pub(crate) fn emit(
         let (node, orig) = &chosen[&c];
         let op = eg.analysis.ops.get(node.op).op.clone();
         let inputs: Vec<ValueId> = node.children.iter().map(|k| value[k]).collect();
-        let (ty, name, layer, sharding, prov) = match orig {
+        let (ty, name, (layer, role), sharding, prov) = match orig {
             Some(i) => {
                 let n = &src.graph.nodes[*i as usize];
                 let s = src.shardings.get(*i as usize).cloned();
                 let p = src.provenance.get(*i as usize).cloned().flatten();
                 let s = s.unwrap_or_else(|| eg[c].data.sharding.clone());
-                (n.ty.clone(), n.name.clone(), n.layer, s, p)
+                (n.ty.clone(), n.name.clone(), (n.layer, n.role), s, p)
             }
             None => {
                 let d = &eg[c].data;
                 let first = inputs.first().map(|&v| out.node(v));
-                let (name, layer) = match first {
+                let (name, tag) = match first {
                     Some(f) if op.is_collective() || matches!(op, Op::LocalSlice { .. }) => {
-                        (format!("{}.{}", f.name, op.mnemonic()), f.layer)
+                        (format!("{}.{}", f.name, op.mnemonic()), (f.layer, f.role))
                     }
-                    _ => (d.meta.name.clone(), d.meta.layer),
+                    _ => (d.meta.name.clone(), (d.meta.layer, d.meta.role)),
                 };
                 let prov = op.communicates().then(|| {
                     let from = inputs
@@ -200,10 +201,11 @@ pub(crate) fn emit(
                         },
                     }
                 });
-                (d.ty.clone(), name, layer, d.sharding.clone(), prov)
+                (d.ty.clone(), name, tag, d.sharding.clone(), prov)
             }
         };
         out.current_layer = layer;
+        out.current_role = role;
         let v = out
             .add_typed(op, &inputs, Some(ty), name.clone())
             .map_err(|e| RewriteError::Internal(format!("emitting `{name}`: {e}")))?;
@@ -235,6 +237,7 @@ pub(crate) fn emit(
         ));
     }
     out.current_layer = None;
+    out.current_role = ValueRole::Forward;
     for ((name, _), r) in roots.iter().zip(&root_ids) {
         out.set_output(name, value[r]);
     }

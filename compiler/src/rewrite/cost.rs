@@ -11,13 +11,13 @@
 //! - Memory: the bytes of every activation a node produces (parameters, inputs and reshape
 //!   views excluded), weighted into time by [`CostModel::memory_us_per_mib`].
 //! - Saved activations (training steps, opt-in): the values of the forward pass that the
-//!   backward pass reads are the `saved.*` views autodiff inserts; each such view is charged
-//!   its bytes again, times [`CostModel::saved_factor`], because it is held from the forward to
-//!   the backward pass while other activations live about one op. This is the term that makes
-//!   Megatron sequence parallelism pay in training (Korthikanti et al. 2022: the norm and
-//!   residual inputs are saved `1/tp` the size and re-gathered in the backward). A saved view
-//!   sunk below a gather (`gather-sink-reshape`) keeps its label, so the sequence-sharded view
-//!   is charged at its `1/tp` size.
+//!   backward pass reads are the views autodiff inserts in role [`ValueRole::Saved`]; each such
+//!   view is charged its bytes again, times [`CostModel::saved_factor`], because it is held from
+//!   the forward to the backward pass while other activations live about one op. This is the
+//!   term that makes Megatron sequence parallelism pay in training (Korthikanti et al. 2022: the
+//!   norm and residual inputs are saved `1/tp` the size and re-gathered in the backward). A
+//!   saved view sunk below a gather (`gather-sink-reshape`) keeps its label and role, so the
+//!   sequence-sharded view is charged at its `1/tp` size.
 //!
 //! Compute, communication and memory stay separate fields of [`NodeCost`]; [`CostModel::weigh`]
 //! turns one into the scalar the extractor minimises. The cost of a program is the sum over
@@ -29,7 +29,7 @@
 //! (`compiler::cost::Cluster::rewrite_device`, what `compile --cluster` passes); without one
 //! they are the DGX H100's ([`DeviceProfile::h100_sxm`], equal to that profile's, by test).
 
-use crate::ir::{DType, Op, TensorType};
+use crate::ir::{DType, Op, TensorType, ValueRole};
 use crate::shard::{LinkClass, Mesh};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -218,11 +218,6 @@ fn default_saved_factor() -> f64 {
     0.0
 }
 
-/// Whether a label names a view of a forward value saved for the backward pass.
-pub fn is_saved_label(name: &str) -> bool {
-    name.starts_with("saved.") || name.contains(".saved.")
-}
-
 impl Default for CostModel {
     fn default() -> CostModel {
         CostModel {
@@ -244,10 +239,10 @@ impl CostModel {
         t.0 + self.memory_us_per_mib * c.memory.0 as f64 / (1u64 << 20) as f64
     }
 
-    /// The saved-activation term of a node labelled `name`: a view saved for the backward
-    /// pass holds its bytes from the forward to the backward pass.
-    pub fn saved(&self, name: &str, op: &Op, out: &TensorType) -> NodeCost {
-        if matches!(op, Op::Reshape) && is_saved_label(name) && self.saved_factor > 0.0 {
+    /// The saved-activation term of a node in role `role`: a view saved for the backward
+    /// pass ([`ValueRole::Saved`]) holds its bytes from the forward to the backward pass.
+    pub fn saved(&self, role: ValueRole, op: &Op, out: &TensorType) -> NodeCost {
+        if matches!(op, Op::Reshape) && role == ValueRole::Saved && self.saved_factor > 0.0 {
             NodeCost {
                 memory: Bytes((out.size_bytes() as f64 * self.saved_factor) as u64),
                 ..NodeCost::ZERO

@@ -20,7 +20,7 @@
 //! has no counterpart of a value it read from layer 0, the caller plans the whole program.
 
 use super::convert::NodeNote;
-use crate::ir::{Graph, Op, ParamSource, ValueId};
+use crate::ir::{Graph, Op, ParamSource, ValueId, ValueRole};
 use crate::shard::{Provenance, ShardedGraph, TensorSharding};
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -209,6 +209,7 @@ impl Plan {
                 inputs.push(*new_id.get(&x)?);
             }
             out.current_layer = n.layer;
+            out.current_role = n.role;
             let v = out
                 .add_typed(n.op.clone(), &inputs, Some(n.ty.clone()), n.name.clone())
                 .ok()?;
@@ -217,6 +218,7 @@ impl Plan {
             provenance.push(sg.provenance.get(i).cloned().flatten());
         }
         out.current_layer = None;
+        out.current_role = ValueRole::Forward;
         for (name, v) in &g.outputs {
             out.set_output(name, *new_id.get(&v.index())?);
         }
@@ -335,6 +337,7 @@ impl Plan {
             e.copy(w, notes, i)?;
         }
         e.out.current_layer = None;
+        e.out.current_role = ValueRole::Forward;
         for (name, v) in &g.outputs {
             let id = *e.map.get(&v.index()).ok_or("an output is not emitted")?;
             e.out.set_output(name, id);
@@ -429,6 +432,7 @@ impl Emit {
     ) -> Result<ValueId, String> {
         let n = &w.graph.nodes[i];
         self.out.current_layer = layer;
+        self.out.current_role = n.role;
         let v = self
             .out
             .add_typed(op, &inputs, Some(n.ty.clone()), name)

@@ -3,6 +3,7 @@
 //! rewritten steps against the fixtures are in the repository's `tests/train_rewrite.rs`.
 
 use super::*;
+use crate::ir::ValueRole;
 use crate::model::ModelConfig;
 use crate::train::{compile_train, CompiledTrain, TrainOptions};
 use std::path::PathBuf;
@@ -307,9 +308,10 @@ fn saved_activation_term_gives_the_sp_forward_in_training() {
                 .iter()
                 .filter(|n| n.op.mnemonic() == k)
                 .filter(|n| {
-                    !["bwd.", "grad.", "saved."]
-                        .iter()
-                        .any(|p| n.name.starts_with(p))
+                    !matches!(
+                        n.role,
+                        ValueRole::Backward | ValueRole::Gradient | ValueRole::Saved
+                    )
                 })
                 .count()
         };

@@ -20,7 +20,7 @@
 //! a read has no counterpart, the caller plans the whole program.
 
 use super::convert::NodeNote;
-use crate::ir::{Graph, Op, ValueId};
+use crate::ir::{Graph, Op, ValueId, ValueRole};
 use crate::shard::{Provenance, ShardedGraph, TensorSharding};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -209,6 +209,7 @@ impl TrainPlan {
                 );
             }
             out.current_layer = n.layer;
+            out.current_role = n.role;
             let v = out
                 .add_typed(n.op.clone(), &inputs, Some(n.ty.clone()), n.name.clone())
                 .map_err(|e| e.to_string())?;
@@ -217,6 +218,7 @@ impl TrainPlan {
             provenance.push(sg.provenance.get(i).cloned().flatten());
         }
         out.current_layer = None;
+        out.current_role = ValueRole::Forward;
         for (name, v) in &g.outputs {
             // Outputs of the layers left out come back with the copies.
             if let Some(&id) = new_id.get(&v.index()) {
@@ -453,6 +455,7 @@ impl Out {
     ) -> Result<ValueId, String> {
         let n = &w.graph.nodes[i];
         self.out.current_layer = layer;
+        self.out.current_role = n.role;
         let v = self
             .out
             .add_typed(op, &inputs, Some(n.ty.clone()), name)

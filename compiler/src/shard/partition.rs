@@ -11,7 +11,7 @@ use super::reshard::reshard;
 use super::rules::{rule, FactorRule, PartialRule};
 use super::sharding::TensorSharding;
 use super::ShardError;
-use crate::ir::{Graph, Op, ShardSpec, TensorType, ValueId};
+use crate::ir::{Graph, Op, ShardSpec, TensorType, ValueId, ValueRole};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
@@ -188,11 +188,12 @@ impl Ctx<'_> {
         inputs: &[ValueId],
         ty: Option<TensorType>,
         name: String,
-        layer: Option<u32>,
+        (layer, role): (Option<u32>, ValueRole),
         s: TensorSharding,
         prov: Option<Provenance>,
     ) -> Result<ValueId, ShardError> {
         self.out.current_layer = layer;
+        self.out.current_role = role;
         let v = self
             .out
             .add_typed(op, inputs, ty, name.clone())
@@ -227,7 +228,7 @@ impl Ctx<'_> {
             .get(&(v, from.clone()))
             .expect("invariant: current version exists");
         let mut s = from.clone();
-        let layer = self.out.node(x).layer;
+        let tag = (self.out.node(x).layer, self.out.node(x).role);
         for op in ops {
             s = super::reshard::apply_public(self.mesh, &s, &op);
             let prov = Provenance {
@@ -241,7 +242,7 @@ impl Ctx<'_> {
             let res = op
                 .infer(&[&ty], None)
                 .map_err(|e| indivisible(self.g, v, &e.to_string(), self.mesh, to))?;
-            x = self.push(op, &[x], Some(res), name, layer, s.clone(), Some(prov))?;
+            x = self.push(op, &[x], Some(res), name, tag, s.clone(), Some(prov))?;
             self.versions.insert((v, s.clone()), x);
         }
         Ok(x)
@@ -347,12 +348,13 @@ fn layout(fm: &[Option<usize>], fa: &[Vec<AxisId>], partial: Vec<AxisId>) -> Ten
     }
 }
 
-/// A parameter: a `Param`, a training graph's `param.<label>` input, or a view of one.
+/// A parameter: a `Param`, a training graph's [`ValueRole::Parameter`] input, or a view of
+/// one.
 fn is_parameter(g: &Graph, mut v: ValueId) -> bool {
     loop {
         match &g.node(v).op {
             Op::Param(_) => return true,
-            Op::Input { name, .. } => return name.starts_with("param."),
+            Op::Input { .. } => return g.node(v).role == ValueRole::Parameter,
             Op::Reshape => v = g.node(v).inputs[0],
             _ => return false,
         }
@@ -406,7 +408,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
                 &[],
                 Some(ty),
                 node.name.clone(),
-                node.layer,
+                (node.layer, node.role),
                 s.clone(),
                 None,
             )?;
@@ -500,8 +502,10 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
                                 axis: mesh.axis_name(a).to_string(),
                                 stride: rows,
                             };
-                            let name = format!("{}.rank_offset", g.node(node.inputs[1]).name);
-                            let x = cx.push(op, &[inputs[1]], None, name, node.layer, s, None)?;
+                            let id = g.node(node.inputs[1]);
+                            let name = format!("{}.rank_offset", id.name);
+                            let tag = (node.layer, id.role);
+                            let x = cx.push(op, &[inputs[1]], None, name, tag, s, None)?;
                             cx.offsets.insert(key, x);
                             x
                         }
@@ -542,7 +546,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
             &inputs,
             declared,
             node.name.clone(),
-            node.layer,
+            (node.layer, node.role),
             s.clone(),
             None,
         )?;
@@ -576,6 +580,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
         cx.out.set_output(name, x);
     }
     cx.out.current_layer = None;
+    cx.out.current_role = ValueRole::Forward;
     crate::ir::verify_if_debug(&cx.out, "partition");
     Ok(ShardedGraph {
         graph: cx.out,

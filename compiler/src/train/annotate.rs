@@ -3,7 +3,7 @@
 //! parameters, gradients and optimizer state each strategy asks for.
 
 use crate::autodiff::{input_name, TrainGraph};
-use crate::ir::{TensorType, ValueId};
+use crate::ir::{TensorType, ValueId, ValueRole};
 use crate::shard::{Annotations, AxisId, Mesh, TensorSharding};
 
 /// `layout` with the ZeRO data axis `dp` added: on the first unsharded dim whose size it
@@ -98,9 +98,10 @@ pub(super) fn train_annotations(
         for v in [p.m_in, p.v_in, p.m_out, p.v_out, p.update] {
             ann.set(v, opt.clone(), opt_why.clone());
         }
-        ann.outputs.insert(format!("param.{label}"), storage);
-        ann.outputs.insert(format!("adam_m.{label}"), opt.clone());
-        ann.outputs.insert(format!("adam_v.{label}"), opt);
+        ann.outputs.insert(ValueRole::Update.name(label), storage);
+        ann.outputs
+            .insert(ValueRole::FirstMoment.name(label), opt.clone());
+        ann.outputs.insert(ValueRole::SecondMoment.name(label), opt);
         param_layout.push((layout, why));
     }
     for &(node, p) in &tg.gathers {

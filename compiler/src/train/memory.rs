@@ -1,13 +1,13 @@
 //! Memory per rank of a training step, read off the SPMD program (local shapes) and the
 //! annotations it was partitioned under, at a chosen [`Precision`].
 //!
-//! - Parameters: the local `param.<label>` inputs (sharded under ZeRO-3).
+//! - Parameters: the local parameter inputs (sharded under ZeRO-3).
 //! - Gradients: each parameter's gradient buffer in the layout it is accumulated in — the
 //!   parameter's layout for `dp` and `zero1` (reduced after the backward pass), the `dp`-sharded
 //!   optimizer layout for `zero2`/`zero3` (reduce-scattered as soon as computed).
-//! - Optimizer states: the local `adam_m.<label>` inputs, times the optimizer bytes per element
+//! - Optimizer states: the local first-moment inputs, times the optimizer bytes per element
 //!   (f32: m, v; mixed precision: fp32 master weights, m, v — the ZeRO paper's K = 12).
-//! - Activations kept for backward (one micro-batch): what the `saved.*` nodes read, at the
+//! - Activations kept for backward (one micro-batch): what the saved nodes read, at the
 //!   activation precision, per layer. To compare with Korthikanti et al. (2022), who count a
 //!   GPT layer with dropout, the accounting adds what their dropouts keep — our IR has no
 //!   dropout, its kernels are deterministic — wherever they sit: a 1-byte mask per element of
@@ -24,7 +24,7 @@
 //!   at the activation precision.
 
 use super::CompiledTrain;
-use crate::ir::{DType, Graph, Op, ValueId};
+use crate::ir::{DType, Graph, Op, ValueId, ValueRole};
 use crate::plan::{LayerActivations, Precision, TrainMemory};
 use crate::shard::TensorSharding;
 use std::collections::{BTreeMap, HashMap};
@@ -69,8 +69,8 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
     let mut opt_elements = 0;
     let mut grad_elements = 0;
     for tp in &tg.params {
-        param_elements += local_input(&format!("param.{}", tp.label));
-        opt_elements += local_input(&format!("adam_m.{}", tp.label));
+        param_elements += local_input(&ValueRole::Parameter.name(&tp.label));
+        opt_elements += local_input(&ValueRole::FirstMoment.name(&tp.label));
         // The gradient buffer: the annotated layout of the per-micro-batch (zero2/3) or
         // accumulated (dp) gradient, else the accumulated gradient's own layout.
         let ann = c
@@ -80,7 +80,9 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
             .or_else(|| c.annotations.values.get(&tp.grad));
         grad_elements += match ann {
             Some(s) => local_numel(c, &tp.ty.shape(), s),
-            None => named(g, &format!("grad.{}", tp.label)).map_or(0, |v| g.ty(v).numel() as u64),
+            None => {
+                named(g, &ValueRole::Gradient.name(&tp.label)).map_or(0, |v| g.ty(v).numel() as u64)
+            }
         };
     }
     let param_bytes = param_elements * p.param_bytes;
@@ -88,12 +90,8 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
     let optimizer_bytes = opt_elements * p.optimizer_bytes;
     let static_bytes = param_bytes + grad_bytes + optimizer_bytes;
 
-    // Activations kept for backward: the operands of micro-batch 0's saved nodes.
-    let saved_prefix = if tg.micro_batches > 1 {
-        "mb0.saved."
-    } else {
-        "saved."
-    };
+    // Activations kept for backward: the operands of micro-batch 0's saved nodes (the
+    // builder prefixes each micro-batch's node names with `mb<k>.` when there are several).
     let mb_prefix = if tg.micro_batches > 1 { "mb0." } else { "" };
     let full = c.options.recompute == crate::autodiff::Recompute::Full;
     let mut per_layer: BTreeMap<u32, u64> = BTreeMap::new();
@@ -101,7 +99,8 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
     for v in g.ids() {
         let node = g.node(v);
         let mut bytes = 0;
-        if matches!(node.op, Op::Reshape) && node.name.starts_with(saved_prefix) {
+        let saved = node.role == ValueRole::Saved && node.name.starts_with(mb_prefix);
+        if matches!(node.op, Op::Reshape) && saved {
             let src = node.inputs[0];
             let n = float_numel(g, src);
             bytes += n * p.activation_bytes;
@@ -113,7 +112,7 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
         let residual = matches!(node.op, Op::Add)
             && node.name.ends_with(".residual")
             && node.name.starts_with(mb_prefix)
-            && !node.name[mb_prefix.len()..].contains("recompute.");
+            && node.role != ValueRole::Recompute;
         if residual && !full && node.layer.is_some() {
             // The 1-byte dropout mask of the residual branch.
             bytes += float_numel(g, node.inputs[1]);
@@ -142,13 +141,14 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
     let persistent = |v: ValueId| -> bool {
         let node = g.node(v);
         match &node.op {
-            Op::Input { name, .. } => {
-                name.starts_with("param.") || name.starts_with("adam_") || name == "step"
-            }
-            _ => {
-                let n = node.name.as_str();
-                n.starts_with("opt.m.") || n.starts_with("opt.v.")
-            }
+            Op::Input { .. } => matches!(
+                node.role,
+                ValueRole::Parameter
+                    | ValueRole::FirstMoment
+                    | ValueRole::SecondMoment
+                    | ValueRole::Step
+            ),
+            _ => node.role.is_moment(),
         }
     };
     let n = g.len();

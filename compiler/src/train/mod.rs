@@ -52,7 +52,7 @@ pub use pipe::{
 pub use split::{grad_name, split_step, StepSplit};
 
 use crate::autodiff::{build_train_graph, AutodiffError, Recompute, TrainGraph, TrainGraphOptions};
-use crate::ir::{AdamWSpec, Graph, Op};
+use crate::ir::{AdamWSpec, Graph, Op, ValueRole};
 use crate::model::{build_forward, BuildOptions, ModelConfig, ModelError};
 use crate::pass::{Pass, PassLog, VerifyError};
 use crate::plan::{Plan, PlanParam, PlanStep, PlanTrain};
@@ -161,13 +161,14 @@ impl CompiledTrain {
         let program = self.split.as_ref().map_or(&self.sharded, |s| &s.micro);
         let mut plan = Plan::assemble(model, program, strategies, self.report.clone());
         plan.dtype = precision.dtype();
-        // Parameters are the program's `param.*` inputs (local, program dtype).
+        // Parameters are the program's parameter inputs (local, program dtype).
         let g = &program.graph;
         plan.memory.param_bytes = g
             .ids()
-            .filter(
-                |&v| matches!(&g.node(v).op, Op::Input { name, .. } if name.starts_with("param.")),
-            )
+            .filter(|&v| {
+                let n = g.node(v);
+                matches!(n.op, Op::Input { .. }) && n.role == ValueRole::Parameter
+            })
             .map(|v| g.ty(v).size_bytes() as u64)
             .sum();
         plan.memory.train = Some(memory_report(self, precision));
@@ -398,7 +399,9 @@ pub(crate) fn compile_chunk(
     log.sharded(Pass::Partition, &sharded)?;
     // 6. Gradients and the loss are read in their natural layout (partial sums included).
     let sharded = passes::strip_output_reshards(sharded, |n| {
-        n == "loss" || n.starts_with("grad.") || n.starts_with(crate::autodiff::PIPE_LOSS)
+        n == "loss"
+            || ValueRole::gradient_label(n).is_some()
+            || n.starts_with(crate::autodiff::PIPE_LOSS)
     })?;
     // 7. Vocabulary-sharded embedding gradients read shard-local token ids.
     let sharded = passes::embedding_grad_offsets(sharded)?;

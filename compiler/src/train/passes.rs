@@ -10,7 +10,7 @@
 //!   them is computed.
 
 use crate::autodiff::TrainGraph;
-use crate::ir::{Graph, Op, TensorType, ValueId};
+use crate::ir::{Graph, Op, TensorType, ValueId, ValueRole};
 use crate::shard::{Provenance, ReshardReason, ShardError, ShardedGraph, TensorSharding};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -69,11 +69,12 @@ impl Rebuild {
         inputs: &[ValueId],
         ty: Option<TensorType>,
         name: String,
-        layer: Option<u32>,
+        (layer, role): (Option<u32>, ValueRole),
         s: TensorSharding,
         prov: Option<Provenance>,
     ) -> Result<ValueId, ShardError> {
         self.g.current_layer = layer;
+        self.g.current_role = role;
         let v = self
             .g
             .add_typed(op, inputs, ty, name.clone())
@@ -96,7 +97,7 @@ impl Rebuild {
             &inputs,
             Some(node.ty.clone()),
             node.name.clone(),
-            node.layer,
+            (node.layer, node.role),
             old.shardings[v.index()].clone(),
             old.provenance[v.index()].clone(),
         )?;
@@ -110,6 +111,7 @@ impl Rebuild {
             self.g.set_output(name, x);
         }
         self.g.current_layer = None;
+        self.g.current_role = ValueRole::Forward;
         ShardedGraph {
             graph: self.g,
             shardings: self.shardings,
@@ -159,6 +161,7 @@ pub(super) fn strip_output_reshards(
         r.g.set_output(name, x);
     }
     r.g.current_layer = None;
+    r.g.current_role = ValueRole::Forward;
     Ok(ShardedGraph {
         graph: r.g,
         shardings: r.shardings,
@@ -219,8 +222,9 @@ pub(super) fn embedding_grad_offsets(sg: ShardedGraph) -> Result<ShardedGraph, S
                     stride: *stride,
                 };
                 let s = sg.shardings[node.inputs[0].index()].clone();
-                let name = format!("{}.rank_offset", g.node(node.inputs[0]).name);
-                let x = r.push(op, &[ids], None, name, node.layer, s, None)?;
+                let id = g.node(node.inputs[0]);
+                let name = format!("{}.rank_offset", id.name);
+                let x = r.push(op, &[ids], None, name, (node.layer, id.role), s, None)?;
                 offsets.insert(key, x);
                 x
             }
@@ -236,7 +240,7 @@ pub(super) fn embedding_grad_offsets(sg: ShardedGraph) -> Result<ShardedGraph, S
             &inputs,
             Some(node.ty.clone()),
             node.name.clone(),
-            node.layer,
+            (node.layer, node.role),
             sg.shardings[v.index()].clone(),
             sg.provenance[v.index()].clone(),
         )?;
@@ -284,11 +288,11 @@ pub(super) fn ddp_buckets(
         let (Op::AllReduce { axis }, Some(p)) = (&node.op, &sg.provenance[v.index()]) else {
             continue;
         };
-        if axis == "dp"
-            && p.value.starts_with("grad.")
-            && matches!(p.required_by, ReshardReason::Annotation { .. })
-        {
-            ar_of.insert(p.value["grad.".len()..].to_string(), v);
+        let Some(label) = ValueRole::gradient_label(&p.value) else {
+            continue;
+        };
+        if axis == "dp" && matches!(p.required_by, ReshardReason::Annotation { .. }) {
+            ar_of.insert(label.to_string(), v);
         }
     }
     let members: Vec<(usize, ValueId)> = tg
@@ -366,7 +370,8 @@ fn emit_bucket(
     bucket: &Bucket,
 ) -> Result<(), ShardError> {
     let g = &sg.graph;
-    let layer = None;
+    // The bucket's own nodes hold gradients; a member's keep its gradient's role.
+    let layer = (None, ValueRole::Gradient);
     let flat_s = |partial: bool| {
         let mut s = TensorSharding::replicated(1);
         if partial {
@@ -382,7 +387,8 @@ fn emit_bucket(
         let n = g.ty(ar).numel();
         let ty = TensorType::plain(g.ty(ar).dtype, &[n]);
         let name = format!("{}.flat", g.node(src).name);
-        flats.push(r.push(Op::Reshape, &[x], Some(ty), name, layer, flat_s(true), None)?);
+        let tag = (None, g.node(src).role);
+        flats.push(r.push(Op::Reshape, &[x], Some(ty), name, tag, flat_s(true), None)?);
     }
     let cat = r.push(
         Op::Concat { dim: 0 },
@@ -430,7 +436,7 @@ fn emit_bucket(
             &[red],
             None,
             format!("{name}.slice"),
-            layer,
+            (None, g.node(ar).role),
             flat_s(false),
             None,
         )?;
@@ -439,7 +445,7 @@ fn emit_bucket(
             &[part],
             Some(ty),
             name,
-            layer,
+            (None, g.node(ar).role),
             sg.shardings[ar.index()].clone(),
             None,
         )?;

@@ -25,7 +25,7 @@
 
 use super::{compile_chunk, CompiledTrain, TrainCompileError, TrainOptions};
 use crate::autodiff::{TrainParam, PIPE_GRAD_IN, PIPE_GRAD_OUT, PIPE_LOSS};
-use crate::ir::{Graph, Op, ValueId};
+use crate::ir::{Graph, Op, ValueId, ValueRole};
 use crate::model::{ModelConfig, StageSpec, STAGE_INPUT, STAGE_OUTPUT};
 use crate::pass::{Pass, PassLog};
 use crate::plan::{
@@ -433,7 +433,7 @@ pub fn activation_values(g: &Graph) -> Vec<bool> {
         };
     }
     for (name, v) in &g.outputs {
-        if name == "loss" || name == PIPE_LOSS || name.starts_with("grad.") {
+        if name == "loss" || name == PIPE_LOSS || ValueRole::gradient_label(name).is_some() {
             a[v.index()] = false;
         }
     }

@@ -23,7 +23,7 @@
 
 use crate::autodiff::TrainGraph;
 use crate::ir::ShardSpec;
-use crate::ir::{Graph, Op, ValueId};
+use crate::ir::{Graph, Op, ValueId, ValueRole};
 use crate::shard::{Provenance, ShardError, ShardedGraph, TensorSharding};
 
 /// A step's two programs (see the module docs).
@@ -37,7 +37,7 @@ pub struct StepSplit {
 
 /// The name of the gradient output (micro program) and input (step program) of `label`.
 pub fn grad_name(label: &str) -> String {
-    format!("grad.{label}")
+    ValueRole::Gradient.name(label)
 }
 
 struct Part {
@@ -74,6 +74,7 @@ impl Part {
                 .collect(),
         };
         self.g.current_layer = node.layer;
+        self.g.current_role = node.role;
         let x = self
             .g
             .add_typed(op, &inputs, Some(node.ty.clone()), name.clone())
@@ -86,6 +87,7 @@ impl Part {
 
     fn finish(mut self, mesh: &crate::shard::Mesh) -> ShardedGraph {
         self.g.current_layer = None;
+        self.g.current_role = ValueRole::Forward;
         ShardedGraph {
             graph: self.g,
             shardings: self.shardings,
@@ -134,14 +136,20 @@ pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, Sh
         grads.push((name, v));
     }
     // The micro program: everything the boundary values and the other per-micro-batch
-    // outputs (the loss) need.
+    // outputs (the loss, not a parameter's gradient, update or moments) need.
     let step_output = |name: &str| {
-        name.starts_with("param.") || name.starts_with("adam_m.") || name.starts_with("adam_v.")
+        matches!(
+            ValueRole::of_output(name),
+            Some((
+                ValueRole::Update | ValueRole::FirstMoment | ValueRole::SecondMoment,
+                _
+            ))
+        )
     };
     let micro_outputs: Vec<(String, ValueId)> = g
         .outputs
         .iter()
-        .filter(|(name, _)| !step_output(name) && !name.starts_with("grad."))
+        .filter(|(name, _)| ValueRole::of_output(name).is_none())
         .cloned()
         .chain(grads)
         .collect();

@@ -7,7 +7,7 @@ use super::print::Quoted;
 use crate::ir::{
     AdamWSpec, AttnSpec, AttnWrt, CombineWrt, DType, Dim, EwExpr, EwStep, Float, Graph, IrError,
     NormWrt, Op, ParamSource, ParamView, Role, RopeScaling, RopeSpec, RopeStyle, ShardSpec,
-    TensorType, UnaryOp, ValueId,
+    TensorType, UnaryOp, ValueId, ValueRole,
 };
 use std::str::FromStr;
 
@@ -662,6 +662,7 @@ fn add_node(
     ty: TensorType,
     name: String,
     layer: Option<u32>,
+    role: ValueRole,
 ) -> Result<(), String> {
     let bytes = ty
         .dims
@@ -679,6 +680,7 @@ fn add_node(
     }
     guard(&op, &tys).map_err(|m| format!("{}: {m}", op.mnemonic()))?;
     g.current_layer = layer;
+    g.current_role = role;
     g.add_typed(op, inputs, Some(ty.clone()), name)
         .map_err(|e| e.to_string())?;
     let node = g.nodes.last().expect("invariant: a node was just added");
@@ -725,12 +727,21 @@ fn node_line(c: &mut Cur<'_>, g: &mut Graph) -> Result<(), IrError> {
     } else {
         String::new()
     };
-    let mut layer = None;
-    if c.eat('@') {
-        if c.word() != "layer" {
-            return c.err("expected `layer` after `@`");
+    let (mut layer, mut role) = (None, ValueRole::Forward);
+    while c.eat('@') {
+        match c.word() {
+            "layer" if layer.is_none() && role.is_forward() => {
+                layer = Some(c.uint("a layer number")?)
+            }
+            "role" if role.is_forward() => {
+                let found = c.found();
+                role = match ValueRole::from_name(c.word()) {
+                    Some(r) if !r.is_forward() => r,
+                    _ => return c.err(format!("expected a value role, found {found}")),
+                };
+            }
+            _ => return c.err("expected `layer` or `role` after `@`"),
         }
-        layer = Some(c.uint("a layer number")?);
     }
     c.end()?;
     let op = match build_op(m, Attrs(attrs)) {
@@ -738,7 +749,7 @@ fn node_line(c: &mut Cur<'_>, g: &mut Graph) -> Result<(), IrError> {
         Ok(None) => return c.err(format!("unknown op `{m}`")),
         Err(msg) => return c.err(format!("{m}: {msg}")),
     };
-    add_node(g, op, &inputs, ty, name, layer).or_else(|msg| c.err(msg))
+    add_node(g, op, &inputs, ty, name, layer, role).or_else(|msg| c.err(msg))
 }
 
 fn output_line(c: &mut Cur<'_>, g: &mut Graph) -> Result<(), IrError> {
@@ -809,6 +820,7 @@ pub fn parse_graph(s: &str) -> Result<Graph, IrError> {
         At::In => "missing `}` at the end of the graph",
         At::After => {
             g.current_layer = None;
+            g.current_role = ValueRole::Forward;
             return Ok(g);
         }
     };

@@ -329,6 +329,9 @@ impl fmt::Display for Graph {
             if let Some(l) = n.layer {
                 write!(f, " @layer {l}")?;
             }
+            if !n.role.is_forward() {
+                write!(f, " @role {}", n.role)?;
+            }
             f.write_char('\n')?;
         }
         for (name, v) in &self.outputs {

@@ -329,7 +329,7 @@ pub(crate) fn add(
     Some(eg.add(node))
 }
 
-/// As [`add`]; a new class takes the name and layer of class `like` (the value it computes
+/// As [`add`]; a new class takes the name, layer and role of class `like` (the value it computes
 /// a form of).
 pub(crate) fn add_like(
     eg: &mut SpmdEGraph,
@@ -345,6 +345,7 @@ pub(crate) fn add_like(
         let m = &mut eg[c].data.meta;
         m.name = meta.name;
         m.layer = meta.layer;
+        m.role = meta.role;
     }
     Some(c)
 }
@@ -379,5 +380,6 @@ pub(crate) fn add_declared(
     let m = &mut eg[c].data.meta;
     m.name = meta.name;
     m.layer = meta.layer;
+    m.role = meta.role;
     Some(c)
 }
