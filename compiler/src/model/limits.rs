@@ -228,14 +228,15 @@ pub fn schedule_bytes(
 }
 
 /// Estimated bytes of the simulator's pipeline of `stages` × `micro_batches` ×
-/// `virtual_stages` (`shardc simulate --train`): its forward and backward passes.
+/// `virtual_stages` (`shardc simulate --train`): its forward, backward and (zero-bubble
+/// schedules) weight-gradient passes, counted as three for every schedule.
 pub fn simulated_pipeline_bytes(
     stages: usize,
     micro_batches: usize,
     virtual_stages: usize,
 ) -> u128 {
     product(&[
-        2 * 512,
+        3 * 512,
         stages as u128,
         micro_batches as u128,
         virtual_stages as u128,
