@@ -118,9 +118,13 @@ fn llama_70b_pipeline_plan_holds_every_parameter_once_and_its_schedule_verifies(
         out.contains("batch 16 × seq 4096, 8 micro-batch(es) of 2, recompute selective"),
         "{out}"
     );
-    // The textbook 1F1B bubble (p − 1) / (m + p − 1) = 3/11 and in-flight micro-batches p − s.
+    // The textbook 1F1B bubble (p − 1) / (m + p − 1) = 3/11 of the step, Megatron-LM's
+    // (p − 1) / m = 3/8 of the ideal time, and in-flight micro-batches p − s.
     assert!(
-        out.contains("1f1b schedule, 4 stages × 1 chunk(s), 8 micro-batches: bubble 0.2727"),
+        out.contains(
+            "1f1b schedule, 4 stages × 1 chunk(s), 8 micro-batches: bubble 0.2727 (uniform \
+             stages; 0.3750 of the ideal time as Megatron-LM counts it)"
+        ),
         "{out}"
     );
     assert!(
@@ -419,6 +423,24 @@ fn interleaved_defaults_to_two_chunks_per_rank_everywhere() {
         ],
     );
     assert!(sim.contains("schedule interleaved(v=2)"), "{sim}");
+    // The bubble both ways: share of the step, and Megatron-LM's idle over ideal time.
+    let line = sim.lines().find(|l| l.contains("pipeline ")).unwrap();
+    let pct = |tag: &str| -> f64 {
+        let head = line.split(tag).next().unwrap();
+        head.rsplit(['(', ','])
+            .next()
+            .unwrap()
+            .trim()
+            .trim_start_matches("bubble ")
+            .trim_end_matches('%')
+            .parse()
+            .unwrap()
+    };
+    let (b, m) = (pct("% of the step"), pct("% of the ideal time"));
+    assert!(
+        (m / 100.0 - (b / 100.0) / (1.0 - b / 100.0)).abs() < 2e-3,
+        "{line}"
+    );
     let sched = ok_in(
         tmp.path(),
         &[

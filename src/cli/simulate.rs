@@ -515,10 +515,12 @@ fn print_report(sim: &Simulation) {
         secs(r.hidden_comm_s)
     );
     if r.mode == "train" {
+        let b = r.bubble_fraction;
         println!(
-            "  pipeline       {} (bubble {:.1}% of the step), optimizer {}",
+            "  pipeline       {} (bubble {:.1}% of the step, {:.1}% of the ideal time as Megatron-LM counts it), optimizer {}",
             secs(r.pipeline_s),
-            r.bubble_fraction * 100.0,
+            b * 100.0,
+            if b < 1.0 { b / (1.0 - b) * 100.0 } else { f64::INFINITY },
             secs(r.optimizer_s)
         );
     }

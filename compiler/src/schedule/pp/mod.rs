@@ -216,17 +216,27 @@ impl PipelineSchedule {
     }
 
     /// One line: `1f1b schedule, 4 stages × 1 chunk(s), 8 micro-batches: bubble 0.2727
-    /// (uniform stages), peak in-flight micro-batches per stage [4, 3, 2, 1]`.
+    /// (uniform stages; 0.3750 of the ideal time as Megatron-LM counts it), peak in-flight
+    /// micro-batches per stage [4, 3, 2, 1]`.
     pub fn describe(&self) -> Result<String, PipelineError> {
         let r = self.replay(PassCosts::uniform(1.0))?;
         let peaks: Vec<String> = r.peak_in_flight.iter().map(|x| format!("{x}")).collect();
+        // Megatron-LM's bubble time fraction is the idle time over the ideal (busy) time,
+        // (p − 1)/m for 1F1B; ours is the idle share of the step, (p − 1)/(m + p − 1).
+        let b = r.bubble_fraction;
+        let megatron = if b < 1.0 {
+            b / (1.0 - b)
+        } else {
+            f64::INFINITY
+        };
         Ok(format!(
-            "{} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages), peak in-flight micro-batches per stage [{}]",
+            "{} schedule, {} stages × {} chunk(s), {} micro-batches: bubble {:.4} (uniform stages; {:.4} of the ideal time as Megatron-LM counts it), peak in-flight micro-batches per stage [{}]",
             self.kind.name(),
             self.stages,
             self.virtual_stages,
             self.micro_batches,
-            r.bubble_fraction,
+            b,
+            megatron,
             peaks.join(", ")
         ))
     }
