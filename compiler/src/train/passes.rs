@@ -45,15 +45,16 @@ pub struct Bucket {
 }
 
 /// Rebuilds a sharded graph node by node with remapped operands.
-struct Rebuild {
-    g: Graph,
+pub(super) struct Rebuild {
+    pub(super) g: Graph,
     shardings: Vec<TensorSharding>,
     provenance: Vec<Option<Provenance>>,
-    map: Vec<Option<ValueId>>,
+    /// Old node → its copy.
+    pub(super) map: Vec<Option<ValueId>>,
 }
 
 impl Rebuild {
-    fn new(n: usize) -> Rebuild {
+    pub(super) fn new(n: usize) -> Rebuild {
         Rebuild {
             g: Graph::new(),
             shardings: Vec::new(),
@@ -87,16 +88,32 @@ impl Rebuild {
     /// Copies node `v` of `old` with its operands remapped.
     fn copy(&mut self, old: &ShardedGraph, v: ValueId) -> Result<ValueId, ShardError> {
         let node = old.graph.node(v);
-        let inputs: Vec<ValueId> = node
-            .inputs
-            .iter()
-            .map(|i| self.map[i.index()].expect("invariant: operands are copied first"))
-            .collect();
+        self.copy_as(old, v, node.op.clone(), node.name.clone())
+    }
+
+    /// Copies node `v` of `old` as `op` labelled `name` (type, layer, role, layout and
+    /// provenance kept; an `Input` takes no operands), its operands remapped.
+    pub(super) fn copy_as(
+        &mut self,
+        old: &ShardedGraph,
+        v: ValueId,
+        op: Op,
+        name: String,
+    ) -> Result<ValueId, ShardError> {
+        let node = old.graph.node(v);
+        let inputs: Vec<ValueId> = match op {
+            Op::Input { .. } => Vec::new(),
+            _ => node
+                .inputs
+                .iter()
+                .map(|i| self.map[i.index()].expect("invariant: operands are copied first"))
+                .collect(),
+        };
         let x = self.push(
-            node.op.clone(),
+            op,
             &inputs,
             Some(node.ty.clone()),
-            node.name.clone(),
+            name,
             (node.layer, node.role),
             old.shardings[v.index()].clone(),
             old.provenance[v.index()].clone(),
@@ -105,18 +122,24 @@ impl Rebuild {
         Ok(x)
     }
 
+    /// The copy, with `old`'s outputs pointing at their copies.
     fn finish(mut self, old: ShardedGraph) -> ShardedGraph {
         for (name, v) in &old.graph.outputs {
             let x = self.map[v.index()].expect("invariant: outputs are kept");
             self.g.set_output(name, x);
         }
+        self.into_graph(&old.mesh)
+    }
+
+    /// The copy on `mesh`, with the outputs set so far.
+    pub(super) fn into_graph(mut self, mesh: &crate::shard::Mesh) -> ShardedGraph {
         self.g.current_layer = None;
         self.g.current_role = ValueRole::Forward;
         ShardedGraph {
             graph: self.g,
             shardings: self.shardings,
             provenance: self.provenance,
-            mesh: old.mesh,
+            mesh: mesh.clone(),
         }
     }
 }

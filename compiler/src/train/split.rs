@@ -21,10 +21,11 @@
 //! summing its outputs and running the step program computes what the unrolled step computes,
 //! up to the order of floating-point additions.
 
+use super::passes::Rebuild;
 use crate::autodiff::TrainGraph;
 use crate::ir::ShardSpec;
-use crate::ir::{Graph, Op, ValueId, ValueRole};
-use crate::shard::{Provenance, ShardError, ShardedGraph, TensorSharding};
+use crate::ir::{Op, ValueId, ValueRole};
+use crate::shard::{ShardError, ShardedGraph, TensorSharding};
 
 /// A step's two programs (see the module docs).
 #[derive(Clone, Debug)]
@@ -38,63 +39,6 @@ pub struct StepSplit {
 /// The name of the gradient output (micro program) and input (step program) of `label`.
 pub fn grad_name(label: &str) -> String {
     ValueRole::Gradient.name(label)
-}
-
-struct Part {
-    g: Graph,
-    shardings: Vec<TensorSharding>,
-    provenance: Vec<Option<Provenance>>,
-    map: Vec<Option<ValueId>>,
-}
-
-impl Part {
-    fn new(n: usize) -> Part {
-        Part {
-            g: Graph::new(),
-            shardings: Vec::new(),
-            provenance: Vec::new(),
-            map: vec![None; n],
-        }
-    }
-
-    fn push(
-        &mut self,
-        sg: &ShardedGraph,
-        v: ValueId,
-        op: Op,
-        name: String,
-    ) -> Result<ValueId, ShardError> {
-        let node = sg.graph.node(v);
-        let inputs: Vec<ValueId> = match op {
-            Op::Input { .. } => Vec::new(),
-            _ => node
-                .inputs
-                .iter()
-                .map(|i| self.map[i.index()].expect("invariant: operands are mapped first"))
-                .collect(),
-        };
-        self.g.current_layer = node.layer;
-        self.g.current_role = node.role;
-        let x = self
-            .g
-            .add_typed(op, &inputs, Some(node.ty.clone()), name.clone())
-            .map_err(|e| ShardError::Internal(format!("splitting the step at `{name}`: {e}")))?;
-        self.shardings.push(sg.shardings[v.index()].clone());
-        self.provenance.push(sg.provenance[v.index()].clone());
-        self.map[v.index()] = Some(x);
-        Ok(x)
-    }
-
-    fn finish(mut self, mesh: &crate::shard::Mesh) -> ShardedGraph {
-        self.g.current_layer = None;
-        self.g.current_role = ValueRole::Forward;
-        ShardedGraph {
-            graph: self.g,
-            shardings: self.shardings,
-            provenance: self.provenance,
-            mesh: mesh.clone(),
-        }
-    }
 }
 
 /// The shard specs of an input laid out as `s` (its split dims; partial axes hold no part of
@@ -161,17 +105,17 @@ pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, Sh
         }
         stack.extend(g.node(v).inputs.iter().copied());
     }
-    let mut m = Part::new(n);
+    let mut m = Rebuild::new(n);
     for v in g.ids().filter(|v| micro[v.index()]) {
         let node = g.node(v);
-        m.push(sg, v, node.op.clone(), node.name.clone())?;
+        m.copy_as(sg, v, node.op.clone(), node.name.clone())?;
     }
     for (name, v) in &micro_outputs {
         m.g.set_output(name, m.map[v.index()].expect("invariant: kept"));
     }
     // The step program: the rest, reading the boundary values and the step's state as
     // inputs.
-    let mut s = Part::new(n);
+    let mut s = Rebuild::new(n);
     for v in g.ids().filter(|v| !micro[v.index()]) {
         let node = g.node(v);
         for &i in &node.inputs {
@@ -197,9 +141,9 @@ pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, Sh
                     )))
                 }
             };
-            s.push(sg, i, op, name)?;
+            s.copy_as(sg, i, op, name)?;
         }
-        s.push(sg, v, node.op.clone(), node.name.clone())?;
+        s.copy_as(sg, v, node.op.clone(), node.name.clone())?;
     }
     for (name, v) in g.outputs.iter().filter(|(name, _)| step_output(name)) {
         let x = s.map[v.index()].ok_or_else(|| {
@@ -210,7 +154,7 @@ pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, Sh
         s.g.set_output(name, x);
     }
     Ok(StepSplit {
-        micro: m.finish(&sg.mesh),
-        step: s.finish(&sg.mesh),
+        micro: m.into_graph(&sg.mesh),
+        step: s.into_graph(&sg.mesh),
     })
 }
