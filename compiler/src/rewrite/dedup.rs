@@ -406,20 +406,22 @@ enum Reads {
     Copy(Vec<ValueId>, Vec<usize>),
 }
 
-/// The program being assembled.
-struct Emit {
-    out: Graph,
-    shardings: Vec<TensorSharding>,
-    provenance: Vec<Option<Provenance>>,
-    notes: Vec<NodeNote>,
+/// The program being assembled (here, and by the training window, `super::window`).
+#[derive(Default)]
+pub(super) struct Emit {
+    pub(super) out: Graph,
+    pub(super) shardings: Vec<TensorSharding>,
+    pub(super) provenance: Vec<Option<Provenance>>,
+    pub(super) notes: Vec<NodeNote>,
     /// Window node → emitted node, for nodes emitted once (prefix, layer 0, suffix, last).
     map: HashMap<usize, ValueId>,
 }
 
 impl Emit {
-    /// Appends window node `i` with a new op, operands, label and layer.
+    /// Appends window node `i` with a new op, operands, label and layer; `relayer` renames
+    /// its provenance from one layer to another.
     #[allow(clippy::too_many_arguments)]
-    fn push(
+    pub(super) fn push(
         &mut self,
         w: &ShardedGraph,
         notes: &[NodeNote],

@@ -20,8 +20,9 @@
 //! a read has no counterpart, the caller plans the whole program.
 
 use super::convert::NodeNote;
+use super::dedup::Emit;
 use crate::ir::{Graph, Op, ValueId, ValueRole};
-use crate::shard::{Provenance, ShardedGraph, TensorSharding};
+use crate::shard::ShardedGraph;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt::Write as _;
@@ -340,7 +341,7 @@ impl TrainPlan {
             .filter(|&k| waiting[k] == 0)
             .map(|k| Reverse((items[k], k)))
             .collect();
-        let mut e = Out::default();
+        let mut e = Emit::default();
         let mut emitted: Vec<Option<ValueId>> = vec![None; items.len()];
         while let Some(Reverse(((j, l), k))) = ready.pop() {
             let n = &g.nodes[j];
@@ -349,7 +350,16 @@ impl TrainPlan {
                 .map(|&x| emitted[x].expect("invariant: operands are emitted first"))
                 .collect();
             let v = if l == 0 {
-                e.push(w, notes, j, n.op.clone(), inputs, n.name.clone(), n.layer)?
+                e.push(
+                    w,
+                    notes,
+                    j,
+                    n.op.clone(),
+                    inputs,
+                    n.name.clone(),
+                    n.layer,
+                    None,
+                )?
             } else {
                 let relabel = |s: &str| {
                     relayer(s, &|m| match m {
@@ -370,7 +380,7 @@ impl TrainPlan {
                     _ => n.op.clone(),
                 };
                 let layer = n.layer.map(|_| l);
-                let v = e.push(w, notes, j, op, inputs, name, layer)?;
+                let v = e.push(w, notes, j, op, inputs, name, layer, None)?;
                 if let Some(p) = e.provenance.last_mut().and_then(Option::as_mut) {
                     p.value = relabel(&p.value);
                     p.required_by.map_names(relabel);
@@ -428,42 +438,6 @@ impl TrainPlan {
             },
             e.notes,
         ))
-    }
-}
-
-/// The program being assembled.
-#[derive(Default)]
-struct Out {
-    out: Graph,
-    shardings: Vec<TensorSharding>,
-    provenance: Vec<Option<Provenance>>,
-    notes: Vec<NodeNote>,
-}
-
-impl Out {
-    /// Appends window node `i` with a new op, operands, label and layer.
-    #[allow(clippy::too_many_arguments)]
-    fn push(
-        &mut self,
-        w: &ShardedGraph,
-        notes: &[NodeNote],
-        i: usize,
-        op: Op,
-        inputs: Vec<ValueId>,
-        name: String,
-        layer: Option<u32>,
-    ) -> Result<ValueId, String> {
-        let n = &w.graph.nodes[i];
-        self.out.current_layer = layer;
-        self.out.current_role = n.role;
-        let v = self
-            .out
-            .add_typed(op, &inputs, Some(n.ty.clone()), name)
-            .map_err(|e| format!("replicating `{}`: {e}", n.name))?;
-        self.shardings.push(w.shardings[i].clone());
-        self.provenance.push(w.provenance[i].clone());
-        self.notes.push(notes[i].clone());
-        Ok(v)
     }
 }
 
