@@ -30,11 +30,7 @@ fn sim(model: &str, mesh: &str, zero: u8, imbalance: f64) -> Result<Simulation, 
     let cfg = ModelConfig::from_path(std::path::Path::new(model)).unwrap();
     let mesh = Mesh::parse(mesh, 8).unwrap();
     let c = Cluster::resolve_for("dgx-h100", mesh.world_size()).unwrap();
-    let data = ["dp", "ep"]
-        .iter()
-        .filter_map(|n| mesh.axis(n))
-        .map(|a| mesh.axis_size(a))
-        .product::<usize>();
+    let data = mesh.data_ranks();
     let mut t = TrainOptions::new(4 * data, 1, 1024);
     t.zero = zero;
     t.recompute = Recompute::Selective;

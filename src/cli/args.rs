@@ -43,11 +43,7 @@ pub fn micro_batch_count(
     mesh: &shardc::compiler::shard::Mesh,
 ) -> anyhow::Result<usize> {
     at_least("--micro-batch", size, 1)?;
-    let data: usize = ["dp", "ep"]
-        .iter()
-        .filter_map(|n| mesh.axis(n))
-        .map(|a| mesh.axis_size(a))
-        .product();
+    let data = mesh.data_ranks();
     match data.checked_mul(size) {
         Some(per_step) if batch % per_step == 0 => Ok(batch / per_step),
         _ => bail!(

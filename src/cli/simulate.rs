@@ -213,9 +213,9 @@ fn train_options(
     seq: usize,
     extra: Vec<String>,
 ) -> anyhow::Result<TrainOptions> {
-    // Ranks holding different tokens: dp, and ep outside the experts.
     let size = |n: &str| mesh.axis(n).map_or(1, |x| mesh.axis_size(x));
-    let dp = size("dp") * size("ep");
+    // Ranks holding different tokens: dp, and ep outside the experts.
+    let dp = mesh.data_ranks();
     let pp = size("pp");
     let micro_batch = match (a.micro_batch, a.micro_batches, a.batch) {
         (_, Some(m), Some(gb)) => {

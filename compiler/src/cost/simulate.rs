@@ -145,12 +145,7 @@ pub(crate) fn plan_report(plan: &Plan, cluster: &Cluster, opts: &ComputeOptions)
     let mesh = &plan.mesh;
     let train = plan.train.as_ref();
     // Sequences per micro-batch per data-parallel rank, as the training model counts them.
-    let data_parts: usize = mesh
-        .axes
-        .iter()
-        .filter(|a| a.name == "dp" || a.name == "ep")
-        .map(|a| a.size)
-        .product();
+    let data_parts = mesh.data_ranks();
     let dev = &cluster.device;
     SimReport {
         mode: if train.is_some() { "train" } else { "forward" }.into(),

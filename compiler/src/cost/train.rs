@@ -1079,7 +1079,7 @@ fn moe_notes(
 
 /// The group of rank 0 over the axes whose ranks hold different tokens (`dp` and `ep`).
 fn data_group(mesh: &Mesh, cluster: &Cluster) -> GroupTopology {
-    let data: Vec<usize> = ["dp", "ep"]
+    let data: Vec<usize> = crate::shard::DATA_AXES
         .iter()
         .filter_map(|n| mesh.axis(n))
         .map(|a| a.0 as usize)

@@ -89,6 +89,9 @@ pub enum MeshError {
 /// Axis names the strategies understand.
 pub const KNOWN_AXES: [&str; 6] = ["dp", "tp", "ep", "pp", "cp", "fsdp"];
 
+/// The axes whose ranks hold different tokens: `dp`, and `ep` outside the experts.
+pub const DATA_AXES: [&str; 2] = ["dp", "ep"];
+
 /// A device mesh.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Mesh {
@@ -222,6 +225,15 @@ impl Mesh {
     /// The size of axis `a`.
     pub fn axis_size(&self, a: AxisId) -> usize {
         self.axes[a.0 as usize].size
+    }
+
+    /// Ranks that hold different tokens: the product of the [`DATA_AXES`] (1 without them).
+    pub fn data_ranks(&self) -> usize {
+        DATA_AXES
+            .iter()
+            .filter_map(|n| self.axis(n))
+            .map(|a| self.axis_size(a))
+            .product()
     }
 
     /// Axis ids in order.

@@ -8,7 +8,7 @@ mod reshard;
 mod rules;
 mod sharding;
 
-pub use mesh::{AxisId, LinkClass, Mesh, MeshAxis, MeshError, KNOWN_AXES};
+pub use mesh::{AxisId, LinkClass, Mesh, MeshAxis, MeshError, DATA_AXES, KNOWN_AXES};
 pub use partition::{partition, Annotations, Provenance, ReshardReason, ShardedGraph};
 pub(crate) use presets::data_axes;
 pub use presets::{annotate, check_model, kv_repeat, resolve, resolve_stage, Strategy};
