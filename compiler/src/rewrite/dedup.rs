@@ -406,7 +406,7 @@ enum Reads {
     Copy(Vec<ValueId>, Vec<usize>),
 }
 
-/// The program being assembled (here, and by the training window, `super::window`).
+/// The program being assembled (here, and by the training steps' layer window).
 #[derive(Default)]
 pub(super) struct Emit {
     pub(super) out: Graph,
