@@ -21,29 +21,8 @@ use crate::ir::{DType, Graph, Op, ValueId};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
-/// Activation recomputation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Recompute {
-    /// Keep every activation.
-    None,
-    /// Recompute the attention core (Korthikanti et al.): drop the score-sized activations.
-    Selective,
-    /// Keep only each layer's input; rerun the layer's forward before its backward.
-    Full,
-}
-
-impl Recompute {
-    /// Parses `none`, `selective`, `full`.
-    pub fn from_name(s: &str) -> Option<Recompute> {
-        Some(match s {
-            "none" => Recompute::None,
-            "selective" => Recompute::Selective,
-            "full" => Recompute::Full,
-            _ => return None,
-        })
-    }
-}
+/// Activation recomputation: the compiler's (the model and the plans mean the same thing).
+pub use crate::autodiff::Recompute;
 
 /// Per-rank memory at its peak, by kind.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

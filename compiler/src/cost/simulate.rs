@@ -161,14 +161,7 @@ pub(crate) fn plan_report(plan: &Plan, cluster: &Cluster, opts: &ComputeOptions)
         micro_batch: train.map(|t| plan.model.batch / t.micro_batches.max(1) / data_parts.max(1)),
         micro_batches: train.map(|t| t.micro_batches),
         schedule: train.map(|_| "none".into()),
-        recompute: train.map(|t| {
-            match t.recompute {
-                crate::autodiff::Recompute::None => "none",
-                crate::autodiff::Recompute::Selective => "selective",
-                crate::autodiff::Recompute::Full => "full",
-            }
-            .into()
-        }),
+        recompute: train.map(|t| t.recompute.name().into()),
         zero: train.map(|t| t.zero_stage),
         step_time_s: 0.0,
         tokens_per_s: 0.0,

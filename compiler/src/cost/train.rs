@@ -971,14 +971,7 @@ pub fn simulate_training_on(
         micro_batch: Some(t.micro_batch),
         micro_batches: Some(m),
         schedule: Some(schedule.label()),
-        recompute: Some(
-            match t.recompute {
-                Recompute::None => "none",
-                Recompute::Selective => "selective",
-                Recompute::Full => "full",
-            }
-            .into(),
-        ),
+        recompute: Some(t.recompute.name().into()),
         zero: Some(t.zero),
         step_time_s: step,
         tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
