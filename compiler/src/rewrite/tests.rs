@@ -8,7 +8,8 @@ use crate::model::ModelConfig;
 use crate::plan::Plan;
 use std::path::PathBuf;
 
-fn cfg(name: &str) -> ModelConfig {
+/// A bundled config (`*.json` under `models/`) or an hf-tiny fixture by name.
+pub(super) fn cfg(name: &str) -> ModelConfig {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let p = if name.ends_with(".json") {
         root.join("models").join(name)

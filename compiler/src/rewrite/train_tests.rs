@@ -2,21 +2,10 @@
 //! parallelism emerging in the backward pass, repeated layers planned once. The numerics of
 //! rewritten steps against the fixtures are in the repository's `tests/train_rewrite.rs`.
 
+use super::tests::cfg;
 use super::*;
 use crate::ir::ValueRole;
-use crate::model::ModelConfig;
 use crate::train::{compile_train, CompiledTrain, TrainOptions};
-use std::path::PathBuf;
-
-fn cfg(name: &str) -> ModelConfig {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let p = if name.ends_with(".json") {
-        root.join("models").join(name)
-    } else {
-        root.join("tests/fixtures/hf-tiny").join(name)
-    };
-    ModelConfig::from_path(&p).expect("config")
-}
 
 fn train(model: &str, mesh: &str, extra: &[&str], rules: &str) -> CompiledTrain {
     let mut o = TrainOptions::new(2, 16, Mesh::parse(mesh, 8).expect("mesh"));
