@@ -84,3 +84,33 @@ fn mixtral_rewritten_steps_reproduce_the_fixture() {
     let ops = check_model("mixtral", TP);
     assert_ops("mixtral", &ops, &["reduce_scatter", "all_gather"]);
 }
+
+/// Plain data parallelism rewritten with weight-update sharding: the compiler keeps the
+/// optimizer state sharded over `dp` (ZeRO-1, chosen by the cost model's memory term), and the
+/// step still reproduces the fixture and the unsharded step — the update of each rank's slice,
+/// the weights all-gathered.
+#[test]
+fn data_parallel_steps_rewritten_to_zero1_reproduce_the_fixtures() {
+    for model in ["llama", "gpt2", "mixtral"] {
+        let unsharded = run(model, "", &[], 1, Recompute::None, 1);
+        for (mesh, dup) in [("dp=2", 2), ("dp=2,tp=2", 2)] {
+            for rules in ["weight-update-sharding", "all"] {
+                let what = format!("{mesh} --rewrite {rules}");
+                let r = rewritten(model, mesh, &[], rules, dup);
+                let report = r.compiled.report.as_ref().expect("rules ran");
+                let choice = report.state_layout.as_ref().expect("state layout chosen");
+                assert!(choice.sharded_wins(), "{model} {what}: {choice}");
+                assert_eq!(r.compiled.zero_stage, 1, "{model} {what}");
+                check(model, &what, &r);
+                assert!(
+                    (r.loss - unsharded.loss).abs() < 1e-5,
+                    "{model} {what}: loss {} vs {}",
+                    r.loss,
+                    unsharded.loss
+                );
+                let d = grad_diff(&r, &unsharded);
+                assert!(d < 1e-5, "{model} {what}: gradients differ by {d}");
+            }
+        }
+    }
+}

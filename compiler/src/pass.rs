@@ -179,6 +179,24 @@ impl PassLog {
         }
     }
 
+    /// An empty log with this one's settings, for a candidate compilation whose result may be
+    /// dropped (see [`PassLog::join`]).
+    pub(crate) fn fork(&self) -> PassLog {
+        PassLog {
+            chunk: self.chunk,
+            ..PassLog::new(self.verify, self.dump_after)
+        }
+    }
+
+    /// Takes back two forks: the dumps of the one whose result was `kept`, the pass times of
+    /// both (both compilations ran).
+    pub(crate) fn join(&mut self, kept: PassLog, dropped: PassLog) {
+        self.dumps.extend(kept.dumps);
+        self.timings.extend(kept.timings);
+        self.timings.extend(dropped.timings);
+        self.last = Instant::now();
+    }
+
     /// Total time of `pass` over all chunks.
     pub fn time_of(&self, pass: Pass) -> Duration {
         self.timings

@@ -400,6 +400,9 @@ fn finish_train(
     let json = plan.to_json();
     outputs.write("-o", &a.output, json.as_bytes())?;
     print_train_summary(plan, opts, &ranks)?;
+    if let Some(r) = &plan.rewrite {
+        print!("{r}");
+    }
     println!(
         "compiled in {:.1} ms; wrote {} (plan format v{}, {} nodes in {} program(s), {})",
         elapsed.as_secs_f64() * 1e3,

@@ -36,7 +36,8 @@ mod window;
 pub use canon::{canonical, canonical_text};
 pub use cost::{Bytes, CostModel, DeviceProfile, LinkProfile, Micros, NodeCost};
 pub use report::{
-    Alternative, CollectiveChoice, LayerPlanning, ProgramCost, RewriteReport, Timing,
+    Alternative, CollectiveChoice, LayerPlanning, ProgramCost, RewriteReport, StateLayoutChoice,
+    Timing,
 };
 pub use rules::{RuleInfo, RuleSelection};
 
@@ -368,6 +369,7 @@ pub fn rewrite(sg: &ShardedGraph, opts: &RewriteOptions) -> Result<Rewritten, Re
                 extract: run.map_or(Duration::ZERO, |r| r.extract),
                 total: t0.elapsed(),
             },
+            state_layout: None,
         }
     };
     if rules.is_empty() {

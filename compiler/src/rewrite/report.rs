@@ -119,6 +119,48 @@ pub struct RewriteReport {
     /// Phase times.
     #[serde(skip)]
     pub timing: Timing,
+    /// The optimizer state's layout, where the compiler chose it (plain data parallelism
+    /// rewritten with `weight-update-sharding`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_layout: Option<StateLayoutChoice>,
+}
+
+/// The optimizer state's layout chosen by cost: the training step rewritten with the state
+/// whole on every data-parallel rank (DDP) and sharded over the data axis (ZeRO-1), each
+/// program's weighted cost per rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateLayoutChoice {
+    /// The data axis the state may be sharded over.
+    pub axis: String,
+    /// The weighted cost of the step with the state whole, µs.
+    pub whole_us: f64,
+    /// With the state sharded, µs.
+    pub sharded_us: f64,
+}
+
+impl StateLayoutChoice {
+    /// Whether the sharded state is kept (strictly cheaper; a tie keeps the declared layout).
+    pub fn sharded_wins(&self) -> bool {
+        self.sharded_us < self.whole_us
+    }
+}
+
+impl fmt::Display for StateLayoutChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (kept, layout) = if self.sharded_wins() {
+            (
+                self.sharded_us,
+                format!("sharded over {} (ZeRO-1)", self.axis),
+            )
+        } else {
+            (self.whole_us, "whole on every rank (DDP)".to_string())
+        };
+        write!(
+            f,
+            "optimizer state {layout}: {kept:.1} µs weighted (whole {:.1}, sharded over {} {:.1})",
+            self.whole_us, self.axis, self.sharded_us
+        )
+    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -159,6 +201,9 @@ impl fmt::Display for RewriteReport {
                 fired.join(", ")
             }
         )?;
+        if let Some(c) = &self.state_layout {
+            writeln!(f, "  {c}")?;
+        }
         match &self.layers {
             LayerPlanning::Window {
                 layers,

@@ -121,32 +121,68 @@ fn megatron_tp_training_rewritten_is_no_worse_than_megatron_sp() {
 }
 
 /// Weight-update sharding on plain data parallelism: the rule matches every parameter's
-/// update. The extractor keeps the all-reduce and the replicated update at every memory
-/// weight: a rewrite keeps the program's interface, so the updated moments and the reduced
-/// gradient are still outputs laid out whole (as `dp` declares its optimizer state), and the
-/// sharded update would have to all-gather the moments as well as the weight. The `zero1`
-/// preset's program differs exactly there: its moment inputs and outputs and its gradient
-/// outputs are `dp`-sharded (the state's layout is the strategy's, not the program's).
+/// update, but a rewrite keeps the program's interface (the moments whole, as DDP declares
+/// them), so within one program the extractor keeps the all-reduce and the whole update. The
+/// driver therefore also compiles the step with the state sharded over `dp` and keeps the
+/// cheaper program: where the extractor weighs memory, ZeRO-1 emerges — the program equals the
+/// `zero1` preset's, canonical text and layouts — for the rule alone and for every rule.
 #[test]
-fn weight_update_sharding_on_data_parallel_training() {
-    for w in [0.0, cost::DEFAULT_MEMORY_US_PER_MIB, 1e6] {
-        let mut o = TrainOptions::new(2, 16, Mesh::parse("dp=2", 8).expect("mesh"));
-        o.rewrite = RewriteOptions::with_rules("weight-update-sharding".parse().expect("rules"));
-        o.rewrite.cost.memory_us_per_mib = w;
-        let c = compile_train(&cfg("llama"), &o).expect("compile");
-        let r = c.report.as_ref().expect("report");
-        let n = c.train.params.len();
-        let g = &c.sharded.graph;
-        let count = |m: &str| g.nodes.iter().filter(|x| x.op.mnemonic() == m).count();
-        eprintln!(
-            "w={w}: fired {:?}, params {n}, rs {} ag {} ar {} buckets {}",
-            r.fired,
-            count("reduce_scatter"),
-            count("all_gather"),
-            count("all_reduce"),
-            c.buckets.len()
-        );
-        assert_eq!(r.fired.get("weight-update-sharding").copied(), Some(n));
+fn zero1_emerges_from_data_parallel_training_when_memory_is_weighed() {
+    for (model, mesh) in [("llama", "dp=2"), ("gpt2", "dp=4"), ("llama", "dp=2,tp=2")] {
+        for rules in ["weight-update-sharding", "all"] {
+            for w in [0.0, cost::DEFAULT_MEMORY_US_PER_MIB, 1e6] {
+                let run = |extra: &[&str]| {
+                    let mut o = TrainOptions::new(4, 16, Mesh::parse(mesh, 8).expect("mesh"));
+                    o.extra_strategies = extra.iter().map(|s| s.to_string()).collect();
+                    o.rewrite = RewriteOptions::with_rules(rules.parse().expect("rules"));
+                    o.rewrite.cost.memory_us_per_mib = w;
+                    compile_train(&cfg(model), &o).expect("compile")
+                };
+                let (dp, zero1) = (run(&[]), run(&["zero1"]));
+                let r = dp.report.as_ref().expect("report");
+                let c = r.state_layout.as_ref().expect("the state layout is chosen");
+                eprintln!("{model} {mesh} {rules} w={w}: {c}");
+                assert_eq!(
+                    c.sharded_us,
+                    zero1.report.as_ref().expect("report").after.weighted_us
+                );
+                assert!(zero1
+                    .report
+                    .as_ref()
+                    .expect("report")
+                    .state_layout
+                    .is_none());
+                if w == 0.0 {
+                    continue;
+                }
+                assert!(c.sharded_wins(), "{model} {mesh} {rules} w={w}: {c}");
+                assert_eq!(dp.zero_stage, 1);
+                assert_eq!(
+                    canonical_text(&dp.sharded.graph),
+                    canonical_text(&zero1.sharded.graph),
+                    "{model} {mesh} {rules} w={w}"
+                );
+                let layouts = |t: &CompiledTrain| {
+                    let sg = &t.sharded;
+                    let mut v: Vec<String> = (0..sg.graph.len())
+                        .map(|i| {
+                            format!(
+                                "{} {}",
+                                sg.graph.nodes[i].name,
+                                sg.shardings[i].display(&sg.mesh)
+                            )
+                        })
+                        .collect();
+                    v.sort();
+                    v
+                };
+                assert_eq!(
+                    layouts(&dp),
+                    layouts(&zero1),
+                    "{model} {mesh} {rules} w={w}"
+                );
+            }
+        }
     }
 }
 

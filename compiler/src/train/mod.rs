@@ -253,7 +253,7 @@ pub(crate) fn compile_train_logged(
 ) -> Result<CompiledTrain, TrainCompileError> {
     check_sizes(cfg, opts, 1)?;
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
-    compile_chunk(cfg, opts, &opts.mesh, strategies, None, &[], log)
+    compile_step(cfg, opts, strategies, log)
 }
 
 /// Before anything is built: the IR of `micro_batches` micro-batches (one: programs are
@@ -272,8 +272,70 @@ pub(crate) fn check_sizes(
     )
 }
 
+/// Whether the optimizer state's layout is the compiler's choice: plain data parallelism (no
+/// ZeRO strategy) on a `dp` axis of more than one rank, rewritten with the
+/// `weight-update-sharding` rule.
+fn state_layout_is_chosen(
+    opts: &TrainOptions,
+    mesh: &Mesh,
+    strategies: &[Strategy],
+) -> Result<bool, TrainCompileError> {
+    let dp = mesh.axis("dp").map(|a| mesh.axis_size(a)).unwrap_or(1);
+    let plain = strategies.iter().all(|s| s.zero_stage() == 0);
+    if dp < 2 || !plain || !strategies.contains(&Strategy::Dp) {
+        return Ok(false);
+    }
+    let rules = opts.rewrite.rules.resolve()?;
+    Ok(rules.iter().any(|r| r.name() == "weight-update-sharding"))
+}
+
+/// Compiles one training step of `cfg` without a pipeline.
+///
+/// On plain data parallelism rewritten with `weight-update-sharding`, the layout of the
+/// optimizer state (the moments the step reads and writes, kept from step to step) is a choice
+/// the rewrite cannot make alone: a rewrite keeps the program's interface, so the sharded
+/// update it finds would have to gather the moments back to their declared whole layout. The
+/// step is compiled with the state whole (DDP) and sharded over `dp` (ZeRO-1: the gradient
+/// reduce-scattered, the update on each rank's slice, the weight all-gathered), both rewritten,
+/// and the program the cost model weighs cheaper is kept — with the memory term on, the
+/// sharded state (`1/dp` the moments and update temporaries, the same traffic); the report
+/// records both costs ([`rewrite::StateLayoutChoice`]). A pipeline keeps the declared layout:
+/// its chunks would choose apart, and one plan carries one ZeRO stage.
+fn compile_step(
+    cfg: &ModelConfig,
+    opts: &TrainOptions,
+    strategies: Vec<Strategy>,
+    log: &mut PassLog,
+) -> Result<CompiledTrain, TrainCompileError> {
+    let mesh = &opts.mesh;
+    if !state_layout_is_chosen(opts, mesh, &strategies)? {
+        return compile_chunk(cfg, opts, mesh, strategies, None, &[], log);
+    }
+    let mut zero1 = strategies.clone();
+    zero1.push(Strategy::Zero1);
+    let (mut whole_log, mut sharded_log) = (log.fork(), log.fork());
+    let whole = compile_chunk(cfg, opts, mesh, strategies, None, &[], &mut whole_log)?;
+    let sharded = compile_chunk(cfg, opts, mesh, zero1, None, &[], &mut sharded_log)?;
+    let cost = |c: &CompiledTrain| c.report.as_ref().map_or(0.0, |r| r.after.weighted_us);
+    let choice = rewrite::StateLayoutChoice {
+        whole_us: cost(&whole),
+        sharded_us: cost(&sharded),
+        axis: "dp".into(),
+    };
+    let (mut kept, kept_log, other_log) = if choice.sharded_wins() {
+        (sharded, sharded_log, whole_log)
+    } else {
+        (whole, whole_log, sharded_log)
+    };
+    log.join(kept_log, other_log);
+    if let Some(r) = kept.report.as_mut() {
+        r.state_layout = Some(choice);
+    }
+    Ok(kept)
+}
+
 /// Compiles one training step of `cfg` (or of one pipeline chunk of it, `stage`) on `mesh`
-/// (the mesh without its `pp` axis for a chunk).
+/// (the mesh without its `pp` axis for a chunk) under exactly `strategies`.
 pub(crate) fn compile_chunk(
     cfg: &ModelConfig,
     opts: &TrainOptions,
