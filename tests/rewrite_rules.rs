@@ -12,7 +12,8 @@ mod common;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRng, TestRunner};
 use shardc::compiler::ir::{
-    AdamWSpec, DType, Dim, Float, Graph, Op, Role, ShardSpec, TensorType, UnaryOp, ValueId,
+    AdamWSpec, CombineWrt, DType, Dim, Float, Graph, NormWrt, Op, Role, ShardSpec, TensorType,
+    UnaryOp, ValueId,
 };
 use shardc::compiler::rewrite::{
     canonical_text, rewrite, Objective, RewriteOptions, RuleSelection,
@@ -106,6 +107,9 @@ enum Step {
     MatMulScatter,
     /// An all-reduced gradient feeding an AdamW update of replicated weight and moments.
     WeightUpdate,
+    /// A gradient op of a training step (norm, bias, mixture of experts) reading gathered
+    /// values.
+    GatheredGrad,
 }
 
 const BASE: [Step; 10] = [
@@ -125,7 +129,9 @@ fn menu(group: &str) -> Vec<Step> {
     let mut m = BASE.to_vec();
     let focus: &[Step] = match group {
         "allreduce-split" => &[Step::PartialAllReduce, Step::AllReduce],
-        "gather-sink" | "broken-gather-sink-norm" => &[Step::GatherThenOp, Step::GatherThenOp],
+        "gather-sink" | "broken-gather-sink-norm" => {
+            &[Step::GatherThenOp, Step::GatherThenOp, Step::GatheredGrad]
+        }
         "scatter-hoist" => &[Step::ScatterLinear, Step::ScatterLinear],
         "slice-of-gather" | "gather-of-slice" => &[Step::SliceGather, Step::SliceGather],
         "collective-matmul" => &[Step::GatherMatMul, Step::MatMulScatter],
@@ -455,6 +461,104 @@ impl Builder {
         self.add(Op::Combine, &[y, gates])
     }
 
+    /// A per-rank value shaped `local`, all-gathered over `tp` along `d` (a per-token
+    /// gradient arriving gathered).
+    fn gathered_input(&mut self, local: &[usize], d: usize) -> Option<ValueId> {
+        let x = self.input(local, Some(d), false, false);
+        self.add(self.tp_op(0, d), &[x])
+    }
+
+    /// A gradient op of a training step on gathered values: `x` gathered along a token dim
+    /// (batch or sequence), then a norm's input or weight gradient, a bias gradient, or a
+    /// mixture-of-experts gradient (combine wrt either operand, dispatch, router), its
+    /// incoming gradient gathered along the same dim.
+    fn gathered_grad(&mut self, x: ValueId, b: u16) -> Option<ValueId> {
+        let s = self.shape(x);
+        if s.len() != 3 {
+            return None;
+        }
+        let d = b as usize % 2;
+        let h = s[2];
+        let gx = self.add(self.tp_op(0, d), &[x])?;
+        let dy = self.gathered_input(&s, d)?;
+        let w = self.input(&[h], None, false, false);
+        let eps = Float(1e-5);
+        let e = 2;
+        let gates = |me: &mut Builder| {
+            let wg = me.input(&[h, e], None, false, false);
+            let logits = me.add(Op::MatMul { transpose_b: false }, &[gx, wg])?;
+            let g = me.add(
+                Op::Router {
+                    top_k: e,
+                    normalize: true,
+                },
+                &[logits],
+            )?;
+            Some((logits, g))
+        };
+        match (b / 2) % 9 {
+            0 => self.add(
+                Op::RmsNormGrad {
+                    eps,
+                    wrt: NormWrt::X,
+                },
+                &[gx, w, dy],
+            ),
+            1 => self.add(
+                Op::RmsNormGrad {
+                    eps,
+                    wrt: NormWrt::Weight,
+                },
+                &[gx, w, dy],
+            ),
+            2 => self.add(
+                Op::LayerNormGrad {
+                    eps,
+                    wrt: NormWrt::X,
+                },
+                &[gx, w, dy],
+            ),
+            3 => self.add(
+                Op::LayerNormGrad {
+                    eps,
+                    wrt: NormWrt::Weight,
+                },
+                &[gx, w, dy],
+            ),
+            4 => self.add(Op::BiasGrad, &[dy, w]),
+            5 | 6 => {
+                let (_, g) = gates(self)?;
+                let y = self.add(Op::Dispatch, &[gx, g])?;
+                let wrt = if (b / 2) % 9 == 5 {
+                    CombineWrt::Y
+                } else {
+                    CombineWrt::Gates
+                };
+                self.add(Op::CombineGrad { wrt }, &[y, g, dy])
+            }
+            7 => {
+                let (_, g) = gates(self)?;
+                let mut local = vec![e];
+                local.extend_from_slice(&s);
+                let dxe = self.gathered_input(&local, d + 1)?;
+                self.add(Op::DispatchGrad, &[dxe, g])
+            }
+            _ => {
+                let (logits, _) = gates(self)?;
+                let mut local = s.clone();
+                local[2] = e;
+                let dg = self.gathered_input(&local, d)?;
+                self.add(
+                    Op::RouterGrad {
+                        top_k: e,
+                        normalize: true,
+                    },
+                    &[logits, dg],
+                )
+            }
+        }
+    }
+
     fn step(&mut self, op: Step, a: u16, b: u16) {
         let x = self.pick(a);
         let r = self.shape(x).len();
@@ -535,6 +639,7 @@ impl Builder {
                 })
             }
             Step::WeightUpdate => self.weight_update(x, b),
+            Step::GatheredGrad => self.gathered_grad(x, b),
             Step::Fusable => match b % 3 {
                 0 => {
                     let u = self.binary(x, b / 3);
@@ -765,7 +870,9 @@ rule_tests! {
     gather_sink_matmul => ("gather-sink-matmul", "gather-sink", 0.2),
     gather_sink_reshape => ("gather-sink-reshape", "gather-sink", 0.05),
     gather_sink_rope => ("gather-sink-rope", "gather-sink", 0.05),
-    gather_sink_dispatch => ("gather-sink-dispatch", "gather-sink", 0.05),
+    gather_sink_moe => ("gather-sink-moe", "gather-sink", 0.1),
+    gather_sink_norm_grad => ("gather-sink-norm-grad", "gather-sink", 0.05),
+    gather_sink_param_grad => ("gather-sink-param-grad", "gather-sink", 0.05),
     scatter_hoist => ("scatter-hoist", "scatter-hoist", 0.3),
     ag_matmul => ("ag-matmul", "collective-matmul", 0.3),
     matmul_rs => ("matmul-rs", "collective-matmul", 0.3),

@@ -12,7 +12,7 @@
 //! ([`Meta`]: a name, a layer, an order hint), which prefers the original node's.
 
 use super::lang::{ENode, OpTable};
-use crate::ir::{Op, Role, ShardSpec, TensorType, ValueRole};
+use crate::ir::{NormWrt, Op, Role, ShardSpec, TensorType, ValueRole};
 use crate::shard::{apply_reshard_step, AxisId, Mesh, TensorSharding};
 use egg::{Analysis, DidMerge, EGraph, Id};
 
@@ -64,6 +64,9 @@ pub struct Meta {
     pub seq: u32,
     /// The class holds a node of the input graph.
     pub original: bool,
+    /// The label was made up from an operand's (a collective's or slice's `x.all_gather`, or
+    /// the first operand's), not given for the value the class computes.
+    pub derived: bool,
 }
 
 /// The data of one e-class.
@@ -276,6 +279,38 @@ pub fn derive_sharding(
             let p = matmul_layout(children[0], children[1], b_rank(), *transpose_b);
             step(mesh, &p, &rs)
         }
+        // Sums over every leading dim of the incoming gradient (a norm gradient's last
+        // operand, a bias gradient's first): the result is laid out like that gradient's
+        // trailing dims, a partial sum over the axes that split the summed rows.
+        Op::RmsNormGrad {
+            wrt: NormWrt::Weight,
+            ..
+        }
+        | Op::LayerNormGrad {
+            wrt: NormWrt::Weight,
+            ..
+        }
+        | Op::BiasGrad => match if matches!(op, Op::BiasGrad) {
+            children.first()
+        } else {
+            children.last()
+        } {
+            Some(dy) if dy.dims.len() >= out.rank() => {
+                let lead = dy.dims.len() - out.rank();
+                let mut partial = dy.partial.clone();
+                for &a in dy.dims[..lead].iter().flatten() {
+                    if !partial.contains(&a) {
+                        partial.push(a);
+                    }
+                }
+                partial.sort();
+                TensorSharding {
+                    dims: dy.dims[lead..].to_vec(),
+                    partial,
+                }
+            }
+            _ => TensorSharding::replicated(out.rank()),
+        },
         _ => first(),
     }
 }
@@ -321,6 +356,7 @@ impl Analysis<ENode> for SpmdAnalysis {
                 anchor,
                 seq,
                 original: false,
+                derived: true,
             },
         }
     }
@@ -330,12 +366,18 @@ impl Analysis<ENode> for SpmdAnalysis {
         let mut a_changed = rep != a.rep;
         let b_changed = rep != b.rep;
         a.rep = rep;
-        // The original node's bookkeeping wins, then the earliest created.
+        // The original node's bookkeeping wins, then a label given for the value over one made
+        // up from an operand's (a residual sum on shards first made as the slice of the whole
+        // sum keeps the sum's label, as the partitioner names it), then the earliest created.
         let b_wins = match (a.meta.original, b.meta.original) {
             (false, true) => true,
             (true, false) => false,
             (true, true) => b.meta.anchor < a.meta.anchor,
-            (false, false) => b.meta.seq < a.meta.seq,
+            (false, false) => match (a.meta.derived, b.meta.derived) {
+                (true, false) => true,
+                (false, true) => false,
+                _ => b.meta.seq < a.meta.seq,
+            },
         };
         if b_wins {
             a.meta = b.meta;

@@ -71,6 +71,7 @@ pub(crate) fn load(sg: &ShardedGraph) -> Loaded {
                 anchor: v as u32,
                 seq: 0,
                 original: true,
+                derived: false,
             };
         }
         ids.push(id);

@@ -10,7 +10,7 @@
 //!   `n` launches plus one GEMM step plus `n − 1` steps of `max(GEMM step, transfer step)`.
 //! - Memory: the bytes of every activation a node produces (parameters, inputs and reshape
 //!   views excluded), weighted into time by [`CostModel::memory_us_per_mib`].
-//! - Saved activations (training steps, opt-in): the values of the forward pass that the
+//! - Saved activations (training steps): the values of the forward pass that the
 //!   backward pass reads are the views autodiff inserts in role [`ValueRole::Saved`]; each such
 //!   view is charged its bytes again, times [`CostModel::saved_factor`], because it is held from
 //!   the forward to the backward pass while other activations live about one op. This is the
@@ -209,13 +209,21 @@ pub struct CostModel {
     /// µs per MiB of activations (0 turns the memory term off).
     pub memory_us_per_mib: f64,
     /// Weight of a byte saved for the backward pass, on top of its charge as an activation
-    /// (0, the default, leaves the saved-activation term off).
+    /// ([`DEFAULT_SAVED_FACTOR`]; 0 turns the saved-activation term off).
     #[serde(default = "default_saved_factor")]
     pub saved_factor: f64,
 }
 
+/// Default weight of a saved byte: 4 transient bytes. A saved value is held from its forward
+/// op to its backward op, across the rest of the step, while other activations live about one
+/// op. Keeping a saved value on `1/n` sequence shards and gathering it again in the backward
+/// pass (Megatron sequence parallelism; Korthikanti et al. 2022) trades `s · (1 − 1/n)` of the
+/// saved bytes for one transient whole copy and a gather, so it pays for `s > n/(n − 1)` (2 at
+/// `tp=2`) plus the gather's time: 4 leaves that margin at every `tp ≥ 2`.
+pub const DEFAULT_SAVED_FACTOR: f64 = 4.0;
+
 fn default_saved_factor() -> f64 {
-    0.0
+    DEFAULT_SAVED_FACTOR
 }
 
 impl Default for CostModel {

@@ -4,7 +4,7 @@
 
 use super::tests::cfg;
 use super::*;
-use crate::ir::ValueRole;
+use crate::ir::{Role, ValueRole};
 use crate::train::{compile_train, CompiledTrain, TrainOptions};
 
 fn train(model: &str, mesh: &str, extra: &[&str], rules: &str) -> CompiledTrain {
@@ -87,37 +87,86 @@ fn llama_70b_training_rewrite_time() {
     assert!(r.timing.total.as_secs_f64() < 20.0, "{:?}", r.timing);
 }
 
-/// Plain Megatron TP training rewritten with the sequence-parallel rules: the e-graph holds
-/// the `sp` preset's layouts (the rules fire on the forward and backward all-reduces), and
-/// the extractor's pick is never worse under the cost model than the preset's program. It is
-/// not the preset's program: per node, the default model counts the preset's extra backward
-/// gathers and its gathered copies of the saved activations, not that the saved activations
-/// live `1/tp` the size from the forward to the backward pass (the opt-in saved-activation
-/// term, `CostModel::saved_factor`, does: see the next test).
-fn assert_no_worse_than_sp_in_training(model: &str, mesh: &str) {
-    let sp = train(model, mesh, &["sp"], "none");
-    let tp = train(model, mesh, &[], "sequence-parallel");
-    let report = tp.report.as_ref().expect("report");
-    assert!(report.fired.get("allreduce-split").copied().unwrap_or(0) > 0);
-    let m = &tp.options.rewrite.cost;
-    let cost = |g: &Graph| program_cost(m, g, &sp.sharded.mesh).weighted_us;
-    let (a, b) = (cost(&tp.sharded.graph), cost(&sp.sharded.graph));
-    assert!(
-        a <= b + 1e-6,
-        "{model} {mesh}: rewrite {a} preset {b}\n{report}"
-    );
-}
-
+/// Plain Megatron TP training rewritten with the sequence-parallel rules: sequence
+/// parallelism emerges in the forward and the backward pass. Every all-reduce of an activation
+/// or its gradient is split, the norms, their input gradients and the residual adds run on
+/// sequence shards, the saved norm outputs are kept on shards and gathered again in the
+/// backward pass, the norm weights' gradients are summed over the shards and all-reduced. On
+/// Llama with `tp=2` that is the `sp` preset's program, node for node. Elsewhere the rewrite
+/// finds a program the cost model prices below the preset's (checked): GPT-2's row-parallel
+/// biases and position embedding take their gradient from the gathered gradient the GEMM
+/// backward already needs (one all-reduce fewer each), and Llama on 4 ranks (KV heads
+/// repeated) reduce-scatters `q_proj`'s input gradient where the preset all-reduces and slices
+/// it. Mixtral on 4 ranks lands 0.7% above the preset (a local optimum of the greedy extractor
+/// around the experts' gradients), on 2 ranks below it.
 #[test]
-fn megatron_tp_training_rewritten_is_no_worse_than_megatron_sp() {
-    for model in ["llama", "gpt2"] {
-        for mesh in ["tp=2", "tp=4"] {
-            assert_no_worse_than_sp_in_training(model, mesh);
+fn sequence_parallelism_emerges_in_training() {
+    let cases = [
+        ("llama", "tp=2", true),
+        ("llama", "tp=4", false),
+        ("gpt2", "tp=2", false),
+        ("gpt2", "tp=4", false),
+        ("mixtral", "tp=2", false),
+        ("mixtral", "tp=4", false),
+    ];
+    for (model, mesh, equal) in cases {
+        let sp = train(model, mesh, &["sp"], "none");
+        let tp = train(model, mesh, &[], "sequence-parallel");
+        let (a, b) = (&tp.sharded.graph, &sp.sharded.graph);
+        let acts = [ValueRole::Forward, ValueRole::Backward, ValueRole::Saved];
+        let reduces = a
+            .nodes
+            .iter()
+            .filter(|n| n.op.mnemonic() == "all_reduce" && acts.contains(&n.role))
+            .count();
+        assert_eq!(reduces, 0, "{model} {mesh}: activation all-reduces left");
+        for k in ["rms_norm_grad", "layer_norm_grad"] {
+            let on_shards = |g: &Graph| {
+                g.nodes
+                    .iter()
+                    .filter(|n| n.op.mnemonic() == k && n.role == ValueRole::Backward)
+                    .filter(|n| n.ty.dims.iter().any(|d| d.role == Role::Seq && d.size < 16))
+                    .count()
+            };
+            assert_eq!(on_shards(a), on_shards(b), "{model} {mesh}: {k} on shards");
+        }
+        let m = &tp.options.rewrite.cost;
+        let cost = |g: &Graph| program_cost(m, g, &sp.sharded.mesh).weighted_us;
+        let (ca, cb) = (cost(a), cost(b));
+        if equal {
+            assert_eq!(canonical_text(a), canonical_text(b), "{model} {mesh}");
+        } else if (model, mesh) == ("mixtral", "tp=4") {
+            assert!(ca <= cb * 1.01, "{model} {mesh}: rewrite {ca} preset {cb}");
+        } else {
+            assert!(ca < cb, "{model} {mesh}: rewrite {ca} preset {cb}");
         }
     }
-    // Mixtral on 4 ranks: the greedy extractor lands 0.3% above the preset (5245 vs 5232
-    // weighted µs), a local optimum; on 2 ranks it is no worse.
-    assert_no_worse_than_sp_in_training("mixtral", "tp=2");
+}
+
+/// The saved-activation term is what keeps saved values on sequence shards: without it
+/// (`saved_factor` 0, every activation weighed alike) Llama's training step saves the gathered
+/// norm outputs whole for the weight gradients, where the `sp` preset (and the default term)
+/// saves their shards and gathers them again in the backward pass.
+#[test]
+fn without_the_saved_activation_term_saved_values_stay_whole() {
+    let regathers = |g: &Graph| {
+        g.nodes
+            .iter()
+            .filter(|n| n.op.mnemonic() == "all_gather" && n.role == ValueRole::Saved)
+            .count()
+    };
+    let sp = train("llama", "tp=2", &["sp"], "none");
+    let mut o = TrainOptions::new(2, 16, Mesh::parse("tp=2", 8).expect("mesh"));
+    o.rewrite = RewriteOptions::with_rules("sequence-parallel".parse().expect("rules"));
+    o.rewrite.cost.saved_factor = 0.0;
+    let off = compile_train(&cfg("llama"), &o).expect("compile");
+    let on = train("llama", "tp=2", &[], "sequence-parallel");
+    let (a, b, c) = (
+        regathers(&off.sharded.graph),
+        regathers(&on.sharded.graph),
+        regathers(&sp.sharded.graph),
+    );
+    assert!(a < b && b == c, "off {a}, on {b}, preset {c}");
 }
 
 /// Weight-update sharding on plain data parallelism: the rule matches every parameter's
@@ -206,7 +255,9 @@ fn train_layers(
 }
 
 /// Repeated layers of a training step planned once (forward and backward of layer 1, its
-/// optimizer update, replicated) give the program that planning every layer gives.
+/// optimizer update, replicated) give the program that planning every layer gives, or one the
+/// cost model prices lower (the greedy extractor, seeing the smaller e-graph, lands on a
+/// better local optimum).
 #[test]
 fn training_window_matches_planning_every_layer() {
     let cases: [(&str, &str, &[&str], &str); 9] = [
@@ -220,6 +271,7 @@ fn training_window_matches_planning_every_layer() {
         ("gpt2", "tp=2", &[], "all"),
         ("llama", "dp=2,tp=2", &["sp"], "all"),
     ];
+    let mut cheaper = Vec::new();
     for (model, mesh, extra, rules) in cases {
         for layers in [4, 6] {
             let w = train_layers(model, mesh, extra, rules, layers, true);
@@ -235,8 +287,22 @@ fn training_window_matches_planning_every_layer() {
                 canonical_text(&all.sharded.graph),
             );
             if a != b {
-                let d = a.lines().zip(b.lines()).find(|(x, y)| x != y);
-                panic!("{model} {mesh} {extra:?} {rules} {layers}: windowed differs: {d:?}");
+                // The greedy extractor's heuristics see a smaller e-graph through the window
+                // and can land on a different local optimum: never a costlier one.
+                let m = &w.options.rewrite.cost;
+                let cost = |t: &CompiledTrain| {
+                    program_cost(m, &t.sharded.graph, &t.sharded.mesh).weighted_us
+                };
+                let (cw, ca) = (cost(&w), cost(&all));
+                assert!(
+                    cw < ca,
+                    "{model} {mesh} {extra:?} {rules} {layers}: windowed differs and costs {cw} \
+                     (every layer planned: {ca})"
+                );
+                cheaper.push(format!(
+                    "{model} {mesh} {rules} {layers}: {cw:.1} < {ca:.1}"
+                ));
+                continue;
             }
             // Layouts too, by label.
             let layouts = |t: &CompiledTrain| {
@@ -257,6 +323,9 @@ fn training_window_matches_planning_every_layer() {
             );
         }
     }
+    // Llama on tp=2 with every rule: the window's collective matmuls in the forward pass
+    // beat the whole program's extraction (2 of 18 cases).
+    assert!(cheaper.len() <= 2, "{cheaper:?}");
 }
 
 /// The 80-layer step with every layer in the e-graph: the extractor alone, near-linear in the
@@ -308,52 +377,6 @@ fn pipelined_training_window_matches_planning_every_layer() {
             "chunk {}",
             x.index
         );
-    }
-}
-
-/// With the saved-activation term on (`saved_factor` 1), plain Megatron TP training rewritten
-/// with the sequence-parallel rules takes the `sp` preset's forward pass: every forward
-/// all-reduce split, the same reduce-scatters and all-gathers (counted here). The backward pass
-/// keeps its all-reduces: what remains between the rewrite and the preset is that the preset
-/// (1) reduce-scatters each norm's input gradient and runs the norm backward on sequence
-/// shards (no rule sinks a gather through `rms_norm_grad`/`layer_norm_grad`), (2) therefore
-/// all-reduces the norm weights' gradients (partial over sequence shards), and (3) gathers the
-/// saved sequence-sharded inputs again in the backward pass (`saved.*.all_gather`), where the
-/// rewrite reads the forward's gathered value (one e-class, one node).
-#[test]
-fn saved_activation_term_gives_the_sp_forward_in_training() {
-    for (model, mesh) in [("llama", "tp=2"), ("llama", "tp=4"), ("gpt2", "tp=2")] {
-        let sp = train(model, mesh, &["sp"], "none");
-        let mut o = TrainOptions::new(2, 16, Mesh::parse(mesh, 8).expect("mesh"));
-        o.rewrite = RewriteOptions::with_rules("sequence-parallel".parse().expect("rules"));
-        o.rewrite.cost.saved_factor = 1.0;
-        let tp = compile_train(&cfg(model), &o).expect("compile");
-        let forward = |g: &Graph, k: &str| {
-            g.nodes
-                .iter()
-                .filter(|n| n.op.mnemonic() == k)
-                .filter(|n| {
-                    !matches!(
-                        n.role,
-                        ValueRole::Backward | ValueRole::Gradient | ValueRole::Saved
-                    )
-                })
-                .count()
-        };
-        let (a, b) = (&tp.sharded.graph, &sp.sharded.graph);
-        for k in ["all_reduce", "reduce_scatter", "all_gather"] {
-            assert_eq!(forward(a, k), forward(b, k), "{model} {mesh} {k}");
-        }
-        assert_eq!(forward(a, "all_reduce"), 0, "{model} {mesh}");
-        // Off (the default), Llama's training forward keeps its all-reduces (GPT-2's already
-        // moves to sequence shards).
-        if model == "llama" {
-            let plain = train(model, mesh, &[], "sequence-parallel");
-            assert!(
-                forward(&plain.sharded.graph, "all_reduce") > 0,
-                "{model} {mesh}"
-            );
-        }
     }
 }
 

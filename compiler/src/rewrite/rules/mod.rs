@@ -346,6 +346,7 @@ pub(crate) fn add_like(
         m.name = meta.name;
         m.layer = meta.layer;
         m.role = meta.role;
+        m.derived = meta.derived;
     }
     Some(c)
 }
@@ -381,5 +382,6 @@ pub(crate) fn add_declared(
     m.name = meta.name;
     m.layer = meta.layer;
     m.role = meta.role;
+    m.derived = meta.derived;
     Some(c)
 }

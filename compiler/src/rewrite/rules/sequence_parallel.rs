@@ -5,7 +5,7 @@
 //! sequence shards between a reduce-scatter and an all-gather.
 
 use super::{add, add_like, nodes_where, op_at, op_id, rep_over, ty, RuleImpl};
-use crate::ir::Op;
+use crate::ir::{NormWrt, Op};
 use crate::rewrite::analysis::SpmdEGraph;
 use egg::Id;
 use std::sync::Arc;
@@ -19,7 +19,9 @@ pub(crate) fn rules() -> Vec<Arc<dyn RuleImpl>> {
         Arc::new(SinkMatMul),
         Arc::new(SinkReshape),
         Arc::new(SinkRope),
-        Arc::new(SinkDispatch),
+        Arc::new(SinkMoe),
+        Arc::new(SinkNormGrad),
+        Arc::new(SinkParamGrad),
         Arc::new(ScatterHoist),
     ]
 }
@@ -327,52 +329,192 @@ impl RuleImpl for SinkRope {
     }
 }
 
-/// `gather-sink-dispatch`: `Dispatch(AllGather_a,d(x), g) ⇒ AllGather_a,d+1(Dispatch(x,
-/// LocalSlice_a,d(g)))` for `d` the batch or sequence dim and gates replicated over `a`
-/// (tokens are dispatched independently; the result has the expert dim in front).
-pub(crate) struct SinkDispatch;
+/// Where the token dims (batch, then sequence) of a mixture-of-experts op's operands and
+/// result start: 1 for the expert-major `[E,B,T,H]` tensors, 0 for `[B,T,..]`.
+fn moe_token_dims(op: &Op) -> Option<(&'static [usize], usize)> {
+    Some(match op {
+        Op::Dispatch => (&[0, 0], 1),
+        Op::Combine | Op::DispatchGrad => (&[1, 0], 0),
+        Op::CombineGrad { wrt } => (&[1, 0, 0], usize::from(*wrt == crate::ir::CombineWrt::Y)),
+        Op::RouterGrad { .. } => (&[0, 0], 0),
+        _ => return None,
+    })
+}
 
-impl RuleImpl for SinkDispatch {
+/// `gather-sink-moe`: `f(.., AllGather_a,d(x), ..) ⇒ AllGather_a,d'(f(.., x, ..))` for the
+/// per-token ops of a mixture of experts (dispatch, combine and their gradients, the router's
+/// gradient) gathered along a token dim (batch or sequence) of one operand, the other
+/// operands replicated over `a` and sliced along their own token dim (`LocalSlice`, which
+/// `slice-of-gather` cancels against their gathers), `d'` the result's token dim: each token is
+/// routed, combined and differentiated on its own.
+pub(crate) struct SinkMoe;
+
+impl RuleImpl for SinkMoe {
     fn name(&self) -> &'static str {
-        "gather-sink-dispatch"
+        "gather-sink-moe"
     }
     fn group(&self) -> &'static str {
         "gather-sink"
     }
     fn identity(&self) -> &'static str {
-        "dispatch(all_gather_a,d(x), g) => all_gather_a,d+1(dispatch(x, local_slice_a,d(g))), d in {batch, seq}, g replicated over a"
+        "f(.., all_gather_a,d(x), ..) => all_gather_a,d'(f(.., x, local_slice(y).., ..)), f in {dispatch, combine, dispatch_grad, combine_grad, router_grad}, d a token dim (batch or seq) of x, the other operands y replicated over a and sliced along their token dim, d' the result's"
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
-        for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::Dispatch)) {
-            let g = n.children[1];
-            for (ag, gop) in nodes_where(eg, n.children[0], |o| matches!(o, Op::AllGather { .. })) {
-                let Op::AllGather { axis, dim, .. } = gop else {
-                    continue;
-                };
-                if *dim < 2 && rep_over(eg, g, axis) {
-                    out.push(vec![op_id(n.op), op_id(ag.op), ag.children[0], g]);
+        for (n, op) in nodes_where(eg, class, |o| moe_token_dims(o).is_some()) {
+            let Some((offs, _)) = moe_token_dims(op) else {
+                continue;
+            };
+            if offs.len() != n.children.len() {
+                continue;
+            }
+            for (i, &c) in n.children.iter().enumerate() {
+                for (g, axis, dim, inner) in gathers(eg, c) {
+                    let Some(k) = dim.checked_sub(offs[i]).filter(|&k| k < 2) else {
+                        continue;
+                    };
+                    let others = n.children.iter().enumerate().filter(|&(j, _)| j != i);
+                    if others.clone().all(|(_, &y)| rep_over(eg, y, &axis)) {
+                        let mut m = vec![op_id(n.op), g, super::int(i), super::int(k), inner];
+                        m.extend_from_slice(&n.children);
+                        out.push(m);
+                    }
                 }
             }
         }
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
         let (f, ag) = (op_at(eg, m[0]), op_at(eg, m[1]));
-        let Op::AllGather { axis, dim, parts } = ag else {
+        let Op::AllGather { axis, parts, .. } = ag else {
             return None;
         };
-        let ls = Op::LocalSlice {
-            axis: axis.clone(),
-            dim,
-            parts,
-        };
-        let gates = add(eg, self.name(), ls, vec![m[3]])?;
-        let inner = add_like(eg, self.name(), f, vec![m[2], gates], class)?;
+        let (offs, res) = moe_token_dims(&f)?;
+        let (i, k) = (usize::from(m[2]), usize::from(m[3]));
+        let children = &m[5..];
+        let mut operands = Vec::with_capacity(children.len());
+        for (j, &c) in children.iter().enumerate() {
+            if j == i {
+                operands.push(m[4]);
+            } else {
+                let ls = Op::LocalSlice {
+                    axis: axis.clone(),
+                    dim: offs[j] + k,
+                    parts,
+                };
+                operands.push(add(eg, self.name(), ls, vec![c])?);
+            }
+        }
+        let inner = add_like(eg, self.name(), f, operands, class)?;
         let ag = Op::AllGather {
             axis,
-            dim: dim + 1,
+            dim: res + k,
             parts,
         };
         add(eg, self.name(), ag, vec![inner])
+    }
+}
+
+/// The gathers of class `c`: (node op id, axis, dim, the gathered class).
+fn gathers(eg: &SpmdEGraph, c: Id) -> Vec<(Id, String, usize, Id)> {
+    nodes_where(eg, c, |o| matches!(o, Op::AllGather { .. }))
+        .filter_map(|(g, gop)| match gop {
+            Op::AllGather { axis, dim, .. } => {
+                Some((op_id(g.op), axis.clone(), *dim, g.children[0]))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Matches of a norm gradient `(x, w, dy)` whose `x` and `dy` are both gathered along the
+/// same row dim (not the last) of the same axis, `w` replicated over it: `[op, gather op, x',
+/// w, dy']`.
+fn norm_grad_matches(eg: &SpmdEGraph, class: Id, wrt: NormWrt, out: &mut Vec<Vec<Id>>) {
+    let is = |o: &Op| matches!(o, Op::RmsNormGrad { wrt: w, .. } | Op::LayerNormGrad { wrt: w, .. } if *w == wrt);
+    for (n, _) in nodes_where(eg, class, is) {
+        let [x, w, dy] = n.children[..] else {
+            continue;
+        };
+        let last = ty(eg, x).rank().saturating_sub(1);
+        for (gx, ax, dx, xs) in gathers(eg, x) {
+            if dx >= last || !rep_over(eg, w, &ax) {
+                continue;
+            }
+            for (_, ay, dyd, dys) in gathers(eg, dy) {
+                if ay == ax && dyd == dx {
+                    out.push(vec![op_id(n.op), gx, xs, w, dys]);
+                }
+            }
+        }
+    }
+}
+
+/// `gather-sink-norm-grad`: `g(AllGather_a,d(x), w, AllGather_a,d(dy)) ⇒
+/// AllGather_a,d(g(x, w, dy))` for the input gradient `g` of RMSNorm or LayerNorm (a function
+/// of each row's `x`, `w` and `dy`), `d` not the last dim, `w` replicated over `a`. In a
+/// training step the norm's input gradient then stays on sequence shards between the
+/// reduce-scatter of its incoming gradient and the gather the next GEMM's backward needs: the
+/// backward half of Megatron sequence parallelism.
+pub(crate) struct SinkNormGrad;
+
+impl RuleImpl for SinkNormGrad {
+    fn name(&self) -> &'static str {
+        "gather-sink-norm-grad"
+    }
+    fn group(&self) -> &'static str {
+        "gather-sink"
+    }
+    fn identity(&self) -> &'static str {
+        "g(all_gather_a,d(x), w, all_gather_a,d(dy)) => all_gather_a,d(g(x, w, dy)), g in {rms_norm_grad, layer_norm_grad} wrt x, d not the last dim, w replicated over a"
+    }
+    fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
+        norm_grad_matches(eg, class, NormWrt::X, out);
+    }
+    fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
+        let (g, ag) = (op_at(eg, m[0]), op_at(eg, m[1]));
+        let inner = add_like(eg, self.name(), g, m[2..5].to_vec(), class)?;
+        add(eg, self.name(), ag, vec![inner])
+    }
+}
+
+/// `gather-sink-param-grad`: `gw(AllGather_a,d(x), w, AllGather_a,d(dy)) ⇒
+/// AllReduce_a(gw(x, w, dy))` for the weight gradient `gw` of RMSNorm or LayerNorm (`w`
+/// replicated over `a`), and `bias_grad(AllGather_a,d(dy), b) ⇒ AllReduce_a(bias_grad(dy, b))`
+/// (`b` replicated over `a`), `d` not the last dim: these
+/// gradients sum over the rows, so each rank sums its own rows and the partial sums are
+/// all-reduced (Megatron sequence parallelism's all-reduce of the norm weights' gradients).
+pub(crate) struct SinkParamGrad;
+
+impl RuleImpl for SinkParamGrad {
+    fn name(&self) -> &'static str {
+        "gather-sink-param-grad"
+    }
+    fn group(&self) -> &'static str {
+        "gather-sink"
+    }
+    fn identity(&self) -> &'static str {
+        "gw(all_gather_a,d(x), w, all_gather_a,d(dy)) => all_reduce_a(gw(x, w, dy)), gw in {rms_norm_grad, layer_norm_grad} wrt weight; bias_grad(all_gather_a,d(dy), b) => all_reduce_a(bias_grad(dy, b)); d not the last dim, w and b replicated over a"
+    }
+    fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
+        norm_grad_matches(eg, class, NormWrt::Weight, out);
+        for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::BiasGrad)) {
+            let [dy, b] = n.children[..] else {
+                continue;
+            };
+            let last = ty(eg, dy).rank().saturating_sub(1);
+            for (g, axis, d, dys) in gathers(eg, dy) {
+                if d < last && rep_over(eg, b, &axis) {
+                    out.push(vec![op_id(n.op), g, dys, b]);
+                }
+            }
+        }
+    }
+    fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
+        let (g, ag) = (op_at(eg, m[0]), op_at(eg, m[1]));
+        let Op::AllGather { axis, .. } = ag else {
+            return None;
+        };
+        let inner = add_like(eg, self.name(), g, m[2..].to_vec(), class)?;
+        add(eg, self.name(), Op::AllReduce { axis }, vec![inner])
     }
 }
 
