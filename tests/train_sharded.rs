@@ -201,3 +201,75 @@ fn sequence_parallel_training_keeps_weights_sharded() {
         check("llama", &format!("{mesh} {extra:?}"), &r);
     }
 }
+
+/// Megatron's vocabulary-parallel cross-entropy: with the logits split over `tp` along the
+/// vocabulary, the step (plain and rewritten) gathers only each row's stats (3 floats per row
+/// and rank), never a logits-sized tensor, the gradient wrt the logits comes out split like
+/// the logits, and loss and gradients still reproduce the fixture.
+#[test]
+fn vocab_parallel_loss_gathers_stats_not_logits() {
+    use shardc::compiler::ir::Role;
+    use shardc::compiler::model::ModelConfig;
+    use shardc::compiler::rewrite::RewriteOptions;
+    let model = "llama";
+    let vocab = ModelConfig::from_path(&train_support::dir(model))
+        .unwrap()
+        .vocab;
+    let fixture = train_support::reference(model);
+    let unsharded = run(model, "", &[], 1, Recompute::None, 1);
+    let cases: &[(&str, &[&str], &str)] = &[
+        ("tp=2", &[], "none"),
+        ("tp=4", &[], "none"),
+        ("dp=2,tp=2", &["sp"], "none"),
+        ("tp=2", &[], "all"),
+    ];
+    for &(mesh, extra, rules) in cases {
+        let what = format!("{mesh} {extra:?} --rewrite {rules}");
+        let r = train_support::run_with(model, mesh, extra, 1, Recompute::None, 1, |o| {
+            o.rewrite = RewriteOptions::with_rules(rules.parse().expect("rules"));
+        });
+        check(model, &what, &r);
+        let d = grad_diff(&r, &unsharded);
+        assert!(d < 1e-5, "{what}: gradients differ by {d}");
+        let s = &r.compiled.sharded;
+        let (g, mesh_) = (&s.graph, &s.mesh);
+        let tp = mesh_.axis("tp").unwrap();
+        let parts = mesh_.axis_size(tp);
+        let dp = mesh_.axis("dp").map_or(1, |a| mesh_.axis_size(a));
+        // The logits of this rank's rows, whole: what gathering them would move.
+        let logits_bytes = fixture.batch / dp * fixture.seq * vocab * 4;
+        let (mut stats, mut grads) = (0, 0);
+        for v in g.ids() {
+            let n = g.node(v);
+            match &n.op {
+                Op::AllGather { dim, .. }
+                | Op::AllToAll {
+                    concat_dim: dim, ..
+                } => {
+                    let src = g.ty(n.inputs[0]);
+                    assert!(
+                        src.dims[*dim].role != Role::Vocab,
+                        "{what}: `{}` gathers {src} along the vocabulary",
+                        n.name
+                    );
+                    assert_ne!(n.ty.size_bytes(), logits_bytes, "{what}: `{}`", n.name);
+                }
+                Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => {
+                    panic!("{what}: `{}` is not vocabulary-parallel", n.name)
+                }
+                Op::CrossEntropyStats { parts: p, .. } => {
+                    assert_eq!(*p, parts);
+                    stats += 1;
+                }
+                Op::CrossEntropyShardGrad { .. } => {
+                    assert_eq!(s.shardings[v.index()].dims.last(), Some(&vec![tp]));
+                    assert_eq!(n.ty.last(), vocab / parts, "{what}");
+                    grads += 1;
+                }
+                _ => {}
+            }
+        }
+        // One for the loss, one for its gradient.
+        assert_eq!((stats, grads), (2, 1), "{what}");
+    }
+}

@@ -36,7 +36,8 @@ pub fn elementwise_launch(n: usize) -> LaunchConfig {
     }
 }
 
-/// One block per row (block-stride): rmsnorm, layernorm, add_rmsnorm, softmax, cross_entropy.
+/// One block per row (block-stride): rmsnorm, layernorm, add_rmsnorm, softmax, cross_entropy,
+/// cross_entropy_stats, cross_entropy_shard_grad.
 /// Wider rows get wider blocks (a multiple of 32, at most 1024).
 pub fn rows_launch(rows: usize, cols: usize) -> LaunchConfig {
     let threads: u32 = match cols {

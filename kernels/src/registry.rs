@@ -151,7 +151,17 @@ pub static KERNELS: &[KernelSource] = &[
     ),
     kernel_source!(
         "loss",
-        ["cross_entropy_f32", "cross_entropy_bf16", "loss_sum_f32"]
+        [
+            "cross_entropy_f32",
+            "cross_entropy_bf16",
+            "loss_sum_f32",
+            "cross_entropy_stats_f32",
+            "cross_entropy_stats_bf16",
+            "cross_entropy_from_stats_f32",
+            "cross_entropy_from_stats_bf16",
+            "cross_entropy_shard_grad_f32",
+            "cross_entropy_shard_grad_bf16",
+        ]
     ),
 ];
 

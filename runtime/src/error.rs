@@ -154,14 +154,15 @@ pub enum RuntimeError {
     LabelOutOfRange {
         /// The label.
         label: i32,
-        /// Size of the logits' last dim.
+        /// The vocabulary size (the logits' last dim; times the shards of a cross-entropy
+        /// split over the vocabulary).
         vocab: usize,
         /// Index along the first dim of the labels.
         batch: usize,
         /// Flat index within the rest of the labels' dims.
         pos: usize,
     },
-    /// A micro-batch's loss (a `CrossEntropy` node) is NaN or infinite: training diverged
+    /// A micro-batch's loss (a `CrossEntropy` or `CrossEntropyFromStats` node) is NaN or infinite: training diverged
     /// or its inputs are poisoned.
     #[error("micro-batch {micro}: loss is {value}")]
     NonFiniteLoss {

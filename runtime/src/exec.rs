@@ -544,7 +544,24 @@ impl<'g, 'p> Run<'g, 'p> {
                 }
                 owned(cpu::eval_op(&node.op, &args, &node.ty))
             }
-            Op::CrossEntropy { .. } => {
+            Op::CrossEntropyStats { axis, parts } => {
+                let (coord, size) = self.coord(axis)?;
+                if size != *parts {
+                    return Err(RuntimeError::AxisSize {
+                        axis: axis.clone(),
+                        expected: *parts,
+                        found: size,
+                    });
+                }
+                owned(vocab::cross_entropy_stats(args[0], args[1], coord, *parts))
+            }
+            Op::CrossEntropyShardGrad { axis, denom } => {
+                let (coord, _) = self.coord(axis)?;
+                owned(cpu::train::basic::cross_entropy_shard_grad(
+                    args[0], args[1], args[2], coord, *denom,
+                ))
+            }
+            Op::CrossEntropy { .. } | Op::CrossEntropyFromStats { .. } => {
                 let loss = cpu::eval_op(&node.op, &args, &node.ty).map_err(at_node)?;
                 check_loss(node, &loss)?;
                 Ok(Cow::Owned(loss))

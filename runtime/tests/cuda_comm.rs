@@ -600,3 +600,95 @@ fn local_gpu_collective_ops_and_collective_matmuls_match_cpu_ranks() {
         }
     }
 }
+
+/// Vocabulary-parallel cross-entropy on 2 and 4 virtual ranks against CPU thread ranks: each
+/// rank's stats of its logits shard, the stats gathered, the loss and the rank's gradient.
+#[test]
+#[ignore = "needs a GPU"]
+fn local_gpu_vocab_parallel_cross_entropy_matches_cpu_ranks() {
+    let dev = device();
+    for parts in [2, 4] {
+        let mesh = Mesh::parse(&format!("tp={parts}"), 8).expect("mesh");
+        let vocab = 783 * parts;
+        let mut g = Graph::new();
+        let logits = g
+            .add_typed(
+                Op::Input {
+                    name: "logits".into(),
+                    shards: vec![ShardSpec {
+                        dim: 2,
+                        axis: "tp".into(),
+                        parts,
+                    }],
+                },
+                &[],
+                Some(TensorType::plain(DType::F32, &[2, 7, vocab])),
+                "logits",
+            )
+            .expect("logits");
+        let labels = g.input("labels", TensorType::plain(DType::I32, &[2, 7]));
+        let tp = || "tp".to_string();
+        let stats = g
+            .add(
+                Op::CrossEntropyStats { axis: tp(), parts },
+                &[logits, labels],
+                "stats",
+            )
+            .expect("stats");
+        let gathered = Op::AllGather {
+            axis: tp(),
+            dim: 2,
+            parts,
+        };
+        let gathered = g.add(gathered, &[stats], "gathered").expect("gather");
+        let loss = Op::CrossEntropyFromStats { denom: 13 };
+        let loss = g.add(loss, &[gathered, labels], "loss").expect("loss");
+        let dx = Op::CrossEntropyShardGrad {
+            axis: tp(),
+            denom: 13,
+        };
+        let dx = g.add(dx, &[logits, labels, gathered], "dx").expect("dx");
+        for (name, v) in [("stats", stats), ("loss", loss), ("dx", dx)] {
+            g.set_output(name, v);
+        }
+        let mut rng = Rng::new(17);
+        let mut ids = rng.ids(&[2, 7], 0, vocab as i32);
+        if let shardc_runtime::Buffer::I32(l) = &mut ids.data {
+            l[3] = -100; // ignored position
+            l[4] = (vocab - 1) as i32; // the last shard's last column
+        }
+        let inputs = BTreeMap::from([
+            ("logits".to_string(), rng.tensor(&[2, 7, vocab], 6.0)),
+            ("labels".to_string(), ids),
+        ]);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let weights = checkpoint(dir.path(), &[]);
+        let cpu = run_spmd(&g, &mesh, &weights, &inputs, TIMEOUT).expect("cpu ranks");
+        for dt in [GpuDType::F32, GpuDType::Bf16] {
+            let gpu = run_spmd_local_gpu(
+                &dev,
+                &g,
+                &mesh,
+                &ParamInit::Weights(&weights),
+                &inputs,
+                &opts(dt, true),
+            )
+            .unwrap_or_else(|e| panic!("tp={parts} {dt}: {e}"));
+            for (rank, (go, co)) in gpu.iter().zip(&cpu).enumerate() {
+                for (name, want) in co {
+                    let (a, r) = match dt {
+                        GpuDType::F32 => (1e-5, 1e-5),
+                        GpuDType::Bf16 => (5e-2, 5e-2),
+                    };
+                    assert_close(
+                        &format!("tp={parts} {dt} rank {rank} {name}"),
+                        &go[name],
+                        want,
+                        a,
+                        r,
+                    );
+                }
+            }
+        }
+    }
+}

@@ -497,6 +497,21 @@ pub fn node_cost_routed(
             c.fwd.push(Kernel::memory(logits + b(node.inputs[1])));
             c.dgrad.push(Kernel::memory(2.0 * logits));
         }
+        Op::CrossEntropyStats { .. } => {
+            // One pass over the logits shard (max, then the exponentials from registers or
+            // cache, and the label's logit); the per-row stats written.
+            c.fwd
+                .push(Kernel::memory(b(node.inputs[0]) + b(node.inputs[1]) + out));
+        }
+        Op::CrossEntropyFromStats { .. } => {
+            c.fwd
+                .push(Kernel::memory(b(node.inputs[0]) + b(node.inputs[1])));
+        }
+        Op::CrossEntropyShardGrad { .. } => {
+            // Read the logits shard (and the tiny stats and labels), write its gradient.
+            let ins: f64 = node.inputs.iter().map(|&i| b(i)).sum();
+            c.fwd.push(Kernel::memory(ins + out));
+        }
         _ => {
             let ins: f64 = node.inputs.iter().map(|&i| read(i)).sum();
             let write = if fused[v.index()] { 0.0 } else { out };

@@ -8,7 +8,7 @@
 //! not read numerically (a parameter that only fixes the result's shape and layout) are still
 //! passed, so the sharding rule can lay the gradient out like the parameter.
 
-use super::{DType, Float, IrError, Op, TensorType};
+use super::{DType, Float, IrError, Op, TensorType, CROSS_ENTROPY_STATS};
 use serde::{Deserialize, Serialize};
 
 /// Which operand of a norm a gradient is taken with respect to.
@@ -181,6 +181,30 @@ fn err(op: &'static str, detail: String) -> IrError {
     IrError::Shape { op, detail }
 }
 
+/// Checks gathered cross-entropy stats against the labels: `stats[.., 3·P]` f32 with P ≥ 1
+/// and the labels' leading dims.
+pub(super) fn check_stats(
+    op: &'static str,
+    stats: &TensorType,
+    labels: &TensorType,
+) -> Result<(), IrError> {
+    let ok = stats.dtype == DType::F32
+        && stats.rank() == labels.rank() + 1
+        && stats.shape()[..labels.rank()] == labels.shape()[..]
+        && stats.last() > 0
+        && stats.last() % CROSS_ENTROPY_STATS == 0;
+    if ok {
+        Ok(())
+    } else {
+        Err(err(
+            op,
+            format!(
+                "stats {stats} must be f32 [.., {CROSS_ENTROPY_STATS}·shards] over labels {labels}"
+            ),
+        ))
+    }
+}
+
 fn arity(
     op: &'static str,
     inputs: &[&TensorType],
@@ -342,6 +366,13 @@ pub(super) fn infer(op: &Op, inputs: &[&TensorType]) -> Option<Result<TensorType
                 .infer(inputs, None)
                 .map_err(|e| err(m, e.to_string()))
                 .map(|_| inputs[0].clone())
+        }),
+        Op::CrossEntropyShardGrad { .. } => arity(m, inputs, 3, "3").and_then(|_| {
+            Op::CrossEntropy { denom: 1 }
+                .infer(&inputs[..2], None)
+                .map_err(|e| err(m, e.to_string()))?;
+            check_stats(m, inputs[2], inputs[1])?;
+            Ok(inputs[0].clone())
         }),
         Op::RepeatGrad { dim, times } => arity(m, inputs, 1, "1").and_then(|_| {
             let x = inputs[0];

@@ -9,6 +9,10 @@ use serde::{Deserialize, Serialize};
 /// A mesh axis named by a collective (`tp`, `dp`, ...).
 pub type AxisName = String;
 
+/// Values per row and vocabulary shard of [`Op::CrossEntropyStats`]: the row's max, its sum
+/// of exponentials shifted by that max, and the label's logit.
+pub const CROSS_ENTROPY_STATS: usize = 3;
+
 /// Elementwise unary functions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -321,6 +325,26 @@ pub enum Op {
         /// Normaliser (number of predicted tokens in the whole batch).
         denom: usize,
     },
+    /// `(logits[.., Vl], labels[..] i32) -> f32[.., 3]`: this rank's part of a cross-entropy
+    /// whose logits are split over the vocabulary on `axis` (the rank holds columns
+    /// `coord(axis)·Vl ..` of the `parts·Vl`). Per row, [`CROSS_ENTROPY_STATS`] values: the
+    /// row's max `m`, `Σ exp(x − m)` (in f64, rounded once), and the label's logit when the
+    /// label falls in this shard (0 otherwise, and for negative labels). A label ≥ `parts·Vl`
+    /// is an error. Made by the partitioner (Megatron's vocabulary-parallel cross-entropy).
+    CrossEntropyStats {
+        /// Mesh axis the vocabulary is split over.
+        axis: AxisName,
+        /// Axis size.
+        parts: usize,
+    },
+    /// `(stats[.., 3·P], labels[..] i32) -> f32[]`: `CrossEntropy { denom }` from the
+    /// `CrossEntropyStats` of the `P` vocabulary shards, gathered in rank order. Per row with
+    /// label ≥ 0: with `M = maxᵢ mᵢ`, `M + ln Σᵢ sᵢ·exp(mᵢ − M) − Σᵢ tᵢ`; the sum over rows
+    /// divided by `denom`, in f64, rounded once.
+    CrossEntropyFromStats {
+        /// Normaliser (number of predicted tokens in the whole batch).
+        denom: usize,
+    },
     /// Sum over the ranks of `axis` (every rank gets the sum).
     AllReduce {
         /// Mesh axis.
@@ -501,6 +525,17 @@ pub enum Op {
         /// As in the forward op.
         denom: usize,
     },
+    /// `(logits[.., Vl], labels[..], stats[.., 3·P]) -> [.., Vl]`: `CrossEntropyGrad { denom }`
+    /// on this rank's vocabulary shard (columns `coord(axis)·Vl ..`): `(exp(x − lse) −
+    /// onehot(label)) / denom` on rows with label ≥ 0, zero rows elsewhere, where `lse` is the
+    /// row's log-sum-exp over every shard from the gathered stats (as in
+    /// `CrossEntropyFromStats`). A label ≥ `P·Vl` is an error. Made by the partitioner.
+    CrossEntropyShardGrad {
+        /// Mesh axis the vocabulary is split over.
+        axis: AxisName,
+        /// As in the forward op.
+        denom: usize,
+    },
     /// `(dy) -> dx`: the gradient of `Repeat { dim, times }`: each run of `times` consecutive
     /// indices along `dim` summed.
     RepeatGrad {
@@ -584,6 +619,8 @@ impl Op {
             Op::Dispatch => "dispatch",
             Op::Combine => "combine",
             Op::CrossEntropy { .. } => "cross_entropy",
+            Op::CrossEntropyStats { .. } => "cross_entropy_stats",
+            Op::CrossEntropyFromStats { .. } => "cross_entropy_from_stats",
             Op::AllReduce { .. } => "all_reduce",
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllGather { .. } => "all_gather",
@@ -609,6 +646,7 @@ impl Op {
             Op::DispatchGrad => "dispatch_grad",
             Op::CombineGrad { .. } => "combine_grad",
             Op::CrossEntropyGrad { .. } => "cross_entropy_grad",
+            Op::CrossEntropyShardGrad { .. } => "cross_entropy_shard_grad",
             Op::RepeatGrad { .. } => "repeat_grad",
             Op::AdamMoment { .. } => "adam_moment",
             Op::AdamWUpdate(_) => "adamw_update",
@@ -637,6 +675,8 @@ impl Op {
             | Op::Broadcast { axis, .. }
             | Op::LocalSlice { axis, .. }
             | Op::RankOffset { axis, .. }
+            | Op::CrossEntropyStats { axis, .. }
+            | Op::CrossEntropyShardGrad { axis, .. }
             | Op::AgMatMul { axis, .. }
             | Op::MatMulRs { axis, .. } => Some(axis),
             _ => None,
@@ -932,6 +972,26 @@ impl Op {
                 }
                 Ok(TensorType::new(DType::F32, vec![]))
             }
+            Op::CrossEntropyStats { parts, .. } => {
+                arity(self, inputs, 2, "2")?;
+                want_dtype(self, inputs, 1, DType::I32)?;
+                let (l, y) = (inputs[0], inputs[1]);
+                if l.rank() != y.rank() + 1 || l.shape()[..y.rank()] != y.shape()[..] {
+                    return Err(shape_err(m, format!("logits {l} and labels {y} differ")));
+                }
+                if *parts == 0 {
+                    return Err(shape_err(m, "the vocabulary splits into 0 parts".into()));
+                }
+                let mut dims = inputs[1].dims.clone();
+                dims.push(Dim::new(Role::Other, CROSS_ENTROPY_STATS));
+                Ok(TensorType::new(DType::F32, dims))
+            }
+            Op::CrossEntropyFromStats { .. } => {
+                arity(self, inputs, 2, "2")?;
+                want_dtype(self, inputs, 1, DType::I32)?;
+                super::grad::check_stats(m, inputs[0], inputs[1])?;
+                Ok(TensorType::new(DType::F32, vec![]))
+            }
             Op::AllReduce { .. } | Op::Broadcast { .. } => {
                 arity(self, inputs, 1, "1")?;
                 Ok(inputs[0].clone())
@@ -1079,6 +1139,7 @@ impl Op {
             | Op::DispatchGrad
             | Op::CombineGrad { .. }
             | Op::CrossEntropyGrad { .. }
+            | Op::CrossEntropyShardGrad { .. }
             | Op::RepeatGrad { .. }
             | Op::AdamMoment { .. }
             | Op::AdamWUpdate(_) => Err(IrError::Invalid(format!("{m}: untyped training op"))),

@@ -227,6 +227,18 @@ mod tests {
         let logits = g.add(Op::MatMul { transpose_b: true }, &[comb, lm], "logits")?;
         g.current_role = crate::ir::ValueRole::Loss;
         let loss = g.add(Op::CrossEntropy { denom: 7 }, &[logits, labels], "")?;
+        let ce_stats = Op::CrossEntropyStats {
+            axis: "tp".into(),
+            parts: 2,
+        };
+        let stats = g.add(ce_stats, &[logits, labels], "")?;
+        let gathered = Op::AllGather {
+            axis: "tp".into(),
+            dim: 2,
+            parts: 2,
+        };
+        let stats = g.add(gathered, &[stats], "")?;
+        g.add(Op::CrossEntropyFromStats { denom: 7 }, &[stats, labels], "")?;
         g.current_role = crate::ir::ValueRole::Forward;
         let ar = g.add(Op::AllReduce { axis: "tp".into() }, &[logits], "")?;
         let rs = g.add(
@@ -356,6 +368,11 @@ mod tests {
         let wrt = CombineWrt::Gates;
         g.add(Op::CombineGrad { wrt }, &[ey, gates, comb], "")?;
         g.add(Op::CrossEntropyGrad { denom: 7 }, &[logits, labels], "")?;
+        let shard_grad = Op::CrossEntropyShardGrad {
+            axis: "tp".into(),
+            denom: 7,
+        };
+        g.add(shard_grad, &[logits, labels, stats], "")?;
         g.add(Op::RepeatGrad { dim: 2, times: 2 }, &[q4], "")?;
         let step = g.input("step", TensorType::plain(F32, &[]));
         let moment = Op::AdamMoment {
@@ -389,8 +406,8 @@ mod tests {
         let g = every_op()?;
         let mnemonics: std::collections::HashSet<_> =
             g.nodes.iter().map(|n| n.op.mnemonic()).collect();
-        // 30 ops, plus the rewriter's 5 fused ones.
-        assert_eq!(mnemonics.len(), 30 + 5 + 16, "every Op variant is covered");
+        // 32 ops, plus the rewriter's 5 fused ones and 17 training ops.
+        assert_eq!(mnemonics.len(), 32 + 5 + 17, "every Op variant is covered");
         round_trip(&g);
         Ok(())
     }

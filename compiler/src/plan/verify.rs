@@ -551,6 +551,7 @@ fn check_graph(
                 | Op::AllGather { parts, .. }
                 | Op::AllToAll { parts, .. }
                 | Op::LocalSlice { parts, .. }
+                | Op::CrossEntropyStats { parts, .. }
                 | Op::AgMatMul { parts, .. }
                 | Op::MatMulRs { parts, .. } => Some(*parts),
                 _ => None,

@@ -167,6 +167,8 @@ pub fn rep_of(mesh: &Mesh, op: &Op, children: &[AxisMask]) -> AxisMask {
         Op::ReduceScatter { axis, .. }
         | Op::LocalSlice { axis, .. }
         | Op::RankOffset { axis, .. }
+        | Op::CrossEntropyStats { axis, .. }
+        | Op::CrossEntropyShardGrad { axis, .. }
         | Op::AllToAll { axis, .. }
         | Op::MatMulRs { axis, .. } => all.without(axis_mask(mesh, axis)),
         Op::AgMatMul { axis, .. } => {

@@ -363,6 +363,10 @@ impl CostModel {
                 compute(per * n_out, io)
             }
             Op::Combine => compute(2.0 * ins[0].numel() as f64, io),
+            // A max, an exponential and a sum per logit.
+            Op::CrossEntropyStats { .. } | Op::CrossEntropyShardGrad { .. } => {
+                compute(10.0 * ins[0].numel() as f64, io)
+            }
             Op::Rope(_) => compute(4.0 * n_out, io),
             // Data movement and cheap elementwise work: bandwidth-bound.
             _ => compute(n_out, io),

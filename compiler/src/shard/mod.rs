@@ -7,6 +7,8 @@ mod presets;
 mod reshard;
 mod rules;
 mod sharding;
+#[cfg(test)]
+mod vocab_tests;
 
 pub use mesh::{AxisId, LinkClass, Mesh, MeshAxis, MeshError, DATA_AXES, KNOWN_AXES};
 pub use partition::{partition, Annotations, Provenance, ReshardReason, ShardedGraph};

@@ -4,14 +4,17 @@
 //! Pre: the graph verifies; annotations divide the tensors they annotate (checked here).
 //! Post: the result verifies; each op's operands arrive in the layout its factor rule needs
 //! (inserted by [`super::reshard`], memoised per value and layout); each collective carries a
-//! [`Provenance`] saying which op's rule required it.
+//! [`Provenance`] saying which op's rule required it. A cross-entropy (or its gradient) whose
+//! logits arrive split over one mesh axis along the vocabulary becomes Megatron's
+//! vocabulary-parallel form: per-row stats of each shard, gathered (a reshard like any other),
+//! then the loss, or the gradient of the rank's shard laid out like the logits.
 
 use super::mesh::{AxisId, Mesh};
 use super::reshard::reshard;
 use super::rules::{rule, FactorRule, PartialRule};
 use super::sharding::TensorSharding;
 use super::ShardError;
-use crate::ir::{Graph, Op, ShardSpec, TensorType, ValueId, ValueRole};
+use crate::ir::{Graph, Node, Op, ShardSpec, TensorType, ValueId, ValueRole};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
@@ -214,38 +217,127 @@ impl Ctx<'_> {
         if let Some(&x) = self.versions.get(&(v, to.clone())) {
             return Ok(x);
         }
-        let node = self.g.node(v);
-        let ops = reshard(self.mesh, &from, to).ok_or_else(|| {
+        let x = *self
+            .versions
+            .get(&(v, from.clone()))
+            .expect("invariant: current version exists");
+        let (g, mesh) = (self.g, self.mesh);
+        let type_err = |detail: &str| indivisible(g, v, detail, mesh, to);
+        let name = &g.node(v).name;
+        let steps = self.reshard_steps(x, &from, to, name, required_by, &type_err)?;
+        let mut last = x;
+        for (y, s) in steps {
+            self.versions.insert((v, s), y);
+            last = y;
+        }
+        Ok(last)
+    }
+
+    /// Lays `x`, a value of the program being built laid out as `from`, out as `to`: the
+    /// collectives [`reshard`] gives, each tagged like `x`, named after `value` and carrying
+    /// its provenance. Returns each step's value and layout, in order.
+    fn reshard_steps(
+        &mut self,
+        mut x: ValueId,
+        from: &TensorSharding,
+        to: &TensorSharding,
+        value: &str,
+        required_by: &ReshardReason,
+        type_err: &dyn Fn(&str) -> ShardError,
+    ) -> Result<Vec<(ValueId, TensorSharding)>, ShardError> {
+        let ops = reshard(self.mesh, from, to).ok_or_else(|| {
             ShardError::Internal(format!(
-                "no reshard of `{}` from {} to {}",
-                node.name,
+                "no reshard of `{value}` from {} to {}",
                 from.display(self.mesh),
                 to.display(self.mesh)
             ))
         })?;
-        let mut x = *self
-            .versions
-            .get(&(v, from.clone()))
-            .expect("invariant: current version exists");
         let mut s = from.clone();
         let tag = (self.out.node(x).layer, self.out.node(x).role);
+        let mut steps = Vec::with_capacity(ops.len());
         for op in ops {
             s = super::reshard::apply_public(self.mesh, &s, &op);
             let prov = Provenance {
-                value: node.name.clone(),
+                value: value.to_string(),
                 from: from.display(self.mesh),
                 to: to.display(self.mesh),
                 required_by: required_by.clone(),
             };
-            let name = format!("{}.{}", node.name, op.mnemonic());
+            let name = format!("{value}.{}", op.mnemonic());
             let ty = self.out.ty(x).clone();
             let res = op
                 .infer(&[&ty], None)
-                .map_err(|e| indivisible(self.g, v, &e.to_string(), self.mesh, to))?;
+                .map_err(|e| type_err(&e.to_string()))?;
             x = self.push(op, &[x], Some(res), name, tag, s.clone(), Some(prov))?;
-            self.versions.insert((v, s.clone()), x);
+            steps.push((x, s.clone()));
         }
-        Ok(x)
+        Ok(steps)
+    }
+
+    /// Megatron's vocabulary-parallel cross-entropy: `node` (`CrossEntropy` or
+    /// `CrossEntropyGrad`) on `inputs`, logits split over the vocabulary on mesh axis `a`
+    /// and labels laid out like the logits' leading dims, computed without gathering the
+    /// logits. Each rank reduces its shard to per-row stats (`CrossEntropyStats`), the stats
+    /// of every shard are gathered over `a` (a reshard, like every collective), and the loss
+    /// (`CrossEntropyFromStats`) or the gradient of the rank's shard
+    /// (`CrossEntropyShardGrad`) follows from them. The result is laid out as `s`.
+    fn vocab_parallel(
+        &mut self,
+        node: &Node,
+        inputs: &[ValueId],
+        a: AxisId,
+        s: TensorSharding,
+    ) -> Result<ValueId, ShardError> {
+        let axis = self.mesh.axis_name(a).to_string();
+        let tag = (node.layer, node.role);
+        let split = TensorSharding {
+            dims: self.shardings[inputs[0].index()].dims.clone(),
+            partial: Vec::new(),
+        };
+        let stats_op = Op::CrossEntropyStats {
+            axis: axis.clone(),
+            parts: self.mesh.axis_size(a),
+        };
+        let stats_name = format!("{}.stats", node.name);
+        let local = &[inputs[0], inputs[1]];
+        let stats = self.push(
+            stats_op,
+            local,
+            None,
+            stats_name.clone(),
+            tag,
+            split.clone(),
+            None,
+        )?;
+        let mut whole = split.clone();
+        if let Some(last) = whole.dims.last_mut() {
+            last.clear();
+        }
+        let (op, index) = match node.op {
+            Op::CrossEntropyGrad { denom } => (Op::CrossEntropyShardGrad { axis, denom }, 2),
+            Op::CrossEntropy { denom } => (Op::CrossEntropyFromStats { denom }, 0),
+            _ => {
+                return Err(ShardError::Internal(format!(
+                    "`{}`: {} is not a cross-entropy",
+                    node.name,
+                    node.op.mnemonic()
+                )))
+            }
+        };
+        let why = ReshardReason::Operand {
+            node: node.name.clone(),
+            op: op.mnemonic().to_string(),
+            index,
+        };
+        let type_err =
+            |detail: &str| ShardError::Internal(format!("gathering `{stats_name}`: {detail}"));
+        let steps = self.reshard_steps(stats, &split, &whole, &stats_name, &why, &type_err)?;
+        let gathered = steps.last().map_or(stats, |&(x, _)| x);
+        let operands = match op {
+            Op::CrossEntropyShardGrad { .. } => vec![inputs[0], inputs[1], gathered],
+            _ => vec![gathered, inputs[1]],
+        };
+        self.push(op, &operands, None, node.name.clone(), tag, s, None)
     }
 }
 
@@ -348,6 +440,17 @@ fn layout(fm: &[Option<usize>], fa: &[Vec<AxisId>], partial: Vec<AxisId>) -> Ten
     }
 }
 
+/// The vocabulary factor of a `CrossEntropy` or `CrossEntropyGrad` whose logits (laid out as
+/// `logits`) are split over exactly one mesh axis, of more than one rank, along the
+/// vocabulary; `None` otherwise.
+fn vocab_factor(mesh: &Mesh, op: &Op, r: &FactorRule, logits: &TensorSharding) -> Option<usize> {
+    let ce = matches!(op, Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. });
+    match logits.dims.last().map(Vec::as_slice) {
+        Some(&[a]) if ce && mesh.axis_size(a) > 1 => r.operands.first()?.last().copied().flatten(),
+        _ => None,
+    }
+}
+
 /// A parameter: a `Param`, a training graph's [`ValueRole::Parameter`] input, or a view of
 /// one.
 fn is_parameter(g: &Graph, mut v: ValueId) -> bool {
@@ -380,7 +483,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
         let node = g.node(v);
         let annotated = ann.values.get(&v).cloned();
         let ins: Vec<&TensorType> = node.inputs.iter().map(|&i| g.ty(i)).collect();
-        let r = rule(&node.op, &ins, &node.ty).ok_or_else(|| {
+        let mut r = rule(&node.op, &ins, &node.ty).ok_or_else(|| {
             ShardError::Internal(format!(
                 "`{}`: {} in a logical graph",
                 node.name,
@@ -441,7 +544,21 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
             Op::Embedding => r.operands[0][..1].iter().flatten().copied().collect(),
             _ => vec![],
         };
-        let (fa, used) = assign_factors(mesh, &r, &ins, &node.ty, &offers, &single);
+        // A cross-entropy whose logits arrive split over one axis along the vocabulary keeps
+        // them split (vocabulary-parallel); anything else gathers the vocabulary.
+        let vocab = vocab_factor(mesh, &node.op, &r, &cx.cur[node.inputs[0].index()]);
+        if let Some(f) = vocab {
+            r.fixed.retain(|&x| x != f);
+        }
+        let (mut fa, mut used) = assign_factors(mesh, &r, &ins, &node.ty, &offers, &single);
+        let vocab_axis = vocab.and_then(|f| match fa[f][..] {
+            [a] => Some((f, a)),
+            _ => None,
+        });
+        if let (Some(f), None) = (vocab, vocab_axis) {
+            r.fixed.push(f);
+            (fa, used) = assign_factors(mesh, &r, &ins, &node.ty, &offers, &single);
+        }
 
         // Partial operands the op may keep.
         let op_partial: Vec<Vec<AxisId>> = node
@@ -533,7 +650,10 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
         contracted.sort();
         contracted.dedup();
         for f in contracted {
-            partial.extend(&fa[f]);
+            // The vocabulary-parallel loss sums over the vocabulary itself.
+            if vocab_axis.is_none_or(|(vf, _)| vf != f) {
+                partial.extend(&fa[f]);
+            }
         }
         let s = layout(&r.result, &fa, partial);
         let declared = if node.op.needs_declared_type() {
@@ -541,15 +661,18 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
         } else {
             None
         };
-        let x = cx.push(
-            node.op.clone(),
-            &inputs,
-            declared,
-            node.name.clone(),
-            (node.layer, node.role),
-            s.clone(),
-            None,
-        )?;
+        let x = match vocab_axis {
+            Some((_, a)) => cx.vocab_parallel(node, &inputs, a, s.clone())?,
+            None => cx.push(
+                node.op.clone(),
+                &inputs,
+                declared,
+                node.name.clone(),
+                (node.layer, node.role),
+                s.clone(),
+                None,
+            )?,
+        };
         cx.versions.insert((v, s.clone()), x);
         cx.cur.push(s.clone());
         if let Some(a) = annotated {

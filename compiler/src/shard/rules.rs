@@ -128,7 +128,8 @@ fn reshape(inp: &[usize], out: &[usize]) -> FactorRule {
 }
 
 /// The factor rule of `op` with operand types `ins` and result type `out`. `None` for ops
-/// that never appear in a logical graph (collectives, fused ops).
+/// that never appear in a logical graph (collectives, fused ops, the vocabulary-parallel
+/// cross-entropy the partitioner lowers to).
 pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule> {
     let ranks: Vec<usize> = ins.iter().map(|t| t.rank()).collect();
     let mut b = B { n: 0 };
@@ -321,6 +322,9 @@ pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule
         | Op::AllToAll { .. }
         | Op::Broadcast { .. }
         | Op::LocalSlice { .. }
+        | Op::CrossEntropyStats { .. }
+        | Op::CrossEntropyFromStats { .. }
+        | Op::CrossEntropyShardGrad { .. }
         | Op::FusedElementwise { .. }
         | Op::FusedMatMul { .. }
         | Op::AddRmsNorm { .. }

@@ -283,9 +283,47 @@ void test_reduce_loss() {
     check("loss_sum_f32", tot, {(wl[0]+wl[1]+wl[2]+wl[3])*0.25}, 1e-5, 1e-5);
 }
 
+// Vocabulary-parallel cross-entropy: the logits split into P column shards, each shard's stats,
+// gathered in rank order, give the unsplit loss and, per shard, its slice of the gradient.
+void test_vocab_parallel_loss() {
+    const int R = 6, V = 999, P = 3, Vl = V / P;
+    auto lg = randv(R*V, -8, 8);
+    for (int c = 0; c < V; ++c) lg[5*V+c] = c < Vl ? -INFINITY : lg[5*V+c];  // shard 0 all -inf
+    std::vector<int> lab = {3, -100, 998, Vl, 2*Vl - 1, 500};
+    std::vector<double> wl(R, 0), lse(R, 0);
+    for (int r = 0; r < R; ++r) {
+        double m = -INFINITY; for (int c = 0; c < V; ++c) m = std::max(m, (double)lg[r*V+c]);
+        double s = 0; for (int c = 0; c < V; ++c) s += std::exp(lg[r*V+c]-m);
+        lse[r] = m + std::log(s); if (lab[r] >= 0) wl[r] = lse[r] - lg[r*V+lab[r]]; }
+    std::vector<float> gathered(R*3*P);
+    const float scale = 0.25f;
+    std::vector<std::vector<float>> shards(P);
+    for (int p = 0; p < P; ++p) {
+        auto& sh = shards[p]; sh.resize(R*Vl);
+        for (int r = 0; r < R; ++r) for (int c = 0; c < Vl; ++c) sh[r*Vl+c] = lg[r*V+p*Vl+c];
+        std::vector<float> st(R*3);
+        launch({4}, {64}, [&] { cross_entropy_stats_f32(sh.data(), lab.data(), st.data(), R, Vl, (i64)p*Vl, V); });
+        for (int r = 0; r < R; ++r) for (int k = 0; k < 3; ++k) gathered[(r*P+p)*3+k] = st[r*3+k];
+    }
+    std::vector<float> loss(R);
+    launch({1}, {32}, [&] { cross_entropy_from_stats_f32(gathered.data(), lab.data(), loss.data(), R, P); });
+    check("cross_entropy_from_stats_f32 (3 shards, ignore -100, a shard of -inf)", loss, wl, 1e-5, 1e-5);
+    for (int p = 0; p < P; ++p) {
+        std::vector<float> dx(R*Vl, NAN); std::vector<double> want(R*Vl, 0);
+        for (int r = 0; r < R; ++r) for (int c = 0; c < Vl; ++c) if (lab[r] >= 0)
+            want[r*Vl+c] = (std::exp(lg[r*V+p*Vl+c] - lse[r]) - (p*Vl + c == lab[r] ? 1.0 : 0.0)) * scale;
+        launch({4}, {64}, [&] { cross_entropy_shard_grad_f32(shards[p].data(), lab.data(), gathered.data(), dx.data(), R, Vl, P, (i64)p*Vl, scale); });
+        char what[96]; snprintf(what, sizeof what, "cross_entropy_shard_grad_f32 (shard %d of 3)", p);
+        check(what, dx, want, 1e-6, 1e-5);
+    }
+    std::vector<int> bad = {V, 0, 0, 0, 0, 0}; std::vector<float> st(R*3);
+    launch({2}, {32}, [&] { cross_entropy_stats_f32(shards[1].data(), bad.data(), st.data(), R, Vl, Vl, V); });
+    check("cross_entropy_stats_f32 (NaN for label>=V)", {st[0], st[1], st[2]}, {NAN, NAN, NAN}, 0, 0);
+}
+
 int main() {
     test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
-    test_attention(); test_router(); test_moe(); test_reduce_loss();
+    test_attention(); test_router(); test_moe(); test_reduce_loss(); test_vocab_parallel_loss();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

@@ -27,8 +27,8 @@ use shardc_compiler::ir::{Op, TensorType};
 pub(crate) const PAR_MIN: usize = 1 << 15;
 
 /// Evaluates one context-free op on the CPU: every op except `Input`, `Param`, the
-/// collectives, `AgMatMul`, `MatMulRs`, `LocalSlice` and `RankOffset` (those need the
-/// executor's rank context).
+/// collectives, `AgMatMul`, `MatMulRs`, `LocalSlice`, `RankOffset`, `CrossEntropyStats` and
+/// `CrossEntropyShardGrad` (those need the executor's rank context).
 /// `out` is the node's type: it supplies the shape of `Reshape` and the dtype of `Cast`.
 ///
 /// Embedding ids outside the table give zero rows here; the executor validates ids for
@@ -129,6 +129,10 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
             want(2)?;
             vocab::cross_entropy(inputs[0], inputs[1], *denom)
         }
+        Op::CrossEntropyFromStats { denom } => {
+            want(2)?;
+            vocab::cross_entropy_from_stats(inputs[0], inputs[1], *denom)
+        }
         Op::FusedElementwise { expr } => fused::elementwise(expr, inputs),
         Op::FusedMatMul {
             transpose_b,
@@ -148,7 +152,9 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
         | Op::AllToAll { .. }
         | Op::Broadcast { .. }
         | Op::LocalSlice { .. }
-        | Op::RankOffset { .. } => Err(RuntimeError::Unsupported {
+        | Op::RankOffset { .. }
+        | Op::CrossEntropyStats { .. }
+        | Op::CrossEntropyShardGrad { .. } => Err(RuntimeError::Unsupported {
             op: m,
             detail: "needs the executor's rank context; use `execute`".into(),
         }),

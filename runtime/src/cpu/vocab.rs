@@ -1,7 +1,10 @@
-//! Vocabulary ops: `Embedding` (row lookup) and `CrossEntropy` (summed token loss).
+//! Vocabulary ops: `Embedding` (row lookup), `CrossEntropy` (summed token loss), and the
+//! two halves of the vocabulary-parallel loss: `CrossEntropyStats` (a shard's per-row stats)
+//! and `CrossEntropyFromStats` (the loss from every shard's stats).
 
 use super::{f32_of, for_each_row, i32_of, shape_err};
 use crate::{RuntimeError, Tensor};
+use shardc_compiler::ir::CROSS_ENTROPY_STATS;
 
 /// `Embedding`: `(table[V,H], ids[..]) -> [.., H]`; ids outside `[0, V)` give zero rows.
 pub(crate) fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor, RuntimeError> {
@@ -60,6 +63,18 @@ pub(crate) fn cross_entropy_operands<'a>(
     logits: &'a Tensor,
     labels: &'a Tensor,
 ) -> Result<(&'a [f32], &'a [i32], usize), RuntimeError> {
+    shard_operands(op, logits, labels, 1)
+}
+
+/// The operands of a cross-entropy over one of `parts` vocabulary shards, checked: logits
+/// `[.., Vl]`, labels `[..]` (i32), every label < `parts·Vl` (negative ones are ignored).
+/// Returns the data and Vl.
+pub(crate) fn shard_operands<'a>(
+    op: &'static str,
+    logits: &'a Tensor,
+    labels: &'a Tensor,
+    parts: usize,
+) -> Result<(&'a [f32], &'a [i32], usize), RuntimeError> {
     let ld = f32_of(op, logits, 0)?;
     let yd = i32_of(op, labels, 1)?;
     let r = labels.shape.len();
@@ -71,16 +86,116 @@ pub(crate) fn cross_entropy_operands<'a>(
         ));
     }
     let v = logits.shape[r];
-    if let Some(i) = yd.iter().position(|&y| y >= 0 && y as usize >= v) {
+    let vocab = v.saturating_mul(parts);
+    if let Some(i) = yd.iter().position(|&y| y >= 0 && y as usize >= vocab) {
         let (batch, pos) = batch_pos(&labels.shape, i);
         return Err(RuntimeError::LabelOutOfRange {
             label: yd[i],
-            vocab: v,
+            vocab,
             batch,
             pos,
         });
     }
     Ok((ld, yd, v))
+}
+
+/// Gathered stats `[.., 3·P]` over labels `[..]`, checked. Returns the data and P.
+pub(crate) fn stats_operand<'a>(
+    op: &'static str,
+    stats: &'a Tensor,
+    labels: &Tensor,
+    operand: usize,
+) -> Result<(&'a [f32], usize), RuntimeError> {
+    let sd = f32_of(op, stats, operand)?;
+    let r = labels.shape.len();
+    let w = stats.shape.last().copied().unwrap_or(0);
+    if stats.shape.len() != r + 1
+        || stats.shape[..r] != labels.shape[..]
+        || w == 0
+        || w % CROSS_ENTROPY_STATS != 0
+    {
+        return Err(shape_err(
+            op,
+            &[stats, labels],
+            "stats must be labels' shape plus [3·shards]",
+        ));
+    }
+    Ok((sd, w / CROSS_ENTROPY_STATS))
+}
+
+/// The log-sum-exp of a row over every vocabulary shard and the label's logit, from the row's
+/// gathered stats `[m₀, s₀, t₀, m₁, ..]`: `M + ln Σᵢ sᵢ·exp(mᵢ − M)` with `M = maxᵢ mᵢ`, and
+/// `Σᵢ tᵢ` (one shard holds the label). In f64.
+pub(crate) fn row_lse(stats: &[f32]) -> (f64, f64) {
+    let shards = stats.chunks_exact(CROSS_ENTROPY_STATS);
+    let max = shards
+        .clone()
+        .fold(f64::NEG_INFINITY, |m, c| m.max(c[0] as f64));
+    let (mut sum, mut target) = (0.0f64, 0.0f64);
+    for c in shards {
+        if c[1] != 0.0 {
+            sum += c[1] as f64 * (c[0] as f64 - max).exp();
+        }
+        target += c[2] as f64;
+    }
+    (max + sum.ln(), target)
+}
+
+/// `CrossEntropyStats { parts }` on vocabulary shard `coord`: `(logits[.., Vl], labels[..])
+/// -> f32[.., 3]`, per row the max `m`, `Σ exp(x − m)` (f64, rounded once; 0 for a row of
+/// −∞) and the label's logit when the label is one of columns `coord·Vl ..` (else 0).
+pub(crate) fn cross_entropy_stats(
+    logits: &Tensor,
+    labels: &Tensor,
+    coord: usize,
+    parts: usize,
+) -> Result<Tensor, RuntimeError> {
+    const OP: &str = "cross_entropy_stats";
+    let (ld, yd, v) = shard_operands(OP, logits, labels, parts)?;
+    let lo = coord.saturating_mul(v);
+    let mut out = vec![0.0f32; yd.len() * CROSS_ENTROPY_STATS];
+    for_each_row(&mut out, CROSS_ENTROPY_STATS, |i, st| {
+        let row = &ld[i * v..(i + 1) * v];
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let sum = if max == f32::NEG_INFINITY {
+            0.0
+        } else {
+            row.iter()
+                .map(|&x| (x as f64 - max as f64).exp())
+                .sum::<f64>()
+        };
+        let y = yd[i];
+        let target = match usize::try_from(y) {
+            Ok(y) if (lo..lo + v).contains(&y) => row[y - lo],
+            _ => 0.0,
+        };
+        st.copy_from_slice(&[max, sum as f32, target]);
+    });
+    let mut shape = labels.shape.clone();
+    shape.push(CROSS_ENTROPY_STATS);
+    Ok(Tensor::f32(shape, out))
+}
+
+/// `CrossEntropyFromStats { denom }`: `(stats[.., 3·P], labels[..]) -> f32[]`, the sum over
+/// positions with label ≥ 0 of the row's log-sum-exp minus its label's logit (from the
+/// gathered stats, [`row_lse`]), divided by `denom`. In f64, rounded once.
+pub(crate) fn cross_entropy_from_stats(
+    stats: &Tensor,
+    labels: &Tensor,
+    denom: usize,
+) -> Result<Tensor, RuntimeError> {
+    const OP: &str = "cross_entropy_from_stats";
+    let yd = i32_of(OP, labels, 1)?;
+    let (sd, p) = stats_operand(OP, stats, labels, 0)?;
+    let w = p * CROSS_ENTROPY_STATS;
+    let mut total = 0.0f64;
+    for (i, &y) in yd.iter().enumerate() {
+        if y >= 0 {
+            let (lse, target) = row_lse(&sd[i * w..(i + 1) * w]);
+            total += lse - target;
+        }
+    }
+    Ok(Tensor::f32(vec![], vec![(total / denom as f64) as f32]))
 }
 
 /// `CrossEntropy { denom }`: `(logits[.., V], labels[..]) -> f32[]`, the sum over positions

@@ -16,7 +16,7 @@ use super::support::check_labels;
 use super::CudaError;
 use crate::cpu::vocab;
 use crate::RuntimeError;
-use shardc_compiler::ir::{DType, EwExpr, EwStep, Node, Op, UnaryOp, ValueId};
+use shardc_compiler::ir::{DType, EwExpr, EwStep, Node, Op, UnaryOp, ValueId, CROSS_ENTROPY_STATS};
 
 /// The cuBLASLt epilogue equal to a `FusedMatMul` epilogue program, if any: `x0 + x1` with a
 /// 1-D `x1` of length N (bias), that then `gelu_tanh`, or `gelu_tanh(x0)`.
@@ -283,15 +283,58 @@ impl CudaProgram {
                     check_labels(labels, vocab_n)?;
                 }
                 let loss = self.scratch.ptr;
-                let sum = self.scratch.ptr + (rows as u64 * 4).div_ceil(256) * 256;
                 l.cross_entropy(dt, x, self.ptr(ins[1]), loss, rows, vocab_n)?;
-                let scale = 1.0 / (*denom).max(1) as f32;
-                if self.opts.dtype == GpuDType::F32 {
-                    l.loss_sum(loss, out, rows, scale)
-                } else {
-                    l.loss_sum(loss, sum, rows, scale)?;
-                    l.convert("cast_f32_bf16", sum, out, 1)
+                self.loss_sum(loss, out, rows, *denom, l)
+            }
+            Op::CrossEntropyStats { axis, parts } => {
+                let (coord, size) = self.coord(axis)?;
+                if size != *parts {
+                    return Err(RuntimeError::AxisSize {
+                        axis: axis.clone(),
+                        expected: *parts,
+                        found: size,
+                    }
+                    .into());
                 }
+                let vocab_n = self.graph.ty(ins[0]).last();
+                let total = vocab_n * parts;
+                let rows = self.numel(ins[1]);
+                if let Some(labels) = &self.host_i32[ins[1].index()] {
+                    check_labels(labels, total)?;
+                }
+                let labels = self.ptr(ins[1]);
+                let lo = coord * vocab_n;
+                l.cross_entropy_stats(dt, x, labels, out, rows, vocab_n, lo, total)
+            }
+            Op::CrossEntropyFromStats { denom } => {
+                let shards = self.graph.ty(ins[0]).last() / CROSS_ENTROPY_STATS;
+                let rows = self.numel(ins[1]);
+                let loss = self.scratch.ptr;
+                l.cross_entropy_from_stats(dt, x, self.ptr(ins[1]), loss, rows, shards)?;
+                self.loss_sum(loss, out, rows, *denom, l)
+            }
+            Op::CrossEntropyShardGrad { axis, denom } => {
+                let (coord, size) = self.coord(axis)?;
+                let vocab_n = node.ty.last();
+                let shards = self.graph.ty(ins[2]).last() / CROSS_ENTROPY_STATS;
+                if coord >= shards {
+                    return Err(RuntimeError::AxisSize {
+                        axis: axis.clone(),
+                        expected: shards,
+                        found: size,
+                    }
+                    .into());
+                }
+                let rows = self.numel(ins[1]);
+                if let Some(labels) = &self.host_i32[ins[1].index()] {
+                    check_labels(labels, vocab_n * shards)?;
+                }
+                let (labels, stats) = (self.ptr(ins[1]), self.ptr(ins[2]));
+                let scale = 1.0 / (*denom).max(1) as f32;
+                let lo = coord * vocab_n;
+                l.cross_entropy_shard_grad(
+                    dt, x, labels, stats, out, rows, vocab_n, shards, lo, scale,
+                )
             }
             Op::FusedElementwise { expr } => {
                 let operands: Vec<(u64, usize)> =
@@ -322,6 +365,26 @@ impl CudaProgram {
                 transpose_b,
             } => self.matmul_rs(v, ctx, axis, *dim, *parts, *transpose_b, l),
             _ => Err(self.unsupported(v, "no CUDA kernel for this op")),
+        }
+    }
+
+    /// `out = Σ loss / denom` over the f32 per-row `loss[rows]` in the compute scratch, in the
+    /// backend's dtype (the f32 sum goes through the scratch after the losses under bf16).
+    fn loss_sum(
+        &self,
+        loss: u64,
+        out: u64,
+        rows: usize,
+        denom: usize,
+        l: &Launcher,
+    ) -> Result<(), CudaError> {
+        let scale = 1.0 / denom.max(1) as f32;
+        if self.opts.dtype == GpuDType::F32 {
+            l.loss_sum(loss, out, rows, scale)
+        } else {
+            let sum = loss + (rows as u64 * 4).div_ceil(256) * 256;
+            l.loss_sum(loss, sum, rows, scale)?;
+            l.convert("cast_f32_bf16", sum, out, 1)
         }
     }
 

@@ -289,6 +289,62 @@ impl Launcher<'_> {
             &logits, &labels, &loss, &r, &v)
     }
 
+    /// Per-row stats `[rows, 3]` (max, sum of exponentials, the label's logit) of one
+    /// vocabulary shard: columns `lo .. lo + vocab` of `total`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_stats(
+        &self,
+        dt: KernelDType,
+        logits: u64,
+        labels: u64,
+        stats: u64,
+        rows: usize,
+        vocab: usize,
+        lo: usize,
+        total: usize,
+    ) -> Result<(), CudaError> {
+        let (r, v, lo, t) = (i(rows), i(vocab), i(lo), i(total));
+        launch!(self, entry_name("cross_entropy_stats", dt), rows_launch(rows, vocab);
+            &logits, &labels, &stats, &r, &v, &lo, &t)
+    }
+
+    /// Per-row cross-entropy into an f32 `loss[rows]` from every vocabulary shard's stats
+    /// (`[rows, 3 · shards]`).
+    pub fn cross_entropy_from_stats(
+        &self,
+        dt: KernelDType,
+        stats: u64,
+        labels: u64,
+        loss: u64,
+        rows: usize,
+        shards: usize,
+    ) -> Result<(), CudaError> {
+        let (r, p) = (i(rows), i(shards));
+        launch!(self, entry_name("cross_entropy_from_stats", dt), elementwise_launch(rows);
+            &stats, &labels, &loss, &r, &p)
+    }
+
+    /// The cross-entropy gradient of one vocabulary shard (columns `lo .. lo + vocab`), scaled
+    /// by `scale`, from every shard's stats.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_shard_grad(
+        &self,
+        dt: KernelDType,
+        logits: u64,
+        labels: u64,
+        stats: u64,
+        dx: u64,
+        rows: usize,
+        vocab: usize,
+        shards: usize,
+        lo: usize,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        let (r, v, p, lo) = (i(rows), i(vocab), i(shards), i(lo));
+        launch!(self, entry_name("cross_entropy_shard_grad", dt), rows_launch(rows, vocab);
+            &logits, &labels, &stats, &dx, &r, &v, &p, &lo, &scale)
+    }
+
     /// `out[0] = scale · Σ loss` (f32).
     pub fn loss_sum(&self, loss: u64, out: u64, rows: usize, scale: f32) -> Result<(), CudaError> {
         let r = i(rows);

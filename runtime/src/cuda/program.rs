@@ -586,7 +586,7 @@ fn scratch_sizes(g: &Graph, storage: &[Storage]) -> (usize, u64, usize) {
             Op::Attention(_) if node.inputs.len() == 4 => {
                 compute = compute.max(4 * g.ty(node.inputs[3]).numel());
             }
-            Op::CrossEntropy { .. } => {
+            Op::CrossEntropy { .. } | Op::CrossEntropyFromStats { .. } => {
                 let rows = g.ty(node.inputs[1]).numel();
                 compute = compute.max(align(rows * 4) + 256);
             }

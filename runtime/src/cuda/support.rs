@@ -54,6 +54,9 @@ pub(super) fn check_supported(
             | Op::Dispatch
             | Op::Combine
             | Op::CrossEntropy { .. }
+            | Op::CrossEntropyStats { .. }
+            | Op::CrossEntropyFromStats { .. }
+            | Op::CrossEntropyShardGrad { .. }
             | Op::AllReduce { .. }
             | Op::ReduceScatter { .. }
             | Op::AllGather { .. }

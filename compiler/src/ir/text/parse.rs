@@ -479,6 +479,13 @@ fn build_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
         "cross_entropy" => Op::CrossEntropy {
             denom: a.req("denom", uint)?,
         },
+        "cross_entropy_stats" => Op::CrossEntropyStats {
+            axis: a.req("axis", string)?,
+            parts: a.req("parts", uint)?,
+        },
+        "cross_entropy_from_stats" => Op::CrossEntropyFromStats {
+            denom: a.req("denom", uint)?,
+        },
         "all_reduce" => Op::AllReduce {
             axis: a.req("axis", string)?,
         },
@@ -598,6 +605,10 @@ fn build_train_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
             wrt: a.req("wrt", |v| named(v, "`y` or `gates`", CombineWrt::from_name))?,
         },
         "cross_entropy_grad" => Op::CrossEntropyGrad {
+            denom: a.req("denom", uint)?,
+        },
+        "cross_entropy_shard_grad" => Op::CrossEntropyShardGrad {
+            axis: a.req("axis", string)?,
             denom: a.req("denom", uint)?,
         },
         "repeat_grad" => Op::RepeatGrad {

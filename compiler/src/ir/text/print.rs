@@ -239,7 +239,17 @@ impl fmt::Display for Op {
                 r.kv("top_k", top_k)?;
                 r.kv("normalize", normalize)?;
             }
-            Op::CrossEntropy { denom } | Op::CrossEntropyGrad { denom } => r.kv("denom", denom)?,
+            Op::CrossEntropy { denom }
+            | Op::CrossEntropyGrad { denom }
+            | Op::CrossEntropyFromStats { denom } => r.kv("denom", denom)?,
+            Op::CrossEntropyStats { axis, parts } => {
+                r.kv("axis", Word(axis))?;
+                r.kv("parts", parts)?;
+            }
+            Op::CrossEntropyShardGrad { axis, denom } => {
+                r.kv("axis", Word(axis))?;
+                r.kv("denom", denom)?;
+            }
             Op::CombineGrad { wrt } => r.kv("wrt", wrt.name())?,
             Op::AdamMoment { beta, squared } => {
                 r.kv("beta", Lit(*beta))?;

@@ -1,15 +1,15 @@
 //! Gradients of the elementwise, linear-algebra, rotary, embedding, loss and layout ops:
 //! `UnaryGrad`, `BiasGrad`, `WeightGrad`, `RopeGrad`, `EmbeddingGrad`, `CrossEntropyGrad`,
-//! `RepeatGrad`.
+//! `CrossEntropyShardGrad` (run by the executor, which knows the rank's shard), `RepeatGrad`.
 
 use crate::cpu::layout::split3;
 use crate::cpu::linalg::strided_gemm;
 use crate::cpu::rope::rotate_pairs;
-use crate::cpu::vocab::cross_entropy_operands;
+use crate::cpu::vocab::{self, cross_entropy_operands};
 use crate::cpu::{f32_of, for_each_row, i32_of, prod, shape_err};
 use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
-use shardc_compiler::ir::{RopeSpec, UnaryOp};
+use shardc_compiler::ir::{RopeSpec, UnaryOp, CROSS_ENTROPY_STATS};
 
 /// √(2/π), the GeLU tanh-approximation constant.
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -224,6 +224,44 @@ pub(crate) fn cross_entropy_grad(
     Ok(Tensor::f32(logits.shape.clone(), out))
 }
 
+/// `CrossEntropyShardGrad { denom }` on vocabulary shard `coord`: `(exp(x − lse) −
+/// onehot(label)) / denom` over columns `coord·Vl ..` of rows whose label is ≥ 0, zero rows
+/// elsewhere, with the row's log-sum-exp over every shard from the gathered stats. In f64.
+pub(crate) fn cross_entropy_shard_grad(
+    logits: &Tensor,
+    labels: &Tensor,
+    stats: &Tensor,
+    coord: usize,
+    denom: usize,
+) -> Result<Tensor, RuntimeError> {
+    const OP: &str = "cross_entropy_shard_grad";
+    let (sd, p) = vocab::stats_operand(OP, stats, labels, 2)?;
+    let (ld, yd, v) = vocab::shard_operands(OP, logits, labels, p)?;
+    if coord >= p {
+        return Err(shape_err(
+            OP,
+            &[logits, labels, stats],
+            "the rank's shard is not among the gathered stats",
+        ));
+    }
+    let w = p * CROSS_ENTROPY_STATS;
+    let lo = coord * v;
+    let scale = 1.0 / denom.max(1) as f64;
+    let mut out = vec![0.0f32; ld.len()];
+    for_each_row(&mut out, v, |i, row| {
+        let Ok(y) = usize::try_from(yd[i]) else {
+            return;
+        };
+        let (lse, _) = vocab::row_lse(&sd[i * w..(i + 1) * w]);
+        let src = &ld[i * v..(i + 1) * v];
+        for (j, (o, &x)) in row.iter_mut().zip(src).enumerate() {
+            let t = if lo + j == y { 1.0 } else { 0.0 };
+            *o = (((x as f64 - lse).exp() - t) * scale) as f32;
+        }
+    });
+    Ok(Tensor::f32(logits.shape.clone(), out))
+}
+
 /// `RepeatGrad { dim, times }`: each run of `times` consecutive indices along `dim` summed.
 pub(crate) fn repeat_grad(dy: &Tensor, dim: usize, times: usize) -> Result<Tensor, RuntimeError> {
     const OP: &str = "repeat_grad";
@@ -346,6 +384,92 @@ mod tests {
         check_vjp("cross entropy", &[logits], 0, &one, &g, |xs| {
             vocab::cross_entropy(&xs[0], &l2, 5).unwrap()
         });
+    }
+
+    /// The vocabulary-parallel loss and gradient against the unsplit ones: logits split into
+    /// 1..4 shards, labels in every shard, ignored labels, a shard whose rows are all −∞, and
+    /// logits large enough that an unshifted exponential would overflow.
+    #[test]
+    fn vocab_parallel_cross_entropy_matches_the_unsplit_one() {
+        let mut rng = Rng::new(6);
+        for (parts, vl, spread) in [(1, 7, 3.0), (2, 5, 3.0), (3, 4, 40.0), (4, 6, 120.0)] {
+            let v = parts * vl;
+            let mut logits = rand_tensor(&mut rng, &[3, 4, v], spread);
+            // Row 11 is −∞ on shard 0 (a masked-out part of the vocabulary).
+            if parts > 1 {
+                if let crate::Buffer::F32(d) = &mut logits.data {
+                    d[11 * v..11 * v + vl].fill(f32::NEG_INFINITY);
+                }
+            }
+            // Labels in every shard (the first column and the last), ignored positions between.
+            let labels: Vec<i32> = (0..12usize)
+                .map(|i| match (i, i - i / 4) {
+                    (11, _) => (v - 1) as i32,
+                    (_, _) if i % 4 == 3 => -100,
+                    (_, k) => ((k % parts) * vl + (3 * k) % vl) as i32,
+                })
+                .collect();
+            let labels = Tensor::i32(vec![3, 4], labels);
+            let denom = 9;
+            let want = vocab::cross_entropy(&logits, &labels, denom).unwrap();
+            let want_grad = cross_entropy_grad(&logits, &labels, denom).unwrap();
+            let shards: Vec<Tensor> = (0..parts)
+                .map(|c| crate::cpu::layout::slice(&logits, 2, c * vl, vl).unwrap())
+                .collect();
+            let stats: Vec<Tensor> = shards
+                .iter()
+                .enumerate()
+                .map(|(c, x)| vocab::cross_entropy_stats(x, &labels, c, parts).unwrap())
+                .collect();
+            let refs: Vec<&Tensor> = stats.iter().collect();
+            let gathered = crate::cpu::layout::concat(&refs, 2).unwrap();
+            let got = vocab::cross_entropy_from_stats(&gathered, &labels, denom).unwrap();
+            let (w, g) = (want.as_f32().unwrap()[0], got.as_f32().unwrap()[0]);
+            assert!(w.is_finite(), "{parts} shards: reference loss {w}");
+            assert!(
+                ((g - w) / w).abs() < 1e-6,
+                "{parts} shards: loss {g} vs {w}"
+            );
+            for (c, x) in shards.iter().enumerate() {
+                let got = cross_entropy_shard_grad(x, &labels, &gathered, c, denom).unwrap();
+                let want = crate::cpu::layout::slice(&want_grad, 2, c * vl, vl).unwrap();
+                let (got, want) = (got.as_f32().unwrap(), want.as_f32().unwrap());
+                for (i, (a, b)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-7 + 1e-6 * b.abs(),
+                        "{parts} shards, shard {c}, element {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn vocab_parallel_cross_entropy_rejects_labels_beyond_the_whole_vocabulary() {
+        let logits = Tensor::f32(vec![1, 2, 3], vec![0.0; 6]);
+        // Shard 1 of 2: columns 3..6 of a vocabulary of 6.
+        let ok = Tensor::i32(vec![1, 2], vec![5, -100]);
+        let st = vocab::cross_entropy_stats(&logits, &ok, 1, 2).unwrap();
+        assert_eq!(st.as_f32().unwrap(), &[0.0, 3.0, 0.0, 0.0, 3.0, 0.0]);
+        let bad = Tensor::i32(vec![1, 2], vec![0, 6]);
+        assert!(matches!(
+            vocab::cross_entropy_stats(&logits, &bad, 1, 2),
+            Err(RuntimeError::LabelOutOfRange {
+                label: 6,
+                vocab: 6,
+                batch: 0,
+                pos: 1
+            })
+        ));
+        let gathered = Tensor::f32(vec![1, 2, 6], vec![0.0; 12]);
+        assert!(matches!(
+            cross_entropy_shard_grad(&logits, &bad, &gathered, 1, 1),
+            Err(RuntimeError::LabelOutOfRange { label: 6, .. })
+        ));
+        // A rank outside the gathered shards, and stats that are not 3 per shard.
+        assert!(cross_entropy_shard_grad(&logits, &ok, &gathered, 2, 1).is_err());
+        let odd = Tensor::f32(vec![1, 2, 4], vec![0.0; 8]);
+        assert!(vocab::cross_entropy_from_stats(&odd, &ok, 1).is_err());
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! [`RuntimeError::Shape`], never a panic.
 
 mod attention;
-mod basic;
+pub(crate) mod basic;
 mod moe;
 mod norm;
 mod optim;
