@@ -105,6 +105,7 @@ fn every_pass_of_each_job_runs_in_order() {
                 | Pass::Rewrite
                 | Pass::Buckets
                 | Pass::Split
+                | Pass::Prefetch
                     if pipelined =>
                 {
                     chunks

@@ -2,7 +2,7 @@
 //! training steps, as one list of named passes ([`Pass::ALL`]):
 //!
 //! ```text
-//! build ─► autodiff* ─► annotate ─► partition ─► grad-layout* ─► rewrite ─► buckets* ─► split*
+//! build ─► autodiff* ─► annotate ─► partition ─► grad-layout* ─► rewrite ─► buckets* ─► split* ─► prefetch*
 //!       ─► stages** ─► schedule ─► plan          (* training only, ** pipelines only)
 //! ```
 //!

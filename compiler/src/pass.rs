@@ -29,6 +29,9 @@ pub enum Pass {
     /// The step (each pipeline chunk's) cut into the micro-batch's program and the
     /// once-per-step program (training only).
     Split,
+    /// Parameter all-gathers (ZeRO-3 / FSDP) issued one layer ahead of their use, so they
+    /// overlap the previous layer's compute (training only).
+    Prefetch,
     /// Pipeline chunks and instructions (pipelines only).
     Stages,
     /// Steps, buffers, memory and communication accounting.
@@ -39,7 +42,7 @@ pub enum Pass {
 
 impl Pass {
     /// Every pass, in order.
-    pub const ALL: [Pass; 11] = [
+    pub const ALL: [Pass; 12] = [
         Pass::Build,
         Pass::Autodiff,
         Pass::Annotate,
@@ -48,6 +51,7 @@ impl Pass {
         Pass::Rewrite,
         Pass::Buckets,
         Pass::Split,
+        Pass::Prefetch,
         Pass::Stages,
         Pass::Schedule,
         Pass::Plan,
@@ -64,6 +68,7 @@ impl Pass {
             Pass::Rewrite => "rewrite",
             Pass::Buckets => "buckets",
             Pass::Split => "split",
+            Pass::Prefetch => "prefetch",
             Pass::Stages => "stages",
             Pass::Schedule => "schedule",
             Pass::Plan => "plan",
@@ -85,7 +90,7 @@ impl Pass {
     pub fn runs_for(self, train: bool, pipelined: bool) -> bool {
         match self {
             Pass::Autodiff | Pass::GradLayout | Pass::Buckets => train,
-            Pass::Split => train,
+            Pass::Split | Pass::Prefetch => train,
             Pass::Stages => pipelined,
             _ => true,
         }

@@ -98,7 +98,7 @@ pub struct CompileArgs {
     #[arg(long, requires = "train")]
     pub stage_layers: Option<String>,
     /// Print the program's text IR after this pass (build, autodiff, annotate, partition,
-    /// grad-layout, rewrite, buckets, split, stages, schedule, plan) and stop before writing.
+    /// grad-layout, rewrite, buckets, split, prefetch, stages, schedule, plan) and stop before writing.
     #[arg(long, value_name = "PASS")]
     pub dump_after: Option<String>,
     /// Check every pass's result (the IR verifier, layouts, collectives, the plan as loaded);

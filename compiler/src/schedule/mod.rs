@@ -2,7 +2,8 @@
 //!
 //! Compute runs on stream 0 and collectives on stream 1. A collective waits on an event
 //! recorded after its operand's producer; its first consumer waits on an event recorded after
-//! it, so communication overlaps independent compute. Activation buffers are placed in one
+//! it (the compute stream waits at the program's end for a collective whose result is only an
+//! output), so communication overlaps independent compute. Activation buffers are placed in one
 //! arena by first-fit over their live ranges (parameters are held separately).
 
 pub mod pp;
@@ -86,6 +87,8 @@ pub fn schedule(g: &Graph) -> Vec<Step> {
     let mut next_event = 0u32;
     // Events a node must wait on before it runs (collective results it consumes).
     let mut pending: Vec<Vec<u32>> = vec![Vec::new(); g.len()];
+    // Collectives whose results only leave the program (outputs): waited for at its end.
+    let mut at_end: Vec<u32> = Vec::new();
     for v in g.ids() {
         let node = g.node(v);
         if matches!(node.op, Op::Input { .. } | Op::Param(_)) {
@@ -126,10 +129,7 @@ pub fn schedule(g: &Graph) -> Vec<Step> {
             });
             match users[v.index()].first() {
                 Some(&u) => pending[u.index()].push(done),
-                None => steps.push(Step::Wait {
-                    event: done,
-                    stream: COMPUTE_STREAM,
-                }),
+                None => at_end.push(done),
             }
         } else if matches!(node.op, Op::MatMul { .. }) {
             steps.push(Step::Gemm {
@@ -143,6 +143,10 @@ pub fn schedule(g: &Graph) -> Vec<Step> {
             });
         }
     }
+    steps.extend(at_end.into_iter().map(|event| Step::Wait {
+        event,
+        stream: COMPUTE_STREAM,
+    }));
     steps
 }
 

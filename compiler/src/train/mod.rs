@@ -505,6 +505,14 @@ pub(crate) fn compile_chunk(
                 )
             },
         )?;
+        // 11. ZeRO-3 / FSDP: parameter all-gathers one layer block ahead of their use.
+        let micro = passes::prefetch_param_gathers(s.micro)?;
+        let s = StepSplit { micro, ..s };
+        log.other(
+            Pass::Prefetch,
+            || check(&s.micro),
+            || crate::pass::sharded_text(&s.micro),
+        )?;
         Some(s)
     };
     let mut options = opts.clone();

@@ -272,6 +272,145 @@ pub(super) fn embedding_grad_offsets(sg: ShardedGraph) -> Result<ShardedGraph, S
     Ok(r.finish(sg))
 }
 
+/// Whether `v` reads nothing but a parameter: a program input holding a parameter (shard), or
+/// a view of one.
+fn param_only(g: &Graph, v: ValueId) -> bool {
+    let n = g.node(v);
+    match n.op {
+        Op::Input { .. } => n.role == ValueRole::Parameter,
+        Op::Reshape => n.inputs.len() == 1 && param_only(g, n.inputs[0]),
+        _ => false,
+    }
+}
+
+/// Whether node `v` is an all-gather of a parameter (a ZeRO-3 / FSDP gather of a parameter
+/// shard, or of a view of one).
+fn param_gather(g: &Graph, v: ValueId) -> bool {
+    let n = g.node(v);
+    matches!(n.op, Op::AllGather { .. }) && n.inputs.len() == 1 && param_only(g, n.inputs[0])
+}
+
+/// The block key of a node of a layer: its layer and whether it runs in the backward pass (a
+/// layer's forward and backward blocks are far apart in program order). Nodes outside the
+/// layers, program inputs, parameter gathers and the views of saved values (placed where the
+/// backward pass reads them) belong to no block.
+fn block_key(g: &Graph, v: ValueId) -> Option<(u32, bool)> {
+    let n = g.node(v);
+    if matches!(n.op, Op::Input { .. } | Op::Param(_))
+        || n.role == ValueRole::Saved
+        || param_only(g, v)
+        || param_gather(g, v)
+    {
+        return None;
+    }
+    let backward = matches!(
+        n.role,
+        ValueRole::Backward | ValueRole::Gradient | ValueRole::Recompute
+    );
+    Some((n.layer?, backward))
+}
+
+/// `prefetch`: every parameter all-gather moved to the start of the layer block that runs
+/// before the block of its first use (in the backward pass the next layer's block, which runs
+/// first), so that the schedule's communication stream runs it while that block computes —
+/// FSDP's forward and backward prefetch of one layer. The order is otherwise unchanged (a
+/// gather reads only a program input, so moving it earlier keeps the program valid); the
+/// gathered parameters of two blocks are live at once, as under FSDP. The views that name a
+/// collective's result as an output (a gradient reduce-scattered per micro-batch under ZeRO-2/3)
+/// are dropped where they change nothing, else moved to the end, so the compute stream does not
+/// stop at each reduce-scatter. Programs with neither are returned as they are.
+pub(super) fn prefetch_param_gathers(sg: ShardedGraph) -> Result<ShardedGraph, ShardError> {
+    let g = &sg.graph;
+    let n = g.len();
+    let users = g.users();
+    // For each node, where its block run starts and where the run before it starts.
+    let mut start: Vec<Option<usize>> = vec![None; n];
+    let mut prev_start: Vec<Option<usize>> = vec![None; n];
+    let (mut cur, mut cur_start, mut before) = (None, 0usize, None);
+    for v in g.ids() {
+        if let Some(k) = block_key(g, v) {
+            if cur != Some(k) {
+                before = cur.map(|_| cur_start);
+                cur = Some(k);
+                cur_start = v.index();
+            }
+        }
+        start[v.index()] = cur.map(|_| cur_start);
+        prev_start[v.index()] = before;
+    }
+    // Each parameter gather goes to the start of the block before its first user's (the first
+    // block's to its own start, ahead of the next block's; a user outside the layers, such as
+    // the LM head, to the start of the block it follows), in program order.
+    let mut moved: BTreeMap<usize, Vec<ValueId>> = BTreeMap::new();
+    let mut is_moved = vec![false; n];
+    for v in g.ids().filter(|&v| param_gather(g, v)) {
+        let Some(&u) = users[v.index()].iter().min() else {
+            continue;
+        };
+        let t = match block_key(g, u) {
+            Some(_) => prev_start[u.index()].or(start[u.index()]),
+            None => start[u.index()],
+        };
+        if let Some(t) = t.filter(|&t| t < v.index()) {
+            moved.entry(t).or_default().push(v);
+            is_moved[v.index()] = true;
+        }
+    }
+    // A view naming a collective's result as a program output (a gradient reduce-scattered per
+    // micro-batch) would make the compute stream wait for that collective where it stands:
+    // an identity view is dropped (the output names the collective's result), another moves to
+    // the end of the program.
+    let mut elided = vec![false; n];
+    for v in g.ids() {
+        let node = g.node(v);
+        let view = matches!(node.op, Op::Reshape)
+            && users[v.index()].is_empty()
+            && node.inputs.len() == 1
+            && g.node(node.inputs[0]).op.is_collective();
+        if !view {
+            continue;
+        }
+        if g.ty(node.inputs[0]) == &node.ty
+            && sg.shardings[node.inputs[0].index()] == sg.shardings[v.index()]
+        {
+            elided[v.index()] = true;
+        } else {
+            moved.entry(n).or_default().push(v);
+            is_moved[v.index()] = true;
+        }
+    }
+    if moved.is_empty() && !elided.contains(&true) {
+        return Ok(sg);
+    }
+    let mut r = Rebuild::new(n);
+    // A moved gather takes its parameter's view (and input) along.
+    fn emit(r: &mut Rebuild, sg: &ShardedGraph, v: ValueId) -> Result<(), ShardError> {
+        for &i in &sg.graph.node(v).inputs {
+            if r.map[i.index()].is_none() {
+                emit(r, sg, i)?;
+            }
+        }
+        r.copy(sg, v).map(|_| ())
+    }
+    for v in g.ids() {
+        for &c in moved.get(&v.index()).into_iter().flatten() {
+            emit(&mut r, &sg, c)?;
+        }
+        if elided[v.index()] {
+            r.map[v.index()] = r.map[g.node(v).inputs[0].index()];
+            continue;
+        }
+        if is_moved[v.index()] || r.map[v.index()].is_some() {
+            continue;
+        }
+        r.copy(&sg, v)?;
+    }
+    for &c in moved.get(&n).into_iter().flatten() {
+        emit(&mut r, &sg, c)?;
+    }
+    Ok(r.finish(sg))
+}
+
 /// DDP's bucket assignment: parameters in reverse order, a bucket closes once its size reaches
 /// its cap (the first cap for the first bucket). Returns indices into `sizes`.
 pub(super) fn assign_buckets(sizes: &[u64], caps: &BucketCaps) -> Vec<Vec<usize>> {
@@ -495,5 +634,87 @@ mod tests {
         );
         // Everything fits the first bucket.
         assert_eq!(assign_buckets(&[10, 20], &caps), vec![vec![1, 0]]);
+    }
+
+    fn fixture_step(strategy: &str, layers: usize) -> crate::train::CompiledTrain {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut cfg =
+            crate::model::ModelConfig::from_path(&root.join("tests/fixtures/hf-tiny/llama"))
+                .expect("config");
+        cfg.layers = layers;
+        let mesh = crate::shard::Mesh::parse("dp=2", 8).expect("mesh");
+        let mut o = crate::train::TrainOptions::new(2, 16, mesh);
+        o.extra_strategies = vec![strategy.into()];
+        crate::train::compile_train(&cfg, &o).expect("compile")
+    }
+
+    /// FSDP's micro-batch program: every parameter gather but the first layer's (and the
+    /// embedding's, used first) is issued a whole layer block before its first use, the first
+    /// layer's ahead of its block; the reduce-scattered gradients' output views come last.
+    #[test]
+    fn parameter_gathers_run_one_layer_block_ahead() {
+        let c = fixture_step("fsdp", 4);
+        let g = &c.split.as_ref().expect("split").micro.graph;
+        let users = g.users();
+        let mut ahead = 0;
+        for v in g.ids().filter(|&v| param_gather(g, v)) {
+            let u = *users[v.index()].iter().min().expect("used");
+            let Some(ku) = block_key(g, u) else {
+                continue;
+            };
+            if ku == (0, false) {
+                continue;
+            }
+            let other_block = (v.index() + 1..u.index())
+                .filter_map(|i| block_key(g, ValueId(i as u32)))
+                .any(|k| k != ku);
+            assert!(
+                other_block,
+                "`{}` is issued in the block of its use",
+                g.node(v).name
+            );
+            ahead += 1;
+        }
+        assert!(ahead >= 2 * 3 * 9, "{ahead} gathers ahead");
+        // The gradients leave as the reduce-scatters' results (no view for the compute stream
+        // to wait on), and the schedule waits for them at the end.
+        let grads: Vec<ValueId> = g
+            .outputs
+            .iter()
+            .filter(|(name, _)| ValueRole::gradient_label(name).is_some())
+            .map(|&(_, v)| v)
+            .collect();
+        assert!(!grads.is_empty());
+        for &v in &grads {
+            assert_eq!(
+                g.node(v).op.mnemonic(),
+                "reduce_scatter",
+                "{}",
+                g.node(v).name
+            );
+        }
+        let steps = crate::schedule::schedule(g);
+        let last_compute = steps
+            .iter()
+            .rposition(|s| {
+                matches!(
+                    s,
+                    crate::schedule::Step::Kernel { .. } | crate::schedule::Step::Gemm { .. }
+                )
+            })
+            .expect("compute");
+        let waits_after = steps[last_compute..]
+            .iter()
+            .filter(|s| matches!(s, crate::schedule::Step::Wait { stream: 0, .. }))
+            .count();
+        assert!(
+            waits_after >= grads.len() - 1,
+            "{waits_after} waits at the end"
+        );
+        // Without parameter gathers or reduce-scattered outputs the program is unchanged.
+        let z1 = fixture_step("zero1", 4);
+        let s = z1.split.as_ref().expect("split");
+        let again = prefetch_param_gathers(s.micro.clone()).expect("prefetch");
+        assert_eq!(again.graph, s.micro.graph);
     }
 }
