@@ -381,16 +381,24 @@ fn bad_training_options_are_one_line_errors() {
 #[test]
 fn interleaved_defaults_to_two_chunks_per_rank_everywhere() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = ok_in(
-        tmp.path(),
-        &[
-            "compile",
-            &format!("{}/models/llama-3-8b.json", env!("CARGO_MANIFEST_DIR")),
+    let model = format!("{}/models/llama-3-8b.json", env!("CARGO_MANIFEST_DIR"));
+    // `compile` or `simulate` of llama-3-8b's training step, interleaved over pp=4, then `rest`.
+    let run = |cmd: &str, rest: &[&str]| {
+        let mut args = vec![
+            cmd,
+            &model,
             "--train",
             "--mesh",
             "pp=4",
             "--schedule",
             "interleaved",
+        ];
+        args.extend_from_slice(rest);
+        ok_in(tmp.path(), &args)
+    };
+    let out = run(
+        "compile",
+        &[
             "--batch",
             "8",
             "--seq",
@@ -406,22 +414,7 @@ fn interleaved_defaults_to_two_chunks_per_rank_everywhere() {
         out.contains("interleaved schedule, 4 stages × 2 chunk(s)"),
         "{out}"
     );
-    let sim = ok_in(
-        tmp.path(),
-        &[
-            "simulate",
-            &format!("{}/models/llama-3-8b.json", env!("CARGO_MANIFEST_DIR")),
-            "--train",
-            "--mesh",
-            "pp=4",
-            "--schedule",
-            "interleaved",
-            "--global-batch",
-            "8",
-            "--seq",
-            "1024",
-        ],
-    );
+    let sim = run("simulate", &["--global-batch", "8", "--seq", "1024"]);
     assert!(sim.contains("schedule interleaved(v=2)"), "{sim}");
     // The bubble both ways: share of the step, and Megatron-LM's idle over ideal time.
     let line = sim.lines().find(|l| l.contains("pipeline ")).unwrap();

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{fails_with, run_shardc};
+use common::{fails_with, gib_after, run_shardc};
 
 const LLAMA: &str = "tests/fixtures/hf-tiny/llama";
 
@@ -92,16 +92,7 @@ fn compile_returns_the_last_position_by_default() {
         let plan = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
         (line, plan)
     };
-    let gib = |l: &str| -> f64 {
-        l.split(", ")
-            .nth(1)
-            .unwrap()
-            .split(" GiB")
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let gib = |l: &str| gib_after(l, ", ");
     let (last, plan) = traffic(&[]);
     let (all, _) = traffic(&["--returns", "logits"]);
     assert!(gib(&last) < 0.7 * gib(&all), "{last} vs {all}");

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{fails_with, run_shardc};
+use common::{fails_with, gib_after, run_shardc};
 use shardc::compiler::plan::{rehash, Plan};
 
 const L70: &str = "models/llama-3-70b.json";
@@ -37,14 +37,7 @@ fn params_gib(summary: &str) -> f64 {
         .lines()
         .find(|l| l.starts_with("per rank ("))
         .unwrap_or_else(|| panic!("{summary}"));
-    l.split("params ")
-        .nth(1)
-        .unwrap()
-        .split(" GiB")
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
+    gib_after(l, "params ")
 }
 
 #[test]

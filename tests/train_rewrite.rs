@@ -18,6 +18,19 @@ fn rewritten(model: &str, mesh: &str, extra: &[&str], rules: &str, dup: usize) -
     })
 }
 
+/// `r` matches the fixture (`check`), and the unsharded step's loss and gradients within 1e-5.
+fn reproduces(model: &str, what: &str, r: &Run, unsharded: &Run) {
+    check(model, what, r);
+    assert!(
+        (r.loss - unsharded.loss).abs() < 1e-5,
+        "{model} {what}: loss {} vs {}",
+        r.loss,
+        unsharded.loss
+    );
+    let d = grad_diff(r, unsharded);
+    assert!(d < 1e-5, "{model} {what}: gradients differ by {d}");
+}
+
 /// Every case of `model`: the step matches the fixture and the unsharded step; returns how
 /// often each op appears in the rewritten programs.
 fn check_model(model: &str, cases: &[(&str, &[&str], &str, usize)]) -> BTreeMap<String, usize> {
@@ -31,15 +44,7 @@ fn check_model(model: &str, cases: &[(&str, &[&str], &str, usize)]) -> BTreeMap<
             report.fired.values().sum::<usize>() > 0,
             "{model} {what}: no rule fired"
         );
-        check(model, &what, &r);
-        assert!(
-            (r.loss - unsharded.loss).abs() < 1e-5,
-            "{model} {what}: loss {} vs {}",
-            r.loss,
-            unsharded.loss
-        );
-        let d = grad_diff(&r, &unsharded);
-        assert!(d < 1e-5, "{model} {what}: gradients differ by {d}");
+        reproduces(model, &what, &r, &unsharded);
         for n in &r.compiled.sharded.graph.nodes {
             *ops.entry(n.op.mnemonic().to_string()).or_default() += 1;
         }
@@ -101,15 +106,7 @@ fn data_parallel_steps_rewritten_to_zero1_reproduce_the_fixtures() {
                 let choice = report.state_layout.as_ref().expect("state layout chosen");
                 assert!(choice.sharded_wins(), "{model} {what}: {choice}");
                 assert_eq!(r.compiled.zero_stage, 1, "{model} {what}");
-                check(model, &what, &r);
-                assert!(
-                    (r.loss - unsharded.loss).abs() < 1e-5,
-                    "{model} {what}: loss {} vs {}",
-                    r.loss,
-                    unsharded.loss
-                );
-                let d = grad_diff(&r, &unsharded);
-                assert!(d < 1e-5, "{model} {what}: gradients differ by {d}");
+                reproduces(model, &what, &r, &unsharded);
             }
         }
     }

@@ -232,6 +232,19 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         })
 }
 
+/// The number in `line` between the first `marker` and the ` GiB` after it
+/// (`gib_after("params 1.5 GiB", "params ")` is 1.5).
+pub fn gib_after(line: &str, marker: &str) -> f64 {
+    line.split(marker)
+        .nth(1)
+        .unwrap()
+        .split(" GiB")
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 /// Four sequences of 16 token ids below 256 (every fixture's vocabulary is at least 256),
 /// written to `dir/toks.json`; returns its path.
 pub fn tokens_4x16(dir: &std::path::Path) -> String {

@@ -521,6 +521,14 @@ pub fn path_text(path: &[Step]) -> String {
     }
 }
 
+/// One of the keys of the non-empty `m`, uniformly.
+fn random_key(rng: &mut Rng, m: &Map<String, Value>) -> String {
+    m.keys()
+        .nth(rng.below(m.len()))
+        .cloned()
+        .unwrap_or_default()
+}
+
 /// One structural mutation of `v`; `keys` are extra key names worth inserting. Returns what
 /// it did.
 pub fn mutate_json(rng: &mut Rng, v: &mut Value, keys: &[&str]) -> String {
@@ -570,11 +578,7 @@ pub fn mutate_json(rng: &mut Rng, v: &mut Value, keys: &[&str]) -> String {
         },
         5 => match node {
             Value::Object(m) if !m.is_empty() => {
-                let k = m
-                    .keys()
-                    .nth(rng.below(m.len()))
-                    .cloned()
-                    .unwrap_or_default();
+                let k = random_key(rng, m);
                 m.remove(&k);
                 format!("delete {at}.{k}")
             }
@@ -614,11 +618,7 @@ pub fn mutate_json(rng: &mut Rng, v: &mut Value, keys: &[&str]) -> String {
         },
         7 => match node {
             Value::Object(m) if !m.is_empty() => {
-                let k = m
-                    .keys()
-                    .nth(rng.below(m.len()))
-                    .cloned()
-                    .unwrap_or_default();
+                let k = random_key(rng, m);
                 let x = m.remove(&k).unwrap_or_default();
                 let nk = format!("{k}_");
                 m.insert(nk, x);

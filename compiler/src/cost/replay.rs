@@ -373,19 +373,19 @@ mod tests {
         }
     }
 
+    /// Seconds of an all-reduce of `bytes` over one NVLink group of 8 on `c`.
+    fn all_reduce_time(c: &Cluster, bytes: u64) -> f64 {
+        let topo = GroupTopology::intra(8);
+        collective_time(c, CollectiveKind::AllReduce, Bytes(bytes), topo).0
+    }
+
     #[test]
     fn comm_overlaps_independent_compute() {
         let c = Cluster::resolve("dgx-h100x1").unwrap();
         let mesh = Mesh::parse("tp=8", 8).unwrap();
         let topo = Topology::new(&mesh, &c);
         let bytes = 1u64 << 30;
-        let tc = collective_time(
-            &c,
-            CollectiveKind::AllReduce,
-            Bytes(bytes),
-            GroupTopology::intra(8),
-        )
-        .0;
+        let tc = all_reduce_time(&c, bytes);
         let mut p = Program::new();
         push(&mut p, COMPUTE, kernel(1e-3));
         push(&mut p, COMPUTE, ProgKind::Record(0));
@@ -420,13 +420,7 @@ mod tests {
         let c = Cluster::resolve("dgx-h100x1").unwrap();
         let mesh = Mesh::parse("tp=8", 8).unwrap();
         let bytes = 1u64 << 30;
-        let t = collective_time(
-            &c,
-            CollectiveKind::AllReduce,
-            Bytes(bytes),
-            GroupTopology::intra(8),
-        )
-        .0;
+        let t = all_reduce_time(&c, bytes);
         let mut p = Program::new();
         p.streams.push("comm2".into());
         for s in [COMM, 2] {

@@ -563,6 +563,23 @@ fn mul(op: &'static str, a: usize, b: usize) -> Result<usize, IrError> {
         .ok_or_else(|| shape_err(op, format!("size {a} × {b} overflows")))
 }
 
+/// `x` with dim `dim` `by` times larger; an error described by `bad()` when `x` has no dim
+/// `dim` or `by` is 0.
+fn times_dim(
+    op: &'static str,
+    x: &TensorType,
+    dim: usize,
+    by: usize,
+    bad: impl FnOnce() -> String,
+) -> Result<TensorType, IrError> {
+    if dim >= x.rank() || by == 0 {
+        return Err(shape_err(op, bad()));
+    }
+    let mut t = x.clone();
+    t.dims[dim].size = mul(op, x.dim(dim), by)?;
+    Ok(t)
+}
+
 fn shape_err(op: &'static str, detail: String) -> IrError {
     IrError::Shape { op, detail }
 }
@@ -915,15 +932,9 @@ impl Op {
             Op::Repeat { dim, times } => {
                 arity(self, inputs, 1, "1")?;
                 let x = inputs[0];
-                if *dim >= x.rank() || *times == 0 {
-                    return Err(shape_err(
-                        m,
-                        format!("bad repeat of dim {dim} ×{times} of {x}"),
-                    ));
-                }
-                let mut t = x.clone();
-                t.dims[*dim].size = mul(m, x.dim(*dim), *times)?;
-                Ok(t)
+                times_dim(m, x, *dim, *times, || {
+                    format!("bad repeat of dim {dim} ×{times} of {x}")
+                })
             }
             Op::Router { top_k, .. } => {
                 arity(self, inputs, 1, "1")?;
@@ -1012,15 +1023,9 @@ impl Op {
             Op::AllGather { dim, parts, .. } => {
                 arity(self, inputs, 1, "1")?;
                 let x = inputs[0];
-                if *dim >= x.rank() || *parts == 0 {
-                    return Err(shape_err(
-                        m,
-                        format!("bad gather of dim {dim} into {parts} parts of {x}"),
-                    ));
-                }
-                let mut t = x.clone();
-                t.dims[*dim].size = mul(m, x.dim(*dim), *parts)?;
-                Ok(t)
+                times_dim(m, x, *dim, *parts, || {
+                    format!("bad gather of dim {dim} into {parts} parts of {x}")
+                })
             }
             Op::AllToAll {
                 split_dim,

@@ -440,6 +440,35 @@ impl<T: Transport> Engine<T> {
         Op { kind, seq }
     }
 
+    /// Checks and numbers a collective between `root` and every rank: `root` is a rank and the
+    /// root's `whole` buffer holds `size()` of every rank's `chunk`.
+    fn start_rooted(
+        &self,
+        kind: CollectiveKind,
+        root: usize,
+        whole: (&str, usize),
+        chunk: (&str, usize),
+    ) -> Result<Op, CommError> {
+        self.check_root(kind, root)?;
+        if self.rank() == root {
+            self.check_chunks(kind, whole, chunk)?;
+        }
+        Ok(self.start(kind))
+    }
+
+    /// Checks and numbers a point-to-point `kind` with `peer`, counted in `counts[peer]`.
+    fn start_p2p(
+        &self,
+        kind: CollectiveKind,
+        peer: usize,
+        counts: &[Cell<u64>],
+    ) -> Result<Op, CommError> {
+        self.check_peer(kind, peer)?;
+        let seq = counts[peer].get();
+        counts[peer].set(seq + 1);
+        Ok(Op { kind, seq })
+    }
+
     fn check_root(&self, kind: CollectiveKind, root: usize) -> Result<(), CommError> {
         if root < self.size() {
             Ok(())
@@ -560,13 +589,9 @@ impl<T: Transport> Engine<T> {
         recv: &mut [f32],
         root: usize,
     ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Gather;
-        self.check_root(kind, root)?;
         let (rank, m) = (self.rank(), send.len());
-        if rank == root {
-            self.check_chunks(kind, ("recv", recv.len()), ("send", m))?;
-        }
-        let op = self.start(kind);
+        let kind = CollectiveKind::Gather;
+        let op = self.start_rooted(kind, root, ("recv", recv.len()), ("send", m))?;
         if rank != root {
             return self.link.send_to(root, op, send);
         }
@@ -595,13 +620,9 @@ impl<T: Transport> Engine<T> {
         recv: &mut [f32],
         root: usize,
     ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Scatter;
-        self.check_root(kind, root)?;
         let (rank, m) = (self.rank(), recv.len());
-        if rank == root {
-            self.check_chunks(kind, ("send", send.len()), ("recv", m))?;
-        }
-        let op = self.start(kind);
+        let kind = CollectiveKind::Scatter;
+        let op = self.start_rooted(kind, root, ("send", send.len()), ("recv", m))?;
         if rank != root {
             recv.copy_from_slice(&self.link.recv_from(root, op, m)?);
             return Ok(());
@@ -664,20 +685,14 @@ impl<T: Transport> Engine<T> {
 
     /// Point-to-point send; the k-th send to `peer` matches `peer`'s k-th receive from us.
     pub(crate) fn send(&self, buf: &[f32], peer: usize) -> Result<(), CommError> {
-        let kind = CollectiveKind::Send;
-        self.check_peer(kind, peer)?;
-        let seq = self.sent[peer].get();
-        self.sent[peer].set(seq + 1);
-        self.link.send_to(peer, Op { kind, seq }, buf)
+        let op = self.start_p2p(CollectiveKind::Send, peer, &self.sent)?;
+        self.link.send_to(peer, op, buf)
     }
 
     /// Point-to-point receive of the next message from `peer`.
     pub(crate) fn recv(&self, buf: &mut [f32], peer: usize) -> Result<(), CommError> {
-        let kind = CollectiveKind::Recv;
-        self.check_peer(kind, peer)?;
-        let seq = self.received[peer].get();
-        self.received[peer].set(seq + 1);
-        buf.copy_from_slice(&self.link.recv_from(peer, Op { kind, seq }, buf.len())?);
+        let op = self.start_p2p(CollectiveKind::Recv, peer, &self.received)?;
+        buf.copy_from_slice(&self.link.recv_from(peer, op, buf.len())?);
         Ok(())
     }
 }
@@ -735,16 +750,9 @@ fn ring_reduce_scatter<T: Transport>(
     span: &dyn Fn(usize) -> Range<usize>,
     offset: usize,
 ) -> Result<(), CommError> {
-    let GroupInfo { rank, size, .. } = *link.info();
-    let (left, right) = ((rank + size - 1) % size, (rank + 1) % size);
-    for step in 0..size.saturating_sub(1) {
-        let out = (rank + offset + size - step) % size;
-        let inc = (rank + offset + 2 * size - step - 1) % size;
-        link.send_to(right, op, &buf[span(out)])?;
-        let data = link.recv_from(left, op, span(inc).len())?;
-        combine(rop, &mut buf[span(inc)], &data);
-    }
-    Ok(())
+    ring(link, op, buf, span, offset, &|acc, data| {
+        combine(rop, acc, data)
+    })
 }
 
 /// Ring all-gather of `buf` split by `span` into `size` chunks, where rank `r` starts with
@@ -757,6 +765,22 @@ fn ring_all_gather<T: Transport>(
     span: &dyn Fn(usize) -> Range<usize>,
     offset: usize,
 ) -> Result<(), CommError> {
+    ring(link, op, buf, span, offset, &|chunk, data| {
+        chunk.copy_from_slice(data)
+    })
+}
+
+/// The `size - 1` steps of a ring over `buf` split by `span` into `size` chunks: at step `s`
+/// rank `r` sends chunk `r + offset - s` to `r + 1` and `merge`s chunk `r + offset - s - 1`
+/// received from `r - 1` into its own.
+fn ring<T: Transport>(
+    link: &T,
+    op: Op,
+    buf: &mut [f32],
+    span: &dyn Fn(usize) -> Range<usize>,
+    offset: usize,
+    merge: &dyn Fn(&mut [f32], &[f32]),
+) -> Result<(), CommError> {
     let GroupInfo { rank, size, .. } = *link.info();
     let (left, right) = ((rank + size - 1) % size, (rank + 1) % size);
     for step in 0..size.saturating_sub(1) {
@@ -764,7 +788,7 @@ fn ring_all_gather<T: Transport>(
         let inc = (rank + offset + 2 * size - step - 1) % size;
         link.send_to(right, op, &buf[span(out)])?;
         let data = link.recv_from(left, op, span(inc).len())?;
-        buf[span(inc)].copy_from_slice(&data);
+        merge(&mut buf[span(inc)], &data);
     }
     Ok(())
 }

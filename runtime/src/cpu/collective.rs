@@ -124,10 +124,7 @@ pub(crate) fn all_gather(
     let (send, w) = to_wire("all_gather", x, false)?;
     let mut recv = vec![0.0f32; send.len() * parts];
     comm.all_gather(&send, &mut recv).map_err(wrap)?;
-    let data = unpack_chunks(&recv, &x.shape, dim, parts);
-    let mut shape = x.shape.clone();
-    shape[dim] *= parts;
-    Ok(from_wire(shape, data, w))
+    Ok(concat_chunks(&recv, x.shape.clone(), dim, parts, w))
 }
 
 /// `AllToAll { split_dim, concat_dim, parts }`: chunk j of `split_dim` goes to rank j; the
@@ -149,10 +146,16 @@ pub(crate) fn all_to_all(
     comm.all_to_all(&send, &mut recv).map_err(wrap)?;
     let mut chunk = x.shape.clone();
     chunk[split_dim] /= parts;
-    let data = unpack_chunks(&recv, &chunk, concat_dim, parts);
+    Ok(concat_chunks(&recv, chunk, concat_dim, parts, w))
+}
+
+/// The `parts` chunks of `recv` (one per rank, each of shape `chunk`) concatenated along
+/// `dim` in rank order.
+fn concat_chunks(recv: &[f32], chunk: Vec<usize>, dim: usize, parts: usize, w: Wire) -> Tensor {
+    let data = unpack_chunks(recv, &chunk, dim, parts);
     let mut shape = chunk;
-    shape[concat_dim] *= parts;
-    Ok(from_wire(shape, data, w))
+    shape[dim] *= parts;
+    from_wire(shape, data, w)
 }
 
 /// `Broadcast { root }`: rank `root`'s value on every rank.

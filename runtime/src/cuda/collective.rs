@@ -8,17 +8,18 @@
 //! two receive buffers with the same rule. Both end by joining the streams both ways, so no
 //! comm work of the op outlives it.
 
-use super::gemm::{Epilogue, GemmKey};
+use super::gemm::{Epilogue, GemmCache, GemmKey};
 use super::ops::Launcher;
 use super::program::CudaProgram;
 use super::rank::CudaRankCtx;
 use super::strided::{split3, StridedSpec};
 use super::CudaError;
 use crate::comm::{CommError, ReduceOp};
-use crate::cuda::comm::device::{DeviceBuffer, DeviceCommunicator};
+use crate::cuda::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
 use crate::RuntimeError;
 use cudarc::driver::{CudaEvent, CudaStream};
 use shardc_compiler::ir::{Op, ValueId};
+use std::sync::Arc;
 
 impl CudaProgram {
     /// Enqueues one collective on the comm stream (packing chunks around it when the
@@ -42,25 +43,8 @@ impl CudaProgram {
             self.comm_scratch.ptr,
             self.comm_scratch.ptr + self.comm_half,
         );
-        let wrap = |e: CommError| CudaError::Comm {
-            node: v,
-            name: node.name.clone(),
-            op: node.op.mnemonic(),
-            axis: axis.clone(),
-            source: Box::new(e),
-        };
-        let check_parts = |parts: usize| -> Result<(), CudaError> {
-            if comm.size() == parts {
-                Ok(())
-            } else {
-                Err(RuntimeError::AxisSize {
-                    axis: axis.clone(),
-                    expected: parts,
-                    found: comm.size(),
-                }
-                .into())
-            }
-        };
+        let wrap = self.comm_error(v, &axis);
+        let check_parts = |parts: usize| check_axis_size(comm, &axis, parts);
         let spec = |s| self.strided_spec(v, s);
         let s = lm.stream;
         // SAFETY (every call below): `send`, `recv` and the scratch halves are live device
@@ -140,24 +124,26 @@ impl CudaProgram {
         }
     }
 
-    fn ring_comm<'a>(
+    /// The ring of `axis` (of `parts` ranks) for node `v`, computing on `cs`.
+    fn ring<'a>(
         &self,
         v: ValueId,
         ctx: &CudaRankCtx<'a>,
         axis: &str,
         parts: usize,
-    ) -> Result<&'a dyn DeviceCommunicator, CudaError> {
+        cs: &'a CudaStream,
+    ) -> Result<Ring<'a>, CudaError> {
         let comm = ctx.comm(axis)?;
-        if comm.size() != parts {
-            return Err(RuntimeError::AxisSize {
-                axis: axis.to_string(),
-                expected: parts,
-                found: comm.size(),
-            }
-            .into());
-        }
-        let _ = v;
-        Ok(comm)
+        check_axis_size(comm, axis, parts)?;
+        Ok(Ring {
+            comm,
+            n: parts,
+            r: comm.rank(),
+            dtype: self.storage[v.index()].device(),
+            cs,
+            ms: self.comm.clone(),
+            wrap: Box::new(self.comm_error(v, axis)),
+        })
     }
 
     fn comm_error(&self, v: ValueId, axis: &str) -> impl Fn(CommError) -> CudaError + 'static {
@@ -184,13 +170,11 @@ impl CudaProgram {
         transpose_b: bool,
         l: &Launcher,
     ) -> Result<(), CudaError> {
-        let comm = self.ring_comm(v, ctx, axis, parts)?;
-        let wrap = self.comm_error(v, axis);
+        let ring = self.ring(v, ctx, axis, parts, l.stream)?;
         let node = self.graph.node(v).clone();
         let (x, w) = (node.inputs[0], node.inputs[1]);
-        let (n, r) = (parts, comm.rank());
-        let st = self.storage[v.index()];
-        let elem = st.size_bytes();
+        let (n, r) = (ring.n, ring.r);
+        let elem = self.storage[v.index()].size_bytes();
         let x_len = self.numel(x);
         let out_shape = node.ty.shape();
         if dim + 1 >= out_shape.len() || n == 0 {
@@ -210,58 +194,42 @@ impl CudaProgram {
         let direct = split3(&out_shape, dim).0 == 1;
         let prod = if direct { out } else { self.scratch.ptr };
         let half = (x_len * elem).div_ceil(256) as u64 * 256;
-        let ring = [self.ring.ptr, self.ring.ptr + half];
-        let (cs, ms): (&CudaStream, &CudaStream) = (l.stream, &self.comm.clone());
+        let bufs = [self.ring.ptr, self.ring.ptr + half];
+        let (cs, ms) = (ring.cs, &*ring.ms);
         let wptr = self.ptr(w);
-        let ev = |s: &CudaStream| {
-            s.record_event(None)
-                .map_err(CudaError::driver("record a ring event"))
-        };
-        let wait = |s: &CudaStream, e: &CudaEvent| {
-            s.wait(e)
-                .map_err(CudaError::driver("wait for a ring event"))
-        };
-        wait(ms, &ev(cs)?)?; // x is ready
+        wait(ms, &event(cs)?)?; // x is ready
         let mut cur = self.ptr(x);
         let mut recv_done: Vec<CudaEvent> = Vec::new();
         let mut gemm_done: Vec<CudaEvent> = Vec::new();
         for s in 0..n {
             let src = (r + n - s) % n;
             if s + 1 < n {
-                let next = ring[s % 2];
+                let next = bufs[s % 2];
                 if s >= 2 {
-                    // `next` is ring[s % 2] = ring[(s - 2) % 2], the operand of step s - 1's GEMM.
+                    // `next` is bufs[s % 2] = bufs[(s - 2) % 2], the operand of step s - 1's GEMM.
                     wait(ms, &gemm_done[s - 1])?;
                 }
-                let send = DeviceBuffer::new(cur, x_len, st.device());
-                let recv = DeviceBuffer::new(next, x_len, st.device());
                 // SAFETY: `cur` (x or a ring buffer) and `next` are live device buffers of x_len
                 // elements; the ring buffers outlive the program's streams.
-                unsafe { comm.send_recv(send, (r + 1) % n, recv, (r + n - 1) % n, ms) }
-                    .map_err(&wrap)?;
-                recv_done.push(ev(ms)?);
+                unsafe { ring.shift(cur, next, x_len) }?;
+                recv_done.push(event(ms)?);
             }
             if s >= 1 {
                 wait(cs, &recv_done[s - 1])?;
             }
             let dst = prod + (src * chunk_len * elem) as u64;
-            let gemm = self
-                .gemm
-                .as_mut()
-                .expect("invariant: created for graphs with GEMMs");
             // SAFETY: `cur` holds a chunk of x, `dst` a chunk of the product (output or scratch).
-            unsafe { gemm.gemm(&key, cur, wptr, None, dst, cs) }?;
-            gemm_done.push(ev(cs)?);
+            unsafe { self.gemm_cache().gemm(&key, cur, wptr, None, dst, cs) }?;
+            gemm_done.push(event(cs)?);
             if s + 1 < n {
-                cur = ring[s % 2];
+                cur = bufs[s % 2];
             }
         }
         if !direct {
             let spec = self.strided_spec(v, StridedSpec::unpack_chunks(&chunk_out, dim, n))?;
             l.strided(elem, prod, out, &spec)?;
         }
-        wait(ms, &ev(cs)?)?;
-        wait(cs, &ev(ms)?)
+        ring.join()
     }
 
     /// `MatMulRs`: `reduce_scatter(matmul(x, w), dim)` as a ring (module docs).
@@ -276,13 +244,11 @@ impl CudaProgram {
         transpose_b: bool,
         l: &Launcher,
     ) -> Result<(), CudaError> {
-        let comm = self.ring_comm(v, ctx, axis, parts)?;
-        let wrap = self.comm_error(v, axis);
+        let ring = self.ring(v, ctx, axis, parts, l.stream)?;
         let node = self.graph.node(v).clone();
         let (x, w) = (node.inputs[0], node.inputs[1]);
-        let (n, r) = (parts, comm.rank());
-        let st = self.storage[v.index()];
-        let elem = st.size_bytes();
+        let (n, r) = (ring.n, ring.r);
+        let elem = self.storage[v.index()].size_bytes();
         let xs = self.shape(x);
         if dim + 1 >= xs.len() || n == 0 || xs[dim] % n != 0 {
             return Err(self.unsupported(v, "the ring dim must be a row dim divisible by the axis"));
@@ -304,17 +270,9 @@ impl CudaProgram {
         let q = (p_len * elem).div_ceil(256) as u64 * 256;
         let pbuf = [self.ring.ptr, self.ring.ptr + q];
         let rbuf = [self.ring.ptr + 2 * q, self.ring.ptr + 3 * q];
-        let (cs, ms): (&CudaStream, &CudaStream) = (l.stream, &self.comm.clone());
+        let (cs, ms) = (ring.cs, &*ring.ms);
         let (xptr, wptr) = (self.ptr(x), self.ptr(w));
         let dt = self.dt();
-        let ev = |s: &CudaStream| {
-            s.record_event(None)
-                .map_err(CudaError::driver("record a ring event"))
-        };
-        let wait = |s: &CudaStream, e: &CudaEvent| {
-            s.wait(e)
-                .map_err(CudaError::driver("wait for a ring event"))
-        };
         let mut sr_done: Vec<CudaEvent> = Vec::new();
         for s in 0..n {
             let c = (r + 2 * n - s - 1) % n;
@@ -330,27 +288,91 @@ impl CudaProgram {
             if s >= 2 && !last {
                 wait(cs, &sr_done[s - 2])?; // pbuf[s % 2] was sent at step s - 2
             }
-            let gemm = self
-                .gemm
-                .as_mut()
-                .expect("invariant: created for graphs with GEMMs");
             // SAFETY: `a` holds a row chunk of x, `dst` a partial product of p_len elements.
-            unsafe { gemm.gemm(&key, a, wptr, None, dst, cs) }?;
+            unsafe { self.gemm_cache().gemm(&key, a, wptr, None, dst, cs) }?;
             if s > 0 {
                 wait(cs, &sr_done[s - 1])?;
                 l.accumulate(dt, dst, rbuf[(s - 1) % 2], p_len)?;
             }
             if !last {
-                wait(ms, &ev(cs)?)?;
-                let send = DeviceBuffer::new(dst, p_len, st.device());
-                let recv = DeviceBuffer::new(rbuf[s % 2], p_len, st.device());
+                wait(ms, &event(cs)?)?;
                 // SAFETY: ring buffers of p_len elements, live for the program's lifetime.
-                unsafe { comm.send_recv(send, (r + 1) % n, recv, (r + n - 1) % n, ms) }
-                    .map_err(&wrap)?;
-                sr_done.push(ev(ms)?);
+                unsafe { ring.shift(dst, rbuf[s % 2], p_len) }?;
+                sr_done.push(event(ms)?);
             }
         }
-        wait(ms, &ev(cs)?)?;
-        wait(cs, &ev(ms)?)
+        ring.join()
     }
+
+    fn gemm_cache(&mut self) -> &mut GemmCache {
+        self.gemm
+            .as_mut()
+            .expect("invariant: created for graphs with GEMMs")
+    }
+}
+
+/// `Ok` when the communicator of `axis` has `parts` ranks, else [`RuntimeError::AxisSize`].
+fn check_axis_size(
+    comm: &dyn DeviceCommunicator,
+    axis: &str,
+    parts: usize,
+) -> Result<(), CudaError> {
+    if comm.size() == parts {
+        Ok(())
+    } else {
+        Err(RuntimeError::AxisSize {
+            axis: axis.to_string(),
+            expected: parts,
+            found: comm.size(),
+        }
+        .into())
+    }
+}
+
+/// The ring a collective matmul runs on: the axis' communicator with this rank's place `r` of
+/// `n`, the compute stream `cs`, the comm stream `ms`, and the error of a failed transfer.
+struct Ring<'a> {
+    comm: &'a dyn DeviceCommunicator,
+    n: usize,
+    r: usize,
+    dtype: DeviceDType,
+    cs: &'a CudaStream,
+    ms: Arc<CudaStream>,
+    wrap: Box<dyn Fn(CommError) -> CudaError>,
+}
+
+impl Ring<'_> {
+    /// On the comm stream: `len` elements at `send` to the next rank, as many from the
+    /// previous rank into `recv`.
+    ///
+    /// # Safety
+    /// `send` and `recv` are live device buffers of `len` elements until the comm stream ran
+    /// the transfer.
+    unsafe fn shift(&self, send: u64, recv: u64, len: usize) -> Result<(), CudaError> {
+        let (n, r) = (self.n, self.r);
+        let send = DeviceBuffer::new(send, len, self.dtype);
+        let recv = DeviceBuffer::new(recv, len, self.dtype);
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.comm
+                .send_recv(send, (r + 1) % n, recv, (r + n - 1) % n, &self.ms)
+        }
+        .map_err(&self.wrap)
+    }
+
+    /// Joins the streams both ways, so no comm work of the op outlives it.
+    fn join(&self) -> Result<(), CudaError> {
+        wait(&self.ms, &event(self.cs)?)?;
+        wait(self.cs, &event(&self.ms)?)
+    }
+}
+
+fn event(s: &CudaStream) -> Result<CudaEvent, CudaError> {
+    s.record_event(None)
+        .map_err(CudaError::driver("record a ring event"))
+}
+
+fn wait(s: &CudaStream, e: &CudaEvent) -> Result<(), CudaError> {
+    s.wait(e)
+        .map_err(CudaError::driver("wait for a ring event"))
 }

@@ -15,26 +15,39 @@ use std::sync::Arc;
 /// A GPU rank failed.
 pub type CudaRankError = crate::rank::RankFailure<CudaError>;
 
-/// The first root-cause error (not a peer's knock-on failure), or every rank's outputs.
-fn collect(
+/// Runs `rank(t)` for every rank's `t` (in rank order), each on its own thread; the first
+/// root-cause error (not a peer's knock-on failure), or every rank's outputs.
+fn on_rank_threads<T: Send>(
     mesh: &Mesh,
-    results: Vec<Result<BTreeMap<String, Tensor>, CudaError>>,
+    per_rank: Vec<T>,
+    rank: impl Fn(T) -> Result<BTreeMap<String, Tensor>, CudaError> + Sync,
 ) -> Result<Vec<BTreeMap<String, Tensor>>, CudaRankError> {
+    let rank = &rank;
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = per_rank
+            .into_iter()
+            .map(|t| s.spawn(move || rank(t)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
+            .collect::<Vec<_>>()
+    });
     crate::rank::root_cause(mesh, results)
 }
 
 /// Runs one rank: prepare, run; on failure abort the rank's communicators so peers stop.
-fn run_rank(
+fn run_rank<C: DeviceCommunicator>(
     dev: &Arc<CudaDevice>,
     program: &Graph,
     params: &ParamInit,
     inputs: &BTreeMap<String, Tensor>,
     opts: &CudaOptions,
-    comms: &[(String, &dyn DeviceCommunicator)],
+    comms: &[(String, C)],
 ) -> Result<BTreeMap<String, Tensor>, CudaError> {
     let mut ctx = CudaRankCtx::new();
     for (axis, c) in comms {
-        ctx.insert(axis.clone(), *c);
+        ctx.insert(axis.clone(), c);
     }
     let out = CudaProgram::prepare(dev.clone(), program, params, &ctx, opts.clone())
         .and_then(|mut p| p.run(inputs, &ctx));
@@ -69,25 +82,9 @@ pub fn run_spmd_local_gpu(
             }
         }
     }
-    let results = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|mine| {
-                s.spawn(move || {
-                    let refs: Vec<(String, &dyn DeviceCommunicator)> = mine
-                        .iter()
-                        .map(|(a, c)| (a.clone(), c as &dyn DeviceCommunicator))
-                        .collect();
-                    run_rank(dev, program, params, inputs, opts, &refs)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
-            .collect::<Vec<_>>()
-    });
-    collect(mesh, results)
+    on_rank_threads(mesh, comms, |mine| {
+        run_rank(dev, program, params, inputs, opts, &mine)
+    })
 }
 
 fn panicked() -> CudaError {
@@ -113,30 +110,14 @@ pub fn run_spmd_nccl_threads(
         coords: mesh.coords_label(0),
         error,
     })?;
-    let results = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                s.spawn(move || {
-                    let world_comm = NcclComm::init(dev, rank, world, id, "world", opts.timeout)?;
-                    let axes = world_comm.for_mesh(mesh).map_err(|e| CudaError::CommPoll {
-                        axis: "world".to_string(),
-                        source: Box::new(e),
-                    })?;
-                    let refs: Vec<(String, &dyn DeviceCommunicator)> = axes
-                        .iter()
-                        .map(|(a, c)| (a.clone(), c as &dyn DeviceCommunicator))
-                        .collect();
-                    let out = run_rank(dev, program, params, inputs, opts, &refs);
-                    drop(refs);
-                    drop(axes);
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
-            .collect::<Vec<_>>()
-    });
-    collect(mesh, results)
+    on_rank_threads(mesh, (0..world).collect(), |rank| {
+        let world_comm = NcclComm::init(dev, rank, world, id, "world", opts.timeout)?;
+        let axes = world_comm.for_mesh(mesh).map_err(|e| CudaError::CommPoll {
+            axis: "world".to_string(),
+            source: Box::new(e),
+        })?;
+        let out = run_rank(dev, program, params, inputs, opts, &axes);
+        drop(axes);
+        out
+    })
 }

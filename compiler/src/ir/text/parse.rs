@@ -381,7 +381,7 @@ fn ew_step(v: Val) -> Result<EwStep, String> {
             b: a.req("b", ew_index)?,
         },
         "unary" => EwStep::Unary {
-            f: a.req("fn", |v| named(v, "a unary function", UnaryOp::from_name))?,
+            f: a.req("fn", unary_fn)?,
             x: a.req("x", ew_index)?,
         },
         "scale" => EwStep::Scale {
@@ -389,7 +389,7 @@ fn ew_step(v: Val) -> Result<EwStep, String> {
             x: a.req("x", ew_index)?,
         },
         _ => EwStep::Cast {
-            to: a.req("to", |v| named(v, "a dtype", DType::from_name))?,
+            to: a.req("to", dtype)?,
             x: a.req("x", ew_index)?,
         },
     };
@@ -399,6 +399,40 @@ fn ew_expr(v: Val) -> Result<EwExpr, String> {
     Ok(EwExpr {
         steps: list(v, ew_step)?,
     })
+}
+
+/// The attributes of `rope` and `rope_grad`.
+fn rope_spec(a: &mut Attrs) -> Result<RopeSpec, String> {
+    Ok(RopeSpec {
+        theta: a.req("theta", float)?,
+        style: a.req("style", |v| {
+            named(v, "`half` or `interleaved`", |s| match s {
+                "half" => Some(RopeStyle::Half),
+                "interleaved" => Some(RopeStyle::Interleaved),
+                _ => None,
+            })
+        })?,
+        scaling: a.opt("scaling", scaling)?,
+    })
+}
+
+/// The attributes of `attention`, `attention_probs` and `attention_grad`.
+fn attn_spec(a: &mut Attrs) -> Result<AttnSpec, String> {
+    Ok(AttnSpec {
+        causal: a.req("causal", boolean)?,
+        window: a.opt("window", uint)?,
+        scale: a.req("scale", float)?,
+    })
+}
+
+/// A unary function by name.
+fn unary_fn(v: Val) -> Result<UnaryOp, String> {
+    named(v, "a unary function", UnaryOp::from_name)
+}
+
+/// A dtype by name.
+fn dtype(v: Val) -> Result<DType, String> {
+    named(v, "a dtype", DType::from_name)
 }
 
 /// The op named `m` from its attributes; `Ok(None)` for an unknown mnemonic.
@@ -428,31 +462,17 @@ fn build_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
         },
         "add" => Op::Add,
         "mul" => Op::Mul,
-        "unary" => Op::Unary(a.req("fn", |v| named(v, "a unary function", UnaryOp::from_name))?),
+        "unary" => Op::Unary(a.req("fn", unary_fn)?),
         "scale" => Op::Scale(a.req("c", float)?),
-        "cast" => Op::Cast(a.req("to", |v| named(v, "a dtype", DType::from_name))?),
+        "cast" => Op::Cast(a.req("to", dtype)?),
         "rms_norm" => Op::RmsNorm {
             eps: a.req("eps", float)?,
         },
         "layer_norm" => Op::LayerNorm {
             eps: a.req("eps", float)?,
         },
-        "rope" => Op::Rope(RopeSpec {
-            theta: a.req("theta", float)?,
-            style: a.req("style", |v| {
-                named(v, "`half` or `interleaved`", |s| match s {
-                    "half" => Some(RopeStyle::Half),
-                    "interleaved" => Some(RopeStyle::Interleaved),
-                    _ => None,
-                })
-            })?,
-            scaling: a.opt("scaling", scaling)?,
-        }),
-        "attention" => Op::Attention(AttnSpec {
-            causal: a.req("causal", boolean)?,
-            window: a.opt("window", uint)?,
-            scale: a.req("scale", float)?,
-        }),
+        "rope" => Op::Rope(rope_spec(&mut a)?),
+        "attention" => Op::Attention(attn_spec(&mut a)?),
         "softmax" => Op::Softmax,
         "reshape" => Op::Reshape,
         "transpose" => Op::Transpose {
@@ -552,31 +572,9 @@ fn build_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
 /// A training op (`grad.rs`) named `m` from its attributes; `Ok(None)` for an unknown
 /// mnemonic.
 fn build_train_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
-    let rope_spec = |a: &mut Attrs| -> Result<RopeSpec, String> {
-        Ok(RopeSpec {
-            theta: a.req("theta", float)?,
-            style: a.req("style", |v| {
-                named(v, "`half` or `interleaved`", |s| match s {
-                    "half" => Some(RopeStyle::Half),
-                    "interleaved" => Some(RopeStyle::Interleaved),
-                    _ => None,
-                })
-            })?,
-            scaling: a.opt("scaling", scaling)?,
-        })
-    };
-    let attn_spec = |a: &mut Attrs| -> Result<AttnSpec, String> {
-        Ok(AttnSpec {
-            causal: a.req("causal", boolean)?,
-            window: a.opt("window", uint)?,
-            scale: a.req("scale", float)?,
-        })
-    };
     let norm_wrt = |v| named(v, "`x` or `weight`", NormWrt::from_name);
     let op = match m {
-        "unary_grad" => {
-            Op::UnaryGrad(a.req("fn", |v| named(v, "a unary function", UnaryOp::from_name))?)
-        }
+        "unary_grad" => Op::UnaryGrad(a.req("fn", unary_fn)?),
         "bias_grad" => Op::BiasGrad,
         "weight_grad" => Op::WeightGrad {
             transpose_b: a.req("transpose_b", boolean)?,

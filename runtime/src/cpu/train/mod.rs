@@ -18,7 +18,7 @@ mod check;
 
 use super::{arity, shape_err};
 use crate::{RuntimeError, Tensor};
-use shardc_compiler::ir::{NormWrt, Op};
+use shardc_compiler::ir::Op;
 
 /// Evaluates a training op; `None` for every other op.
 pub(crate) fn eval(op: &Op, inputs: &[&Tensor]) -> Option<Result<Tensor, RuntimeError>> {
@@ -31,14 +31,12 @@ pub(crate) fn eval(op: &Op, inputs: &[&Tensor]) -> Option<Result<Tensor, Runtime
         Op::WeightGrad { transpose_b } => {
             want(3).and_then(|_| basic::weight_grad(i[0], i[1], i[2], *transpose_b))
         }
-        Op::RmsNormGrad { eps, wrt } => want(3).and_then(|_| match wrt {
-            NormWrt::X => norm::rms_norm_dx(i[0], i[1], i[2], eps.0),
-            NormWrt::Weight => norm::rms_norm_dw(i[0], i[1], i[2], eps.0),
-        }),
-        Op::LayerNormGrad { eps, wrt } => want(3).and_then(|_| match wrt {
-            NormWrt::X => norm::layer_norm_dx(i[0], i[1], i[2], eps.0),
-            NormWrt::Weight => norm::layer_norm_dw(i[0], i[1], i[2], eps.0),
-        }),
+        Op::RmsNormGrad { eps, wrt } => {
+            want(3).and_then(|_| norm::norm_grad(i[0], i[1], i[2], eps.0, false, *wrt))
+        }
+        Op::LayerNormGrad { eps, wrt } => {
+            want(3).and_then(|_| norm::norm_grad(i[0], i[1], i[2], eps.0, true, *wrt))
+        }
         Op::RopeGrad(spec) => want(2).and_then(|_| basic::rope_grad(i[0], i[1], spec)),
         Op::AttentionProbs(spec) => {
             if !(2..=3).contains(&i.len()) {

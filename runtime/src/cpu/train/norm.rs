@@ -7,6 +7,7 @@
 
 use crate::cpu::{f32_of, for_each_row, shape_err};
 use crate::{RuntimeError, Tensor};
+use shardc_compiler::ir::NormWrt;
 
 /// `(H, x, w, dy)`: the row width and the operands' data.
 type Operands<'t> = (usize, &'t [f32], &'t [f32], &'t [f32]);
@@ -97,44 +98,24 @@ fn dw(
     ))
 }
 
-/// `RmsNormGrad { wrt: X }`.
-pub(crate) fn rms_norm_dx(
+/// `RmsNormGrad` (`center` false) or `LayerNormGrad` (`center` true) with respect to `wrt`.
+pub(crate) fn norm_grad(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
     eps: f32,
+    center: bool,
+    wrt: NormWrt,
 ) -> Result<Tensor, RuntimeError> {
-    dx("rms_norm_grad", x, w, dy, eps, false)
-}
-
-/// `RmsNormGrad { wrt: Weight }`.
-pub(crate) fn rms_norm_dw(
-    x: &Tensor,
-    w: &Tensor,
-    dy: &Tensor,
-    eps: f32,
-) -> Result<Tensor, RuntimeError> {
-    dw("rms_norm_grad", x, w, dy, eps, false)
-}
-
-/// `LayerNormGrad { wrt: X }`.
-pub(crate) fn layer_norm_dx(
-    x: &Tensor,
-    w: &Tensor,
-    dy: &Tensor,
-    eps: f32,
-) -> Result<Tensor, RuntimeError> {
-    dx("layer_norm_grad", x, w, dy, eps, true)
-}
-
-/// `LayerNormGrad { wrt: Weight }`.
-pub(crate) fn layer_norm_dw(
-    x: &Tensor,
-    w: &Tensor,
-    dy: &Tensor,
-    eps: f32,
-) -> Result<Tensor, RuntimeError> {
-    dw("layer_norm_grad", x, w, dy, eps, true)
+    let op = if center {
+        "layer_norm_grad"
+    } else {
+        "rms_norm_grad"
+    };
+    match wrt {
+        NormWrt::X => dx(op, x, w, dy, eps, center),
+        NormWrt::Weight => dw(op, x, w, dy, eps, center),
+    }
 }
 
 #[cfg(test)]
@@ -158,7 +139,7 @@ mod tests {
             &inputs,
             0,
             &dy,
-            &rms_norm_dx(&x, &w, &dy, eps).unwrap(),
+            &norm_grad(&x, &w, &dy, eps, false, NormWrt::X).unwrap(),
             rms,
         );
         check_vjp(
@@ -166,7 +147,7 @@ mod tests {
             &inputs,
             1,
             &dy,
-            &rms_norm_dw(&x, &w, &dy, eps).unwrap(),
+            &norm_grad(&x, &w, &dy, eps, false, NormWrt::Weight).unwrap(),
             rms,
         );
         let b2 = b.clone();
@@ -176,7 +157,7 @@ mod tests {
             &inputs,
             0,
             &dy,
-            &layer_norm_dx(&x, &w, &dy, eps).unwrap(),
+            &norm_grad(&x, &w, &dy, eps, true, NormWrt::X).unwrap(),
             &ln,
         );
         check_vjp(
@@ -184,7 +165,7 @@ mod tests {
             &inputs,
             1,
             &dy,
-            &layer_norm_dw(&x, &w, &dy, eps).unwrap(),
+            &norm_grad(&x, &w, &dy, eps, true, NormWrt::Weight).unwrap(),
             &ln,
         );
     }

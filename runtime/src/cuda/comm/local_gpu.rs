@@ -176,14 +176,7 @@ impl LocalGpuComm {
             );
             st.aborted.get_or_insert(reason);
             self.shared.cv.notify_all();
-            CommError::Timeout {
-                kind,
-                seq,
-                rank: self.rank,
-                waiting_for,
-                group: self.shared.name.clone(),
-                timeout_ms: self.shared.timeout.as_millis() as u64,
-            }
+            self.timed_out(kind, seq, waiting_for)
         };
         // Wait for the previous round to drain (everyone has read its result).
         let st = self.lock();
@@ -315,6 +308,40 @@ impl LocalGpuComm {
         Ok(())
     }
 
+    /// A reduction `kind` (all-reduce, reduce-scatter): `recv` = the reduction of
+    /// `part(send_j)` over every rank j.
+    fn reduction(
+        &self,
+        kind: CollectiveKind,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        op: ReduceOp,
+        stream: &CudaStream,
+        part: impl Fn(DeviceBuffer) -> DeviceBuffer,
+    ) -> Result<(), CommError> {
+        let rank = self.rank;
+        self.collective(kind, send, recv, 0, op, stream, |l, posts| {
+            let srcs: Vec<DeviceBuffer> = posts.iter().map(|p| part(p.send)).collect();
+            Self::reduce_into(l, op, recv, &srcs, kind, rank)
+        })
+    }
+
+    /// Chunk j (of `c` elements) of `recv` = `part(send_j)`, for every rank j.
+    fn gather_chunks(
+        l: &Launcher,
+        recv: DeviceBuffer,
+        c: usize,
+        posts: &[Post],
+        part: impl Fn(DeviceBuffer) -> DeviceBuffer,
+    ) -> Result<(), CommError> {
+        for (j, p) in posts.iter().enumerate() {
+            let (dst, src) = (recv.sub(j * c, c), part(p.send));
+            l.copy(dst.ptr, src.ptr, dst.bytes())
+                .map_err(transport("copy"))?;
+        }
+        Ok(())
+    }
+
     /// `out = Σ_j src_j` (in rank order), or the average; `srcs` never overlap `out`.
     fn reduce_into(
         l: &Launcher,
@@ -363,12 +390,13 @@ impl LocalGpuComm {
         Ok(())
     }
 
-    fn p2p_timeout(&self, kind: CollectiveKind, peer: usize) -> CommError {
+    /// This rank waited longer than the timeout for `waiting_for` in `kind` #`seq`.
+    fn timed_out(&self, kind: CollectiveKind, seq: u64, waiting_for: usize) -> CommError {
         CommError::Timeout {
             kind,
-            seq: self.seq.get(),
+            seq,
             rank: self.rank,
-            waiting_for: peer,
+            waiting_for,
             group: self.shared.name.clone(),
             timeout_ms: self.shared.timeout.as_millis() as u64,
         }
@@ -429,7 +457,7 @@ impl LocalGpuComm {
         while got.is_none() {
             let now = Instant::now();
             if now >= deadline {
-                return Err(self.p2p_timeout(kind, peer));
+                return Err(self.timed_out(kind, self.seq.get(), peer));
             }
             got = cv
                 .wait_timeout(got, (deadline - now).min(Duration::from_millis(50)))
@@ -463,7 +491,7 @@ impl LocalGpuComm {
         };
         let mut st = match self.wait_until(st, deadline, has_mail, |_| peer) {
             Ok(st) => st,
-            Err(_) => return Err(self.p2p_timeout(kind, peer)),
+            Err(_) => return Err(self.timed_out(kind, self.seq.get(), peer)),
         };
         if let Some(r) = &st.aborted {
             return Err(self.aborted(kind, self.seq.get(), r));
@@ -523,11 +551,7 @@ impl DeviceCommunicator for LocalGpuComm {
         op: ReduceOp,
         stream: &CudaStream,
     ) -> Result<(), CommError> {
-        let (kind, rank) = (CollectiveKind::AllReduce, self.rank);
-        self.collective(kind, send, recv, 0, op, stream, |l, posts| {
-            let srcs: Vec<DeviceBuffer> = posts.iter().map(|p| p.send).collect();
-            Self::reduce_into(l, op, recv, &srcs, kind, rank)
-        })
+        self.reduction(CollectiveKind::AllReduce, send, recv, op, stream, |s| s)
     }
 
     unsafe fn reduce_scatter(
@@ -537,12 +561,9 @@ impl DeviceCommunicator for LocalGpuComm {
         op: ReduceOp,
         stream: &CudaStream,
     ) -> Result<(), CommError> {
-        let (kind, rank) = (CollectiveKind::ReduceScatter, self.rank);
-        self.collective(kind, send, recv, 0, op, stream, |l, posts| {
-            let c = recv.len;
-            let srcs: Vec<DeviceBuffer> = posts.iter().map(|p| p.send.sub(rank * c, c)).collect();
-            Self::reduce_into(l, op, recv, &srcs, kind, rank)
-        })
+        let (rank, c) = (self.rank, recv.len);
+        let kind = CollectiveKind::ReduceScatter;
+        self.reduction(kind, send, recv, op, stream, |s| s.sub(rank * c, c))
     }
 
     unsafe fn all_gather(
@@ -553,13 +574,7 @@ impl DeviceCommunicator for LocalGpuComm {
     ) -> Result<(), CommError> {
         let kind = CollectiveKind::AllGather;
         self.collective(kind, send, recv, 0, ReduceOp::Sum, stream, |l, posts| {
-            let c = send.len;
-            for (j, p) in posts.iter().enumerate() {
-                let dst = recv.sub(j * c, c);
-                l.copy(dst.ptr, p.send.ptr, dst.bytes())
-                    .map_err(transport("copy"))?;
-            }
-            Ok(())
+            Self::gather_chunks(l, recv, send.len, posts, |s| s)
         })
     }
 
@@ -572,12 +587,7 @@ impl DeviceCommunicator for LocalGpuComm {
         let (kind, rank, n) = (CollectiveKind::AllToAll, self.rank, self.shared.size);
         self.collective(kind, send, recv, 0, ReduceOp::Sum, stream, |l, posts| {
             let c = send.len / n;
-            for (j, p) in posts.iter().enumerate() {
-                let (dst, src) = (recv.sub(j * c, c), p.send.sub(rank * c, c));
-                l.copy(dst.ptr, src.ptr, dst.bytes())
-                    .map_err(transport("copy"))?;
-            }
-            Ok(())
+            Self::gather_chunks(l, recv, c, posts, |s| s.sub(rank * c, c))
         })
     }
 
@@ -648,14 +658,7 @@ impl DeviceCommunicator for LocalGpuComm {
                     pending.pop_front();
                 }
                 Ok(false) if issued.elapsed() > self.shared.timeout => {
-                    return Err(CommError::Timeout {
-                        kind: *kind,
-                        seq: *seq,
-                        rank: self.rank,
-                        waiting_for: self.rank,
-                        group: self.shared.name.clone(),
-                        timeout_ms: self.shared.timeout.as_millis() as u64,
-                    })
+                    return Err(self.timed_out(*kind, *seq, self.rank))
                 }
                 Ok(false) => break,
                 Err(e) => {

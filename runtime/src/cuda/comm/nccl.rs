@@ -360,6 +360,18 @@ impl NcclComm {
         }
     }
 
+    /// Collective `kind` #`seq` of this rank did not complete within the timeout.
+    fn timed_out(&self, kind: CollectiveKind, seq: u64) -> CommError {
+        CommError::Timeout {
+            kind,
+            seq,
+            rank: self.rank,
+            waiting_for: self.rank,
+            group: self.name.clone(),
+            timeout_ms: self.timeout.as_millis() as u64,
+        }
+    }
+
     /// Polls `ncclCommGetAsyncError` until the communicator is no longer in progress.
     fn wait_ready(
         &self,
@@ -381,14 +393,7 @@ impl NcclComm {
                 other => return Err(self.fail(NcclCallError::new(call, other).into())),
             }
             if Instant::now() > deadline {
-                return Err(self.fail(CommError::Timeout {
-                    kind,
-                    seq,
-                    rank: self.rank,
-                    waiting_for: self.rank,
-                    group: self.name.clone(),
-                    timeout_ms: self.timeout.as_millis() as u64,
-                }));
+                return Err(self.fail(self.timed_out(kind, seq)));
             }
             std::thread::yield_now();
         }
@@ -423,6 +428,29 @@ impl NcclComm {
             issued: Instant::now(),
         });
         Ok(())
+    }
+
+    /// Checks `send` → `recv` against collective `kind`'s size rules, then issues NCCL's `call`
+    /// as `f` makes it from the send and receive pointers and their NCCL dtype.
+    fn issue_buffers(
+        &self,
+        kind: CollectiveKind,
+        call: &'static str,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        stream: &CudaStream,
+        f: impl FnOnce(
+            *const c_void,
+            *mut c_void,
+            nsys::ncclDataType_t,
+            nsys::cudaStream_t,
+        ) -> nsys::ncclResult_t,
+    ) -> Result<(), CommError> {
+        check_sizes(kind, self.rank, self.size, &send, &recv)?;
+        let ty = nccl_type(send.dtype);
+        self.issue(kind, call, stream, |s| {
+            f(send.ptr as *const c_void, recv.ptr as *mut c_void, ty, s)
+        })
     }
 
     /// `ncclGroupStart` … `f` … `ncclGroupEnd` as one collective (all-to-all as send/recv).
@@ -495,6 +523,29 @@ impl NcclComm {
             )
         }
     }
+
+    /// Enqueues [`NcclComm::send_raw`] of `send` to `to`, then, unless it failed,
+    /// [`NcclComm::recv_raw`] into `recv` from `from` (inside a group, the two are one step).
+    ///
+    /// # Safety
+    /// As [`NcclComm::send_raw`], for both buffers.
+    unsafe fn send_recv_raw(
+        &self,
+        send: DeviceBuffer,
+        to: usize,
+        recv: DeviceBuffer,
+        from: usize,
+        s: nsys::cudaStream_t,
+    ) -> nsys::ncclResult_t {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            let r = self.send_raw(send, to, s);
+            if !ok_or_progress(r) {
+                return r;
+            }
+            self.recv_raw(recv, from, s)
+        }
+    }
 }
 
 fn comm_err(e: CommError) -> CudaError {
@@ -555,21 +606,10 @@ impl DeviceCommunicator for NcclComm {
         op: ReduceOp,
         stream: &CudaStream,
     ) -> Result<(), CommError> {
-        let kind = CollectiveKind::AllReduce;
-        check_sizes(kind, self.rank, self.size, &send, &recv)?;
-        self.issue(kind, "ncclAllReduce", stream, |s| {
+        let (kind, call) = (CollectiveKind::AllReduce, "ncclAllReduce");
+        self.issue_buffers(kind, call, send, recv, stream, |src, dst, ty, s| {
             // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe {
-                nsys::ncclAllReduce(
-                    send.ptr as *const c_void,
-                    recv.ptr as *mut c_void,
-                    send.len,
-                    nccl_type(send.dtype),
-                    nccl_op(op),
-                    self.comm,
-                    s,
-                )
-            }
+            unsafe { nsys::ncclAllReduce(src, dst, send.len, ty, nccl_op(op), self.comm, s) }
         })
     }
 
@@ -580,21 +620,10 @@ impl DeviceCommunicator for NcclComm {
         op: ReduceOp,
         stream: &CudaStream,
     ) -> Result<(), CommError> {
-        let kind = CollectiveKind::ReduceScatter;
-        check_sizes(kind, self.rank, self.size, &send, &recv)?;
-        self.issue(kind, "ncclReduceScatter", stream, |s| {
+        let (kind, call) = (CollectiveKind::ReduceScatter, "ncclReduceScatter");
+        self.issue_buffers(kind, call, send, recv, stream, |src, dst, ty, s| {
             // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe {
-                nsys::ncclReduceScatter(
-                    send.ptr as *const c_void,
-                    recv.ptr as *mut c_void,
-                    recv.len,
-                    nccl_type(send.dtype),
-                    nccl_op(op),
-                    self.comm,
-                    s,
-                )
-            }
+            unsafe { nsys::ncclReduceScatter(src, dst, recv.len, ty, nccl_op(op), self.comm, s) }
         })
     }
 
@@ -604,20 +633,10 @@ impl DeviceCommunicator for NcclComm {
         recv: DeviceBuffer,
         stream: &CudaStream,
     ) -> Result<(), CommError> {
-        let kind = CollectiveKind::AllGather;
-        check_sizes(kind, self.rank, self.size, &send, &recv)?;
-        self.issue(kind, "ncclAllGather", stream, |s| {
+        let (kind, call) = (CollectiveKind::AllGather, "ncclAllGather");
+        self.issue_buffers(kind, call, send, recv, stream, |src, dst, ty, s| {
             // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe {
-                nsys::ncclAllGather(
-                    send.ptr as *const c_void,
-                    recv.ptr as *mut c_void,
-                    send.len,
-                    nccl_type(send.dtype),
-                    self.comm,
-                    s,
-                )
-            }
+            unsafe { nsys::ncclAllGather(src, dst, send.len, ty, self.comm, s) }
         })
     }
 
@@ -634,13 +653,7 @@ impl DeviceCommunicator for NcclComm {
             for peer in 0..self.size {
                 let (sb, rb) = (send.sub(peer * c, c), recv.sub(peer * c, c));
                 // SAFETY: sub-buffers of caller-guaranteed buffers (trait contract).
-                let r = unsafe {
-                    let r = self.send_raw(sb, peer, s);
-                    if !ok_or_progress(r) {
-                        return r;
-                    }
-                    self.recv_raw(rb, peer, s)
-                };
+                let r = unsafe { self.send_recv_raw(sb, peer, rb, peer, s) };
                 if !ok_or_progress(r) {
                     return r;
                 }
@@ -717,13 +730,7 @@ impl DeviceCommunicator for NcclComm {
         }
         self.grouped(kind, stream, |s| {
             // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe {
-                let r = self.send_raw(send, to, s);
-                if !ok_or_progress(r) {
-                    return r;
-                }
-                self.recv_raw(recv, from, s)
-            }
+            unsafe { self.send_recv_raw(send, to, recv, from, s) }
         })
     }
 
@@ -754,14 +761,7 @@ impl DeviceCommunicator for NcclComm {
         }
         if let Some(p) = pending.front() {
             if p.issued.elapsed() > self.timeout {
-                let e = CommError::Timeout {
-                    kind: p.kind,
-                    seq: p.seq,
-                    rank: self.rank,
-                    waiting_for: self.rank,
-                    group: self.name.clone(),
-                    timeout_ms: self.timeout.as_millis() as u64,
-                };
+                let e = self.timed_out(p.kind, p.seq);
                 drop(pending);
                 return Err(self.fail(e));
             }
