@@ -545,14 +545,7 @@ impl<'g, 'p> Run<'g, 'p> {
                 owned(cpu::eval_op(&node.op, &args, &node.ty))
             }
             Op::CrossEntropyStats { axis, parts } => {
-                let (coord, size) = self.coord(axis)?;
-                if size != *parts {
-                    return Err(RuntimeError::AxisSize {
-                        axis: axis.clone(),
-                        expected: *parts,
-                        found: size,
-                    });
-                }
+                let coord = crate::rank::part_coord(self.coord(axis)?, axis, *parts)?;
                 owned(vocab::cross_entropy_stats(args[0], args[1], coord, *parts))
             }
             Op::CrossEntropyShardGrad { axis, denom } => {

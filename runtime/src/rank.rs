@@ -38,6 +38,23 @@ pub(crate) fn local_ids(g: &Graph) -> Vec<bool> {
     local
 }
 
+/// This rank's coordinate on `axis` (`(coordinate, axis size)`), for an op split `parts` ways
+/// over it: a named error when the axis has another size.
+pub(crate) fn part_coord(
+    (coord, size): (usize, usize),
+    axis: &str,
+    parts: usize,
+) -> Result<usize, RuntimeError> {
+    if size != parts {
+        return Err(RuntimeError::AxisSize {
+            axis: axis.to_string(),
+            expected: parts,
+            found: size,
+        });
+    }
+    Ok(coord)
+}
+
 /// This rank's chunk of `x` along `spec.dim`: chunk `coord` of `spec.parts`, where `coord` and
 /// the axis size come from `coord_of(spec.axis)`. The axis must have `spec.parts` ranks and the
 /// dim must divide.

@@ -94,15 +94,7 @@ impl CudaProgram {
                 l.strided(self.elem(v), x, out, &spec)
             }
             Op::LocalSlice { axis, dim, parts } => {
-                let (coord, size) = self.coord(axis)?;
-                if size != *parts {
-                    return Err(RuntimeError::AxisSize {
-                        axis: axis.clone(),
-                        expected: *parts,
-                        found: size,
-                    }
-                    .into());
-                }
+                let coord = crate::rank::part_coord(self.coord(axis)?, axis, *parts)?;
                 let shape = self.shape(ins[0]);
                 let chunk = shape[*dim] / parts;
                 let spec =
@@ -287,15 +279,7 @@ impl CudaProgram {
                 self.loss_sum(loss, out, rows, *denom, l)
             }
             Op::CrossEntropyStats { axis, parts } => {
-                let (coord, size) = self.coord(axis)?;
-                if size != *parts {
-                    return Err(RuntimeError::AxisSize {
-                        axis: axis.clone(),
-                        expected: *parts,
-                        found: size,
-                    }
-                    .into());
-                }
+                let coord = crate::rank::part_coord(self.coord(axis)?, axis, *parts)?;
                 let vocab_n = self.graph.ty(ins[0]).last();
                 let total = vocab_n * parts;
                 let rows = self.numel(ins[1]);
