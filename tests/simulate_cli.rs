@@ -335,7 +335,9 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
         err.contains("needs 16 GPUs") && err.contains("dgx-h100x2"),
         "{err}"
     );
-    let (ok, _, err) = shardc(&[
+    // Three layers on two stages: the compiler's split (uneven), simulated as compiled; a
+    // `--stage-layers` that does not cover the model is refused by name.
+    let (ok, out, err) = shardc(&[
         "simulate",
         "tests/fixtures/hf-tiny/llama",
         "--train",
@@ -344,10 +346,20 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
         "--seq",
         "16",
     ]);
-    assert!(
-        !ok && err.contains("layers=3 is not divisible by pp=2"),
-        "{err}"
-    );
+    assert!(ok, "{err}");
+    assert!(out.contains("stage  layers"), "{out}");
+    let (ok, _, err) = shardc(&[
+        "simulate",
+        "tests/fixtures/hf-tiny/llama",
+        "--train",
+        "--mesh",
+        "pp=2,tp=2",
+        "--seq",
+        "16",
+        "--stage-layers",
+        "2,2",
+    ]);
+    assert!(!ok && err.contains("--stage-layers"), "{err}");
 }
 
 #[test]

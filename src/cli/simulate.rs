@@ -18,7 +18,7 @@ use shardc::compiler::model::{
     check_budget, product, simulated_pipeline_bytes, ForwardOutput, IrWork, ModelConfig,
 };
 use shardc::compiler::plan::Plan;
-use shardc::compiler::schedule::pp::ScheduleKind;
+use shardc::compiler::schedule::pp::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::{Mesh, Strategy};
 use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
@@ -75,6 +75,10 @@ pub struct SimulateArgs {
     /// Training: model chunks per stage for the interleaved schedule [default: 2].
     #[arg(long)]
     pub virtual_stages: Option<usize>,
+    /// Training, meshes with `pp`: decoder layers per chunk, e.g. `17,15` [default: the
+    /// compiler's split, balanced by forward FLOPs, as `compile` and `train` use].
+    #[arg(long)]
+    pub stage_layers: Option<String>,
     /// Training: overlap the data-parallel gradient reduction with the last backward.
     #[arg(long)]
     pub overlap_grad_reduce: bool,
@@ -190,6 +194,7 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
         (a.zero.is_some(), "--zero"),
         (a.schedule.is_some(), "--schedule"),
         (a.virtual_stages.is_some(), "--virtual-stages"),
+        (a.stage_layers.is_some(), "--stage-layers"),
         (a.overlap_grad_reduce, "--overlap-grad-reduce"),
         (a.no_scatter_gather, "--no-scatter-gather"),
         (a.moe_imbalance.is_some(), "--moe-imbalance"),
@@ -300,6 +305,14 @@ fn train_options(
     check_budget(simulated_pipeline_bytes(pp, m, v), || {
         format!("--global-batch {gb}: {m} micro-batches × pp={pp} × {v} chunk(s): the simulated pipeline")
     })?;
+    if let Some(text) = &a.stage_layers {
+        if pp < 2 {
+            bail!("--stage-layers needs a mesh with a pp axis (mesh is {mesh})");
+        }
+        let layers = parse_stage_layers(text, cfg.layers, pp * v)
+            .map_err(|e| anyhow!("--stage-layers: {e}"))?;
+        t.stage_layers = Some(layers);
+    }
     t.overlap_grad_reduce = a.overlap_grad_reduce;
     t.scatter_gather = !a.no_scatter_gather;
     if let Some(f) = a.moe_imbalance {

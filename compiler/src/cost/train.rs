@@ -82,6 +82,10 @@ pub struct TrainOptions {
     /// over the mean (1: perfectly balanced). Its expert GEMMs and all-to-all traffic scale
     /// by it, and every rank waits for it.
     pub moe_imbalance: f64,
+    /// Decoder layers per pipeline chunk (`pp × virtual stages` entries; the embedding joins
+    /// the first chunk, the head the last); `None`: the compiler's split, balanced by forward
+    /// FLOPs (`shardc compile`'s default), so a simulated step is the one that compiles.
+    pub stage_layers: Option<Vec<usize>>,
 }
 
 impl TrainOptions {
@@ -98,6 +102,7 @@ impl TrainOptions {
             scatter_gather: true,
             strategies: Vec::new(),
             moe_imbalance: 1.0,
+            stage_layers: None,
         }
     }
 
@@ -290,14 +295,6 @@ fn check_training(
             "micro-batch and sequence length must be positive".into(),
         ));
     }
-    if cfg.layers % (pp * v) != 0 {
-        return Err(CostError::Indivisible {
-            what: "layers".into(),
-            size: cfg.layers,
-            by: if v > 1 { "pp*virtual-stages" } else { "pp" }.into(),
-            parts: pp * v,
-        });
-    }
     if t.global_batch == 0 || t.global_batch % (data * t.micro_batch) != 0 {
         return Err(CostError::Indivisible {
             what: "global batch".into(),
@@ -380,7 +377,14 @@ pub fn simulate_training_on(
     let sp = t.sp();
     let lmesh = &plan.mesh;
     let m = t.global_batch / (data * t.micro_batch);
-    let n_layers = cfg.layers / (pp * v);
+    // Decoder layers of each global chunk (chunk `gc` runs on stage `gc mod pp`).
+    let chunk_layers: Vec<usize> =
+        crate::train::chunk_specs(cfg, pp * v, t.seq, t.stage_layers.as_deref())
+            .map_err(|e| CostError::Train(e.to_string()))?
+            .iter()
+            .map(|c| c.layers.len())
+            .collect();
+    let stage_layers = |s: usize| -> usize { (0..v).map(|c| chunk_layers[c * pp + s]).sum() };
     let dev = &cluster.device;
     let dt = copts.dtype;
 
@@ -556,7 +560,7 @@ pub fn simulate_training_on(
     let chunk = |s: usize, c: usize, ph: Phase, f: &dyn Fn(&Pass) -> f64| -> f64 {
         let gc = c * pp + s;
         let of = |p: &Part| f(p.pass(ph, split));
-        n_layers as f64 * of(&layer)
+        chunk_layers[gc] as f64 * of(&layer)
             + if gc == 0 { of(&pre) } else { 0.0 }
             + if gc == last_gc { of(&post) } else { 0.0 }
     };
@@ -609,7 +613,7 @@ pub fn simulate_training_on(
     // Per stage: (all, experts') local parameter elements.
     let stage_elems: Vec<(u64, u64)> = (0..pp)
         .map(|s| {
-            let mut e = layer_elems * (n_layers * v) as u64;
+            let mut e = layer_elems * stage_layers(s) as u64;
             if s == 0 {
                 e += pre_elems;
             }
@@ -619,7 +623,7 @@ pub fn simulate_training_on(
                     e -= shared_elems;
                 }
             }
-            (e, layer_expert * (n_layers * v) as u64)
+            (e, layer_expert * stage_layers(s) as u64)
         })
         .collect();
     let grad_kind = if t.zero == 0 {
@@ -663,7 +667,11 @@ pub fn simulate_training_on(
         })
         .max()
         .unwrap_or(0);
-    let chunk_act = saved_layer.0 * n_layers as u64;
+    // A stage's (micro-batch, chunk) in flight holds its largest chunk's saved activations.
+    let chunk_act = |s: usize| -> u64 {
+        let most = (0..v).map(|c| chunk_layers[c * pp + s]).max().unwrap_or(0);
+        saved_layer.0 * most as u64
+    };
 
     struct StageOut {
         end: f64,
@@ -727,6 +735,7 @@ pub fn simulate_training_on(
                     (true, Some(e)) => (e.start, e.end),
                     _ => (pipe_end, pipe_end),
                 };
+                let n_layers = chunk_layers[c * pp + s];
                 for j in 0..n_layers {
                     let ready = b0 + (j + 1) as f64 * (b1 - b0) / n_layers as f64;
                     buckets.push((ready, layer_dense * 2, layer_expert * 2));
@@ -829,7 +838,7 @@ pub fn simulate_training_on(
             params: w,
             grads: gr,
             optimizer: opt,
-            activations: Bytes(peak_if as u64 * chunk_act),
+            activations: Bytes(peak_if as u64 * chunk_act(s)),
             transient: Bytes(transient),
             comm_buffers: Bytes(if t.zero == 3 && data > 1 {
                 2 * layer_elems * 2
@@ -842,7 +851,7 @@ pub fn simulate_training_on(
             .chain(
                 in_flight
                     .iter()
-                    .map(|&(tm, n)| (tm, base + n as u64 * chunk_act)),
+                    .map(|&(tm, n)| (tm, base + n as u64 * chunk_act(s))),
             )
             .collect();
         outs.push(StageOut {
@@ -929,7 +938,7 @@ pub fn simulate_training_on(
     let stages: Vec<StageReport> = (0..pp)
         .map(|s| StageReport {
             stage: s,
-            layers: n_layers * v,
+            layers: stage_layers(s),
             end_s: outs[s].end,
             busy_s: run.ranks[s].busy,
             bubble_s: run.bubble(s),
