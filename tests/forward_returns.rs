@@ -1,7 +1,8 @@
 //! What a forward plan returns (`--returns`): the last position's logits (compile's and
 //! simulate's default: a vocabulary-parallel plan gathers `1/T` of the logits), every
-//! position's (run's default), or the final hidden states alone. Checked against the
-//! every-position run on thread ranks, unsharded and sharded.
+//! position's (run's default), the final hidden states alone, or the causal-LM loss (the
+//! partitioner's vocabulary-parallel cross-entropy: no logits gathered). Checked against the
+//! every-position run on thread ranks and the transformers loss, unsharded and sharded.
 
 mod common;
 
@@ -110,7 +111,7 @@ fn compile_returns_the_last_position_by_default() {
 fn returns_is_refused_where_it_does_not_apply() {
     fails_with(
         &["compile", LLAMA, "--returns", "everything"],
-        &["--returns `everything`: expected logits, last, hidden"],
+        &["--returns `everything`: expected logits, last, hidden, loss"],
     );
     fails_with(
         &["compile", LLAMA, "--train", "--returns", "last"],
@@ -119,5 +120,110 @@ fn returns_is_refused_where_it_does_not_apply() {
     fails_with(
         &["simulate", "--train", "--returns", "last"],
         &["--returns is what a forward plan returns"],
+    );
+}
+
+/// `--returns loss` on the fixture's tokens: the causal-LM loss transformers computed (the
+/// training fixture's, at the same weights), unsharded, under tensor parallelism (the loss
+/// vocabulary-parallel: no all-gather of logits in the plan), with sp and data parallelism,
+/// and through a compiled plan file. A mask is refused by name (the loss is averaged over
+/// every predicted position).
+#[test]
+fn the_loss_is_the_transformers_loss_on_every_mesh() {
+    let fixture = std::path::Path::new(LLAMA);
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture.join("reference_b2_s16.json")).unwrap(),
+    )
+    .unwrap();
+    let train: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("train_b2_s16.json")).unwrap())
+            .unwrap();
+    let want = train["loss"].as_f64().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ids = dir.path().join("ids.json");
+    std::fs::write(&ids, reference["input_ids"].to_string()).unwrap();
+    let out = dir.path().join("loss.json");
+    let ids_s = ids.to_str().unwrap();
+    let out_s = out.to_str().unwrap();
+    let loss_of = |extra: &[&str]| -> f64 {
+        let mut args = vec![
+            "run",
+            LLAMA,
+            "--tokens",
+            ids_s,
+            "--out",
+            out_s,
+            "--overwrite",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, _, err) = run_shardc(&args, &[]);
+        assert!(ok, "{extra:?}: {err}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let meshes: [&[&str]; 4] = [
+        &[],
+        &["--mesh", "tp=2"],
+        &["--mesh", "tp=4"],
+        &["--mesh", "dp=2,tp=2", "--strategy", "sp"],
+    ];
+    for m in meshes {
+        let mut extra = vec!["--returns", "loss"];
+        extra.extend_from_slice(m);
+        let got = loss_of(&extra);
+        assert!((got - want).abs() < 1e-5, "{m:?}: loss {got} vs {want}");
+    }
+    // Through a plan file; its tensor-parallel program gathers no logits.
+    let plan = dir.path().join("loss-plan.json");
+    let plan_s = plan.to_str().unwrap();
+    let (ok, _, err) = run_shardc(
+        &[
+            "compile",
+            LLAMA,
+            "--mesh",
+            "tp=2",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--returns",
+            "loss",
+            "-o",
+            plan_s,
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    let p: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    for n in p["program"]["nodes"].as_array().unwrap() {
+        let gathers_vocab = n["op"]["op"] == "all_gather"
+            && n["ty"]["dims"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|d| d["role"] == "vocab");
+        assert!(!gathers_vocab, "{n}");
+    }
+    let got = loss_of(&["--plan", plan_s]);
+    assert!((got - want).abs() < 1e-5, "plan: loss {got} vs {want}");
+    let mask = dir.path().join("mask.json");
+    std::fs::write(&mask, serde_json::json!(vec![vec![1; 16]; 2]).to_string()).unwrap();
+    fails_with(
+        &[
+            "run",
+            LLAMA,
+            "--tokens",
+            ids_s,
+            "--out",
+            out_s,
+            "--overwrite",
+            "--returns",
+            "loss",
+            "--attention-mask",
+            mask.to_str().unwrap(),
+        ],
+        &["--attention-mask with a plan returning the loss"],
     );
 }

@@ -53,7 +53,7 @@ pub fn micro_batch_count(
     }
 }
 
-/// `--returns`: what a forward plan returns (`logits`, `last` or `hidden`).
+/// `--returns`: what a forward plan returns (`logits`, `last`, `hidden` or `loss`).
 pub fn forward_output(
     given: Option<&str>,
     default: shardc::compiler::model::ForwardOutput,
@@ -63,8 +63,8 @@ pub fn forward_output(
         None => Ok(default),
         Some(s) => ForwardOutput::from_name(s).ok_or_else(|| {
             anyhow::anyhow!(
-                "--returns `{s}`: expected {} (every position's logits, the last position's, or \
-                 the final hidden states alone)",
+                "--returns `{s}`: expected {} (every position's logits, the last position's, \
+                 the final hidden states alone, or the causal-LM loss)",
                 ForwardOutput::ALL.map(ForwardOutput::name).join(", ")
             )
         }),

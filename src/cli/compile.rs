@@ -61,8 +61,9 @@ pub struct CompileArgs {
     #[arg(long, default_value = "none")]
     pub rewrite: String,
     /// What a forward plan returns: `last` (the last position's logits, what generation
-    /// reads), `logits` (every position's: a vocabulary-parallel plan gathers them all) or
-    /// `hidden` (no head) [default: last].
+    /// reads), `logits` (every position's: a vocabulary-parallel plan gathers them all),
+    /// `hidden` (no head) or `loss` (the causal-LM loss against the input `labels`;
+    /// vocabulary-parallel: no logits gathered) [default: last].
     #[arg(long)]
     pub returns: Option<String>,
     /// Compute dtype the plan is accounted in (memory, traffic, fit check, the simulator's

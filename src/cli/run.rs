@@ -50,8 +50,8 @@ pub struct RunArgs {
     #[arg(long)]
     out: PathBuf,
     /// What the compiled plan returns: `logits` (every position's, the default here),
-    /// `last` (the last position's) or `hidden` (no head). A `--plan` returns what it was
-    /// compiled to.
+    /// `last` (the last position's), `hidden` (no head) or `loss` (the causal-LM loss of the
+    /// tokens, vocabulary-parallel under tp). A `--plan` returns what it was compiled to.
     #[arg(long)]
     returns: Option<String>,
     /// Allow `--out` to replace a file this command reads (still atomically).
@@ -383,6 +383,26 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             a.plan.as_deref().unwrap_or(Path::new("")).display()
         );
     }
+    // A plan returning the loss reads the labels: the next token at each position (the last
+    // one predicts nothing), as transformers shifts `labels = input_ids`.
+    if plan.program.input_named("labels").is_some() {
+        if a.attention_mask.is_some() {
+            bail!(
+                "--attention-mask with a plan returning the loss: the loss is averaged over \
+                 every predicted position (B·(T−1)), padding included; run without a mask"
+            );
+        }
+        let labels: Vec<i32> = ids
+            .chunks(t)
+            .flat_map(|row| {
+                row.iter()
+                    .skip(1)
+                    .map(|&x| x as i32)
+                    .chain(std::iter::once(-100))
+            })
+            .collect();
+        inputs.insert("labels".to_string(), Tensor::i32(vec![b, t], labels));
+    }
     check_inputs(&plan, &inputs)?;
     let strategies = if plan.strategies.is_empty() {
         "none".to_string()
@@ -444,6 +464,26 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             .get(name)
             .with_context(|| format!("the program has no `{name}` output"))
     };
+    if let Some(loss) = outputs.get("loss") {
+        check_finite_output("loss", loss)?;
+        let x = loss
+            .as_f32()
+            .and_then(|v| v.first().copied())
+            .unwrap_or(f32::NAN);
+        files.write(
+            "--out",
+            &a.out,
+            serde_json::to_string(&json!({ "loss": x }))?.as_bytes(),
+        )?;
+        println!(
+            "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms (CPU reference, f32); loss {x:.6} → {}",
+            cfg.arch.name(),
+            cfg.layers,
+            elapsed.as_secs_f64() * 1e3,
+            a.out.display()
+        );
+        return Ok(());
+    }
     // What the plan returns: logits (every position's or the last one's) and the final hidden
     // states, or the hidden states alone.
     let hidden = get("hidden")?;

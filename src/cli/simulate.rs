@@ -46,7 +46,8 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub seq: Option<usize>,
     /// Forward mode: what the compiled plan returns: `last` (the last position's logits),
-    /// `logits` (every position's) or `hidden` (no head) [default: last].
+    /// `logits` (every position's), `hidden` (no head) or `loss` (vocabulary-parallel
+    /// cross-entropy) [default: last].
     #[arg(long)]
     pub returns: Option<String>,
     /// Replay this compiled plan (`shardc compile -o`, forward or training) instead of

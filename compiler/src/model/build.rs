@@ -2,7 +2,8 @@
 //! the HF tensor names of each architecture as parameter sources.
 //!
 //! Inputs: `input_ids` i32[B,T], `position_ids` i32[B,T], `attention_mask` f32[B,T] (1 keep,
-//! 0 padding). Outputs: `logits` f32[B,T,V] and `hidden` (after the final norm).
+//! 0 padding). Outputs: `logits` f32[B,T,V] and `hidden` (after the final norm), or what
+//! [`ForwardOutput`] asks (with `loss`, also the input `labels` i32[B,T]).
 
 use super::config::{Arch, ModelConfig, NormKind};
 use crate::ir::{
@@ -38,22 +39,30 @@ pub enum ForwardOutput {
     Last,
     /// `hidden` `[B,T,H]` only: no head.
     Hidden,
+    /// `loss` (f32 scalar) only: the causal-LM cross-entropy of every position's logits
+    /// against the input `labels` i32[B,T] (position `t` predicts token `t + 1`; −100
+    /// ignored), averaged over `B·(T−1)` predicted tokens as transformers does. A
+    /// vocabulary-parallel plan never gathers the logits (the partitioner's
+    /// vocabulary-parallel cross-entropy).
+    Loss,
 }
 
 impl ForwardOutput {
     /// All of them, for messages.
-    pub const ALL: [ForwardOutput; 3] = [
+    pub const ALL: [ForwardOutput; 4] = [
         ForwardOutput::Logits,
         ForwardOutput::Last,
         ForwardOutput::Hidden,
+        ForwardOutput::Loss,
     ];
 
-    /// `logits`, `last` or `hidden`.
+    /// `logits`, `last`, `hidden` or `loss`.
     pub fn name(self) -> &'static str {
         match self {
             ForwardOutput::Logits => "logits",
             ForwardOutput::Last => "last",
             ForwardOutput::Hidden => "hidden",
+            ForwardOutput::Loss => "loss",
         }
     }
 
@@ -312,7 +321,7 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
             )?;
             (last, 1)
         }
-        ForwardOutput::Logits => (h, bl.t),
+        ForwardOutput::Logits | ForwardOutput::Loss => (h, bl.t),
     };
     let head = match (cfg.tied, table) {
         (true, Some(t)) => t,
@@ -330,6 +339,20 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
         )),
         "lm_head.matmul",
     )?;
+    if opts_output == ForwardOutput::Loss {
+        let labels = bl.g.input("labels", bt(DType::I32));
+        let denom = bl.b * bl.t.saturating_sub(1);
+        let loss = bl.g.add(
+            Op::CrossEntropy {
+                denom: denom.max(1),
+            },
+            &[logits, labels],
+            "loss",
+        )?;
+        bl.g.set_output("loss", loss);
+        crate::ir::verify_if_debug(&bl.g, "build_forward");
+        return Ok(bl.g);
+    }
     bl.g.set_output("logits", logits);
     bl.g.set_output("hidden", h);
     crate::ir::verify_if_debug(&bl.g, "build_forward");
