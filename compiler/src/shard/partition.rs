@@ -380,7 +380,8 @@ fn check_divides(g: &Graph, mesh: &Mesh, v: ValueId, s: &TensorSharding) -> Resu
 
 /// Factor → axes assignment for one op: the result's annotation first, then operands in the
 /// rule's priority order; a factor keeps the first layout offered that is consistent
-/// (unused axes, not fixed, divides every tensor that has the factor).
+/// (unused axes — the major part of a layout before an axis already used —, not fixed,
+/// divides every tensor that has the factor).
 fn assign_factors(
     mesh: &Mesh,
     r: &FactorRule,
@@ -413,7 +414,12 @@ fn assign_factors(
             if axes.is_empty() || r.fixed.contains(&f) || !fa[f].is_empty() {
                 continue;
             }
-            if axes.iter().any(|a| used.contains(a)) {
+            // Axes another factor took already: the layout's major part before the first of
+            // them is still on offer (`[dp, ep]` with `ep` taken keeps `dp`: the batch stays
+            // split over the data replicas while the experts take `ep`).
+            let free = axes.iter().take_while(|a| !used.contains(a)).count();
+            let axes = &axes[..free];
+            if axes.is_empty() {
                 continue;
             }
             if single_axis.contains(&f) && axes.len() != 1 {
@@ -423,7 +429,7 @@ fn assign_factors(
             if sizes[f].iter().any(|&n| n % p != 0) {
                 continue;
             }
-            fa[f] = axes.clone();
+            fa[f] = axes.to_vec();
             used.extend(axes);
         }
     }

@@ -636,16 +636,49 @@ mod tests {
         assert_eq!(assign_buckets(&[10, 20], &caps), vec![vec![1, 0]]);
     }
 
-    fn fixture_step(strategy: &str, layers: usize) -> crate::train::CompiledTrain {
+    fn compile_fixture(
+        model: &str,
+        mesh: &str,
+        strategies: &[&str],
+        layers: usize,
+    ) -> crate::train::CompiledTrain {
         let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let mut cfg =
-            crate::model::ModelConfig::from_path(&root.join("tests/fixtures/hf-tiny/llama"))
-                .expect("config");
+        let dir = root.join("tests/fixtures/hf-tiny").join(model);
+        let mut cfg = crate::model::ModelConfig::from_path(&dir).expect("config");
         cfg.layers = layers;
-        let mesh = crate::shard::Mesh::parse("dp=2", 8).expect("mesh");
-        let mut o = crate::train::TrainOptions::new(2, 16, mesh);
-        o.extra_strategies = vec![strategy.into()];
+        let mesh = crate::shard::Mesh::parse(mesh, 8).expect("mesh");
+        let mut o = crate::train::TrainOptions::new(4, 16, mesh);
+        o.extra_strategies = strategies.iter().map(|s| s.to_string()).collect();
         crate::train::compile_train(&cfg, &o).expect("compile")
+    }
+
+    fn fixture_step(strategy: &str, layers: usize) -> crate::train::CompiledTrain {
+        compile_fixture("llama", "dp=2", &[strategy], layers)
+    }
+
+    /// Experts over `ep` with data replicas over `dp`: the tokens routed to the experts stay
+    /// split over `dp` (an all-to-all over `ep` moves them, nothing gathers them), so no
+    /// expert-major value is ever all-gathered.
+    #[test]
+    fn experts_on_ep_keep_the_batch_split_over_dp() {
+        let c = compile_fixture("mixtral", "dp=2,ep=2", &[], 2);
+        let g = &c.sharded.graph;
+        let mut to_all = 0;
+        for v in g.ids() {
+            let n = g.node(v);
+            let expert_major =
+                n.ty.dims
+                    .first()
+                    .is_some_and(|d| d.role == crate::ir::Role::Expert);
+            match n.op {
+                Op::AllGather { .. } => {
+                    assert!(!expert_major, "`{}` gathers experts' tokens", n.name)
+                }
+                Op::AllToAll { .. } => to_all += 1,
+                _ => {}
+            }
+        }
+        assert!(to_all > 0);
     }
 
     /// FSDP's micro-batch program: every parameter gather but the first layer's (and the
