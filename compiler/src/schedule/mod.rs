@@ -1,9 +1,10 @@
 //! Scheduling: streams and events for a program, and a buffer arena from liveness.
 //!
 //! Compute runs on stream 0 and collectives on stream 1. A collective waits on an event
-//! recorded after its operand's producer; its first consumer waits on an event recorded after
-//! it (the compute stream waits at the program's end for a collective whose result is only an
-//! output), so communication overlaps independent compute. Activation buffers are placed in one
+//! recorded after its operand's producer; its first compute consumer waits on an event recorded
+//! after it (collectives reading it follow it on the communication stream; the compute stream
+//! waits at the program's end for a collective no compute reads), so communication overlaps
+//! independent compute. Activation buffers are placed in one
 //! arena by first-fit over their live ranges (parameters are held separately).
 
 pub mod pp;
@@ -127,7 +128,14 @@ pub fn schedule(g: &Graph) -> Vec<Step> {
                 event: done,
                 stream: COMM_STREAM,
             });
-            match users[v.index()].first() {
+            // Collectives run in program order on the one communication stream, so a
+            // collective reading this one needs no event; the first compute reader waits (and
+            // every later compute reader runs after it on the compute stream). Read by no
+            // compute node, the result is waited for at the program's end.
+            let first_compute = users[v.index()]
+                .iter()
+                .find(|&&u| !g.node(u).op.is_collective());
+            match first_compute {
                 Some(&u) => pending[u.index()].push(done),
                 None => at_end.push(done),
             }
@@ -198,6 +206,62 @@ pub fn arena(g: &Graph) -> (Vec<BufferSlot>, u64) {
 mod tests {
     use super::*;
     use crate::ir::{DType, TensorType, UnaryOp};
+
+    /// A collective read first by another collective and then by compute: the compute reader
+    /// waits for the first collective's completion (it used to be waited for only by its first
+    /// reader, the other collective, leaving the compute reader racing it).
+    #[test]
+    fn every_compute_reader_of_a_collective_waits_for_it() {
+        let mut g = Graph::new();
+        let x = g.input("x", TensorType::plain(DType::F32, &[8]));
+        let a = g.add(Op::Unary(UnaryOp::Exp), &[x], "a").unwrap();
+        let ar = g
+            .add(Op::AllReduce { axis: "tp".into() }, &[a], "ar")
+            .unwrap();
+        let ag = g
+            .add(
+                Op::AllGather {
+                    axis: "dp".into(),
+                    dim: 0,
+                    parts: 2,
+                },
+                &[ar],
+                "ag",
+            )
+            .unwrap();
+        let b = g.add(Op::Unary(UnaryOp::Exp), &[ar], "b").unwrap();
+        g.set_output("ag", ag);
+        g.set_output("b", b);
+        let steps = schedule(&g);
+        let done_of = |v: ValueId| {
+            let i = steps
+                .iter()
+                .position(|s| matches!(s, Step::Collective { value, .. } if *value == v))
+                .expect("collective");
+            match steps[i + 1] {
+                Step::Record { event, stream } if stream == COMM_STREAM => event,
+                ref s => panic!("{s:?}"),
+            }
+        };
+        let (ar_done, ag_done) = (done_of(ar), done_of(ag));
+        let b_at = steps
+            .iter()
+            .position(|s| matches!(s, Step::Kernel { value, .. } if *value == b))
+            .expect("b");
+        let waits_before_b: Vec<u32> = steps[..b_at]
+            .iter()
+            .filter_map(|s| match s {
+                Step::Wait { event, stream } if *stream == COMPUTE_STREAM => Some(*event),
+                _ => None,
+            })
+            .collect();
+        assert!(waits_before_b.contains(&ar_done), "{steps:?}");
+        // The gather is read by no compute: the compute stream waits for it at the end.
+        assert!(matches!(
+            steps.last(),
+            Some(Step::Wait { event, stream }) if *event == ag_done && *stream == COMPUTE_STREAM
+        ));
+    }
 
     #[test]
     fn arena_reuses_dead_buffers() {
