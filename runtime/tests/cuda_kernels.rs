@@ -567,3 +567,24 @@ fn planner_fusions_match_the_unfused_graph() {
         assert_eq!(fused.gemm_stats().0, built, "no new plans on a rerun");
     }
 }
+
+/// The checks the GPU tests rely on can fail (these run on any machine): bf16's elementwise
+/// bounds alone would pass an all-zero output where the reference is small, the relative-L2
+/// bound does not; a near tie of the reference's top two logits is not counted either way.
+#[test]
+fn the_gpu_checks_can_fail() {
+    let want = Tensor::f32(vec![4], vec![0.004, -0.006, 0.008, 0.002]);
+    let zeros = Tensor::f32(vec![4], vec![0.0; 4]);
+    let (a, r) = tol(GpuDType::Bf16);
+    let zero_passes = std::panic::catch_unwind(|| assert_close("zeros", &zeros, &want, a, r));
+    assert!(
+        zero_passes.is_err(),
+        "an all-zero output passed the bf16 check"
+    );
+    assert_close("itself", &want, &want, a, r);
+    // Row 0: decisive, agreeing; row 1: a near tie (ignored); row 2: decisive, disagreeing.
+    let want = [3.0, 1.0, 2.0, 2.001, 0.0, 5.0];
+    let got = [3.0, 1.0, 2.001, 2.0, 5.0, 0.0];
+    let top1 = top1_agreement(&got, &want, 2, 2e-2);
+    assert!((top1 - 0.5).abs() < 1e-12, "{top1}");
+}

@@ -2,7 +2,8 @@
 //! and against the CPU reference.
 //!
 //! - f32 (true fp32 GEMMs): every fixture case within max |Δlogit| < 1e-3, fused and unfused.
-//! - bf16: relative L2 of the logits < 2e-2 and top-1 agreement ≥ 99% against the CPU f32 run.
+//! - bf16: relative L2 of the logits < 2e-2 and top-1 agreement ≥ 99% against the CPU f32 run
+//!   (over the positions whose reference top two logits differ by more than 2e-2).
 //!
 //! Needs a GPU: `cargo test -p shardc-runtime --test cuda_models -- --include-ignored`.
 
@@ -89,7 +90,8 @@ fn bf16_tracks_the_f32_cpu_reference() {
         );
         let vocab = cfg.vocab;
         let l2 = rel_l2(&got, &want);
-        let top1 = top1_agreement(&got, &want, vocab);
+        // Rows whose reference top two are within bf16's rounding of the logits are ties.
+        let top1 = top1_agreement(&got, &want, vocab, 2e-2);
         println!(
             "{} {} bf16: rel L2 {l2:.3e}, top-1 {top1:.4}",
             case.model, case.name
