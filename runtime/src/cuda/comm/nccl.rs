@@ -379,7 +379,17 @@ impl NcclComm {
         seq: u64,
         call: &'static str,
     ) -> Result<(), CommError> {
-        let deadline = Instant::now() + self.timeout;
+        self.wait_until(Instant::now() + self.timeout, kind, seq, call)
+    }
+
+    /// [`NcclComm::wait_ready`] up to `deadline`.
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        kind: CollectiveKind,
+        seq: u64,
+        call: &'static str,
+    ) -> Result<(), CommError> {
         loop {
             let mut state = nsys::ncclResult_t::ncclInProgress;
             // SAFETY: live communicator; out-pointer to a live local.
@@ -555,19 +565,32 @@ fn comm_err(e: CommError) -> CudaError {
     }
 }
 
+/// The longest a healthy teardown waits for `ncclCommFinalize` before aborting: a peer that
+/// failed never finalizes, and a rank must not hang its whole timeout on the way out.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(5);
+
 impl Drop for NcclComm {
     fn drop(&mut self) {
         if self.aborted.get() {
             return;
         }
-        // Healthy teardown: finalize (flushes outstanding work), wait, destroy. Anything
-        // unexpected falls back to abort. Errors cannot be reported from Drop.
+        // After a failure of this communicator, or while the rank unwinds from one elsewhere,
+        // the peers may never finalize: abort at once.
+        if self.failed.borrow().is_some() || std::thread::panicking() {
+            self.abort_raw();
+            return;
+        }
+        // Healthy teardown: finalize (flushes outstanding work), wait a bounded time,
+        // destroy. Anything unexpected falls back to abort. Errors cannot be reported from
+        // Drop.
+        let deadline = Instant::now() + self.timeout.min(TEARDOWN_WAIT);
         // SAFETY: live communicator, destroyed once.
         unsafe {
             let r = nsys::ncclCommFinalize(self.comm);
             if ok_or_progress(r)
                 && self
-                    .wait_ready(
+                    .wait_until(
+                        deadline,
                         CollectiveKind::Broadcast,
                         self.seq.get(),
                         "ncclCommFinalize",
