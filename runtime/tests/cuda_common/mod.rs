@@ -15,7 +15,13 @@ use std::sync::Arc;
 /// GPU 0. These tests are `#[ignore = "needs a GPU"]`; run them with `--include-ignored` on a
 /// machine with one (a missing driver is a test failure there, by design).
 pub fn device() -> Arc<CudaDevice> {
-    CudaDevice::open(0).unwrap_or_else(|e| panic!("this test needs a GPU: {e}"))
+    // One device (context, module and GEMM caches) per test binary, shared by every check.
+    static DEVICE: std::sync::OnceLock<Arc<CudaDevice>> = std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| {
+            CudaDevice::open(0).unwrap_or_else(|e| panic!("this test needs a GPU: {e}"))
+        })
+        .clone()
 }
 
 /// xorshift64* with a fixed seed per test.
