@@ -162,6 +162,10 @@ struct Ctx<'a> {
     /// Current layout of each logical value (its primary version).
     cur: Vec<TensorSharding>,
     offsets: HashMap<(ValueId, AxisId), ValueId>,
+    /// Vocabulary-parallel cross-entropy: (logits in `out`, seen through views of the same
+    /// type; labels in `out`; axis) → the gathered per-row stats, shared by the loss and its
+    /// gradient.
+    ce_stats: HashMap<(ValueId, ValueId, AxisId), ValueId>,
 }
 
 fn shard_specs(mesh: &Mesh, s: &TensorSharding) -> Vec<ShardSpec> {
@@ -290,6 +294,48 @@ impl Ctx<'_> {
     ) -> Result<ValueId, ShardError> {
         let axis = self.mesh.axis_name(a).to_string();
         let tag = (node.layer, node.role);
+        // The logits behind views of the same type (the backward pass reads the saved view
+        // of the forward's logits): one set of stats for the loss and its gradient.
+        let mut root = inputs[0];
+        while let Some(&x) = self.out.node(root).inputs.first().filter(|_| {
+            matches!(self.out.node(root).op, Op::Reshape)
+                && self.out.ty(self.out.node(root).inputs[0]) == self.out.ty(root)
+        }) {
+            root = x;
+        }
+        let key = (root, inputs[1], a);
+        let (op, index) = match node.op {
+            Op::CrossEntropyGrad { denom } => (
+                Op::CrossEntropyShardGrad {
+                    axis: axis.clone(),
+                    denom,
+                },
+                2,
+            ),
+            Op::CrossEntropy { denom } => (Op::CrossEntropyFromStats { denom }, 0),
+            _ => {
+                return Err(ShardError::Internal(format!(
+                    "`{}`: {} is not a cross-entropy",
+                    node.name,
+                    node.op.mnemonic()
+                )))
+            }
+        };
+        let operands = |gathered: ValueId| match op {
+            Op::CrossEntropyShardGrad { .. } => vec![inputs[0], inputs[1], gathered],
+            _ => vec![gathered, inputs[1]],
+        };
+        if let Some(&gathered) = self.ce_stats.get(&key) {
+            return self.push(
+                op.clone(),
+                &operands(gathered),
+                None,
+                node.name.clone(),
+                tag,
+                s,
+                None,
+            );
+        }
         let split = TensorSharding {
             dims: self.shardings[inputs[0].index()].dims.clone(),
             partial: Vec::new(),
@@ -313,17 +359,6 @@ impl Ctx<'_> {
         if let Some(last) = whole.dims.last_mut() {
             last.clear();
         }
-        let (op, index) = match node.op {
-            Op::CrossEntropyGrad { denom } => (Op::CrossEntropyShardGrad { axis, denom }, 2),
-            Op::CrossEntropy { denom } => (Op::CrossEntropyFromStats { denom }, 0),
-            _ => {
-                return Err(ShardError::Internal(format!(
-                    "`{}`: {} is not a cross-entropy",
-                    node.name,
-                    node.op.mnemonic()
-                )))
-            }
-        };
         let why = ReshardReason::Operand {
             node: node.name.clone(),
             op: op.mnemonic().to_string(),
@@ -333,11 +368,16 @@ impl Ctx<'_> {
             |detail: &str| ShardError::Internal(format!("gathering `{stats_name}`: {detail}"));
         let steps = self.reshard_steps(stats, &split, &whole, &stats_name, &why, &type_err)?;
         let gathered = steps.last().map_or(stats, |&(x, _)| x);
-        let operands = match op {
-            Op::CrossEntropyShardGrad { .. } => vec![inputs[0], inputs[1], gathered],
-            _ => vec![gathered, inputs[1]],
-        };
-        self.push(op, &operands, None, node.name.clone(), tag, s, None)
+        self.ce_stats.insert(key, gathered);
+        self.push(
+            op.clone(),
+            &operands(gathered),
+            None,
+            node.name.clone(),
+            tag,
+            s,
+            None,
+        )
     }
 }
 
@@ -484,6 +524,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
         versions: HashMap::new(),
         cur: Vec::with_capacity(g.len()),
         offsets: HashMap::new(),
+        ce_stats: HashMap::new(),
     };
     for v in g.ids() {
         let node = g.node(v);

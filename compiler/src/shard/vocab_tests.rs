@@ -65,14 +65,20 @@ fn vocab_split_logits_are_never_gathered() {
     let mesh = "tp=2";
     let s = lowered(mesh, split(mesh, &[&[], &[], &["tp"]]));
     let m = &s.mesh;
-    // Only the stats cross ranks: each loss gathers [2, 4, 3] per rank into [2, 4, 6].
+    // Only the stats cross ranks, once for the loss and its gradient (they read the same
+    // logits): [2, 4, 3] per rank gathered into [2, 4, 6].
     let gathers: Vec<_> = s
         .graph
         .nodes
         .iter()
         .filter(|n| n.op.is_collective())
         .collect();
-    assert_eq!(gathers.len(), 2, "{:?}", ops(&s));
+    assert_eq!(gathers.len(), 1, "{:?}", ops(&s));
+    let stats = ops(&s)
+        .iter()
+        .filter(|o| **o == "cross_entropy_stats")
+        .count();
+    assert_eq!(stats, 1, "{:?}", ops(&s));
     for n in &gathers {
         assert!(matches!(&n.op, Op::AllGather { axis, dim: 2, parts: 2 } if axis == "tp"));
         assert_eq!(n.ty.shape(), [2, 4, 6]);
@@ -97,24 +103,14 @@ fn vocab_split_logits_are_never_gathered() {
         .collect();
     assert_eq!(
         why,
-        [
-            (
-                "loss.stats",
-                ReshardReason::Operand {
-                    node: "loss".into(),
-                    op: "cross_entropy_from_stats".into(),
-                    index: 0
-                }
-            ),
-            (
-                "dlogits.stats",
-                ReshardReason::Operand {
-                    node: "dlogits".into(),
-                    op: "cross_entropy_shard_grad".into(),
-                    index: 2
-                }
-            )
-        ]
+        [(
+            "loss.stats",
+            ReshardReason::Operand {
+                node: "loss".into(),
+                op: "cross_entropy_from_stats".into(),
+                index: 0
+            }
+        ),]
     );
 }
 
@@ -135,11 +131,11 @@ fn batch_and_vocab_split_keeps_the_loss_partial_over_the_batch_axis_only() {
         .filter(|n| n.op.is_collective())
         .map(|n| (n.op.mnemonic(), n.op.axis().unwrap_or(""), n.ty.shape()))
         .collect();
-    // The stats gathered over tp; the replicated `loss` output sums the batch halves.
+    // The stats gathered over tp (once, for the loss and its gradient); the replicated
+    // `loss` output sums the batch halves.
     assert_eq!(
         collectives,
         [
-            ("all_gather", "tp", vec![1, 4, 6]),
             ("all_gather", "tp", vec![1, 4, 6]),
             ("all_reduce", "dp", vec![])
         ]
