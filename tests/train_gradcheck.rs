@@ -6,59 +6,15 @@
 
 use serde_json::json;
 use shardc::compiler::autodiff::Recompute;
-use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{compile_train, Precision, TrainOptions};
-use shardc::runtime::train::{save_safetensors, train_step, Batch, TrainState};
+use shardc::runtime::train::{train_step, Batch, TrainState};
 use shardc::runtime::{Tensor, Weights};
-use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::Duration;
+use train_support::{random_model, Lcg};
 
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
-/// Writes `config` and random weights for every parameter it needs into `dir`.
-fn random_model(dir: &Path, config: serde_json::Value, seq: usize) -> (ModelConfig, Weights) {
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let cfg = ModelConfig::from_path(dir).unwrap();
-    let c = compile_train(&cfg, &TrainOptions::new(2, seq, Mesh::single())).unwrap();
-    let mut rng = Lcg(42);
-    let mut tensors = BTreeMap::new();
-    for p in &c.train.params {
-        let n = p.ty.numel();
-        let fan_in = *p.ty.shape().last().unwrap() as f32;
-        let norm = p.label.contains("norm");
-        let bias = p.label.ends_with(".bias");
-        let data = (0..n)
-            .map(|_| {
-                let u = rng.next();
-                if norm {
-                    1.0 + 0.25 * u
-                } else if bias {
-                    0.2 * u
-                } else if p.label == "embed" {
-                    0.5 * u
-                } else {
-                    1.7 * u / fan_in.sqrt()
-                }
-            })
-            .collect();
-        assert!(p.source.view.is_none() && p.source.stack.is_none() && !p.source.transposed);
-        tensors.insert(p.source.name.clone(), Tensor::f32(p.ty.shape(), data));
-    }
-    save_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
-    (cfg, Weights::open(dir).unwrap())
-}
+mod train_support;
 
 fn loss_at(c: &Plan, state: &TrainState, batch: &Batch, w: &Weights) -> f64 {
     let mut s = state.clone();

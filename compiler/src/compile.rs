@@ -296,6 +296,7 @@ fn compile_forward_logged(
         kv_repeat: shard::kv_repeat(cfg, &opts.mesh, &strategies),
         stage: None,
         output,
+        cp: shard::cp_build_order(&opts.mesh, &strategies),
     };
     let logical = build_forward(cfg, build)
         .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;

@@ -191,6 +191,7 @@ fn attention_causal_window_mask_gqa_decode() {
                 causal,
                 window,
                 scale: Float(1.0 / (d as f32).sqrt()),
+                indexed: false,
             };
             let what = format!("attention b{b} t{t} s{s} h{hq}/{hkv} d{d} causal={causal} window={window:?} mask={masked}");
             let (a, r) = match dt {

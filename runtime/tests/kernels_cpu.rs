@@ -629,6 +629,7 @@ fn check_attention(seed: u64, c: AttnCase) -> Tensor {
         causal: c.causal,
         window: c.window,
         scale: Float(scale),
+        indexed: false,
     };
     let mut ins = vec![&q, &k, &v];
     ins.extend(mask.as_ref());

@@ -33,6 +33,51 @@ pub fn options(
     })
 }
 
+/// Context parallelism's flags, shared by `compile`, `run`, `train` and `simulate`: they
+/// name strategies (`cp-ulysses`, `cp-contiguous`), as `--strategy` could.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct CpArgs {
+    /// Context parallelism's exchange of keys and values on a `cp` mesh axis: `allgather`
+    /// (K/V all-gathered, queries stay split: Llama 3, Megatron `allgather`; the default) or
+    /// `ulysses` (all-to-all from sequence-split to head-split and back: DeepSpeed-Ulysses).
+    #[arg(long, value_name = "ALGO")]
+    pub cp_algo: Option<String>,
+    /// Causal load balancing of a `cp` axis: `headtail` (the sequence in 2·cp chunks, rank
+    /// i holding chunks i and 2·cp−1−i; the default) or `none` (contiguous parts).
+    #[arg(long, value_name = "ORDER")]
+    pub cp_balance: Option<String>,
+}
+
+impl CpArgs {
+    /// The strategies the flags name, appended to `strategy`.
+    pub fn with(&self, strategy: &[String]) -> anyhow::Result<Vec<String>> {
+        let mut out = strategy.to_vec();
+        match self.cp_algo.as_deref() {
+            None | Some("allgather") => {}
+            Some("ulysses") => out.push("cp-ulysses".into()),
+            Some("ring") => bail!(
+                "--cp-algo ring: the ring exchange of K/V is not available in this version; \
+                 use allgather (same traffic, not overlapped) or ulysses"
+            ),
+            Some(x) => bail!("--cp-algo `{x}`: expected allgather or ulysses"),
+        }
+        match self.cp_balance.as_deref() {
+            None | Some("headtail") => {}
+            Some("none") => out.push("cp-contiguous".into()),
+            Some(x) => bail!("--cp-balance `{x}`: expected headtail or none"),
+        }
+        if self.cp_algo.as_deref() == Some("ulysses")
+            && self.cp_balance.as_deref() == Some("headtail")
+        {
+            bail!(
+                "--cp-balance headtail applies to --cp-algo allgather: under ulysses every \
+                 rank's attention sees the whole sequence, so there is nothing to balance"
+            );
+        }
+        Ok(out)
+    }
+}
+
 /// `--flag: must be at least MIN (found X)`.
 /// Micro-batches per step from `--micro-batch` (sequences per micro-batch per data-parallel
 /// rank, Megatron-LM's `--micro-batch-size`): the global batch over `dp × ep` ranks and

@@ -28,6 +28,8 @@ pub struct CompileArgs {
     /// Strategies beyond the mesh axes' defaults, comma-separated (e.g. `sp`).
     #[arg(long)]
     pub strategy: Vec<String>,
+    #[command(flatten)]
+    pub cp: super::args::CpArgs,
     /// Global batch: sequences per forward pass or optimizer step (`--global-batch` is the
     /// same flag, in every subcommand).
     #[arg(
@@ -147,7 +149,7 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     let opts = options(
         &cfg,
         a.mesh.as_deref(),
-        &a.strategy,
+        &a.cp.with(&a.strategy)?,
         a.batch,
         seq,
         a.gpus_per_node,

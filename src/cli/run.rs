@@ -69,6 +69,8 @@ pub struct RunArgs {
     /// Strategies beyond the mesh axes' defaults (e.g. `sp`).
     #[arg(long)]
     strategy: Vec<String>,
+    #[command(flatten)]
+    cp: super::args::CpArgs,
     /// Backend: `cpu` (reference) or `cuda` (one GPU; with `--mesh`, every rank as a
     /// virtual rank of GPU 0 with the local-gpu communicator).
     #[arg(long, default_value = "cpu")]
@@ -363,7 +365,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
         None => {
             let opts = match &a.mesh {
-                Some(m) => super::args::options(&cfg, Some(m), &a.strategy, b, t, 8)?,
+                Some(m) => super::args::options(&cfg, Some(m), &a.cp.with(&a.strategy)?, b, t, 8)?,
                 None => CompileOptions {
                     batch: b,
                     seq: t,
@@ -607,6 +609,7 @@ mod cuda_tests {
             plan: None,
             mesh: None,
             strategy: vec![],
+            cp: Default::default(),
             backend: "cuda".into(),
             dtype: "bf16".into(),
             comm_timeout: Duration::from_secs(5),

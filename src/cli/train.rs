@@ -60,6 +60,8 @@ pub struct TrainArgs {
     /// Strategies beyond the mesh axes' defaults (`sp`, `zero1`, `zero2`, `zero3`, `fsdp`).
     #[arg(long)]
     strategy: Vec<String>,
+    #[command(flatten)]
+    cp: super::args::CpArgs,
     /// Optimizer steps (each on the same tokens).
     #[arg(long, default_value_t = 1)]
     steps: usize,
@@ -259,7 +261,7 @@ fn compile_plan(
     };
     let (b, t) = (batch.batch, batch.seq);
     let mut opts = TrainOptions::new(b, t, mesh);
-    opts.extra_strategies = a.strategy.clone();
+    opts.extra_strategies = a.cp.with(&a.strategy)?;
     opts.micro_batches = match a.micro_batch {
         Some(size) => super::args::micro_batch_count(b, size, &opts.mesh)?,
         None => a.micro_batches.unwrap_or(1),

@@ -418,6 +418,7 @@ impl Bench {
                 causal: true,
                 window: None,
                 scale: Float(1.0 / (HEAD_DIM as f32).sqrt()),
+                indexed: false,
             };
             let y = add(&mut g, Op::Attention(spec), &[q, k, v], "attn");
             g.set_output("y", y);
@@ -704,6 +705,7 @@ fn llama_layer(t: usize) -> Graph {
         causal: true,
         window: None,
         scale: Float(1.0 / (HEAD_DIM as f32).sqrt()),
+        indexed: false,
     };
     let a = add(&mut g, Op::Attention(spec), &[q, k, v], "attn");
     let a = reshape(&mut g, a, &[1, t, HIDDEN], "attn_flat");

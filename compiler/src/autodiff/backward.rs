@@ -247,7 +247,7 @@ impl Builder<'_> {
                     Some(p) => self.saved_node(p)?,
                     None => {
                         let mut qk = vec![q, k];
-                        if let Some(&m) = x.get(3) {
+                        for &m in x.iter().skip(3) {
                             qk.push(self.saved_fwd(m)?);
                         }
                         let name = format!("{}recompute.{}.probs", self.prefix, node.name);
@@ -286,6 +286,19 @@ impl Builder<'_> {
                     inv[p] = i;
                 }
                 let d = self.add(Op::Transpose { perm: inv }, &[dy], None, n("dx"), layer)?;
+                self.contribute(x[0], d);
+            }
+            Op::SeqPermute {
+                dim,
+                order,
+                inverse,
+            } => {
+                let op = Op::SeqPermute {
+                    dim: *dim,
+                    order: *order,
+                    inverse: !inverse,
+                };
+                let d = self.add(op, &[dy], None, n("dx"), layer)?;
                 self.contribute(x[0], d);
             }
             Op::Repeat { dim, times } => {

@@ -266,8 +266,20 @@ impl Builder<'_> {
         let fwd = self.fwd;
         let kk = self.opts.micro_batches;
         self.role = ValueRole::Forward;
+        // Outputs put back into natural order (context parallelism's head-tail order) serve
+        // callers of the forward pass only: the loss reads the logits as computed, with the
+        // labels permuted alike (the mean over tokens does not depend on their order).
+        let natural: Vec<ValueId> = fwd
+            .outputs
+            .iter()
+            .map(|(_, v)| *v)
+            .filter(|&v| matches!(fwd.node(v).op, Op::SeqPermute { inverse: true, .. }))
+            .collect();
         for v in fwd.ids() {
             let node = fwd.node(v);
+            if natural.contains(&v) {
+                continue;
+            }
             match &node.op {
                 Op::Param(_) => continue,
                 Op::Input { name, .. } => {
@@ -289,8 +301,9 @@ impl Builder<'_> {
             let x = self.add(node.op.clone(), &inputs, declared, name.clone(), node.layer)?;
             self.map[v.index()] = Some(x);
             if let (Op::Attention(spec), Recompute::None) = (&node.op, self.opts.recompute) {
+                // q, k and what follows v: the mask and the indices.
                 let mut qk = vec![inputs[0], inputs[1]];
-                qk.extend(inputs.get(3).copied());
+                qk.extend(inputs.iter().skip(3).copied());
                 let p = self.add(
                     Op::AttentionProbs(*spec),
                     &qk,
@@ -311,11 +324,24 @@ impl Builder<'_> {
             .input_named("input_ids")
             .or_else(|| fwd.input_named("position_ids"))
             .ok_or_else(|| AutodiffError::Forward("no `input_ids` input".into()))?;
-        let labels = self.input(
+        let mut labels = self.input(
             &input_name("labels", k, kk),
             fwd.ty(ids).clone(),
             ValueRole::Forward,
         );
+        let mut logits = logits;
+        if let (true, Op::SeqPermute { dim, order, .. }) =
+            (natural.contains(&logits), &fwd.node(logits).op)
+        {
+            let op = Op::SeqPermute {
+                dim: *dim,
+                order: *order,
+                inverse: false,
+            };
+            let name = format!("{}labels.cp_order", self.prefix);
+            labels = self.add(op, &[labels], None, name, None)?;
+            logits = fwd.node(logits).inputs[0];
+        }
         Ok(Some((logits, labels)))
     }
 

@@ -290,16 +290,17 @@ pub(super) fn infer(op: &Op, inputs: &[&TensorType]) -> Option<Result<TensorType
             .infer(inputs, None)
             .map_err(|e| err(m, e.to_string())),
         Op::AttentionProbs(spec) => {
-            if inputs.len() != 2 && inputs.len() != 3 {
+            let idx = if spec.indexed { 2 } else { 0 };
+            if inputs.len() != 2 + idx && inputs.len() != 3 + idx {
                 return Some(Err(IrError::Arity {
                     op: m,
-                    expected: "2 or 3",
+                    expected: if spec.indexed { "4 or 5" } else { "2 or 3" },
                     found: inputs.len(),
                 }));
             }
             let (q, k) = (inputs[0], inputs[1]);
             let mut fwd = vec![q, k, k];
-            fwd.extend(inputs.get(2).copied());
+            fwd.extend(inputs.iter().skip(2).copied());
             Op::Attention(*spec)
                 .infer(&fwd, None)
                 .map_err(|e| err(m, e.to_string()))
@@ -307,7 +308,12 @@ pub(super) fn infer(op: &Op, inputs: &[&TensorType]) -> Option<Result<TensorType
         }
         Op::AttentionGrad { spec, wrt } => arity(m, inputs, 5, "5").and_then(|_| {
             let (q, k, v, dy, p) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4]);
-            Op::Attention(*spec)
+            // The probabilities hold the masks and indices: the shapes are q's, k's and v's.
+            let plain = super::AttnSpec {
+                indexed: false,
+                ..*spec
+            };
+            Op::Attention(plain)
                 .infer(&[q, k, v], None)
                 .map_err(|e| err(m, e.to_string()))?;
             same(m, q, dy, "q and dy")?;

@@ -19,7 +19,7 @@ pub use graph::{Graph, Node};
 pub use ids::{Float, ValueId};
 pub use op::{
     dims, AttnSpec, AxisName, Op, ParamSource, ParamView, RopeScaling, RopeSpec, RopeStyle,
-    ShardSpec, UnaryOp, CROSS_ENTROPY_STATS,
+    SeqOrder, ShardSpec, UnaryOp, CROSS_ENTROPY_STATS,
 };
 pub use role::ValueRole;
 pub use text::parse_graph;

@@ -157,6 +157,92 @@ pub struct AttnSpec {
     pub window: Option<usize>,
     /// Score scale (usually 1/√head_dim).
     pub scale: Float,
+    /// The last two operands are `qidx` i32[T] and `kidx` i32[S], the sequence index of each
+    /// query and key (context parallelism: a rank's queries are a chunk of the sequence,
+    /// possibly permuted): the causal and window masks compare them instead of the default
+    /// positions (query `t` at `t + S − T`, key `s` at `s`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub indexed: bool,
+}
+
+impl AttnSpec {
+    /// The optional operands after `q, k, v` (attention) or `q, k` (its probabilities): the key
+    /// mask, and with [`AttnSpec::indexed`] the query and key indices (the last two).
+    pub fn extra<T: Copy>(&self, rest: &[T]) -> (Option<T>, Option<(T, T)>) {
+        if self.indexed && rest.len() >= 2 {
+            let n = rest.len() - 2;
+            (rest[..n].first().copied(), Some((rest[n], rest[n + 1])))
+        } else {
+            (rest.first().copied(), None)
+        }
+    }
+}
+
+/// The order of a sequence axis (context parallelism's causal load balancing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SeqOrder {
+    /// Natural order.
+    Contiguous,
+    /// Megatron's / Llama 3's head-tail ("zigzag") order: the sequence cut into `2·parts`
+    /// chunks laid out `0, 2p−1, 1, 2p−2, ..`, so contiguous part `i` of the permuted
+    /// sequence holds chunks `i` and `2p−1−i` and every part does the same causal work.
+    HeadTail {
+        /// Ranks the sequence is split over.
+        parts: usize,
+    },
+}
+
+impl SeqOrder {
+    /// Whether a sequence of `len` tokens can be laid out so.
+    pub fn divides(self, len: usize) -> bool {
+        match self {
+            SeqOrder::Contiguous => true,
+            SeqOrder::HeadTail { parts } => parts > 0 && len % (2 * parts) == 0,
+        }
+    }
+
+    /// The original index of position `j` of a `len`-token sequence in this order.
+    pub fn original(self, len: usize, j: usize) -> usize {
+        match self {
+            SeqOrder::Contiguous => j,
+            SeqOrder::HeadTail { parts } => {
+                let c = len / (2 * parts);
+                let (k, off) = (j / c, j % c);
+                let chunk = if k % 2 == 0 {
+                    k / 2
+                } else {
+                    2 * parts - 1 - k / 2
+                };
+                chunk * c + off
+            }
+        }
+    }
+
+    /// The position of original index `t` in this order.
+    pub fn position_of(self, len: usize, t: usize) -> usize {
+        match self {
+            SeqOrder::Contiguous => t,
+            SeqOrder::HeadTail { parts } => {
+                let c = len / (2 * parts);
+                let (chunk, off) = (t / c, t % c);
+                let k = if chunk < parts {
+                    2 * chunk
+                } else {
+                    2 * (2 * parts - 1 - chunk) + 1
+                };
+                k * c + off
+            }
+        }
+    }
+
+    /// Text name: `contiguous` or `headtail` (torchtitan's name).
+    pub fn name(self) -> &'static str {
+        match self {
+            SeqOrder::Contiguous => "contiguous",
+            SeqOrder::HeadTail { .. } => "headtail",
+        }
+    }
 }
 
 /// A sub-block of a stored tensor: `len` elements from `start` along `dim`.
@@ -267,12 +353,31 @@ pub enum Op {
     },
     /// `(x[B, T, N, D], pos[B, T] i32) -> [B, T, N, D]`: rotary embedding of each head.
     Rope(RopeSpec),
-    /// `(q[B,T,Hq,D], k[B,S,Hkv,D], v[B,S,Hkv,D] [, mask[B,S]]) -> [B,T,Hq,D]`:
-    /// softmax(q·kᵀ·scale + masks)·v per head; query head h reads KV head h / (Hq/Hkv).
-    /// Query t sits at position t + S − T (the last query aligns with the last key). `mask`
-    /// (f32; nonzero keeps, 0 drops) masks keys. The window applies with or without `causal`
-    /// (without it, later keys stay visible). A query with no visible key gives zeros.
+    /// `(q[B,T,Hq,D], k[B,S,Hkv,D], v[B,S,Hkv,D] [, mask[B,S]] [, qidx[T], kidx[S]]) ->
+    /// [B,T,Hq,D]`: softmax(q·kᵀ·scale + masks)·v per head; query head h reads KV head
+    /// h / (Hq/Hkv). Query t sits at position t + S − T (the last query aligns with the last
+    /// key), or at `qidx[t]` against keys at `kidx[s]` when the spec is
+    /// [`AttnSpec::indexed`]. `mask` (f32; nonzero keeps, 0 drops) masks keys. The window
+    /// applies with or without `causal` (without it, later keys stay visible). A query with
+    /// no visible key gives zeros.
     Attention(AttnSpec),
+    /// `-> i32[len]`: the original index of each position of a sequence laid out in `order`
+    /// (the query and key indices of context-parallel attention).
+    SeqIndex {
+        /// Sequence length.
+        len: usize,
+        /// The layout.
+        order: SeqOrder,
+    },
+    /// `x -> x` with dim `dim` reordered from natural order into `order` (`inverse`: back).
+    SeqPermute {
+        /// The sequence dim.
+        dim: usize,
+        /// The order.
+        order: SeqOrder,
+        /// Back to natural order.
+        inverse: bool,
+    },
     /// Softmax over the last dim.
     Softmax,
     /// Same elements, new shape (the node's declared type).
@@ -626,6 +731,8 @@ impl Op {
             Op::LayerNorm { .. } => "layer_norm",
             Op::Rope(_) => "rope",
             Op::Attention(_) => "attention",
+            Op::SeqIndex { .. } => "seq_index",
+            Op::SeqPermute { .. } => "seq_permute",
             Op::Softmax => "softmax",
             Op::Reshape => "reshape",
             Op::Transpose { .. } => "transpose",
@@ -842,15 +949,17 @@ impl Op {
                 }
                 Ok(x.clone())
             }
-            Op::Attention(_) => {
-                if inputs.len() != 3 && inputs.len() != 4 {
+            Op::Attention(spec) => {
+                let idx = if spec.indexed { 2 } else { 0 };
+                if inputs.len() != 3 + idx && inputs.len() != 4 + idx {
                     return Err(IrError::Arity {
                         op: m,
-                        expected: "3 or 4",
+                        expected: if spec.indexed { "5 or 6" } else { "3 or 4" },
                         found: inputs.len(),
                     });
                 }
                 let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+                let (mask, index) = spec.extra(&inputs[3..]);
                 let qs = q.shape();
                 let ks = k.shape();
                 if q.rank() != 4 || k.rank() != 4 || !k.same_shape(v) {
@@ -865,12 +974,43 @@ impl Op {
                         format!("q {q} and k {k}: batch/head_dim differ or heads not a multiple of kv heads"),
                     ));
                 }
-                if let Some(mask) = inputs.get(3) {
+                if let Some(mask) = mask {
                     if mask.shape() != [ks[0], ks[1]] {
                         return Err(shape_err(m, format!("mask {mask} must be [B, S] of k {k}")));
                     }
                 }
+                if let Some((qi, ki)) = index {
+                    for (t, n, what) in [(qi, q.dim(1), "qidx"), (ki, k.dim(1), "kidx")] {
+                        if t.dtype != DType::I32 || t.shape() != [n] {
+                            return Err(shape_err(
+                                m,
+                                format!("{what} {t} must be i32[{n}] (the sequence dim)"),
+                            ));
+                        }
+                    }
+                }
                 Ok(q.clone())
+            }
+            Op::SeqIndex { len, order } => {
+                arity(self, inputs, 0, "0")?;
+                if !order.divides(*len) {
+                    return Err(shape_err(
+                        m,
+                        format!("{} order of {len} tokens", order.name()),
+                    ));
+                }
+                Ok(TensorType::new(DType::I32, vec![Dim::new(Role::Seq, *len)]))
+            }
+            Op::SeqPermute { dim, order, .. } => {
+                arity(self, inputs, 1, "1")?;
+                let x = inputs[0];
+                if *dim >= x.rank() || !order.divides(x.dim(*dim)) {
+                    return Err(shape_err(
+                        m,
+                        format!("dim {dim} of {x} cannot take the {} order", order.name()),
+                    ));
+                }
+                Ok(x.clone())
             }
             Op::Transpose { perm } => {
                 arity(self, inputs, 1, "1")?;

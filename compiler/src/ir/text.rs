@@ -139,12 +139,14 @@ mod tests {
             causal: true,
             window: Some(3),
             scale: Float(0.5),
+            indexed: false,
         };
         let att = g.add(Op::Attention(spec), &[qr, kr, vr, mask], "")?;
         let spec = AttnSpec {
             causal: false,
             window: None,
             scale: Float(1e-40),
+            indexed: false,
         };
         let att2 = g.add(Op::Attention(spec), &[qr, kr, vr], "")?;
         g.add(
@@ -350,6 +352,7 @@ mod tests {
             causal: true,
             window: Some(3),
             scale: Float(0.5),
+            indexed: false,
         };
         let probs = g.add(Op::AttentionProbs(spec), &[qr, kr, mask], "probs")?;
         let wrt = AttnWrt::K;

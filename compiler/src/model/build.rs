@@ -7,8 +7,8 @@
 
 use super::config::{Arch, ModelConfig, NormKind};
 use crate::ir::{
-    AttnSpec, DType, Dim, Float, Graph, IrError, Op, ParamSource, ParamView, Role, TensorType,
-    ValueId,
+    AttnSpec, DType, Dim, Float, Graph, IrError, Op, ParamSource, ParamView, Role, SeqOrder,
+    TensorType, ValueId,
 };
 
 /// Batch and sequence length of the graph to build.
@@ -25,6 +25,11 @@ pub struct BuildOptions {
     pub stage: Option<StageSpec>,
     /// What the forward pass returns (a chunk with the head only).
     pub output: ForwardOutput,
+    /// Context parallelism: attention reads each query's and key's sequence index (a
+    /// `SeqIndex` of the order), so the queries' sequence can be split. With the head-tail
+    /// order the `[B,T]` inputs are permuted into it on entry and the `[B,T,..]` outputs back
+    /// to natural order on exit (a pipeline's stage activations stay permuted).
+    pub cp: Option<SeqOrder>,
 }
 
 /// What a forward pass returns.
@@ -123,6 +128,7 @@ impl BuildOptions {
             kv_repeat: 1,
             stage: None,
             output: ForwardOutput::Logits,
+            cp: None,
         }
     }
 }
@@ -133,6 +139,8 @@ struct Builder<'a> {
     b: usize,
     t: usize,
     kv_repeat: usize,
+    /// Context parallelism: the sequence's order and its `SeqIndex`.
+    cp: Option<(SeqOrder, ValueId)>,
 }
 
 fn d(role: Role, size: usize) -> Dim {
@@ -221,6 +229,30 @@ impl Builder<'_> {
         );
         self.g.add_typed(Op::Reshape, &[x], Some(ty), label)
     }
+
+    /// `x` with its sequence dim (1) in the context-parallel order (`inverse`: back to
+    /// natural order); `x` itself unless the order permutes.
+    fn cp_order(&mut self, x: ValueId, inverse: bool) -> Result<ValueId, IrError> {
+        match self.cp {
+            Some((order @ SeqOrder::HeadTail { .. }, _)) => {
+                let name = format!(
+                    "{}.{}",
+                    self.g.node(x).name,
+                    if inverse { "natural_order" } else { "cp_order" }
+                );
+                self.g.add(
+                    Op::SeqPermute {
+                        dim: 1,
+                        order,
+                        inverse,
+                    },
+                    &[x],
+                    name,
+                )
+            }
+            _ => Ok(x),
+        }
+    }
 }
 
 /// Builds the forward graph.
@@ -233,7 +265,23 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
         b,
         t,
         kv_repeat: opts.kv_repeat.max(1),
+        cp: None,
     };
+    if let Some(order) = opts.cp {
+        if !order.divides(t) {
+            return Err(IrError::Invalid(format!(
+                "seq={t} does not split into the {} order's {} chunks",
+                order.name(),
+                match order {
+                    SeqOrder::HeadTail { parts } => 2 * parts,
+                    SeqOrder::Contiguous => 1,
+                }
+            )));
+        }
+        let idx =
+            bl.g.add(Op::SeqIndex { len: t, order }, &[], "cp.seq_index")?;
+        bl.cp = Some((order, idx));
+    }
     let bt = |dt: DType| TensorType::new(dt, vec![d(Role::Batch, b), d(Role::Seq, t)]);
     let stage = opts.stage.clone().unwrap_or(StageSpec {
         layers: 0..cfg.layers,
@@ -257,6 +305,9 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
     let ids = stage.embed.then(|| bl.g.input("input_ids", bt(DType::I32)));
     let pos = bl.g.input("position_ids", bt(DType::I32));
     let mask = bl.g.input("attention_mask", bt(DType::F32));
+    let ids = ids.map(|x| bl.cp_order(x, false)).transpose()?;
+    let pos = bl.cp_order(pos, false)?;
+    let mask = bl.cp_order(mask, false)?;
 
     let mut table = None;
     let mut x = match ids {
@@ -304,16 +355,19 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
     let h = bl.norm(x, final_norm, "final_norm")?;
     let (h, positions) = match opts_output {
         ForwardOutput::Hidden => {
+            let h = bl.cp_order(h, true)?;
             bl.g.set_output("hidden", h);
             crate::ir::verify_if_debug(&bl.g, "build_forward");
             return Ok(bl.g);
         }
         ForwardOutput::Last => {
             let t = bl.t;
+            // The last token sits where the context-parallel order put it.
+            let start = bl.cp.map_or(t - 1, |(o, _)| o.position_of(t, t - 1));
             let last = bl.g.add(
                 Op::Slice {
                     dim: 1,
-                    start: t - 1,
+                    start,
                     len: 1,
                 },
                 &[h],
@@ -341,6 +395,7 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
     )?;
     if opts_output == ForwardOutput::Loss {
         let labels = bl.g.input("labels", bt(DType::I32));
+        let labels = bl.cp_order(labels, false)?;
         let denom = bl.b * bl.t.saturating_sub(1);
         let loss = bl.g.add(
             Op::CrossEntropy {
@@ -353,6 +408,11 @@ pub fn build_forward(cfg: &ModelConfig, opts: BuildOptions) -> Result<Graph, IrE
         crate::ir::verify_if_debug(&bl.g, "build_forward");
         return Ok(bl.g);
     }
+    let (logits, h) = if positions == bl.t {
+        (bl.cp_order(logits, true)?, bl.cp_order(h, true)?)
+    } else {
+        (logits, h)
+    };
     bl.g.set_output("logits", logits);
     bl.g.set_output("hidden", h);
     crate::ir::verify_if_debug(&bl.g, "build_forward");
@@ -472,12 +532,14 @@ fn attention_block(
         causal: true,
         window: cfg.window,
         scale: Float(1.0 / (cfg.head_dim as f32).sqrt()),
+        indexed: bl.cp.is_some(),
     };
-    let a = bl.g.add(
-        Op::Attention(spec),
-        &[q, k, v, mask],
-        format!("{l}.attn.sdpa"),
-    )?;
+    let mut operands = vec![q, k, v, mask];
+    if let Some((_, idx)) = bl.cp {
+        operands.extend([idx, idx]);
+    }
+    let a =
+        bl.g.add(Op::Attention(spec), &operands, format!("{l}.attn.sdpa"))?;
     let a = bl.g.add_typed(
         Op::Reshape,
         &[a],

@@ -13,7 +13,10 @@ mod vocab_tests;
 pub use mesh::{AxisId, LinkClass, Mesh, MeshAxis, MeshError, DATA_AXES, KNOWN_AXES};
 pub use partition::{partition, Annotations, Provenance, ReshardReason, ShardedGraph};
 pub(crate) use presets::data_axes;
-pub use presets::{annotate, check_model, kv_repeat, resolve, resolve_stage, Strategy};
+pub use presets::{
+    annotate, check_model, cp_build_order, cp_layout, kv_repeat, resolve, resolve_stage, CpAlgo,
+    CpLayout, Strategy,
+};
 pub use reshard::{apply_public as apply_reshard_step, reshard};
 pub use rules::{rule, FactorRule, PartialRule};
 pub use sharding::TensorSharding;
@@ -57,16 +60,16 @@ pub enum ShardError {
         /// Valid names.
         valid: String,
     },
-    /// Two strategies that exclude each other (two ZeRO stages).
-    #[error(
-        "--strategy: `{first}` and `{second}` conflict: choose one ZeRO stage (zero1, zero2, \
-         zero3 or fsdp, which is zero3)"
-    )]
+    /// Two strategies that exclude each other (two ZeRO stages, two context-parallel
+    /// variants).
+    #[error("--strategy: `{first}` and `{second}` conflict: {choose}")]
     ConflictingStrategies {
         /// One strategy.
         first: String,
         /// The other.
         second: String,
+        /// What to choose instead.
+        choose: String,
     },
     /// Mesh error.
     #[error(transparent)]

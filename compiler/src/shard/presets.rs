@@ -9,12 +9,19 @@
 //! - `sp` (Megatron sequence parallelism): the residual stream, norms and residual adds on
 //!   sequence shards of the `tp` axis.
 //! - `ep`: MoE experts split over `ep`, tokens dispatched and combined by all-to-all.
+//! - `cp` (context parallelism): the sequence split over `cp` for the whole layer. The
+//!   attention reads every query's and key's sequence index, so its queries stay split and
+//!   its keys and values are gathered (`cp-allgather`, Llama 3's form; the default), or the
+//!   heads are split over `cp` instead by all-to-all (`cp-ulysses`, DeepSpeed-Ulysses). With
+//!   the head-tail order (the default; `cp-contiguous` turns it off) the sequence is cut into
+//!   `2·cp` chunks and rank `i` holds chunks `i` and `2·cp−1−i`, so every rank does the same
+//!   causal work.
 
 use super::mesh::{AxisId, Mesh};
 use super::partition::Annotations;
 use super::sharding::TensorSharding;
 use super::ShardError;
-use crate::ir::{Graph, Op, ValueId};
+use crate::ir::{Graph, Op, SeqOrder, ValueId};
 use crate::model::ModelConfig;
 use std::fmt;
 
@@ -38,11 +45,88 @@ pub enum Strategy {
     Zero3,
     /// PyTorch FSDP (full sharding): ZeRO stage 3.
     Fsdp,
+    /// Context parallelism: the sequence split over `cp` (default variant: all-gather K/V,
+    /// head-tail order).
+    Cp,
+    /// Context parallelism by all-gathering K/V (Llama 3, Megatron `allgather`).
+    CpAllGather,
+    /// Context parallelism by all-to-all over heads (DeepSpeed-Ulysses, Megatron `a2a`).
+    CpUlysses,
+    /// Context parallelism without causal load balancing: rank `i` holds the `i`-th
+    /// contiguous part of the sequence.
+    CpContiguous,
+}
+
+/// How context parallelism exchanges keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpAlgo {
+    /// All-gather K and V; the queries stay split (backward: reduce-scatter dK, dV).
+    AllGather,
+    /// All-to-all Q, K, V from sequence-split to head-split and the output back.
+    Ulysses,
+}
+
+impl CpAlgo {
+    /// `allgather` or `ulysses`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpAlgo::AllGather => "allgather",
+            CpAlgo::Ulysses => "ulysses",
+        }
+    }
+}
+
+/// The context parallelism of a mesh under some strategies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpLayout {
+    /// The `cp` axis.
+    pub axis: AxisId,
+    /// Its size.
+    pub size: usize,
+    /// The exchange.
+    pub algo: CpAlgo,
+    /// The sequence's order (head-tail unless `cp-contiguous`; contiguous under Ulysses,
+    /// whose attention sees the whole sequence).
+    pub order: SeqOrder,
+}
+
+/// The context parallelism `strategies` ask for on `mesh`: `None` without a `cp` axis of
+/// more than one rank.
+pub fn cp_layout(mesh: &Mesh, strategies: &[Strategy]) -> Option<CpLayout> {
+    let axis = mesh.axis("cp")?;
+    let size = mesh.axis_size(axis);
+    if size < 2 || !strategies.contains(&Strategy::Cp) {
+        return None;
+    }
+    let algo = if strategies.contains(&Strategy::CpUlysses) {
+        CpAlgo::Ulysses
+    } else {
+        CpAlgo::AllGather
+    };
+    let order = if algo == CpAlgo::Ulysses || strategies.contains(&Strategy::CpContiguous) {
+        SeqOrder::Contiguous
+    } else {
+        SeqOrder::HeadTail { parts: size }
+    };
+    Some(CpLayout {
+        axis,
+        size,
+        algo,
+        order,
+    })
+}
+
+/// The sequence order the model graph is built with (`BuildOptions::cp`): `None` when no
+/// attention splits its queries (no context parallelism, or Ulysses).
+pub fn cp_build_order(mesh: &Mesh, strategies: &[Strategy]) -> Option<SeqOrder> {
+    cp_layout(mesh, strategies)
+        .filter(|c| c.algo == CpAlgo::AllGather)
+        .map(|c| c.order)
 }
 
 impl Strategy {
     /// All strategies this version implements.
-    pub const ALL: [Strategy; 8] = [
+    pub const ALL: [Strategy; 12] = [
         Strategy::Dp,
         Strategy::Tp,
         Strategy::Sp,
@@ -51,6 +135,10 @@ impl Strategy {
         Strategy::Zero2,
         Strategy::Zero3,
         Strategy::Fsdp,
+        Strategy::Cp,
+        Strategy::CpAllGather,
+        Strategy::CpUlysses,
+        Strategy::CpContiguous,
     ];
 
     /// Text name.
@@ -64,6 +152,10 @@ impl Strategy {
             Strategy::Zero2 => "zero2",
             Strategy::Zero3 => "zero3",
             Strategy::Fsdp => "fsdp",
+            Strategy::Cp => "cp",
+            Strategy::CpAllGather => "cp-allgather",
+            Strategy::CpUlysses => "cp-ulysses",
+            Strategy::CpContiguous => "cp-contiguous",
         }
     }
 
@@ -94,6 +186,7 @@ impl Strategy {
             "dp" => Some(Strategy::Dp),
             "tp" => Some(Strategy::Tp),
             "ep" => Some(Strategy::Ep),
+            "cp" => Some(Strategy::Cp),
             _ => None,
         }
     }
@@ -138,7 +231,8 @@ fn resolve_inner(
             }
             None => {
                 return Err(ShardError::Unsupported(format!(
-                    "mesh axis `{}` has no strategy in this version (supported axes: dp, tp, ep)",
+                    "mesh axis `{}` has no strategy in this version (supported axes: dp, tp, \
+                     ep, cp)",
                     a.name
                 )))
             }
@@ -149,8 +243,24 @@ fn resolve_inner(
             out.push(Strategy::from_name(name)?);
         }
     }
+    // A context-parallel variant implies context parallelism.
+    if out.iter().any(|s| {
+        matches!(
+            s,
+            Strategy::CpAllGather | Strategy::CpUlysses | Strategy::CpContiguous
+        )
+    }) {
+        out.push(Strategy::Cp);
+    }
     out.sort();
     out.dedup();
+    if out.contains(&Strategy::CpAllGather) && out.contains(&Strategy::CpUlysses) {
+        return Err(ShardError::ConflictingStrategies {
+            first: "cp-allgather".into(),
+            second: "cp-ulysses".into(),
+            choose: "choose one context-parallel exchange (--cp-algo allgather or ulysses)".into(),
+        });
+    }
     // One ZeRO stage: zero1, zero2, zero3 and fsdp (= zero3) exclude each other.
     if let [a, b, ..] = out
         .iter()
@@ -160,6 +270,7 @@ fn resolve_inner(
         return Err(ShardError::ConflictingStrategies {
             first: a.name().to_string(),
             second: b.name().to_string(),
+            choose: "choose one ZeRO stage (zero1, zero2, zero3 or fsdp, which is zero3)".into(),
         });
     }
     for s in &out {
@@ -169,6 +280,9 @@ fn resolve_inner(
             }
             Strategy::Tp | Strategy::Sp => "tp",
             Strategy::Ep => "ep",
+            Strategy::Cp | Strategy::CpAllGather | Strategy::CpUlysses | Strategy::CpContiguous => {
+                "cp"
+            }
         };
         if mesh.axis(needs).is_none() {
             return Err(ShardError::Unsupported(format!(
@@ -228,19 +342,56 @@ pub fn check_model(
     if let (true, Some(moe)) = (strategies.contains(&Strategy::Ep), cfg.moe) {
         need("experts", moe.experts, "ep", size("ep"))?;
     }
+    if let Some(cp) = cp_layout(mesh, strategies) {
+        let n = cp.size;
+        match cp.order {
+            SeqOrder::HeadTail { .. } => {
+                need("seq (head-tail order: 2·cp chunks)", seq, "cp", 2 * n)?
+            }
+            SeqOrder::Contiguous => need("seq", seq, "cp", n)?,
+        }
+        if strategies.contains(&Strategy::Sp) {
+            need("seq", seq, "cp*tp", n * size("tp"))?;
+        }
+        if cp.algo == CpAlgo::Ulysses {
+            let split = n * if strategies.contains(&Strategy::Tp) {
+                size("tp")
+            } else {
+                1
+            };
+            need("heads (cp-ulysses splits them)", cfg.heads, "tp*cp", split)?;
+            if cfg.kv_heads % split != 0 && split % cfg.kv_heads != 0 {
+                return Err(ShardError::ModelIndivisible {
+                    what: "kv_heads (cp-ulysses splits them; and tp*cp is not a multiple of it)"
+                        .into(),
+                    size: cfg.kv_heads,
+                    axis: "tp*cp".into(),
+                    parts: split,
+                });
+            }
+        }
+    }
     Ok(())
 }
 
 /// How many times each KV head is repeated so heads split evenly over `tp`.
 pub fn kv_repeat(cfg: &ModelConfig, mesh: &Mesh, strategies: &[Strategy]) -> usize {
-    if !strategies.contains(&Strategy::Tp) {
-        return 1;
-    }
-    let tp = mesh.axis("tp").map(|a| mesh.axis_size(a)).unwrap_or(1);
-    if cfg.kv_heads % tp == 0 {
+    let size = |n: &str| mesh.axis(n).map(|a| mesh.axis_size(a)).unwrap_or(1);
+    let tp = if strategies.contains(&Strategy::Tp) {
+        size("tp")
+    } else {
+        1
+    };
+    // Ulysses splits the heads over cp too.
+    let cp = match cp_layout(mesh, strategies) {
+        Some(c) if c.algo == CpAlgo::Ulysses => c.size,
+        _ => 1,
+    };
+    let split = tp * cp;
+    if cfg.kv_heads % split == 0 || split % cfg.kv_heads != 0 {
         1
     } else {
-        tp / cfg.kv_heads
+        split / cfg.kv_heads
     }
 }
 
@@ -273,34 +424,70 @@ pub fn annotate(g: &Graph, mesh: &Mesh, strategies: &[Strategy]) -> Annotations 
         .axis("ep")
         .filter(|_| strategies.contains(&Strategy::Ep));
     let sp = strategies.contains(&Strategy::Sp);
+    let cp = cp_layout(mesh, strategies);
     let users = g.users();
     let named = |n: &str| g.ids().find(|&u| g.node(u).name == n);
     let embed_out = named("embed.add_pos").or_else(|| named("embed.lookup"));
     let stream = |rank: usize| {
         let mut s = TensorSharding::replicated(rank);
         s.dims[0] = data.clone();
+        if let Some(c) = cp {
+            s.dims[1].push(c.axis);
+        }
         if sp {
             if let Some(t) = tp {
-                s.dims[1] = vec![t];
+                s.dims[1].push(t);
             }
         }
         s
     };
-    let stream_why = if sp {
-        "residual stream: batch over data axes, sequence over tp (sp)"
-    } else {
-        "residual stream: batch over data axes"
+    let stream_why = match (sp, cp.is_some()) {
+        (true, true) => "residual stream: batch over data axes, sequence over cp then tp (sp)",
+        (true, false) => "residual stream: batch over data axes, sequence over tp (sp)",
+        (false, true) => "residual stream: batch over data axes, sequence over cp",
+        (false, false) => "residual stream: batch over data axes",
+    };
+    // Context parallelism: `[B,T,..]` tokens split over cp along the sequence (in the
+    // head-tail order once permuted into it).
+    let tokens = |rank: usize| {
+        let mut s = TensorSharding::replicated(rank);
+        s.dims[0] = data.clone();
+        if let Some(c) = cp {
+            s.dims[1] = vec![c.axis];
+        }
+        s
     };
     for v in g.ids() {
         let node = g.node(v);
         let name = node.name.as_str();
         match &node.op {
+            // A pipeline stage's activations arrive split over cp along the sequence. The
+            // token inputs stay whole along it: every consumer slices its part locally, and
+            // attention's key mask is read whole without a gather.
+            Op::Input { .. }
+                if cp.is_some()
+                    && node.ty.rank() > 2
+                    && node.ty.dims[1].role == crate::ir::Role::Seq =>
+            {
+                ann.set(
+                    v,
+                    tokens(node.ty.rank()),
+                    "cp: batch over the data axes, sequence over cp",
+                );
+            }
             Op::Input { .. } if !data.is_empty() => {
                 ann.set(
                     v,
                     TensorSharding::split(node.ty.rank(), 0, &data),
                     "dp: batch split over the data axes",
                 );
+            }
+            Op::Attention(_) if cp.is_some_and(|c| c.algo == CpAlgo::Ulysses) => {
+                let mut s = TensorSharding::replicated(node.ty.rank());
+                s.dims[0] = data.clone();
+                s.dims[2] = tp.into_iter().collect();
+                s.dims[2].extend(cp.map(|c| c.axis));
+                ann.set(v, s, "cp-ulysses: heads over tp then cp, whole sequence");
             }
             Op::Param(_) => {
                 if let Some((s, why)) = param_layout(g, &users, v, tp, ep) {

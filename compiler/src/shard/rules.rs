@@ -134,7 +134,7 @@ pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule
     let ranks: Vec<usize> = ins.iter().map(|t| t.rank()).collect();
     let mut b = B { n: 0 };
     Some(match op {
-        Op::Input { .. } | Op::Param(_) => FactorRule {
+        Op::Input { .. } | Op::Param(_) | Op::SeqIndex { .. } => FactorRule {
             operands: vec![],
             result: b.fresh(out.rank()),
             factors: b.n,
@@ -194,27 +194,39 @@ pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule
                 priority: vec![0, 1],
             }
         }
-        Op::Attention(_) => {
-            // q [b,t,h,d], k/v [b,s,h',d], mask [b,s]; heads of q and kv share a factor.
+        Op::Attention(spec) => {
+            // q [b,t,h,d], k/v [b,s,h',d], mask [b,s], qidx [t], kidx [s]; heads of q and kv
+            // share a factor. The queries' sequence splits only when the op reads their
+            // indices (context parallelism); the keys' never does (they are gathered).
             let f = b.fresh(4); // b, t, h, d
             let s = b.fresh(1)[0];
             let kv = vec![f[0], s, f[2], f[3]];
             let mut operands = vec![f.clone(), kv.clone(), kv];
-            if ins.len() == 4 {
+            let (mask, index) = spec.extra(&ins[3..]);
+            if mask.is_some() {
                 operands.push(vec![f[0], s]);
+            }
+            if index.is_some() {
+                operands.extend([vec![f[1]], vec![s]]);
+            }
+            let mut fixed = vec![f[3].expect("invariant"), s.expect("invariant")];
+            if !spec.indexed {
+                fixed.push(f[1].expect("invariant"));
             }
             FactorRule {
                 operands,
                 result: f.clone(),
                 factors: b.n,
-                fixed: vec![
-                    f[1].expect("invariant"),
-                    f[3].expect("invariant"),
-                    s.expect("invariant"),
-                ],
+                fixed,
                 partial: PartialRule::None,
                 priority: (0..ins.len()).collect(),
             }
+        }
+        Op::SeqPermute { dim, .. } => {
+            let mut r = ident(&ranks, true);
+            r.fixed.push(r.result[*dim].expect("invariant"));
+            r.partial = PartialRule::OneOf(vec![0]);
+            r
         }
         Op::Embedding => {
             // table [v, h], ids [..] -> [.., h]; v contracted (with ids made shard-local).
@@ -441,13 +453,17 @@ fn train_rule(op: &Op, ranks: &[usize]) -> FactorRule {
             let fixed = vec![f(x[3])];
             mk(ops, x, b.n, fixed, PartialRule::OneOf(vec![0]), vec![0, 1])
         }
-        Op::AttentionProbs(_) | Op::AttentionGrad { .. } => {
-            // q [b,t,h,d], k/v [b,s,h',d], dy [b,t,h,d], mask [b,s], probs [b,h,t,s].
+        Op::AttentionProbs(spec) | Op::AttentionGrad { spec, .. } => {
+            // q [b,t,h,d], k/v [b,s,h',d], dy [b,t,h,d], mask [b,s], probs [b,h,t,s],
+            // qidx [t], kidx [s]. Queries split like the forward op's (context parallelism).
             let q = b.fresh(4);
             let s = b.fresh(1)[0];
             let kv = vec![q[0], s, q[2], q[3]];
             let probs = vec![q[0], q[2], q[1], s];
-            let fixed = vec![f(q[1]), f(q[3]), f(s)];
+            let mut fixed = vec![f(q[3]), f(s)];
+            if !spec.indexed {
+                fixed.push(f(q[1]));
+            }
             match op {
                 Op::AttentionGrad { wrt, .. } => {
                     let ops = vec![q.clone(), kv.clone(), kv, q, probs];
@@ -462,9 +478,14 @@ fn train_rule(op: &Op, ranks: &[usize]) -> FactorRule {
                     )
                 }
                 _ => {
-                    let mut ops = vec![q, kv];
-                    if ranks.len() == 3 {
+                    let mut ops = vec![q.clone(), kv];
+                    let rest: Vec<usize> = (2..ranks.len()).collect();
+                    let (mask, index) = spec.extra(&rest);
+                    if mask.is_some() {
                         ops.push(vec![probs[0], s]);
+                    }
+                    if index.is_some() {
+                        ops.extend([vec![q[1]], vec![s]]);
                     }
                     let prio = (0..ranks.len()).collect();
                     mk(ops, probs, b.n, fixed, PartialRule::None, prio)
@@ -566,6 +587,7 @@ mod tests {
                 causal: true,
                 window: None,
                 scale: crate::ir::Float(1.0),
+                indexed: false,
             }),
             &[&q, &k, &k, &m],
             &q,

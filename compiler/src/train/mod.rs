@@ -383,6 +383,7 @@ pub(crate) fn compile_chunk(
         kv_repeat: shard::kv_repeat(cfg, mesh, &strategies),
         stage,
         output: crate::model::ForwardOutput::Logits,
+        cp: shard::cp_build_order(mesh, &strategies),
     };
     let forward = build_forward(cfg, build)
         .map_err(|e| ModelError::Unsupported(format!("building the forward graph: {e}")))?;
@@ -408,16 +409,19 @@ pub(crate) fn compile_chunk(
     log.graph(Pass::Autodiff, &train.graph)?;
     // 4. Annotations: the forward presets per micro-batch, gradients, optimizer, ZeRO; a
     //    pipeline chunk's boundary tensors (activations and their gradients) are split over
-    //    the data axes like its inputs, whole on the other axes.
+    //    the data axes like its inputs (and along the sequence over cp), whole on the other
+    //    axes.
     let fwd_ann = shard::annotate(&forward, mesh, &strategies);
     let mut annotations = annotate::train_annotations(&train, &fwd_ann, mesh, zero_stage);
     let data = shard::data_axes(mesh, &strategies);
+    // Context parallelism keeps the activations split along the sequence across stages.
+    let cp = shard::cp_layout(mesh, &strategies);
     let boundary = |rank: usize| {
-        if data.is_empty() {
-            shard::TensorSharding::replicated(rank)
-        } else {
-            shard::TensorSharding::split(rank, 0, &data)
+        let mut s = shard::TensorSharding::split(rank, 0, &data);
+        if let (Some(c), true) = (cp, rank > 2) {
+            s.dims[1].push(c.axis);
         }
+        s
     };
     for &v in &train.grad_in {
         let rank = train.graph.ty(v).rank();

@@ -1,9 +1,11 @@
 //! Attention: `softmax(q·kᵀ·scale + masks)·v` per (batch, head), HF eager semantics.
 //!
-//! Visibility of key `s` to query `t` (with `off = S − T`, so the last query is the last
-//! position when T ≠ S): causal `s ≤ t + off`; window `t + off − s < window`; mask
-//! `mask[b, s] != 0`. Masked keys get probability exactly 0; a query with no visible key
-//! outputs zeros. Query head `h` reads KV head `h / (Hq / Hkv)`.
+//! Visibility of key `s` to query `t`: with positions `qpos = t + S − T` (the last query is
+//! the last position when T ≠ S) and `kpos = s`, or `qpos = qidx[t]`, `kpos = kidx[s]` for an
+//! indexed spec (context parallelism: a rank's queries are a chunk of a possibly permuted
+//! sequence): causal `kpos ≤ qpos`; window `qpos − kpos < window`; mask `mask[b, s] != 0`.
+//! Masked keys get probability exactly 0; a query with no visible key outputs zeros. Query head
+//! `h` reads KV head `h / (Hq / Hkv)`.
 
 use super::layout::permute;
 use super::linalg::strided_gemm;
@@ -12,19 +14,76 @@ use crate::{RuntimeError, Tensor};
 use rayon::prelude::*;
 use shardc_compiler::ir::AttnSpec;
 
-/// `Attention(spec)`: `q[B,T,Hq,D]`, `k[B,S,Hkv,D]`, `v[B,S,Hkv,D]`, optional `mask[B,S]`.
+/// What decides which keys a query sees besides the spec: the key mask `[B,S]` and, for an
+/// indexed spec, the query and key indices (`i32[T]`, `i32[S]`).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Keys<'a> {
+    pub(crate) mask: Option<&'a Tensor>,
+    pub(crate) index: Option<(&'a Tensor, &'a Tensor)>,
+}
+
+impl<'a> Keys<'a> {
+    /// The operands after `q, k, v` (or `q, k`) of an op with `spec`.
+    pub(crate) fn of(spec: &AttnSpec, rest: &[&'a Tensor]) -> Keys<'a> {
+        let (mask, index) = spec.extra(rest);
+        Keys { mask, index }
+    }
+
+    /// A mask alone.
+    #[cfg(test)]
+    pub(crate) fn mask(mask: Option<&'a Tensor>) -> Keys<'a> {
+        Keys { mask, index: None }
+    }
+
+    /// The mask's data, and the indices checked against `t` queries and `s` keys.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn data(
+        &self,
+        op: &'static str,
+        first: usize,
+        all: &[&Tensor],
+        (t, s): (usize, usize),
+    ) -> Result<(Option<&'a [f32]>, Option<(&'a [i32], &'a [i32])>), RuntimeError> {
+        let md = self.mask.map(|m| f32_of(op, m, first)).transpose()?;
+        let index = match self.index {
+            None => None,
+            Some((qi, ki)) => match (qi.as_i32(), ki.as_i32()) {
+                (Some(a), Some(b)) if a.len() == t && b.len() == s => Some((a, b)),
+                _ => {
+                    return Err(shape_err(
+                        op,
+                        all,
+                        "query and key indices must be i32[T] and i32[S]",
+                    ))
+                }
+            },
+        };
+        Ok((md, index))
+    }
+
+    pub(crate) fn all(&self) -> Vec<&'a Tensor> {
+        let mut v: Vec<&Tensor> = self.mask.into_iter().collect();
+        if let Some((a, b)) = self.index {
+            v.extend([a, b]);
+        }
+        v
+    }
+}
+
+/// `Attention(spec)`: `q[B,T,Hq,D]`, `k[B,S,Hkv,D]`, `v[B,S,Hkv,D]`, optional `mask[B,S]`
+/// and indices.
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    mask: Option<&Tensor>,
+    keys: Keys,
     spec: &AttnSpec,
 ) -> Result<Tensor, RuntimeError> {
     const OP: &str = "attention";
+    let mask = keys.mask;
     let mut all = vec![q, k, v];
-    all.extend(mask);
+    all.extend(keys.all());
     let (qd, kd, vd) = (f32_of(OP, q, 0)?, f32_of(OP, k, 1)?, f32_of(OP, v, 2)?);
-    let md = mask.map(|m| f32_of(OP, m, 3)).transpose()?;
     if q.shape.len() != 4 || k.shape.len() != 4 || k.shape != v.shape {
         return Err(shape_err(
             OP,
@@ -44,9 +103,10 @@ pub(crate) fn attention(
     if mask.is_some_and(|m| m.shape != [b, s]) {
         return Err(shape_err(OP, &all, "mask must be [B, S]"));
     }
+    let (md, index) = keys.data(OP, 3, &all, (t, s))?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
-    let visible = visibility(spec, t, s, md);
+    let visible = visibility(spec, t, s, md, index);
     // Per (b, h): [T, D] blocks, laid out [B, Hq, T, D]; permuted to [B, T, Hq, D] at the end.
     let mut tmp = vec![0.0f32; b * hq * t * d];
     if tmp.is_empty() {
@@ -87,20 +147,24 @@ pub(crate) fn attention(
 /// key becomes zeros. The forward kernel and the backward's recomputation share it, so both
 /// see bit-identical probabilities.
 /// Whether query `ti` of batch row `bi` sees key `si` (of `s`, the queries being the last `t`
-/// positions): causal, inside the sliding window, and not masked out (`mask` `[B, S]`, 0 hides).
+/// positions, or at `index`'s positions): causal, inside the sliding window, and not masked
+/// out (`mask` `[B, S]`, 0 hides).
 pub(crate) fn visibility<'a>(
     spec: &'a AttnSpec,
     t: usize,
     s: usize,
     mask: Option<&'a [f32]>,
+    index: Option<(&'a [i32], &'a [i32])>,
 ) -> impl Fn(usize, usize, usize) -> bool + 'a {
     let off = s as isize - t as isize;
     move |bi: usize, ti: usize, si: usize| -> bool {
-        let qpos = ti as isize + off;
-        let si = si as isize;
-        (!spec.causal || si <= qpos)
-            && spec.window.is_none_or(|w| qpos - si < w as isize)
-            && mask.is_none_or(|m| m[bi * s + si as usize] != 0.0)
+        let (qpos, kpos) = match index {
+            Some((qi, ki)) => (qi[ti] as isize, ki[si] as isize),
+            None => (ti as isize + off, si as isize),
+        };
+        (!spec.causal || kpos <= qpos)
+            && spec.window.is_none_or(|w| qpos - kpos < w as isize)
+            && mask.is_none_or(|m| m[bi * s + si] != 0.0)
     }
 }
 

@@ -5,6 +5,7 @@
 use super::{prod, shape_err, PAR_MIN};
 use crate::{Buffer, RuntimeError, Tensor};
 use rayon::prelude::*;
+use shardc_compiler::ir::SeqOrder;
 
 /// An element type a host tensor can hold.
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
@@ -162,6 +163,60 @@ pub(crate) fn slice(
         T::tensor(shape, slice_data(d, &x.shape, dim, start, len))
     }
     Ok(by_elem!(x, go(x, dim, start, len, shape)))
+}
+
+/// `SeqIndex { len, order }`: the original index of each position.
+pub(crate) fn seq_index(len: usize, order: SeqOrder) -> Result<Tensor, RuntimeError> {
+    if !order.divides(len) {
+        return Err(shape_err(
+            "seq_index",
+            &[],
+            "the order does not divide the length",
+        ));
+    }
+    let idx = (0..len).map(|j| order.original(len, j) as i32).collect();
+    Ok(Tensor::i32(vec![len], idx))
+}
+
+/// `SeqPermute { dim, order, inverse }`: position `j` of the result along `dim` is position
+/// `order.original(j)` of `x` (inverse: the other way round).
+pub(crate) fn seq_permute(
+    x: &Tensor,
+    dim: usize,
+    order: SeqOrder,
+    inverse: bool,
+) -> Result<Tensor, RuntimeError> {
+    if dim >= x.shape.len() || !order.divides(x.shape[dim]) {
+        return Err(shape_err(
+            "seq_permute",
+            &[x],
+            "dim out of range or not divisible by the order's chunks",
+        ));
+    }
+    let n = x.shape[dim];
+    // Source position of each result position.
+    let src: Vec<usize> = (0..n)
+        .map(|j| {
+            if inverse {
+                order.position_of(n, j)
+            } else {
+                order.original(n, j)
+            }
+        })
+        .collect();
+    fn go<T: Elem>(x: &Tensor, dim: usize, src: &[usize]) -> Tensor {
+        let d = T::data(x).expect("invariant: dispatched on buffer type");
+        let (outer, mid, inner) = split3(&x.shape, dim);
+        let mut out = Vec::with_capacity(d.len());
+        for o in 0..outer {
+            for &j in src {
+                let b = (o * mid + j) * inner;
+                out.extend_from_slice(&d[b..b + inner]);
+            }
+        }
+        T::tensor(x.shape.clone(), out)
+    }
+    Ok(by_elem!(x, go(x, dim, &src)))
 }
 
 /// `Concat { dim }`: all operands of one buffer type and equal dims except `dim`.

@@ -81,16 +81,24 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
             rope::rope(inputs[0], inputs[1], spec)
         }
         Op::Attention(spec) => {
-            if !(3..=4).contains(&inputs.len()) {
+            let extra = if spec.indexed { 2 } else { 0 };
+            if !(3 + extra..=4 + extra).contains(&inputs.len()) {
                 return Err(shape_err(m, inputs, "wrong number of operands"));
             }
-            attention::attention(
-                inputs[0],
-                inputs[1],
-                inputs[2],
-                inputs.get(3).copied(),
-                spec,
-            )
+            let keys = attention::Keys::of(spec, &inputs[3..]);
+            attention::attention(inputs[0], inputs[1], inputs[2], keys, spec)
+        }
+        Op::SeqIndex { len, order } => {
+            want(0)?;
+            layout::seq_index(*len, *order)
+        }
+        Op::SeqPermute {
+            dim,
+            order,
+            inverse,
+        } => {
+            want(1)?;
+            layout::seq_permute(inputs[0], *dim, *order, *inverse)
         }
         Op::Softmax => {
             want(1)?;

@@ -112,7 +112,14 @@ pub(super) fn check_supported(
                 return Err(bad(format!("cast {from} → {to}")));
             }
         }
-        Op::Attention(_) => {
+        Op::Attention(spec) => {
+            if spec.indexed {
+                return Err(bad(
+                    "context-parallel attention (query and key indices) runs on the CPU \
+                     backend in this version"
+                        .into(),
+                ));
+            }
             let d = node.ty.last();
             if d > shardc_kernels::launch::ATTENTION_MAX_HEAD_DIM {
                 return Err(bad(format!("head_dim {d} above 256")));

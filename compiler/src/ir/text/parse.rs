@@ -6,8 +6,8 @@
 use super::print::Quoted;
 use crate::ir::{
     AdamWSpec, AttnSpec, AttnWrt, CombineWrt, DType, Dim, EwExpr, EwStep, Float, Graph, IrError,
-    NormWrt, Op, ParamSource, ParamView, Role, RopeScaling, RopeSpec, RopeStyle, ShardSpec,
-    TensorType, UnaryOp, ValueId, ValueRole,
+    NormWrt, Op, ParamSource, ParamView, Role, RopeScaling, RopeSpec, RopeStyle, SeqOrder,
+    ShardSpec, TensorType, UnaryOp, ValueId, ValueRole,
 };
 use std::str::FromStr;
 
@@ -422,7 +422,21 @@ fn attn_spec(a: &mut Attrs) -> Result<AttnSpec, String> {
         causal: a.req("causal", boolean)?,
         window: a.opt("window", uint)?,
         scale: a.req("scale", float)?,
+        indexed: a.opt("indexed", boolean)?.unwrap_or(false),
     })
+}
+
+/// A sequence order: `contiguous` or `headtail{parts=N}`.
+fn seq_order(v: Val) -> Result<SeqOrder, String> {
+    let (tag, mut a) = record(v, &["contiguous", "headtail"])?;
+    let o = if tag == "contiguous" {
+        SeqOrder::Contiguous
+    } else {
+        SeqOrder::HeadTail {
+            parts: a.req("parts", uint)?,
+        }
+    };
+    a.finish(o)
 }
 
 /// A unary function by name.
@@ -530,6 +544,15 @@ fn build_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
         "broadcast" => Op::Broadcast {
             axis: a.req("axis", string)?,
             root: a.req("root", uint)?,
+        },
+        "seq_index" => Op::SeqIndex {
+            len: a.req("len", uint)?,
+            order: a.req("order", seq_order)?,
+        },
+        "seq_permute" => Op::SeqPermute {
+            dim: a.req("dim", uint)?,
+            order: a.req("order", seq_order)?,
+            inverse: a.req("inverse", boolean)?,
         },
         "rank_offset" => Op::RankOffset {
             axis: a.req("axis", string)?,

@@ -1,7 +1,9 @@
 //! Printing: `Display` for [`Op`] and [`Graph`] in the text form of [`super`]. Output is a
 //! function of the graph alone, so equal graphs print equal text.
 
-use crate::ir::{EwExpr, EwStep, Float, Graph, Op, ParamView, RopeScaling, RopeStyle, ShardSpec};
+use crate::ir::{
+    EwExpr, EwStep, Float, Graph, Op, ParamView, RopeScaling, RopeStyle, SeqOrder, ShardSpec,
+};
 use std::fmt::{self, Write as _};
 
 /// A string, always quoted.
@@ -53,6 +55,18 @@ impl fmt::Display for Lit {
             write!(f, "NaN:0x{bits:08x}")
         } else {
             self.0.fmt(f)
+        }
+    }
+}
+
+/// A sequence order: `contiguous` or `headtail{parts=N}`.
+struct SeqOrderText(SeqOrder);
+
+impl fmt::Display for SeqOrderText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            SeqOrder::Contiguous => f.write_str("contiguous"),
+            SeqOrder::HeadTail { parts } => write!(f, "headtail{{parts={parts}}}"),
         }
     }
 }
@@ -220,9 +234,25 @@ impl fmt::Display for Op {
                     r.kv("window", w)?;
                 }
                 r.kv("scale", Lit(a.scale))?;
+                if a.indexed {
+                    r.kv("indexed", true)?;
+                }
                 if let Op::AttentionGrad { wrt, .. } = self {
                     r.kv("wrt", wrt.name())?;
                 }
+            }
+            Op::SeqIndex { len, order } => {
+                r.kv("len", len)?;
+                r.kv("order", SeqOrderText(*order))?;
+            }
+            Op::SeqPermute {
+                dim,
+                order,
+                inverse,
+            } => {
+                r.kv("dim", dim)?;
+                r.kv("order", SeqOrderText(*order))?;
+                r.kv("inverse", inverse)?;
             }
             Op::Transpose { perm } => r.kv("perm", List(perm.iter()))?,
             Op::Slice { dim, start, len } => {

@@ -7,7 +7,7 @@
 //! `dK = scale·dSᵀ·Q`; `dK` and `dV` sum over the query heads sharing a KV head. Masked keys
 //! have `P = 0`, so they receive nothing. Gradients accumulate in f64.
 
-use crate::cpu::attention::{masked_softmax_row, visibility};
+use crate::cpu::attention::{masked_softmax_row, visibility, Keys};
 use crate::cpu::linalg::strided_gemm;
 use crate::cpu::{f32_of, shape_err};
 use crate::{RuntimeError, Tensor};
@@ -38,21 +38,22 @@ fn dims(op: &'static str, q: &Tensor, k: &Tensor, all: &[&Tensor]) -> Result<Dim
 pub(crate) fn probs(
     q: &Tensor,
     k: &Tensor,
-    mask: Option<&Tensor>,
+    keys: Keys,
     spec: &AttnSpec,
 ) -> Result<Tensor, RuntimeError> {
     const OP: &str = "attention_probs";
+    let mask = keys.mask;
     let mut all = vec![q, k];
-    all.extend(mask);
+    all.extend(keys.all());
     let (qd, kd) = (f32_of(OP, q, 0)?, f32_of(OP, k, 1)?);
-    let md = mask.map(|m| f32_of(OP, m, 2)).transpose()?;
     let (b, t, hq, d, s, hkv) = dims(OP, q, k, &all)?;
     if mask.is_some_and(|m| m.shape != [b, s]) {
         return Err(shape_err(OP, &all, "mask must be [B, S]"));
     }
+    let (md, index) = keys.data(OP, 2, &all, (t, s))?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
-    let visible = visibility(spec, t, s, md);
+    let visible = visibility(spec, t, s, md, index);
     let mut out = vec![0.0f32; b * hq * t * s];
     if out.is_empty() {
         return Ok(Tensor::f32(vec![b, hq, t, s], out));
@@ -245,9 +246,10 @@ mod tests {
             causal: true,
             window: None,
             scale: Float(0.7),
+            indexed: false,
         };
-        let p = probs(&q, &k, Some(&mask), &spec).unwrap();
-        let o = attention(&q, &k, &v, Some(&mask), &spec).unwrap();
+        let p = probs(&q, &k, Keys::mask(Some(&mask)), &spec).unwrap();
+        let o = attention(&q, &k, &v, Keys::mask(Some(&mask)), &spec).unwrap();
         // o[b,t,h,:] = Σ_s p[b,h,t,s] v[b,s,h/2,:]
         let (pd, vd, od) = (
             p.as_f32().unwrap(),
@@ -288,6 +290,7 @@ mod tests {
                 causal,
                 window,
                 scale: Float(0.8),
+                indexed: false,
             };
             let q = rand_tensor(&mut rng, &[2, 4, 4, 3], 1.0);
             let k = rand_tensor(&mut rng, &[2, 4, 2, 3], 1.0);
@@ -295,7 +298,7 @@ mod tests {
             let dy = rand_tensor(&mut rng, &[2, 4, 4, 3], 1.0);
             let mask = Tensor::f32(vec![2, 4], vec![1., 1., 1., 1., 0., 1., 1., 1.]);
             let mask = masked.then_some(mask);
-            let p = probs(&q, &k, mask.as_ref(), &spec).unwrap();
+            let p = probs(&q, &k, Keys::mask(mask.as_ref()), &spec).unwrap();
             let inputs = [q.clone(), k.clone(), v.clone()];
             for wrt in [AttnWrt::Q, AttnWrt::K, AttnWrt::V] {
                 let g = grad(&q, &k, &v, &dy, &p, &spec, wrt).unwrap();
@@ -306,7 +309,7 @@ mod tests {
                     wrt.operand(),
                     &dy,
                     &g,
-                    |xs| attention(&xs[0], &xs[1], &xs[2], m2.as_ref(), &spec).unwrap(),
+                    |xs| attention(&xs[0], &xs[1], &xs[2], Keys::mask(m2.as_ref()), &spec).unwrap(),
                 );
             }
         }

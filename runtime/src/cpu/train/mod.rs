@@ -39,10 +39,12 @@ pub(crate) fn eval(op: &Op, inputs: &[&Tensor]) -> Option<Result<Tensor, Runtime
         }
         Op::RopeGrad(spec) => want(2).and_then(|_| basic::rope_grad(i[0], i[1], spec)),
         Op::AttentionProbs(spec) => {
-            if !(2..=3).contains(&i.len()) {
+            let extra = if spec.indexed { 2 } else { 0 };
+            if !(2 + extra..=3 + extra).contains(&i.len()) {
                 Err(shape_err(m, i, "wrong number of operands"))
             } else {
-                attention::probs(i[0], i[1], i.get(2).copied(), spec)
+                let keys = crate::cpu::attention::Keys::of(spec, &i[2..]);
+                attention::probs(i[0], i[1], keys, spec)
             }
         }
         Op::AttentionGrad { spec, wrt } => {
