@@ -326,3 +326,113 @@ fn pipeline_stages_compose_with_context_parallelism() {
         check("llama", &format!("{mesh} {extra:?}"), &r);
     }
 }
+
+/// Activation memory per rank, as the thread runtime measures it, divides by cp: a pipeline
+/// stage's peak of a 2 × 128-token step (attention probabilities dominate) on pp=2 alone and
+/// with cp=2 and cp=4, and the compiler's static account equals the measurement.
+#[test]
+fn activation_memory_per_rank_divides_by_cp() {
+    use shardc::compiler::schedule::pp::ScheduleKind;
+    use train_support::{deep_llama, run_pipeline_on, token_batch, Pipe};
+    let dir = deep_llama(4);
+    let batch = token_batch(2, 128, 256);
+    let peak = |mesh: &'static str| {
+        let p = Pipe {
+            mesh,
+            extra: &[],
+            micro_batches: 2,
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
+            stage_layers: None,
+        };
+        let r = run_pipeline_on(&dir, &p, &batch);
+        let predicted: Vec<usize> = r
+            .compiled
+            .activation_peaks(4.0)
+            .into_iter()
+            .map(|b| b as usize)
+            .collect();
+        assert_eq!(predicted, r.peak_bytes, "{mesh}: static account vs runtime");
+        *r.peak_bytes.iter().max().unwrap() as f64
+    };
+    let one = peak("pp=2");
+    let two = peak("pp=2,cp=2") / one;
+    let four = peak("pp=2,cp=4") / one;
+    eprintln!("activation peak per rank: cp=2 {two:.3}, cp=4 {four:.3} of cp=1 ({one} bytes)");
+    assert!((0.45..0.6).contains(&two), "cp=2 holds {two:.3} of cp=1");
+    assert!((0.22..0.35).contains(&four), "cp=4 holds {four:.3} of cp=1");
+}
+
+/// Traffic per layer per rank equals ANCHORS' formulas (C.2): all-gather K/V sends
+/// (N−1)/N · V_KV forward (V_KV = 2·b·s·h_kv·e), and backward gathers K/V again and
+/// reduce-scatters dK/dV (twice that); Ulysses sends (N−1)/N · b·(s/N)·(2h + 2h_kv)·e
+/// forward, and backward exchanges the saved q, k, v and output again before the gradients
+/// (twice that). Activations are saved split, as Megatron saves K/V: memory ÷cp.
+#[test]
+fn traffic_per_layer_matches_the_formulas() {
+    use shardc::compiler::autodiff::Recompute;
+    use shardc::compiler::ir::ValueRole;
+    let cfg = ModelConfig::from_path(&common::fixtures().join("llama")).unwrap();
+    let (b, s) = (2usize, 16usize);
+    let e = 4.0; // the CPU plan's f32 bytes
+    let h = (cfg.heads * cfg.head_dim) as f64;
+    let h_kv = (cfg.kv_heads * cfg.head_dim) as f64;
+    for n in [2usize, 4] {
+        let nf = n as f64;
+        let v_kv = 2.0 * (b * s) as f64 * h_kv * e;
+        let ulysses = (nf - 1.0) / nf * (b * s) as f64 / nf * (2.0 * h + 2.0 * h_kv) * e;
+        for (extra, fwd_want, bwd_want) in [
+            // Backward: K and V gathered again (kept split, as Megatron keeps them) and
+            // dK, dV reduce-scattered.
+            (
+                &[][..],
+                (nf - 1.0) / nf * v_kv,
+                2.0 * (nf - 1.0) / nf * v_kv,
+            ),
+            // Backward: the saved q, k, v and output exchanged again, then the gradients.
+            (&["cp-ulysses"][..], ulysses, 2.0 * ulysses),
+        ] {
+            if n == 4 && !extra.is_empty() {
+                continue; // 2 KV heads: Ulysses replicates them at cp=4
+            }
+            let mut o = shardc::compiler::train::TrainOptions::new(
+                b,
+                s,
+                Mesh::parse(&format!("cp={n}"), 8).unwrap(),
+            );
+            o.extra_strategies = extra.iter().map(|x| x.to_string()).collect();
+            o.recompute = Recompute::None;
+            let c = shardc::compiler::train::compile_train(&cfg, &o).unwrap();
+            let g = &c.sharded.graph;
+            // Bytes each rank sends: (N−1)/N of the larger side of the collective.
+            let (mut fwd, mut bwd) = (0.0, 0.0);
+            for v in g.ids() {
+                let node = g.node(v);
+                // The attention exchange (the parameter gradients' all-reduce over cp is the
+                // data-parallel-like sync, not the attention's traffic).
+                let exchange = matches!(
+                    node.op,
+                    Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllToAll { .. }
+                );
+                if node.layer != Some(0) || node.op.axis() != Some("cp") || !exchange {
+                    continue;
+                }
+                let local = g.ty(node.inputs[0]).numel().max(node.ty.numel()) as f64 * e;
+                let sent = (nf - 1.0) / nf * local;
+                match node.role {
+                    ValueRole::Forward => fwd += sent,
+                    _ => bwd += sent,
+                }
+            }
+            let what = format!("cp={n} {extra:?}");
+            assert!(
+                (fwd - fwd_want).abs() < 1e-6,
+                "{what}: forward {fwd} vs {fwd_want}"
+            );
+            assert!(
+                (bwd - bwd_want).abs() < 1e-6,
+                "{what}: backward {bwd} vs {bwd_want}"
+            );
+        }
+    }
+}

@@ -236,9 +236,45 @@ fn headline(plan: &Plan, what: &str) -> String {
 }
 
 /// The summary `compile` prints (also used by `explain`).
+/// The plan's context parallelism: exchange, sequence order and the causal load balance it
+/// gives (the busiest rank's attention work over the mean).
+fn context_parallel_line(plan: &Plan) -> Option<String> {
+    use shardc::compiler::ir::SeqOrder;
+    use shardc::compiler::shard::{cp_layout, CpAlgo, Strategy};
+    let strategies: Vec<Strategy> = plan
+        .strategies
+        .iter()
+        .filter_map(|s| Strategy::from_name(s).ok())
+        .collect();
+    let c = cp_layout(&plan.mesh, &strategies)?;
+    let n = c.size;
+    let contiguous = (2 * n - 1) as f64 / n as f64;
+    Some(match (c.algo, c.order) {
+        (CpAlgo::Ulysses, _) => format!(
+            "context parallel: cp={n}, all-to-all over heads (Ulysses): every rank attends over \
+             the whole sequence for 1/{n} of the heads (balanced)"
+        ),
+        (CpAlgo::AllGather, SeqOrder::HeadTail { .. }) => format!(
+            "context parallel: cp={n}, all-gather K/V, head-tail order (the sequence in {} \
+             chunks, rank i holds chunks i and {}−i): every rank does the mean causal attention \
+             work (contiguous parts would give the last rank {contiguous:.2}× the mean)",
+            2 * n,
+            2 * n - 1
+        ),
+        (CpAlgo::AllGather, SeqOrder::Contiguous) => format!(
+            "context parallel: cp={n}, all-gather K/V, contiguous parts: the last rank does \
+             {contiguous:.2}× the mean causal attention work and every rank waits for it \
+             (--cp-balance headtail evens it)"
+        ),
+    })
+}
+
 pub fn print_summary(plan: &Plan) {
     println!("{}", headline(plan, ""));
     print_axes(&plan.mesh);
+    if let Some(line) = context_parallel_line(plan) {
+        println!("{line}");
+    }
     // The program's f32 values at the plan's compute dtype.
     let dt = plan.dtype;
     let at = |b: u64| b / 4 * dt.size_bytes() as u64;

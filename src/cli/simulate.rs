@@ -33,6 +33,8 @@ pub struct SimulateArgs {
     /// Strategies beyond the mesh axes' defaults, comma-separated (e.g. `sp`).
     #[arg(long)]
     pub strategy: Vec<String>,
+    #[command(flatten)]
+    pub cp: super::args::CpArgs,
     /// Cluster profile and node count: `dgx-h100x128`, `dgx-a100`, or a `.toml` path
     /// (optionally followed by `xNODES`). Without a count, just enough nodes for the mesh.
     #[arg(long, default_value = "dgx-h100")]
@@ -180,6 +182,8 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
             (a.model.is_some(), "MODEL"),
             (a.mesh.is_some(), "--mesh"),
             (!a.strategy.is_empty(), "--strategy"),
+            (a.cp.cp_algo.is_some(), "--cp-algo"),
+            (a.cp.cp_balance.is_some(), "--cp-balance"),
             (a.batch.is_some(), "--batch"),
             (a.seq.is_some(), "--seq"),
             (a.returns.is_some(), "--returns"),
@@ -353,10 +357,11 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
     let source = path.display().to_string();
     // The mesh's world size decides the default node count; parse it once with a provisional
     // node size, then again with the cluster's.
+    let strategy = a.cp.with(&a.strategy)?;
     let (mesh_text, extra) = match &a.mesh {
-        Some(m) => (m.clone(), a.strategy.clone()),
-        None if a.strategy.is_empty() => ("dp=2,tp=4".to_string(), vec!["sp".to_string()]),
-        None => ("dp=2,tp=4".to_string(), a.strategy.clone()),
+        Some(m) => (m.clone(), strategy),
+        None if strategy.is_empty() => ("dp=2,tp=4".to_string(), vec!["sp".to_string()]),
+        None => ("dp=2,tp=4".to_string(), strategy),
     };
     let world = Mesh::parse(&mesh_text, 8)?.world_size();
     let cluster = Cluster::resolve_for(&a.cluster, world)?;

@@ -122,7 +122,7 @@ pub enum CostError {
         parts: usize,
     },
     /// A mesh axis the training model does not simulate.
-    #[error("mesh axis `{axis}` (size {size}) is not simulated in training mode; supported axes: dp, tp, pp, ep (fsdp is `--strategy fsdp` on dp)")]
+    #[error("mesh axis `{axis}` (size {size}) is not simulated in training mode; supported axes: dp, tp, pp, ep, cp (fsdp is `--strategy fsdp` on dp)")]
     UnsupportedAxis {
         /// Axis name.
         axis: String,

@@ -33,12 +33,49 @@ pub enum AttentionImpl {
 
 /// The share of score tiles a fused attention kernel executes over `s` keys: half under a
 /// causal mask, a window's share of the keys under a sliding window.
-fn flash_fraction(causal: bool, window: Option<usize>, s: usize) -> f64 {
+fn flash_fraction(share: f64, window: Option<usize>, s: usize) -> f64 {
     let keys = window.map_or(1.0, |w| (w.min(s) as f64 / s.max(1) as f64).min(1.0));
-    if causal {
-        0.5 * keys
-    } else {
-        keys
+    share * keys
+}
+
+/// The share of the `T × S` score tiles a causal attention's busiest rank computes: half of
+/// them, except for context parallelism's contiguous order, where the last rank's queries
+/// (the sequence's last `T` of `S` positions) see `1 − T/(2S)` of the keys — `(2N−1)/N`
+/// times the mean rank's work. The head-tail order gives every rank half. `v` is an
+/// `Attention` or `AttentionProbs` node (its query indices name the order) or an
+/// `AttentionGrad` (read through its probabilities).
+fn causal_share(g: &Graph, v: ValueId, causal: bool) -> f64 {
+    if !causal {
+        return 1.0;
+    }
+    let mut node = g.node(v);
+    if let Op::AttentionGrad { .. } = node.op {
+        match node.inputs.get(4).map(|&p| g.node(p)) {
+            Some(p) if matches!(p.op, Op::AttentionProbs(_)) => node = p,
+            _ => return 0.5,
+        }
+    }
+    let spec = match &node.op {
+        Op::Attention(s) | Op::AttentionProbs(s) => s,
+        _ => return 0.5,
+    };
+    let n = node.inputs.len();
+    if !spec.indexed || n < 2 {
+        return 0.5;
+    }
+    // The query indices: a slice (or view) of a `SeqIndex`.
+    let mut x = node.inputs[n - 2];
+    let order = loop {
+        match &g.node(x).op {
+            Op::SeqIndex { order, .. } => break Some(*order),
+            Op::LocalSlice { .. } | Op::Reshape | Op::AllGather { .. } => x = g.node(x).inputs[0],
+            _ => break None,
+        }
+    };
+    let (t, s) = (g.ty(node.inputs[0]).dim(1), g.ty(node.inputs[1]).dim(1));
+    match order {
+        Some(crate::ir::SeqOrder::Contiguous) if s > 0 => 1.0 - t as f64 / (2.0 * s as f64),
+        _ => 0.5,
     }
 }
 
@@ -423,7 +460,7 @@ pub fn node_cost_routed(
             if opts.attention == AttentionImpl::Flash {
                 // The fused backward recomputes the scores tile by tile in on-chip memory.
                 let mut k = Kernel::gemm(shape, b(node.inputs[0]) + b(node.inputs[1]));
-                k.exec_flops *= flash_fraction(spec.causal, spec.window, s2);
+                k.exec_flops *= flash_fraction(causal_share(g, v, spec.causal), spec.window, s2);
                 c.fwd.push(k);
             } else {
                 c.fwd.push(Kernel::gemm(
@@ -474,7 +511,7 @@ pub fn node_cost_routed(
             }
             if flash {
                 // Causal masking skips half the tiles (Megatron still counts them all).
-                let frac = flash_fraction(spec.causal, spec.window, s2);
+                let frac = flash_fraction(causal_share(g, v, spec.causal), spec.window, s2);
                 for k in &mut c.fwd {
                     k.exec_flops *= frac;
                 }
@@ -553,7 +590,7 @@ fn attention_cost(
     let counted = 4.0 * heads as f64 * t as f64 * s as f64 * d as f64;
     match opts.attention {
         AttentionImpl::Flash => {
-            let frac = if causal { 0.5 } else { 1.0 };
+            let frac = causal_share(g, v, causal);
             let exec = 4.0 * heads as f64 * t as f64 * s_exec as f64 * d as f64 * frac;
             let shape = GemmShape {
                 m: t,

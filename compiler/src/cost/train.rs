@@ -106,11 +106,23 @@ impl TrainOptions {
         }
     }
 
-    fn sp(&self) -> bool {
+    fn names(&self) -> impl Iterator<Item = &str> {
         self.strategies
             .iter()
             .flat_map(|s| s.split(','))
-            .any(|s| s.trim() == "sp")
+            .map(str::trim)
+    }
+
+    fn sp(&self) -> bool {
+        self.names().any(|s| s == "sp")
+    }
+
+    /// The strategies of the layer plan: `sp` and the context-parallel variants.
+    fn layer_strategies(&self) -> Vec<String> {
+        self.names()
+            .filter(|s| *s == "sp" || s.starts_with("cp-"))
+            .map(str::to_string)
+            .collect()
     }
 }
 
@@ -233,6 +245,8 @@ struct Sizes {
     tp: usize,
     pp: usize,
     ep: usize,
+    /// Context-parallel ranks (parts of each sequence).
+    cp: usize,
     /// Chunks per pipeline rank.
     v: usize,
     schedule: PipeSchedule,
@@ -247,7 +261,7 @@ fn check_training(
 ) -> Result<Sizes, CostError> {
     check_gpus(mesh, cluster)?;
     for a in &mesh.axes {
-        if !["dp", "tp", "pp", "ep"].contains(&a.name.as_str()) && a.size > 1 {
+        if !["dp", "tp", "pp", "ep", "cp"].contains(&a.name.as_str()) && a.size > 1 {
             return Err(CostError::UnsupportedAxis {
                 axis: a.name.clone(),
                 size: a.size,
@@ -255,9 +269,17 @@ fn check_training(
         }
     }
     let size = |n: &str| mesh.axis(n).map_or(1, |a| mesh.axis_size(a));
-    let (dp, tp, pp, ep) = (size("dp"), size("tp"), size("pp"), size("ep"));
-    // Ranks holding different tokens.
+    let (dp, tp, pp, ep, cp) = (size("dp"), size("tp"), size("pp"), size("ep"), size("cp"));
+    // Ranks holding different sequences (cp ranks hold parts of the same ones).
     let data = dp * ep;
+    if cp > 1 && t.seq % cp != 0 {
+        return Err(CostError::Indivisible {
+            what: "seq".into(),
+            size: t.seq,
+            by: "cp".into(),
+            parts: cp,
+        });
+    }
     if ep > 1 {
         let Some(moe) = cfg.moe else {
             return Err(CostError::Train(format!(
@@ -313,6 +335,7 @@ fn check_training(
         tp,
         pp,
         ep,
+        cp,
         v,
         schedule,
     })
@@ -325,14 +348,18 @@ pub fn layer_plan_spec(
     t: &TrainOptions,
     cluster: &Cluster,
 ) -> Result<LayerPlanSpec, CostError> {
-    let Sizes { tp, ep, .. } = check_training(cfg, mesh, t, cluster)?;
+    let Sizes { tp, ep, cp, .. } = check_training(cfg, mesh, t, cluster)?;
     let mut model = cfg.clone();
     model.layers = cfg.layers.min(2);
-    let text = if ep > 1 {
-        format!("ep={ep},tp={tp}")
-    } else {
-        format!("tp={tp}")
-    };
+    let mut axes = Vec::new();
+    if ep > 1 {
+        axes.push(format!("ep={ep}"));
+    }
+    if cp > 1 {
+        axes.push(format!("cp={cp}"));
+    }
+    axes.push(format!("tp={tp}"));
+    let text = axes.join(",");
     let layer_mesh = Mesh::parse(&text, cluster.gpus_per_node())
         .map_err(|e| CostError::Train(format!("the layer plan's mesh {text}: {e}")))?;
     Ok(LayerPlanSpec {
@@ -340,11 +367,7 @@ pub fn layer_plan_spec(
         batch: t.micro_batch * ep,
         seq: t.seq,
         mesh: layer_mesh,
-        strategies: if t.sp() {
-            vec!["sp".into()]
-        } else {
-            Vec::new()
-        },
+        strategies: t.layer_strategies(),
     })
 }
 
@@ -369,10 +392,16 @@ pub fn simulate_training_on(
         tp,
         pp,
         ep,
+        cp,
         v,
         schedule,
     } = check_training(cfg, mesh, t, cluster)?;
     let data = dp * ep;
+    // Dense gradients are summed (and ZeRO-sharded) over every rank holding other tokens:
+    // dp × ep × cp.
+    let sync = data * cp;
+    // Tokens of one micro-batch sequence on a rank.
+    let seq_local = t.seq / cp;
     let world = mesh.world_size();
     let sp = t.sp();
     let lmesh = &plan.mesh;
@@ -406,14 +435,37 @@ pub fn simulate_training_on(
         .filter(|(_, p)| matches!(p.required_by, crate::shard::ReshardReason::Output { .. }))
         .map(|(&v, _)| v)
         .collect();
+    // What only presents the outputs to an inference caller — their gathers and context
+    // parallelism's return to natural order — is not part of a training step.
+    let users = g.users();
+    let mut presentation = vec![false; g.len()];
+    let output_ids: BTreeSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
+    for i in (0..g.len()).rev() {
+        let v = ValueId(i as u32);
+        let op = &g.node(v).op;
+        let moves = op.is_collective() || matches!(op, Op::SeqPermute { inverse: true, .. });
+        let u = &users[v.index()];
+        presentation[v.index()] = moves
+            && (output_ids.contains(&v)
+                || (!u.is_empty() && u.iter().all(|x| presentation[x.index()])));
+    }
     let keep_layer = |v: ValueId| g.node(v).layer == Some(0);
     let keep_pre = |v: ValueId| g.node(v).layer.is_none() && v.index() < first;
-    let keep_post =
-        |v: ValueId| g.node(v).layer.is_none() && v.index() > last && !outputs.contains(&v.0);
+    let keep_post = |v: ValueId| {
+        g.node(v).layer.is_none()
+            && v.index() > last
+            && !outputs.contains(&v.0)
+            && !presentation[v.index()]
+    };
     let tp_topo = GroupTopology::of_axis(mesh, "tp", cluster);
     let ep_topo = GroupTopology::of_axis(mesh, "ep", cluster);
+    let cp_topo = GroupTopology::of_axis(mesh, "cp", cluster);
     let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
-        let topo = if axis == "ep" { ep_topo } else { tp_topo };
+        let topo = match axis {
+            "ep" => ep_topo,
+            "cp" => cp_topo,
+            _ => tp_topo,
+        };
         collective_time(cluster, kind, Bytes(bytes), topo)
     };
     let pre_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_pre, &comm);
@@ -438,7 +490,7 @@ pub fn simulate_training_on(
     let mut post_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_post, &comm);
     // Vocabulary-parallel cross-entropy in fp32: read the logits, exponentiate and normalise
     // (max and sum all-reduced over tp), write the loss; backward writes the logits' gradient.
-    let logits = (t.micro_batch * t.seq * cfg.vocab / tp) as f64 * 4.0;
+    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
     let ce = Kernel::memory(3.0 * logits);
     let ce_b = Kernel::memory(2.0 * logits);
     post_p.ops.push(ProgOp {
@@ -472,7 +524,7 @@ pub fn simulate_training_on(
             kind: ProgKind::Collective {
                 axis: "tp".into(),
                 kind: CollectiveKind::AllReduce,
-                bytes: (t.micro_batch * t.seq * 8) as u64,
+                bytes: (t.micro_batch * seq_local * 8) as u64,
             },
             alloc: 0,
             free: 0,
@@ -483,7 +535,8 @@ pub fn simulate_training_on(
     // 2. Forward and backward of each part on one tp group, laid out as the full mesh's.
     let topo = Topology::new(lmesh, cluster)
         .with_axis("tp", tp_topo)
-        .with_axis("ep", ep_topo);
+        .with_axis("ep", ep_topo)
+        .with_axis("cp", cp_topo);
     let layer_rc = t.recompute;
     let edge_rc = if t.recompute == Recompute::Full {
         Recompute::None
@@ -531,9 +584,9 @@ pub fn simulate_training_on(
                 Seconds::ZERO
             }
         };
-        on(dense, data, data_topo) + on(expert, dp, dp_topo)
+        on(dense, sync, data_topo) + on(expert, dp, dp_topo)
     };
-    if t.zero == 3 && data > 1 {
+    if t.zero == 3 && sync > 1 {
         let bytes = layer_elems * 2;
         let ag = split_ct(CollectiveKind::AllGather, layer_dense * 2, layer_expert * 2);
         let rs = split_ct(
@@ -571,7 +624,7 @@ pub fn simulate_training_on(
     let comm_bytes_of = |s: usize, c: usize, ph: Phase| chunk(s, c, ph, &|p| p.comm_bytes as f64);
 
     // 4. The pipeline.
-    let act_bytes = (t.micro_batch * t.seq * cfg.hidden * dt.size_bytes()) as u64;
+    let act_bytes = (t.micro_batch * seq_local * cfg.hidden * dt.size_bytes()) as u64;
     let pp_topo = GroupTopology::of_axis(mesh, "pp", cluster);
     let hop = if pp_topo.crosses_network() {
         GroupTopology {
@@ -721,7 +774,7 @@ pub fn simulate_training_on(
         let mut sync_free = 0f64;
         let mut sync_total = 0f64;
         let mut param_ag = 0f64;
-        if data > 1 && t.zero < 3 {
+        if sync > 1 && t.zero < 3 {
             // (ready, dense bytes, expert bytes).
             let mut buckets: Vec<(f64, u64, u64)> = Vec::new();
             for c in 0..v {
@@ -788,7 +841,7 @@ pub fn simulate_training_on(
             end += emb_sync.0;
         }
         let opt_params = if t.zero >= 1 {
-            psi_dense.div_ceil(data as u64) + psi_expert.div_ceil(dp as u64)
+            psi_dense.div_ceil(sync as u64) + psi_expert.div_ceil(dp as u64)
         } else {
             psi
         };
@@ -822,7 +875,7 @@ pub fn simulate_training_on(
         }
         // Memory.
         let (w, gr, opt) = {
-            let (a, b, c) = zero_static(psi_dense, data, t.zero);
+            let (a, b, c) = zero_static(psi_dense, sync, t.zero);
             let (x, y, z) = zero_static(psi_expert, dp, t.zero);
             (a + x, b + y, c + z)
         };
@@ -840,7 +893,7 @@ pub fn simulate_training_on(
             optimizer: opt,
             activations: Bytes(peak_if as u64 * chunk_act(s)),
             transient: Bytes(transient),
-            comm_buffers: Bytes(if t.zero == 3 && data > 1 {
+            comm_buffers: Bytes(if t.zero == 3 && sync > 1 {
                 2 * layer_elems * 2
             } else {
                 0
@@ -879,7 +932,7 @@ pub fn simulate_training_on(
                 .sum()
         })
         .collect();
-    let flops: f64 = per_rank_flops.iter().sum::<f64>() * (tp * data) as f64;
+    let flops: f64 = per_rank_flops.iter().sum::<f64>() * (tp * sync) as f64;
     let stats = ModelStats::compute(cfg, t.seq).map_err(CostError::Model)?;
     let tokens = (t.global_batch * t.seq) as f64;
     let model_flops = 3.0 * stats.forward_flops_per_token as f64 * tokens;
@@ -1079,10 +1132,11 @@ fn moe_notes(
     ]
 }
 
-/// The group of rank 0 over the axes whose ranks hold different tokens (`dp` and `ep`).
+/// The group of rank 0 over the axes whose ranks hold different tokens (`dp`, `ep`, `cp`).
 fn data_group(mesh: &Mesh, cluster: &Cluster) -> GroupTopology {
     let data: Vec<usize> = crate::shard::DATA_AXES
         .iter()
+        .chain(&["cp"])
         .filter_map(|n| mesh.axis(n))
         .map(|a| a.0 as usize)
         .collect();

@@ -482,12 +482,29 @@ pub fn annotate(g: &Graph, mesh: &Mesh, strategies: &[Strategy]) -> Annotations 
                     "dp: batch split over the data axes",
                 );
             }
-            Op::Attention(_) if cp.is_some_and(|c| c.algo == CpAlgo::Ulysses) => {
-                let mut s = TensorSharding::replicated(node.ty.rank());
-                s.dims[0] = data.clone();
-                s.dims[2] = tp.into_iter().collect();
-                s.dims[2].extend(cp.map(|c| c.axis));
-                ann.set(v, s, "cp-ulysses: heads over tp then cp, whole sequence");
+            Op::Attention(_) if cp.is_some() => {
+                // q, k and v split along the sequence, so their gradients return to it where
+                // attention's backward leaves them (dK, dV partial sums reduce-scattered;
+                // Ulysses' head-split gradients all-to-all'd back), not after the
+                // projections' backward widens them to the hidden size.
+                for &x in &node.inputs[..3] {
+                    let mut s = tokens(g.ty(x).rank());
+                    if let Some(t) = tp {
+                        s.dims[2] = vec![t];
+                    }
+                    ann.set(
+                        x,
+                        s,
+                        "cp: queries, keys and values split along the sequence",
+                    );
+                }
+                if cp.is_some_and(|c| c.algo == CpAlgo::Ulysses) {
+                    let mut s = TensorSharding::replicated(node.ty.rank());
+                    s.dims[0] = data.clone();
+                    s.dims[2] = tp.into_iter().collect();
+                    s.dims[2].extend(cp.map(|c| c.axis));
+                    ann.set(v, s, "cp-ulysses: heads over tp then cp, whole sequence");
+                }
             }
             Op::Param(_) => {
                 if let Some((s, why)) = param_layout(g, &users, v, tp, ep) {

@@ -3,7 +3,7 @@
 //! parameters, gradients and optimizer state each strategy asks for.
 
 use crate::autodiff::{input_name, TrainGraph};
-use crate::ir::{TensorType, ValueId, ValueRole};
+use crate::ir::{Op, TensorType, ValueId, ValueRole};
 use crate::shard::{Annotations, AxisId, Mesh, TensorSharding};
 
 /// `layout` with the ZeRO data axis `dp` added: on the first unsharded dim whose size it
@@ -122,6 +122,32 @@ pub(super) fn train_annotations(
             let why = fwd_ann.why.get(&v).cloned().unwrap_or_default();
             if let Some(x) = map[v.index()] {
                 set_once(&mut ann, x, s.clone(), why.clone());
+                // An annotated attention's saved probabilities `[b, h, t, s]` follow its
+                // batch, heads and queries (Ulysses: heads split, not gathered for them).
+                if matches!(tg.graph.node(x).op, Op::Attention(_)) {
+                    let q = tg.graph.node(x).inputs[0];
+                    let probs = tg.graph.ids().filter(|&p| {
+                        matches!(tg.graph.node(p).op, Op::AttentionProbs(_))
+                            && tg.graph.node(p).inputs[0] == q
+                    });
+                    let layout = TensorSharding {
+                        dims: vec![
+                            s.dims[0].clone(),
+                            s.dims[2].clone(),
+                            s.dims[1].clone(),
+                            Vec::new(),
+                        ],
+                        partial: Vec::new(),
+                    };
+                    for p in probs.collect::<Vec<_>>() {
+                        set_once(
+                            &mut ann,
+                            p,
+                            layout.clone(),
+                            format!("probabilities of: {why}"),
+                        );
+                    }
+                }
             }
             if let Some(c) = tg.cotangents[k][v.index()] {
                 set_once(
