@@ -144,6 +144,13 @@ fn launch_dp2_tp2_matches_thread_ranks_and_transformers() {
     check_launch(4, "dp=2,tp=2");
 }
 
+/// Context parallelism in processes: the head-tail order's permutations and the K/V
+/// all-gathers over cp run as on thread ranks.
+#[test]
+fn launch_dp2_cp2_matches_thread_ranks_and_transformers() {
+    check_launch(4, "dp=2,cp=2");
+}
+
 /// Ranks started by another launcher (here by hand, as torchrun would) with the variables.
 #[test]
 fn ranks_started_with_torchrun_variables() {

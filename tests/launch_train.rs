@@ -53,7 +53,7 @@ fn run(args: &[&str]) -> String {
 fn launched_training_prints_the_thread_rank_losses() {
     let tmp = tempfile::tempdir().unwrap();
     let ids = tokens(tmp.path());
-    let cases: [(&str, &str, &[&str]); 5] = [
+    let cases: [(&str, &str, &[&str]); 7] = [
         (
             "llama",
             "dp=2,tp=2",
@@ -71,6 +71,8 @@ fn launched_training_prints_the_thread_rank_losses() {
             &["--schedule", "zb-h1", "--micro-batches", "4"],
         ),
         ("gpt2", "pp=2", &["--micro-batches", "2"]),
+        ("llama", "dp=2,cp=2", &["--micro-batches", "2"]),
+        ("llama", "cp=2", &["--cp-algo", "ulysses"]),
     ];
     for (m, mesh, extra) in cases {
         let dir = model(m);
