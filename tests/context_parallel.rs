@@ -192,6 +192,9 @@ fn context_parallel_training_steps_reproduce_the_fixtures() {
         ("cp=2,tp=2", &["cp-ulysses"], Recompute::None),
         ("dp=2,cp=2", &[], Recompute::None),
         ("dp=2,cp=2", &["zero3"], Recompute::None),
+        // ZeRO shards over dp × cp, and over cp alone without dp.
+        ("dp=2,cp=2", &["zero2"], Recompute::None),
+        ("cp=2", &["zero1"], Recompute::None),
         ("cp=2", &[], Recompute::Full),
         ("cp=2", &[], Recompute::Selective),
     ];
@@ -434,5 +437,33 @@ fn traffic_per_layer_matches_the_formulas() {
                 "{what}: backward {bwd} vs {bwd_want}"
             );
         }
+    }
+}
+
+/// ZeRO shards the optimizer state over dp × cp (Megatron's distributed optimizer): on
+/// `dp=2,cp=2` every moment a rank holds is a quarter of its parameter, on `cp=2` alone a half.
+#[test]
+fn zero_shards_the_optimizer_state_over_dp_and_cp() {
+    use shardc::compiler::autodiff::Recompute;
+    use train_support::run;
+    for (mesh, parts) in [("dp=2,cp=2", 4), ("cp=2", 2)] {
+        let r = run("llama", mesh, &["zero1"], 1, Recompute::None, 1);
+        let g = &r.compiled.sharded.graph;
+        let mut checked = 0;
+        for p in &r.compiled.train.params {
+            let m = g
+                .input_named(&format!("adam_m.{}", p.label))
+                .unwrap_or_else(|| panic!("{mesh}: no first moment of `{}`", p.label));
+            if p.ty.numel() % parts == 0 {
+                assert_eq!(
+                    g.ty(m).numel() * parts,
+                    p.ty.numel(),
+                    "{mesh}: `{}`'s first moment",
+                    p.label
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 10, "{mesh}: {checked} moments checked");
     }
 }

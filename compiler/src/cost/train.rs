@@ -397,9 +397,8 @@ pub fn simulate_training_on(
         schedule,
     } = check_training(cfg, mesh, t, cluster)?;
     let data = dp * ep;
-    // Dense gradients are summed over every rank holding other tokens, dp × ep × cp; ZeRO
-    // shards over dp × ep (the compiler's layout: a gradient reduce-scattered over the data
-    // axes, then all-reduced over cp).
+    // Dense gradients are summed, and ZeRO-sharded, over every rank holding other tokens:
+    // dp × ep × cp (Megatron's distributed optimizer shards over dp × cp as well).
     let sync = data * cp;
     // Tokens of one micro-batch sequence on a rank.
     let seq_local = t.seq / cp;
@@ -571,8 +570,7 @@ pub fn simulate_training_on(
     // 3. ZeRO-3: each layer's parameters gathered before its forward and backward, its
     // gradients reduce-scattered, prefetched behind the layer's compute.
     let dp_topo = GroupTopology::of_axis(mesh, "dp", cluster);
-    let data_topo = data_group(mesh, cluster, false);
-    let sync_topo = data_group(mesh, cluster, true);
+    let sync_topo = data_group(mesh, cluster);
     let ct = |k: CollectiveKind, b: u64, topo: GroupTopology| {
         collective_time(cluster, k, Bytes(b), topo)
     };
@@ -586,23 +584,10 @@ pub fn simulate_training_on(
                 Seconds::ZERO
             }
         };
-        let dense_t = match k {
-            // A reduce-scatter over the data axes is followed by the shard's all-reduce over
-            // cp (a partial sum there too).
-            CollectiveKind::ReduceScatter if cp > 1 => {
-                on(dense, data, data_topo)
-                    + ct(
-                        CollectiveKind::AllReduce,
-                        dense / data as u64,
-                        GroupTopology::of_axis(mesh, "cp", cluster),
-                    )
-            }
-            CollectiveKind::AllReduce => on(dense, sync, sync_topo),
-            _ => on(dense, data, data_topo),
-        };
+        let dense_t = on(dense, sync, sync_topo);
         dense_t + on(expert, dp, dp_topo)
     };
-    if t.zero == 3 && data > 1 {
+    if t.zero == 3 && sync > 1 {
         let bytes = layer_elems * 2;
         let ag = split_ct(CollectiveKind::AllGather, layer_dense * 2, layer_expert * 2);
         let rs = split_ct(
@@ -857,7 +842,7 @@ pub fn simulate_training_on(
             end += emb_sync.0;
         }
         let opt_params = if t.zero >= 1 {
-            psi_dense.div_ceil(data as u64) + psi_expert.div_ceil(dp as u64)
+            psi_dense.div_ceil(sync as u64) + psi_expert.div_ceil(dp as u64)
         } else {
             psi
         };
@@ -891,7 +876,7 @@ pub fn simulate_training_on(
         }
         // Memory.
         let (w, gr, opt) = {
-            let (a, b, c) = zero_static(psi_dense, data, t.zero);
+            let (a, b, c) = zero_static(psi_dense, sync, t.zero);
             let (x, y, z) = zero_static(psi_expert, dp, t.zero);
             (a + x, b + y, c + z)
         };
@@ -909,7 +894,7 @@ pub fn simulate_training_on(
             optimizer: opt,
             activations: Bytes(peak_if as u64 * chunk_act(s)),
             transient: Bytes(transient),
-            comm_buffers: Bytes(if t.zero == 3 && data > 1 {
+            comm_buffers: Bytes(if t.zero == 3 && sync > 1 {
                 2 * layer_elems * 2
             } else {
                 0
@@ -1148,12 +1133,11 @@ fn moe_notes(
     ]
 }
 
-/// The group of rank 0 over the axes whose ranks hold different sequences (`dp`, `ep`), and
-/// with `cp` those holding parts of them too.
-fn data_group(mesh: &Mesh, cluster: &Cluster, cp: bool) -> GroupTopology {
+/// The group of rank 0 over the axes whose ranks hold different tokens (`dp`, `ep`, `cp`).
+fn data_group(mesh: &Mesh, cluster: &Cluster) -> GroupTopology {
     let data: Vec<usize> = crate::shard::DATA_AXES
         .iter()
-        .chain(if cp { &["cp"][..] } else { &[][..] })
+        .chain(&["cp"])
         .filter_map(|n| mesh.axis(n))
         .map(|a| a.0 as usize)
         .collect();

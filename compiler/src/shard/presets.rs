@@ -284,7 +284,9 @@ fn resolve_inner(
                 "cp"
             }
         };
-        if mesh.axis(needs).is_none() {
+        // ZeRO shards over dp and cp: either axis will do.
+        let zero_on_cp = s.zero_stage() > 0 && mesh.axis("cp").is_some();
+        if mesh.axis(needs).is_none() && !zero_on_cp {
             return Err(ShardError::Unsupported(format!(
                 "strategy `{s}` needs a `{needs}` axis in the mesh (mesh is {mesh})"
             )));

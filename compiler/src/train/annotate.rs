@@ -45,7 +45,18 @@ pub(super) fn train_annotations(
     zero: u8,
 ) -> Annotations {
     let mut ann = Annotations::default();
-    let dp = mesh.axis("dp").filter(|_| zero > 0);
+    // ZeRO shards over the ranks that sum each gradient: `dp`, and `cp` (its ranks saw other
+    // tokens of the same sequences), as Megatron's distributed optimizer shards over dp × cp.
+    let zero_axes: Vec<AxisId> = ["dp", "cp"]
+        .iter()
+        .filter_map(|n| mesh.axis(n))
+        .filter(|&a| zero > 0 && mesh.axis_size(a) > 1)
+        .collect();
+    let over = zero_axes
+        .iter()
+        .map(|&a| mesh.axis_name(a))
+        .collect::<Vec<_>>()
+        .join("×");
     let mut param_layout = Vec::with_capacity(tg.params.len());
     for p in &tg.params {
         let rank = p.ty.rank();
@@ -59,10 +70,9 @@ pub(super) fn train_annotations(
             .get(&p.fwd)
             .cloned()
             .unwrap_or_else(|| "replicated".into());
-        let opt = match dp {
-            Some(a) => zero_layout(&layout, a, &p.ty, mesh),
-            None => layout.clone(),
-        };
+        let opt = zero_axes
+            .iter()
+            .fold(layout.clone(), |l, &a| zero_layout(&l, a, &p.ty, mesh));
         let storage = if zero == 3 {
             opt.clone()
         } else {
@@ -71,7 +81,7 @@ pub(super) fn train_annotations(
         let label = &p.label;
         let stage = format!("zero{zero}");
         let storage_why = if zero == 3 {
-            format!("{stage}: parameter stored sharded over dp ({why})")
+            format!("{stage}: parameter stored sharded over {over} ({why})")
         } else {
             format!("parameter ({why})")
         };
@@ -85,13 +95,14 @@ pub(super) fn train_annotations(
             1 => {}
             _ => {
                 for &g in &p.mb_grads {
-                    let why = format!("{stage}: gradient reduce-scattered over dp when complete");
+                    let why =
+                        format!("{stage}: gradient reduce-scattered over {over} when complete");
                     ann.set(g, opt.clone(), why);
                 }
             }
         }
         let opt_why = if zero > 0 {
-            format!("{stage}: optimizer state sharded over dp")
+            format!("{stage}: optimizer state sharded over {over}")
         } else {
             format!("optimizer state like its parameter ({why})")
         };
@@ -109,7 +120,7 @@ pub(super) fn train_annotations(
         ann.set(
             node,
             layout.clone(),
-            format!("zero3: parameter all-gathered over dp before use ({why})"),
+            format!("zero3: parameter all-gathered over {over} before use ({why})"),
         );
     }
     // The forward presets, per micro-batch; the same layouts for the gradients.
