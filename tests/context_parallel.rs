@@ -26,6 +26,11 @@ const MESHES: &[(&str, &[&str])] = &[
     ("cp=2,tp=2", &["cp-ulysses"]),
     ("dp=2,cp=2", &[]),
     ("dp=2,cp=2", &["cp-ulysses"]),
+    ("cp=2", &["cp-ring"]),
+    ("cp=4", &["cp-ring"]),
+    ("cp=4", &["cp-ring", "cp-contiguous"]),
+    ("cp=2,tp=2", &["sp", "cp-ring"]),
+    ("dp=2,cp=2", &["cp-ring"]),
 ];
 
 fn options(batch: usize, seq: usize, mesh: &str, extra: &[&str]) -> CompileOptions {
@@ -82,7 +87,8 @@ fn context_parallel_plans_reproduce_every_fixture() {
 }
 
 /// The all-gather exchange gathers K and V (not Q, not the residual stream) once per layer,
-/// over cp; Ulysses exchanges Q, K, V and the output by all-to-all instead.
+/// over cp; Ulysses exchanges Q, K, V and the output by all-to-all instead; the ring passes
+/// K/V round inside one op per layer.
 #[test]
 fn each_exchange_moves_what_it_promises() {
     let cfg = ModelConfig::from_path(&common::fixtures().join("llama")).unwrap();
@@ -95,14 +101,16 @@ fn each_exchange_moves_what_it_promises() {
                 .filter(|n| n.op.mnemonic() == m && n.op.axis() == Some("cp"))
                 .count()
         };
-        (by("all_gather"), by("all_to_all"))
+        (by("all_gather"), by("all_to_all"), by("ring_attention"))
     };
     let layers = cfg.layers;
     // K and V per layer, and the logits and hidden outputs gathered for the caller (token
     // inputs are whole on every rank, sliced locally: the key mask needs no gather).
-    assert_eq!(count("cp=2", &[]), (2 * layers + 2, 0));
-    assert_eq!(count("cp=2", &["cp-contiguous"]), (2 * layers + 2, 0));
-    assert_eq!(count("cp=2", &["cp-ulysses"]), (2, 4 * layers));
+    assert_eq!(count("cp=2", &[]), (2 * layers + 2, 0, 0));
+    assert_eq!(count("cp=2", &["cp-contiguous"]), (2 * layers + 2, 0, 0));
+    assert_eq!(count("cp=2", &["cp-ulysses"]), (2, 4 * layers, 0));
+    // The ring passes K/V round instead of gathering them: one ring attention per layer.
+    assert_eq!(count("cp=4", &["cp-ring"]), (2, 0, layers));
 }
 
 /// The head-tail order permutes the token inputs on entry and the outputs on exit; attention
@@ -197,6 +205,9 @@ fn context_parallel_training_steps_reproduce_the_fixtures() {
         ("cp=2", &["zero1"], Recompute::None),
         ("cp=2", &[], Recompute::Full),
         ("cp=2", &[], Recompute::Selective),
+        ("cp=2", &["cp-ring"], Recompute::None),
+        ("cp=4", &["cp-ring"], Recompute::Selective),
+        ("dp=2,cp=2", &["cp-ring", "cp-contiguous"], Recompute::Full),
     ];
     for model in ["llama", "gpt2", "mixtral"] {
         let unsharded = run(model, "", &[], 1, Recompute::None, 1);

@@ -2,8 +2,8 @@
 //! (`simulate --train MODEL`) and the replay of the compiled plan (`compile --train -o` then
 //! `simulate --plan`), same configuration: step time within 5%, peak memory per GPU within 2%.
 //!
-//! Eighteen configurations are checked below (BENCHMARKS.md has the table): data, tensor
-//! (with and without sp), pipeline, context (all-gather K/V), expert parallelism, ZeRO-1,
+//! Nineteen configurations are checked below (BENCHMARKS.md has the table): data, tensor
+//! (with and without sp), pipeline, context (all-gather and ring), expert parallelism, ZeRO-1,
 //! ZeRO-3 / FSDP. Known gaps,
 //! measured 2026-11-24 (plan replay vs analytic): Llama-3-8B `dp=2,tp=4` with sp at global
 //! batch 8 +7.4% time and `pp=2,tp=4` with sp +11% time (the compiled backward under sp has
@@ -86,6 +86,7 @@ fn analytic_model_and_plan_replay_agree() {
         (l, "cp=8", "", "16", "selective"),
         (l, "dp=2,cp=4", "", "16", "selective"),
         (l, "dp=2,cp=4", "zero1", "16", "selective"),
+        (l, "dp=2,cp=4", "cp-ring", "16", "selective"),
         (l, "cp=4,tp=2", "sp", "16", "selective"),
         (m, "ep=8", "", "16", "selective"),
         (m, "ep=4,tp=2", "", "16", "selective"),

@@ -314,6 +314,7 @@ fn compile_forward_logged(
         let r = rewrite::rewrite(&sharded, rw)?;
         (r.sharded, Some(r.report))
     };
+    let sharded = crate::train::ring_pass(sharded, &opts.mesh, &strategies)?;
     log.sharded(Pass::Rewrite, &sharded)?;
     Ok(Compiled {
         logical,

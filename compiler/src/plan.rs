@@ -553,19 +553,38 @@ impl Plan {
     /// Collectives per layer (`None`: outside layers): (op, axis, bytes, value).
     pub fn collectives_by_layer(&self) -> BTreeMap<Option<u32>, LayerCollectives> {
         let mut m: BTreeMap<Option<u32>, Vec<_>> = BTreeMap::new();
+        let g = &self.program;
         for s in &self.steps {
-            if let Step::Collective {
-                value, axis, bytes, ..
-            } = s
-            {
-                let n = self.program.node(*value);
-                m.entry(n.layer).or_default().push((
-                    n.op.mnemonic().to_string(),
-                    axis.clone(),
-                    *bytes,
-                    *value,
-                ));
-            }
+            let (value, axis, bytes) = match s {
+                Step::Collective {
+                    value, axis, bytes, ..
+                } => (*value, axis.clone(), *bytes),
+                // A compute op with its exchange inside (ring attention, collective matmuls):
+                // the gathered operands' bytes, as the collective it replaces would count them.
+                Step::Kernel { value, .. } | Step::Gemm { value, .. } => {
+                    let n = g.node(*value);
+                    let (Some(axis), true) = (n.op.axis(), n.op.communicates()) else {
+                        continue;
+                    };
+                    let bytes = match &n.op {
+                        Op::RingAttention { parts, .. } => n.inputs[1..3]
+                            .iter()
+                            .map(|&i| g.ty(i).size_bytes() as u64 * *parts as u64)
+                            .sum(),
+                        Op::AgMatMul { parts, .. } => {
+                            g.ty(n.inputs[0]).size_bytes() as u64 * *parts as u64
+                        }
+                        Op::MatMulRs { parts, .. } => n.ty.size_bytes() as u64 * *parts as u64,
+                        _ => 0,
+                    };
+                    (*value, axis.to_string(), bytes)
+                }
+                _ => continue,
+            };
+            let n = g.node(value);
+            m.entry(n.layer)
+                .or_default()
+                .push((n.op.mnemonic().to_string(), axis, bytes, value));
         }
         m
     }

@@ -533,6 +533,19 @@ impl<'g, 'p> Run<'g, 'p> {
                 *transpose_b,
                 &wrap,
             )),
+            Op::RingAttention { spec, axis, parts } => {
+                let keys = cpu::attention::Keys::of(spec, &args[3..]);
+                owned(cpu::ring_attention::ring_attention(
+                    self.ctx.comm(axis)?,
+                    args[0],
+                    args[1],
+                    args[2],
+                    keys,
+                    spec,
+                    *parts,
+                    &wrap,
+                ))
+            }
             Op::RankOffset { axis, stride } => {
                 let (coord, _) = self.coord(axis)?;
                 owned(elementwise::rank_offset(args[0], coord, *stride))

@@ -38,8 +38,10 @@ pub fn options(
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct CpArgs {
     /// Context parallelism's exchange of keys and values on a `cp` mesh axis: `allgather`
-    /// (K/V all-gathered, queries stay split: Llama 3, Megatron `allgather`; the default) or
-    /// `ulysses` (all-to-all from sequence-split to head-split and back: DeepSpeed-Ulysses).
+    /// (K/V all-gathered, queries stay split: Llama 3, Megatron `allgather`; the default),
+    /// `ring` (K/V blocks passed round the ring, overlapped with each block's attention: Ring
+    /// Attention, Megatron `p2p`; forward only, the backward all-gathers) or `ulysses`
+    /// (all-to-all from sequence-split to head-split and back: DeepSpeed-Ulysses).
     #[arg(long, value_name = "ALGO")]
     pub cp_algo: Option<String>,
     /// Causal load balancing of a `cp` axis: `headtail` (the sequence in 2·cp chunks, rank
@@ -55,11 +57,8 @@ impl CpArgs {
         match self.cp_algo.as_deref() {
             None | Some("allgather") => {}
             Some("ulysses") => out.push("cp-ulysses".into()),
-            Some("ring") => bail!(
-                "--cp-algo ring: the ring exchange of K/V is not available in this version; \
-                 use allgather (same traffic, not overlapped) or ulysses"
-            ),
-            Some(x) => bail!("--cp-algo `{x}`: expected allgather or ulysses"),
+            Some("ring") => out.push("cp-ring".into()),
+            Some(x) => bail!("--cp-algo `{x}`: expected allgather, ring or ulysses"),
         }
         match self.cp_balance.as_deref() {
             None | Some("headtail") => {}

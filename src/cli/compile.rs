@@ -249,20 +249,24 @@ fn context_parallel_line(plan: &Plan) -> Option<String> {
     let c = cp_layout(&plan.mesh, &strategies)?;
     let n = c.size;
     let contiguous = (2 * n - 1) as f64 / n as f64;
+    let exchange = match c.algo {
+        CpAlgo::Ring => "K/V passed round a ring (forward; all-gathered backward)",
+        _ => "all-gather K/V",
+    };
     Some(match (c.algo, c.order) {
         (CpAlgo::Ulysses, _) => format!(
             "context parallel: cp={n}, all-to-all over heads (Ulysses): every rank attends over \
              the whole sequence for 1/{n} of the heads (balanced)"
         ),
-        (CpAlgo::AllGather, SeqOrder::HeadTail { .. }) => format!(
-            "context parallel: cp={n}, all-gather K/V, head-tail order (the sequence in {} \
+        (_, SeqOrder::HeadTail { .. }) => format!(
+            "context parallel: cp={n}, {exchange}, head-tail order (the sequence in {} \
              chunks, rank i holds chunks i and {}−i): every rank does the mean causal attention \
              work (contiguous parts would give the last rank {contiguous:.2}× the mean)",
             2 * n,
             2 * n - 1
         ),
-        (CpAlgo::AllGather, SeqOrder::Contiguous) => format!(
-            "context parallel: cp={n}, all-gather K/V, contiguous parts: the last rank does \
+        (_, SeqOrder::Contiguous) => format!(
+            "context parallel: cp={n}, {exchange}, contiguous parts: the last rank does \
              {contiguous:.2}× the mean causal attention work and every rank waits for it \
              (--cp-balance headtail evens it)"
         ),

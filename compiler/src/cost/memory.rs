@@ -168,14 +168,18 @@ pub fn saved_activations(g: &Graph, layer: u32, o: &SavedOptions) -> Bytes {
                     save(i, &mut saved);
                 }
             }
-            Op::Attention(_) => {
+            Op::Attention(_) | Op::RingAttention { .. } => {
                 for &i in &n.inputs[..3] {
                     save(i, &mut saved);
                 }
+                let ring = match n.op {
+                    Op::RingAttention { parts, .. } => parts,
+                    _ => 1,
+                };
                 let q = g.ty(n.inputs[0]);
                 let k = g.ty(n.inputs[1]);
                 let (b, t, h) = (q.dim(0), q.dim(1), q.dim(2));
-                let scores = (b * h * t * k.dim(1)) as f64;
+                let scores = (b * h * t * k.dim(1) * ring) as f64;
                 let el = o.dtype.size_bytes() as f64;
                 match o.attention {
                     AttentionImpl::Unfused => {

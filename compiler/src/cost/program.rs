@@ -58,6 +58,11 @@ pub struct Grad {
     pub regather: Option<(String, u64)>,
     /// The node is an attention core (recomputed by selective recomputation).
     pub attention: bool,
+    /// Context parallelism's K/V (attention reading them gathered over an axis, or passed
+    /// round its ring): the backward gathers them again before the gradient, as the compiled
+    /// step does (the forward keeps them split), and after a ring reduce-scatters dK/dV (after
+    /// a gather, the gather's own gradient does). Axis, gathered bytes, ring.
+    pub exchange: Option<(String, u64, bool)>,
 }
 
 /// What an op does.
@@ -275,7 +280,34 @@ impl Program {
                                 collective_bytes_routed(g, ag, opts, routed),
                             )
                         }),
-                        attention: matches!(node.op, Op::Attention(_)),
+                        attention: matches!(node.op, Op::Attention(_) | Op::RingAttention { .. }),
+                        exchange: match (&node.op, &c.embedded_comm) {
+                            (Op::RingAttention { .. }, Some((axis, _, bytes, _))) => {
+                                Some((axis.clone(), *bytes as u64, true))
+                            }
+                            (Op::Attention(_), _) => {
+                                // K and V each all-gathered over the same axis.
+                                let kv: Vec<&crate::ir::Node> =
+                                    node.inputs[1..3].iter().map(|&i| g.node(i)).collect();
+                                match (&kv[0].op, &kv[1].op) {
+                                    (
+                                        Op::AllGather { axis, dim: 1, .. },
+                                        Op::AllGather {
+                                            axis: a2, dim: 1, ..
+                                        },
+                                    ) if axis == a2 => Some((
+                                        axis.clone(),
+                                        node.inputs[1..3]
+                                            .iter()
+                                            .map(|&i| collective_bytes_routed(g, i, opts, routed))
+                                            .sum(),
+                                        false,
+                                    )),
+                                    _ => None,
+                                }
+                            }
+                            _ => None,
+                        },
                     });
                     let alloc = held(*value);
                     let mut fwd = work(&c.fwd);
@@ -445,6 +477,24 @@ impl Program {
                         });
                         next_event += 1;
                     }
+                    // Context parallelism's K/V gathered again on the communication stream
+                    // (the gradient waits for them), and after a ring dK/dV reduce-scattered
+                    // there once the gradient is made.
+                    let regather = g.exchange.clone();
+                    if let Some((axis, bytes, _)) = &regather {
+                        out.push(
+                            COMM,
+                            format!("{}.kv_regather", op.label),
+                            ProgKind::Collective {
+                                axis: axis.clone(),
+                                kind: CollectiveKind::AllGather,
+                                bytes: *bytes,
+                            },
+                        );
+                        out.push(COMM, "", ProgKind::Record(next_event));
+                        out.push(op.stream, "", ProgKind::Wait(next_event));
+                        next_event += 1;
+                    }
                     out.push(
                         op.stream,
                         format!("{}.dgrad", op.label),
@@ -453,6 +503,20 @@ impl Program {
                             gemm: *gemm,
                         },
                     );
+                    if let Some((axis, bytes, true)) = &regather {
+                        out.push(op.stream, "", ProgKind::Record(next_event));
+                        out.push(COMM, "", ProgKind::Wait(next_event));
+                        next_event += 1;
+                        out.push(
+                            COMM,
+                            format!("{}.dkv", op.label),
+                            ProgKind::Collective {
+                                axis: axis.clone(),
+                                kind: CollectiveKind::ReduceScatter,
+                                bytes: *bytes,
+                            },
+                        );
+                    }
                     if let Some(w) = g.wgrad {
                         pending.push(ProgOp {
                             stream: op.stream,
@@ -578,6 +642,7 @@ mod tests {
                 dgrad: w,
                 wgrad: wgrad.then_some(w),
                 regather: None,
+                exchange: None,
                 attention: false,
             }),
         }

@@ -55,8 +55,9 @@ fn causal_share(g: &Graph, v: ValueId, causal: bool) -> f64 {
             _ => return 0.5,
         }
     }
-    let spec = match &node.op {
-        Op::Attention(s) | Op::AttentionProbs(s) => s,
+    let (spec, ring) = match &node.op {
+        Op::Attention(s) | Op::AttentionProbs(s) => (s, 1),
+        Op::RingAttention { spec, parts, .. } => (spec, *parts),
         _ => return 0.5,
     };
     let n = node.inputs.len();
@@ -72,7 +73,10 @@ fn causal_share(g: &Graph, v: ValueId, causal: bool) -> f64 {
             _ => break None,
         }
     };
-    let (t, s) = (g.ty(node.inputs[0]).dim(1), g.ty(node.inputs[1]).dim(1));
+    let (t, s) = (
+        g.ty(node.inputs[0]).dim(1),
+        g.ty(node.inputs[1]).dim(1) * ring,
+    );
     match order {
         Some(crate::ir::SeqOrder::Contiguous) if s > 0 => 1.0 - t as f64 / (2.0 * s as f64),
         _ => 0.5,
@@ -517,7 +521,19 @@ pub fn node_cost_routed(
                 }
             }
         }
-        Op::Attention(spec) => attention_cost(g, v, spec.causal, spec.window, opts, &mut c),
+        Op::Attention(spec) => attention_cost(g, v, spec.causal, spec.window, 1, opts, &mut c),
+        Op::RingAttention { spec, axis, parts } => {
+            // The attention over every rank's keys, its K/V blocks passed round the ring
+            // while each block is attended to (overlapped like a collective matmul's chunks).
+            attention_cost(g, v, spec.causal, spec.window, *parts, opts, &mut c);
+            let kv: f64 = node.inputs[1..3].iter().map(|&i| b(i)).sum();
+            c.embedded_comm = Some((
+                axis.clone(),
+                CollectiveKind::AllGather,
+                kv * *parts as f64,
+                *parts,
+            ));
+        }
         Op::Embedding => {
             // Gather rows: read them, write the result; backward scatter-adds into the table.
             c.fwd.push(Kernel::memory(2.0 * out + b(node.inputs[1])));
@@ -566,11 +582,15 @@ pub fn node_cost_routed(
     c
 }
 
+/// Attention of `v`'s queries against `ring` times its keys operand (ring attention reads
+/// every rank's block in turn).
+#[allow(clippy::too_many_arguments)]
 fn attention_cost(
     g: &Graph,
     v: ValueId,
     causal: bool,
     window: Option<usize>,
+    ring: usize,
     opts: &ComputeOptions,
     c: &mut NodeCost,
 ) {
@@ -579,10 +599,14 @@ fn attention_cost(
     let tq = g.ty(node.inputs[0]);
     let tk = g.ty(node.inputs[1]);
     let (bsz, t, hq, d) = (tq.dim(0), tq.dim(1), tq.dim(2), tq.dim(3));
-    let s = tk.dim(1);
+    let s = tk.dim(1) * ring;
     let heads = bsz * hq;
     let b = |x: ValueId| sim_bytes(g.ty(x), dt);
-    let (q, k, vv) = (b(node.inputs[0]), b(node.inputs[1]), b(node.inputs[2]));
+    let (q, k, vv) = (
+        b(node.inputs[0]),
+        b(node.inputs[1]) * ring as f64,
+        b(node.inputs[2]) * ring as f64,
+    );
     let out = sim_bytes(&node.ty, dt);
     let el = dt.size_bytes() as f64;
     // Keys a query sees when executing (a window bounds them); Megatron counts all of them.

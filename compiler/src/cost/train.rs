@@ -514,6 +514,7 @@ pub fn simulate_training_on(
             },
             wgrad: None,
             regather: None,
+            exchange: None,
             attention: false,
         }),
     });

@@ -361,6 +361,21 @@ pub enum Op {
     /// applies with or without `causal` (without it, later keys stay visible). A query with
     /// no visible key gives zeros.
     Attention(AttnSpec),
+    /// `(q[B,T,Hq,D], k[B,S/parts,Hkv,D], v [, mask[B,S]] [, qidx[T], kidx[S]]) -> [B,T,Hq,D]`:
+    /// `Attention(spec)` of `q` against the keys and values of every rank of `axis` (`k` and
+    /// `v` are this rank's blocks, rank `i` holding keys `[i·S/parts, (i+1)·S/parts)`),
+    /// without gathering them: the blocks travel round the ring of `axis` by send/recv, each
+    /// step's block attention running while the next block is in flight, and the partial
+    /// results merged by their log-sum-exp (Ring Attention). Equals `Attention(spec)(q,
+    /// all_gather(k), all_gather(v), ..)` up to the order of the softmax sums.
+    RingAttention {
+        /// The attention's parameters.
+        spec: AttnSpec,
+        /// Mesh axis of the ring.
+        axis: AxisName,
+        /// Axis size.
+        parts: usize,
+    },
     /// `-> i32[len]`: the original index of each position of a sequence laid out in `order`
     /// (the query and key indices of context-parallel attention).
     SeqIndex {
@@ -732,6 +747,7 @@ impl Op {
             Op::Rope(_) => "rope",
             Op::Attention(_) => "attention",
             Op::SeqIndex { .. } => "seq_index",
+            Op::RingAttention { .. } => "ring_attention",
             Op::SeqPermute { .. } => "seq_permute",
             Op::Softmax => "softmax",
             Op::Reshape => "reshape",
@@ -802,7 +818,8 @@ impl Op {
             | Op::CrossEntropyStats { axis, .. }
             | Op::CrossEntropyShardGrad { axis, .. }
             | Op::AgMatMul { axis, .. }
-            | Op::MatMulRs { axis, .. } => Some(axis),
+            | Op::MatMulRs { axis, .. }
+            | Op::RingAttention { axis, .. } => Some(axis),
             _ => None,
         }
     }
@@ -810,7 +827,11 @@ impl Op {
     /// True for ops that exchange data between ranks: the collectives and the fused GEMMs
     /// with communication inside (`AgMatMul`, `MatMulRs`), which are not collectives.
     pub fn communicates(&self) -> bool {
-        self.is_collective() || matches!(self, Op::AgMatMul { .. } | Op::MatMulRs { .. })
+        self.is_collective()
+            || matches!(
+                self,
+                Op::AgMatMul { .. } | Op::MatMulRs { .. } | Op::RingAttention { .. }
+            )
     }
 
     /// True for ops whose type must be declared (it does not follow from the operands).
@@ -990,6 +1011,29 @@ impl Op {
                     }
                 }
                 Ok(q.clone())
+            }
+            Op::RingAttention { spec, parts, .. } => {
+                if inputs.len() < 3 || *parts == 0 {
+                    return Err(IrError::Arity {
+                        op: m,
+                        expected: "at least 3",
+                        found: inputs.len(),
+                    });
+                }
+                // The attention over the gathered blocks.
+                let gathered = |t: &TensorType| {
+                    let mut g = t.clone();
+                    if let Some(d) = g.dims.get_mut(1) {
+                        d.size *= *parts;
+                    }
+                    g
+                };
+                let (k, v) = (gathered(inputs[1]), gathered(inputs[2]));
+                let mut all = vec![inputs[0], &k, &v];
+                all.extend(&inputs[3..]);
+                Op::Attention(*spec)
+                    .infer(&all, None)
+                    .map_err(|e| shape_err(m, e.to_string()))
             }
             Op::SeqIndex { len, order } => {
                 arity(self, inputs, 0, "0")?;

@@ -553,7 +553,8 @@ fn check_graph(
                 | Op::LocalSlice { parts, .. }
                 | Op::CrossEntropyStats { parts, .. }
                 | Op::AgMatMul { parts, .. }
-                | Op::MatMulRs { parts, .. } => Some(*parts),
+                | Op::MatMulRs { parts, .. }
+                | Op::RingAttention { parts, .. } => Some(*parts),
                 _ => None,
             };
             check_axis(mesh, axis, parts, n.op.mnemonic()).map_err(|m| node_err(v, m))?;

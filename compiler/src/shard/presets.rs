@@ -52,6 +52,10 @@ pub enum Strategy {
     CpAllGather,
     /// Context parallelism by all-to-all over heads (DeepSpeed-Ulysses, Megatron `a2a`).
     CpUlysses,
+    /// Context parallelism by passing K/V blocks round a ring in the forward pass (Ring
+    /// Attention, Megatron `p2p`), overlapped with each block's attention; the backward
+    /// gathers K/V and reduce-scatters dK/dV as `cp-allgather` does.
+    CpRing,
     /// Context parallelism without causal load balancing: rank `i` holds the `i`-th
     /// contiguous part of the sequence.
     CpContiguous,
@@ -64,6 +68,9 @@ pub enum CpAlgo {
     AllGather,
     /// All-to-all Q, K, V from sequence-split to head-split and the output back.
     Ulysses,
+    /// K/V blocks passed round the ring, each step's block attention overlapping the next
+    /// transfer, partial results merged by log-sum-exp (forward; the backward as `AllGather`).
+    Ring,
 }
 
 impl CpAlgo {
@@ -72,6 +79,7 @@ impl CpAlgo {
         match self {
             CpAlgo::AllGather => "allgather",
             CpAlgo::Ulysses => "ulysses",
+            CpAlgo::Ring => "ring",
         }
     }
 }
@@ -100,6 +108,8 @@ pub fn cp_layout(mesh: &Mesh, strategies: &[Strategy]) -> Option<CpLayout> {
     }
     let algo = if strategies.contains(&Strategy::CpUlysses) {
         CpAlgo::Ulysses
+    } else if strategies.contains(&Strategy::CpRing) {
+        CpAlgo::Ring
     } else {
         CpAlgo::AllGather
     };
@@ -120,13 +130,13 @@ pub fn cp_layout(mesh: &Mesh, strategies: &[Strategy]) -> Option<CpLayout> {
 /// attention splits its queries (no context parallelism, or Ulysses).
 pub fn cp_build_order(mesh: &Mesh, strategies: &[Strategy]) -> Option<SeqOrder> {
     cp_layout(mesh, strategies)
-        .filter(|c| c.algo == CpAlgo::AllGather)
+        .filter(|c| c.algo != CpAlgo::Ulysses)
         .map(|c| c.order)
 }
 
 impl Strategy {
     /// All strategies this version implements.
-    pub const ALL: [Strategy; 12] = [
+    pub const ALL: [Strategy; 13] = [
         Strategy::Dp,
         Strategy::Tp,
         Strategy::Sp,
@@ -138,6 +148,7 @@ impl Strategy {
         Strategy::Cp,
         Strategy::CpAllGather,
         Strategy::CpUlysses,
+        Strategy::CpRing,
         Strategy::CpContiguous,
     ];
 
@@ -155,6 +166,7 @@ impl Strategy {
             Strategy::Cp => "cp",
             Strategy::CpAllGather => "cp-allgather",
             Strategy::CpUlysses => "cp-ulysses",
+            Strategy::CpRing => "cp-ring",
             Strategy::CpContiguous => "cp-contiguous",
         }
     }
@@ -247,18 +259,28 @@ fn resolve_inner(
     if out.iter().any(|s| {
         matches!(
             s,
-            Strategy::CpAllGather | Strategy::CpUlysses | Strategy::CpContiguous
+            Strategy::CpAllGather | Strategy::CpUlysses | Strategy::CpRing | Strategy::CpContiguous
         )
     }) {
         out.push(Strategy::Cp);
     }
     out.sort();
     out.dedup();
-    if out.contains(&Strategy::CpAllGather) && out.contains(&Strategy::CpUlysses) {
+    let exchanges: Vec<&Strategy> = out
+        .iter()
+        .filter(|s| {
+            matches!(
+                s,
+                Strategy::CpAllGather | Strategy::CpUlysses | Strategy::CpRing
+            )
+        })
+        .collect();
+    if let [a, b, ..] = exchanges[..] {
         return Err(ShardError::ConflictingStrategies {
-            first: "cp-allgather".into(),
-            second: "cp-ulysses".into(),
-            choose: "choose one context-parallel exchange (--cp-algo allgather or ulysses)".into(),
+            first: a.name().to_string(),
+            second: b.name().to_string(),
+            choose: "choose one context-parallel exchange (--cp-algo allgather, ring or ulysses)"
+                .into(),
         });
     }
     // One ZeRO stage: zero1, zero2, zero3 and fsdp (= zero3) exclude each other.
@@ -280,9 +302,11 @@ fn resolve_inner(
             }
             Strategy::Tp | Strategy::Sp => "tp",
             Strategy::Ep => "ep",
-            Strategy::Cp | Strategy::CpAllGather | Strategy::CpUlysses | Strategy::CpContiguous => {
-                "cp"
-            }
+            Strategy::Cp
+            | Strategy::CpAllGather
+            | Strategy::CpUlysses
+            | Strategy::CpRing
+            | Strategy::CpContiguous => "cp",
         };
         // ZeRO shards over dp and cp: either axis will do.
         let zero_on_cp = s.zero_stage() > 0 && mesh.axis("cp").is_some();

@@ -341,7 +341,8 @@ pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule
         | Op::FusedMatMul { .. }
         | Op::AddRmsNorm { .. }
         | Op::AgMatMul { .. }
-        | Op::MatMulRs { .. } => return None,
+        | Op::MatMulRs { .. }
+        | Op::RingAttention { .. } => return None,
         Op::UnaryGrad(_)
         | Op::BiasGrad
         | Op::WeightGrad { .. }

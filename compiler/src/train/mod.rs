@@ -272,6 +272,22 @@ pub(crate) fn check_sizes(
     )
 }
 
+/// Context parallelism's ring exchange (`--cp-algo ring`): the attentions whose K/V are
+/// all-gathered over `cp` read them round the ring instead (rule `ring-attention`); any other
+/// program is returned as it is. Runs after the rewriter, which does not know the ring op.
+pub(crate) fn ring_pass(
+    sg: ShardedGraph,
+    mesh: &Mesh,
+    strategies: &[Strategy],
+) -> Result<ShardedGraph, shard::ShardError> {
+    match shard::cp_layout(mesh, strategies) {
+        Some(c) if c.algo == shard::CpAlgo::Ring => {
+            passes::ring_attention(sg, mesh.axis_name(c.axis))
+        }
+        _ => Ok(sg),
+    }
+}
+
 /// Whether the optimizer state's layout is the compiler's choice: plain data parallelism (no
 /// ZeRO strategy) on a `dp` axis of more than one rank, rewritten with the
 /// `weight-update-sharding` rule.
@@ -482,6 +498,7 @@ pub(crate) fn compile_chunk(
         let r = rewrite::rewrite(&sharded, &opts.rewrite)?;
         (r.sharded, Some(r.report))
     };
+    let sharded = ring_pass(sharded, mesh, &strategies)?;
     log.sharded(Pass::Rewrite, &sharded)?;
     // 9. DDP: gradient all-reduces over `dp` grouped into buckets, each reduced when ready.
     let ddp = zero_stage == 0 && strategies.contains(&Strategy::Dp);

@@ -310,6 +310,97 @@ fn block_key(g: &Graph, v: ValueId) -> Option<(u32, bool)> {
     Some((n.layer?, backward))
 }
 
+/// Context parallelism's ring (rule `ring-attention`): an indexed attention whose keys and
+/// values are all-gathered over `axis` along the sequence becomes one `RingAttention` that
+/// reads this rank's blocks and passes them round the ring, each block's attention
+/// overlapping the next transfer. A gather left without readers (the forward's, when the
+/// backward reads K/V gathered again) is dropped; one another op still reads (attention
+/// probabilities saved in the forward) stays.
+pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGraph, ShardError> {
+    let g = &sg.graph;
+    let n = g.len();
+    let gathered = |x: ValueId| match &g.node(x).op {
+        Op::AllGather {
+            axis: a,
+            dim: 1,
+            parts,
+        } if a == axis => Some(*parts),
+        _ => None,
+    };
+    // Attention → (k source, v source, parts).
+    let mut ring: BTreeMap<usize, (ValueId, ValueId, usize)> = BTreeMap::new();
+    for v in g.ids() {
+        let node = g.node(v);
+        let Op::Attention(spec) = node.op else {
+            continue;
+        };
+        let (k, vv) = (node.inputs[1], node.inputs[2]);
+        if let (true, Some(p), Some(q)) = (spec.indexed, gathered(k), gathered(vv)) {
+            if p == q {
+                let (ks, vs) = (g.node(k).inputs[0], g.node(vv).inputs[0]);
+                ring.insert(v.index(), (ks, vs, p));
+            }
+        }
+    }
+    if ring.is_empty() {
+        return Ok(sg);
+    }
+    // Readers left to each gather once the attentions read the blocks.
+    let users = g.users();
+    let dead = |x: ValueId| {
+        gathered(x).is_some()
+            && !users[x.index()].is_empty()
+            && users[x.index()]
+                .iter()
+                .all(|u| ring.contains_key(&u.index()))
+            && !g.outputs.iter().any(|(_, o)| *o == x)
+    };
+    let mut r = Rebuild::new(n);
+    for v in g.ids() {
+        if dead(v) {
+            continue;
+        }
+        let node = g.node(v);
+        let Some(&(ks, vs, parts)) = ring.get(&v.index()) else {
+            r.copy(&sg, v)?;
+            continue;
+        };
+        let Op::Attention(spec) = node.op else {
+            unreachable!("invariant: ring holds attentions");
+        };
+        let op = Op::RingAttention {
+            spec,
+            axis: axis.to_string(),
+            parts,
+        };
+        let mut inputs = vec![node.inputs[0], ks, vs];
+        inputs.extend(&node.inputs[3..]);
+        let inputs: Vec<ValueId> = inputs
+            .iter()
+            .map(|i| r.map[i.index()].expect("invariant: operands are copied first"))
+            .collect();
+        let prov = Provenance {
+            value: g.node(ks).name.clone(),
+            from: sg.shardings[ks.index()].display(&sg.mesh),
+            to: sg.shardings[node.inputs[1].index()].display(&sg.mesh),
+            required_by: ReshardReason::Rule {
+                rule: "ring-attention".into(),
+            },
+        };
+        let x = r.push(
+            op,
+            &inputs,
+            Some(node.ty.clone()),
+            node.name.clone(),
+            (node.layer, node.role),
+            sg.shardings[v.index()].clone(),
+            Some(prov),
+        )?;
+        r.map[v.index()] = Some(x);
+    }
+    Ok(r.finish(sg))
+}
+
 /// `prefetch`: every parameter all-gather moved to the start of the layer block that runs
 /// before the block of its first use (in the backward pass the next layer's block, which runs
 /// first), so that the schedule's communication stream runs it while that block computes —

@@ -16,6 +16,7 @@ pub(crate) mod layout;
 pub(crate) mod linalg;
 pub(crate) mod moe;
 pub(crate) mod norm;
+pub(crate) mod ring_attention;
 pub(crate) mod rope;
 pub(crate) mod train;
 pub(crate) mod vocab;
@@ -27,7 +28,7 @@ use shardc_compiler::ir::{Op, TensorType};
 pub(crate) const PAR_MIN: usize = 1 << 15;
 
 /// Evaluates one context-free op on the CPU: every op except `Input`, `Param`, the
-/// collectives, `AgMatMul`, `MatMulRs`, `LocalSlice`, `RankOffset`, `CrossEntropyStats` and
+/// collectives, `AgMatMul`, `MatMulRs`, `RingAttention`, `LocalSlice`, `RankOffset`, `CrossEntropyStats` and
 /// `CrossEntropyShardGrad` (those need the executor's rank context).
 /// `out` is the node's type: it supplies the shape of `Reshape` and the dtype of `Cast`.
 ///
@@ -154,6 +155,7 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
         | Op::Param(_)
         | Op::AgMatMul { .. }
         | Op::MatMulRs { .. }
+        | Op::RingAttention { .. }
         | Op::AllReduce { .. }
         | Op::ReduceScatter { .. }
         | Op::AllGather { .. }

@@ -545,6 +545,11 @@ fn build_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
             axis: a.req("axis", string)?,
             root: a.req("root", uint)?,
         },
+        "ring_attention" => Op::RingAttention {
+            axis: a.req("axis", string)?,
+            parts: a.req("parts", uint)?,
+            spec: attn_spec(&mut a)?,
+        },
         "seq_index" => Op::SeqIndex {
             len: a.req("len", uint)?,
             order: a.req("order", seq_order)?,

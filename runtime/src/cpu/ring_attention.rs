@@ -1,0 +1,142 @@
+//! Ring attention (`RingAttention`): a rank's queries against the keys and values of every rank
+//! of the ring, the K/V blocks passed on by send/recv while the current block is attended to
+//! (how a GPU backend overlaps the transfer with the block's compute; on the CPU the steps run
+//! in order). Each block contributes its row maximum, sum of exponentials and weighted values;
+//! the partial results are merged by their log-sum-exp, so the result equals `Attention` of the
+//! gathered keys up to the order of the softmax sums.
+//!
+//! Pre: the communicator's size is `parts`; rank `i` holds keys `[i·c, (i+1)·c)` of the
+//! `S = parts·c` the mask and key indices span; every rank of the group runs the same op.
+
+use super::attention::{visibility, Keys};
+use super::collective::Wrap;
+use super::{f32_of, layout, shape_err};
+use crate::comm::Communicator;
+use crate::{RuntimeError, Tensor};
+use shardc_compiler::ir::AttnSpec;
+
+/// `RingAttention { spec, parts }`: `q[B,T,Hq,D]`, this rank's `k`, `v` blocks
+/// `[B,c,Hkv,D]`, and `keys` (mask `[B,S]`, indices `i32[T]`, `i32[S]`) over the whole ring.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ring_attention(
+    comm: &dyn Communicator,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    keys: Keys,
+    spec: &AttnSpec,
+    parts: usize,
+    wrap: Wrap,
+) -> Result<Tensor, RuntimeError> {
+    const OP: &str = "ring_attention";
+    let mut all = vec![q, k, v];
+    all.extend(keys.all());
+    if comm.size() != parts || parts == 0 {
+        return Err(RuntimeError::AxisSize {
+            axis: comm.name().to_string(),
+            expected: parts,
+            found: comm.size(),
+        });
+    }
+    if q.shape.len() != 4 || k.shape.len() != 4 || k.shape != v.shape {
+        return Err(shape_err(
+            OP,
+            &all,
+            "expects q, k, v of rank 4 with k and v alike",
+        ));
+    }
+    let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let (c, hkv) = (k.shape[1], k.shape[2]);
+    if k.shape[0] != b || k.shape[3] != d || hkv == 0 || hq % hkv != 0 {
+        return Err(shape_err(
+            OP,
+            &all,
+            "batch/head_dim differ or heads not a multiple of kv heads",
+        ));
+    }
+    let s = c * parts;
+    if keys.mask.is_some_and(|m| m.shape != [b, s]) {
+        return Err(shape_err(OP, &all, "mask must be [B, S] of the whole ring"));
+    }
+    let (md, index) = keys.data(OP, 3, &all, (t, s))?;
+    let visible = visibility(spec, t, s, md, index);
+    let qd = f32_of(OP, q, 0)?;
+    let rep = hq / hkv;
+    let scale = spec.scale.0;
+    // Per (b, h, t): running maximum, sum of exponentials, weighted sum of values.
+    let rows = b * hq * t;
+    let mut max = vec![f32::NEG_INFINITY; rows];
+    let mut sum = vec![0.0f64; rows];
+    let mut acc = vec![0.0f64; rows * d];
+    let (n, r) = (parts, comm.rank());
+    let block = k.numel();
+    // The K and V blocks travel together: `[k; v]` flattened.
+    let mut cur: Vec<f32> = [f32_of(OP, k, 1)?, f32_of(OP, v, 2)?].concat();
+    let mut scores = vec![0.0f32; c];
+    for step in 0..n {
+        if step + 1 < n {
+            comm.send(&cur, (r + 1) % n).map_err(wrap)?;
+        }
+        // This step's block came from rank `r − step`: keys `[src·c, (src+1)·c)`.
+        let src = (r + n - step) % n;
+        let (kd, vd) = cur.split_at(block);
+        for bi in 0..b {
+            for h in 0..hq {
+                let kh = h / rep;
+                for ti in 0..t {
+                    let row = (bi * hq + h) * t + ti;
+                    let qrow = &qd[((bi * t + ti) * hq + h) * d..][..d];
+                    let mut m = max[row];
+                    for (j, sc) in scores.iter_mut().enumerate() {
+                        *sc = if visible(bi, ti, src * c + j) {
+                            let krow = &kd[((bi * c + j) * hkv + kh) * d..][..d];
+                            let dot: f32 = qrow.iter().zip(krow).map(|(x, y)| x * y).sum();
+                            m = m.max(dot * scale);
+                            dot * scale
+                        } else {
+                            f32::NEG_INFINITY
+                        };
+                    }
+                    if m == f32::NEG_INFINITY {
+                        continue; // nothing visible yet
+                    }
+                    // Rescale what earlier blocks contributed to the new maximum.
+                    let old = max[row];
+                    if old != f32::NEG_INFINITY && old < m {
+                        let f = ((old - m) as f64).exp();
+                        sum[row] *= f;
+                        acc[row * d..][..d].iter_mut().for_each(|a| *a *= f);
+                    }
+                    max[row] = m;
+                    for (j, &sc) in scores.iter().enumerate() {
+                        if sc == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let p = ((sc - m) as f64).exp();
+                        sum[row] += p;
+                        let vrow = &vd[((bi * c + j) * hkv + kh) * d..][..d];
+                        for (a, &x) in acc[row * d..][..d].iter_mut().zip(vrow) {
+                            *a += p * x as f64;
+                        }
+                    }
+                }
+            }
+        }
+        if step + 1 < n {
+            comm.recv(&mut cur, (r + n - 1) % n).map_err(wrap)?;
+        }
+    }
+    // [B, Hq, T, D] normalised (a query that saw no key gives zeros), then [B, T, Hq, D].
+    let out: Vec<f32> = (0..rows * d)
+        .map(|i| {
+            let row = i / d;
+            if sum[row] > 0.0 {
+                (acc[i] / sum[row]) as f32
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let out = layout::permute(&out, &[b, hq, t, d], &[0, 2, 1, 3]);
+    Ok(Tensor::f32(q.shape.clone(), out))
+}
