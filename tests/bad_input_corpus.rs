@@ -4,6 +4,7 @@
 
 mod common;
 
+use serde_json::{json, Value};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -31,11 +32,11 @@ impl Env {
     }
 
     /// A model directory: the llama fixture's weights with `edit` applied to its config.
-    fn model(&self, name: &str, edit: impl Fn(&mut serde_json::Value)) -> String {
+    fn model(&self, name: &str, edit: impl Fn(&mut Value)) -> String {
         let src = common::fixtures().join("llama");
         let dir = self.dir.join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let mut cfg: serde_json::Value =
+        let mut cfg: Value =
             serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap())
                 .unwrap();
         edit(&mut cfg);
@@ -49,9 +50,6 @@ fn llama() -> String {
     common::fixtures().join("llama").display().to_string()
 }
 
-/// An edit of a config's JSON.
-type ConfigEdit = Box<dyn Fn(&mut serde_json::Value)>;
-
 /// One case: arguments and the words its error must contain.
 struct Case {
     args: Vec<String>,
@@ -63,6 +61,16 @@ fn case(args: &[&str], needles: &[&'static str]) -> Case {
         args: args.iter().map(|s| s.to_string()).collect(),
         needles: needles.to_vec(),
     }
+}
+
+/// One case per bad `(flag, value)`: `prefix… flag value suffix…`, its error naming the flag.
+fn flag_cases(prefix: &[&str], bad: &[(&'static str, &str)], suffix: &[&str]) -> Vec<Case> {
+    bad.iter()
+        .map(|&(flag, value)| {
+            let args = [prefix, &[flag, value], suffix].concat();
+            case(&args, &[flag.trim_start_matches("--")])
+        })
+        .collect()
 }
 
 /// Runs a case; `Err(why)` if it broke a rule. Outputs it left are reported and removed.
@@ -148,124 +156,51 @@ fn every_bad_input_is_a_named_error() {
     let mut cases: Vec<Case> = Vec::new();
 
     // ---- Configs (inspect, compile, simulate, run): the field is named.
-    let bad_configs: Vec<(&str, ConfigEdit, &'static str)> = vec![
-        (
-            "kv0",
-            Box::new(|c| c["num_key_value_heads"] = 0.into()),
-            "num_key_value_heads",
-        ),
-        (
-            "kv3",
-            Box::new(|c| c["num_key_value_heads"] = 3.into()),
-            "num_key_value_heads",
-        ),
-        (
-            "heads0",
-            Box::new(|c| c["num_attention_heads"] = 0.into()),
-            "num_attention_heads",
-        ),
-        (
-            "hidden0",
-            Box::new(|c| c["hidden_size"] = 0.into()),
-            "hidden_size",
-        ),
-        (
-            "layers0",
-            Box::new(|c| c["num_hidden_layers"] = 0.into()),
-            "num_hidden_layers",
-        ),
-        (
-            "inter0",
-            Box::new(|c| c["intermediate_size"] = 0.into()),
-            "intermediate_size",
-        ),
-        (
-            "vocab0",
-            Box::new(|c| c["vocab_size"] = 0.into()),
-            "vocab_size",
-        ),
-        (
-            "vocab1",
-            Box::new(|c| c["vocab_size"] = 1.into()),
-            "vocab_size",
-        ),
-        (
-            "eps-neg",
-            Box::new(|c| c["rms_norm_eps"] = (-1.0).into()),
-            "rms_norm_eps",
-        ),
-        (
-            "eps0",
-            Box::new(|c| c["rms_norm_eps"] = 0.0.into()),
-            "rms_norm_eps",
-        ),
+    // Each sets the field at a path to a bad value, or removes it (`None`).
+    let bad_configs: Vec<(&str, &[&str], Option<Value>)> = vec![
+        ("kv0", &["num_key_value_heads"], Some(json!(0))),
+        ("kv3", &["num_key_value_heads"], Some(json!(3))),
+        ("heads0", &["num_attention_heads"], Some(json!(0))),
+        ("hidden0", &["hidden_size"], Some(json!(0))),
+        ("layers0", &["num_hidden_layers"], Some(json!(0))),
+        ("inter0", &["intermediate_size"], Some(json!(0))),
+        ("vocab0", &["vocab_size"], Some(json!(0))),
+        ("vocab1", &["vocab_size"], Some(json!(1))),
+        ("eps-neg", &["rms_norm_eps"], Some(json!(-1.0))),
+        ("eps0", &["rms_norm_eps"], Some(json!(0.0))),
         (
             "theta0",
-            Box::new(|c| c["rope_parameters"]["rope_theta"] = 0.0.into()),
-            "rope_theta",
+            &["rope_parameters", "rope_theta"],
+            Some(json!(0.0)),
         ),
         (
             "theta-neg",
-            Box::new(|c| c["rope_parameters"]["rope_theta"] = (-5.0).into()),
-            "rope_theta",
+            &["rope_parameters", "rope_theta"],
+            Some(json!(-5.0)),
         ),
-        (
-            "act",
-            Box::new(|c| c["hidden_act"] = "swish9".into()),
-            "hidden_act",
-        ),
-        (
-            "hidden-str",
-            Box::new(|c| c["hidden_size"] = "abc".into()),
-            "hidden_size",
-        ),
-        (
-            "hidden-neg",
-            Box::new(|c| c["hidden_size"] = (-64).into()),
-            "hidden_size",
-        ),
-        (
-            "hidden-float",
-            Box::new(|c| c["hidden_size"] = 64.5.into()),
-            "hidden_size",
-        ),
+        ("act", &["hidden_act"], Some(json!("swish9"))),
+        ("hidden-str", &["hidden_size"], Some(json!("abc"))),
+        ("hidden-neg", &["hidden_size"], Some(json!(-64))),
+        ("hidden-float", &["hidden_size"], Some(json!(64.5))),
         (
             "layers-huge",
-            Box::new(|c| c["num_hidden_layers"] = 1_000_000_000_000u64.into()),
-            "num_hidden_layers",
+            &["num_hidden_layers"],
+            Some(json!(1_000_000_000_000u64)),
         ),
-        (
-            "maxpos0",
-            Box::new(|c| c["max_position_embeddings"] = 0.into()),
-            "max_position_embeddings",
-        ),
-        (
-            "headdim0",
-            Box::new(|c| c["head_dim"] = 0.into()),
-            "head_dim",
-        ),
-        (
-            "type",
-            Box::new(|c| c["model_type"] = "bert".into()),
-            "model_type",
-        ),
-        (
-            "no-type",
-            Box::new(|c| {
-                c.as_object_mut().unwrap().remove("model_type");
-            }),
-            "model_type",
-        ),
-        (
-            "no-hidden",
-            Box::new(|c| {
-                c.as_object_mut().unwrap().remove("hidden_size");
-            }),
-            "hidden_size",
-        ),
+        ("maxpos0", &["max_position_embeddings"], Some(json!(0))),
+        ("headdim0", &["head_dim"], Some(json!(0))),
+        ("type", &["model_type"], Some(json!("bert"))),
+        ("no-type", &["model_type"], None),
+        ("no-hidden", &["hidden_size"], None),
     ];
-    for (name, edit, field) in &bad_configs {
-        let dir = e.model(name, edit);
+    for (name, path, value) in &bad_configs {
+        let field = path.last().expect("a field path");
+        let dir = e.model(name, |c| match value {
+            Some(v) => *path.iter().fold(c, |c, k| &mut c[*k]) = v.clone(),
+            None => {
+                c.as_object_mut().unwrap().remove(*field);
+            }
+        });
         let cfg = format!("{dir}/config.json");
         cases.push(case(&["inspect", &cfg], &[field]));
         cases.push(case(
@@ -400,55 +335,51 @@ fn every_bad_input_is_a_named_error() {
     }
 
     // ---- Training hyper-parameters and options.
-    for (flag, value) in [
-        ("--lr", "NaN"),
-        ("--lr", "inf"),
-        ("--lr", "0"),
-        ("--lr", "-1"),
-        ("--beta1", "1.5"),
-        ("--beta1", "-0.1"),
-        ("--beta1", "NaN"),
-        ("--beta2", "1.0"),
-        ("--beta2", "2"),
-        ("--eps", "0"),
-        ("--eps", "-1e-8"),
-        ("--eps", "NaN"),
-        ("--weight-decay", "-0.1"),
-        ("--weight-decay", "NaN"),
-        ("--steps", "0"),
-        ("--micro-batches", "0"),
-        ("--micro-batches", "3"),
-        ("--recompute", "most"),
-        ("--virtual-stages", "0"),
-        ("--timeout", "0"),
-    ] {
-        cases.push(case(
-            &["train", &m, "--tokens", &ids, flag, value],
-            &[flag.trim_start_matches("--")],
-        ));
-    }
-    for (flag, value) in [
-        ("--schedule", "zigzag"),
-        ("--stage-layers", "1,1"),
-        ("--stage-layers", "a,b"),
-        ("--virtual-stages", "0"),
-    ] {
-        cases.push(case(
-            &[
-                "train",
-                &m,
-                "--tokens",
-                &ids,
-                "--mesh",
-                "pp=2",
-                "--micro-batches",
-                "2",
-                flag,
-                value,
-            ],
-            &[flag.trim_start_matches("--")],
-        ));
-    }
+    cases.extend(flag_cases(
+        &["train", &m, "--tokens", &ids],
+        &[
+            ("--lr", "NaN"),
+            ("--lr", "inf"),
+            ("--lr", "0"),
+            ("--lr", "-1"),
+            ("--beta1", "1.5"),
+            ("--beta1", "-0.1"),
+            ("--beta1", "NaN"),
+            ("--beta2", "1.0"),
+            ("--beta2", "2"),
+            ("--eps", "0"),
+            ("--eps", "-1e-8"),
+            ("--eps", "NaN"),
+            ("--weight-decay", "-0.1"),
+            ("--weight-decay", "NaN"),
+            ("--steps", "0"),
+            ("--micro-batches", "0"),
+            ("--micro-batches", "3"),
+            ("--recompute", "most"),
+            ("--virtual-stages", "0"),
+            ("--timeout", "0"),
+        ],
+        &[],
+    ));
+    cases.extend(flag_cases(
+        &[
+            "train",
+            &m,
+            "--tokens",
+            &ids,
+            "--mesh",
+            "pp=2",
+            "--micro-batches",
+            "2",
+        ],
+        &[
+            ("--schedule", "zigzag"),
+            ("--stage-layers", "1,1"),
+            ("--stage-layers", "a,b"),
+            ("--virtual-stages", "0"),
+        ],
+        &[],
+    ));
     let nan_model = e.model("nanw", |_| {});
     {
         // A NaN in one weight: named by tensor.
@@ -483,69 +414,48 @@ fn every_bad_input_is_a_named_error() {
     ));
 
     // ---- Forward/plan options.
-    for (flag, value) in [
-        ("--batch", "0"),
-        ("--seq", "0"),
-        ("--gpus-per-node", "0"),
-        ("--rewrite", "no-such-rule"),
-        ("--cluster", "no-such-cluster"),
-        ("--batch", "-1"),
+    cases.extend(flag_cases(
+        &["compile", &m, "--mesh", "tp=2"],
+        &[
+            ("--batch", "0"),
+            ("--seq", "0"),
+            ("--gpus-per-node", "0"),
+            ("--rewrite", "no-such-rule"),
+            ("--cluster", "no-such-cluster"),
+            ("--batch", "-1"),
+        ],
+        &["-o", &plan_out],
+    ));
+    for (plan, needle) in [
+        ("/nonexistent-dir/plan.json", "/nonexistent-dir"),
+        (e.dir.to_str().unwrap(), "directory"),
     ] {
         cases.push(case(
-            &[
-                "compile", &m, "--mesh", "tp=2", flag, value, "-o", &plan_out,
-            ],
-            &[flag.trim_start_matches("--")],
+            &["compile", &m, "--mesh", "tp=2", "-o", plan],
+            &[needle],
         ));
     }
-    cases.push(case(
+    cases.extend(flag_cases(
         &[
-            "compile",
-            &m,
+            "simulate",
+            "models/llama-3-8b.json",
+            "--train",
             "--mesh",
-            "tp=2",
-            "-o",
-            "/nonexistent-dir/plan.json",
+            "pp=2,dp=2,tp=2",
         ],
-        &["/nonexistent-dir"],
-    ));
-    cases.push(case(
         &[
-            "compile",
-            &m,
-            "--mesh",
-            "tp=2",
-            "-o",
-            e.dir.to_str().unwrap(),
+            ("--cluster", "no-such-cluster"),
+            ("--global-batch", "0"),
+            ("--micro-batch", "0"),
+            ("--recompute", "most"),
+            ("--schedule", "zigzag"),
+            ("--virtual-stages", "0"),
+            ("--dtype", "f7"),
+            ("--attention", "magic"),
+            ("--trace-ranks", "5-2"),
         ],
-        &["directory"],
+        &["--trace", &trace],
     ));
-    for (flag, value) in [
-        ("--cluster", "no-such-cluster"),
-        ("--global-batch", "0"),
-        ("--micro-batch", "0"),
-        ("--recompute", "most"),
-        ("--schedule", "zigzag"),
-        ("--virtual-stages", "0"),
-        ("--dtype", "f7"),
-        ("--attention", "magic"),
-        ("--trace-ranks", "5-2"),
-    ] {
-        cases.push(case(
-            &[
-                "simulate",
-                "models/llama-3-8b.json",
-                "--train",
-                "--mesh",
-                "pp=2,dp=2,tp=2",
-                flag,
-                value,
-                "--trace",
-                &trace,
-            ],
-            &[flag.trim_start_matches("--")],
-        ));
-    }
 
     // ---- Plans.
     let garbage = e.write("garbage-plan.json", "{\"format_version\": 1");
@@ -562,42 +472,39 @@ fn every_bad_input_is_a_named_error() {
     ));
 
     // ---- Schedules, benches, launches, calibrations.
-    for (flag, value) in [
-        ("--pp", "0"),
-        ("--pp", "10000000"),
-        ("--micro-batches", "0"),
-        ("--micro-batches", "100000000"),
-        ("--schedule", "zigzag"),
-        ("--virtual-stages", "0"),
-    ] {
-        cases.push(case(
-            &["schedule", flag, value, "--trace", &trace],
-            &[flag.trim_start_matches("--")],
-        ));
-    }
-    for (flag, value) in [
-        ("--max-bytes", "1T"),
-        ("--nranks", "0"),
-        ("--iters", "0"),
-        ("--step-factor", "1"),
-        ("--comm", "carrier-pigeon"),
-        ("--min-bytes", "2M"),
-    ] {
-        cases.push(case(
-            &["bench", "collectives", "--max-bytes", "1M", flag, value],
-            &[flag.trim_start_matches("--")],
-        ));
-    }
-    for (flag, value) in [
-        ("--nproc-per-node", "0"),
-        ("--nnodes", "0"),
-        ("--node-rank", "5"),
-    ] {
-        cases.push(case(
-            &["launch", flag, value, "--", "inspect", &m],
-            &[flag.trim_start_matches("--")],
-        ));
-    }
+    cases.extend(flag_cases(
+        &["schedule"],
+        &[
+            ("--pp", "0"),
+            ("--pp", "10000000"),
+            ("--micro-batches", "0"),
+            ("--micro-batches", "100000000"),
+            ("--schedule", "zigzag"),
+            ("--virtual-stages", "0"),
+        ],
+        &["--trace", &trace],
+    ));
+    cases.extend(flag_cases(
+        &["bench", "collectives", "--max-bytes", "1M"],
+        &[
+            ("--max-bytes", "1T"),
+            ("--nranks", "0"),
+            ("--iters", "0"),
+            ("--step-factor", "1"),
+            ("--comm", "carrier-pigeon"),
+            ("--min-bytes", "2M"),
+        ],
+        &[],
+    ));
+    cases.extend(flag_cases(
+        &["launch"],
+        &[
+            ("--nproc-per-node", "0"),
+            ("--nnodes", "0"),
+            ("--node-rank", "5"),
+        ],
+        &["--", "inspect", &m],
+    ));
     let meas = e.write("meas.json", "{\"device\": 3}");
     cases.push(case(
         &[

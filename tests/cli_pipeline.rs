@@ -79,7 +79,7 @@ fn pipelined_losses_equal_the_unsharded_run_and_chunks_are_placed() {
     assert!(base.contains("unsharded"), "{base}");
 
     // Default split (balanced by cost), 1F1B.
-    let out = ok(&[
+    let pipelined = [
         "train",
         &m,
         "--tokens",
@@ -90,7 +90,8 @@ fn pipelined_losses_equal_the_unsharded_run_and_chunks_are_placed() {
         "pp=2,dp=2",
         "--micro-batches",
         "2",
-    ]);
+    ];
+    let out = ok(&pipelined);
     assert!(
         out.contains("mesh pp=2,dp=2 (pp,dp) on 4 thread ranks"),
         "{out}"
@@ -122,21 +123,10 @@ fn pipelined_losses_equal_the_unsharded_run_and_chunks_are_placed() {
 
     // An explicit split and another schedule: placement follows `--stage-layers`, same losses.
     let out = ok(&[
-        "train",
-        &m,
-        "--tokens",
-        &ids,
-        "--steps",
-        "2",
-        "--mesh",
-        "pp=2,dp=2",
-        "--micro-batches",
-        "2",
-        "--schedule",
-        "gpipe",
-        "--stage-layers",
-        "1,2",
-    ]);
+        &pipelined[..],
+        &["--schedule", "gpipe", "--stage-layers", "1,2"],
+    ]
+    .concat());
     same_losses("pp=2,dp=2 gpipe 1,2", &out, &base, 2);
     let chunks = placement(&out);
     assert_eq!(
@@ -223,9 +213,11 @@ fn find(ops: &[Value], kind: &str, carry: &str, micro: u64) -> usize {
         .unwrap_or_else(|| panic!("no {kind} {carry} {micro} in {ops:?}"))
 }
 
-/// Expects `shardc schedule path` to fail (no panic, one-line error) naming every needle.
-fn rejected(path: &str, needles: &[&str]) {
-    let (ok, out, err) = common::run_shardc(&["schedule", path], &[]);
+/// Expects `shardc schedule` to reject `plan` with `edit` applied to its pipeline program
+/// (written next to it as `name`): no panic, a one-line error naming every needle.
+fn rejects(plan: &Path, name: &str, edit: impl FnOnce(&mut Vec<Vec<Value>>), needles: &[&str]) {
+    let path = tampered(plan, name, edit);
+    let (ok, out, err) = common::run_shardc(&["schedule", &path], &[]);
     assert!(!ok, "{path} should be rejected: {out}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(err.starts_with("error: "), "{err}");
@@ -245,15 +237,16 @@ fn tampered_plans_are_rejected_naming_rank_and_instruction() {
     let plan = pipeline_plan(tmp.path());
 
     // Stage 1's two activation receives swapped: F0 now runs before its activation arrives.
-    let p = tampered(&plan, "swapped.json", |prog| {
-        let (a, b) = (
-            find(&prog[1], "recv", "act", 0),
-            find(&prog[1], "recv", "act", 1),
-        );
-        prog[1].swap(a, b);
-    });
-    rejected(
-        &p,
+    rejects(
+        &plan,
+        "swapped.json",
+        |prog| {
+            let (a, b) = (
+                find(&prog[1], "recv", "act", 0),
+                find(&prog[1], "recv", "act", 1),
+            );
+            prog[1].swap(a, b);
+        },
         &[
             "reading",
             "pipeline rank 1, instruction 1",
@@ -263,16 +256,17 @@ fn tampered_plans_are_rejected_naming_rank_and_instruction() {
 
     // Both receives moved to the front of stage 1, in the wrong order: each pass still sees
     // its input, but the FIFO channel delivers micro-batch 0 first.
-    let p = tampered(&plan, "reordered.json", |prog| {
-        let k1 = find(&prog[1], "recv", "act", 1);
-        let r1 = prog[1].remove(k1);
-        let k0 = find(&prog[1], "recv", "act", 0);
-        let r0 = prog[1].remove(k0);
-        prog[1].insert(0, r0);
-        prog[1].insert(0, r1);
-    });
-    rejected(
-        &p,
+    rejects(
+        &plan,
+        "reordered.json",
+        |prog| {
+            let k1 = find(&prog[1], "recv", "act", 1);
+            let r1 = prog[1].remove(k1);
+            let k0 = find(&prog[1], "recv", "act", 0);
+            let r0 = prog[1].remove(k0);
+            prog[1].insert(0, r0);
+            prog[1].insert(0, r1);
+        },
         &[
             "pipeline rank 1, instruction 0",
             "recv activation of micro-batch 1",
@@ -282,12 +276,13 @@ fn tampered_plans_are_rejected_naming_rank_and_instruction() {
     );
 
     // Stage 0's first send deleted: stage 1's first receive gets micro-batch 1 instead.
-    let p = tampered(&plan, "no-send0.json", |prog| {
-        let k = find(&prog[0], "send", "act", 0);
-        prog[0].remove(k);
-    });
-    rejected(
-        &p,
+    rejects(
+        &plan,
+        "no-send0.json",
+        |prog| {
+            let k = find(&prog[0], "send", "act", 0);
+            prog[0].remove(k);
+        },
         &[
             "pipeline rank 1, instruction 0",
             "recv activation of micro-batch 0",
@@ -296,19 +291,27 @@ fn tampered_plans_are_rejected_naming_rank_and_instruction() {
     );
 
     // Stage 0's last activation send deleted: both ranks wait forever.
-    let p = tampered(&plan, "no-send1.json", |prog| {
-        let k = find(&prog[0], "send", "act", 1);
-        prog[0].remove(k);
-    });
-    rejected(&p, &["deadlock", "waits at slot", "recv"]);
+    rejects(
+        &plan,
+        "no-send1.json",
+        |prog| {
+            let k = find(&prog[0], "send", "act", 1);
+            prog[0].remove(k);
+        },
+        &["deadlock", "waits at slot", "recv"],
+    );
 
     // An extra send nobody receives.
-    let p = tampered(&plan, "extra-send.json", |prog| {
-        let k = find(&prog[0], "send", "act", 1);
-        let dup = prog[0][k].clone();
-        prog[0].insert(k + 1, dup);
-    });
-    rejected(&p, &["rank 0 sends 1 message(s) rank 1 never receives"]);
+    rejects(
+        &plan,
+        "extra-send.json",
+        |prog| {
+            let k = find(&prog[0], "send", "act", 1);
+            let dup = prog[0][k].clone();
+            prog[0].insert(k + 1, dup);
+        },
+        &["rank 0 sends 1 message(s) rank 1 never receives"],
+    );
 
     // The untouched plan still verifies (the edits above are what broke it).
     let out = ok(&["schedule", plan.to_str().unwrap()]);

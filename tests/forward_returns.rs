@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{fails_with, gib_after, run_shardc};
+use common::{fails_with, gib_after, run_shardc, TINY_TP2};
 
 const LLAMA: &str = "tests/fixtures/hf-tiny/llama";
 
@@ -145,18 +145,17 @@ fn the_loss_is_the_transformers_loss_on_every_mesh() {
     let out = dir.path().join("loss.json");
     let ids_s = ids.to_str().unwrap();
     let out_s = out.to_str().unwrap();
+    let run = [
+        "run",
+        LLAMA,
+        "--tokens",
+        ids_s,
+        "--out",
+        out_s,
+        "--overwrite",
+    ];
     let loss_of = |extra: &[&str]| -> f64 {
-        let mut args = vec![
-            "run",
-            LLAMA,
-            "--tokens",
-            ids_s,
-            "--out",
-            out_s,
-            "--overwrite",
-        ];
-        args.extend_from_slice(extra);
-        let (ok, _, err) = run_shardc(&args, &[]);
+        let (ok, _, err) = run_shardc(&[&run[..], extra].concat(), &[]);
         assert!(ok, "{extra:?}: {err}");
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
@@ -177,23 +176,13 @@ fn the_loss_is_the_transformers_loss_on_every_mesh() {
     // Through a plan file; its tensor-parallel program gathers no logits.
     let plan = dir.path().join("loss-plan.json");
     let plan_s = plan.to_str().unwrap();
-    let (ok, _, err) = run_shardc(
-        &[
-            "compile",
-            LLAMA,
-            "--mesh",
-            "tp=2",
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--returns",
-            "loss",
-            "-o",
-            plan_s,
-        ],
-        &[],
-    );
+    let args = [
+        &["compile", LLAMA],
+        &TINY_TP2[..],
+        &["--returns", "loss", "-o", plan_s],
+    ]
+    .concat();
+    let (ok, _, err) = run_shardc(&args, &[]);
     assert!(ok, "{err}");
     let p: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
@@ -212,18 +201,15 @@ fn the_loss_is_the_transformers_loss_on_every_mesh() {
     std::fs::write(&mask, serde_json::json!(vec![vec![1; 16]; 2]).to_string()).unwrap();
     fails_with(
         &[
-            "run",
-            LLAMA,
-            "--tokens",
-            ids_s,
-            "--out",
-            out_s,
-            "--overwrite",
-            "--returns",
-            "loss",
-            "--attention-mask",
-            mask.to_str().unwrap(),
-        ],
+            &run[..],
+            &[
+                "--returns",
+                "loss",
+                "--attention-mask",
+                mask.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
         &["--attention-mask with a plan returning the loss"],
     );
 }

@@ -1663,17 +1663,10 @@ fn fuzz_cluster_profiles_cli() {
         }
         t.cases += 1;
         let args: Vec<String> = [
-            "simulate",
-            &model,
-            "--cluster",
-            &cs,
-            "--mesh",
-            "tp=2",
-            "--batch",
-            "2",
-            "--seq",
-            "16",
+            &["simulate", &model, "--cluster", &cs],
+            &common::TINY_TP2[..],
         ]
+        .concat()
         .iter()
         .map(|x| x.to_string())
         .collect();

@@ -4,26 +4,18 @@
 
 mod common;
 
-use common::run_shardc;
+use common::{run_shardc, TINY_TP2};
 
 /// (device, compute µs after rewriting) from the report's cost line.
 fn rewrite_cost(cluster: Option<&str>) -> (String, f64) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("p.json");
-    let mut args = vec![
-        "compile",
-        "tests/fixtures/hf-tiny/llama",
-        "--mesh",
-        "tp=2",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--rewrite",
-        "all",
-        "-o",
-        out.to_str().unwrap(),
-    ];
+    let mut args = [
+        &["compile", "tests/fixtures/hf-tiny/llama"],
+        &TINY_TP2[..],
+        &["--rewrite", "all", "-o", out.to_str().unwrap()],
+    ]
+    .concat();
     if let Some(c) = cluster {
         args.extend_from_slice(&["--cluster", c]);
     }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::run_shardc;
+use common::{run_shardc, TINY_TP2};
 
 use std::path::Path;
 use std::process::Command;
@@ -26,10 +26,20 @@ const KEYS: [&str; 6] = [
     "bubble_fraction",
 ];
 
+/// Simulated training of Llama-3-70B on 1024 GPUs, sequence parallel.
+const LLAMA_70B_TRAIN: [&str; 7] = [
+    "simulate",
+    "models/llama-3-70b.json",
+    "--train",
+    "--mesh",
+    "pp=8,dp=16,tp=8",
+    "--strategy",
+    "sp",
+];
+
 #[test]
 fn forward_json_has_the_report_keys() {
-    let v = ok_json(&[
-        "simulate",
+    let model = [
         "tests/fixtures/hf-tiny/llama",
         "--mesh",
         "dp=2,tp=2",
@@ -39,10 +49,15 @@ fn forward_json_has_the_report_keys() {
         "4",
         "--seq",
         "16",
-        "--cluster",
-        "dgx-h100",
-        "--json",
-    ]);
+    ];
+    let v = ok_json(
+        &[
+            &["simulate"],
+            &model[..],
+            &["--cluster", "dgx-h100", "--json"],
+        ]
+        .concat(),
+    );
     for k in KEYS {
         let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
         assert!(x.is_finite() && x >= 0.0, "{k} = {x}");
@@ -55,20 +70,8 @@ fn forward_json_has_the_report_keys() {
     // The same plan compiled to a file and replayed with --plan gives the same numbers.
     let dir = tempfile::tempdir().unwrap();
     let plan = dir.path().join("plan.json");
-    let (ok, _, err) = shardc(&[
-        "compile",
-        "tests/fixtures/hf-tiny/llama",
-        "--mesh",
-        "dp=2,tp=2",
-        "--strategy",
-        "sp",
-        "--batch",
-        "4",
-        "--seq",
-        "16",
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
+    let (ok, _, err) =
+        shardc(&[&["compile"], &model[..], &["-o", plan.to_str().unwrap()]].concat());
     assert!(ok, "{err}");
     let w = ok_json(&["simulate", "--plan", plan.to_str().unwrap(), "--json"]);
     for k in KEYS {
@@ -78,27 +81,26 @@ fn forward_json_has_the_report_keys() {
 
 #[test]
 fn llama_70b_training_on_1024_h100s() {
-    let v = ok_json(&[
-        "simulate",
-        "models/llama-3-70b.json",
-        "--train",
-        "--mesh",
-        "pp=8,dp=16,tp=8",
-        "--strategy",
-        "sp",
-        "--global-batch",
-        "1024",
-        "--seq",
-        "8192",
-        "--recompute",
-        "selective",
-        "--zero",
-        "1",
-        "--overlap-grad-reduce",
-        "--cluster",
-        "dgx-h100x128",
-        "--json",
-    ]);
+    let v = ok_json(
+        &[
+            &LLAMA_70B_TRAIN[..],
+            &[
+                "--global-batch",
+                "1024",
+                "--seq",
+                "8192",
+                "--recompute",
+                "selective",
+                "--zero",
+                "1",
+                "--overlap-grad-reduce",
+                "--cluster",
+                "dgx-h100x128",
+                "--json",
+            ],
+        ]
+        .concat(),
+    );
     assert_eq!(v["gpus"], 1024);
     assert_eq!(v["micro_batches"], 64);
     assert_eq!(v["stages"].as_array().unwrap().len(), 8);
@@ -186,18 +188,10 @@ fn plans_that_do_not_fit_warn_in_simulate_and_fail_compile() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = small_device_cluster(dir.path(), 1e5);
     let model = "tests/fixtures/hf-tiny/llama";
-    let (ok, _, err) = shardc(&[
-        "simulate",
-        model,
-        "--mesh",
-        "tp=2",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--cluster",
-        &cluster,
-    ]);
+    let simulate = |cluster: &str| {
+        shardc(&[&["simulate", model], &TINY_TP2[..], &["--cluster", cluster]].concat())
+    };
+    let (ok, _, err) = simulate(&cluster);
     assert!(ok, "simulate only warns: {err}");
     assert!(
         err.contains("warning: does not fit") && err.contains("params"),
@@ -206,19 +200,11 @@ fn plans_that_do_not_fit_warn_in_simulate_and_fail_compile() {
     let plan = dir.path().join("plan.json");
     let plan = plan.to_str().unwrap();
     let args = [
-        "compile",
-        model,
-        "--mesh",
-        "tp=2",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--cluster",
-        &cluster,
-        "-o",
-        plan,
-    ];
+        &["compile", model],
+        &TINY_TP2[..],
+        &["--cluster", &cluster, "-o", plan],
+    ]
+    .concat();
     let (ok, _, err) = shardc(&args);
     assert!(!ok, "compile must refuse");
     assert!(err.starts_with("error: plan does not fit"), "{err}");
@@ -228,7 +214,7 @@ fn plans_that_do_not_fit_warn_in_simulate_and_fail_compile() {
     );
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(!Path::new(plan).exists());
-    let mut args = args.to_vec();
+    let mut args = args;
     args.push("--allow-oom");
     let (ok, _, err) = shardc(&args);
     assert!(ok, "{err}");
@@ -236,18 +222,7 @@ fn plans_that_do_not_fit_warn_in_simulate_and_fail_compile() {
     assert!(Path::new(plan).exists());
     // A device that fits: no warning.
     let big = small_device_cluster(dir.path(), 80e9);
-    let (ok, _, err) = shardc(&[
-        "simulate",
-        model,
-        "--mesh",
-        "tp=2",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--cluster",
-        &big,
-    ]);
+    let (ok, _, err) = simulate(&big);
     assert!(ok && !err.contains("does not fit"), "{err}");
 }
 
@@ -299,19 +274,14 @@ fn calibrate_needs_the_cuda_backend_or_measurements() {
     assert!(text.contains(&format!("{want}")), "{text}");
     assert!(text.contains("measured by `shardc calibrate` on NVIDIA H100 80GB HBM3"));
     let cluster = dir.path().join("cal-cluster.toml");
-    let v = ok_json(&[
-        "simulate",
-        "tests/fixtures/hf-tiny/llama",
-        "--mesh",
-        "tp=2",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--cluster",
-        cluster.to_str().unwrap(),
-        "--json",
-    ]);
+    let v = ok_json(
+        &[
+            &["simulate", "tests/fixtures/hf-tiny/llama"],
+            &TINY_TP2[..],
+            &["--cluster", cluster.to_str().unwrap(), "--json"],
+        ]
+        .concat(),
+    );
     assert_eq!(v["device"], "cal");
 }
 
@@ -365,14 +335,8 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
 #[test]
 fn train_runs_every_pipeline_schedule() {
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "simulate",
-            "models/llama-3-70b.json",
-            "--train",
-            "--mesh",
-            "pp=8,dp=16,tp=8",
-            "--strategy",
-            "sp",
+        let mut args = LLAMA_70B_TRAIN.to_vec();
+        args.extend_from_slice(&[
             "--global-batch",
             "512",
             "--seq",
@@ -380,7 +344,7 @@ fn train_runs_every_pipeline_schedule() {
             "--cluster",
             "dgx-h100x128",
             "--json",
-        ];
+        ]);
         args.extend_from_slice(extra);
         ok_json(&args)
     };

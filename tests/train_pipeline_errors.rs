@@ -265,6 +265,20 @@ fn step_of(
     (r, t0.elapsed())
 }
 
+/// Expects the step `(result, time taken)` to have failed within 5 s, without a panic, with
+/// an error naming every needle; `what` says which step, for the messages.
+fn fails_promptly((r, took): (Result<f32, TrainError>, Duration), what: &str, needles: &[&str]) {
+    assert!(
+        took < Duration::from_secs(5),
+        "{what}: not reported promptly, took {took:?}"
+    );
+    let err = r.expect_err(what).to_string();
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    for needle in needles {
+        assert!(err.contains(needle), "{what}: `{needle}` not in: {err}");
+    }
+}
+
 /// The unmodified program trains (the edits below are what break it).
 #[test]
 fn the_unedited_program_runs() {
@@ -311,21 +325,17 @@ fn a_rank_that_never_sends_times_out_naming_the_receive() {
         c.schedule.check_program(&c.program).is_err(),
         "the verifier sees the missing send"
     );
-    let (r, took) = step_of(&dir, &c, Duration::from_secs(1));
-    assert!(
-        took < Duration::from_secs(5),
-        "bounded by the timeout: took {took:?}"
+    // Bounded by the timeout.
+    fails_promptly(
+        step_of(&dir, &c, Duration::from_secs(1)),
+        "a step missing a send",
+        &[
+            "rank 1 (mesh coordinates pp=1)",
+            "recv activation of micro-batch 0",
+            "from rank 0",
+            "timed out after 1000 ms",
+        ],
     );
-    let err = r.expect_err("a step missing a send fails").to_string();
-    assert!(!err.contains("panicked"), "{err}");
-    for needle in [
-        "rank 1 (mesh coordinates pp=1)",
-        "recv activation of micro-batch 0",
-        "from rank 0",
-        "timed out after 1000 ms",
-    ] {
-        assert!(err.contains(needle), "`{needle}` not in: {err}");
-    }
 }
 
 #[test]
@@ -344,21 +354,17 @@ fn a_rank_that_stops_early_is_named_and_its_peer_does_not_wait() {
             .position(|o| matches!(o, PipeOp::Run(s) if s.phase == Phase::F))
             .expect("stage 0 runs");
         c.program[0].truncate(first_run + 1);
-        let (r, took) = step(&c, Duration::from_secs(30));
-        assert!(
-            took < Duration::from_secs(5),
-            "{mesh}: reported promptly, not after the 30 s timeout: took {took:?}"
+        // Reported promptly, not after the 30 s timeout; the root cause, not the peer's
+        // knock-on `pipeline rank 0 stopped`.
+        fails_promptly(
+            step(&c, Duration::from_secs(30)),
+            &format!("{mesh}: a step whose rank stopped"),
+            &[
+                "rank 0 (mesh coordinates pp=0",
+                "end of instructions",
+                "chunk 0 never ran its optimizer step",
+            ],
         );
-        let err = r.expect_err("a step whose rank stopped fails").to_string();
-        assert!(!err.contains("panicked"), "{err}");
-        // The root cause, not the peer's knock-on `pipeline rank 0 stopped`.
-        for needle in [
-            "rank 0 (mesh coordinates pp=0",
-            "end of instructions",
-            "chunk 0 never ran its optimizer step",
-        ] {
-            assert!(err.contains(needle), "{mesh}: `{needle}` not in: {err}");
-        }
     }
 }
 
@@ -372,11 +378,9 @@ fn a_rank_that_skips_its_optimizer_step_is_an_error() {
     )
     .unwrap();
     c.program[0].retain(|o| !matches!(o, PipeOp::Step { .. }));
-    let (r, took) = step(&c, Duration::from_secs(30));
-    assert!(took < Duration::from_secs(5), "took {took:?}");
-    let err = r.expect_err("missing outputs").to_string();
-    assert!(!err.contains("panicked"), "{err}");
-    for needle in ["rank 0", "chunk 0 never ran its optimizer step"] {
-        assert!(err.contains(needle), "`{needle}` not in: {err}");
-    }
+    fails_promptly(
+        step(&c, Duration::from_secs(30)),
+        "missing outputs",
+        &["rank 0", "chunk 0 never ran its optimizer step"],
+    );
 }

@@ -6,6 +6,10 @@ use shardc::runtime::Tensor;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+/// `--mesh tp=2 --batch 2 --seq 16`: the small tensor-parallel shape the command-line tests
+/// compile and simulate the tiny fixtures at.
+pub const TINY_TP2: [&str; 6] = ["--mesh", "tp=2", "--batch", "2", "--seq", "16"];
+
 /// The repository's fixture directory.
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny")

@@ -276,31 +276,23 @@ pub fn simulate_pipeline_plan(
     } else {
         0.0
     };
-    let per_gpu = |f: f64| {
-        if step > 0.0 {
-            f / step / world as f64
-        } else {
-            0.0
-        }
-    };
     let peak = dev.peak(opts.dtype);
     let tokens = (plan.model.batch * plan.model.seq) as f64;
     let crit = (0..p)
         .max_by(|&a, &b| busy[a].total_cmp(&busy[b]))
         .unwrap_or(0);
     let device_memory = dev.memory();
-    let base = super::simulate::plan_report(plan, cluster, opts);
+    let base = super::simulate::plan_report(plan, cluster, opts).with_throughput(
+        step,
+        tokens,
+        total_flops,
+        total_flops,
+        peak,
+    );
     let report = SimReport {
         mode: "pipeline".into(),
         schedule: Some(sched.kind.name().into()),
         micro_batches: Some(m),
-        step_time_s: step,
-        tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
-        flops_per_step: total_flops,
-        model_flops_per_step: total_flops,
-        tflops_per_gpu: per_gpu(total_flops) / 1e12,
-        model_tflops_per_gpu: per_gpu(total_flops) / 1e12,
-        mfu: per_gpu(total_flops) / peak,
         compute_s: busy[crit] - pass_exposed[crit],
         comm_s: pass_comm[crit] + p2p_wait[crit],
         exposed_comm_s: pass_exposed[crit] + p2p_wait[crit],

@@ -112,6 +112,38 @@ pub struct SimReport {
     pub notes: Vec<String>,
 }
 
+impl SimReport {
+    /// This report with the throughput of a step of `step` seconds over its `gpus` ranks:
+    /// `tokens` processed, `flops` executed and `model_flops` of the model, against a
+    /// per-GPU `peak` FLOP/s (all rates 0 for a zero-length step).
+    pub(crate) fn with_throughput(
+        self,
+        step: f64,
+        tokens: f64,
+        flops: f64,
+        model_flops: f64,
+        peak: f64,
+    ) -> SimReport {
+        let per_gpu = |f: f64| {
+            if step > 0.0 {
+                f / step / self.gpus as f64
+            } else {
+                0.0
+            }
+        };
+        SimReport {
+            step_time_s: step,
+            tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
+            flops_per_step: flops,
+            model_flops_per_step: model_flops,
+            tflops_per_gpu: per_gpu(flops) / 1e12,
+            model_tflops_per_gpu: per_gpu(model_flops) / 1e12,
+            mfu: per_gpu(model_flops) / peak,
+            ..self
+        }
+    }
+}
+
 /// A slice on a track: a kernel, a collective, a pipeline op.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Slice {

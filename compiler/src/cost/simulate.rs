@@ -273,26 +273,12 @@ pub fn simulate_plan(
     let flops = program.flops() * world as f64;
     let tokens = (plan.model.batch * plan.model.seq) as f64;
     let peak = dev.peak(opts.dtype);
-    let per_gpu = |f: f64| {
-        if step > 0.0 {
-            f / step / world as f64
-        } else {
-            0.0
-        }
-    };
     let exposed = cr.exposed_comm().0.min(cr.comm.0);
     let (tls, of) = timelines(&program, &rep, static_bytes);
     let device_memory = dev.memory();
     let train = plan.train.as_ref();
-    let base = plan_report(plan, cluster, opts);
+    let base = plan_report(plan, cluster, opts).with_throughput(step, tokens, flops, flops, peak);
     let report = SimReport {
-        step_time_s: step,
-        tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
-        flops_per_step: flops,
-        model_flops_per_step: flops,
-        tflops_per_gpu: per_gpu(flops) / 1e12,
-        model_tflops_per_gpu: per_gpu(flops) / 1e12,
-        mfu: per_gpu(flops) / peak,
         compute_s: cr.compute.0,
         comm_s: cr.comm.0,
         exposed_comm_s: exposed,

@@ -673,18 +673,23 @@ mod tests {
             .unwrap()
     }
 
+    /// With uniform passes, the bubble of `kind` (`v` chunks per stage) is the textbook
+    /// `(p − 1)/(v·m + p − 1)`.
+    fn assert_textbook_bubble(kind: ScheduleKind, p: usize, m: usize, v: usize) {
+        let want = (p - 1) as f64 / (v * m + p - 1) as f64;
+        let got = bubble(kind, p, m, v).bubble_fraction;
+        assert!(
+            (got - want).abs() < 1e-9,
+            "{kind:?} p={p} v={v} m={m}: {got} vs {want}"
+        );
+    }
+
     #[test]
     fn gpipe_and_1f1b_bubble_is_textbook() {
         for p in 1..=6 {
             for m in 1..=8 {
-                let want = (p - 1) as f64 / (m + p - 1) as f64;
                 for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
-                    let r = bubble(kind, p, m, 1);
-                    assert!(
-                        (r.bubble_fraction - want).abs() < 1e-9,
-                        "{kind:?} p={p} m={m}: {} vs {want}",
-                        r.bubble_fraction
-                    );
+                    assert_textbook_bubble(kind, p, m, 1);
                 }
             }
         }
@@ -695,13 +700,7 @@ mod tests {
         for p in [2, 3, 4] {
             for v in [1, 2, 3] {
                 for m in [p, 2 * p, 3 * p] {
-                    let want = (p - 1) as f64 / (v * m + p - 1) as f64;
-                    let r = bubble(ScheduleKind::Interleaved, p, m, v);
-                    assert!(
-                        (r.bubble_fraction - want).abs() < 1e-9,
-                        "p={p} v={v} m={m}: {} vs {want}",
-                        r.bubble_fraction
-                    );
+                    assert_textbook_bubble(ScheduleKind::Interleaved, p, m, v);
                 }
             }
         }
