@@ -381,7 +381,8 @@ fn activation_memory_per_rank_divides_by_cp() {
 /// (N−1)/N · V_KV forward (V_KV = 2·b·s·h_kv·e), and backward gathers K/V again and
 /// reduce-scatters dK/dV (twice that); Ulysses sends (N−1)/N · b·(s/N)·(2h + 2h_kv)·e
 /// forward, and backward exchanges the saved q, k, v and output again before the gradients
-/// (twice that). Activations are saved split, as Megatron saves K/V: memory ÷cp.
+/// (twice that); the ring sends (N−1)/N · V_KV round inside its op and backward as the
+/// all-gather does. Activations are saved split, as Megatron saves K/V: memory ÷cp.
 #[test]
 fn traffic_per_layer_matches_the_formulas() {
     use shardc::compiler::autodiff::Recompute;
@@ -405,8 +406,15 @@ fn traffic_per_layer_matches_the_formulas() {
             ),
             // Backward: the saved q, k, v and output exchanged again, then the gradients.
             (&["cp-ulysses"][..], ulysses, 2.0 * ulysses),
+            // The ring sends its blocks round (N−1 steps of V_KV/N, inside the op); with
+            // selective recomputation nothing else gathers K/V in the forward.
+            (
+                &["cp-ring"][..],
+                (nf - 1.0) / nf * v_kv,
+                2.0 * (nf - 1.0) / nf * v_kv,
+            ),
         ] {
-            if n == 4 && !extra.is_empty() {
+            if n == 4 && extra.contains(&"cp-ulysses") {
                 continue; // 2 KV heads: Ulysses replicates them at cp=4
             }
             let mut o = shardc::compiler::train::TrainOptions::new(
@@ -415,7 +423,11 @@ fn traffic_per_layer_matches_the_formulas() {
                 Mesh::parse(&format!("cp={n}"), 8).unwrap(),
             );
             o.extra_strategies = extra.iter().map(|x| x.to_string()).collect();
-            o.recompute = Recompute::None;
+            o.recompute = if extra.contains(&"cp-ring") {
+                Recompute::Selective
+            } else {
+                Recompute::None
+            };
             let c = shardc::compiler::train::compile_train(&cfg, &o).unwrap();
             let g = &c.sharded.graph;
             // Bytes each rank sends: (N−1)/N of the larger side of the collective.
@@ -426,12 +438,23 @@ fn traffic_per_layer_matches_the_formulas() {
                 // data-parallel-like sync, not the attention's traffic).
                 let exchange = matches!(
                     node.op,
-                    Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllToAll { .. }
+                    Op::AllGather { .. }
+                        | Op::ReduceScatter { .. }
+                        | Op::AllToAll { .. }
+                        | Op::RingAttention { .. }
                 );
                 if node.layer != Some(0) || node.op.axis() != Some("cp") || !exchange {
                     continue;
                 }
-                let local = g.ty(node.inputs[0]).numel().max(node.ty.numel()) as f64 * e;
+                let local = match node.op {
+                    // The K and V blocks of every rank pass through.
+                    Op::RingAttention { parts, .. } => {
+                        (g.ty(node.inputs[1]).numel() + g.ty(node.inputs[2]).numel()) as f64
+                            * (parts as f64)
+                            * e
+                    }
+                    _ => g.ty(node.inputs[0]).numel().max(node.ty.numel()) as f64 * e,
+                };
                 let sent = (nf - 1.0) / nf * local;
                 match node.role {
                     ValueRole::Forward => fwd += sent,
