@@ -415,17 +415,32 @@ pub fn simulate_training(
     copts: &crate::cost::ComputeOptions,
 ) -> Result<crate::cost::Simulation, SimulateError> {
     let spec = crate::cost::layer_plan_spec(cfg, mesh, t, cluster)?;
+    let plan = layer_plan(cfg, source, &spec)?;
+    Ok(crate::cost::simulate_training_on(
+        cfg, &plan, source, mesh, t, cluster, copts,
+    )?)
+}
+
+/// The two-layer plan `spec` describes, compiled (what [`simulate_training`] replays; a
+/// search compiles each distinct one once).
+pub fn layer_plan(
+    cfg: &ModelConfig,
+    source: &str,
+    spec: &crate::cost::LayerPlanSpec,
+) -> Result<Plan, SimulateError> {
     let compiled = compile_forward(
         &spec.model,
         &CompileOptions {
             batch: spec.batch,
             seq: spec.seq,
-            mesh: spec.mesh,
-            extra_strategies: spec.strategies,
+            mesh: spec.mesh.clone(),
+            extra_strategies: spec.strategies.clone(),
         },
     )?;
-    let plan = Plan::new(&compiled, source, cfg.arch.name(), spec.model.layers);
-    Ok(crate::cost::simulate_training_on(
-        cfg, &plan, source, mesh, t, cluster, copts,
-    )?)
+    Ok(Plan::new(
+        &compiled,
+        source,
+        cfg.arch.name(),
+        spec.model.layers,
+    ))
 }

@@ -11,5 +11,6 @@ pub mod pass;
 pub mod plan;
 pub mod rewrite;
 pub mod schedule;
+pub mod search;
 pub mod shard;
 pub mod train;

@@ -10,6 +10,7 @@ mod inspect;
 mod launch;
 mod run;
 mod schedule;
+mod search;
 mod simulate;
 mod train;
 
@@ -48,6 +49,9 @@ enum Command {
     /// Predict step time, TFLOP/s, MFU, communication and memory on a cluster profile
     /// (`--train` for a training step), optionally with a Perfetto trace.
     Simulate(simulate::SimulateArgs),
+    /// Search every layout of a training step on a cluster (dp, tp, sp, pp, cp, ep, ZeRO,
+    /// recomputation, micro-batch, schedule) by the cost model: the fastest that fit, why.
+    Search(search::SearchArgs),
     /// Fit a device/cluster profile to GEMM, copy and collective micro-benchmarks.
     Calibrate(calibrate::CalibrateArgs),
     /// Train on token ids (causal-LM loss, AdamW; CPU reference, `--mesh` on thread ranks) by
@@ -66,6 +70,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Launch(a) => launch::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Simulate(a) => simulate::run(a),
+        Command::Search(a) => search::run(a),
         Command::Calibrate(a) => calibrate::run(a),
         Command::Schedule(a) => schedule::run(a),
         Command::Train(a) => train::run(a),

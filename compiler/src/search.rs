@@ -1,0 +1,421 @@
+//! `shardc search`: the fastest way to train a model on a cluster, by the one cost model.
+//!
+//! The space ([`enumerate`]): every factorisation of the GPUs into `pp × dp × ep × cp × tp`
+//! (tensor parallelism inside a node, dividing the heads; pipeline stages no more than the
+//! layers; expert parallelism dividing the experts of a mixture-of-experts model; context
+//! parallelism splitting the sequence into its head-tail order), and for each: sequence
+//! parallelism on or off under `tp`; ZeRO stage 0–3 where gradients are summed over more than
+//! one rank; recomputation none, selective or full; every micro-batch size of the options that
+//! divides the batch; the pipeline schedules 1F1B, interleaved (2 chunks) and ZB-H1 with
+//! `pp > 1`; the context-parallel exchange all-gather, ring or Ulysses with `cp > 1`.
+//!
+//! Each candidate is simulated by the analytic training model
+//! ([`crate::compile::simulate_training`], what `simulate --train` prints), in parallel over
+//! the cores. One rule prunes before simulating, and it cannot discard the optimum: the
+//! parameters, gradients and optimizer state a rank holds (ZeRO-sharded, counted at their
+//! smallest: every parameter split over `tp × pp × ep`) already exceed the usable memory, so
+//! the simulated peak, which adds activations, would too. Candidates are ranked by step time
+//! among those that fit; ties go to the candidate whose text sorts first, so the output is
+//! deterministic.
+
+use crate::autodiff::Recompute;
+use crate::compile::{layer_plan, simulate_training};
+use crate::cost::{
+    layer_plan_spec, simulate_training_on, zero_static, Cluster, ComputeOptions, PipeSchedule,
+    SimReport, TrainOptions,
+};
+use crate::model::{ModelConfig, ModelStats};
+use crate::plan::Plan;
+use crate::shard::Mesh;
+use rayon::prelude::*;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+/// What to search over, and for.
+#[derive(Clone, Debug)]
+pub struct SearchOptions {
+    /// GPUs to use (all of them).
+    pub gpus: usize,
+    /// Sequences per optimizer step.
+    pub global_batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Micro-batch sizes to try.
+    pub micro_batches: Vec<usize>,
+    /// Fraction of device memory a plan may use (headroom for the allocator, fragmentation).
+    pub memory_fraction: f64,
+    /// Candidates to keep in the ranking.
+    pub top: usize,
+    /// Apply the pruning rule (off: every candidate is simulated, for checking the rule).
+    pub prune: bool,
+}
+
+impl SearchOptions {
+    /// Defaults: micro-batches 1, 2, 4, 8; 95% of device memory; the top 10.
+    pub fn new(gpus: usize, global_batch: usize, seq: usize) -> SearchOptions {
+        SearchOptions {
+            gpus,
+            global_batch,
+            seq,
+            micro_batches: vec![1, 2, 4, 8],
+            memory_fraction: 0.95,
+            top: 10,
+            prune: true,
+        }
+    }
+}
+
+/// One point of the space.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Candidate {
+    /// The mesh, `pp=4,dp=8,tp=8` (axes of size 1 left out; `dp=1` for one GPU).
+    pub mesh: String,
+    /// Strategies beyond the axes' defaults (`sp`, `zero1`, `cp-ring`, ..).
+    pub strategies: Vec<String>,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Activation recomputation.
+    pub recompute: String,
+    /// ZeRO stage.
+    pub zero: u8,
+    /// Pipeline schedule (`1f1b` without a pipeline).
+    pub schedule: String,
+}
+
+impl fmt::Display for Candidate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.mesh)?;
+        if !self.strategies.is_empty() {
+            write!(f, " --strategy {}", self.strategies.join(","))?;
+        }
+        write!(
+            f,
+            " --micro-batch {} --recompute {}",
+            self.micro_batch, self.recompute
+        )?;
+        if self.mesh.contains("pp=") {
+            write!(f, " --schedule {}", self.schedule)?;
+        }
+        Ok(())
+    }
+}
+
+/// A simulated candidate.
+#[derive(Clone, Debug, Serialize)]
+pub struct Scored {
+    /// The candidate.
+    pub candidate: Candidate,
+    /// Seconds per optimizer step.
+    pub step_time_s: f64,
+    /// Tokens per second per GPU.
+    pub tokens_per_s_per_gpu: f64,
+    /// Model FLOPs utilisation.
+    pub mfu: f64,
+    /// Peak memory of the most loaded rank, bytes.
+    pub memory_bytes: u64,
+    /// Communication nothing overlaps, seconds.
+    pub exposed_comm_s: f64,
+    /// Idle pipeline time over the step.
+    pub bubble_fraction: f64,
+    /// Compute-stream busy time, seconds.
+    pub compute_s: f64,
+}
+
+impl Scored {
+    fn of(candidate: Candidate, r: &SimReport) -> Scored {
+        Scored {
+            candidate,
+            step_time_s: r.step_time_s,
+            tokens_per_s_per_gpu: r.tokens_per_s / r.gpus.max(1) as f64,
+            mfu: r.mfu,
+            memory_bytes: r.peak_memory_bytes_per_rank,
+            exposed_comm_s: r.exposed_comm_s,
+            bubble_fraction: r.bubble_fraction,
+            compute_s: r.compute_s,
+        }
+    }
+}
+
+/// What a search found.
+#[derive(Clone, Debug, Serialize)]
+pub struct SearchReport {
+    /// The best candidates that fit, fastest first.
+    pub top: Vec<Scored>,
+    /// Candidates enumerated.
+    pub candidates: usize,
+    /// Candidates simulated.
+    pub evaluated: usize,
+    /// Candidates pruned, by rule.
+    pub pruned: BTreeMap<String, usize>,
+    /// Simulated candidates that do not fit in memory.
+    pub too_big: usize,
+    /// Candidates the model refused (a layout the compiler cannot build), by reason's start.
+    pub refused: usize,
+    /// Wall-clock seconds.
+    pub search_time_s: f64,
+}
+
+impl SearchReport {
+    /// The fastest candidate that fits.
+    pub fn best(&self) -> Option<&Scored> {
+        self.top.first()
+    }
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+/// The candidates of the space (see the module docs), in a fixed order.
+pub fn enumerate(cfg: &ModelConfig, cluster: &Cluster, o: &SearchOptions) -> Vec<Candidate> {
+    let mut out = Vec::new();
+    let node = cluster.gpus_per_node();
+    let experts = cfg.moe.map(|m| m.experts);
+    for tp in divisors(o.gpus) {
+        if tp > node || cfg.heads % tp != 0 || (cfg.kv_heads % tp != 0 && tp % cfg.kv_heads != 0) {
+            continue;
+        }
+        for pp in divisors(o.gpus / tp) {
+            if pp > cfg.layers {
+                continue;
+            }
+            for cp in divisors(o.gpus / (tp * pp)) {
+                if cp > 1 && o.seq % (2 * cp) != 0 {
+                    continue;
+                }
+                for ep in divisors(o.gpus / (tp * pp * cp)) {
+                    if ep > 1 && experts.is_none_or(|e| e % ep != 0) {
+                        continue;
+                    }
+                    let dp = o.gpus / (tp * pp * cp * ep);
+                    add_meshes(cfg, o, [pp, dp, ep, cp, tp], &mut out);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The candidates of one mesh `[pp, dp, ep, cp, tp]`.
+fn add_meshes(cfg: &ModelConfig, o: &SearchOptions, sizes: [usize; 5], out: &mut Vec<Candidate>) {
+    let [pp, dp, ep, cp, tp] = sizes;
+    let names = ["pp", "dp", "ep", "cp", "tp"];
+    let mut axes: Vec<String> = names
+        .iter()
+        .zip(sizes)
+        .filter(|&(_, s)| s > 1)
+        .map(|(n, s)| format!("{n}={s}"))
+        .collect();
+    if axes.is_empty() {
+        axes.push("dp=1".into());
+    }
+    let mesh = axes.join(",");
+    let data = dp * ep;
+    let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+    let zeros: &[u8] = if dp * cp > 1 { &[0, 1, 2, 3] } else { &[0] };
+    let cps: &[&str] = if cp > 1 {
+        &["", "cp-ring", "cp-ulysses"]
+    } else {
+        &[""]
+    };
+    let mut schedules = vec![PipeSchedule::OneFOneB];
+    if pp > 1 {
+        if cfg.layers % (2 * pp) == 0 {
+            schedules.push(PipeSchedule::Interleaved(2));
+        }
+        schedules.push(PipeSchedule::ZbH1);
+    }
+    for &mb in &o.micro_batches {
+        if o.global_batch % (data * mb) != 0 {
+            continue;
+        }
+        // A pipeline needs at least as many micro-batches as stages.
+        if pp > 1 && o.global_batch / (data * mb) < pp {
+            continue;
+        }
+        for &sp in sps {
+            for &zero in zeros {
+                for &cpv in cps {
+                    for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                        for &schedule in &schedules {
+                            let mut strategies = Vec::new();
+                            if sp {
+                                strategies.push("sp".to_string());
+                            }
+                            if zero > 0 {
+                                strategies.push(format!("zero{zero}"));
+                            }
+                            if !cpv.is_empty() {
+                                strategies.push(cpv.to_string());
+                            }
+                            out.push(Candidate {
+                                mesh: mesh.clone(),
+                                strategies,
+                                micro_batch: mb,
+                                recompute: rc.name().to_string(),
+                                zero,
+                                schedule: schedule.label(),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The training options of candidate `c`.
+fn train_options(c: &Candidate, o: &SearchOptions) -> TrainOptions {
+    let mut t = TrainOptions::new(o.global_batch, c.micro_batch, o.seq);
+    t.recompute = Recompute::from_name(&c.recompute).unwrap_or(Recompute::None);
+    t.zero = c.zero;
+    t.strategies = c.strategies.clone();
+    t.schedule = if c.schedule == PipeSchedule::ZbH1.label() {
+        PipeSchedule::ZbH1
+    } else if c.schedule == PipeSchedule::Interleaved(2).label() {
+        PipeSchedule::Interleaved(2)
+    } else {
+        PipeSchedule::OneFOneB
+    };
+    t
+}
+
+/// Size of axis `name` in mesh text `mesh`.
+fn size(mesh: &str, name: &str) -> usize {
+    mesh.split(',')
+        .filter_map(|a| a.split_once('='))
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, s)| s.parse().ok())
+        .unwrap_or(1)
+}
+
+/// Whether `c`'s parameters, gradients and optimizer state alone (at their smallest) exceed
+/// `capacity` bytes: a lower bound of its peak memory.
+fn static_bound_exceeds(c: &Candidate, params: u64, capacity: f64) -> bool {
+    let s = |n| size(&c.mesh, n);
+    let split = (s("tp") * s("pp") * s("ep")) as u64;
+    let psi = params / split.max(1);
+    let (w, g, opt) = zero_static(psi, s("dp") * s("ep") * s("cp"), c.zero);
+    (w.0 + g.0 + opt.0) as f64 > capacity
+}
+
+/// The candidates the pruning rule drops for `cfg` under `o` (for checking the rule).
+pub fn pruned_candidates(
+    cfg: &ModelConfig,
+    cluster: &Cluster,
+    o: &SearchOptions,
+) -> Vec<Candidate> {
+    let Ok(stats) = ModelStats::compute(cfg, o.seq) else {
+        return Vec::new();
+    };
+    let capacity = cluster.device.memory_bytes.value * o.memory_fraction;
+    enumerate(cfg, cluster, o)
+        .into_iter()
+        .filter(|c| static_bound_exceeds(c, stats.params, capacity))
+        .collect()
+}
+
+/// Searches the space for `cfg` on `cluster` (see the module docs).
+pub fn search(
+    cfg: &ModelConfig,
+    source: &str,
+    cluster: &Cluster,
+    o: &SearchOptions,
+    copts: &ComputeOptions,
+) -> Result<SearchReport, crate::model::ModelError> {
+    let start = std::time::Instant::now();
+    let candidates = enumerate(cfg, cluster, o);
+    let params = ModelStats::compute(cfg, o.seq)?.params;
+    let capacity = cluster.device.memory_bytes.value * o.memory_fraction;
+    let (kept, pruned): (Vec<&Candidate>, Vec<&Candidate>) = candidates
+        .iter()
+        .partition(|c| !(o.prune && static_bound_exceeds(c, params, capacity)));
+    // Each candidate's two-layer plan: it depends on the layer's mesh (tp, cp, ep), sp, the
+    // cp exchange and the micro-batch, not on dp, pp, ZeRO, recomputation or the schedule, so
+    // the distinct ones are compiled once each.
+    let prepared: Vec<Option<(Mesh, TrainOptions, String)>> = kept
+        .par_iter()
+        .map(|c| {
+            let mesh = Mesh::parse(&c.mesh, cluster.gpus_per_node()).ok()?;
+            let t = train_options(c, o);
+            let spec = layer_plan_spec(cfg, &mesh, &t, cluster).ok()?;
+            let key = format!(
+                "{} {}x{} {}",
+                spec.mesh,
+                spec.batch,
+                spec.seq,
+                spec.strategies.join(",")
+            );
+            Some((mesh, t, key))
+        })
+        .collect();
+    let mut specs: BTreeMap<String, crate::cost::LayerPlanSpec> = BTreeMap::new();
+    for (mesh, t, key) in prepared.iter().flatten() {
+        if !specs.contains_key(key) {
+            if let Ok(spec) = layer_plan_spec(cfg, mesh, t, cluster) {
+                specs.insert(key.clone(), spec);
+            }
+        }
+    }
+    let plans: HashMap<String, Plan> = specs
+        .into_par_iter()
+        .filter_map(|(key, spec)| layer_plan(cfg, source, &spec).ok().map(|p| (key, p)))
+        .collect();
+    let results: Vec<Option<Scored>> = prepared
+        .par_iter()
+        .zip(kept.par_iter())
+        .map(|(p, c)| {
+            let (mesh, t, key) = p.as_ref()?;
+            let plan = plans.get(key)?;
+            simulate_training_on(cfg, plan, source, mesh, t, cluster, copts)
+                .ok()
+                .map(|s| Scored::of((*c).clone(), &s.report))
+        })
+        .collect();
+    let refused = results.iter().filter(|r| r.is_none()).count();
+    let mut fit: Vec<Scored> = Vec::new();
+    let mut too_big = 0;
+    for s in results.into_iter().flatten() {
+        if s.memory_bytes as f64 <= capacity {
+            fit.push(s);
+        } else {
+            too_big += 1;
+        }
+    }
+    fit.sort_by(|a, b| {
+        a.step_time_s
+            .total_cmp(&b.step_time_s)
+            .then_with(|| a.candidate.to_string().cmp(&b.candidate.to_string()))
+    });
+    fit.truncate(o.top.max(1));
+    let mut pruned_by = BTreeMap::new();
+    if !pruned.is_empty() {
+        pruned_by.insert("static memory bound".to_string(), pruned.len());
+    }
+    Ok(SearchReport {
+        top: fit,
+        candidates: candidates.len(),
+        evaluated: kept.len(),
+        pruned: pruned_by,
+        too_big,
+        refused,
+        search_time_s: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// Simulates one candidate (the hand-picked layouts a search compares with).
+pub fn evaluate(
+    cfg: &ModelConfig,
+    source: &str,
+    cluster: &Cluster,
+    o: &SearchOptions,
+    copts: &ComputeOptions,
+    c: &Candidate,
+) -> Option<Scored> {
+    let mesh = Mesh::parse(&c.mesh, cluster.gpus_per_node()).ok()?;
+    let t = train_options(c, o);
+    simulate_training(cfg, source, &mesh, &t, cluster, copts)
+        .ok()
+        .map(|s| Scored::of(c.clone(), &s.report))
+}

@@ -1,0 +1,277 @@
+//! `shardc search`: every layout of a training step on a cluster simulated by the one cost
+//! model; the fastest that fit, what bounds the best, and how the usual hand-picked layouts
+//! compare.
+
+use super::args::{at_least, check_seq};
+use super::fmt::{bytes, thousands};
+use anyhow::{bail, Context};
+use clap::Args;
+use shardc::compiler::cost::{AttentionImpl, Cluster, ComputeOptions};
+use shardc::compiler::ir::DType;
+use shardc::compiler::model::ModelConfig;
+use shardc::compiler::search::{evaluate, search, Candidate, Scored, SearchOptions};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct SearchArgs {
+    /// A `config.json` or model directory (default: the bundled Llama-3-8B config).
+    pub model: Option<PathBuf>,
+    /// Cluster profile and node count, e.g. `dgx-h100x16` (all its GPUs are used unless
+    /// --gpus says fewer).
+    #[arg(long, default_value = "dgx-h100")]
+    pub cluster: String,
+    /// GPUs to use (default: the cluster's).
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// Sequences per optimizer step.
+    #[arg(long, visible_alias = "global-batch", default_value_t = 64)]
+    pub batch: usize,
+    /// Tokens per sequence (default: min(max positions, 4096)).
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Micro-batch sizes to try, comma-separated.
+    #[arg(long, default_value = "1,2,4,8")]
+    pub micro_batches: String,
+    /// Fraction of device memory a layout may use.
+    #[arg(long, default_value_t = 0.95)]
+    pub memory_fraction: f64,
+    /// How many of the best to list.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn row(i: usize, s: &Scored) -> String {
+    format!(
+        "{:>3}  {:>9.3} s  {:>9}  {:>5.1}%  {:>10}  {:>9.3} s  {:>5.1}%  {}",
+        i + 1,
+        s.step_time_s,
+        thousands(s.tokens_per_s_per_gpu.round() as u64),
+        100.0 * s.mfu,
+        bytes(s.memory_bytes),
+        s.exposed_comm_s,
+        100.0 * s.bubble_fraction,
+        s.candidate
+    )
+}
+
+/// The hand-picked layouts users start from: Megatron-style (tensor parallelism over the node
+/// with sp, ZeRO-1 data parallelism, selective recomputation; pipeline stages added until the
+/// static state fits) and FSDP alone.
+fn hand_layouts(cfg: &ModelConfig, gpus: usize, node: usize) -> Vec<(&'static str, Candidate)> {
+    let mut tp = node.min(gpus);
+    while tp > 1 && (cfg.heads % tp != 0 || gpus % tp != 0) {
+        tp /= 2;
+    }
+    let mut out = Vec::new();
+    for pp in [1, 2, 4, 8, 16] {
+        if gpus % (tp * pp) != 0 || pp > cfg.layers {
+            break;
+        }
+        let dp = gpus / (tp * pp);
+        let mut axes = Vec::new();
+        if pp > 1 {
+            axes.push(format!("pp={pp}"));
+        }
+        if dp > 1 {
+            axes.push(format!("dp={dp}"));
+        }
+        if tp > 1 {
+            axes.push(format!("tp={tp}"));
+        }
+        let mut strategies = Vec::new();
+        if tp > 1 {
+            strategies.push("sp".to_string());
+        }
+        if dp > 1 {
+            strategies.push("zero1".to_string());
+        }
+        out.push((
+            "Megatron-style",
+            Candidate {
+                mesh: axes.join(","),
+                strategies,
+                micro_batch: 1,
+                recompute: "selective".into(),
+                zero: u8::from(dp > 1),
+                schedule: "1f1b".into(),
+            },
+        ));
+    }
+    out.push((
+        "FSDP only",
+        Candidate {
+            mesh: format!("dp={gpus}"),
+            strategies: vec!["fsdp".into()],
+            micro_batch: 1,
+            recompute: "selective".into(),
+            zero: 3,
+            schedule: "1f1b".into(),
+        },
+    ));
+    out
+}
+
+pub fn run(a: SearchArgs) -> anyhow::Result<()> {
+    let path = a.model.clone().unwrap_or_else(super::default_model);
+    let cfg = ModelConfig::from_path(&path)?;
+    let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
+    check_seq("--seq", seq, &cfg)?;
+    at_least("--batch", a.batch, 1)?;
+    at_least("--top", a.top, 1)?;
+    if !(a.memory_fraction > 0.0 && a.memory_fraction <= 1.0) {
+        bail!("--memory-fraction {}: must be in (0, 1]", a.memory_fraction);
+    }
+    let cluster = Cluster::resolve(&a.cluster)?;
+    let gpus = a.gpus.unwrap_or(cluster.gpus());
+    at_least("--gpus", gpus, 1)?;
+    if gpus > cluster.gpus() {
+        bail!(
+            "--gpus {gpus}: the cluster {} has {} GPUs (give more nodes: {}x{})",
+            cluster.label(),
+            cluster.gpus(),
+            cluster.profile.name,
+            gpus.div_ceil(cluster.gpus_per_node())
+        );
+    }
+    let micro_batches = a
+        .micro_batches
+        .split(',')
+        .map(|s| s.trim().parse::<usize>().ok().filter(|&m| m > 0))
+        .collect::<Option<Vec<_>>>()
+        .with_context(|| {
+            format!(
+                "--micro-batches `{}`: expected positive integers, comma-separated",
+                a.micro_batches
+            )
+        })?;
+    let mut o = SearchOptions::new(gpus, a.batch, seq);
+    o.micro_batches = micro_batches;
+    o.memory_fraction = a.memory_fraction;
+    o.top = a.top;
+    let copts = ComputeOptions {
+        dtype: DType::Bf16,
+        attention: AttentionImpl::Flash,
+        dropout: false,
+        fuse_elementwise: true,
+    };
+    let source = path.display().to_string();
+    let r = search(&cfg, &source, &cluster, &o, &copts)?;
+    let hand: Vec<(&str, Candidate, Option<Scored>)> =
+        hand_layouts(&cfg, gpus, cluster.gpus_per_node())
+            .into_iter()
+            .map(|(what, c)| {
+                let s = evaluate(&cfg, &source, &cluster, &o, &copts, &c);
+                (what, c, s)
+            })
+            .collect();
+    if a.json {
+        let hand_json: Vec<serde_json::Value> = hand
+            .iter()
+            .map(|(what, c, s)| serde_json::json!({"layout": what, "candidate": c, "result": s}))
+            .collect();
+        let v = serde_json::json!({
+            "model": source,
+            "cluster": cluster.label(),
+            "gpus": gpus,
+            "global_batch": a.batch,
+            "seq": seq,
+            "best": r.best(),
+            "top": r.top,
+            "candidates": r.candidates,
+            "evaluated": r.evaluated,
+            "pruned": r.pruned,
+            "too_big": r.too_big,
+            "refused": r.refused,
+            "search_time_s": r.search_time_s,
+            "hand_layouts": hand_json,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{source}: {gpus} GPUs of {} ({}), global batch {} × seq {seq}",
+        cluster.label(),
+        cluster.profile.name,
+        a.batch
+    );
+    let pruned: usize = r.pruned.values().sum();
+    println!(
+        "searched {} candidates in {:.2} s ({:.0}/s on {} threads): {} simulated, {} pruned \
+         ({}), {} do not fit, {} refused by the compiler",
+        r.candidates,
+        r.search_time_s,
+        r.evaluated as f64 / r.search_time_s.max(1e-9),
+        rayon_threads(),
+        r.evaluated,
+        pruned,
+        r.pruned
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        r.too_big,
+        r.refused
+    );
+    let Some(best) = r.best() else {
+        println!(
+            "no layout fits in {:.0}% of device memory",
+            100.0 * a.memory_fraction
+        );
+        return Ok(());
+    };
+    println!("\n  #       step   tok/s/GPU    MFU   mem/GPU   exposed comm  bubble  layout");
+    for (i, s) in r.top.iter().enumerate() {
+        println!("{}", row(i, s));
+    }
+    println!("\nbest: shardc simulate {source} --train --mesh {} --global-batch {} --seq {seq} --cluster {}", best_args(best), a.batch, a.cluster);
+    let step = best.step_time_s;
+    println!(
+        "  bounded by: compute {:.3} s ({:.0}% of the step), exposed communication {:.3} s, \
+         pipeline bubble {:.1}%, memory {} of {}",
+        best.compute_s,
+        100.0 * best.compute_s / step.max(1e-12),
+        best.exposed_comm_s,
+        100.0 * best.bubble_fraction,
+        bytes(best.memory_bytes),
+        bytes((cluster.device.memory_bytes.value * a.memory_fraction) as u64)
+    );
+    for s in r.top.iter().skip(1).take(3) {
+        println!(
+            "  vs {}: {:+.1}% step time ({:+.3} s compute, {:+.3} s exposed comm, {:+.1} points bubble)",
+            s.candidate,
+            100.0 * (s.step_time_s / step - 1.0),
+            s.compute_s - best.compute_s,
+            s.exposed_comm_s - best.exposed_comm_s,
+            100.0 * (s.bubble_fraction - best.bubble_fraction)
+        );
+    }
+    println!("\nhand-picked layouts:");
+    let cap = cluster.device.memory_bytes.value * a.memory_fraction;
+    for (what, c, s) in &hand {
+        match s {
+            Some(s) if s.memory_bytes as f64 <= cap => println!(
+                "  {what:<15} {c}: {:.3} s, {:+.1}% vs best",
+                s.step_time_s,
+                100.0 * (s.step_time_s / step - 1.0)
+            ),
+            Some(s) => println!(
+                "  {what:<15} {c}: does not fit ({} per GPU)",
+                bytes(s.memory_bytes)
+            ),
+            None => println!("  {what:<15} {c}: refused by the compiler"),
+        }
+    }
+    Ok(())
+}
+
+/// The best candidate as `simulate` flags.
+fn best_args(s: &Scored) -> String {
+    s.candidate.to_string()
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}

@@ -1,0 +1,141 @@
+//! `shardc search`: the pruned search finds what brute force finds; the rule it prunes by
+//! never drops a layout that fits; the best is what `simulate --train` says of it; output is
+//! deterministic and refuses bad flags by name.
+
+mod common;
+
+use common::run_shardc;
+use shardc::compiler::cost::{AttentionImpl, Cluster, ComputeOptions};
+use shardc::compiler::ir::DType;
+use shardc::compiler::model::ModelConfig;
+use shardc::compiler::search::{evaluate, pruned_candidates, search, SearchOptions};
+use std::path::Path;
+
+fn copts() -> ComputeOptions {
+    ComputeOptions {
+        dtype: DType::Bf16,
+        attention: AttentionImpl::Flash,
+        dropout: false,
+        fuse_elementwise: true,
+    }
+}
+
+/// Llama-3-8B on 8 H100s with little memory (so the rule prunes): the pruned search's best
+/// and ranking equal brute force's; every pruned layout, simulated, does not fit.
+#[test]
+fn pruned_search_equals_brute_force() {
+    let cfg = ModelConfig::from_path(Path::new("models/llama-3-8b.json")).unwrap();
+    let cluster = Cluster::resolve("dgx-h100").unwrap();
+    let mut o = SearchOptions::new(8, 16, 2048);
+    o.micro_batches = vec![1, 2];
+    o.memory_fraction = 0.4;
+    let pruned = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
+    o.prune = false;
+    let brute = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
+    let n: usize = pruned.pruned.values().sum();
+    assert!(n > 50, "the rule pruned only {n}");
+    assert_eq!(brute.evaluated, pruned.evaluated + n);
+    let names = |r: &shardc::compiler::search::SearchReport| -> Vec<String> {
+        r.top.iter().map(|s| s.candidate.to_string()).collect()
+    };
+    assert!(!brute.top.is_empty());
+    assert_eq!(
+        names(&pruned),
+        names(&brute),
+        "pruned vs brute-force ranking"
+    );
+    o.prune = true;
+    let cap = cluster.device.memory_bytes.value * o.memory_fraction;
+    for c in pruned_candidates(&cfg, &cluster, &o).iter().step_by(7) {
+        if let Some(s) = evaluate(&cfg, "m", &cluster, &o, &copts(), c) {
+            assert!(s.memory_bytes as f64 > cap, "{c} was pruned but fits");
+        }
+    }
+}
+
+/// The best layout's step time is what `simulate --train` prints for it, and two runs print
+/// the same ranking.
+#[test]
+fn the_best_is_what_simulate_says() {
+    let args = [
+        "search",
+        "models/llama-3-8b.json",
+        "--cluster",
+        "dgx-h100",
+        "--batch",
+        "16",
+        "--seq",
+        "2048",
+        "--micro-batches",
+        "1,2",
+        "--json",
+    ];
+    let (ok, out, err) = run_shardc(&args, &[]);
+    assert!(ok, "{err}");
+    let (_, again, _) = run_shardc(&args, &[]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let w: serde_json::Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(v["top"], w["top"], "deterministic ranking");
+    let best = &v["best"]["candidate"];
+    let mut sim = vec![
+        "simulate".to_string(),
+        "models/llama-3-8b.json".into(),
+        "--train".into(),
+        "--mesh".into(),
+        best["mesh"].as_str().unwrap().into(),
+        "--global-batch".into(),
+        "16".into(),
+        "--seq".into(),
+        "2048".into(),
+        "--micro-batch".into(),
+        best["micro_batch"].to_string(),
+        "--recompute".into(),
+        best["recompute"].as_str().unwrap().into(),
+        "--json".into(),
+    ];
+    let strategies: Vec<&str> = best["strategies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap())
+        .collect();
+    if !strategies.is_empty() {
+        sim.extend(["--strategy".into(), strategies.join(",")]);
+    }
+    let sim_ref: Vec<&str> = sim.iter().map(String::as_str).collect();
+    let (ok, out, err) = run_shardc(&sim_ref, &[]);
+    assert!(ok, "{err}");
+    let s: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let (a, b) = (
+        v["best"]["step_time_s"].as_f64().unwrap(),
+        s["step_time_s"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() < 1e-9 * a, "search {a} vs simulate {b}");
+    assert!(
+        v["best"]["memory_bytes"].as_u64().unwrap() <= s["device_memory_bytes"].as_u64().unwrap()
+    );
+    // At least as fast as the hand-picked layouts that fit.
+    let cap = 0.95 * s["device_memory_bytes"].as_f64().unwrap();
+    for h in v["hand_layouts"].as_array().unwrap() {
+        let r = &h["result"];
+        if let (Some(t), Some(m)) = (r["step_time_s"].as_f64(), r["memory_bytes"].as_f64()) {
+            if m <= cap {
+                assert!(a <= t + 1e-12, "{}: {t} beats the best {a}", h["layout"]);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_flags_are_refused_by_name() {
+    for (args, needle) in [
+        (vec!["--micro-batches", "1,x"], "--micro-batches"),
+        (vec!["--memory-fraction", "1.5"], "--memory-fraction"),
+        (vec!["--gpus", "64"], "--gpus 64"),
+        (vec!["--top", "0"], "--top"),
+    ] {
+        let mut a = vec!["search", "models/llama-3-8b.json", "--seq", "1024"];
+        a.extend(args);
+        common::fails_with(&a, &[needle]);
+    }
+}
