@@ -139,3 +139,53 @@ fn bad_flags_are_refused_by_name() {
         common::fails_with(&a, &[needle]);
     }
 }
+
+/// `-o` compiles the best layout's training step: on the tiny llama over 4 GPUs the plan runs
+/// with `train --plan` and its losses equal the unsharded run's.
+#[test]
+fn the_best_plan_trains_like_the_unsharded_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toks = common::tokens_4x16(tmp.path());
+    let plan = tmp.path().join("best.json");
+    let model = common::fixtures().join("llama").display().to_string();
+    let plan_s = plan.display().to_string();
+    let (ok, _, err) = run_shardc(
+        &[
+            "search",
+            &model,
+            "--cluster",
+            "dgx-h100",
+            "--gpus",
+            "4",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--micro-batches",
+            "1,2",
+            "-o",
+            &plan_s,
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    assert!(err.contains("wrote"), "{err}");
+    let losses = |args: &[&str]| -> Vec<f64> {
+        let (ok, out, err) = run_shardc(args, &[]);
+        assert!(ok, "{args:?}: {err}");
+        out.lines()
+            .filter_map(|l| {
+                let (_, after) = l.strip_prefix("step ")?.split_once(": loss ")?;
+                after.split_whitespace().next()?.parse().ok()
+            })
+            .collect()
+    };
+    let planned = losses(&[
+        "train", &model, "--plan", &plan_s, "--tokens", &toks, "--steps", "2",
+    ]);
+    let single = losses(&["train", &model, "--tokens", &toks, "--steps", "2"]);
+    assert_eq!(planned.len(), 2, "two steps");
+    for (a, b) in planned.iter().zip(&single) {
+        assert!((a - b).abs() < 1e-5, "{planned:?} vs {single:?}");
+    }
+}

@@ -95,7 +95,14 @@ impl fmt::Display for Candidate {
             self.micro_batch, self.recompute
         )?;
         if self.mesh.contains("pp=") {
-            write!(f, " --schedule {}", self.schedule)?;
+            match self.schedule.strip_prefix("interleaved(v=") {
+                Some(v) => write!(
+                    f,
+                    " --schedule interleaved --virtual-stages {}",
+                    v.trim_end_matches(')')
+                )?,
+                None => write!(f, " --schedule {}", self.schedule)?,
+            }
         }
         Ok(())
     }

@@ -10,7 +10,8 @@ use shardc::compiler::cost::{AttentionImpl, Cluster, ComputeOptions};
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::search::{evaluate, search, Candidate, Scored, SearchOptions};
-use std::path::PathBuf;
+use shardc::runtime::output::Outputs;
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct SearchArgs {
@@ -41,6 +42,12 @@ pub struct SearchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Compile the best layout's training step into this plan file (`train --plan` runs it).
+    #[arg(short = 'o', long = "output")]
+    pub output: Option<PathBuf>,
+    /// Replace an existing `-o` file.
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 fn row(i: usize, s: &Scored) -> String {
@@ -158,7 +165,23 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
         fuse_elementwise: true,
     };
     let source = path.display().to_string();
+    let outputs = Outputs::new(a.overwrite).inputs([Some(path.as_path())]);
+    if let Some(out) = &a.output {
+        outputs.check_file("-o", out)?;
+    }
     let r = search(&cfg, &source, &cluster, &o, &copts)?;
+    if let (Some(out), Some(best)) = (&a.output, r.best()) {
+        write_plan(
+            &cfg,
+            &source,
+            &best.candidate,
+            a.batch,
+            seq,
+            &cluster,
+            out,
+            &outputs,
+        )?;
+    }
     let hand: Vec<(&str, Candidate, Option<Scored>)> =
         hand_layouts(&cfg, gpus, cluster.gpus_per_node())
             .into_iter()
@@ -198,20 +221,22 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
         a.batch
     );
     let pruned: usize = r.pruned.values().sum();
+    let by_rule = if r.pruned.is_empty() {
+        String::new()
+    } else {
+        let rules: Vec<String> = r.pruned.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        format!(" ({})", rules.join(", "))
+    };
     println!(
-        "searched {} candidates in {:.2} s ({:.0}/s on {} threads): {} simulated, {} pruned \
-         ({}), {} do not fit, {} refused by the compiler",
+        "searched {} candidates in {:.2} s ({:.0}/s on {} threads): {} simulated, {} pruned{}, \
+         {} do not fit, {} refused by the compiler",
         r.candidates,
         r.search_time_s,
         r.evaluated as f64 / r.search_time_s.max(1e-9),
         rayon_threads(),
         r.evaluated,
         pruned,
-        r.pruned
-            .iter()
-            .map(|(k, v)| format!("{k}: {v}"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        by_rule,
         r.too_big,
         r.refused
     );
@@ -264,6 +289,50 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
             None => println!("  {what:<15} {c}: refused by the compiler"),
         }
     }
+    Ok(())
+}
+
+/// Compiles candidate `c`'s training step (global batch `batch` × `seq`) and writes its plan.
+#[allow(clippy::too_many_arguments)]
+fn write_plan(
+    cfg: &ModelConfig,
+    source: &str,
+    c: &Candidate,
+    batch: usize,
+    seq: usize,
+    cluster: &Cluster,
+    out: &Path,
+    outputs: &Outputs,
+) -> anyhow::Result<()> {
+    use shardc::compiler::autodiff::Recompute;
+    use shardc::compiler::compile::{compile, CompileSpec, Job};
+    use shardc::compiler::schedule::pp::ScheduleKind;
+    use shardc::compiler::shard::Mesh;
+    use shardc::compiler::train::{PipelineOptions, TrainOptions};
+    let mesh = Mesh::parse(&c.mesh, cluster.gpus_per_node())?;
+    let mut t = TrainOptions::new(batch, seq, mesh);
+    t.extra_strategies = c.strategies.clone();
+    t.micro_batches = batch / (t.mesh.data_ranks() * c.micro_batch);
+    t.recompute = Recompute::from_name(&c.recompute).unwrap_or(Recompute::None);
+    if c.mesh.contains("pp=") {
+        let (kind, v) = match c.schedule.as_str() {
+            "zb-h1" => (ScheduleKind::ZbH1, 1),
+            s if s.starts_with("interleaved") => (ScheduleKind::Interleaved, 2),
+            _ => (ScheduleKind::OneFOneB, 1),
+        };
+        t.pipeline = PipelineOptions {
+            schedule: kind,
+            virtual_stages: v,
+            stage_layers: None,
+        };
+    }
+    let plan = compile(&CompileSpec::new(
+        cfg.clone(),
+        source,
+        Job::Train(Box::new(t)),
+    ))?;
+    outputs.write("-o", out, plan.to_json().as_bytes())?;
+    eprintln!("wrote {} (the best layout's training plan)", out.display());
     Ok(())
 }
 
