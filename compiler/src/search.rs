@@ -272,12 +272,42 @@ fn add_meshes(cfg: &ModelConfig, o: &SearchOptions, sizes: [usize; 5], out: &mut
     }
 }
 
-/// The training options of candidate `c`.
-fn train_options(c: &Candidate, o: &SearchOptions) -> TrainOptions {
+/// What every candidate's simulation shares: the model's forward FLOPs per token and the
+/// compiler's layer split for each pipeline chunk count (both the same for every layout).
+#[derive(Default)]
+struct Shared {
+    forward_flops_per_token: Option<u64>,
+    stage_layers: HashMap<usize, Vec<usize>>,
+}
+
+impl Shared {
+    fn new(cfg: &ModelConfig, candidates: &[Candidate], o: &SearchOptions) -> Shared {
+        let mut s = Shared {
+            forward_flops_per_token: ModelStats::compute(cfg, o.seq)
+                .ok()
+                .map(|m| m.forward_flops_per_token),
+            ..Shared::default()
+        };
+        for c in candidates {
+            let chunks = size(&c.mesh, "pp") * train_options(c, o, None).schedule.chunks();
+            if chunks > 1 && !s.stage_layers.contains_key(&chunks) {
+                if let Ok(specs) = crate::train::chunk_specs(cfg, chunks, o.seq, None) {
+                    let layers = specs.iter().map(|c| c.layers.len()).collect();
+                    s.stage_layers.insert(chunks, layers);
+                }
+            }
+        }
+        s
+    }
+}
+
+/// The training options of candidate `c` (with what `shared` already knows).
+fn train_options(c: &Candidate, o: &SearchOptions, shared: Option<&Shared>) -> TrainOptions {
     let mut t = TrainOptions::new(o.global_batch, c.micro_batch, o.seq);
     t.recompute = Recompute::from_name(&c.recompute).unwrap_or(Recompute::None);
     t.zero = c.zero;
     t.strategies = c.strategies.clone();
+    t.timelines = false;
     t.schedule = if c.schedule == PipeSchedule::ZbH1.label() {
         PipeSchedule::ZbH1
     } else if c.schedule == PipeSchedule::Interleaved(2).label() {
@@ -285,6 +315,11 @@ fn train_options(c: &Candidate, o: &SearchOptions) -> TrainOptions {
     } else {
         PipeSchedule::OneFOneB
     };
+    if let Some(sh) = shared {
+        t.forward_flops_per_token = sh.forward_flops_per_token;
+        let chunks = size(&c.mesh, "pp") * t.schedule.chunks();
+        t.chunk_layers = sh.stage_layers.get(&chunks).cloned();
+    }
     t
 }
 
@@ -341,11 +376,12 @@ pub fn search(
     // Each candidate's two-layer plan: it depends on the layer's mesh (tp, cp, ep), sp, the
     // cp exchange and the micro-batch, not on dp, pp, ZeRO, recomputation or the schedule, so
     // the distinct ones are compiled once each.
+    let shared = Shared::new(cfg, &candidates, o);
     let prepared: Vec<Option<(Mesh, TrainOptions, String)>> = kept
         .par_iter()
         .map(|c| {
             let mesh = Mesh::parse(&c.mesh, cluster.gpus_per_node()).ok()?;
-            let t = train_options(c, o);
+            let t = train_options(c, o, Some(&shared));
             let spec = layer_plan_spec(cfg, &mesh, &t, cluster).ok()?;
             let key = format!(
                 "{} {}x{} {}",
@@ -421,7 +457,7 @@ pub fn evaluate(
     c: &Candidate,
 ) -> Option<Scored> {
     let mesh = Mesh::parse(&c.mesh, cluster.gpus_per_node()).ok()?;
-    let t = train_options(c, o);
+    let t = train_options(c, o, None);
     simulate_training(cfg, source, &mesh, &t, cluster, copts)
         .ok()
         .map(|s| Scored::of(c.clone(), &s.report))

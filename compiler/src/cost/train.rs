@@ -86,6 +86,15 @@ pub struct TrainOptions {
     /// the first chunk, the head the last); `None`: the compiler's split, balanced by forward
     /// FLOPs (`shardc compile`'s default), so a simulated step is the one that compiles.
     pub stage_layers: Option<Vec<usize>>,
+    /// Record each pass and gradient bucket in the stages' timelines (`--trace`) and label
+    /// every rank; a search, which reads only the numbers, leaves them out.
+    pub timelines: bool,
+    /// The model's forward FLOPs per token at this sequence length, when the caller has them
+    /// (a search computes them once); `None`: computed here.
+    pub forward_flops_per_token: Option<u64>,
+    /// The compiler's decoder layers per chunk for this chunk count, when the caller has them
+    /// (a search splits once per chunk count); ignored with `stage_layers` or another count.
+    pub chunk_layers: Option<Vec<usize>>,
 }
 
 impl TrainOptions {
@@ -103,6 +112,9 @@ impl TrainOptions {
             strategies: Vec::new(),
             moe_imbalance: 1.0,
             stage_layers: None,
+            timelines: true,
+            forward_flops_per_token: None,
+            chunk_layers: None,
         }
     }
 
@@ -407,12 +419,14 @@ pub fn simulate_training_on(
     let lmesh = &plan.mesh;
     let m = t.global_batch / (data * t.micro_batch);
     // Decoder layers of each global chunk (chunk `gc` runs on stage `gc mod pp`).
-    let chunk_layers: Vec<usize> =
-        crate::train::chunk_specs(cfg, pp * v, t.seq, t.stage_layers.as_deref())
+    let chunk_layers: Vec<usize> = match &t.chunk_layers {
+        Some(c) if c.len() == pp * v && t.stage_layers.is_none() => c.clone(),
+        _ => crate::train::chunk_specs(cfg, pp * v, t.seq, t.stage_layers.as_deref())
             .map_err(|e| CostError::Train(e.to_string()))?
             .iter()
             .map(|c| c.layers.len())
-            .collect();
+            .collect(),
+    };
     let stage_layers = |s: usize| -> usize { (0..v).map(|c| chunk_layers[c * pp + s]).sum() };
     let dev = &cluster.device;
     let dt = copts.dtype;
@@ -746,7 +760,7 @@ pub fn simulate_training_on(
             tracks: vec!["compute".into(), "comm:pp".into(), "comm:dp".into()],
             ..Timeline::default()
         };
-        for e in run.rank(s) {
+        for e in run.rank(s).iter().filter(|_| t.timelines) {
             let (c, ph, mb) = (e.slot.chunk / pp, e.slot.phase, e.slot.micro);
             tl.slices.push(Slice {
                 track: 0,
@@ -812,15 +826,17 @@ pub fn simulate_training_on(
                 let bytes = dense + expert;
                 let d = split_ct(grad_kind, dense, expert).0;
                 let start = sync_free.max(ready);
-                tl.slices.push(Slice {
-                    track: 2,
-                    name: format!("grad {}", grad_kind.name()),
-                    cat: "collective".into(),
-                    start,
-                    dur: d,
-                    bytes,
-                    flops: 0.0,
-                });
+                if t.timelines {
+                    tl.slices.push(Slice {
+                        track: 2,
+                        name: format!("grad {}", grad_kind.name()),
+                        cat: "collective".into(),
+                        start,
+                        dur: d,
+                        bytes,
+                        flops: 0.0,
+                    });
+                }
                 sync_free = start + d;
                 sync_total += d;
             }
@@ -935,9 +951,16 @@ pub fn simulate_training_on(
         })
         .collect();
     let flops: f64 = per_rank_flops.iter().sum::<f64>() * (tp * sync) as f64;
-    let stats = ModelStats::compute(cfg, t.seq).map_err(CostError::Model)?;
+    let per_token = match t.forward_flops_per_token {
+        Some(f) => f,
+        None => {
+            ModelStats::compute(cfg, t.seq)
+                .map_err(CostError::Model)?
+                .forward_flops_per_token
+        }
+    };
     let tokens = (t.global_batch * t.seq) as f64;
-    let model_flops = 3.0 * stats.forward_flops_per_token as f64 * tokens;
+    let model_flops = 3.0 * per_token as f64 * tokens;
     let per_gpu = |f: f64| {
         if step > 0.0 {
             f / step / world as f64
@@ -1071,7 +1094,11 @@ pub fn simulate_training_on(
         report,
         timelines: outs.into_iter().map(|o| o.timeline).collect(),
         rank_timeline,
-        rank_labels: rank_labels(mesh),
+        rank_labels: if t.timelines {
+            rank_labels(mesh)
+        } else {
+            Vec::new()
+        },
     })
 }
 
