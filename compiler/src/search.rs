@@ -157,7 +157,7 @@ pub struct SearchReport {
     pub pruned: BTreeMap<String, usize>,
     /// Simulated candidates that do not fit in memory.
     pub too_big: usize,
-    /// Candidates the model refused (a layout the compiler cannot build), by reason's start.
+    /// Candidates the model refused (a layout the compiler cannot build).
     pub refused: usize,
     /// Wall-clock seconds.
     pub search_time_s: f64,
@@ -281,15 +281,18 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(cfg: &ModelConfig, candidates: &[Candidate], o: &SearchOptions) -> Shared {
+    fn new(
+        cfg: &ModelConfig,
+        stats: &ModelStats,
+        candidates: &[Candidate],
+        o: &SearchOptions,
+    ) -> Shared {
         let mut s = Shared {
-            forward_flops_per_token: ModelStats::compute(cfg, o.seq)
-                .ok()
-                .map(|m| m.forward_flops_per_token),
+            forward_flops_per_token: Some(stats.forward_flops_per_token),
             ..Shared::default()
         };
         for c in candidates {
-            let chunks = size(&c.mesh, "pp") * train_options(c, o, None).schedule.chunks();
+            let chunks = size(&c.mesh, "pp") * schedule(c).chunks();
             if chunks > 1 && !s.stage_layers.contains_key(&chunks) {
                 if let Ok(specs) = crate::train::chunk_specs(cfg, chunks, o.seq, None) {
                     let layers = specs.iter().map(|c| c.layers.len()).collect();
@@ -308,19 +311,21 @@ fn train_options(c: &Candidate, o: &SearchOptions, shared: Option<&Shared>) -> T
     t.zero = c.zero;
     t.strategies = c.strategies.clone();
     t.timelines = false;
-    t.schedule = if c.schedule == PipeSchedule::ZbH1.label() {
-        PipeSchedule::ZbH1
-    } else if c.schedule == PipeSchedule::Interleaved(2).label() {
-        PipeSchedule::Interleaved(2)
-    } else {
-        PipeSchedule::OneFOneB
-    };
+    t.schedule = schedule(c);
     if let Some(sh) = shared {
         t.forward_flops_per_token = sh.forward_flops_per_token;
         let chunks = size(&c.mesh, "pp") * t.schedule.chunks();
         t.chunk_layers = sh.stage_layers.get(&chunks).cloned();
     }
     t
+}
+
+/// Candidate `c`'s pipeline schedule.
+fn schedule(c: &Candidate) -> PipeSchedule {
+    [PipeSchedule::ZbH1, PipeSchedule::Interleaved(2)]
+        .into_iter()
+        .find(|s| s.label() == c.schedule)
+        .unwrap_or(PipeSchedule::OneFOneB)
 }
 
 /// Size of axis `name` in mesh text `mesh`.
@@ -368,7 +373,8 @@ pub fn search(
 ) -> Result<SearchReport, crate::model::ModelError> {
     let start = std::time::Instant::now();
     let candidates = enumerate(cfg, cluster, o);
-    let params = ModelStats::compute(cfg, o.seq)?.params;
+    let stats = ModelStats::compute(cfg, o.seq)?;
+    let params = stats.params;
     let capacity = cluster.device.memory_bytes.value * o.memory_fraction;
     let (kept, pruned): (Vec<&Candidate>, Vec<&Candidate>) = candidates
         .iter()
@@ -376,7 +382,7 @@ pub fn search(
     // Each candidate's two-layer plan: it depends on the layer's mesh (tp, cp, ep), sp, the
     // cp exchange and the micro-batch, not on dp, pp, ZeRO, recomputation or the schedule, so
     // the distinct ones are compiled once each.
-    let shared = Shared::new(cfg, &candidates, o);
+    let shared = Shared::new(cfg, &stats, &candidates, o);
     let prepared: Vec<Option<(Mesh, TrainOptions, String)>> = kept
         .par_iter()
         .map(|c| {

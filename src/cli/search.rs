@@ -251,7 +251,11 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
     for (i, s) in r.top.iter().enumerate() {
         println!("{}", row(i, s));
     }
-    println!("\nbest: shardc simulate {source} --train --mesh {} --global-batch {} --seq {seq} --cluster {}", best_args(best), a.batch, a.cluster);
+    println!(
+        "\nbest: shardc simulate {source} --train --mesh {} --global-batch {} --seq {seq} \
+         --cluster {}",
+        best.candidate, a.batch, a.cluster
+    );
     let step = best.step_time_s;
     println!(
         "  bounded by: compute {:.3} s ({:.0}% of the step), exposed communication {:.3} s, \
@@ -334,11 +338,6 @@ fn write_plan(
     outputs.write("-o", out, plan.to_json().as_bytes())?;
     eprintln!("wrote {} (the best layout's training plan)", out.display());
     Ok(())
-}
-
-/// The best candidate as `simulate` flags.
-fn best_args(s: &Scored) -> String {
-    s.candidate.to_string()
 }
 
 fn rayon_threads() -> usize {

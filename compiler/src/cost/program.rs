@@ -386,6 +386,19 @@ impl Program {
         });
     }
 
+    /// A collective of `bytes` over `axis` on `stream`.
+    fn push_collective(
+        &mut self,
+        stream: u32,
+        label: String,
+        axis: &str,
+        kind: CollectiveKind,
+        bytes: u64,
+    ) {
+        let axis = axis.to_string();
+        self.push(stream, label, ProgKind::Collective { axis, kind, bytes });
+    }
+
     /// Total counted FLOPs of the program's kernels.
     pub fn flops(&self) -> f64 {
         self.ops
@@ -432,14 +445,12 @@ impl Program {
                 }
                 ProgKind::Collective { axis, kind, bytes } => {
                     flush(&mut out, &mut pending);
-                    out.push(
+                    out.push_collective(
                         op.stream,
                         format!("{}.grad", op.label),
-                        ProgKind::Collective {
-                            axis: axis.clone(),
-                            kind: kind.conjugate(),
-                            bytes: *bytes,
-                        },
+                        axis,
+                        kind.conjugate(),
+                        *bytes,
                     );
                 }
                 ProgKind::Kernel { work, gemm } => {
@@ -457,15 +468,8 @@ impl Program {
                     }
                     if let (true, Some((axis, bytes)), Some(_)) = (regather, &g.regather, &g.wgrad)
                     {
-                        out.push(
-                            COMM,
-                            format!("{}.regather", op.label),
-                            ProgKind::Collective {
-                                axis: axis.clone(),
-                                kind: CollectiveKind::AllGather,
-                                bytes: *bytes,
-                            },
-                        );
+                        let label = format!("{}.regather", op.label);
+                        out.push_collective(COMM, label, axis, CollectiveKind::AllGather, *bytes);
                         out.push(COMM, "", ProgKind::Record(next_event));
                         pending.push(ProgOp {
                             stream: op.stream,
@@ -480,17 +484,9 @@ impl Program {
                     // Context parallelism's K/V gathered again on the communication stream
                     // (the gradient waits for them), and after a ring dK/dV reduce-scattered
                     // there once the gradient is made.
-                    let regather = g.exchange.clone();
-                    if let Some((axis, bytes, _)) = &regather {
-                        out.push(
-                            COMM,
-                            format!("{}.kv_regather", op.label),
-                            ProgKind::Collective {
-                                axis: axis.clone(),
-                                kind: CollectiveKind::AllGather,
-                                bytes: *bytes,
-                            },
-                        );
+                    if let Some((axis, bytes, _)) = &g.exchange {
+                        let label = format!("{}.kv_regather", op.label);
+                        out.push_collective(COMM, label, axis, CollectiveKind::AllGather, *bytes);
                         out.push(COMM, "", ProgKind::Record(next_event));
                         out.push(op.stream, "", ProgKind::Wait(next_event));
                         next_event += 1;
@@ -503,19 +499,13 @@ impl Program {
                             gemm: *gemm,
                         },
                     );
-                    if let Some((axis, bytes, true)) = &regather {
+                    if let Some((axis, bytes, true)) = &g.exchange {
                         out.push(op.stream, "", ProgKind::Record(next_event));
                         out.push(COMM, "", ProgKind::Wait(next_event));
                         next_event += 1;
-                        out.push(
-                            COMM,
-                            format!("{}.dkv", op.label),
-                            ProgKind::Collective {
-                                axis: axis.clone(),
-                                kind: CollectiveKind::ReduceScatter,
-                                bytes: *bytes,
-                            },
-                        );
+                        let label = format!("{}.dkv", op.label);
+                        let rs = CollectiveKind::ReduceScatter;
+                        out.push_collective(COMM, label, axis, rs, *bytes);
                     }
                     if let Some(w) = g.wgrad {
                         pending.push(ProgOp {

@@ -443,12 +443,6 @@ pub fn simulate_training_on(
         .filter(|&v| g.node(v).layer.is_some())
         .last()
         .map_or(0, |v| v.index());
-    let outputs: BTreeSet<u32> = plan
-        .provenance
-        .iter()
-        .filter(|(_, p)| matches!(p.required_by, crate::shard::ReshardReason::Output { .. }))
-        .map(|(&v, _)| v)
-        .collect();
     // What only presents the outputs to an inference caller — their gathers and context
     // parallelism's return to natural order — is not part of a training step.
     let users = g.users();
@@ -465,12 +459,8 @@ pub fn simulate_training_on(
     }
     let keep_layer = |v: ValueId| g.node(v).layer == Some(0);
     let keep_pre = |v: ValueId| g.node(v).layer.is_none() && v.index() < first;
-    let keep_post = |v: ValueId| {
-        g.node(v).layer.is_none()
-            && v.index() > last
-            && !outputs.contains(&v.0)
-            && !presentation[v.index()]
-    };
+    let keep_post =
+        |v: ValueId| g.node(v).layer.is_none() && v.index() > last && !presentation[v.index()];
     let tp_topo = GroupTopology::of_axis(mesh, "tp", cluster);
     let ep_topo = GroupTopology::of_axis(mesh, "ep", cluster);
     let cp_topo = GroupTopology::of_axis(mesh, "cp", cluster);
@@ -961,13 +951,6 @@ pub fn simulate_training_on(
     };
     let tokens = (t.global_batch * t.seq) as f64;
     let model_flops = 3.0 * per_token as f64 * tokens;
-    let per_gpu = |f: f64| {
-        if step > 0.0 {
-            f / step / world as f64
-        } else {
-            0.0
-        }
-    };
     let ce = run.rank(crit);
     let op = |e: &Timed| (crit, e.slot.chunk / pp, e.slot.phase);
     let exposed_in_ops: f64 = ce
@@ -1060,13 +1043,14 @@ pub fn simulate_training_on(
         schedule: Some(schedule.label()),
         recompute: Some(t.recompute.name().into()),
         zero: Some(t.zero),
-        step_time_s: step,
-        tokens_per_s: if step > 0.0 { tokens / step } else { 0.0 },
-        flops_per_step: flops,
-        model_flops_per_step: model_flops,
-        tflops_per_gpu: per_gpu(flops) / 1e12,
-        model_tflops_per_gpu: per_gpu(model_flops) / 1e12,
-        mfu: per_gpu(model_flops) / dev.peak(dt),
+        // The rates: `with_throughput` below.
+        step_time_s: 0.0,
+        tokens_per_s: 0.0,
+        flops_per_step: 0.0,
+        model_flops_per_step: 0.0,
+        tflops_per_gpu: 0.0,
+        model_tflops_per_gpu: 0.0,
+        mfu: 0.0,
         compute_s: compute,
         comm_s: comm_total,
         exposed_comm_s: exposed,
@@ -1088,7 +1072,8 @@ pub fn simulate_training_on(
             [layer_dense, layer_expert],
             ep_traffic,
         ),
-    };
+    }
+    .with_throughput(step, tokens, flops, model_flops, dev.peak(dt));
     let rank_timeline = (0..world).map(|r| stage_of(mesh, r) as u32).collect();
     Ok(Simulation {
         report,

@@ -321,27 +321,38 @@ impl Ctx<'_> {
                 )))
             }
         };
-        let operands = |gathered: ValueId| match op {
+        let gathered = match self.ce_stats.get(&key) {
+            Some(&gathered) => gathered,
+            None => {
+                let gathered = self.gathered_ce_stats(node, inputs, a, &op, index)?;
+                self.ce_stats.insert(key, gathered);
+                gathered
+            }
+        };
+        let operands = match op {
             Op::CrossEntropyShardGrad { .. } => vec![inputs[0], inputs[1], gathered],
             _ => vec![gathered, inputs[1]],
         };
-        if let Some(&gathered) = self.ce_stats.get(&key) {
-            return self.push(
-                op.clone(),
-                &operands(gathered),
-                None,
-                node.name.clone(),
-                tag,
-                s,
-                None,
-            );
-        }
+        self.push(op, &operands, None, node.name.clone(), tag, s, None)
+    }
+
+    /// The per-row stats of this rank's vocabulary shard of `inputs[0]` (labels
+    /// `inputs[1]`), gathered over mesh axis `a` for operand `index` of `op`.
+    fn gathered_ce_stats(
+        &mut self,
+        node: &Node,
+        inputs: &[ValueId],
+        a: AxisId,
+        op: &Op,
+        index: usize,
+    ) -> Result<ValueId, ShardError> {
+        let tag = (node.layer, node.role);
         let split = TensorSharding {
             dims: self.shardings[inputs[0].index()].dims.clone(),
             partial: Vec::new(),
         };
         let stats_op = Op::CrossEntropyStats {
-            axis: axis.clone(),
+            axis: self.mesh.axis_name(a).to_string(),
             parts: self.mesh.axis_size(a),
         };
         let stats_name = format!("{}.stats", node.name);
@@ -367,17 +378,7 @@ impl Ctx<'_> {
         let type_err =
             |detail: &str| ShardError::Internal(format!("gathering `{stats_name}`: {detail}"));
         let steps = self.reshard_steps(stats, &split, &whole, &stats_name, &why, &type_err)?;
-        let gathered = steps.last().map_or(stats, |&(x, _)| x);
-        self.ce_stats.insert(key, gathered);
-        self.push(
-            op.clone(),
-            &operands(gathered),
-            None,
-            node.name.clone(),
-            tag,
-            s,
-            None,
-        )
+        Ok(steps.last().map_or(stats, |&(x, _)| x))
     }
 }
 

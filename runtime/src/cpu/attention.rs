@@ -84,22 +84,14 @@ pub(crate) fn attention(
     let mut all = vec![q, k, v];
     all.extend(keys.all());
     let (qd, kd, vd) = (f32_of(OP, q, 0)?, f32_of(OP, k, 1)?, f32_of(OP, v, 2)?);
-    if q.shape.len() != 4 || k.shape.len() != 4 || k.shape != v.shape {
+    if k.shape != v.shape {
         return Err(shape_err(
             OP,
             &all,
             "expects q, k, v of rank 4 with k and v alike",
         ));
     }
-    let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    let (s, hkv) = (k.shape[1], k.shape[2]);
-    if k.shape[0] != b || k.shape[3] != d || hkv == 0 || hq % hkv != 0 {
-        return Err(shape_err(
-            OP,
-            &all,
-            "batch/head_dim differ or heads not a multiple of kv heads",
-        ));
-    }
+    let (b, t, hq, d, s, hkv) = dims(OP, q, k, &all)?;
     if mask.is_some_and(|m| m.shape != [b, s]) {
         return Err(shape_err(OP, &all, "mask must be [B, S]"));
     }
@@ -140,6 +132,32 @@ pub(crate) fn attention(
     });
     let out = permute(&tmp, &[b, hq, t, d], &[0, 2, 1, 3]);
     Ok(Tensor::f32(q.shape.clone(), out))
+}
+
+/// `(B, T, Hq, D, S, Hkv)` of attention operands `q[B,T,Hq,D]`, `k[B,S,Hkv,D]`.
+pub(crate) type Dims = (usize, usize, usize, usize, usize, usize);
+
+/// The dims of `q` and `k`, checked: rank 4, the same batch and head width, query heads a
+/// multiple of the KV heads. `all` are the op's operands, for the error.
+pub(crate) fn dims(
+    op: &'static str,
+    q: &Tensor,
+    k: &Tensor,
+    all: &[&Tensor],
+) -> Result<Dims, RuntimeError> {
+    if q.shape.len() != 4 || k.shape.len() != 4 {
+        return Err(shape_err(op, all, "expects q and k of rank 4"));
+    }
+    let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let (s, hkv) = (k.shape[1], k.shape[2]);
+    if k.shape[0] != b || k.shape[3] != d || hkv == 0 || hq % hkv != 0 {
+        return Err(shape_err(
+            op,
+            all,
+            "batch/head_dim differ or heads not a multiple of kv heads",
+        ));
+    }
+    Ok((b, t, hq, d, s, hkv))
 }
 
 /// Turns one row of raw scores `q·k` into attention probabilities in place: scaled, keys the

@@ -8,7 +8,7 @@
 //! Pre: the communicator's size is `parts`; rank `i` holds keys `[i·c, (i+1)·c)` of the
 //! `S = parts·c` the mask and key indices span; every rank of the group runs the same op.
 
-use super::attention::{visibility, Keys};
+use super::attention::{dims, visibility, Keys};
 use super::collective::Wrap;
 use super::{f32_of, layout, shape_err};
 use crate::comm::Communicator;
@@ -38,22 +38,15 @@ pub(crate) fn ring_attention(
             found: comm.size(),
         });
     }
-    if q.shape.len() != 4 || k.shape.len() != 4 || k.shape != v.shape {
+    if k.shape != v.shape {
         return Err(shape_err(
             OP,
             &all,
             "expects q, k, v of rank 4 with k and v alike",
         ));
     }
-    let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    let (c, hkv) = (k.shape[1], k.shape[2]);
-    if k.shape[0] != b || k.shape[3] != d || hkv == 0 || hq % hkv != 0 {
-        return Err(shape_err(
-            OP,
-            &all,
-            "batch/head_dim differ or heads not a multiple of kv heads",
-        ));
-    }
+    // `k` holds this rank's block of `c` keys.
+    let (b, t, hq, d, c, hkv) = dims(OP, q, k, &all)?;
     let s = c * parts;
     if keys.mask.is_some_and(|m| m.shape != [b, s]) {
         return Err(shape_err(OP, &all, "mask must be [B, S] of the whole ring"));

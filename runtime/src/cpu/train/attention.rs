@@ -7,7 +7,7 @@
 //! `dK = scale·dSᵀ·Q`; `dK` and `dV` sum over the query heads sharing a KV head. Masked keys
 //! have `P = 0`, so they receive nothing. Gradients accumulate in f64.
 
-use crate::cpu::attention::{masked_softmax_row, visibility, Keys};
+use crate::cpu::attention::{dims, masked_softmax_row, visibility, Keys};
 use crate::cpu::linalg::strided_gemm;
 use crate::cpu::{f32_of, shape_err};
 use crate::{RuntimeError, Tensor};
@@ -15,24 +15,6 @@ use rayon::prelude::*;
 use shardc_compiler::ir::{AttnSpec, AttnWrt};
 
 /// Validated sizes: (B, T, Hq, D, S, Hkv).
-type Dims = (usize, usize, usize, usize, usize, usize);
-
-fn dims(op: &'static str, q: &Tensor, k: &Tensor, all: &[&Tensor]) -> Result<Dims, RuntimeError> {
-    if q.shape.len() != 4 || k.shape.len() != 4 {
-        return Err(shape_err(op, all, "expects q and k of rank 4"));
-    }
-    let (b, t, hq, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    let (s, hkv) = (k.shape[1], k.shape[2]);
-    if k.shape[0] != b || k.shape[3] != d || hkv == 0 || hq % hkv != 0 {
-        return Err(shape_err(
-            op,
-            all,
-            "batch/head_dim differ or heads not a multiple of kv heads",
-        ));
-    }
-    Ok((b, t, hq, d, s, hkv))
-}
-
 /// `AttentionProbs(spec)`: `q[B,T,Hq,D]`, `k[B,S,Hkv,D]`, optional `mask[B,S]` →
 /// `[B,Hq,T,S]`.
 pub(crate) fn probs(
