@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::compile_options as options;
+
 use shardc::compiler::compile::{compile_forward, CompileError, CompileOptions};
 use shardc::compiler::ir::Op;
 use shardc::compiler::model::ModelConfig;
@@ -32,19 +34,6 @@ const MESHES: &[(&str, &[&str])] = &[
     ("cp=2,tp=2", &["sp", "cp-ring"]),
     ("dp=2,cp=2", &["cp-ring"]),
 ];
-
-fn options(batch: usize, seq: usize, mesh: &str, extra: &[&str]) -> CompileOptions {
-    CompileOptions {
-        batch,
-        seq,
-        mesh: if mesh.is_empty() {
-            Mesh::single()
-        } else {
-            Mesh::parse(mesh, 8).unwrap()
-        },
-        extra_strategies: extra.iter().map(|s| s.to_string()).collect(),
-    }
-}
 
 #[test]
 fn context_parallel_plans_reproduce_every_fixture() {
@@ -295,15 +284,9 @@ fn sliding_window_follows_the_sequence_order() {
         );
     }
     // Pipeline stages pass the permuted activations on: pp=2 with cp=2.
+    let one_f_one_b = shardc::compiler::schedule::pp::ScheduleKind::OneFOneB;
     let mut o = train_support::pipe_options(
-        &train_support::Pipe {
-            mesh: "pp=2,cp=2",
-            extra: &[],
-            micro_batches: 2,
-            schedule: shardc::compiler::schedule::pp::ScheduleKind::OneFOneB,
-            virtual_stages: 1,
-            stage_layers: None,
-        },
+        &train_support::pipe("pp=2,cp=2", &[], 2, one_f_one_b),
         2,
         16,
     );
@@ -325,17 +308,10 @@ fn sliding_window_follows_the_sequence_order() {
 #[test]
 fn pipeline_stages_compose_with_context_parallelism() {
     use shardc::compiler::schedule::pp::ScheduleKind;
-    use train_support::{check, fixture_batch, run_pipeline_on, Pipe};
+    use train_support::{check, fixture_batch, pipe, run_pipeline_on};
     let batch = fixture_batch("llama", 2);
     for (mesh, extra) in [("pp=2,cp=2", &[][..]), ("pp=2,cp=2", &["cp-ulysses"])] {
-        let p = Pipe {
-            mesh,
-            extra,
-            micro_batches: 2,
-            schedule: ScheduleKind::OneFOneB,
-            virtual_stages: 1,
-            stage_layers: None,
-        };
+        let p = pipe(mesh, extra, 2, ScheduleKind::OneFOneB);
         let r = run_pipeline_on(&train_support::dir("llama"), &p, &batch);
         check("llama", &format!("{mesh} {extra:?}"), &r);
     }
@@ -347,18 +323,11 @@ fn pipeline_stages_compose_with_context_parallelism() {
 #[test]
 fn activation_memory_per_rank_divides_by_cp() {
     use shardc::compiler::schedule::pp::ScheduleKind;
-    use train_support::{deep_llama, run_pipeline_on, token_batch, Pipe};
+    use train_support::{deep_llama, pipe, run_pipeline_on, token_batch};
     let dir = deep_llama(4);
     let batch = token_batch(2, 128, 256);
     let peak = |mesh: &'static str| {
-        let p = Pipe {
-            mesh,
-            extra: &[],
-            micro_batches: 2,
-            schedule: ScheduleKind::OneFOneB,
-            virtual_stages: 1,
-            stage_layers: None,
-        };
+        let p = pipe(mesh, &[], 2, ScheduleKind::OneFOneB);
         let r = run_pipeline_on(&dir, &p, &batch);
         let predicted: Vec<usize> = r
             .compiled

@@ -3,9 +3,8 @@
 
 mod common;
 
-use shardc::compiler::compile::{compile_forward, CompileOptions};
+use shardc::compiler::compile::compile_forward;
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::shard::Mesh;
 use shardc::runtime::spmd::run_spmd;
 use shardc::runtime::Weights;
 use std::time::Duration;
@@ -32,16 +31,8 @@ fn sharded_plans_reproduce_every_fixture() {
         let cfg = ModelConfig::from_path(&dir).unwrap();
         let w = Weights::open(&dir).unwrap();
         for &(mesh, extra) in MESHES {
-            let opts = CompileOptions {
-                batch: case.batch,
-                seq: case.seq,
-                mesh: Mesh::parse(mesh, 8).unwrap(),
-                extra_strategies: if extra.is_empty() {
-                    vec![]
-                } else {
-                    vec![extra.to_string()]
-                },
-            };
+            let extras: &[&str] = if extra.is_empty() { &[] } else { &[extra] };
+            let opts = common::compile_options(case.batch, case.seq, mesh, extras);
             // Meshes that do not divide this model or case are errors, checked elsewhere.
             let Ok(c) = compile_forward(&cfg, &opts) else {
                 continue;
@@ -83,16 +74,8 @@ fn required_meshes_divide_the_fixtures() {
     ];
     for &(model, mesh, extra) in need {
         let cfg = ModelConfig::from_path(&common::fixtures().join(model)).unwrap();
-        let opts = CompileOptions {
-            batch: 2,
-            seq: 16,
-            mesh: Mesh::parse(mesh, 8).unwrap(),
-            extra_strategies: if extra.is_empty() {
-                vec![]
-            } else {
-                vec![extra.to_string()]
-            },
-        };
+        let extras: &[&str] = if extra.is_empty() { &[] } else { &[extra] };
+        let opts = common::compile_options(2, 16, mesh, extras);
         compile_forward(&cfg, &opts).unwrap_or_else(|e| panic!("{model} {mesh} {extra}: {e}"));
     }
 }

@@ -7,8 +7,8 @@ mod train_support;
 
 use shardc::compiler::schedule::pp::ScheduleKind;
 use train_support::{
-    check, check_against, deep_llama, fixture_batch, run_pipeline_on, run_unsharded_on,
-    token_batch, Pipe,
+    check, check_against, deep_llama, fixture_batch, pipe, run_pipeline_on, run_unsharded_on,
+    token_batch,
 };
 
 const SCHEDULES: [ScheduleKind; 4] = [
@@ -17,21 +17,6 @@ const SCHEDULES: [ScheduleKind; 4] = [
     ScheduleKind::Interleaved,
     ScheduleKind::ZbH1,
 ];
-
-fn pipe<'a>(mesh: &'a str, extra: &'a [&'a str], m: usize, schedule: ScheduleKind) -> Pipe<'a> {
-    Pipe {
-        mesh,
-        extra,
-        micro_batches: m,
-        schedule,
-        virtual_stages: if schedule == ScheduleKind::Interleaved {
-            2
-        } else {
-            1
-        },
-        stage_layers: None,
-    }
-}
 
 /// The fixture batch (each sequence 4 times: a batch of 8 with the fixture's loss and
 /// gradients) through pp = 2 and 4, every schedule, 1, 2, 4 and 8 micro-batches.

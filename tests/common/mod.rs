@@ -302,3 +302,24 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// Forward compile options: `batch` × `seq` on `mesh` (`""` for one rank) with `extra`
+/// strategies.
+pub fn compile_options(
+    batch: usize,
+    seq: usize,
+    mesh: &str,
+    extra: &[&str],
+) -> shardc::compiler::compile::CompileOptions {
+    use shardc::compiler::shard::Mesh;
+    shardc::compiler::compile::CompileOptions {
+        batch,
+        seq,
+        mesh: if mesh.is_empty() {
+            Mesh::single()
+        } else {
+            Mesh::parse(mesh, 8).unwrap()
+        },
+        extra_strategies: extra.iter().map(|s| s.to_string()).collect(),
+    }
+}

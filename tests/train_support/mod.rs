@@ -273,6 +273,23 @@ pub struct Pipe<'a> {
     pub stage_layers: Option<Vec<usize>>,
 }
 
+/// A pipeline of `m` micro-batches on `mesh` under `schedule` (interleaved: 2 chunks per rank),
+/// the layers split as the compiler splits them.
+pub fn pipe<'a>(mesh: &'a str, extra: &'a [&'a str], m: usize, schedule: ScheduleKind) -> Pipe<'a> {
+    Pipe {
+        mesh,
+        extra,
+        micro_batches: m,
+        schedule,
+        virtual_stages: if schedule == ScheduleKind::Interleaved {
+            2
+        } else {
+            1
+        },
+        stage_layers: None,
+    }
+}
+
 /// The compile options of `pipe` for `batch` sequences of `seq` tokens.
 pub fn pipe_options(pipe: &Pipe, batch: usize, seq: usize) -> TrainOptions {
     let mut o = TrainOptions::new(batch, seq, Mesh::parse(pipe.mesh, 8).unwrap());
