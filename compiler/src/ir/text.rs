@@ -46,7 +46,7 @@ mod tests {
     use super::*;
     use crate::ir::{
         dims, AttnSpec, DType, Dim, EwExpr, EwStep, Float, Op, ParamSource, ParamView, Role,
-        RopeScaling, RopeSpec, RopeStyle, ShardSpec, TensorType, UnaryOp, ValueId,
+        RopeScaling, RopeSpec, RopeStyle, SeqOrder, ShardSpec, TensorType, UnaryOp, ValueId,
     };
     use crate::ir::{AdamWSpec, AttnWrt, CombineWrt, NormWrt};
     use proptest::prelude::*;
@@ -149,6 +149,34 @@ mod tests {
             indexed: false,
         };
         let att2 = g.add(Op::Attention(spec), &[qr, kr, vr], "")?;
+        // Context parallelism: indices of a head-tail sequence, a ring over `cp` (this rank's
+        // block of 2 of the 4 keys), and the return to natural order.
+        let order = SeqOrder::HeadTail { parts: 2 };
+        let idx = g.add(Op::SeqIndex { len: 4, order }, &[], "")?;
+        let block = Op::Slice {
+            dim: 1,
+            start: 0,
+            len: 2,
+        };
+        let kb = g.add(block, &[kr], "")?;
+        let spec = AttnSpec {
+            causal: true,
+            window: Some(3),
+            scale: Float(0.5),
+            indexed: true,
+        };
+        let ring = Op::RingAttention {
+            spec,
+            axis: "cp".into(),
+            parts: 2,
+        };
+        let ring = g.add(ring, &[qr, kb, kb, mask, idx, idx], "")?;
+        let back = Op::SeqPermute {
+            dim: 1,
+            order,
+            inverse: true,
+        };
+        g.add(back, &[ring], "")?;
         g.add(
             Op::Transpose {
                 perm: vec![0, 2, 1, 3],
@@ -409,8 +437,8 @@ mod tests {
         let g = every_op()?;
         let mnemonics: std::collections::HashSet<_> =
             g.nodes.iter().map(|n| n.op.mnemonic()).collect();
-        // 32 ops, plus the rewriter's 5 fused ones and 17 training ops.
-        assert_eq!(mnemonics.len(), 32 + 5 + 17, "every Op variant is covered");
+        // 35 ops, plus the rewriter's 5 fused ones and 17 training ops.
+        assert_eq!(mnemonics.len(), 35 + 5 + 17, "every Op variant is covered");
         round_trip(&g);
         Ok(())
     }

@@ -228,23 +228,14 @@ impl fmt::Display for Op {
                     )?,
                 }
             }
-            Op::RingAttention {
-                spec: a,
-                axis,
-                parts,
-            } => {
-                r.kv("axis", Word(axis))?;
-                r.kv("parts", parts)?;
-                r.kv("causal", a.causal)?;
-                if let Some(w) = a.window {
-                    r.kv("window", w)?;
+            Op::Attention(a)
+            | Op::AttentionProbs(a)
+            | Op::AttentionGrad { spec: a, .. }
+            | Op::RingAttention { spec: a, .. } => {
+                if let Op::RingAttention { axis, parts, .. } = self {
+                    r.kv("axis", Word(axis))?;
+                    r.kv("parts", parts)?;
                 }
-                r.kv("scale", Lit(a.scale))?;
-                if a.indexed {
-                    r.kv("indexed", true)?;
-                }
-            }
-            Op::Attention(a) | Op::AttentionProbs(a) | Op::AttentionGrad { spec: a, .. } => {
                 r.kv("causal", a.causal)?;
                 if let Some(w) = a.window {
                     r.kv("window", w)?;
