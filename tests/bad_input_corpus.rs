@@ -395,18 +395,18 @@ fn every_bad_input_is_a_named_error() {
         &["non-finite"],
     ));
     cases.push(case(
-        &["train", &nan_model, "--tokens", &ids, "--save", &ckpt],
+        &["train", &nan_model, "--tokens", &ids, "--export", &ckpt],
         &["non-finite"],
     ));
     cases.push(case(
         &[
-            "train", &m, "--tokens", &ids, "--lr", "1e30", "--steps", "4", "--save", &ckpt,
+            "train", &m, "--tokens", &ids, "--lr", "1e30", "--steps", "4", "--export", &ckpt,
         ],
         &["step"],
     ));
     cases.push(case(
-        &["train", &m, "--tokens", &ids, "--save", &m],
-        &["--save"],
+        &["train", &m, "--tokens", &ids, "--export", &m],
+        &["--export"],
     ));
     cases.push(case(
         &["run", &m, "--tokens", &ids, "--out", &ids],

@@ -2,7 +2,7 @@
 //! refused before anything runs; NaN or infinite weights are refused at load; `run` refuses
 //! non-finite logits or hidden states instead of writing JSON `null`; training stops at the
 //! first non-finite loss, gradient or updated weight, naming the step (and micro-batch, or
-//! stored tensor), on every rank, and writes nothing (`--save`, `--dump-grads`).
+//! stored tensor), on every rank, and writes nothing (`--export`, `--dump-grads`).
 
 mod common;
 
@@ -117,7 +117,7 @@ fn optimizer_and_run_flags_outside_their_domains_name_the_flag() {
     let save = tmp.path().join("ckpt");
     let save_s = save.display().to_string();
     for (extra, needle) in cases {
-        let mut args = vec!["train", &model, "--tokens", &ids, "--save", &save_s];
+        let mut args = vec!["train", &model, "--tokens", &ids, "--export", &save_s];
         args.extend_from_slice(extra);
         let out = fails_with(&args, &[needle]);
         assert!(!out.contains("step 1"), "{extra:?}: it trained:\n{out}");
@@ -205,7 +205,7 @@ fn non_finite_weights_are_refused_at_load_naming_the_tensor() {
     }
     let save = d.join("ckpt").display().to_string();
     for mesh in [&[][..], &["--mesh", "dp=2,tp=2"]] {
-        let mut args = vec!["train", &model, "--tokens", &ids, "--save", &save];
+        let mut args = vec!["train", &model, "--tokens", &ids, "--export", &save];
         args.extend_from_slice(mesh);
         fails_with(&args, &[want]);
         assert!(
@@ -272,7 +272,7 @@ fn non_finite_outputs_are_refused_not_written_as_null() {
     assert!(!text.contains("null"), "{text}");
 }
 
-/// `train` with `extra` and `--save`/`--dump-grads` into `d`, which already holds an earlier
+/// `train` with `extra` and `--export`/`--dump-grads` into `d`, which already holds an earlier
 /// checkpoint: it fails naming `needle`, prints the steps before, and leaves both outputs as
 /// they were.
 fn diverges(d: &Path, ids: &str, extra: &[&str], needle: &str, steps_before: usize) {
@@ -283,7 +283,7 @@ fn diverges(d: &Path, ids: &str, extra: &[&str], needle: &str, steps_before: usi
     let grads = d.join("grads.safetensors");
     let model = llama().display().to_string();
     let (ckpt_s, grads_s) = (ckpt.display().to_string(), grads.display().to_string());
-    let mut args = vec!["train", &model, "--tokens", ids, "--save", &ckpt_s];
+    let mut args = vec!["train", &model, "--tokens", ids, "--export", &ckpt_s];
     args.extend(["--dump-grads", &grads_s]);
     args.extend_from_slice(extra);
     let out = fails_with(&args, &[needle]);

@@ -1,6 +1,6 @@
 //! `shardc train --mesh pp=...` and `shardc schedule plan.json` end to end: the pipelined
 //! run prints the unsharded run's losses and its chunk placement; the plan it writes verifies
-//! and draws; a tampered plan is rejected naming the rank and instruction; `--save` and
+//! and draws; a tampered plan is rejected naming the rank and instruction; `--export` and
 //! `--dump-grads` write what the unsharded run writes.
 
 mod common;
@@ -349,7 +349,7 @@ fn pipelined_checkpoint_and_gradients_equal_the_unsharded_ones() {
             &m,
             "--tokens",
             &ids,
-            "--save",
+            "--export",
             save.to_str().unwrap(),
             "--dump-grads",
             grads.to_str().unwrap(),
@@ -358,7 +358,7 @@ fn pipelined_checkpoint_and_gradients_equal_the_unsharded_ones() {
             args.extend(["--mesh", mesh, "--micro-batches", "2"]);
         }
         let out = ok(&args);
-        assert!(out.contains("checkpoint →"), "{out}");
+        assert!(out.contains("weights (HuggingFace layout) →"), "{out}");
         assert!(out.contains("gradients →"), "{out}");
         assert!(save.join("config.json").exists());
         files.push((save.join("model.safetensors"), grads));

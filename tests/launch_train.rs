@@ -116,13 +116,16 @@ fn launched_training_refuses_what_needs_every_shard() {
     let out = shardc()
         .args(["launch", "--nproc-per-node", "2", "--"])
         .args([
-            "train", &dir, "--tokens", &ids, "--mesh", "dp=2", "--save", &ckpt,
+            "train", &dir, "--tokens", &ids, "--mesh", "dp=2", "--export", &ckpt,
         ])
         .output()
         .unwrap();
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{text}");
-    assert!(text.contains("--save, --dump-grads and --trace"), "{text}");
+    assert!(
+        text.contains("--export, --dump-grads and --trace"),
+        "{text}"
+    );
     assert!(!text.contains("panicked"), "{text}");
 }

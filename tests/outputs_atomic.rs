@@ -59,12 +59,19 @@ fn train_save_onto_the_model_it_reads_is_refused_and_changes_nothing() {
     let (model, ids) = (model_copy(tmp.path()), tokens(tmp.path()));
     let before = snapshot(&model);
     let o = shardc(
-        &["train", s(&model), "--tokens", s(&ids), "--save", s(&model)],
+        &[
+            "train",
+            s(&model),
+            "--tokens",
+            s(&ids),
+            "--export",
+            s(&model),
+        ],
         &[],
     );
     assert!(!o.status.success(), "saving over the model must fail");
     let err = stderr(&o);
-    assert!(err.starts_with("error: --save"), "{err}");
+    assert!(err.starts_with("error: --export"), "{err}");
     assert!(err.contains("would overwrite the input"), "{err}");
     assert!(err.contains("--overwrite"), "{err}");
     assert_eq!(snapshot(&model), before, "the model directory changed");
@@ -98,7 +105,7 @@ fn overwrite_replaces_the_model_atomically_with_a_loadable_checkpoint() {
             s(&model),
             "--tokens",
             s(&ids),
-            "--save",
+            "--export",
             s(&model),
             "--overwrite",
         ],
@@ -147,7 +154,14 @@ fn save_into_a_directory_of_other_files_is_refused() {
     fs::create_dir(&other).unwrap();
     fs::write(other.join("notes.txt"), "keep me").unwrap();
     let o = shardc(
-        &["train", s(&model), "--tokens", s(&ids), "--save", s(&other)],
+        &[
+            "train",
+            s(&model),
+            "--tokens",
+            s(&ids),
+            "--export",
+            s(&other),
+        ],
         &[],
     );
     assert!(!o.status.success());
@@ -167,7 +181,7 @@ fn a_save_killed_before_publishing_leaves_the_previous_checkpoint_intact() {
         s(&ids),
         "--steps",
         "1",
-        "--save",
+        "--export",
         s(&ckpt),
     ];
     let o = shardc(&args, &[]);

@@ -1,4 +1,4 @@
-//! `shardc train` end to end: the loss per step, `--save` (a checkpoint transformers and
+//! `shardc train` end to end: the loss per step, `--export` (a checkpoint transformers and
 //! `shardc run` load: the same tensor names and shapes), `--dump-grads` (`grad.<name>` equal
 //! to the fixture's gradients), `--save-plan`, sharded runs, and clear errors.
 
@@ -54,7 +54,7 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
             &ids,
             "--steps",
             "3",
-            "--save",
+            "--export",
             save.to_str().unwrap(),
             "--dump-grads",
             grads.to_str().unwrap(),

@@ -3,6 +3,7 @@
 #![deny(missing_docs)]
 
 pub mod autodiff;
+pub mod checkpoint;
 pub mod compile;
 pub mod cost;
 pub mod ir;

@@ -1,6 +1,7 @@
 //! shardc-runtime: executes graphs and plans. The CPU backend is the reference (every rank a
 //! thread); communicators implement the collectives.
 
+pub mod checkpoint;
 pub mod comm;
 mod cpu;
 pub mod cuda;

@@ -142,6 +142,17 @@ impl Outputs {
     /// unless `--overwrite`, and (without `--overwrite`) nothing but an earlier checkpoint's
     /// files `expected`.
     pub fn check_dir(&self, flag: &str, out: &Path, expected: &[&str]) -> Result<(), OutputError> {
+        self.check_dir_matching(flag, out, &|name| expected.contains(&name))
+    }
+
+    /// [`Outputs::check_dir`] with the entries an earlier output left told by `expected`
+    /// (e.g. a sharded checkpoint's `latest` and `step-…` directories).
+    pub fn check_dir_matching(
+        &self,
+        flag: &str,
+        out: &Path,
+        expected: &dyn Fn(&str) -> bool,
+    ) -> Result<(), OutputError> {
         if out.is_file() {
             return Err(OutputError::Path {
                 flag: flag.into(),
@@ -154,9 +165,11 @@ impl Outputs {
         }
         if !self.overwrite {
             for input in &self.inputs {
-                if expected
-                    .iter()
-                    .any(|name| same_file(input, &out.join(name)))
+                let named = input
+                    .file_name()
+                    .map(|n| n.to_string_lossy())
+                    .is_some_and(|n| expected(&n));
+                if named && same_file(input, &out.join(input.file_name().unwrap_or_default()))
                     || fs::canonicalize(input)
                         .ok()
                         .zip(fs::canonicalize(out).ok())
@@ -173,7 +186,7 @@ impl Outputs {
                 .map_err(io_err(out))?
                 .flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| !expected.contains(&n.as_str()))
+                .filter(|n| !expected(n))
                 .collect();
             entries.sort();
             if let Some(found) = entries.into_iter().next() {
@@ -288,6 +301,20 @@ impl StagedDir {
         })
     }
 
+    /// Starts staging the directory `dest` at the given hidden path `stage` beside it (a
+    /// name every process of a job can compute, so each writes its own files into it); a
+    /// stale `stage` a killed run left is removed first.
+    pub fn at(dest: &Path, stage: &Path) -> Result<StagedDir, OutputError> {
+        if stage.exists() {
+            fs::remove_dir_all(stage).map_err(io_err(stage))?;
+        }
+        fs::create_dir_all(stage).map_err(io_err(stage))?;
+        Ok(StagedDir {
+            dest: dest.to_path_buf(),
+            guard: TempGuard(Some(stage.to_path_buf())),
+        })
+    }
+
     /// Where file `name` is staged.
     pub fn path(&self, name: &str) -> PathBuf {
         self.guard
@@ -306,7 +333,14 @@ impl StagedDir {
     /// one by an atomic exchange (Linux), its old content then removed. Files of an existing
     /// `dest` that the staged directory lacks are kept (moved over first), so a model
     /// directory's other files (tokenizer, …) survive an `--overwrite`.
-    pub fn publish(mut self) -> Result<(), OutputError> {
+    pub fn publish(self) -> Result<(), OutputError> {
+        self.publish_dropping(&|_| false)
+    }
+
+    /// [`StagedDir::publish`], except that entries of an existing `dest` that `stale` names
+    /// (an earlier output's files this one does not write: a sharded export's shards
+    /// replaced by one file) are dropped rather than kept.
+    pub fn publish_dropping(mut self, stale: &dyn Fn(&str) -> bool) -> Result<(), OutputError> {
         let tmp = self.guard.0.clone().expect("invariant: unpublished");
         if !self.dest.exists() {
             fs::rename(&tmp, &self.dest).map_err(io_err(&self.dest))?;
@@ -319,7 +353,7 @@ impl StagedDir {
             .flatten()
         {
             let target = tmp.join(e.file_name());
-            if target.exists() {
+            if target.exists() || stale(&e.file_name().to_string_lossy()) {
                 continue;
             }
             let src = e.path();

@@ -133,6 +133,13 @@ impl<'c> StageTrainer<'c> {
         })
     }
 
+    /// This rank's block of chunk `chunk`'s program input `name` (a parameter or AdamW
+    /// moment) as the last step left it; `None` before the first step or for another
+    /// stage's chunk.
+    pub fn local(&self, chunk: usize, name: &str) -> Option<&Tensor> {
+        self.locals.get(chunk)?.get(name)
+    }
+
     /// Runs step `step` (1-based) on `batch`; `initial` is the global state before step 1.
     /// Returns the global loss on the ranks of stage 0 (sent there from the last chunk's
     /// stage), NaN elsewhere.

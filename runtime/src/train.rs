@@ -777,8 +777,14 @@ impl<'c> RankTrainer<'c> {
         })
     }
 
-    /// Runs step `step` (1-based) on `batch`; `initial` is the global state before step 1.
-    /// Returns the global loss (on every rank).
+    /// This rank's block of program input `name` (a parameter or AdamW moment) as the last
+    /// step left it; `None` before the first step.
+    pub fn local(&self, name: &str) -> Option<&Tensor> {
+        self.locals.get(name)
+    }
+
+    /// Runs step `step` (1-based) on `batch`; `initial` is the global state before the
+    /// run's first step. Returns the global loss (on every rank).
     pub fn step(
         &mut self,
         initial: &TrainState,

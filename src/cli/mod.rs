@@ -3,6 +3,7 @@
 mod args;
 mod bench;
 mod calibrate;
+mod checkpoint;
 mod compile;
 mod explain;
 mod fmt;
@@ -55,9 +56,12 @@ enum Command {
     /// Fit a device/cluster profile to GEMM, copy and collective micro-benchmarks.
     Calibrate(calibrate::CalibrateArgs),
     /// Train on token ids (causal-LM loss, AdamW; CPU reference, `--mesh` on thread ranks) by
-    /// running a training plan (`--plan` a compiled one): prints the loss per step, `--save`
-    /// writes the checkpoint.
+    /// running a training plan (`--plan` a compiled one): prints the loss per step; `--save`
+    /// writes a sharded checkpoint, `--resume` continues one on any mesh.
     Train(train::TrainArgs),
+    /// Sharded checkpoints: `inspect` (what one holds, the copy to another mesh), `export` (a
+    /// HuggingFace directory), `import` (a HuggingFace model as step 0 on any mesh).
+    Checkpoint(checkpoint::CheckpointArgs),
 }
 
 /// Runs a parsed command line.
@@ -74,6 +78,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Calibrate(a) => calibrate::run(a),
         Command::Schedule(a) => schedule::run(a),
         Command::Train(a) => train::run(a),
+        Command::Checkpoint(a) => checkpoint::run(a),
     }
 }
 

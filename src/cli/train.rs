@@ -20,6 +20,7 @@ use shardc::compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc::compiler::schedule::pp::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{PipelineOptions, Precision, TrainOptions};
+use shardc::runtime::checkpoint;
 use shardc::runtime::launch::{fingerprint_of, ProcessGroup, WorldEnv};
 use shardc::runtime::output::{Outputs, StagedDir};
 use shardc::runtime::pipeline::{pipeline_step, StageTrainer};
@@ -90,10 +91,25 @@ pub struct TrainArgs {
     /// AdamW decoupled weight decay (default 0.1).
     #[arg(long, allow_hyphen_values = true)]
     weight_decay: Option<f32>,
-    /// Write the trained checkpoint (model.safetensors with the checkpoint's tensor names,
-    /// plus config.json) to this directory.
+    /// Save a sharded checkpoint to this directory after the last step (and every
+    /// `--save-every` steps): each rank's weights and AdamW moments in the model's tensor
+    /// names and coordinates, the step count and data position; `--resume` continues it on
+    /// any mesh, `shardc checkpoint export` turns it into a HuggingFace directory.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// With --save: also save after every N-th step (counted from the run's first step 1,
+    /// across resumes).
+    #[arg(long, requires = "save")]
+    save_every: Option<u64>,
+    /// Continue from this checkpoint (a `--save` directory's latest step, or a step directory):
+    /// its weights, AdamW moments, step count and data position, on this run's mesh and
+    /// strategies, whatever the checkpoint was saved from.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Write the trained weights as a HuggingFace directory (model.safetensors with the
+    /// checkpoint's tensor names, plus config.json) after the last step.
+    #[arg(long)]
+    export: Option<PathBuf>,
     /// Write the last step's gradients as `grad.<tensor name>` to this safetensors file.
     #[arg(long)]
     dump_grads: Option<PathBuf>,
@@ -162,11 +178,12 @@ fn run_rank(
     batch: &Batch,
     weights: &Weights,
     state: TrainState,
+    cfg: &ModelConfig,
 ) -> anyhow::Result<()> {
-    if a.save.is_some() || a.dump_grads.is_some() || a.trace.is_some() {
+    if a.export.is_some() || a.dump_grads.is_some() || a.trace.is_some() {
         bail!(
-            "--save, --dump-grads and --trace assemble every rank's shards or timelines: run \
-             them on thread ranks (without RANK/WORLD_SIZE)"
+            "--export, --dump-grads and --trace assemble every rank's shards or timelines: run \
+             them on thread ranks (without RANK/WORLD_SIZE); --save writes each rank's own shards"
         );
     }
     let timeout = Duration::from_secs(a.timeout);
@@ -186,22 +203,53 @@ fn run_rank(
         );
     }
     let run = || -> anyhow::Result<()> {
-        let (st, ctx) = (&state, &ctx);
-        let mut one_step: Box<dyn FnMut(u64) -> anyhow::Result<f32>> = if plan.pipeline.is_some() {
-            let mut t = StageTrainer::new(plan, env.rank)?;
-            Box::new(move |n| Ok(t.step(st, batch, n, ctx, weights)?))
+        enum Trainer<'c> {
+            Flat(RankTrainer<'c>),
+            Stage(StageTrainer<'c>),
+        }
+        let mut trainer = if plan.pipeline.is_some() {
+            Trainer::Stage(StageTrainer::new(plan, env.rank)?)
         } else {
-            let mut t = RankTrainer::new(plan, weights, ctx)?;
-            Box::new(move |n| Ok(t.step(st, batch, n, ctx)?))
+            Trainer::Flat(RankTrainer::new(plan, weights, &ctx)?)
         };
-        for step in 1..=a.steps {
+        let (first, last) = (state.step + 1, state.step + a.steps as u64);
+        for step in first..=last {
             let t0 = Instant::now();
-            let loss = one_step(step as u64)?;
+            let loss = match &mut trainer {
+                Trainer::Stage(t) => t.step(&state, batch, step, &ctx, weights)?,
+                Trainer::Flat(t) => t.step(&state, batch, step, &ctx)?,
+            };
             if env.rank == 0 {
                 println!(
                     "step {step}: loss {loss:.6} ({:.1} ms)",
                     t0.elapsed().as_secs_f64() * 1e3
                 );
+            }
+            let due = step == last || a.save_every.is_some_and(|n| step % n == 0);
+            if let (Some(dir), true) = (&a.save, due) {
+                let local = |chunk: usize, name: &str| -> Option<shardc::runtime::Tensor> {
+                    match &trainer {
+                        Trainer::Stage(t) => t.local(chunk, name).cloned(),
+                        Trainer::Flat(t) => t.local(name).cloned(),
+                    }
+                };
+                let barrier = || -> Result<(), checkpoint::CheckpointError> {
+                    pg.barrier().map_err(|e| checkpoint::CheckpointError::Io {
+                        path: dir.clone(),
+                        source: std::io::Error::other(format!("waiting for the other ranks: {e}")),
+                    })
+                };
+                let info = save_info(a, cfg, batch, weights, step)?;
+                let t0 = Instant::now();
+                if let Some(at) =
+                    checkpoint::save_rank(dir, plan, env.rank, step, &local, &info, &barrier)?
+                {
+                    println!(
+                        "checkpoint of step {step} → {} ({:.1} ms)",
+                        at.display(),
+                        t0.elapsed().as_secs_f64() * 1e3
+                    );
+                }
             }
         }
         Ok(())
@@ -332,8 +380,14 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             outputs.check_file(flag, p)?;
         }
     }
+    if let Some(dir) = &a.export {
+        outputs.check_dir("--export", dir, &EXPORT_FILES)?;
+    }
     if let Some(dir) = &a.save {
-        outputs.check_dir("--save", dir, &CHECKPOINT_FILES)?;
+        outputs.check_dir_matching("--save", dir, &checkpoint_entry)?;
+    }
+    if a.save_every == Some(0) {
+        bail!("--save-every must be at least 1 (found 0)");
     }
     let cfg = ModelConfig::from_path(&a.model)?;
     let (b, t, ids) = read_tokens(&a.tokens, &cfg)?;
@@ -405,9 +459,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     {
         outputs.write("--save-plan", p, plan.to_json().as_bytes())?;
     }
-    let mut state = TrainState::load(&plan, &weights)?;
+    let mut state = match &a.resume {
+        Some(dir) => resume(dir, &plan, &cfg, &batch, world.as_ref().map(|w| w.rank))?,
+        None => TrainState::load(&plan, &weights)?,
+    };
     if let Some(env) = &world {
-        return run_rank(&a, &plan, env, &batch, &weights, state);
+        return run_rank(&a, &plan, env, &batch, &weights, state, &cfg);
     }
     let mesh = &plan.mesh;
     let how = if mesh.world_size() == 1 {
@@ -443,7 +500,22 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let mut grads = BTreeMap::new();
     let mut timelines = Vec::new();
     let timeout = Duration::from_secs(a.timeout);
-    for step in 1..=a.steps {
+    let first = state.step + 1;
+    let last = state.step + a.steps as u64;
+    let save = |state: &TrainState| -> anyhow::Result<()> {
+        if let Some(dir) = &a.save {
+            let t0 = Instant::now();
+            let at = save_checkpoint(&a, dir, &plan, state, &cfg, &batch, &weights)?;
+            println!(
+                "checkpoint of step {} → {} ({:.1} ms)",
+                state.step,
+                at.display(),
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        Ok(())
+    };
+    for step in first..=last {
         let t0 = Instant::now();
         let (out, peaks): (StepOutput, Option<Vec<usize>>) = if plan.pipeline.is_some() {
             let s = pipeline_step(&plan, &mut state, &batch, timeout, &weights)?;
@@ -468,7 +540,11 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             t0.elapsed().as_secs_f64() * 1e3
         );
         grads = out.grads;
+        if a.save_every.is_some_and(|n| step % n == 0) && step != last {
+            save(&state)?;
+        }
     }
+    save(&state)?;
     if let Some(path) = &a.trace {
         let labels: Vec<String> = (0..mesh.world_size())
             .map(|r| mesh.coords_label(r))
@@ -494,9 +570,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         save_safetensors(path, &named)?;
         println!("gradients → {}", path.display());
     }
-    if let Some(dir) = &a.save {
+    if let Some(dir) = &a.export {
         // Built whole beside `dir` (tensors first, config.json last), then swapped into place:
-        // a failed or killed save leaves the previous checkpoint as it was.
+        // a failed or killed export leaves the previous one as it was.
         let stage = StagedDir::new(dir)?;
         let stored = stored_tensors_of(&tr.params, &state.params, &weights, Fill::Original)?;
         save_safetensors(&stage.path("model.safetensors"), &stored)?;
@@ -510,13 +586,108 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         stage.write("config.json", &cfg_bytes)?;
         test_hook_kill_before_publish();
         stage.publish()?;
-        println!("checkpoint → {}", dir.display());
+        println!("weights (HuggingFace layout) → {}", dir.display());
     }
     Ok(())
 }
 
-/// The files a `--save` checkpoint directory holds.
-const CHECKPOINT_FILES: [&str; 2] = ["model.safetensors", "config.json"];
+/// The files an `--export` directory holds.
+const EXPORT_FILES: [&str; 2] = ["model.safetensors", "config.json"];
+
+/// The entries a `--save` checkpoint directory holds: `latest`, step directories, and the
+/// staging leftovers of a save that was killed.
+fn checkpoint_entry(name: &str) -> bool {
+    name == checkpoint::LATEST_FILE || name.starts_with("step-") || name.starts_with('.')
+}
+
+/// The tokens' digest, as a checkpoint's data position records it.
+fn tokens_digest(batch: &Batch) -> String {
+    let bytes: Vec<u8> = batch.ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+    format!("blake3:{}", checkpoint::digest_hex(&bytes))
+}
+
+/// What a checkpoint of step `step` records besides the state.
+fn save_info<'w>(
+    a: &TrainArgs,
+    cfg: &ModelConfig,
+    batch: &Batch,
+    weights: &'w Weights,
+    step: u64,
+) -> anyhow::Result<checkpoint::SaveInfo<'w>> {
+    Ok(checkpoint::SaveInfo {
+        data: checkpoint::DataPosition {
+            next_sample: step * batch.batch as u64,
+            batch: batch.batch,
+            seq: batch.seq,
+            tokens: tokens_digest(batch),
+        },
+        model: checkpoint::SavedModel {
+            source: a.model.display().to_string(),
+            arch: cfg.arch.name().to_string(),
+            config: super::checkpoint::config_json(&a.model)?,
+        },
+        weights,
+        before_publish: Some(&test_hook_kill_before_publish),
+    })
+}
+
+/// Saves `state` (after step `state.step`) as a sharded checkpoint under `dir`.
+fn save_checkpoint(
+    a: &TrainArgs,
+    dir: &std::path::Path,
+    plan: &Plan,
+    state: &TrainState,
+    cfg: &ModelConfig,
+    batch: &Batch,
+    weights: &Weights,
+) -> anyhow::Result<PathBuf> {
+    let info = save_info(a, cfg, batch, weights, state.step)?;
+    Ok(checkpoint::save_global(dir, plan, state, &info)?)
+}
+
+/// The state of plan `plan` from checkpoint `dir`: its weights and moments in this plan's
+/// layout, its step count; a note when the tokens differ from those it was trained on.
+/// With `rank` (a process of a multi-process run), only that rank's blocks are read.
+fn resume(
+    dir: &std::path::Path,
+    plan: &Plan,
+    cfg: &ModelConfig,
+    batch: &Batch,
+    rank: Option<usize>,
+) -> anyhow::Result<TrainState> {
+    let ck = checkpoint::Checkpoint::open(dir)?;
+    let m = &ck.manifest;
+    if m.model.arch != cfg.arch.name() {
+        bail!(
+            "checkpoint {} holds a {} model; this run trains a {}",
+            ck.dir.display(),
+            m.model.arch,
+            cfg.arch.name()
+        );
+    }
+    let state = ck.load_state(plan, rank)?;
+    if rank.is_some_and(|r| r != 0) {
+        return Ok(state);
+    }
+    let saved_on = if m.layout.mesh.is_empty() {
+        "unsharded".to_string()
+    } else {
+        format!("mesh {} ({})", m.layout.mesh, m.layout.strategies.join(","))
+    };
+    println!(
+        "resumed {} at step {} (saved {saved_on}); next sample {}",
+        ck.dir.display(),
+        m.step,
+        m.data.next_sample
+    );
+    if !m.data.tokens.is_empty() && m.data.tokens != tokens_digest(batch) {
+        println!(
+            "note: the tokens differ from the ones the checkpoint was trained on ({} × {})",
+            m.data.batch, m.data.seq
+        );
+    }
+    Ok(state)
+}
 
 /// Test hook: `SHARDC_TEST_KILL_DURING_SAVE=1` kills the process after a checkpoint's files are
 /// written and before it is published, as a crash at the worst moment would.
