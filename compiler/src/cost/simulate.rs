@@ -9,7 +9,7 @@ use super::program::{ProgKind, Program};
 use super::replay::{replay, RankReplay, Replay, Topology};
 use super::report::{SimReport, Simulation, Slice, Timeline};
 use super::roofline::{sim_bytes, ComputeOptions};
-use super::units::Bytes;
+use super::units::{Bytes, Seconds};
 use super::CostError;
 use crate::ir::{DType, Op, ValueId};
 use crate::plan::Plan;
@@ -28,6 +28,23 @@ pub fn forward_plan_memory(plan: &Plan, dtype: DType) -> MemoryBreakdown {
         activations: Bytes((plan.memory.activation_arena_bytes as f64 * scale) as u64),
         ..MemoryBreakdown::default()
     }
+}
+
+/// Time of one collective of `bytes` over the group of `mesh`'s axis `axis`: what a plan's
+/// collectives take in the replay of its programs.
+pub(crate) fn axis_collective_time(
+    cluster: &Cluster,
+    mesh: &Mesh,
+    axis: &str,
+    kind: CollectiveKind,
+    bytes: u64,
+) -> Seconds {
+    collective_time(
+        cluster,
+        kind,
+        Bytes(bytes),
+        GroupTopology::of_axis(mesh, axis, cluster),
+    )
 }
 
 /// Checks that the cluster has the mesh's GPUs.
@@ -201,12 +218,7 @@ pub fn simulate_plan(
     check_gpus(mesh, cluster)?;
     let dev = &cluster.device;
     let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
-        collective_time(
-            cluster,
-            kind,
-            Bytes(bytes),
-            GroupTopology::of_axis(mesh, axis, cluster),
-        )
+        axis_collective_time(cluster, mesh, axis, kind, bytes)
     };
     // A training micro-batch's inputs (parameters, tokens) and outputs (gradients, which
     // accumulate into the step's buffers; the loss) are static state, accounted apart.
