@@ -180,27 +180,9 @@ pub(crate) fn plan_report(plan: &Plan, cluster: &Cluster, opts: &ComputeOptions)
         schedule: train.map(|_| "none".into()),
         recompute: train.map(|t| t.recompute.name().into()),
         zero: train.map(|t| t.zero_stage),
-        step_time_s: 0.0,
-        tokens_per_s: 0.0,
-        flops_per_step: 0.0,
-        model_flops_per_step: 0.0,
-        tflops_per_gpu: 0.0,
-        model_tflops_per_gpu: 0.0,
-        mfu: 0.0,
-        compute_s: 0.0,
-        comm_s: 0.0,
-        exposed_comm_s: 0.0,
-        hidden_comm_s: 0.0,
-        bubble_fraction: 0.0,
-        pipeline_s: 0.0,
-        optimizer_s: 0.0,
-        peak_memory_bytes_per_rank: 0,
-        peak_memory_rank: 0,
-        memory_breakdown: MemoryBreakdown::default(),
         device_memory_bytes: dev.memory().0,
         fits: true,
-        stages: Vec::new(),
-        notes: Vec::new(),
+        ..SimReport::default()
     }
 }
 
