@@ -2,9 +2,13 @@
 #![allow(dead_code)]
 
 use serde_json::Value;
-use shardc::runtime::Tensor;
+use shardc::compiler::model::ModelConfig;
+use shardc::compiler::shard::ShardedGraph;
+use shardc::runtime::spmd::run_spmd;
+use shardc::runtime::{Tensor, Weights};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// `--mesh tp=2 --batch 2 --seq 16`: the small tensor-parallel shape the command-line tests
 /// compile and simulate the tiny fixtures at.
@@ -98,6 +102,15 @@ pub fn cases() -> Vec<Case> {
 }
 
 impl Case {
+    /// The case's fixture model: its config and weights.
+    pub fn load_model(&self) -> (ModelConfig, Weights) {
+        let dir = fixtures().join(&self.model);
+        (
+            ModelConfig::from_path(&dir).unwrap(),
+            Weights::open(&dir).unwrap(),
+        )
+    }
+
     /// The graph inputs.
     pub fn inputs(&self) -> BTreeMap<String, Tensor> {
         let (b, t) = (self.batch, self.seq);
@@ -322,4 +335,16 @@ pub fn compile_options(
         },
         extra_strategies: extra.iter().map(|s| s.to_string()).collect(),
     }
+}
+
+/// Every rank's outputs of the sharded program `sg` on thread ranks of its mesh, fed the
+/// global `inputs` (each rank takes its shard); a failure panics naming `what`.
+pub fn run_ranks(
+    sg: &ShardedGraph,
+    w: &Weights,
+    inputs: &BTreeMap<String, Tensor>,
+    what: &str,
+) -> Vec<BTreeMap<String, Tensor>> {
+    run_spmd(&sg.graph, &sg.mesh, w, inputs, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
 }
