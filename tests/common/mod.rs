@@ -262,6 +262,13 @@ pub fn gib_after(line: &str, marker: &str) -> f64 {
         .unwrap()
 }
 
+/// Writes `text` to `dir/name`; returns its path as text (for a command line).
+pub fn write_file(dir: &std::path::Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_string_lossy().to_string()
+}
+
 /// Four sequences of 16 token ids below 256 (every fixture's vocabulary is at least 256),
 /// written to `dir/toks.json`; returns its path.
 pub fn tokens_4x16(dir: &std::path::Path) -> String {
