@@ -26,13 +26,11 @@ fn llama() -> PathBuf {
 
 /// Four sequences of eight tokens (two micro-batches of two, or one per `dp` rank).
 fn tokens(dir: &Path) -> String {
-    let p = dir.join("batch.json");
-    std::fs::write(
-        &p,
+    common::write_file(
+        dir,
+        "batch.json",
         "[[1,2,3,4,5,6,7,8],[9,10,11,12,13,14,15,16],[3,1,4,1,5,9,2,6],[2,7,1,8,2,8,1,8]]",
     )
-    .unwrap();
-    p.display().to_string()
 }
 
 /// A copy of the llama fixture in `dir`: every stored tensor through `edit` (name, f32

@@ -2,16 +2,10 @@
 
 mod common;
 
-use common::fails_with;
+use common::{fails_with, write_file as write};
 
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
-
-fn write(dir: &Path, name: &str, text: &str) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p.to_string_lossy().to_string()
-}
 
 fn llama() -> String {
     common::fixtures()

@@ -11,9 +11,7 @@ use shardc::compiler::compile::{compile_forward, CompileError, CompileOptions};
 use shardc::compiler::ir::Op;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::shard::{Mesh, ShardError};
-use shardc::runtime::spmd::run_spmd;
-use shardc::runtime::{execute, RankCtx, Tensor, Weights};
-use std::time::Duration;
+use shardc::runtime::{execute, RankCtx, Tensor};
 
 /// (mesh, strategies)
 const MESHES: &[(&str, &[&str])] = &[
@@ -39,9 +37,7 @@ const MESHES: &[(&str, &[&str])] = &[
 fn context_parallel_plans_reproduce_every_fixture() {
     let mut ran = 0;
     for case in common::cases() {
-        let dir = common::fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).unwrap();
-        let w = Weights::open(&dir).unwrap();
+        let (cfg, w) = case.load_model();
         for &(mesh, extra) in MESHES {
             let opts = options(case.batch, case.seq, mesh, extra);
             let what = format!("{} {} {mesh} {extra:?}", case.model, case.name);
@@ -55,14 +51,7 @@ fn context_parallel_plans_reproduce_every_fixture() {
                 }
                 Err(e) => panic!("{what}: {e}"),
             };
-            let outs = run_spmd(
-                &c.sharded.graph,
-                &opts.mesh,
-                &w,
-                &case.inputs(),
-                Duration::from_secs(30),
-            )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let outs = common::run_ranks(&c.sharded, &w, &case.inputs(), &what);
             for (rank, out) in outs.iter().enumerate() {
                 case.check(out, &format!("{what} rank {rank}"));
             }
@@ -244,14 +233,7 @@ fn sliding_window_follows_the_sequence_order() {
             let out = execute(&c.sharded.graph, &w, &inputs, &RankCtx::new()).unwrap();
             return out["logits"].as_f32().unwrap().to_vec();
         }
-        let outs = run_spmd(
-            &c.sharded.graph,
-            &opts.mesh,
-            &w,
-            &inputs,
-            Duration::from_secs(30),
-        )
-        .unwrap();
+        let outs = common::run_ranks(&c.sharded, &w, &inputs, &opts.mesh.to_string());
         outs[0]["logits"].as_f32().unwrap().to_vec()
     };
     let base = forward("", &[]);
@@ -271,17 +253,8 @@ fn sliding_window_follows_the_sequence_order() {
         o.extra_strategies = extra.iter().map(|s| s.to_string()).collect();
         o.recompute = Recompute::Selective;
         let r = train_support::run_opts_on(tmp.path(), &o, &batch);
-        let a = TrainOptions::new(1, 1, Mesh::single()).adamw;
         let what = format!("mistral {mesh} {extra:?}");
-        check_against(
-            &what,
-            &r,
-            &unsharded,
-            tmp.path(),
-            a.lr.0 as f64,
-            a.weight_decay.0 as f64,
-            a.eps.0 as f64,
-        );
+        check_against(&what, &r, &unsharded, tmp.path(), &o.adamw);
     }
     // Pipeline stages pass the permuted activations on: pp=2 with cp=2.
     let one_f_one_b = shardc::compiler::schedule::pp::ScheduleKind::OneFOneB;
@@ -292,16 +265,7 @@ fn sliding_window_follows_the_sequence_order() {
     );
     o.recompute = Recompute::None;
     let r = run_pipeline_opts(tmp.path(), &o, &batch);
-    let a = o.adamw;
-    check_against(
-        "mistral pp=2,cp=2",
-        &r,
-        &unsharded,
-        tmp.path(),
-        a.lr.0 as f64,
-        a.weight_decay.0 as f64,
-        a.eps.0 as f64,
-    );
+    check_against("mistral pp=2,cp=2", &r, &unsharded, tmp.path(), &o.adamw);
 }
 
 /// Pipeline stages with context parallelism reproduce the llama fixture.
@@ -329,13 +293,7 @@ fn activation_memory_per_rank_divides_by_cp() {
     let peak = |mesh: &'static str| {
         let p = pipe(mesh, &[], 2, ScheduleKind::OneFOneB);
         let r = run_pipeline_on(&dir, &p, &batch);
-        let predicted: Vec<usize> = r
-            .compiled
-            .activation_peaks(4.0)
-            .into_iter()
-            .map(|b| b as usize)
-            .collect();
-        assert_eq!(predicted, r.peak_bytes, "{mesh}: static account vs runtime");
+        train_support::check_activation_peaks(mesh, &r);
         *r.peak_bytes.iter().max().unwrap() as f64
     };
     let one = peak("pp=2");

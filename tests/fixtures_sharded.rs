@@ -5,9 +5,6 @@ mod common;
 
 use shardc::compiler::compile::compile_forward;
 use shardc::compiler::model::ModelConfig;
-use shardc::runtime::spmd::run_spmd;
-use shardc::runtime::Weights;
-use std::time::Duration;
 
 const MESHES: &[(&str, &str)] = &[
     ("tp=2", ""),
@@ -27,9 +24,7 @@ const MESHES: &[(&str, &str)] = &[
 fn sharded_plans_reproduce_every_fixture() {
     let mut ran = 0;
     for case in common::cases() {
-        let dir = common::fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).unwrap();
-        let w = Weights::open(&dir).unwrap();
+        let (cfg, w) = case.load_model();
         for &(mesh, extra) in MESHES {
             let extras: &[&str] = if extra.is_empty() { &[] } else { &[extra] };
             let opts = common::compile_options(case.batch, case.seq, mesh, extras);
@@ -37,14 +32,8 @@ fn sharded_plans_reproduce_every_fixture() {
             let Ok(c) = compile_forward(&cfg, &opts) else {
                 continue;
             };
-            let outs = run_spmd(
-                &c.sharded.graph,
-                &opts.mesh,
-                &w,
-                &case.inputs(),
-                Duration::from_secs(30),
-            )
-            .unwrap_or_else(|e| panic!("{} {} {mesh} {extra}: {e}", case.model, case.name));
+            let what = format!("{} {} {mesh} {extra}", case.model, case.name);
+            let outs = common::run_ranks(&c.sharded, &w, &case.inputs(), &what);
             for (rank, out) in outs.iter().enumerate() {
                 case.check(out, &format!("mesh {mesh} {extra} rank {rank}"));
             }

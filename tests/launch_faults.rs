@@ -28,13 +28,11 @@ fn llama() -> String {
 }
 
 fn tokens(dir: &Path) -> String {
-    let p = dir.join("ids.json");
-    std::fs::write(
-        &p,
+    common::write_file(
+        dir,
+        "ids.json",
         "[[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]",
     )
-    .unwrap();
-    p.display().to_string()
 }
 
 /// `shardc run` arguments of one rank.

@@ -43,19 +43,34 @@ fn register(
     .map_err(|e| e.to_string())
 }
 
+/// Registers `ranks` of a world of `world` with the store on `port` at once, each on a thread
+/// of its own; their results in the order of `ranks`.
+fn register_all(
+    port: u16,
+    ranks: &[usize],
+    world: usize,
+    timeout: Duration,
+) -> Vec<Result<RendezvousTable, String>> {
+    thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .iter()
+            .map(|&r| s.spawn(move || register(port, r, world, timeout)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn every_rank_receives_the_same_table_and_bootstrap_bytes() {
     let world = 6;
     let server = RendezvousServer::start("127.0.0.1", 0, world, LONG).unwrap();
     let port = server.local_addr().port();
     // Register in reverse order, from threads.
-    let tables: Vec<RendezvousTable> = thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .rev()
-            .map(|r| s.spawn(move || register(port, r, world, LONG)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-    });
+    let ranks: Vec<usize> = (0..world).rev().collect();
+    let tables: Vec<RendezvousTable> = register_all(port, &ranks, world, LONG)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     server.wait().unwrap();
     let want_bootstrap: Vec<u8> = (0..128).map(|i| (i * 7) as u8).collect();
     for t in &tables {
@@ -77,12 +92,10 @@ fn junk_connections_are_ignored() {
     let mut junk = TcpStream::connect(addr(port)).unwrap();
     junk.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
     let _silent = TcpStream::connect(addr(port)).unwrap();
-    let tables: Vec<_> = thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| s.spawn(move || register(port, r, 2, LONG)))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-    });
+    let tables: Vec<_> = register_all(port, &[0, 1], 2, LONG)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     assert_eq!(tables[0], tables[1]);
     server.wait().unwrap();
 }
@@ -93,15 +106,10 @@ fn missing_ranks_time_out_naming_them() {
     let t0 = Instant::now();
     let server = RendezvousServer::start("127.0.0.1", 0, 4, timeout).unwrap();
     let port = server.local_addr().port();
-    let errs: Vec<String> = thread::scope(|s| {
-        let hs: Vec<_> = [0, 2]
-            .into_iter()
-            .map(|r| s.spawn(move || register(port, r, 4, timeout)))
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap().unwrap_err())
-            .collect()
-    });
+    let errs: Vec<String> = register_all(port, &[0, 2], 4, timeout)
+        .into_iter()
+        .map(Result::unwrap_err)
+        .collect();
     for e in &errs {
         assert!(
             e.contains("waiting for ranks [1, 3] to register (registered: [0, 2])"),
@@ -122,15 +130,10 @@ fn inconsistent_registrations_fail_every_rank() {
     // too, until its deadline).
     let server = RendezvousServer::start("127.0.0.1", 0, 3, Duration::from_secs(2)).unwrap();
     let port = server.local_addr().port();
-    let errs: Vec<String> = thread::scope(|s| {
-        let hs: Vec<_> = [0, 1, 1]
-            .into_iter()
-            .map(|r| s.spawn(move || register(port, r, 3, LONG)))
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap().unwrap_err())
-            .collect()
-    });
+    let errs: Vec<String> = register_all(port, &[0, 1, 1], 3, LONG)
+        .into_iter()
+        .map(Result::unwrap_err)
+        .collect();
     for e in &errs {
         assert!(e.contains("rank 1 registered twice"), "{e}");
     }

@@ -9,9 +9,7 @@ use shardc::compiler::compile::{compile_forward, compile_forward_with, CompileOp
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::rewrite::RewriteOptions;
 use shardc::compiler::shard::Mesh;
-use shardc::runtime::spmd::run_spmd;
 use shardc::runtime::Weights;
-use std::time::Duration;
 
 fn options(mesh: &str, extra: &str, b: usize, t: usize) -> CompileOptions {
     CompileOptions {
@@ -36,9 +34,7 @@ fn rewritten_plans_reproduce_every_fixture() {
     let mut fired = 0;
     let mut ops: std::collections::BTreeMap<&'static str, usize> = Default::default();
     for case in common::cases() {
-        let dir = common::fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).expect("config");
-        let w = Weights::open(&dir).expect("weights");
+        let (cfg, w) = case.load_model();
         for mesh in ["tp=2", "tp=4", "dp=2,tp=2"] {
             for (extra, sel) in [("", "sequence-parallel"), ("", "all"), ("sp", "all")] {
                 let opts = options(mesh, extra, case.batch, case.seq);
@@ -51,16 +47,8 @@ fn rewritten_plans_reproduce_every_fixture() {
                 for n in &c.sharded.graph.nodes {
                     *ops.entry(n.op.mnemonic()).or_default() += 1;
                 }
-                let outs = run_spmd(
-                    &c.sharded.graph,
-                    &opts.mesh,
-                    &w,
-                    &case.inputs(),
-                    Duration::from_secs(60),
-                )
-                .unwrap_or_else(|e| {
-                    panic!("{} {} {mesh} {extra} {sel}: {e}", case.model, case.name)
-                });
+                let what = format!("{} {} {mesh} {extra} {sel}", case.model, case.name);
+                let outs = common::run_ranks(&c.sharded, &w, &case.inputs(), &what);
                 for (rank, out) in outs.iter().enumerate() {
                     case.check(out, &format!("{mesh} {extra} --rewrite {sel} rank {rank}"));
                 }
@@ -154,14 +142,7 @@ fn replicated_layer_plans_match_the_unsharded_model() {
         let inputs = case.inputs();
         let single = options("tp=1", "", case.batch, case.seq);
         let reference = compile_forward(&cfg, &single).expect("unsharded");
-        let want = run_spmd(
-            &reference.sharded.graph,
-            &single.mesh,
-            &w,
-            &inputs,
-            Duration::from_secs(60),
-        )
-        .expect("unsharded run");
+        let want = common::run_ranks(&reference.sharded, &w, &inputs, "unsharded run");
         for sel in ["sequence-parallel", "all"] {
             let opts = options("tp=2", "", case.batch, case.seq);
             let c = compile_forward_with(&cfg, &opts, &rules(sel)).expect("rewritten");
@@ -174,14 +155,7 @@ fn replicated_layer_plans_match_the_unsharded_model() {
                 "{model} {sel}: {:?}",
                 report.layers
             );
-            let got = run_spmd(
-                &c.sharded.graph,
-                &opts.mesh,
-                &w,
-                &inputs,
-                Duration::from_secs(60),
-            )
-            .unwrap_or_else(|e| panic!("{model} {sel}: {e}"));
+            let got = common::run_ranks(&c.sharded, &w, &inputs, &format!("{model} {sel}"));
             for (rank, out) in got.iter().enumerate() {
                 for name in ["logits", "hidden"] {
                     let (a, b) = (

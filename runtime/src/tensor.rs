@@ -23,27 +23,21 @@ pub struct Tensor {
 impl Tensor {
     /// An f32 tensor. Panics if `data.len()` differs from the shape's product (caller bug).
     pub fn f32(shape: Vec<usize>, data: Vec<f32>) -> Tensor {
-        assert_eq!(
-            shape.iter().product::<usize>(),
-            data.len(),
-            "invariant: shape matches data"
-        );
-        Tensor {
-            shape,
-            data: Buffer::F32(data),
-        }
+        Tensor::new(shape, data.len(), Buffer::F32(data))
     }
     /// An i32 tensor. Panics if `data.len()` differs from the shape's product (caller bug).
     pub fn i32(shape: Vec<usize>, data: Vec<i32>) -> Tensor {
+        Tensor::new(shape, data.len(), Buffer::I32(data))
+    }
+    /// A tensor of `len` elements stored in `data`: the shape check of [`Tensor::f32`] and
+    /// [`Tensor::i32`].
+    fn new(shape: Vec<usize>, len: usize, data: Buffer) -> Tensor {
         assert_eq!(
             shape.iter().product::<usize>(),
-            data.len(),
+            len,
             "invariant: shape matches data"
         );
-        Tensor {
-            shape,
-            data: Buffer::I32(data),
-        }
+        Tensor { shape, data }
     }
     /// Zeros of a dtype (i32 for `I32`, f32 for every float dtype).
     pub fn zeros(dtype: DType, shape: Vec<usize>) -> Tensor {

@@ -395,29 +395,40 @@ fn rank_0_error_after_rank_1_sends(bytes: Vec<u8>) -> CommError {
     e
 }
 
-/// A data frame header: type 0, collective kind, checksum `check`, seq 0, `len` f32s.
-fn data_header(check: u32, len: u64) -> Vec<u8> {
+/// A data frame: the header (type 0, collective kind, checksum `check`, seq 0, `len` f32s)
+/// and then `payload`, whatever its size.
+fn data_frame(check: u32, len: u64, payload: &[u8]) -> Vec<u8> {
     let mut h = vec![0u8, 0, 0, 0];
     h.extend_from_slice(&check.to_le_bytes());
     h.extend_from_slice(&0u64.to_le_bytes());
     h.extend_from_slice(&len.to_le_bytes());
+    h.extend_from_slice(payload);
     h
+}
+
+/// Checks that rank 0's error after rank 1 sends `frame` says each of `needles`.
+fn rank_0_fails_saying(frame: Vec<u8>, needles: &[&str]) {
+    let e = rank_0_error_after_rank_1_sends(frame).to_string();
+    for needle in needles {
+        assert!(e.contains(needle), "{e}");
+    }
 }
 
 #[test]
 fn a_corrupted_frame_aborts_naming_the_sender() {
-    let mut frame = data_header(0x1234_5678, 50);
-    frame.extend(std::iter::repeat_n(0x3fu8, 200));
-    let e = rank_0_error_after_rank_1_sends(frame).to_string();
-    assert!(e.contains("rank 1 sent a corrupt frame"), "{e}");
-    assert!(e.contains("checksum"), "{e}");
+    rank_0_fails_saying(
+        data_frame(0x1234_5678, 50, &[0x3f; 200]),
+        &["rank 1 sent a corrupt frame", "checksum"],
+    );
 }
 
 #[test]
 fn a_truncated_frame_aborts_naming_the_sender_and_the_bytes() {
-    let mut frame = data_header(0, 100);
-    frame.extend(std::iter::repeat_n(0u8, 40));
-    let e = rank_0_error_after_rank_1_sends(frame).to_string();
-    assert!(e.contains("rank 1 sent a truncated frame"), "{e}");
-    assert!(e.contains("40 of its 400 payload bytes"), "{e}");
+    rank_0_fails_saying(
+        data_frame(0, 100, &[0; 40]),
+        &[
+            "rank 1 sent a truncated frame",
+            "40 of its 400 payload bytes",
+        ],
+    );
 }

@@ -461,6 +461,16 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
     };
     let elapsed = t0.elapsed();
+    // The summary line, ending with what the run returned.
+    let ran = |returned: &str| {
+        println!(
+            "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms (CPU reference, f32); {returned} → {}",
+            cfg.arch.name(),
+            cfg.layers,
+            elapsed.as_secs_f64() * 1e3,
+            a.out.display()
+        )
+    };
     let get = |name: &str| -> anyhow::Result<&Tensor> {
         outputs
             .get(name)
@@ -477,13 +487,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             &a.out,
             serde_json::to_string(&json!({ "loss": x }))?.as_bytes(),
         )?;
-        println!(
-            "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms (CPU reference, f32); loss {x:.6} → {}",
-            cfg.arch.name(),
-            cfg.layers,
-            elapsed.as_secs_f64() * 1e3,
-            a.out.display()
-        );
+        ran(&format!("loss {x:.6}"));
         return Ok(());
     }
     // What the plan returns: logits (every position's or the last one's) and the final hidden
@@ -508,13 +512,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         Some(l) => format!("logits {:?}", l.shape),
         None => format!("hidden {:?}", hidden.shape),
     };
-    println!(
-        "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms (CPU reference, f32); {returned} → {}",
-        cfg.arch.name(),
-        cfg.layers,
-        elapsed.as_secs_f64() * 1e3,
-        a.out.display()
-    );
+    ran(&returned);
     Ok(())
 }
 

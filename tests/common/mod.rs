@@ -2,9 +2,13 @@
 #![allow(dead_code)]
 
 use serde_json::Value;
-use shardc::runtime::Tensor;
+use shardc::compiler::model::ModelConfig;
+use shardc::compiler::shard::ShardedGraph;
+use shardc::runtime::spmd::run_spmd;
+use shardc::runtime::{Tensor, Weights};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// `--mesh tp=2 --batch 2 --seq 16`: the small tensor-parallel shape the command-line tests
 /// compile and simulate the tiny fixtures at.
@@ -98,6 +102,15 @@ pub fn cases() -> Vec<Case> {
 }
 
 impl Case {
+    /// The case's fixture model: its config and weights.
+    pub fn load_model(&self) -> (ModelConfig, Weights) {
+        let dir = fixtures().join(&self.model);
+        (
+            ModelConfig::from_path(&dir).unwrap(),
+            Weights::open(&dir).unwrap(),
+        )
+    }
+
     /// The graph inputs.
     pub fn inputs(&self) -> BTreeMap<String, Tensor> {
         let (b, t) = (self.batch, self.seq);
@@ -249,6 +262,13 @@ pub fn gib_after(line: &str, marker: &str) -> f64 {
         .unwrap()
 }
 
+/// Writes `text` to `dir/name`; returns its path as text (for a command line).
+pub fn write_file(dir: &std::path::Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.to_string_lossy().to_string()
+}
+
 /// Four sequences of 16 token ids below 256 (every fixture's vocabulary is at least 256),
 /// written to `dir/toks.json`; returns its path.
 pub fn tokens_4x16(dir: &std::path::Path) -> String {
@@ -322,4 +342,16 @@ pub fn compile_options(
         },
         extra_strategies: extra.iter().map(|s| s.to_string()).collect(),
     }
+}
+
+/// Every rank's outputs of the sharded program `sg` on thread ranks of its mesh, fed the
+/// global `inputs` (each rank takes its shard); a failure panics naming `what`.
+pub fn run_ranks(
+    sg: &ShardedGraph,
+    w: &Weights,
+    inputs: &BTreeMap<String, Tensor>,
+    what: &str,
+) -> Vec<BTreeMap<String, Tensor>> {
+    run_spmd(&sg.graph, &sg.mesh, w, inputs, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
 }

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 use shardc::compiler::autodiff::Recompute;
-use shardc::compiler::ir::ValueRole;
+use shardc::compiler::ir::{AdamWSpec, ValueRole};
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::plan::Plan;
 use shardc::compiler::schedule::pp::ScheduleKind;
@@ -183,39 +183,18 @@ pub fn run_with(
     dup: usize,
     adjust: impl FnOnce(&mut TrainOptions),
 ) -> Run {
-    let r = reference(model);
-    let cfg = ModelConfig::from_path(&dir(model)).unwrap();
-    let ids: Vec<i32> = r
-        .ids
-        .chunks(r.seq)
-        .flat_map(|row| std::iter::repeat_n(row, dup).flatten().copied())
-        .collect();
-    let b = r.batch * dup;
-    let batch = Batch::causal_lm(ids, b, r.seq);
+    let batch = fixture_batch(model, dup);
     let mesh = if mesh.is_empty() {
         Mesh::single()
     } else {
         Mesh::parse(mesh, 8).unwrap()
     };
-    let mut o = TrainOptions::new(b, r.seq, mesh);
+    let mut o = TrainOptions::new(batch.batch, batch.seq, mesh);
     o.extra_strategies = extra.iter().map(|s| s.to_string()).collect();
     o.micro_batches = micro_batches;
     o.recompute = rc;
     adjust(&mut o);
-    let c = compile_train(&cfg, &o).unwrap_or_else(|e| panic!("{model} {extra:?}: {e}"));
-    let plan = plan_of(&c, &cfg);
-    let w = Weights::open(dir(model)).unwrap();
-    let mut state = TrainState::load(&plan, &w).unwrap();
-    let out = train_step(&plan, &mut state, &batch, &w, Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("{model}: {e}"));
-    let grads = stored_tensors(&plan, &out.grads, &w, Fill::Zeros).unwrap();
-    let updated = stored_tensors(&plan, &state.params, &w, Fill::Original).unwrap();
-    Run {
-        compiled: c,
-        loss: out.loss,
-        grads,
-        updated,
-    }
+    run_step(&dir(model), &o, &batch, &format!("{model} {extra:?}"))
 }
 
 /// What a step produced, in stored names and layouts.
@@ -228,17 +207,24 @@ pub trait Outcome {
     fn updated(&self) -> &BTreeMap<String, Tensor>;
 }
 
-impl Outcome for Run {
-    fn loss(&self) -> f32 {
-        self.loss
-    }
-    fn grads(&self) -> &BTreeMap<String, Tensor> {
-        &self.grads
-    }
-    fn updated(&self) -> &BTreeMap<String, Tensor> {
-        &self.updated
-    }
+/// [`Outcome`] for step results that keep it in fields `loss`, `grads` and `updated`.
+macro_rules! outcome_fields {
+    ($($t:ty),*) => {
+        $(impl Outcome for $t {
+            fn loss(&self) -> f32 {
+                self.loss
+            }
+            fn grads(&self) -> &BTreeMap<String, Tensor> {
+                &self.grads
+            }
+            fn updated(&self) -> &BTreeMap<String, Tensor> {
+                &self.updated
+            }
+        })*
+    };
 }
+
+outcome_fields!(Run, PipeRun);
 
 /// One pipeline-parallel training step's results.
 pub struct PipeRun {
@@ -248,18 +234,6 @@ pub struct PipeRun {
     pub loss: f32,
     pub grads: BTreeMap<String, Tensor>,
     pub updated: BTreeMap<String, Tensor>,
-}
-
-impl Outcome for PipeRun {
-    fn loss(&self) -> f32 {
-        self.loss
-    }
-    fn grads(&self) -> &BTreeMap<String, Tensor> {
-        &self.grads
-    }
-    fn updated(&self) -> &BTreeMap<String, Tensor> {
-        &self.updated
-    }
 }
 
 /// A pipeline configuration: mesh (with `pp`), extra strategies, micro-batches, schedule,
@@ -322,8 +296,7 @@ pub fn run_pipeline_opts(model_dir: &std::path::Path, o: &TrainOptions, batch: &
     let step = pipeline_step(&plan, &mut state, batch, Duration::from_secs(60), &w)
         .unwrap_or_else(|e| panic!("{}: {e}", o.mesh));
     let out = step.output;
-    let grads = stored_tensors(&plan, &out.grads, &w, Fill::Zeros).unwrap();
-    let updated = stored_tensors(&plan, &state.params, &w, Fill::Original).unwrap();
+    let (grads, updated) = stored_results(&plan, &out.grads, &state, &w);
     PipeRun {
         compiled: c,
         loss: out.loss,
@@ -353,20 +326,50 @@ pub fn run_unsharded_on(model_dir: &std::path::Path, batch: &Batch) -> Run {
 
 /// One step (no pipeline) of the model in `model_dir` compiled with options `o`.
 pub fn run_opts_on(model_dir: &std::path::Path, o: &TrainOptions, batch: &Batch) -> Run {
+    run_step(model_dir, o, batch, &o.mesh.to_string())
+}
+
+/// One step (no pipeline) of the model in `model_dir` compiled with options `o`; failures
+/// panic naming `what`.
+fn run_step(model_dir: &std::path::Path, o: &TrainOptions, batch: &Batch, what: &str) -> Run {
     let cfg = ModelConfig::from_path(model_dir).unwrap();
-    let c = compile_train(&cfg, o).unwrap_or_else(|e| panic!("{}: {e}", o.mesh));
+    let c = compile_train(&cfg, o).unwrap_or_else(|e| panic!("{what}: {e}"));
     let plan = plan_of(&c, &cfg);
     let w = Weights::open(model_dir).unwrap();
     let mut state = TrainState::load(&plan, &w).unwrap();
-    let out = train_step(&plan, &mut state, batch, &w, Duration::from_secs(60)).unwrap();
-    let grads = stored_tensors(&plan, &out.grads, &w, Fill::Zeros).unwrap();
-    let updated = stored_tensors(&plan, &state.params, &w, Fill::Original).unwrap();
+    let out = train_step(&plan, &mut state, batch, &w, Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let (grads, updated) = stored_results(&plan, &out.grads, &state, &w);
     Run {
         compiled: c,
         loss: out.loss,
         grads,
         updated,
     }
+}
+
+/// A step's gradients `grads` and the updated weights of `state` in stored names and layouts.
+fn stored_results(
+    plan: &Plan,
+    grads: &BTreeMap<String, Tensor>,
+    state: &TrainState,
+    w: &Weights,
+) -> (BTreeMap<String, Tensor>, BTreeMap<String, Tensor>) {
+    let grads = stored_tensors(plan, grads, w, Fill::Zeros).unwrap();
+    let updated = stored_tensors(plan, &state.params, w, Fill::Original).unwrap();
+    (grads, updated)
+}
+
+/// Checks the compiler's static account of `r`'s activation peaks per stage (f32) against
+/// what the run measured, byte for byte.
+pub fn check_activation_peaks(what: &str, r: &PipeRun) {
+    let predicted: Vec<usize> = r
+        .compiled
+        .activation_peaks(4.0)
+        .into_iter()
+        .map(|b| b as usize)
+        .collect();
+    assert_eq!(predicted, r.peak_bytes, "{what}: static account vs runtime");
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -547,16 +550,14 @@ pub fn token_batch(batch: usize, seq: usize, vocab: usize) -> Batch {
 
 /// Checks a pipeline run against the unsharded run of the same model and batch: loss and
 /// gradients within 1e-5, updated weights within 1e-6 of the unsharded update where the
-/// gradient exceeds 1e-4, and the AdamW first-step formula on the run's own gradients
-/// everywhere.
+/// gradient exceeds 1e-4, and the first-step formula of `adamw` (the optimizer both ran) on
+/// the run's own gradients everywhere.
 pub fn check_against(
     what: &str,
     run: &impl Outcome,
     base: &impl Outcome,
     model_dir: &std::path::Path,
-    lr: f64,
-    wd: f64,
-    eps: f64,
+    adamw: &AdamWSpec,
 ) {
     let w = Weights::open(model_dir).unwrap();
     assert!(
@@ -575,7 +576,12 @@ pub fn check_against(
         d < 1e-5,
         "{what}: gradients differ from the unsharded step by {d}"
     );
-    check_updates(what, run, base.grads(), base.updated(), &w, (lr, wd, eps));
+    let hyper = (
+        adamw.lr.0 as f64,
+        adamw.weight_decay.0 as f64,
+        adamw.eps.0 as f64,
+    );
+    check_updates(what, run, base.grads(), base.updated(), &w, hyper);
 }
 
 /// A small deterministic generator of uniform values in [-1, 1).

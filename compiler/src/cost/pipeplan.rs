@@ -13,7 +13,7 @@ use super::program::Program;
 use super::replay::{replay, Topology};
 use super::report::{SimReport, Simulation, Slice, StageReport, Timeline};
 use super::roofline::{sim_bytes, ComputeOptions};
-use super::simulate::{check_gpus, rank_labels};
+use super::simulate::{axis_collective_time, check_gpus, rank_labels};
 use super::units::Bytes;
 use super::{Cluster, CostError};
 use crate::ir::{Graph, ValueId};
@@ -61,12 +61,7 @@ pub fn simulate_pipeline_plan(
     let topo = Topology::new(&stage_mesh, cluster);
     let dev = &cluster.device;
     let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
-        collective_time(
-            cluster,
-            kind,
-            Bytes(bytes),
-            GroupTopology::of_axis(&stage_mesh, axis, cluster),
-        )
+        axis_collective_time(cluster, &stage_mesh, axis, kind, bytes)
     };
     let chunks = plan
         .chunk_graphs()

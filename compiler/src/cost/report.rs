@@ -29,8 +29,8 @@ pub struct StageReport {
     pub memory: MemoryBreakdown,
 }
 
-/// The simulation's numbers.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The simulation's numbers (by default every one zero or empty).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SimReport {
     /// `forward` (a plan replayed) or `train` (the training step model).
     pub mode: String,

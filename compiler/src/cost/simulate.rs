@@ -9,7 +9,7 @@ use super::program::{ProgKind, Program};
 use super::replay::{replay, RankReplay, Replay, Topology};
 use super::report::{SimReport, Simulation, Slice, Timeline};
 use super::roofline::{sim_bytes, ComputeOptions};
-use super::units::Bytes;
+use super::units::{Bytes, Seconds};
 use super::CostError;
 use crate::ir::{DType, Op, ValueId};
 use crate::plan::Plan;
@@ -28,6 +28,23 @@ pub fn forward_plan_memory(plan: &Plan, dtype: DType) -> MemoryBreakdown {
         activations: Bytes((plan.memory.activation_arena_bytes as f64 * scale) as u64),
         ..MemoryBreakdown::default()
     }
+}
+
+/// Time of one collective of `bytes` over the group of `mesh`'s axis `axis`: what a plan's
+/// collectives take in the replay of its programs.
+pub(crate) fn axis_collective_time(
+    cluster: &Cluster,
+    mesh: &Mesh,
+    axis: &str,
+    kind: CollectiveKind,
+    bytes: u64,
+) -> Seconds {
+    collective_time(
+        cluster,
+        kind,
+        Bytes(bytes),
+        GroupTopology::of_axis(mesh, axis, cluster),
+    )
 }
 
 /// Checks that the cluster has the mesh's GPUs.
@@ -163,27 +180,9 @@ pub(crate) fn plan_report(plan: &Plan, cluster: &Cluster, opts: &ComputeOptions)
         schedule: train.map(|_| "none".into()),
         recompute: train.map(|t| t.recompute.name().into()),
         zero: train.map(|t| t.zero_stage),
-        step_time_s: 0.0,
-        tokens_per_s: 0.0,
-        flops_per_step: 0.0,
-        model_flops_per_step: 0.0,
-        tflops_per_gpu: 0.0,
-        model_tflops_per_gpu: 0.0,
-        mfu: 0.0,
-        compute_s: 0.0,
-        comm_s: 0.0,
-        exposed_comm_s: 0.0,
-        hidden_comm_s: 0.0,
-        bubble_fraction: 0.0,
-        pipeline_s: 0.0,
-        optimizer_s: 0.0,
-        peak_memory_bytes_per_rank: 0,
-        peak_memory_rank: 0,
-        memory_breakdown: MemoryBreakdown::default(),
         device_memory_bytes: dev.memory().0,
         fits: true,
-        stages: Vec::new(),
-        notes: Vec::new(),
+        ..SimReport::default()
     }
 }
 
@@ -201,12 +200,7 @@ pub fn simulate_plan(
     check_gpus(mesh, cluster)?;
     let dev = &cluster.device;
     let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
-        collective_time(
-            cluster,
-            kind,
-            Bytes(bytes),
-            GroupTopology::of_axis(mesh, axis, cluster),
-        )
+        axis_collective_time(cluster, mesh, axis, kind, bytes)
     };
     // A training micro-batch's inputs (parameters, tokens) and outputs (gradients, which
     // accumulate into the step's buffers; the loss) are static state, accounted apart.

@@ -1043,14 +1043,6 @@ pub fn simulate_training_on(
         schedule: Some(schedule.label()),
         recompute: Some(t.recompute.name().into()),
         zero: Some(t.zero),
-        // The rates: `with_throughput` below.
-        step_time_s: 0.0,
-        tokens_per_s: 0.0,
-        flops_per_step: 0.0,
-        model_flops_per_step: 0.0,
-        tflops_per_gpu: 0.0,
-        model_tflops_per_gpu: 0.0,
-        mfu: 0.0,
         compute_s: compute,
         comm_s: comm_total,
         exposed_comm_s: exposed,
@@ -1072,6 +1064,8 @@ pub fn simulate_training_on(
             [layer_dense, layer_expert],
             ep_traffic,
         ),
+        // The rates: `with_throughput` below.
+        ..SimReport::default()
     }
     .with_throughput(step, tokens, flops, model_flops, dev.peak(dt));
     let rank_timeline = (0..world).map(|r| stage_of(mesh, r) as u32).collect();

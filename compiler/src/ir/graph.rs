@@ -184,6 +184,23 @@ impl Graph {
         users
     }
 
+    /// For each value, the index of the last node that reads it (its own index when none
+    /// does; `len()` for an output, which lives to the end): the end of its live range.
+    pub fn last_uses(&self) -> Vec<usize> {
+        let n = self.nodes.len();
+        let mut last = vec![0usize; n];
+        for v in self.ids() {
+            last[v.index()] = v.index();
+            for &i in &self.node(v).inputs {
+                last[i.index()] = v.index();
+            }
+        }
+        for (_, v) in &self.outputs {
+            last[v.index()] = n;
+        }
+        last
+    }
+
     /// Param nodes, in order.
     pub fn params(&self) -> impl Iterator<Item = ValueId> + '_ {
         self.ids()

@@ -307,6 +307,32 @@ impl ParamSource {
     }
 }
 
+/// A pattern matching the training ops that need no rank context: the gradients and the
+/// optimizer's steps (`CrossEntropyShardGrad`, which reads its vocabulary shard's coordinate,
+/// aside). One list for every exhaustive match that treats them apart: the type rules, the
+/// sharding rules and the CPU kernels.
+#[macro_export]
+macro_rules! training_ops {
+    () => {
+        $crate::ir::Op::UnaryGrad(_)
+            | $crate::ir::Op::BiasGrad
+            | $crate::ir::Op::WeightGrad { .. }
+            | $crate::ir::Op::RmsNormGrad { .. }
+            | $crate::ir::Op::LayerNormGrad { .. }
+            | $crate::ir::Op::RopeGrad(_)
+            | $crate::ir::Op::AttentionProbs(_)
+            | $crate::ir::Op::AttentionGrad { .. }
+            | $crate::ir::Op::EmbeddingGrad
+            | $crate::ir::Op::RouterGrad { .. }
+            | $crate::ir::Op::DispatchGrad
+            | $crate::ir::Op::CombineGrad { .. }
+            | $crate::ir::Op::CrossEntropyGrad { .. }
+            | $crate::ir::Op::RepeatGrad { .. }
+            | $crate::ir::Op::AdamMoment { .. }
+            | $crate::ir::Op::AdamWUpdate(_)
+    };
+}
+
 /// The ops of the IR. Every op produces one value.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -1315,23 +1341,9 @@ impl Op {
                     .map_err(|e| shape_err(m, e.to_string()))
             }
             // Typed by `grad::infer` above.
-            Op::UnaryGrad(_)
-            | Op::BiasGrad
-            | Op::WeightGrad { .. }
-            | Op::RmsNormGrad { .. }
-            | Op::LayerNormGrad { .. }
-            | Op::RopeGrad(_)
-            | Op::AttentionProbs(_)
-            | Op::AttentionGrad { .. }
-            | Op::EmbeddingGrad
-            | Op::RouterGrad { .. }
-            | Op::DispatchGrad
-            | Op::CombineGrad { .. }
-            | Op::CrossEntropyGrad { .. }
-            | Op::CrossEntropyShardGrad { .. }
-            | Op::RepeatGrad { .. }
-            | Op::AdamMoment { .. }
-            | Op::AdamWUpdate(_) => Err(IrError::Invalid(format!("{m}: untyped training op"))),
+            crate::training_ops!() | Op::CrossEntropyShardGrad { .. } => {
+                Err(IrError::Invalid(format!("{m}: untyped training op")))
+            }
         }
     }
 }

@@ -43,12 +43,7 @@ impl ModelConfig {
     /// The sizes that need more than the config's fields.
     fn check_size(&self) -> Result<(), ModelError> {
         let k = self.keys();
-        let bad = |key: &str, msg: String| {
-            Err(ModelError::Key {
-                key: key.into(),
-                msg,
-            })
-        };
+        let bad = |key: &str, msg: String| Err(ModelError::key(key, msg));
         // The forward graph within the memory budget, the hard limits on layers (which bound
         // the time of what is built per layer) and parameters (which keep byte counts in 64
         // bits).

@@ -59,6 +59,14 @@ pub enum ModelError {
 }
 
 impl ModelError {
+    /// An error in the config field (or option) `key`.
+    pub fn key(key: impl Into<String>, msg: String) -> ModelError {
+        ModelError::Key {
+            key: key.into(),
+            msg,
+        }
+    }
+
     /// This error as one in the config file `path` (errors that name their file already are
     /// returned as they are).
     pub fn at(self, path: &Path) -> ModelError {
@@ -176,10 +184,7 @@ impl<'a> Fields<'a> {
     }
 
     fn err(&self, k: &str, msg: String) -> ModelError {
-        ModelError::Key {
-            key: format!("{}{k}", self.prefix),
-            msg,
-        }
+        ModelError::key(format!("{}{k}", self.prefix), msg)
     }
 
     fn get(&self, k: &str) -> Option<&'a Value> {
@@ -391,9 +396,11 @@ impl ModelConfig {
     /// [`MAX_DIM`](super::MAX_DIM), the shape consistent, norm ε and RoPE parameters finite and
     /// positive (the sizes that need the graph are checked by `ModelConfig::from_json`).
     pub(super) fn parse(v: &Value) -> Result<ModelConfig, ModelError> {
-        let o = v.as_object().ok_or_else(|| ModelError::Key {
-            key: "<root>".into(),
-            msg: format!("expected a JSON object, found {}", json_kind(v)),
+        let o = v.as_object().ok_or_else(|| {
+            ModelError::key(
+                "<root>",
+                format!("expected a JSON object, found {}", json_kind(v)),
+            )
         })?;
         let f = Fields::new(o);
         let arch = match f.str("model_type")? {
@@ -583,12 +590,7 @@ impl ModelConfig {
 
     fn check(&self) -> Result<(), ModelError> {
         let k = self.keys();
-        let bad = |key: &str, msg: String| {
-            Err(ModelError::Key {
-                key: key.into(),
-                msg,
-            })
-        };
+        let bad = |key: &str, msg: String| Err(ModelError::key(key, msg));
         if self.vocab < 2 {
             return bad(
                 "vocab_size",

@@ -136,9 +136,8 @@ impl ModelStats {
         ]);
         let fwd = (2 * active as u128).saturating_add(attn);
         let fits = |x: u128| {
-            u64::try_from(x).map_err(|_| ModelError::Key {
-                key: "seq".into(),
-                msg: format!("{seq}: FLOPs per token beyond 64 bits"),
+            u64::try_from(x).map_err(|_| {
+                ModelError::key("seq", format!("{seq}: FLOPs per token beyond 64 bits"))
             })
         };
         Ok(ModelStats {

@@ -349,16 +349,29 @@ fn llama_70b_training_rewrite_time_whole_program() {
     );
 }
 
+/// `model` cut to `layers` decoder layers, and the options of its training step of
+/// `(batch, seq)` on `mesh` with every rule, the layers planned through the window or not.
+fn every_rule(
+    model: &str,
+    layers: usize,
+    (batch, seq): (usize, usize),
+    mesh: &str,
+    window: bool,
+) -> (crate::model::ModelConfig, TrainOptions) {
+    let mut c = cfg(model);
+    c.layers = layers;
+    let mut o = TrainOptions::new(batch, seq, Mesh::parse(mesh, 8).expect("mesh"));
+    o.rewrite = RewriteOptions::with_rules(RuleSelection::All);
+    o.rewrite.dedup = window;
+    (c, o)
+}
+
 /// Pipelined training: the first stage's chunk (layers from 0) is planned through the window,
 /// the second (layers from L/2) as a whole; both as planning every layer gives.
 #[test]
 fn pipelined_training_window_matches_planning_every_layer() {
     let run = |window: bool| {
-        let mut c = cfg("llama");
-        c.layers = 10;
-        let mut o = TrainOptions::new(2, 16, Mesh::parse("pp=2,tp=2", 8).expect("mesh"));
-        o.rewrite = RewriteOptions::with_rules(RuleSelection::All);
-        o.rewrite.dedup = window;
+        let (c, o) = every_rule("llama", 10, (2, 16), "pp=2,tp=2", window);
         crate::train::compile_pipeline(&c, &o).expect("pipeline")
     };
     let (w, all) = (run(true), run(false));
@@ -385,11 +398,7 @@ fn pipelined_training_window_matches_planning_every_layer() {
 #[test]
 fn llama_70b_training_window_matches_the_whole_program() {
     let run = |window: bool| {
-        let mut c = cfg("llama-3-70b.json");
-        c.layers = 80;
-        let mut o = TrainOptions::new(8, 4096, Mesh::parse("tp=8", 8).expect("mesh"));
-        o.rewrite = RewriteOptions::with_rules(RuleSelection::All);
-        o.rewrite.dedup = window;
+        let (c, o) = every_rule("llama-3-70b.json", 80, (8, 4096), "tp=8", window);
         compile_train(&c, &o).expect("compile")
     };
     let (w, all) = (run(true), run(false));

@@ -162,17 +162,7 @@ pub fn schedule(g: &Graph) -> Vec<Step> {
 /// ranges `[def, last use]` (outputs live to the end). Returns the slots and the arena size.
 pub fn arena(g: &Graph) -> (Vec<BufferSlot>, u64) {
     const ALIGN: u64 = 256;
-    let n = g.len();
-    let mut last = vec![0usize; n];
-    for v in g.ids() {
-        last[v.index()] = v.index();
-        for &i in &g.node(v).inputs {
-            last[i.index()] = v.index();
-        }
-    }
-    for &(_, v) in &g.outputs {
-        last[v.index()] = n;
-    }
+    let last = g.last_uses();
     let mut live: Vec<(usize, u64, u64)> = Vec::new(); // (end, offset, size)
     let mut slots = Vec::new();
     let mut total = 0u64;

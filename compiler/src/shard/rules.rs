@@ -343,22 +343,7 @@ pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule
         | Op::AgMatMul { .. }
         | Op::MatMulRs { .. }
         | Op::RingAttention { .. } => return None,
-        Op::UnaryGrad(_)
-        | Op::BiasGrad
-        | Op::WeightGrad { .. }
-        | Op::RmsNormGrad { .. }
-        | Op::LayerNormGrad { .. }
-        | Op::RopeGrad(_)
-        | Op::AttentionProbs(_)
-        | Op::AttentionGrad { .. }
-        | Op::EmbeddingGrad
-        | Op::RouterGrad { .. }
-        | Op::DispatchGrad
-        | Op::CombineGrad { .. }
-        | Op::CrossEntropyGrad { .. }
-        | Op::RepeatGrad { .. }
-        | Op::AdamMoment { .. }
-        | Op::AdamWUpdate(_) => train_rule(op, &ranks),
+        crate::training_ops!() => train_rule(op, &ranks),
     })
 }
 

@@ -152,16 +152,7 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
         }
     };
     let n = g.len();
-    let mut last = vec![0usize; n];
-    for v in g.ids() {
-        last[v.index()] = v.index();
-        for &i in &g.node(v).inputs {
-            last[i.index()] = v.index();
-        }
-    }
-    for (_, v) in &g.outputs {
-        last[v.index()] = n;
-    }
+    let last = g.last_uses();
     let mut frees: Vec<u64> = vec![0; n + 1];
     let mut live = 0u64;
     let mut peak = 0u64;

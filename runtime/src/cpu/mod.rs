@@ -169,22 +169,7 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
             detail: "needs the executor's rank context; use `execute`".into(),
         }),
         // Evaluated by `train::eval` above.
-        Op::UnaryGrad(_)
-        | Op::BiasGrad
-        | Op::WeightGrad { .. }
-        | Op::RmsNormGrad { .. }
-        | Op::LayerNormGrad { .. }
-        | Op::RopeGrad(_)
-        | Op::AttentionProbs(_)
-        | Op::AttentionGrad { .. }
-        | Op::EmbeddingGrad
-        | Op::RouterGrad { .. }
-        | Op::DispatchGrad
-        | Op::CombineGrad { .. }
-        | Op::CrossEntropyGrad { .. }
-        | Op::RepeatGrad { .. }
-        | Op::AdamMoment { .. }
-        | Op::AdamWUpdate(_) => Err(RuntimeError::Unsupported {
+        shardc_compiler::training_ops!() => Err(RuntimeError::Unsupported {
             op: m,
             detail: "a training op outside the training kernels".into(),
         }),

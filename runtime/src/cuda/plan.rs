@@ -520,15 +520,28 @@ mod tests {
         }
     }
 
+    /// Plans the fixture `model`'s 2 × 16 forward graph at `dt` with fusion; checks that each
+    /// layer has one group labelled `per_layer` and at least one labelled `at_least_per_layer`.
+    /// Returns the graph and its fusion plan.
+    fn fuses_per_layer(
+        model: &str,
+        dt: GpuDType,
+        per_layer: &str,
+        at_least_per_layer: &str,
+    ) -> (Graph, FusionPlan) {
+        let cfg = fixture(model);
+        let g = build_forward(&cfg, BuildOptions::new(2, 16)).unwrap();
+        let (_, plan) = plan_memory(&g, dt, true);
+        let count = |l: &str| plan.groups.iter().filter(|x| x.label() == l).count();
+        assert_eq!(count(per_layer), cfg.layers, "{:?}", plan.groups);
+        assert!(count(at_least_per_layer) >= cfg.layers, "{:?}", plan.groups);
+        (g, plan)
+    }
+
     #[test]
     fn llama_fuses_add_rmsnorm_and_swiglu() {
-        let cfg = fixture("llama");
-        let g = build_forward(&cfg, BuildOptions::new(2, 16)).unwrap();
-        let (_, plan) = plan_memory(&g, GpuDType::F32, true);
-        let count = |l: &str| plan.groups.iter().filter(|x| x.label() == l).count();
         // 3 layers: each has a SwiGLU, and each layer's attention residual feeds the MLP norm.
-        assert_eq!(count("swiglu"), cfg.layers, "{:?}", plan.groups);
-        assert!(count("add+rmsnorm") >= cfg.layers, "{:?}", plan.groups);
+        let (g, plan) = fuses_per_layer("llama", GpuDType::F32, "swiglu", "add+rmsnorm");
         // Members are skipped, heads issue their group.
         for (i, grp) in plan.groups.iter().enumerate() {
             assert_eq!(plan.actions[grp.head().index()], Action::Fused(i));
@@ -541,12 +554,7 @@ mod tests {
 
     #[test]
     fn gpt2_fuses_bias_and_gelu_epilogues() {
-        let cfg = fixture("gpt2");
-        let g = build_forward(&cfg, BuildOptions::new(2, 16)).unwrap();
-        let (_, plan) = plan_memory(&g, GpuDType::Bf16, true);
-        let count = |l: &str| plan.groups.iter().filter(|x| x.label() == l).count();
-        assert_eq!(count("gemm+bias+gelu"), cfg.layers, "{:?}", plan.groups);
-        assert!(count("gemm+bias") >= cfg.layers, "{:?}", plan.groups);
+        fuses_per_layer("gpt2", GpuDType::Bf16, "gemm+bias+gelu", "gemm+bias");
     }
 
     #[test]

@@ -341,14 +341,19 @@ pub(crate) fn add_like(
     let before = eg.number_of_classes();
     let c = add(eg, rule, op, children)?;
     if eg.number_of_classes() > before {
-        let meta = eg[like].data.meta.clone();
-        let m = &mut eg[c].data.meta;
-        m.name = meta.name;
-        m.layer = meta.layer;
-        m.role = meta.role;
-        m.derived = meta.derived;
+        take_meta(eg, c, like);
     }
     Some(c)
+}
+
+/// Gives the new class `c` the name, layer, role and derivation of class `like`.
+fn take_meta(eg: &mut SpmdEGraph, c: Id, like: Id) {
+    let meta = eg[like].data.meta.clone();
+    let m = &mut eg[c].data.meta;
+    m.name = meta.name;
+    m.layer = meta.layer;
+    m.role = meta.role;
+    m.derived = meta.derived;
 }
 
 /// As [`add_like`] for an op whose type is declared (`Reshape`): the node is interned with
@@ -377,11 +382,6 @@ pub(crate) fn add_declared(
     }
     eg.analysis.origins.push((node.clone(), rule));
     let c = eg.add(node);
-    let meta = eg[like].data.meta.clone();
-    let m = &mut eg[c].data.meta;
-    m.name = meta.name;
-    m.layer = meta.layer;
-    m.role = meta.role;
-    m.derived = meta.derived;
+    take_meta(eg, c, like);
     Some(c)
 }
