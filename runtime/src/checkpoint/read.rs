@@ -9,7 +9,8 @@ use super::{
 use crate::train::TrainState;
 use crate::Tensor;
 use memmap2::Mmap;
-use shardc_compiler::checkpoint::{rank_reads, stored_pieces, Block, StateKind};
+use rayon::prelude::*;
+use shardc_compiler::checkpoint::{rank_reads, stored_pieces, Block, StateKind, StoredPiece};
 use shardc_compiler::ir::DType;
 use shardc_compiler::plan::Plan;
 use std::collections::BTreeMap;
@@ -296,6 +297,25 @@ impl Checkpoint {
         kind: StateKind,
         block: &Block,
     ) -> Result<Vec<f32>, CheckpointError> {
+        let mut out = vec![0f32; block.numel()];
+        self.read_each(tensor, kind, block, |x, cb, bytes| {
+            for_each_row(x, cb, block, |s, d, n| {
+                decode(&bytes[s * 4..(s + n) * 4], &mut out[d..d + n])
+            });
+        })?;
+        Ok(out)
+    }
+
+    /// Calls `sink(x, chunk, bytes)` for every chunk of `tensor`'s `kind` that overlaps
+    /// `block`: `x` the overlap, `chunk` the chunk's block, `bytes` its data (checksummed).
+    /// An error when the chunks do not cover the block.
+    fn read_each(
+        &self,
+        tensor: &str,
+        kind: StateKind,
+        block: &Block,
+        mut sink: impl FnMut(&Block, &Block, &[u8]),
+    ) -> Result<(), CheckpointError> {
         let Some(t) = self.manifest.tensors.get(tensor) else {
             return Err(CheckpointError::Mismatch {
                 dir: self.dir.clone(),
@@ -311,7 +331,6 @@ impl Checkpoint {
                 ),
             });
         }
-        let mut out = vec![0f32; block.numel()];
         let mut got = 0usize;
         let ids = self
             .index
@@ -323,18 +342,7 @@ impl Checkpoint {
             let Some(x) = cb.intersect(block) else {
                 continue;
             };
-            let bytes = self.chunk_bytes(i)?;
-            for_each_row(&x, &cb, block, |s, d, n| {
-                for (k, o) in out[d..d + n].iter_mut().enumerate() {
-                    let at = (s + k) * 4;
-                    *o = f32::from_le_bytes([
-                        bytes[at],
-                        bytes[at + 1],
-                        bytes[at + 2],
-                        bytes[at + 3],
-                    ]);
-                }
-            });
+            sink(&x, &cb, self.chunk_bytes(i)?);
             got += x.numel();
         }
         if got != block.numel() {
@@ -347,7 +355,45 @@ impl Checkpoint {
                 ),
             });
         }
-        Ok(out)
+        Ok(())
+    }
+
+    /// Reads stored piece `sp` of a parameter's `kind` into `dst`, the global graph-layout
+    /// tensor `whole`: straight from the chunks when the piece is stored as laid out (no
+    /// transpose, no view), else through a buffer.
+    fn read_piece(
+        &self,
+        sp: &StoredPiece,
+        kind: StateKind,
+        dst: &mut [f32],
+        whole: &Block,
+        direct: bool,
+    ) -> Result<(), CheckpointError> {
+        if direct {
+            // Graph coordinates are stored ones, after the stack index when stacked.
+            let lift = |b: &Block| -> Block {
+                let mut g = Block {
+                    offset: sp.graph.offset[..whole.offset.len() - b.offset.len()].to_vec(),
+                    shape: vec![1; whole.offset.len() - b.offset.len()],
+                };
+                g.offset.extend(&b.offset);
+                g.shape.extend(&b.shape);
+                g
+            };
+            return self.read_each(&sp.tensor, kind, &sp.stored, |x, cb, bytes| {
+                for_each_row(&lift(x), &lift(cb), whole, |s, d, n| {
+                    decode(&bytes[s * 4..(s + n) * 4], &mut dst[d..d + n])
+                });
+            });
+        }
+        let mut data = self.read_block(&sp.tensor, kind, &sp.stored)?;
+        if sp.transposed {
+            data = transpose_last2(&data, &sp.stored.shape);
+        }
+        for_each_row(&sp.graph, &sp.graph, whole, |s, d, n| {
+            dst[d..d + n].copy_from_slice(&data[s..s + n]);
+        });
+        Ok(())
     }
 
     /// The training state of plan `plan` from this checkpoint: every parameter's weight and
@@ -388,38 +434,45 @@ impl Checkpoint {
             v: BTreeMap::new(),
             step: self.manifest.step,
         };
-        // Every parameter present (a rank's inputs are cut from global tensors); only the
-        // blocks wanted are read.
-        for p in &train.params {
-            for map in [&mut state.params, &mut state.m, &mut state.v] {
-                map.entry(p.label.clone())
-                    .or_insert_with(|| Tensor::zeros(DType::F32, p.ty.shape()));
-            }
-        }
+        // One tensor per label and state (a tied parameter's copies share one), filled in
+        // parallel.
+        let mut groups: BTreeMap<(String, StateKind), (usize, Vec<Block>)> = BTreeMap::new();
         for ((i, kind), blocks) in wanted {
-            let p = &train.params[i];
+            groups
+                .entry((train.params[i].label.clone(), kind))
+                .or_insert_with(|| (i, Vec::new()))
+                .1
+                .extend(blocks);
+        }
+        let filled = groups
+            .into_par_iter()
+            .map(|((label, kind), (i, blocks))| {
+                let p = &train.params[i];
+                let whole = Block::whole(&p.ty.shape());
+                let direct = !p.source.transposed && p.source.view.is_none();
+                let mut dst = vec![0f32; whole.numel()];
+                for block in blocks {
+                    for sp in stored_pieces(&p.source, &block) {
+                        self.read_piece(&sp, kind, &mut dst, &whole, direct)?;
+                    }
+                }
+                Ok(((label, kind), Tensor::f32(whole.shape, dst)))
+            })
+            .collect::<Result<Vec<_>, CheckpointError>>()?;
+        for ((label, kind), t) in filled {
             let map = match kind {
                 StateKind::Param => &mut state.params,
                 StateKind::ExpAvg => &mut state.m,
                 StateKind::ExpAvgSq => &mut state.v,
             };
-            let whole = Block::whole(&p.ty.shape());
-            let Some(t) = map.get_mut(&p.label) else {
-                unreachable!("invariant: every parameter inserted above");
-            };
-            let crate::Buffer::F32(dst) = &mut t.data else {
-                unreachable!("invariant: zeros(F32) is an f32 buffer");
-            };
-            for block in blocks {
-                for sp in stored_pieces(&p.source, &block) {
-                    let mut data = self.read_block(&sp.tensor, kind, &sp.stored)?;
-                    if sp.transposed {
-                        data = transpose_last2(&data, &sp.stored.shape);
-                    }
-                    for_each_row(&sp.graph, &sp.graph, &whole, |s, d, n| {
-                        dst[d..d + n].copy_from_slice(&data[s..s + n]);
-                    });
-                }
+            map.insert(label, t);
+        }
+        // Every parameter present (a rank's inputs are cut from global tensors); only the
+        // blocks wanted were read.
+        for p in &train.params {
+            for map in [&mut state.params, &mut state.m, &mut state.v] {
+                map.entry(p.label.clone())
+                    .or_insert_with(|| Tensor::zeros(DType::F32, p.ty.shape()));
             }
         }
         Ok(state)
@@ -466,4 +519,11 @@ pub fn step_dir(path: &Path) -> Result<PathBuf, CheckpointError> {
         });
     }
     Ok(dir)
+}
+
+/// Little-endian f32 bytes into `out`.
+fn decode(bytes: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
 }

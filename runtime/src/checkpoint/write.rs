@@ -42,6 +42,55 @@ pub struct SaveInfo<'a> {
 /// global graph-layout tensor that tensor is.
 type Source<'s> = dyn Fn(&PlanParam, &RankPiece) -> Option<(&'s Tensor, Block)> + Sync + 's;
 
+/// One chunk to write: its place in the checkpoint and where its data comes from.
+struct Job<'s> {
+    tensor: String,
+    kind: StateKind,
+    stored: Block,
+    data: JobData<'s>,
+}
+
+/// A chunk's data: a stored tensor whole, or a piece of a graph-layout tensor.
+enum JobData<'s> {
+    Whole(&'s [f32]),
+    Piece {
+        /// The tensor holding it, row-major over `have` (a block of the global tensor).
+        src: &'s [f32],
+        have: Block,
+        /// The piece, in global graph coordinates.
+        graph: Block,
+        /// Stored as the transpose of its last two dims.
+        transposed: bool,
+    },
+}
+
+impl JobData<'_> {
+    /// The chunk's elements in stored order.
+    fn lay_out(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            JobData::Whole(d) => std::borrow::Cow::Borrowed(d),
+            JobData::Piece {
+                src,
+                have,
+                graph,
+                transposed,
+            } => {
+                if !transposed && graph == have {
+                    return std::borrow::Cow::Borrowed(src);
+                }
+                let mut buf = vec![0f32; graph.numel()];
+                for_each_row(graph, have, graph, |s, d, n| {
+                    buf[d..d + n].copy_from_slice(&src[s..s + n]);
+                });
+                if *transposed {
+                    buf = transpose_last2(&buf, &graph.shape);
+                }
+                std::borrow::Cow::Owned(buf)
+            }
+        }
+    }
+}
+
 /// Writes rank `rank`'s owned pieces of training plan `plan`'s state, read through `source`,
 /// to `path`; rank 0 also writes the stored tensors `extra` whole (as weights). Returns the
 /// file's entry and its chunks.
@@ -56,30 +105,9 @@ fn write_rank(
         .train
         .as_ref()
         .ok_or_else(|| LayoutError::NotTraining(plan.model.source.clone()))?;
-    let file = File::create(path).map_err(io_err(path))?;
-    let mut out = BufWriter::with_capacity(1 << 20, file);
-    let mut chunks = Vec::new();
-    let mut at = 0u64;
-    let mut put = |tensor: &str,
-                   kind: StateKind,
-                   block: &Block,
-                   data: &[f32],
-                   chunks: &mut Vec<ChunkRecord>|
-     -> Result<(), CheckpointError> {
-        let bytes: &[u8] = bytemuck::cast_slice(data);
-        out.write_all(bytes).map_err(io_err(path))?;
-        chunks.push(ChunkRecord {
-            tensor: tensor.to_string(),
-            kind,
-            offset: block.offset.clone(),
-            shape: block.shape.clone(),
-            rank,
-            start: at,
-            checksum: format!("blake3:{}", blake3::hash(bytes).to_hex()),
-        });
-        at += bytes.len() as u64;
-        Ok(())
-    };
+    // Every chunk: what it is, and its data (borrowed when a piece is its source tensor whole
+    // and untransposed, else copied out of it).
+    let mut jobs: Vec<Job<'_>> = Vec::new();
     for piece in rank_pieces(plan, rank)?.into_iter().filter(|p| p.owner) {
         let p = &train.params[piece.param];
         let Some((t, have)) = source(p, &piece) else {
@@ -93,25 +121,68 @@ fn write_rank(
         };
         let src = t.as_f32().unwrap_or(&[]);
         for sp in stored_pieces(&p.source, &piece.block) {
-            let mut buf = vec![0f32; sp.graph.numel()];
-            for_each_row(&sp.graph, &have, &sp.graph, |s, d, n| {
-                buf[d..d + n].copy_from_slice(&src[s..s + n]);
+            jobs.push(Job {
+                tensor: sp.tensor.clone(),
+                kind: piece.kind,
+                stored: sp.stored.clone(),
+                data: JobData::Piece {
+                    src,
+                    have: have.clone(),
+                    graph: sp.graph,
+                    transposed: sp.transposed,
+                },
             });
-            if sp.transposed {
-                buf = transpose_last2(&buf, &sp.graph.shape);
-            }
-            put(&sp.tensor, piece.kind, &sp.stored, &buf, &mut chunks)?;
         }
     }
     if rank == 0 {
         for (name, t) in extra {
-            put(
-                name,
-                StateKind::Param,
-                &Block::whole(&t.shape),
-                t.as_f32().unwrap_or(&[]),
-                &mut chunks,
-            )?;
+            jobs.push(Job {
+                tensor: name.clone(),
+                kind: StateKind::Param,
+                stored: Block::whole(&t.shape),
+                data: JobData::Whole(t.as_f32().unwrap_or(&[])),
+            });
+        }
+    }
+    let file = File::create(path).map_err(io_err(path))?;
+    let mut out = BufWriter::with_capacity(1 << 20, file);
+    let mut chunks = Vec::with_capacity(jobs.len());
+    let mut at = 0u64;
+    // In batches of about 256 MiB: chunks laid out and hashed in parallel, written in order.
+    let mut rest = &jobs[..];
+    while !rest.is_empty() {
+        let mut n = 0;
+        let mut size = 0usize;
+        while n < rest.len() && (n == 0 || size + rest[n].stored.numel() * 4 <= 256 << 20) {
+            size += rest[n].stored.numel() * 4;
+            n += 1;
+        }
+        let (batch, tail) = rest.split_at(n);
+        rest = tail;
+        let laid: Vec<(std::borrow::Cow<'_, [f32]>, String)> = batch
+            .par_iter()
+            .map(|j| {
+                let data = j.data.lay_out();
+                let sum = format!(
+                    "blake3:{}",
+                    blake3::hash(bytemuck::cast_slice(&data)).to_hex()
+                );
+                (data, sum)
+            })
+            .collect();
+        for (j, (data, checksum)) in batch.iter().zip(laid) {
+            let bytes: &[u8] = bytemuck::cast_slice(&data);
+            out.write_all(bytes).map_err(io_err(path))?;
+            chunks.push(ChunkRecord {
+                tensor: j.tensor.clone(),
+                kind: j.kind,
+                offset: j.stored.offset.clone(),
+                shape: j.stored.shape.clone(),
+                rank,
+                start: at,
+                checksum,
+            });
+            at += bytes.len() as u64;
         }
     }
     let file = out.into_inner().map_err(|e| CheckpointError::Io {
