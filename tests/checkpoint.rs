@@ -107,6 +107,7 @@ fn state_saved_on_any_layout_loads_bit_for_bit_on_any_other() {
         ("dp=2", &["zero1"], 1),
         ("tp=2", &["sp"], 1),
         ("dp=2", &["zero3"], 2),
+        ("dp=2,cp=2", &["zero2"], 1),
         ("pp=2", &[], 2),
         ("pp=2,dp=2,tp=2", &[], 2),
     ];
@@ -244,6 +245,7 @@ fn layout(name: &str) -> Vec<&'static str> {
         "dp=2,tp=2,pp=2" => vec!["--mesh", "pp=2,dp=2,tp=2", "--micro-batches", "2"],
         "ep=2" => vec!["--mesh", "ep=2"],
         "ep=2,tp=2+sp" => vec!["--mesh", "ep=2,tp=2", "--strategy", "sp"],
+        "dp=2,cp=2+zero1" => vec!["--mesh", "dp=2,cp=2", "--strategy", "zero1"],
         other => panic!("unknown layout {other}"),
     }
 }
@@ -270,6 +272,8 @@ fn training_resumed_on_another_layout_equals_uninterrupted_training_there() {
         ("llama", "pp=2", "dp=2,tp=2,pp=2"),
         ("llama", "dp=2,tp=2,pp=2", "unsharded"),
         ("llama", "dp=2,tp=2,pp=2", "dp=2,tp=2,pp=2"),
+        ("llama", "dp=2,cp=2+zero1", "tp=2+sp"),
+        ("llama", "pp=2", "dp=2,cp=2+zero1"),
         ("gpt2", "unsharded", "tp=2+sp"),
         ("gpt2", "tp=2+sp", "dp=2+zero3"),
         ("gpt2", "tp=2+sp", "tp=2+sp"),
