@@ -308,8 +308,9 @@ fn activation_memory_per_rank_divides_by_cp() {
 /// (N−1)/N · V_KV forward (V_KV = 2·b·s·h_kv·e), and backward gathers K/V again and
 /// reduce-scatters dK/dV (twice that); Ulysses sends (N−1)/N · b·(s/N)·(2h + 2h_kv)·e
 /// forward, and backward exchanges the saved q, k, v and output again before the gradients
-/// (twice that); the ring sends (N−1)/N · V_KV round inside its op and backward as the
-/// all-gather does. Activations are saved split, as Megatron saves K/V: memory ÷cp.
+/// (twice that); the ring sends (N−1)/N · V_KV round inside its op, and its backward K once
+/// more, then K, V and their dK/dV accumulators (2.5 times that). Activations are saved
+/// split, as Megatron saves K/V: memory ÷cp.
 #[test]
 fn traffic_per_layer_matches_the_formulas() {
     use shardc::compiler::autodiff::Recompute;
@@ -334,11 +335,13 @@ fn traffic_per_layer_matches_the_formulas() {
             // Backward: the saved q, k, v and output exchanged again, then the gradients.
             (&["cp-ulysses"][..], ulysses, 2.0 * ulysses),
             // The ring sends its blocks round (N−1 steps of V_KV/N, inside the op); with
-            // selective recomputation nothing else gathers K/V in the forward.
+            // selective recomputation nothing else gathers K/V in the forward. Its backward
+            // goes round twice: K for the softmax statistics, then K, V and their dK/dV
+            // accumulators (counted as the all-gather and reduce-scatter they replace).
             (
                 &["cp-ring"][..],
                 (nf - 1.0) / nf * v_kv,
-                2.0 * (nf - 1.0) / nf * v_kv,
+                2.5 * (nf - 1.0) / nf * v_kv,
             ),
         ] {
             if n == 4 && extra.contains(&"cp-ulysses") {
@@ -369,6 +372,7 @@ fn traffic_per_layer_matches_the_formulas() {
                         | Op::ReduceScatter { .. }
                         | Op::AllToAll { .. }
                         | Op::RingAttention { .. }
+                        | Op::RingAttentionGrad { .. }
                 );
                 if node.layer != Some(0) || node.op.axis() != Some("cp") || !exchange {
                     continue;
@@ -377,6 +381,11 @@ fn traffic_per_layer_matches_the_formulas() {
                     // The K and V blocks of every rank pass through.
                     Op::RingAttention { parts, .. } => {
                         (g.ty(node.inputs[1]).numel() + g.ty(node.inputs[2]).numel()) as f64
+                            * (parts as f64)
+                            * e
+                    }
+                    Op::RingAttentionGrad { parts, .. } => {
+                        (3 * g.ty(node.inputs[1]).numel() + 2 * g.ty(node.inputs[2]).numel()) as f64
                             * (parts as f64)
                             * e
                     }

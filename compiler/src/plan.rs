@@ -571,6 +571,11 @@ impl Plan {
                             .iter()
                             .map(|&i| g.ty(i).size_bytes() as u64 * *parts as u64)
                             .sum(),
+                        // K once for the statistics, then K, V and their accumulators.
+                        Op::RingAttentionGrad { parts, .. } => {
+                            let (k, v) = (g.ty(n.inputs[1]), g.ty(n.inputs[2]));
+                            (3 * k.size_bytes() + 2 * v.size_bytes()) as u64 * *parts as u64
+                        }
                         Op::AgMatMul { parts, .. } => {
                             g.ty(n.inputs[0]).size_bytes() as u64 * *parts as u64
                         }

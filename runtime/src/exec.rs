@@ -546,6 +546,21 @@ impl<'g, 'p> Run<'g, 'p> {
                     &wrap,
                 ))
             }
+            Op::RingAttentionGrad { spec, axis, parts } => {
+                let keys = cpu::attention::Keys::of(spec, &args[5..]);
+                owned(cpu::ring_attention::ring_attention_grad(
+                    self.ctx.comm(axis)?,
+                    args[0],
+                    args[1],
+                    args[2],
+                    args[3],
+                    args[4],
+                    keys,
+                    spec,
+                    *parts,
+                    &wrap,
+                ))
+            }
             Op::RankOffset { axis, stride } => {
                 let (coord, _) = self.coord(axis)?;
                 owned(elementwise::rank_offset(args[0], coord, *stride))

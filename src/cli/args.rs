@@ -40,7 +40,7 @@ pub struct CpArgs {
     /// Context parallelism's exchange of keys and values on a `cp` mesh axis: `allgather`
     /// (K/V all-gathered, queries stay split: Llama 3, Megatron `allgather`; the default),
     /// `ring` (K/V blocks passed round the ring, overlapped with each block's attention: Ring
-    /// Attention, Megatron `p2p`; forward only, the backward all-gathers) or `ulysses`
+    /// Attention, Megatron `p2p`; the backward goes round the ring too) or `ulysses`
     /// (all-to-all from sequence-split to head-split and back: DeepSpeed-Ulysses).
     #[arg(long, value_name = "ALGO")]
     pub cp_algo: Option<String>,

@@ -61,7 +61,9 @@ pub struct Grad {
     /// Context parallelism's K/V (attention reading them gathered over an axis, or passed
     /// round its ring): the backward gathers them again before the gradient, as the compiled
     /// step does (the forward keeps them split), and after a ring reduce-scatters dK/dV (after
-    /// a gather, the gather's own gradient does). Axis, gathered bytes, ring.
+    /// a gather, the gather's own gradient does); the compiled ring backward
+    /// (`RingAttentionGrad`) moves the same K/V and dK/dV round the ring, plus K once more
+    /// for the softmax statistics, which this leaves out. Axis, gathered bytes, ring.
     pub exchange: Option<(String, u64, bool)>,
 }
 

@@ -57,7 +57,9 @@ fn causal_share(g: &Graph, v: ValueId, causal: bool) -> f64 {
     }
     let (spec, ring) = match &node.op {
         Op::Attention(s) | Op::AttentionProbs(s) => (s, 1),
-        Op::RingAttention { spec, parts, .. } => (spec, *parts),
+        Op::RingAttention { spec, parts, .. } | Op::RingAttentionGrad { spec, parts, .. } => {
+            (spec, *parts)
+        }
         _ => return 0.5,
     };
     let n = node.inputs.len();
@@ -531,6 +533,23 @@ pub fn node_cost_routed(
                 axis.clone(),
                 CollectiveKind::AllGather,
                 kv * *parts as f64,
+                *parts,
+            ));
+        }
+        Op::RingAttentionGrad { spec, axis, parts } => {
+            // The scores once more for the softmax statistics, then the FlashAttention
+            // backward, block by block round the ring: what the attention's forward and
+            // backward kernels cost over every rank's keys.
+            let mut whole = NodeCost::default();
+            attention_cost(g, v, spec.causal, spec.window, *parts, opts, &mut whole);
+            c.fwd.extend(whole.fwd);
+            c.fwd.extend(whole.dgrad);
+            // K passed once, then K, V and their dK/dV accumulators.
+            let (k, vv) = (b(node.inputs[1]), b(node.inputs[2]));
+            c.embedded_comm = Some((
+                axis.clone(),
+                CollectiveKind::AllGather,
+                (3.0 * k + 2.0 * vv) * *parts as f64,
                 *parts,
             ));
         }

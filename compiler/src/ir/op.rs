@@ -402,6 +402,24 @@ pub enum Op {
         /// Axis size.
         parts: usize,
     },
+    /// `(q[B,T,Hq,D], k[B,c,Hkv,D], v, o[B,T,Hq,D], dy[B,T,Hq,D] [, mask[B,S]] [, qidx[T],
+    /// kidx[S]]) -> f32[|q| + |k| + |v|]`: the gradients of `RingAttention { spec, axis, parts }`
+    /// (output `o`, upstream gradient `dy`) wrt `q`, this rank's `k` block and its `v` block,
+    /// packed in that order (each row-major in its operand's shape), computed without
+    /// gathering the keys: a first pass round the ring takes each query's softmax statistics
+    /// from every K block, a second passes the K/V blocks again with their dK/dV accumulators,
+    /// which each rank adds its queries' contributions to and which arrive back at the
+    /// block's owner after the last hop (the backward of Ring Attention, FlashAttention-style:
+    /// no probabilities beyond one block's are held). Equals the `AttentionGrad`s of the
+    /// gathered attention, dK/dV reduce-scattered back to the blocks, up to summation order.
+    RingAttentionGrad {
+        /// The forward attention's parameters.
+        spec: AttnSpec,
+        /// Mesh axis of the ring.
+        axis: AxisName,
+        /// Axis size.
+        parts: usize,
+    },
     /// `-> i32[len]`: the original index of each position of a sequence laid out in `order`
     /// (the query and key indices of context-parallel attention).
     SeqIndex {
@@ -774,6 +792,7 @@ impl Op {
             Op::Attention(_) => "attention",
             Op::SeqIndex { .. } => "seq_index",
             Op::RingAttention { .. } => "ring_attention",
+            Op::RingAttentionGrad { .. } => "ring_attention_grad",
             Op::SeqPermute { .. } => "seq_permute",
             Op::Softmax => "softmax",
             Op::Reshape => "reshape",
@@ -845,7 +864,8 @@ impl Op {
             | Op::CrossEntropyShardGrad { axis, .. }
             | Op::AgMatMul { axis, .. }
             | Op::MatMulRs { axis, .. }
-            | Op::RingAttention { axis, .. } => Some(axis),
+            | Op::RingAttention { axis, .. }
+            | Op::RingAttentionGrad { axis, .. } => Some(axis),
             _ => None,
         }
     }
@@ -856,7 +876,10 @@ impl Op {
         self.is_collective()
             || matches!(
                 self,
-                Op::AgMatMul { .. } | Op::MatMulRs { .. } | Op::RingAttention { .. }
+                Op::AgMatMul { .. }
+                    | Op::MatMulRs { .. }
+                    | Op::RingAttention { .. }
+                    | Op::RingAttentionGrad { .. }
             )
     }
 
@@ -1060,6 +1083,36 @@ impl Op {
                 Op::Attention(*spec)
                     .infer(&all, None)
                     .map_err(|e| shape_err(m, e.to_string()))
+            }
+            Op::RingAttentionGrad { spec, axis, parts } => {
+                if inputs.len() < 5 {
+                    return Err(IrError::Arity {
+                        op: m,
+                        expected: "at least 5",
+                        found: inputs.len(),
+                    });
+                }
+                // The forward's operands (o and dy left out) give the forward's type.
+                let mut fwd = vec![inputs[0], inputs[1], inputs[2]];
+                fwd.extend(&inputs[5..]);
+                let ring = Op::RingAttention {
+                    spec: *spec,
+                    axis: axis.clone(),
+                    parts: *parts,
+                };
+                let o = ring
+                    .infer(&fwd, None)
+                    .map_err(|e| shape_err(m, e.to_string()))?;
+                for (t, what) in [(inputs[3], "o"), (inputs[4], "dy")] {
+                    if t.shape() != o.shape() {
+                        return Err(shape_err(
+                            m,
+                            format!("{what} {t} must have the attention output's shape {o}"),
+                        ));
+                    }
+                }
+                let n = inputs[0].numel() + inputs[1].numel() + inputs[2].numel();
+                Ok(TensorType::new(o.dtype, vec![Dim::new(Role::Other, n)]))
             }
             Op::SeqIndex { len, order } => {
                 arity(self, inputs, 0, "0")?;

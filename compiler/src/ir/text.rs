@@ -171,6 +171,12 @@ mod tests {
             parts: 2,
         };
         let ring = g.add(ring, &[qr, kb, kb, mask, idx, idx], "")?;
+        let ring_grad = Op::RingAttentionGrad {
+            spec,
+            axis: "cp".into(),
+            parts: 2,
+        };
+        g.add(ring_grad, &[qr, kb, kb, ring, ring, mask, idx, idx], "")?;
         let back = Op::SeqPermute {
             dim: 1,
             order,
@@ -437,8 +443,8 @@ mod tests {
         let g = every_op()?;
         let mnemonics: std::collections::HashSet<_> =
             g.nodes.iter().map(|n| n.op.mnemonic()).collect();
-        // 35 ops, plus the rewriter's 5 fused ones and 17 training ops.
-        assert_eq!(mnemonics.len(), 35 + 5 + 17, "every Op variant is covered");
+        // 35 ops, plus the rewriter's 5 fused ones and 18 training ops.
+        assert_eq!(mnemonics.len(), 35 + 5 + 18, "every Op variant is covered");
         round_trip(&g);
         Ok(())
     }

@@ -554,7 +554,8 @@ fn check_graph(
                 | Op::CrossEntropyStats { parts, .. }
                 | Op::AgMatMul { parts, .. }
                 | Op::MatMulRs { parts, .. }
-                | Op::RingAttention { parts, .. } => Some(*parts),
+                | Op::RingAttention { parts, .. }
+                | Op::RingAttentionGrad { parts, .. } => Some(*parts),
                 _ => None,
             };
             check_axis(mesh, axis, parts, n.op.mnemonic()).map_err(|m| node_err(v, m))?;

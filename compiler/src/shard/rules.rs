@@ -342,7 +342,8 @@ pub fn rule(op: &Op, ins: &[&TensorType], out: &TensorType) -> Option<FactorRule
         | Op::AddRmsNorm { .. }
         | Op::AgMatMul { .. }
         | Op::MatMulRs { .. }
-        | Op::RingAttention { .. } => return None,
+        | Op::RingAttention { .. }
+        | Op::RingAttentionGrad { .. } => return None,
         crate::training_ops!() => train_rule(op, &ranks),
     })
 }

@@ -313,9 +313,11 @@ fn block_key(g: &Graph, v: ValueId) -> Option<(u32, bool)> {
 /// Context parallelism's ring (rule `ring-attention`): an indexed attention whose keys and
 /// values are all-gathered over `axis` along the sequence becomes one `RingAttention` that
 /// reads this rank's blocks and passes them round the ring, each block's attention
-/// overlapping the next transfer. A gather left without readers (the forward's, when the
-/// backward reads K/V gathered again) is dropped; one another op still reads (attention
-/// probabilities saved in the forward) stays.
+/// overlapping the next transfer. In a training step its backward goes round the ring too:
+/// the three `AttentionGrad`s of the gathered K/V (and the reduce-scatters that return dK/dV
+/// to the blocks) become one `RingAttentionGrad`, whose packed dq, dk, dv are sliced out
+/// where they were read. What is left without readers (the gathers, the probabilities the
+/// forward saved for the backward) is dropped.
 pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGraph, ShardError> {
     let g = &sg.graph;
     let n = g.len();
@@ -345,19 +347,14 @@ pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGrap
     if ring.is_empty() {
         return Ok(sg);
     }
-    // Readers left to each gather once the attentions read the blocks.
-    let users = g.users();
-    let dead = |x: ValueId| {
-        gathered(x).is_some()
-            && !users[x.index()].is_empty()
-            && users[x.index()]
-                .iter()
-                .all(|u| ring.contains_key(&u.index()))
-            && !g.outputs.iter().any(|(_, o)| *o == x)
-    };
+    let backward = ring_backward(&sg, axis, &ring);
     let mut r = Rebuild::new(n);
+    let live = live_after(g, &ring, &backward);
     for v in g.ids() {
-        if dead(v) {
+        if let Some(group) = backward.first.get(&v.index()) {
+            push_ring_grad(&mut r, &sg, axis, group)?;
+        }
+        if !live[v.index()] || r.map[v.index()].is_some() {
             continue;
         }
         let node = g.node(v);
@@ -379,14 +376,6 @@ pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGrap
             .iter()
             .map(|i| r.map[i.index()].expect("invariant: operands are copied first"))
             .collect();
-        let prov = Provenance {
-            value: g.node(ks).name.clone(),
-            from: sg.shardings[ks.index()].display(&sg.mesh),
-            to: sg.shardings[node.inputs[1].index()].display(&sg.mesh),
-            required_by: ReshardReason::Rule {
-                rule: "ring-attention".into(),
-            },
-        };
         let x = r.push(
             op,
             &inputs,
@@ -394,11 +383,291 @@ pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGrap
             node.name.clone(),
             (node.layer, node.role),
             sg.shardings[v.index()].clone(),
-            Some(prov),
+            Some(ring_provenance(&sg, ks, node.inputs[1])),
         )?;
         r.map[v.index()] = Some(x);
     }
     Ok(r.finish(sg))
+}
+
+/// Why a ring op exchanges: K/V read in blocks where the layout gathered them.
+fn ring_provenance(sg: &ShardedGraph, local: ValueId, gathered: ValueId) -> Provenance {
+    Provenance {
+        value: sg.graph.node(local).name.clone(),
+        from: sg.shardings[local.index()].display(&sg.mesh),
+        to: sg.shardings[gathered.index()].display(&sg.mesh),
+        required_by: ReshardReason::Rule {
+            rule: "ring-attention".into(),
+        },
+    }
+}
+
+/// One ring attention's backward: its operands and the nodes its packed gradient replaces.
+struct RingGrad {
+    spec: crate::ir::AttnSpec,
+    /// The attention's output (forward, or recomputed).
+    o: ValueId,
+    /// The mask and indices the probabilities were computed with.
+    keys: Vec<ValueId>,
+    /// A name for the packed gradient.
+    name: String,
+    q: ValueId,
+    k: ValueId,
+    v: ValueId,
+    dy: ValueId,
+    parts: usize,
+    /// Read where dq was: the `AttentionGrad` wrt q.
+    dq: ValueId,
+    /// Read where dk and dv were: the reduce-scatters of the gathered gradients.
+    dk: ValueId,
+    dv: ValueId,
+    /// The nodes no longer computed: the gathered gradients wrt k and v.
+    gone: [ValueId; 2],
+}
+
+/// The ring attentions' backward passes found in a program.
+struct RingBackward {
+    /// By the index of the group's first node (where the packed gradient is made).
+    first: BTreeMap<usize, RingGrad>,
+}
+
+/// The `AttentionGrad`s of the attentions going round the ring: for each, the three
+/// gradients of the same forward (through its probabilities) and upstream gradient, read
+/// from K/V gathered over `axis`, with dK and dV reduce-scattered back over it and read
+/// nowhere else. Attentions whose backward has another shape keep it.
+fn ring_backward(
+    sg: &ShardedGraph,
+    axis: &str,
+    ring: &BTreeMap<usize, (ValueId, ValueId, usize)>,
+) -> RingBackward {
+    use crate::ir::AttnWrt;
+    let g = &sg.graph;
+    let users = g.users();
+    let through_views = |mut x: ValueId| {
+        while matches!(g.node(x).op, Op::Reshape) {
+            x = g.node(x).inputs[0];
+        }
+        x
+    };
+    let gather_of = |x: ValueId| match &g.node(x).op {
+        Op::AllGather {
+            axis: a,
+            dim: 1,
+            parts,
+        } if a == axis => Some((g.node(x).inputs[0], *parts)),
+        _ => None,
+    };
+    // An attention by its query and the keys its gather reads (through views: the backward
+    // reads the saved copies).
+    let qk = |q: ValueId, kg: ValueId| -> Option<(usize, usize)> {
+        let (k, _) = gather_of(kg)?;
+        Some((through_views(q).index(), through_views(k).index()))
+    };
+    let by_qk: BTreeMap<(usize, usize), ValueId> = ring
+        .keys()
+        .filter_map(|&a| {
+            let n = g.node(ValueId(a as u32));
+            Some((qk(n.inputs[0], n.inputs[1])?, ValueId(a as u32)))
+        })
+        .collect();
+    // (attention, dy) → the gradient node per operand.
+    let mut grads: BTreeMap<(usize, usize), [Option<ValueId>; 3]> = BTreeMap::new();
+    for v in g.ids() {
+        let node = g.node(v);
+        let Op::AttentionGrad { wrt, spec } = node.op else {
+            continue;
+        };
+        if !spec.indexed || node.inputs.len() != 5 {
+            continue;
+        }
+        let probs = g.node(through_views(node.inputs[4]));
+        if !matches!(probs.op, Op::AttentionProbs(_)) {
+            continue;
+        }
+        let Some(&a) = qk(probs.inputs[0], probs.inputs[1]).and_then(|key| by_qk.get(&key)) else {
+            continue;
+        };
+        let slot = match wrt {
+            AttnWrt::Q => 0,
+            AttnWrt::K => 1,
+            AttnWrt::V => 2,
+        };
+        grads
+            .entry((a.index(), node.inputs[3].index()))
+            .or_default()[slot] = Some(v);
+    }
+    let mut first = BTreeMap::new();
+    for ((a, dy), [gq, gk, gv]) in grads {
+        let (Some(gq), Some(gk), Some(gv)) = (gq, gk, gv) else {
+            continue;
+        };
+        let gnode = g.node(gq);
+        // The three read the same operands; k and v gathered over the ring's axis.
+        let same = [gk, gv].iter().all(|&x| g.node(x).inputs == gnode.inputs);
+        let (Some((k, p)), Some((v, p2))) =
+            (gather_of(gnode.inputs[1]), gather_of(gnode.inputs[2]))
+        else {
+            continue;
+        };
+        // dK, dV each reduce-scattered back to the blocks, and read nowhere else.
+        let scattered = |x: ValueId| -> Option<ValueId> {
+            let us = &users[x.index()];
+            if us.len() != 1 || g.outputs.iter().any(|(_, o)| *o == x) {
+                return None;
+            }
+            match &g.node(us[0]).op {
+                Op::ReduceScatter {
+                    axis: ax,
+                    dim: 1,
+                    parts,
+                } if ax == axis && *parts == p => Some(us[0]),
+                _ => None,
+            }
+        };
+        let (Some(dk), Some(dv)) = (scattered(gk), scattered(gv)) else {
+            continue;
+        };
+        if !same || p != p2 || ring[&a].2 != p {
+            continue;
+        }
+        let at = gq.index().min(gk.index()).min(gv.index());
+        let probs = g.node(through_views(gnode.inputs[4]));
+        let Op::AttentionProbs(spec) = probs.op else {
+            continue;
+        };
+        first.insert(
+            at,
+            RingGrad {
+                spec,
+                o: ValueId(a as u32),
+                keys: probs.inputs[2..].to_vec(),
+                name: format!("{}.ring_grad", g.node(ValueId(a as u32)).name),
+                q: gnode.inputs[0],
+                k,
+                v,
+                dy: ValueId(dy as u32),
+                parts: p,
+                dq: gq,
+                dk,
+                dv,
+                gone: [gk, gv],
+            },
+        );
+    }
+    RingBackward { first }
+}
+
+/// Which nodes the ring program keeps: everything the outputs (and inputs) still need once
+/// the ring attentions read K/V blocks and their backward is one ring op.
+fn live_after(
+    g: &Graph,
+    ring: &BTreeMap<usize, (ValueId, ValueId, usize)>,
+    backward: &RingBackward,
+) -> Vec<bool> {
+    // Each node's operands in the new program.
+    let replaced: BTreeMap<usize, Vec<ValueId>> = backward
+        .first
+        .values()
+        .flat_map(|r| {
+            let mut ins = vec![r.q, r.k, r.v, r.o, r.dy];
+            ins.extend(&r.keys);
+            [r.dq, r.dk, r.dv].map(|x| (x.index(), ins.clone()))
+        })
+        .collect();
+    let operands = |v: ValueId| -> Vec<ValueId> {
+        if let Some(ins) = replaced.get(&v.index()) {
+            return ins.clone();
+        }
+        let node = g.node(v);
+        match ring.get(&v.index()) {
+            Some(&(ks, vs, _)) => {
+                let mut ins = vec![node.inputs[0], ks, vs];
+                ins.extend(&node.inputs[3..]);
+                ins
+            }
+            None => node.inputs.clone(),
+        }
+    };
+    let mut live = vec![false; g.len()];
+    let mut stack: Vec<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
+    stack.extend(
+        g.ids()
+            .filter(|&v| matches!(g.node(v).op, Op::Input { .. })),
+    );
+    while let Some(v) = stack.pop() {
+        if std::mem::replace(&mut live[v.index()], true) {
+            continue;
+        }
+        stack.extend(operands(v));
+    }
+    live
+}
+
+/// Pushes ring attention backward `r` (its packed gradient, then dq, dk and dv sliced out
+/// and shaped as the values they replace, which map to them).
+fn push_ring_grad(
+    rb: &mut Rebuild,
+    sg: &ShardedGraph,
+    axis: &str,
+    r: &RingGrad,
+) -> Result<(), ShardError> {
+    let g = &sg.graph;
+    let mut inputs = vec![r.q, r.k, r.v, r.o, r.dy];
+    inputs.extend(&r.keys);
+    let inputs: Vec<ValueId> = inputs
+        .iter()
+        .map(|i| rb.map[i.index()].expect("invariant: operands are copied first"))
+        .collect();
+    let dq = g.node(r.dq);
+    // The pack differs on every rank of the axes that split any of its parts.
+    let mut axes: Vec<crate::shard::AxisId> = [r.dq, r.dk, r.dv]
+        .iter()
+        .flat_map(|x| sg.shardings[x.index()].used_axes())
+        .collect();
+    axes.extend(sg.mesh.axis(axis));
+    axes.sort();
+    axes.dedup();
+    let packed = rb.push(
+        Op::RingAttentionGrad {
+            spec: r.spec,
+            axis: axis.to_string(),
+            parts: r.parts,
+        },
+        &inputs,
+        None,
+        r.name.clone(),
+        (dq.layer, dq.role),
+        TensorSharding::split(1, 0, &axes),
+        Some(ring_provenance(sg, r.k, g.node(r.gone[0]).inputs[1])),
+    )?;
+    let mut start = 0;
+    // Named as the gradients they are (dk and dv no longer come from a reduce-scatter).
+    let names = [r.dq, r.gone[0], r.gone[1]].map(|x| g.node(x).name.clone());
+    for (x, name) in [r.dq, r.dk, r.dv].into_iter().zip(names) {
+        let node = g.node(x);
+        let len = node.ty.numel();
+        let slice = rb.push(
+            Op::Slice { dim: 0, start, len },
+            &[packed],
+            None,
+            format!("{name}.slice"),
+            (node.layer, node.role),
+            TensorSharding::split(1, 0, &axes),
+            None,
+        )?;
+        let y = rb.push(
+            Op::Reshape,
+            &[slice],
+            Some(node.ty.clone()),
+            name,
+            (node.layer, node.role),
+            sg.shardings[x.index()].clone(),
+            None,
+        )?;
+        rb.map[x.index()] = Some(y);
+        start += len;
+    }
+    Ok(())
 }
 
 /// `prefetch`: every parameter all-gather moved to the start of the layer block that runs

@@ -28,7 +28,7 @@ use shardc_compiler::ir::{Op, TensorType};
 pub(crate) const PAR_MIN: usize = 1 << 15;
 
 /// Evaluates one context-free op on the CPU: every op except `Input`, `Param`, the
-/// collectives, `AgMatMul`, `MatMulRs`, `RingAttention`, `LocalSlice`, `RankOffset`, `CrossEntropyStats` and
+/// collectives, `AgMatMul`, `MatMulRs`, `RingAttention`, `RingAttentionGrad`, `LocalSlice`, `RankOffset`, `CrossEntropyStats` and
 /// `CrossEntropyShardGrad` (those need the executor's rank context).
 /// `out` is the node's type: it supplies the shape of `Reshape` and the dtype of `Cast`.
 ///
@@ -156,6 +156,7 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
         | Op::AgMatMul { .. }
         | Op::MatMulRs { .. }
         | Op::RingAttention { .. }
+        | Op::RingAttentionGrad { .. }
         | Op::AllReduce { .. }
         | Op::ReduceScatter { .. }
         | Op::AllGather { .. }

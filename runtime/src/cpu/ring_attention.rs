@@ -133,3 +133,176 @@ pub(crate) fn ring_attention(
     let out = layout::permute(&out, &[b, hq, t, d], &[0, 2, 1, 3]);
     Ok(Tensor::f32(q.shape.clone(), out))
 }
+
+/// `RingAttentionGrad { spec, parts }`: `q`, this rank's `k`, `v` blocks, the forward's
+/// output `o` and its gradient `dy` (both `[B,T,Hq,D]`), and `keys` → `dq`, `dk`, `dv` packed
+/// (flat, in that order). Two passes round the ring: the K blocks, for each query row's
+/// softmax statistics (maximum and sum of exponentials); then the K/V blocks with their dK/dV
+/// accumulators, each rank adding its queries' contributions before passing them on, so that
+/// after `parts` hops every block's accumulators are back at its owner, complete. With
+/// `δᵢ = dyᵢ·oᵢ` and `pᵢⱼ = exp(sᵢⱼ − lseᵢ)`: `dsᵢⱼ = pᵢⱼ (dyᵢ·vⱼ − δᵢ)`, `dqᵢ += scale·dsᵢⱼ kⱼ`,
+/// `dkⱼ += scale·dsᵢⱼ qᵢ`, `dvⱼ += pᵢⱼ dyᵢ` (GQA: a KV head sums its query heads).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ring_attention_grad(
+    comm: &dyn Communicator,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    dy: &Tensor,
+    keys: Keys,
+    spec: &AttnSpec,
+    parts: usize,
+    wrap: Wrap,
+) -> Result<Tensor, RuntimeError> {
+    const OP: &str = "ring_attention_grad";
+    let mut all = vec![q, k, v, o, dy];
+    all.extend(keys.all());
+    if comm.size() != parts || parts == 0 {
+        return Err(RuntimeError::AxisSize {
+            axis: comm.name().to_string(),
+            expected: parts,
+            found: comm.size(),
+        });
+    }
+    if k.shape != v.shape || o.shape != q.shape || dy.shape != q.shape {
+        return Err(shape_err(
+            OP,
+            &all,
+            "expects q, k, v of rank 4 with k and v alike, and o, dy shaped as q",
+        ));
+    }
+    let (b, t, hq, d, c, hkv) = dims(OP, q, k, &all)?;
+    let s = c * parts;
+    if keys.mask.is_some_and(|m| m.shape != [b, s]) {
+        return Err(shape_err(OP, &all, "mask must be [B, S] of the whole ring"));
+    }
+    let (md, index) = keys.data(OP, 5, &all, (t, s))?;
+    let visible = visibility(spec, t, s, md, index);
+    let (qd, od, dyd) = (f32_of(OP, q, 0)?, f32_of(OP, o, 3)?, f32_of(OP, dy, 4)?);
+    let rep = hq / hkv;
+    let scale = spec.scale.0 as f64;
+    let (n, r) = (parts, comm.rank());
+    let rows = b * hq * t;
+    let qrow = |bi: usize, ti: usize, h: usize| ((bi * t + ti) * hq + h) * d;
+    let krow = |bi: usize, j: usize, kh: usize| ((bi * c + j) * hkv + kh) * d;
+    let dot =
+        |x: &[f32], y: &[f32]| -> f64 { x.iter().zip(y).map(|(a, b)| *a as f64 * *b as f64).sum() };
+    // The score of query row (bi, h, ti) against key j of the block from rank `src`, if seen.
+    let score = |kd: &[f32], bi: usize, h: usize, ti: usize, src: usize, j: usize| {
+        visible(bi, ti, src * c + j).then(|| {
+            let qr = &qd[qrow(bi, ti, h)..][..d];
+            let kr = &kd[krow(bi, j, h / rep)..][..d];
+            // As the forward computes it: an f32 dot product, then the scale.
+            let dot32: f32 = qr.iter().zip(kr).map(|(x, y)| x * y).sum();
+            (dot32 * spec.scale.0) as f64
+        })
+    };
+
+    // Pass 1: every row's log-sum-exp over all the keys it sees.
+    let mut max = vec![f64::NEG_INFINITY; rows];
+    let mut sum = vec![0.0f64; rows];
+    let mut cur: Vec<f32> = f32_of(OP, k, 1)?.to_vec();
+    for step in 0..n {
+        if step + 1 < n {
+            comm.send(&cur, (r + 1) % n).map_err(wrap)?;
+        }
+        let src = (r + n - step) % n;
+        for bi in 0..b {
+            for h in 0..hq {
+                for ti in 0..t {
+                    let row = (bi * hq + h) * t + ti;
+                    for j in 0..c {
+                        let Some(x) = score(&cur, bi, h, ti, src, j) else {
+                            continue;
+                        };
+                        if x > max[row] {
+                            sum[row] *= (max[row] - x).exp();
+                            max[row] = x;
+                        }
+                        sum[row] += (x - max[row]).exp();
+                    }
+                }
+            }
+        }
+        if step + 1 < n {
+            comm.recv(&mut cur, (r + n - 1) % n).map_err(wrap)?;
+        }
+    }
+    let lse: Vec<f64> = (0..rows)
+        .map(|i| {
+            if sum[i] > 0.0 {
+                max[i] + sum[i].ln()
+            } else {
+                f64::INFINITY
+            }
+        })
+        .collect();
+    // δ per row: dy · o.
+    let delta: Vec<f64> = (0..rows)
+        .map(|row| {
+            let (bi, rest) = (row / (hq * t), row % (hq * t));
+            let (h, ti) = (rest / t, rest % t);
+            let at = qrow(bi, ti, h);
+            dot(&dyd[at..at + d], &od[at..at + d])
+        })
+        .collect();
+
+    // Pass 2: [k; v; dk; dv] round the ring.
+    let blk = k.numel();
+    let mut cur: Vec<f32> = [
+        f32_of(OP, k, 1)?,
+        f32_of(OP, v, 2)?,
+        &vec![0.0; blk],
+        &vec![0.0; blk],
+    ]
+    .concat();
+    let mut dq = vec![0.0f64; q.numel()];
+    for step in 0..n {
+        let src = (r + n - step) % n;
+        let mut dk = vec![0.0f64; blk];
+        let mut dv = vec![0.0f64; blk];
+        {
+            let (kd, rest) = cur.split_at(blk);
+            let vd = &rest[..blk];
+            for bi in 0..b {
+                for h in 0..hq {
+                    let kh = h / rep;
+                    for ti in 0..t {
+                        let row = (bi * hq + h) * t + ti;
+                        let (qa, da) = (qrow(bi, ti, h), qrow(bi, ti, h));
+                        let dyr = &dyd[da..da + d];
+                        for j in 0..c {
+                            let Some(x) = score(kd, bi, h, ti, src, j) else {
+                                continue;
+                            };
+                            let p = (x - lse[row]).exp();
+                            let ka = krow(bi, j, kh);
+                            let dp = dot(dyr, &vd[ka..ka + d]);
+                            let ds = p * (dp - delta[row]);
+                            for e in 0..d {
+                                dq[qa + e] += scale * ds * kd[ka + e] as f64;
+                                dk[ka + e] += scale * ds * qd[qa + e] as f64;
+                                dv[ka + e] += p * dyr[e] as f64;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let (_, acc) = cur.split_at_mut(2 * blk);
+        for (a, x) in acc.iter_mut().zip(dk.iter().chain(&dv)) {
+            *a += *x as f32;
+        }
+        // The last hop takes the accumulators home; K/V have been everywhere.
+        let from = if step + 1 < n { 0 } else { 2 * blk };
+        if n > 1 {
+            comm.send(&cur[from..], (r + 1) % n).map_err(wrap)?;
+            comm.recv(&mut cur[from..], (r + n - 1) % n).map_err(wrap)?;
+        }
+    }
+    // Back home: this rank's own block, its accumulators complete.
+    let mut out: Vec<f32> = dq.into_iter().map(|x| x as f32).collect();
+    out.extend_from_slice(&cur[2 * blk..]);
+    Ok(Tensor::f32(vec![out.len()], out))
+}

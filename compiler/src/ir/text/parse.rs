@@ -550,6 +550,11 @@ fn build_op(m: &str, mut a: Attrs) -> Result<Option<Op>, String> {
             parts: a.req("parts", uint)?,
             spec: attn_spec(&mut a)?,
         },
+        "ring_attention_grad" => Op::RingAttentionGrad {
+            axis: a.req("axis", string)?,
+            parts: a.req("parts", uint)?,
+            spec: attn_spec(&mut a)?,
+        },
         "seq_index" => Op::SeqIndex {
             len: a.req("len", uint)?,
             order: a.req("order", seq_order)?,

@@ -231,8 +231,11 @@ impl fmt::Display for Op {
             Op::Attention(a)
             | Op::AttentionProbs(a)
             | Op::AttentionGrad { spec: a, .. }
-            | Op::RingAttention { spec: a, .. } => {
-                if let Op::RingAttention { axis, parts, .. } = self {
+            | Op::RingAttention { spec: a, .. }
+            | Op::RingAttentionGrad { spec: a, .. } => {
+                if let Op::RingAttention { axis, parts, .. }
+                | Op::RingAttentionGrad { axis, parts, .. } = self
+                {
                     r.kv("axis", Word(axis))?;
                     r.kv("parts", parts)?;
                 }
