@@ -26,11 +26,11 @@ const MESHES: &[(&str, &[&str])] = &[
     ("cp=2,tp=2", &["cp-ulysses"]),
     ("dp=2,cp=2", &[]),
     ("dp=2,cp=2", &["cp-ulysses"]),
-    ("cp=2", &["cp-ring"]),
-    ("cp=4", &["cp-ring"]),
-    ("cp=4", &["cp-ring", "cp-contiguous"]),
-    ("cp=2,tp=2", &["sp", "cp-ring"]),
-    ("dp=2,cp=2", &["cp-ring"]),
+    ("cp=2", &["cp-allgather"]),
+    ("cp=4", &["cp-allgather"]),
+    ("cp=4", &["cp-allgather", "cp-contiguous"]),
+    ("cp=2,tp=2", &["sp", "cp-allgather"]),
+    ("dp=2,cp=2", &["cp-allgather"]),
 ];
 
 #[test]
@@ -84,11 +84,17 @@ fn each_exchange_moves_what_it_promises() {
     let layers = cfg.layers;
     // K and V per layer, and the logits and hidden outputs gathered for the caller (token
     // inputs are whole on every rank, sliced locally: the key mask needs no gather).
-    assert_eq!(count("cp=2", &[]), (2 * layers + 2, 0, 0));
-    assert_eq!(count("cp=2", &["cp-contiguous"]), (2 * layers + 2, 0, 0));
+    assert_eq!(count("cp=2", &["cp-allgather"]), (2 * layers + 2, 0, 0));
+    assert_eq!(
+        count("cp=2", &["cp-allgather", "cp-contiguous"]),
+        (2 * layers + 2, 0, 0)
+    );
     assert_eq!(count("cp=2", &["cp-ulysses"]), (2, 4 * layers, 0));
-    // The ring passes K/V round instead of gathering them: one ring attention per layer.
+    // The ring (the default) passes K/V round instead of gathering them: one ring attention
+    // per layer.
     assert_eq!(count("cp=4", &["cp-ring"]), (2, 0, layers));
+    assert_eq!(count("cp=4", &[]), (2, 0, layers));
+    assert_eq!(count("cp=2", &["cp-contiguous"]), (2, 0, layers));
 }
 
 /// The head-tail order permutes the token inputs on entry and the outputs on exit; attention
@@ -183,9 +189,13 @@ fn context_parallel_training_steps_reproduce_the_fixtures() {
         ("cp=2", &["zero1"], Recompute::None),
         ("cp=2", &[], Recompute::Full),
         ("cp=2", &[], Recompute::Selective),
-        ("cp=2", &["cp-ring"], Recompute::None),
-        ("cp=4", &["cp-ring"], Recompute::Selective),
-        ("dp=2,cp=2", &["cp-ring", "cp-contiguous"], Recompute::Full),
+        ("cp=2", &["cp-allgather"], Recompute::None),
+        ("cp=4", &["cp-allgather"], Recompute::Selective),
+        (
+            "dp=2,cp=2",
+            &["cp-allgather", "cp-contiguous"],
+            Recompute::Full,
+        ),
     ];
     for model in ["llama", "gpt2", "mixtral"] {
         let unsharded = run(model, "", &[], 1, Recompute::None, 1);
@@ -328,7 +338,7 @@ fn traffic_per_layer_matches_the_formulas() {
             // Backward: K and V gathered again (kept split, as Megatron keeps them) and
             // dK, dV reduce-scattered.
             (
-                &[][..],
+                &["cp-allgather"][..],
                 (nf - 1.0) / nf * v_kv,
                 2.0 * (nf - 1.0) / nf * v_kv,
             ),

@@ -222,7 +222,7 @@ fn add_meshes(cfg: &ModelConfig, o: &SearchOptions, sizes: [usize; 5], out: &mut
     let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
     let zeros: &[u8] = if dp * cp > 1 { &[0, 1, 2, 3] } else { &[0] };
     let cps: &[&str] = if cp > 1 {
-        &["", "cp-ring", "cp-ulysses"]
+        &["cp-allgather", "cp-ring", "cp-ulysses"]
     } else {
         &[""]
     };

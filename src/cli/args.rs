@@ -37,10 +37,10 @@ pub fn options(
 /// name strategies (`cp-ulysses`, `cp-contiguous`), as `--strategy` could.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct CpArgs {
-    /// Context parallelism's exchange of keys and values on a `cp` mesh axis: `allgather`
-    /// (K/V all-gathered, queries stay split: Llama 3, Megatron `allgather`; the default),
-    /// `ring` (K/V blocks passed round the ring, overlapped with each block's attention: Ring
-    /// Attention, Megatron `p2p`; the backward goes round the ring too) or `ulysses`
+    /// Context parallelism's exchange of keys and values on a `cp` mesh axis: `ring` (K/V
+    /// blocks passed round the ring, overlapped with each block's attention, and the backward
+    /// round the ring too: Ring Attention, Megatron `p2p`; the default), `allgather` (K/V
+    /// all-gathered, queries stay split: Llama 3, Megatron `allgather`) or `ulysses`
     /// (all-to-all from sequence-split to head-split and back: DeepSpeed-Ulysses).
     #[arg(long, value_name = "ALGO")]
     pub cp_algo: Option<String>,
@@ -55,9 +55,9 @@ impl CpArgs {
     pub fn with(&self, strategy: &[String]) -> anyhow::Result<Vec<String>> {
         let mut out = strategy.to_vec();
         match self.cp_algo.as_deref() {
-            None | Some("allgather") => {}
+            None | Some("ring") => {}
+            Some("allgather") => out.push("cp-allgather".into()),
             Some("ulysses") => out.push("cp-ulysses".into()),
-            Some("ring") => out.push("cp-ring".into()),
             Some(x) => bail!("--cp-algo `{x}`: expected allgather, ring or ulysses"),
         }
         match self.cp_balance.as_deref() {
@@ -69,7 +69,7 @@ impl CpArgs {
             && self.cp_balance.as_deref() == Some("headtail")
         {
             bail!(
-                "--cp-balance headtail applies to --cp-algo allgather: under ulysses every \
+                "--cp-balance headtail applies to --cp-algo ring and allgather: under ulysses every \
                  rank's attention sees the whole sequence, so there is nothing to balance"
             );
         }

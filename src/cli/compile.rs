@@ -250,7 +250,7 @@ fn context_parallel_line(plan: &Plan) -> Option<String> {
     let n = c.size;
     let contiguous = (2 * n - 1) as f64 / n as f64;
     let exchange = match c.algo {
-        CpAlgo::Ring => "K/V passed round a ring (forward; all-gathered backward)",
+        CpAlgo::Ring => "K/V passed round a ring (forward and backward)",
         _ => "all-gather K/V",
     };
     Some(match (c.algo, c.order) {

@@ -458,7 +458,10 @@ impl Program {
                 ProgKind::Kernel { work, gemm } => {
                     flush(&mut out, &mut pending);
                     let Some(g) = &op.grad else { continue };
-                    if recompute_attention && g.attention {
+                    // Selective recomputation redoes the attention's scores for its
+                    // backward; the ring's backward computes them itself (below).
+                    let ring = matches!(g.exchange, Some((_, _, true)));
+                    if recompute_attention && g.attention && !ring {
                         out.push(
                             op.stream,
                             format!("{}.recompute", op.label),
@@ -484,30 +487,46 @@ impl Program {
                         next_event += 1;
                     }
                     // Context parallelism's K/V gathered again on the communication stream
-                    // (the gradient waits for them), and after a ring dK/dV reduce-scattered
-                    // there once the gradient is made.
-                    if let Some((axis, bytes, _)) = &g.exchange {
+                    // (the gradient waits for them); dK/dV are the gather's own gradient.
+                    if let Some((axis, bytes, false)) = &g.exchange {
                         let label = format!("{}.kv_regather", op.label);
                         out.push_collective(COMM, label, axis, CollectiveKind::AllGather, *bytes);
                         out.push(COMM, "", ProgKind::Record(next_event));
                         out.push(op.stream, "", ProgKind::Wait(next_event));
                         next_event += 1;
                     }
+                    let mut dgrad = g.dgrad;
+                    let ring_done = match &g.exchange {
+                        Some((axis, bytes, true)) => {
+                            // The ring's backward (`RingAttentionGrad`): the scores once more
+                            // for the softmax statistics (half the forward's work; recomputed,
+                            // no model FLOPs counted), then the gradient, while K, then K, V
+                            // and their dK/dV accumulators go round the ring (2.5 times the
+                            // forward's K/V) on the communication stream from the same start;
+                            // the gradients are ready when both are.
+                            dgrad.time += work.time * 0.5;
+                            dgrad.bytes += 0.5 * work.bytes;
+                            out.push(op.stream, "", ProgKind::Record(next_event));
+                            out.push(COMM, "", ProgKind::Wait(next_event));
+                            let label = format!("{}.ring_grad", op.label);
+                            let ag = CollectiveKind::AllGather;
+                            out.push_collective(COMM, label, axis, ag, *bytes * 5 / 2);
+                            out.push(COMM, "", ProgKind::Record(next_event + 1));
+                            next_event += 2;
+                            Some(next_event - 1)
+                        }
+                        _ => None,
+                    };
                     out.push(
                         op.stream,
                         format!("{}.dgrad", op.label),
                         ProgKind::Kernel {
-                            work: g.dgrad,
+                            work: dgrad,
                             gemm: *gemm,
                         },
                     );
-                    if let Some((axis, bytes, true)) = &g.exchange {
-                        out.push(op.stream, "", ProgKind::Record(next_event));
-                        out.push(COMM, "", ProgKind::Wait(next_event));
-                        next_event += 1;
-                        let label = format!("{}.dkv", op.label);
-                        let rs = CollectiveKind::ReduceScatter;
-                        out.push_collective(COMM, label, axis, rs, *bytes);
+                    if let Some(e) = ring_done {
+                        out.push(op.stream, "", ProgKind::Wait(e));
                     }
                     if let Some(w) = g.wgrad {
                         pending.push(ProgOp {

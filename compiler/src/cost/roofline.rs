@@ -542,7 +542,14 @@ pub fn node_cost_routed(
             // backward kernels cost over every rank's keys.
             let mut whole = NodeCost::default();
             attention_cost(g, v, spec.causal, spec.window, *parts, opts, &mut whole);
-            c.fwd.extend(whole.fwd);
+            // The statistics pass: the scores alone, half the forward's work, recomputed (no
+            // model FLOPs counted).
+            c.fwd.extend(whole.fwd.into_iter().map(|mut k| {
+                k.flops = 0.0;
+                k.exec_flops *= 0.5;
+                k.bytes *= 0.5;
+                k
+            }));
             c.fwd.extend(whole.dgrad);
             // K passed once, then K, V and their dK/dV accumulators.
             let (k, vv) = (b(node.inputs[1]), b(node.inputs[2]));

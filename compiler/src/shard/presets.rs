@@ -106,12 +106,13 @@ pub fn cp_layout(mesh: &Mesh, strategies: &[Strategy]) -> Option<CpLayout> {
     if size < 2 || !strategies.contains(&Strategy::Cp) {
         return None;
     }
+    // Ring unless another exchange is named (Megatron-Core's default, `p2p`, too).
     let algo = if strategies.contains(&Strategy::CpUlysses) {
         CpAlgo::Ulysses
-    } else if strategies.contains(&Strategy::CpRing) {
-        CpAlgo::Ring
-    } else {
+    } else if strategies.contains(&Strategy::CpAllGather) {
         CpAlgo::AllGather
+    } else {
+        CpAlgo::Ring
     };
     let order = if algo == CpAlgo::Ulysses || strategies.contains(&Strategy::CpContiguous) {
         SeqOrder::Contiguous
