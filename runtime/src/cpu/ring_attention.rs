@@ -31,26 +31,8 @@ pub(crate) fn ring_attention(
     const OP: &str = "ring_attention";
     let mut all = vec![q, k, v];
     all.extend(keys.all());
-    if comm.size() != parts || parts == 0 {
-        return Err(RuntimeError::AxisSize {
-            axis: comm.name().to_string(),
-            expected: parts,
-            found: comm.size(),
-        });
-    }
-    if k.shape != v.shape {
-        return Err(shape_err(
-            OP,
-            &all,
-            "expects q, k, v of rank 4 with k and v alike",
-        ));
-    }
-    // `k` holds this rank's block of `c` keys.
-    let (b, t, hq, d, c, hkv) = dims(OP, q, k, &all)?;
+    let (b, t, hq, d, c, hkv) = ring_dims(OP, comm, &all, &keys, parts)?;
     let s = c * parts;
-    if keys.mask.is_some_and(|m| m.shape != [b, s]) {
-        return Err(shape_err(OP, &all, "mask must be [B, S] of the whole ring"));
-    }
     let (md, index) = keys.data(OP, 3, &all, (t, s))?;
     let visible = visibility(spec, t, s, md, index);
     let qd = f32_of(OP, q, 0)?;
@@ -134,6 +116,39 @@ pub(crate) fn ring_attention(
     Ok(Tensor::f32(q.shape.clone(), out))
 }
 
+/// The operands of ring op `op` (`all`: q, this rank's k and v blocks first) checked against
+/// the ring of `parts` ranks on `comm`: their dims `(B, T, Hq, D, c, Hkv)` (`c` keys a block,
+/// the ring `c·parts`), the mask against the whole ring.
+fn ring_dims(
+    op: &'static str,
+    comm: &dyn Communicator,
+    all: &[&Tensor],
+    keys: &Keys,
+    parts: usize,
+) -> Result<super::attention::Dims, RuntimeError> {
+    if comm.size() != parts || parts == 0 {
+        return Err(RuntimeError::AxisSize {
+            axis: comm.name().to_string(),
+            expected: parts,
+            found: comm.size(),
+        });
+    }
+    let (q, k, v) = (all[0], all[1], all[2]);
+    if k.shape != v.shape {
+        return Err(shape_err(
+            op,
+            all,
+            "expects q, k, v of rank 4 with k and v alike",
+        ));
+    }
+    let dims = dims(op, q, k, all)?;
+    let (b, c) = (dims.0, dims.4);
+    if keys.mask.is_some_and(|m| m.shape != [b, c * parts]) {
+        return Err(shape_err(op, all, "mask must be [B, S] of the whole ring"));
+    }
+    Ok(dims)
+}
+
 /// `RingAttentionGrad { spec, parts }`: `q`, this rank's `k`, `v` blocks, the forward's
 /// output `o` and its gradient `dy` (both `[B,T,Hq,D]`), and `keys` → `dq`, `dk`, `dv` packed
 /// (flat, in that order). Two passes round the ring: the K blocks, for each query row's
@@ -158,25 +173,11 @@ pub(crate) fn ring_attention_grad(
     const OP: &str = "ring_attention_grad";
     let mut all = vec![q, k, v, o, dy];
     all.extend(keys.all());
-    if comm.size() != parts || parts == 0 {
-        return Err(RuntimeError::AxisSize {
-            axis: comm.name().to_string(),
-            expected: parts,
-            found: comm.size(),
-        });
+    if o.shape != q.shape || dy.shape != q.shape {
+        return Err(shape_err(OP, &all, "expects o and dy shaped as q"));
     }
-    if k.shape != v.shape || o.shape != q.shape || dy.shape != q.shape {
-        return Err(shape_err(
-            OP,
-            &all,
-            "expects q, k, v of rank 4 with k and v alike, and o, dy shaped as q",
-        ));
-    }
-    let (b, t, hq, d, c, hkv) = dims(OP, q, k, &all)?;
+    let (b, t, hq, d, c, hkv) = ring_dims(OP, comm, &all, &keys, parts)?;
     let s = c * parts;
-    if keys.mask.is_some_and(|m| m.shape != [b, s]) {
-        return Err(shape_err(OP, &all, "mask must be [B, S] of the whole ring"));
-    }
     let (md, index) = keys.data(OP, 5, &all, (t, s))?;
     let visible = visibility(spec, t, s, md, index);
     let (qd, od, dyd) = (f32_of(OP, q, 0)?, f32_of(OP, o, 3)?, f32_of(OP, dy, 4)?);
