@@ -1142,21 +1142,15 @@ fn moe_notes(
 
 /// The group of rank 0 over the axes whose ranks hold different tokens (`dp`, `ep`, `cp`).
 fn data_group(mesh: &Mesh, cluster: &Cluster) -> GroupTopology {
-    let data: Vec<usize> = crate::shard::DATA_AXES
+    let data: Vec<_> = crate::shard::DATA_AXES
         .iter()
         .chain(&["cp"])
         .filter_map(|n| mesh.axis(n))
-        .map(|a| a.0 as usize)
         .collect();
-    let members: Vec<usize> = (0..mesh.world_size())
-        .filter(|&r| {
-            mesh.coords(r)
-                .iter()
-                .enumerate()
-                .all(|(a, &c)| data.contains(&a) || c == 0)
-        })
-        .collect();
-    GroupTopology::of_members(&members, cluster.profile.nvlink_domain.value as usize)
+    GroupTopology::of_members(
+        &mesh.group_of_first(&data),
+        cluster.profile.nvlink_domain.value as usize,
+    )
 }
 
 /// Scales a layer's mixture-of-experts work by load imbalance `f`: the expert GEMMs and
@@ -1186,5 +1180,5 @@ fn imbalance(p: &mut Program, f: f64) {
 /// The pipeline stage of `rank`.
 fn stage_of(mesh: &Mesh, rank: usize) -> usize {
     mesh.axis("pp")
-        .map_or(0, |a| mesh.coords(rank)[a.0 as usize])
+        .map_or(0, |a| rank / mesh.stride(a) % mesh.axis_size(a))
 }
