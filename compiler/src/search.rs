@@ -21,8 +21,8 @@
 use crate::autodiff::Recompute;
 use crate::compile::{layer_plan, simulate_training};
 use crate::cost::{
-    layer_plan_spec, simulate_training_on, zero_static, Cluster, ComputeOptions, PipeSchedule,
-    SimReport, TrainOptions,
+    layer_plan_spec, zero_static, Cluster, ComputeOptions, PipeSchedule, SimReport, TrainMemo,
+    TrainOptions,
 };
 use crate::model::{ModelConfig, ModelStats};
 use crate::plan::Plan;
@@ -411,13 +411,16 @@ pub fn search(
         .into_par_iter()
         .filter_map(|(key, spec)| layer_plan(cfg, source, &spec).ok().map(|p| (key, p)))
         .collect();
+    // Each plan's parts are timed once per configuration that times them differently, each
+    // pipeline schedule built once.
+    let memo = TrainMemo::new();
     let results: Vec<Option<Scored>> = prepared
         .par_iter()
         .zip(kept.par_iter())
         .map(|(p, c)| {
             let (mesh, t, key) = p.as_ref()?;
             let plan = plans.get(key)?;
-            simulate_training_on(cfg, plan, source, mesh, t, cluster, copts)
+            memo.simulate(key, cfg, plan, source, mesh, t, cluster, copts)
                 .ok()
                 .map(|s| Scored::of((*c).clone(), &s.report))
         })

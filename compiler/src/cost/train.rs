@@ -46,9 +46,10 @@ use super::CostError;
 use crate::ir::{Graph, Op, ValueId};
 use crate::model::{ModelConfig, ModelStats};
 use crate::plan::Plan;
-use crate::schedule::pp::{Phase, Replay, Timed};
+use crate::schedule::pp::{Phase, PipelineSchedule, Replay, Timed};
 use crate::shard::Mesh;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 
 /// Bytes of HBM traffic per local parameter of a mixed-precision Adam step: bf16 gradient
 /// read and fp32 copy (2 + 4), fp32 master weight, momentum, variance and gradient read
@@ -399,6 +400,115 @@ pub fn simulate_training_on(
     cluster: &Cluster,
     copts: &ComputeOptions,
 ) -> Result<Simulation, CostError> {
+    simulate(cfg, plan, source, mesh, t, cluster, copts, None)
+}
+
+/// What the simulated training steps of one model on one cluster, with one set of compute
+/// options, share across layouts, kept for a search: each layer plan's parts timed once per
+/// configuration that times them differently (the plan, where the `tp`, `ep` and `cp` groups
+/// sit, the micro-batch, sequence, recomputation and load imbalance; not `dp`, `pp`, ZeRO or
+/// the schedule), and each pipeline schedule built once per stage and micro-batch count.
+#[derive(Debug, Default)]
+pub struct TrainMemo {
+    /// Timed parts by plan key, then by what else times them.
+    parts: Mutex<HashMap<String, HashMap<PartsKey, Arc<LayerParts>>>>,
+    /// Schedules by (schedule, stages, micro-batches).
+    schedules: Mutex<HashMap<(PipeSchedule, usize, usize), Arc<PipelineSchedule>>>,
+}
+
+/// What times a layer plan's parts beside the plan (see [`layer_parts`]): the groups, `tp`
+/// and `cp`, micro-batch, sequence, recomputation and the load imbalance's bits.
+type PartsKey = (LayerGroups, [usize; 4], Recompute, u64);
+
+impl TrainMemo {
+    /// An empty memo.
+    pub fn new() -> TrainMemo {
+        TrainMemo::default()
+    }
+
+    /// [`simulate_training_on`], with what this memo keeps; `plan_key` names `plan` (equal
+    /// keys, equal plans). The same numbers, layout for layout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn simulate(
+        &self,
+        plan_key: &str,
+        cfg: &ModelConfig,
+        plan: &Plan,
+        source: &str,
+        mesh: &Mesh,
+        t: &TrainOptions,
+        cluster: &Cluster,
+        copts: &ComputeOptions,
+    ) -> Result<Simulation, CostError> {
+        simulate(
+            cfg,
+            plan,
+            source,
+            mesh,
+            t,
+            cluster,
+            copts,
+            Some((self, plan_key)),
+        )
+    }
+
+    /// `plan`'s parts for `t` (what [`layer_parts`] times), timed once.
+    #[allow(clippy::too_many_arguments)]
+    fn parts(
+        &self,
+        plan_key: &str,
+        cfg: &ModelConfig,
+        plan: &Plan,
+        t: &TrainOptions,
+        [tp, cp]: [usize; 2],
+        groups: LayerGroups,
+        cluster: &Cluster,
+        copts: &ComputeOptions,
+    ) -> Result<Arc<LayerParts>, CostError> {
+        let key: PartsKey = (
+            groups,
+            [tp, cp, t.micro_batch, t.seq],
+            t.recompute,
+            t.moe_imbalance.to_bits(),
+        );
+        let lock = || self.parts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = lock().get(plan_key).and_then(|m| m.get(&key)) {
+            return Ok(p.clone());
+        }
+        let p = Arc::new(layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts)?);
+        let mut all = lock();
+        let by_key = all.entry(plan_key.to_string()).or_default();
+        Ok(by_key.entry(key).or_insert(p).clone())
+    }
+
+    /// `schedule` on `p` stages for `m` micro-batches, built once.
+    fn schedule(
+        &self,
+        schedule: PipeSchedule,
+        p: usize,
+        m: usize,
+    ) -> Result<Arc<PipelineSchedule>, CostError> {
+        let lock = || self.schedules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = lock().get(&(schedule, p, m)) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(schedule.build(p, m)?);
+        Ok(lock().entry((schedule, p, m)).or_insert(s).clone())
+    }
+}
+
+/// [`simulate_training_on`], reusing what `memo` keeps (with the plan's key) when given.
+#[allow(clippy::too_many_arguments)]
+fn simulate(
+    cfg: &ModelConfig,
+    plan: &Plan,
+    source: &str,
+    mesh: &Mesh,
+    t: &TrainOptions,
+    cluster: &Cluster,
+    copts: &ComputeOptions,
+    memo: Option<(&TrainMemo, &str)>,
+) -> Result<Simulation, CostError> {
     let Sizes {
         dp,
         tp,
@@ -416,7 +526,6 @@ pub fn simulate_training_on(
     let seq_local = t.seq / cp;
     let world = mesh.world_size();
     let sp = t.sp();
-    let lmesh = &plan.mesh;
     let m = t.global_batch / (data * t.micro_batch);
     // Decoder layers of each global chunk (chunk `gc` runs on stage `gc mod pp`).
     let chunk_layers: Vec<usize> = match &t.chunk_layers {
@@ -431,146 +540,36 @@ pub fn simulate_training_on(
     let dev = &cluster.device;
     let dt = copts.dtype;
 
-    // 1. The two-layer plan on the tensor-parallel mesh (with the expert-parallel axis: one
-    //    micro-batch per `ep` rank).
-    let g = &plan.program;
-    let first = g
-        .ids()
-        .find(|&v| g.node(v).layer.is_some())
-        .map_or(0, |v| v.index());
-    let last = g
-        .ids()
-        .filter(|&v| g.node(v).layer.is_some())
-        .last()
-        .map_or(0, |v| v.index());
-    // What only presents the outputs to an inference caller — their gathers and context
-    // parallelism's return to natural order — is not part of a training step.
-    let users = g.users();
-    let mut presentation = vec![false; g.len()];
-    let output_ids: BTreeSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
-    for i in (0..g.len()).rev() {
-        let v = ValueId(i as u32);
-        let op = &g.node(v).op;
-        let moves = op.is_collective() || matches!(op, Op::SeqPermute { inverse: true, .. });
-        let u = &users[v.index()];
-        presentation[v.index()] = moves
-            && (output_ids.contains(&v)
-                || (!u.is_empty() && u.iter().all(|x| presentation[x.index()])));
-    }
-    let keep_layer = |v: ValueId| g.node(v).layer == Some(0);
-    let keep_pre = |v: ValueId| g.node(v).layer.is_none() && v.index() < first;
-    let keep_post =
-        |v: ValueId| g.node(v).layer.is_none() && v.index() > last && !presentation[v.index()];
-    let tp_topo = GroupTopology::of_axis(mesh, "tp", cluster);
-    let ep_topo = GroupTopology::of_axis(mesh, "ep", cluster);
-    let cp_topo = GroupTopology::of_axis(mesh, "cp", cluster);
-    let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
-        let topo = match axis {
-            "ep" => ep_topo,
-            "cp" => cp_topo,
-            _ => tp_topo,
-        };
-        collective_time(cluster, kind, Bytes(bytes), topo)
+    // 1-2. The two-layer plan's parts, timed on a tensor-parallel group.
+    let groups: LayerGroups = [
+        GroupTopology::of_axis(mesh, "tp", cluster),
+        GroupTopology::of_axis(mesh, "ep", cluster),
+        GroupTopology::of_axis(mesh, "cp", cluster),
+    ];
+    let tp_topo = groups[0];
+    let parts = match memo {
+        Some((memo, key)) => {
+            let parts = memo.parts(key, cfg, plan, t, [tp, cp], groups, cluster, copts)?;
+            LayerParts::clone(&parts)
+        }
+        None => layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts)?,
     };
-    let pre_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_pre, &comm);
-    let mut layer_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_layer, &comm);
-    if t.moe_imbalance > 1.0 {
-        imbalance(&mut layer_p, t.moe_imbalance);
-    }
-    // The layer's expert-parallel traffic as simulated: (collectives, bytes, time) forward.
-    let ep_traffic = layer_p
-        .ops
-        .iter()
-        .filter_map(|o| match &o.kind {
-            ProgKind::Collective { axis, kind, bytes } if axis == "ep" => Some((
-                *bytes,
-                collective_time(cluster, *kind, Bytes(*bytes), ep_topo),
-            )),
-            _ => None,
-        })
-        .fold((0usize, 0u64, 0.0f64), |(n, b, s), (x, d)| {
-            (n + 1, b + x, s + d.0)
-        });
-    let mut post_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_post, &comm);
-    // Vocabulary-parallel cross-entropy in fp32: read the logits, exponentiate and normalise
-    // (max and sum all-reduced over tp), write the loss; backward writes the logits' gradient.
-    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
-    let ce = Kernel::memory(3.0 * logits);
-    let ce_b = Kernel::memory(2.0 * logits);
-    post_p.ops.push(ProgOp {
-        stream: COMPUTE,
-        label: "loss.cross_entropy".into(),
-        kind: ProgKind::Kernel {
-            work: Work {
-                time: kernel_time(dev, dt, &ce),
-                flops: 0.0,
-                bytes: ce.bytes,
-            },
-            gemm: false,
-        },
-        alloc: 0,
-        free: 0,
-        grad: Some(Grad {
-            dgrad: Work {
-                time: kernel_time(dev, dt, &ce_b),
-                flops: 0.0,
-                bytes: ce_b.bytes,
-            },
-            wgrad: None,
-            regather: None,
-            exchange: None,
-            attention: false,
-        }),
-    });
-    if tp > 1 {
-        post_p.ops.push(ProgOp {
-            stream: COMPUTE,
-            label: "loss.max_sum".into(),
-            kind: ProgKind::Collective {
-                axis: "tp".into(),
-                kind: CollectiveKind::AllReduce,
-                bytes: (t.micro_batch * seq_local * 8) as u64,
-            },
-            alloc: 0,
-            free: 0,
-            grad: None,
-        });
-    }
-
-    // 2. Forward and backward of each part on one tp group, laid out as the full mesh's.
-    let topo = Topology::new(lmesh, cluster)
-        .with_axis("tp", tp_topo)
-        .with_axis("ep", ep_topo)
-        .with_axis("cp", cp_topo);
-    let layer_rc = t.recompute;
-    let edge_rc = if t.recompute == Recompute::Full {
-        Recompute::None
-    } else {
-        t.recompute
-    };
-    let pre = time_part(&pre_p, edge_rc, &topo, cluster)?;
-    let mut layer = time_part(&layer_p, layer_rc, &topo, cluster)?;
-    let post = time_part(&post_p, edge_rc, &topo, cluster)?;
-
-    // Parameters (tp-local elements).
-    let layer_set = params_used(g, &keep_layer);
-    let pre_set = params_used(g, &keep_pre);
-    let post_set = params_used(g, &keep_post);
-    let layer_elems = elems(g, &layer_set);
-    // Experts' weights `[experts, out, in]` (local: `experts / ep` of them), synchronised
-    // over `dp` alone; the router's `[experts, hidden]` is replicated, a dense parameter.
-    let layer_expert = elems(
-        g,
-        &layer_set
-            .iter()
-            .copied()
-            .filter(|&v| g.ty(v).rank() == 3 && is_expert_major(g.ty(v)))
-            .collect(),
-    );
+    let LayerParts {
+        pre,
+        mut layer,
+        post,
+        layer_elems,
+        layer_expert,
+        pre_elems,
+        post_elems,
+        shared_elems,
+        ep_traffic,
+        saved_layer,
+        saved_full_layer,
+        biggest,
+    } = parts;
     let layer_dense = layer_elems - layer_expert;
-    let pre_elems = elems(g, &pre_set);
-    let post_elems = elems(g, &post_set);
-    let shared_elems = elems(g, &pre_set.intersection(&post_set).copied().collect());
+    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
 
     // 3. ZeRO-3: each layer's parameters gathered before its forward and backward, its
     // gradients reduce-scattered, prefetched behind the layer's compute.
@@ -659,9 +658,11 @@ pub fn simulate_training_on(
     };
     // Slot `F`/`B`/`W` of global chunk `gc` runs on stage `gc mod pp` as its local chunk
     // `gc / pp`.
-    let run: Replay = schedule
-        .build(pp, m)?
-        .replay_with(&|gc, ph| dur(gc % pp, gc / pp, ph), p2p.0)?;
+    let built = match memo {
+        Some((memo, _)) => memo.schedule(schedule, pp, m)?,
+        None => Arc::new(schedule.build(pp, m)?),
+    };
+    let run: Replay = built.replay_with(&|gc, ph| dur(gc % pp, gc / pp, ph), p2p.0)?;
     let pass_name = |ph: Phase| match ph {
         Phase::F => "forward",
         Phase::B => "backward",
@@ -695,37 +696,6 @@ pub fn simulate_training_on(
     } else {
         Seconds::ZERO
     };
-    let saved_opts = SavedOptions {
-        dtype: dt,
-        attention: copts.attention,
-        dropout: copts.dropout,
-        recompute: t.recompute,
-    };
-    let saved_layer = saved_activations(g, 0, &saved_opts);
-    let saved_full_layer = saved_activations(
-        g,
-        0,
-        &SavedOptions {
-            recompute: Recompute::None,
-            ..saved_opts
-        },
-    );
-    // The largest value of a layer; a dense `[experts, ..]` one at its routed fraction.
-    let routed = routed_fraction(g);
-    let biggest = g
-        .ids()
-        .filter(|&v| keep_layer(v))
-        .map(|v| {
-            let b = sim_bytes(g.ty(v), dt);
-            let routed_b = if is_expert_major(g.ty(v)) {
-                b * routed
-            } else {
-                b
-            };
-            routed_b as u64
-        })
-        .max()
-        .unwrap_or(0);
     // A stage's (micro-batch, chunk) in flight holds its largest chunk's saved activations.
     let chunk_act = |s: usize| -> u64 {
         let most = (0..v).map(|c| chunk_layers[c * pp + s]).max().unwrap_or(0);
@@ -1078,6 +1048,233 @@ pub fn simulate_training_on(
         } else {
             Vec::new()
         },
+    })
+}
+
+/// A layer plan's parts timed for one configuration: what [`simulate_training_on`] derives
+/// from the plan before the data-parallel, pipeline and ZeRO arithmetic.
+#[derive(Clone, Debug)]
+struct LayerParts {
+    pre: Part,
+    layer: Part,
+    post: Part,
+    /// The layer's parameters, tp-local elements: all, and the experts' among them.
+    layer_elems: u64,
+    layer_expert: u64,
+    /// The embedding's and the head's parameters, and those both use (tied).
+    pre_elems: u64,
+    post_elems: u64,
+    shared_elems: u64,
+    /// The layer's expert-parallel traffic as simulated: (collectives, bytes, time) forward.
+    ep_traffic: (usize, u64, f64),
+    /// Activations a layer saves for its backward under the recomputation, and without.
+    saved_layer: Bytes,
+    saved_full_layer: Bytes,
+    /// The largest value of a layer.
+    biggest: u64,
+}
+
+/// The groups of a mesh's `tp`, `ep` and `cp` axes (rank 0's) on a cluster.
+type LayerGroups = [GroupTopology; 3];
+
+/// Times `plan`'s parts for `t` (steps 1 and 2 of the module docs): the forward and derived
+/// backward of the embedding, a layer and the head on one tensor-parallel group laid out as
+/// `groups` (`tp`, `ep`, `cp`) say, with `tp` and `cp` the mesh's sizes; their parameters;
+/// a layer's saved activations.
+fn layer_parts(
+    cfg: &ModelConfig,
+    plan: &Plan,
+    t: &TrainOptions,
+    [tp, cp]: [usize; 2],
+    [tp_topo, ep_topo, cp_topo]: LayerGroups,
+    cluster: &Cluster,
+    copts: &ComputeOptions,
+) -> Result<LayerParts, CostError> {
+    let seq_local = t.seq / cp;
+    let lmesh = &plan.mesh;
+    let dev = &cluster.device;
+    let dt = copts.dtype;
+    // 1. The two-layer plan on the tensor-parallel mesh (with the expert-parallel axis: one
+    //    micro-batch per `ep` rank).
+    let g = &plan.program;
+    let first = g
+        .ids()
+        .find(|&v| g.node(v).layer.is_some())
+        .map_or(0, |v| v.index());
+    let last = g
+        .ids()
+        .filter(|&v| g.node(v).layer.is_some())
+        .last()
+        .map_or(0, |v| v.index());
+    // What only presents the outputs to an inference caller — their gathers and context
+    // parallelism's return to natural order — is not part of a training step.
+    let users = g.users();
+    let mut presentation = vec![false; g.len()];
+    let output_ids: BTreeSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
+    for i in (0..g.len()).rev() {
+        let v = ValueId(i as u32);
+        let op = &g.node(v).op;
+        let moves = op.is_collective() || matches!(op, Op::SeqPermute { inverse: true, .. });
+        let u = &users[v.index()];
+        presentation[v.index()] = moves
+            && (output_ids.contains(&v)
+                || (!u.is_empty() && u.iter().all(|x| presentation[x.index()])));
+    }
+    let keep_layer = |v: ValueId| g.node(v).layer == Some(0);
+    let keep_pre = |v: ValueId| g.node(v).layer.is_none() && v.index() < first;
+    let keep_post =
+        |v: ValueId| g.node(v).layer.is_none() && v.index() > last && !presentation[v.index()];
+    let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
+        let topo = match axis {
+            "ep" => ep_topo,
+            "cp" => cp_topo,
+            _ => tp_topo,
+        };
+        collective_time(cluster, kind, Bytes(bytes), topo)
+    };
+    let pre_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_pre, &comm);
+    let mut layer_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_layer, &comm);
+    if t.moe_imbalance > 1.0 {
+        imbalance(&mut layer_p, t.moe_imbalance);
+    }
+    // The layer's expert-parallel traffic as simulated: (collectives, bytes, time) forward.
+    let ep_traffic = layer_p
+        .ops
+        .iter()
+        .filter_map(|o| match &o.kind {
+            ProgKind::Collective { axis, kind, bytes } if axis == "ep" => Some((
+                *bytes,
+                collective_time(cluster, *kind, Bytes(*bytes), ep_topo),
+            )),
+            _ => None,
+        })
+        .fold((0usize, 0u64, 0.0f64), |(n, b, s), (x, d)| {
+            (n + 1, b + x, s + d.0)
+        });
+    let mut post_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_post, &comm);
+    // Vocabulary-parallel cross-entropy in fp32: read the logits, exponentiate and normalise
+    // (max and sum all-reduced over tp), write the loss; backward writes the logits' gradient.
+    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
+    let ce = Kernel::memory(3.0 * logits);
+    let ce_b = Kernel::memory(2.0 * logits);
+    post_p.ops.push(ProgOp {
+        stream: COMPUTE,
+        label: "loss.cross_entropy".into(),
+        kind: ProgKind::Kernel {
+            work: Work {
+                time: kernel_time(dev, dt, &ce),
+                flops: 0.0,
+                bytes: ce.bytes,
+            },
+            gemm: false,
+        },
+        alloc: 0,
+        free: 0,
+        grad: Some(Grad {
+            dgrad: Work {
+                time: kernel_time(dev, dt, &ce_b),
+                flops: 0.0,
+                bytes: ce_b.bytes,
+            },
+            wgrad: None,
+            regather: None,
+            exchange: None,
+            attention: false,
+        }),
+    });
+    if tp > 1 {
+        post_p.ops.push(ProgOp {
+            stream: COMPUTE,
+            label: "loss.max_sum".into(),
+            kind: ProgKind::Collective {
+                axis: "tp".into(),
+                kind: CollectiveKind::AllReduce,
+                bytes: (t.micro_batch * seq_local * 8) as u64,
+            },
+            alloc: 0,
+            free: 0,
+            grad: None,
+        });
+    }
+
+    // 2. Forward and backward of each part on one tp group, laid out as the full mesh's.
+    let topo = Topology::new(lmesh, cluster)
+        .with_axis("tp", tp_topo)
+        .with_axis("ep", ep_topo)
+        .with_axis("cp", cp_topo);
+    let layer_rc = t.recompute;
+    let edge_rc = if t.recompute == Recompute::Full {
+        Recompute::None
+    } else {
+        t.recompute
+    };
+    let pre = time_part(&pre_p, edge_rc, &topo, cluster)?;
+    let layer = time_part(&layer_p, layer_rc, &topo, cluster)?;
+    let post = time_part(&post_p, edge_rc, &topo, cluster)?;
+
+    // Parameters (tp-local elements).
+    let layer_set = params_used(g, &keep_layer);
+    let pre_set = params_used(g, &keep_pre);
+    let post_set = params_used(g, &keep_post);
+    let layer_elems = elems(g, &layer_set);
+    // Experts' weights `[experts, out, in]` (local: `experts / ep` of them), synchronised
+    // over `dp` alone; the router's `[experts, hidden]` is replicated, a dense parameter.
+    let layer_expert = elems(
+        g,
+        &layer_set
+            .iter()
+            .copied()
+            .filter(|&v| g.ty(v).rank() == 3 && is_expert_major(g.ty(v)))
+            .collect(),
+    );
+    let pre_elems = elems(g, &pre_set);
+    let post_elems = elems(g, &post_set);
+    let shared_elems = elems(g, &pre_set.intersection(&post_set).copied().collect());
+
+    let saved_opts = SavedOptions {
+        dtype: dt,
+        attention: copts.attention,
+        dropout: copts.dropout,
+        recompute: t.recompute,
+    };
+    let saved_layer = saved_activations(g, 0, &saved_opts);
+    let saved_full_layer = saved_activations(
+        g,
+        0,
+        &SavedOptions {
+            recompute: Recompute::None,
+            ..saved_opts
+        },
+    );
+    // The largest value of a layer; a dense `[experts, ..]` one at its routed fraction.
+    let routed = routed_fraction(g);
+    let biggest = g
+        .ids()
+        .filter(|&v| keep_layer(v))
+        .map(|v| {
+            let b = sim_bytes(g.ty(v), dt);
+            let routed_b = if is_expert_major(g.ty(v)) {
+                b * routed
+            } else {
+                b
+            };
+            routed_b as u64
+        })
+        .max()
+        .unwrap_or(0);
+    Ok(LayerParts {
+        pre,
+        layer,
+        post,
+        layer_elems,
+        layer_expert,
+        pre_elems,
+        post_elems,
+        shared_elems,
+        ep_traffic,
+        saved_layer,
+        saved_full_layer,
+        biggest,
     })
 }
 
