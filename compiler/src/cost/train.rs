@@ -194,8 +194,11 @@ fn time_pass(p: &Program, topo: &Topology, cluster: &Cluster) -> Result<Pass, Co
     })
 }
 
+/// `fwd`'s part under `recompute`; its forward pass timed into `fwd_pass` once, however many
+/// recomputations a caller times (a failed timing is not kept: timed again, it fails again).
 fn time_part(
     fwd: &Program,
+    fwd_pass: &mut Option<Pass>,
     recompute: Recompute,
     topo: &Topology,
     cluster: &Cluster,
@@ -210,8 +213,12 @@ fn time_part(
         bwd
     };
     let (input, weight) = bwd.split_weight_grad();
+    let fwd = match *fwd_pass {
+        Some(p) => p,
+        None => *fwd_pass.insert(time_pass(fwd, topo, cluster)?),
+    };
     Ok(Part {
-        fwd: time_pass(fwd, topo, cluster)?,
+        fwd,
         bwd: time_pass(&bwd, topo, cluster)?,
         bwd_input: time_pass(&input, topo, cluster)?,
         bwd_weight: time_pass(&weight, topo, cluster)?,
@@ -475,10 +482,33 @@ impl TrainMemo {
         if let Some(p) = lock().get(plan_key).and_then(|m| m.get(&key)) {
             return Ok(p.clone());
         }
-        let p = Arc::new(layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts)?);
-        let mut all = lock();
-        let by_key = all.entry(plan_key.to_string()).or_default();
-        Ok(by_key.entry(key).or_insert(p).clone())
+        // A search tries every recomputation: all are timed at once, sharing the forwards.
+        let mut all = layer_parts(
+            cfg,
+            plan,
+            t,
+            [tp, cp],
+            groups,
+            cluster,
+            copts,
+            &Recompute::ALL,
+        );
+        let mut kept = lock();
+        let by_key = kept.entry(plan_key.to_string()).or_default();
+        let mut asked = None;
+        for (rc, parts) in Recompute::ALL.into_iter().zip(all.drain(..)) {
+            let parts = match parts {
+                Ok(p) => Arc::new(p),
+                Err(e) if rc == t.recompute => return Err(e),
+                Err(_) => continue,
+            };
+            let key: PartsKey = (key.0, key.1, rc, key.3);
+            let p = by_key.entry(key).or_insert(parts).clone();
+            if rc == t.recompute {
+                asked = Some(p);
+            }
+        }
+        Ok(asked.expect("invariant: every recomputation is timed"))
     }
 
     /// `schedule` on `p` stages for `m` micro-batches, built once.
@@ -552,7 +582,11 @@ fn simulate(
             let parts = memo.parts(key, cfg, plan, t, [tp, cp], groups, cluster, copts)?;
             LayerParts::clone(&parts)
         }
-        None => layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts)?,
+        None => {
+            let rc = [t.recompute];
+            let mut one = layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts, &rc);
+            one.pop().expect("invariant: one recomputation timed")?
+        }
     };
     let LayerParts {
         pre,
@@ -1077,10 +1111,12 @@ struct LayerParts {
 /// The groups of a mesh's `tp`, `ep` and `cp` axes (rank 0's) on a cluster.
 type LayerGroups = [GroupTopology; 3];
 
-/// Times `plan`'s parts for `t` (steps 1 and 2 of the module docs): the forward and derived
-/// backward of the embedding, a layer and the head on one tensor-parallel group laid out as
-/// `groups` (`tp`, `ep`, `cp`) say, with `tp` and `cp` the mesh's sizes; their parameters;
-/// a layer's saved activations.
+/// Times `plan`'s parts for `t` under each of `recomputes` (`t`'s own ignored; steps 1 and 2
+/// of the module docs): the forward and derived backward of the embedding, a layer and the
+/// head on one tensor-parallel group laid out as `groups` (`tp`, `ep`, `cp`) say, with `tp`
+/// and `cp` the mesh's sizes; their parameters; a layer's saved activations. Each result is
+/// the one that recomputation alone gives; the forwards, which none changes, are timed once.
+#[allow(clippy::too_many_arguments)]
 fn layer_parts(
     cfg: &ModelConfig,
     plan: &Plan,
@@ -1089,7 +1125,8 @@ fn layer_parts(
     [tp_topo, ep_topo, cp_topo]: LayerGroups,
     cluster: &Cluster,
     copts: &ComputeOptions,
-) -> Result<LayerParts, CostError> {
+    recomputes: &[Recompute],
+) -> Vec<Result<LayerParts, CostError>> {
     let seq_local = t.seq / cp;
     let lmesh = &plan.mesh;
     let dev = &cluster.device;
@@ -1202,15 +1239,8 @@ fn layer_parts(
         .with_axis("tp", tp_topo)
         .with_axis("ep", ep_topo)
         .with_axis("cp", cp_topo);
-    let layer_rc = t.recompute;
-    let edge_rc = if t.recompute == Recompute::Full {
-        Recompute::None
-    } else {
-        t.recompute
-    };
-    let pre = time_part(&pre_p, edge_rc, &topo, cluster)?;
-    let layer = time_part(&layer_p, layer_rc, &topo, cluster)?;
-    let post = time_part(&post_p, edge_rc, &topo, cluster)?;
+    // Each program's forward pass, timed when first needed.
+    let [mut pre_f, mut layer_f, mut post_f]: [Option<Pass>; 3] = [None; 3];
 
     // Parameters (tp-local elements).
     let layer_set = params_used(g, &keep_layer);
@@ -1231,19 +1261,14 @@ fn layer_parts(
     let post_elems = elems(g, &post_set);
     let shared_elems = elems(g, &pre_set.intersection(&post_set).copied().collect());
 
-    let saved_opts = SavedOptions {
-        dtype: dt,
-        attention: copts.attention,
-        dropout: copts.dropout,
-        recompute: t.recompute,
-    };
-    let saved_layer = saved_activations(g, 0, &saved_opts);
     let saved_full_layer = saved_activations(
         g,
         0,
         &SavedOptions {
+            dtype: dt,
+            attention: copts.attention,
+            dropout: copts.dropout,
             recompute: Recompute::None,
-            ..saved_opts
         },
     );
     // The largest value of a layer; a dense `[experts, ..]` one at its routed fraction.
@@ -1262,20 +1287,55 @@ fn layer_parts(
         })
         .max()
         .unwrap_or(0);
-    Ok(LayerParts {
-        pre,
-        layer,
-        post,
-        layer_elems,
-        layer_expert,
-        pre_elems,
-        post_elems,
-        shared_elems,
-        ep_traffic,
-        saved_layer,
-        saved_full_layer,
-        biggest,
-    })
+    // The embedding's and head's parts by their recomputation (full recomputation is the
+    // layers'; the edges then recompute nothing).
+    let mut edges: Vec<(Recompute, Part, Part)> = Vec::new();
+    let mut one = |layer_rc: Recompute| -> Result<LayerParts, CostError> {
+        let edge_rc = if layer_rc == Recompute::Full {
+            Recompute::None
+        } else {
+            layer_rc
+        };
+        let kept = edges.iter().find(|e| e.0 == edge_rc).cloned();
+        let (pre, layer, post) = match kept {
+            Some((_, pre, post)) => {
+                let layer = time_part(&layer_p, &mut layer_f, layer_rc, &topo, cluster)?;
+                (pre, layer, post)
+            }
+            None => {
+                let pre = time_part(&pre_p, &mut pre_f, edge_rc, &topo, cluster)?;
+                let layer = time_part(&layer_p, &mut layer_f, layer_rc, &topo, cluster)?;
+                let post = time_part(&post_p, &mut post_f, edge_rc, &topo, cluster)?;
+                edges.push((edge_rc, pre.clone(), post.clone()));
+                (pre, layer, post)
+            }
+        };
+        let saved_layer = saved_activations(
+            g,
+            0,
+            &SavedOptions {
+                dtype: dt,
+                attention: copts.attention,
+                dropout: copts.dropout,
+                recompute: layer_rc,
+            },
+        );
+        Ok(LayerParts {
+            pre,
+            layer,
+            post,
+            layer_elems,
+            layer_expert,
+            pre_elems,
+            post_elems,
+            shared_elems,
+            ep_traffic,
+            saved_layer,
+            saved_full_layer,
+            biggest,
+        })
+    };
+    recomputes.iter().map(|&rc| one(rc)).collect()
 }
 
 /// The mixture-of-experts arithmetic of an expert-parallel step, per rank and layer (empty
