@@ -87,8 +87,9 @@ pub struct TrainOptions {
     /// the first chunk, the head the last); `None`: the compiler's split, balanced by forward
     /// FLOPs (`shardc compile`'s default), so a simulated step is the one that compiles.
     pub stage_layers: Option<Vec<usize>>,
-    /// Record each pass and gradient bucket in the stages' timelines (`--trace`) and label
-    /// every rank; a search, which reads only the numbers, leaves them out.
+    /// Record each pass and gradient bucket in the stages' timelines (`--trace`), with their
+    /// memory over time, and label every rank; a search, which reads only the numbers, leaves
+    /// them out.
     pub timelines: bool,
     /// The model's forward FLOPs per token at this sequence length, when the caller has them
     /// (a search computes them once); `None`: computed here.
@@ -407,7 +408,38 @@ pub fn simulate_training_on(
     cluster: &Cluster,
     copts: &ComputeOptions,
 ) -> Result<Simulation, CostError> {
-    simulate(cfg, plan, source, mesh, t, cluster, copts, None)
+    match simulate(cfg, plan, source, mesh, t, cluster, copts, None, false)? {
+        Step::Simulated(sim) => Ok(*sim),
+        Step::Bounded(_) => unreachable!("simulated without a bound"),
+    }
+}
+
+/// A layout's step time bounded from below, and its peak memory, without replaying its
+/// pipeline ([`TrainMemo::bound`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepBound {
+    /// Seconds per optimizer step, at most the simulated step's: the busiest stage's passes
+    /// back to back (a stage runs one at a time), less a relative 10⁻⁹ for rounding.
+    pub step_time_s: f64,
+    /// Peak memory of the most loaded rank, bytes: the simulated step's (the micro-batches
+    /// a stage holds follow from its schedule's order, not the passes' durations).
+    pub peak_memory_bytes_per_rank: u64,
+}
+
+/// How far [`simulate`] went.
+enum Step {
+    /// The whole step.
+    Simulated(Box<Simulation>),
+    /// Its bound, the pipeline not replayed.
+    Bounded(StepBound),
+}
+
+/// A pipeline schedule with each stage's peak number of (micro-batch, chunk) forwards in
+/// flight, as its replay counts them (empty: not counted before the replay).
+#[derive(Debug)]
+struct Built {
+    schedule: PipelineSchedule,
+    peak_in_flight: Vec<usize>,
 }
 
 /// What the simulated training steps of one model on one cluster, with one set of compute
@@ -420,7 +452,7 @@ pub struct TrainMemo {
     /// Timed parts by plan key, then by what else times them.
     parts: Mutex<HashMap<String, HashMap<PartsKey, Arc<LayerParts>>>>,
     /// Schedules by (schedule, stages, micro-batches).
-    schedules: Mutex<HashMap<(PipeSchedule, usize, usize), Arc<PipelineSchedule>>>,
+    schedules: Mutex<HashMap<(PipeSchedule, usize, usize), Arc<Built>>>,
 }
 
 /// What times a layer plan's parts beside the plan (see [`layer_parts`]): the groups, `tp`
@@ -447,16 +479,32 @@ impl TrainMemo {
         cluster: &Cluster,
         copts: &ComputeOptions,
     ) -> Result<Simulation, CostError> {
-        simulate(
-            cfg,
-            plan,
-            source,
-            mesh,
-            t,
-            cluster,
-            copts,
-            Some((self, plan_key)),
-        )
+        let memo = Some((self, plan_key));
+        match simulate(cfg, plan, source, mesh, t, cluster, copts, memo, false)? {
+            Step::Simulated(sim) => Ok(*sim),
+            Step::Bounded(_) => unreachable!("simulated without a bound"),
+        }
+    }
+
+    /// The layout's step time bounded from below and its peak memory ([`StepBound`]), what
+    /// [`TrainMemo::simulate`] computes before the pipeline replay; refused exactly when
+    /// `simulate` would be.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bound(
+        &self,
+        plan_key: &str,
+        cfg: &ModelConfig,
+        plan: &Plan,
+        mesh: &Mesh,
+        t: &TrainOptions,
+        cluster: &Cluster,
+        copts: &ComputeOptions,
+    ) -> Result<StepBound, CostError> {
+        let memo = Some((self, plan_key));
+        match simulate(cfg, plan, "", mesh, t, cluster, copts, memo, true)? {
+            Step::Bounded(b) => Ok(b),
+            Step::Simulated(_) => unreachable!("bounded with a memo"),
+        }
     }
 
     /// `plan`'s parts for `t` (what [`layer_parts`] times), timed once.
@@ -511,23 +559,31 @@ impl TrainMemo {
         Ok(asked.expect("invariant: every recomputation is timed"))
     }
 
-    /// `schedule` on `p` stages for `m` micro-batches, built once.
+    /// `schedule` on `p` stages for `m` micro-batches, built once, with its peaks in flight.
+    /// Replayed once with uniform passes for them: which slots can run depends on the order
+    /// alone, so a schedule that replays here replays with any durations.
     fn schedule(
         &self,
         schedule: PipeSchedule,
         p: usize,
         m: usize,
-    ) -> Result<Arc<PipelineSchedule>, CostError> {
+    ) -> Result<Arc<Built>, CostError> {
         let lock = || self.schedules.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = lock().get(&(schedule, p, m)) {
             return Ok(s.clone());
         }
-        let s = Arc::new(schedule.build(p, m)?);
+        let built = schedule.build(p, m)?;
+        let run = built.replay(crate::schedule::pp::PassCosts::uniform(1.0))?;
+        let s = Arc::new(Built {
+            peak_in_flight: run.ranks.iter().map(|r| r.peak_in_flight).collect(),
+            schedule: built,
+        });
         Ok(lock().entry((schedule, p, m)).or_insert(s).clone())
     }
 }
 
-/// [`simulate_training_on`], reusing what `memo` keeps (with the plan's key) when given.
+/// [`simulate_training_on`], reusing what `memo` keeps (with the plan's key) when given;
+/// with `bound` and a memo, only up to the step's [`StepBound`].
 #[allow(clippy::too_many_arguments)]
 fn simulate(
     cfg: &ModelConfig,
@@ -538,7 +594,8 @@ fn simulate(
     cluster: &Cluster,
     copts: &ComputeOptions,
     memo: Option<(&TrainMemo, &str)>,
-) -> Result<Simulation, CostError> {
+    bound: bool,
+) -> Result<Step, CostError> {
     let Sizes {
         dp,
         tp,
@@ -694,9 +751,11 @@ fn simulate(
     // `gc / pp`.
     let built = match memo {
         Some((memo, _)) => memo.schedule(schedule, pp, m)?,
-        None => Arc::new(schedule.build(pp, m)?),
+        None => Arc::new(Built {
+            schedule: schedule.build(pp, m)?,
+            peak_in_flight: Vec::new(),
+        }),
     };
-    let run: Replay = built.replay_with(&|gc, ph| dur(gc % pp, gc / pp, ph), p2p.0)?;
     let pass_name = |ph: Phase| match ph {
         Phase::F => "forward",
         Phase::B => "backward",
@@ -735,6 +794,63 @@ fn simulate(
         let most = (0..v).map(|c| chunk_layers[c * pp + s]).max().unwrap_or(0);
         saved_layer.0 * most as u64
     };
+    // Stage `s`'s memory with `peak_if` (micro-batch, chunk) pairs in flight at most.
+    let memory_of = |s: usize, peak_if: usize| -> MemoryBreakdown {
+        let (psi, psi_expert) = stage_elems[s];
+        let psi_dense = psi - psi_expert;
+        let (w, gr, opt) = {
+            let (a, b, c) = zero_static(psi_dense, sync, t.zero);
+            let (x, y, z) = zero_static(psi_expert, dp, t.zero);
+            (a + x, b + y, c + z)
+        };
+        let mut transient = 2 * biggest;
+        if t.recompute == Recompute::Full {
+            transient += saved_full_layer.0;
+        }
+        if s == pp - 1 {
+            transient = transient.max(2 * logits as u64);
+        }
+        MemoryBreakdown {
+            params: w,
+            grads: gr,
+            optimizer: opt,
+            activations: Bytes(peak_if as u64 * chunk_act(s)),
+            transient: Bytes(transient),
+            comm_buffers: Bytes(if t.zero == 3 && sync > 1 {
+                2 * layer_elems * 2
+            } else {
+                0
+            }),
+        }
+    };
+    if bound && !built.peak_in_flight.is_empty() {
+        // Each stage runs every (micro-batch, chunk, pass) of its own once, one at a time.
+        let passes: &[Phase] = if split {
+            &[Phase::F, Phase::B, Phase::W]
+        } else {
+            &[Phase::F, Phase::B]
+        };
+        let busiest = (0..pp)
+            .map(|s| {
+                let per_micro: f64 = (0..v)
+                    .flat_map(|c| passes.iter().map(move |&ph| (c, ph)))
+                    .map(|(c, ph)| dur(s, c, ph))
+                    .sum();
+                m as f64 * per_micro
+            })
+            .fold(0.0, f64::max);
+        let memory = (0..pp)
+            .map(|s| memory_of(s, built.peak_in_flight[s]).total().0)
+            .max()
+            .unwrap_or(0);
+        return Ok(Step::Bounded(StepBound {
+            step_time_s: busiest * (1.0 - 1e-9),
+            peak_memory_bytes_per_rank: memory,
+        }));
+    }
+    let run: Replay = built
+        .schedule
+        .replay_with(&|gc, ph| dur(gc % pp, gc / pp, ph), p2p.0)?;
 
     struct StageOut {
         end: f64,
@@ -886,39 +1002,18 @@ fn simulate(
             end += param_ag;
         }
         // Memory.
-        let (w, gr, opt) = {
-            let (a, b, c) = zero_static(psi_dense, sync, t.zero);
-            let (x, y, z) = zero_static(psi_expert, dp, t.zero);
-            (a + x, b + y, c + z)
-        };
         let (peak_if, in_flight) = (run.ranks[s].peak_in_flight, &run.ranks[s].in_flight);
-        let mut transient = 2 * biggest;
-        if t.recompute == Recompute::Full {
-            transient += saved_full_layer.0;
+        let memory = memory_of(s, peak_if);
+        if t.timelines {
+            let base = (memory.params + memory.grads + memory.optimizer + memory.comm_buffers).0;
+            tl.memory = std::iter::once((0.0, base))
+                .chain(
+                    in_flight
+                        .iter()
+                        .map(|&(tm, n)| (tm, base + n as u64 * chunk_act(s))),
+                )
+                .collect();
         }
-        if s == pp - 1 {
-            transient = transient.max(2 * logits as u64);
-        }
-        let memory = MemoryBreakdown {
-            params: w,
-            grads: gr,
-            optimizer: opt,
-            activations: Bytes(peak_if as u64 * chunk_act(s)),
-            transient: Bytes(transient),
-            comm_buffers: Bytes(if t.zero == 3 && sync > 1 {
-                2 * layer_elems * 2
-            } else {
-                0
-            }),
-        };
-        let base = (w + gr + opt + memory.comm_buffers).0;
-        tl.memory = std::iter::once((0.0, base))
-            .chain(
-                in_flight
-                    .iter()
-                    .map(|&(tm, n)| (tm, base + n as u64 * chunk_act(s))),
-            )
-            .collect();
         outs.push(StageOut {
             end,
             sync_total,
@@ -1073,7 +1168,7 @@ fn simulate(
     }
     .with_throughput(step, tokens, flops, model_flops, dev.peak(dt));
     let rank_timeline = (0..world).map(|r| stage_of(mesh, r) as u32).collect();
-    Ok(Simulation {
+    Ok(Step::Simulated(Box::new(Simulation {
         report,
         timelines: outs.into_iter().map(|o| o.timeline).collect(),
         rank_timeline,
@@ -1082,7 +1177,7 @@ fn simulate(
         } else {
             Vec::new()
         },
-    })
+    })))
 }
 
 /// A layer plan's parts timed for one configuration: what [`simulate_training_on`] derives
