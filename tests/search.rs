@@ -1,14 +1,19 @@
-//! `shardc search`: the pruned search finds what brute force finds; the rule it prunes by
-//! never drops a layout that fits; the best is what `simulate --train` says of it; output is
-//! deterministic and refuses bad flags by name.
+//! `shardc search`: the pruned search finds what brute force finds; the memory rule it prunes
+//! by never drops a layout that fits, and the step-time bound it prunes by is one; the best is
+//! what `simulate --train` says of it; output is deterministic and refuses bad flags by name.
 
 mod common;
 
 use common::run_shardc;
-use shardc::compiler::cost::{AttentionImpl, Cluster, ComputeOptions};
+use shardc::compiler::compile::{layer_plan, simulate_training};
+use shardc::compiler::cost::{
+    layer_plan_spec, AttentionImpl, Cluster, ComputeOptions, PipeSchedule, Recompute, TrainMemo,
+    TrainOptions,
+};
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::search::{evaluate, pruned_candidates, search, SearchOptions};
+use shardc::compiler::search::{evaluate, pruned_candidates, search, SearchOptions, SearchReport};
+use shardc::compiler::shard::Mesh;
 use std::path::Path;
 
 fn copts() -> ComputeOptions {
@@ -34,16 +39,7 @@ fn pruned_search_equals_brute_force() {
     let brute = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
     let n: usize = pruned.pruned.values().sum();
     assert!(n > 50, "the rule pruned only {n}");
-    assert_eq!(brute.evaluated, pruned.evaluated + n);
-    let names = |r: &shardc::compiler::search::SearchReport| -> Vec<String> {
-        r.top.iter().map(|s| s.candidate.to_string()).collect()
-    };
-    assert!(!brute.top.is_empty());
-    assert_eq!(
-        names(&pruned),
-        names(&brute),
-        "pruned vs brute-force ranking"
-    );
+    assert_same_search(&pruned, &brute);
     o.prune = true;
     let cap = cluster.device.memory_bytes.value * o.memory_fraction;
     for c in pruned_candidates(&cfg, &cluster, &o).iter().step_by(7) {
@@ -51,6 +47,109 @@ fn pruned_search_equals_brute_force() {
             assert!(s.memory_bytes as f64 > cap, "{c} was pruned but fits");
         }
     }
+}
+
+/// `pruned` ranks as `brute` (a search without pruning) does, to the bit, and counts the same
+/// layouts that do not fit (with those the memory rule prunes) and that the compiler refuses.
+fn assert_same_search(pruned: &SearchReport, brute: &SearchReport) {
+    let n: usize = pruned.pruned.values().sum();
+    assert_eq!(brute.evaluated, pruned.evaluated + n);
+    let names = |r: &SearchReport| -> Vec<String> {
+        r.top.iter().map(|s| s.candidate.to_string()).collect()
+    };
+    assert!(!brute.top.is_empty());
+    assert_eq!(names(pruned), names(brute), "pruned vs brute-force ranking");
+    for (a, b) in pruned.top.iter().zip(&brute.top) {
+        assert_eq!(
+            a.step_time_s.to_bits(),
+            b.step_time_s.to_bits(),
+            "{}",
+            a.candidate
+        );
+        assert_eq!(a.memory_bytes, b.memory_bytes, "{}", a.candidate);
+    }
+    // What the memory rule prunes does not fit; what the bound prunes is counted as it is.
+    let by_memory = pruned
+        .pruned
+        .get("static memory bound")
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(
+        pruned.too_big + by_memory,
+        brute.too_big,
+        "layouts that do not fit"
+    );
+    assert_eq!(pruned.refused, brute.refused, "layouts refused");
+}
+
+/// Llama-3-8B on 8 H100s at 64 × 4096 (more layouts than one round simulates): the step-time
+/// bound prunes, and the search still ranks as brute force does.
+#[test]
+fn bound_pruned_search_equals_brute_force() {
+    let cfg = ModelConfig::from_path(Path::new("models/llama-3-8b.json")).unwrap();
+    let cluster = Cluster::resolve("dgx-h100").unwrap();
+    let mut o = SearchOptions::new(8, 64, 4096);
+    let pruned = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
+    o.prune = false;
+    let brute = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
+    let bounded = pruned.pruned.get("step-time bound").copied().unwrap_or(0);
+    assert!(bounded > 1000, "the bound pruned only {bounded}");
+    assert_same_search(&pruned, &brute);
+}
+
+/// A search's memoised simulation is `simulate --train`'s, number for number; its bound is no
+/// more than the simulated step time and its memory is the simulated peak, over pipelines
+/// (1F1B, interleaved, ZB-H1), ZeRO stages and recomputation.
+#[test]
+fn memoised_steps_and_bounds_agree_with_simulate() {
+    let cfg = ModelConfig::from_path(Path::new("models/llama-3-8b.json")).unwrap();
+    let cluster = Cluster::resolve("dgx-h100").unwrap();
+    let memo = TrainMemo::new();
+    let mut checked = 0;
+    for mesh in ["dp=8", "pp=2,dp=4", "pp=4,tp=2", "pp=8", "pp=2,cp=2,tp=2"] {
+        let mesh = Mesh::parse(mesh, cluster.gpus_per_node()).unwrap();
+        for schedule in [
+            PipeSchedule::OneFOneB,
+            PipeSchedule::Interleaved(2),
+            PipeSchedule::ZbH1,
+        ] {
+            for zero in [0, 3] {
+                for rc in Recompute::ALL {
+                    let mut t = TrainOptions::new(32, 2, 2048);
+                    t.schedule = schedule;
+                    t.zero = zero;
+                    t.recompute = rc;
+                    t.strategies = vec!["sp".into()];
+                    let want = simulate_training(&cfg, "m", &mesh, &t, &cluster, &copts());
+                    let Ok(want) = want else { continue };
+                    t.timelines = false;
+                    let spec = layer_plan_spec(&cfg, &mesh, &t, &cluster).unwrap();
+                    let plan = layer_plan(&cfg, "m", &spec).unwrap();
+                    let key = format!("{} {}", spec.mesh, spec.batch);
+                    let args = (&cfg, &plan, &mesh, &t, &cluster, &copts());
+                    let got = memo
+                        .simulate(&key, args.0, args.1, "m", args.2, args.3, args.4, args.5)
+                        .unwrap();
+                    let bound = memo
+                        .bound(&key, args.0, args.1, args.2, args.3, args.4, args.5)
+                        .unwrap();
+                    let (w, g) = (&want.report, &got.report);
+                    assert_eq!(w, g, "{mesh} {schedule:?} zero{zero} {rc}");
+                    assert!(bound.step_time_s <= w.step_time_s, "{mesh} {schedule:?}");
+                    assert!(
+                        bound.step_time_s > 0.5 * w.step_time_s,
+                        "{mesh} {schedule:?}"
+                    );
+                    assert_eq!(
+                        bound.peak_memory_bytes_per_rank, w.peak_memory_bytes_per_rank,
+                        "{mesh} {schedule:?} zero{zero} {rc}"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 60, "checked {checked}");
 }
 
 /// The best layout's step time is what `simulate --train` prints for it, and two runs print

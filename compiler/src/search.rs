@@ -11,18 +11,24 @@
 //!
 //! Each candidate is simulated by the analytic training model
 //! ([`crate::compile::simulate_training`], what `simulate --train` prints), in parallel over
-//! the cores. One rule prunes before simulating, and it cannot discard the optimum: the
-//! parameters, gradients and optimizer state a rank holds (ZeRO-sharded, counted at their
-//! smallest: every parameter split over `tp × pp × ep`) already exceed the usable memory, so
-//! the simulated peak, which adds activations, would too. Candidates are ranked by step time
-//! among those that fit; ties go to the candidate whose text sorts first, so the output is
+//! the cores, with what layouts share kept across them ([`TrainMemo`]: each layer plan's
+//! timed parts, each pipeline schedule). Two rules prune, and neither can change the ranking.
+//! Before anything is simulated: the parameters, gradients and optimizer state a rank holds
+//! (ZeRO-sharded, counted at their smallest: every parameter split over `tp × pp × ep`)
+//! already exceed the usable memory, so the simulated peak, which adds activations, would too.
+//! Before a pipeline is replayed: every candidate's step time is bounded from below (its
+//! busiest stage's passes back to back, [`StepBound`]) and candidates are simulated in order
+//! of their bounds, 1,024 at a time; once the top is full, a bound above its last step
+//! time prunes that candidate and every one after it (their memory, which the bound computes
+//! exactly, still counts those that do not fit). Candidates are ranked by step time among
+//! those that fit; ties go to the candidate whose text sorts first, so the output is
 //! deterministic.
 
 use crate::autodiff::Recompute;
 use crate::compile::{layer_plan, simulate_training};
 use crate::cost::{
-    layer_plan_spec, simulate_training_on, zero_static, Cluster, ComputeOptions, PipeSchedule,
-    SimReport, TrainOptions,
+    layer_plan_spec, zero_static, Cluster, ComputeOptions, PipeSchedule, SimReport, StepBound,
+    TrainMemo, TrainOptions,
 };
 use crate::model::{ModelConfig, ModelStats};
 use crate::plan::Plan;
@@ -363,6 +369,9 @@ pub fn pruned_candidates(
         .collect()
 }
 
+/// Candidates simulated at a time between updates of the top's last step time.
+const ROUND: usize = 1024;
+
 /// Searches the space for `cfg` on `cluster` (see the module docs).
 pub fn search(
     cfg: &ModelConfig,
@@ -411,41 +420,81 @@ pub fn search(
         .into_par_iter()
         .filter_map(|(key, spec)| layer_plan(cfg, source, &spec).ok().map(|p| (key, p)))
         .collect();
-    let results: Vec<Option<Scored>> = prepared
+    // Each plan's parts are timed once per configuration that times them differently, each
+    // pipeline schedule built once. Every candidate's step time is bounded from below and its
+    // memory computed before any pipeline is replayed; candidates are then simulated in order
+    // of their bounds, a round at a time, until the top is full and the next bound exceeds
+    // its last step time: neither that candidate nor any after it can enter the top.
+    let memo = TrainMemo::new();
+    let bounds: Vec<Option<StepBound>> = prepared
         .par_iter()
-        .zip(kept.par_iter())
-        .map(|(p, c)| {
+        .map(|p| {
             let (mesh, t, key) = p.as_ref()?;
             let plan = plans.get(key)?;
-            simulate_training_on(cfg, plan, source, mesh, t, cluster, copts)
-                .ok()
-                .map(|s| Scored::of((*c).clone(), &s.report))
+            memo.bound(key, cfg, plan, mesh, t, cluster, copts).ok()
         })
         .collect();
-    let refused = results.iter().filter(|r| r.is_none()).count();
+    let mut refused = bounds.iter().filter(|b| b.is_none()).count();
+    let lower = |i: usize| bounds[i].map_or(f64::INFINITY, |b| b.step_time_s);
+    let mut order: Vec<usize> = (0..kept.len()).filter(|&i| bounds[i].is_some()).collect();
+    order.sort_by(|&a, &b| lower(a).total_cmp(&lower(b)).then(a.cmp(&b)));
+    let top = o.top.max(1);
     let mut fit: Vec<Scored> = Vec::new();
     let mut too_big = 0;
-    for s in results.into_iter().flatten() {
-        if s.memory_bytes as f64 <= capacity {
-            fit.push(s);
-        } else {
-            too_big += 1;
+    let mut next = 0;
+    while next < order.len() {
+        let last = match fit.get(top - 1) {
+            Some(s) if o.prune => s.step_time_s,
+            _ => f64::INFINITY,
+        };
+        let within = order[next..].partition_point(|&i| lower(i) <= last);
+        if within == 0 {
+            break;
         }
+        let end = next + within.min(ROUND);
+        let results: Vec<Option<Scored>> = order[next..end]
+            .par_iter()
+            .map(|&i| {
+                let (mesh, t, key) = prepared[i].as_ref()?;
+                let plan = plans.get(key)?;
+                memo.simulate(key, cfg, plan, source, mesh, t, cluster, copts)
+                    .ok()
+                    .map(|s| Scored::of(kept[i].clone(), &s.report))
+            })
+            .collect();
+        for r in results {
+            match r {
+                Some(s) if s.memory_bytes as f64 <= capacity => fit.push(s),
+                Some(_) => too_big += 1,
+                None => refused += 1,
+            }
+        }
+        fit.sort_by(|a, b| {
+            a.step_time_s
+                .total_cmp(&b.step_time_s)
+                .then_with(|| a.candidate.to_string().cmp(&b.candidate.to_string()))
+        });
+        fit.truncate(top);
+        next = end;
     }
-    fit.sort_by(|a, b| {
-        a.step_time_s
-            .total_cmp(&b.step_time_s)
-            .then_with(|| a.candidate.to_string().cmp(&b.candidate.to_string()))
-    });
-    fit.truncate(o.top.max(1));
+    // The bound's memory is the simulated step's.
+    let bounded = &order[next..];
+    too_big += bounded
+        .iter()
+        .filter_map(|&i| bounds[i])
+        .filter(|b| b.peak_memory_bytes_per_rank as f64 > capacity)
+        .count();
     let mut pruned_by = BTreeMap::new();
     if !pruned.is_empty() {
         pruned_by.insert("static memory bound".to_string(), pruned.len());
     }
+    if !bounded.is_empty() {
+        pruned_by.insert("step-time bound".to_string(), bounded.len());
+    }
     Ok(SearchReport {
         top: fit,
         candidates: candidates.len(),
-        evaluated: kept.len(),
+        evaluated: kept.len() - bounded.len(),
         pruned: pruned_by,
         too_big,
         refused,

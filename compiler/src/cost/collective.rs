@@ -145,10 +145,10 @@ impl GroupTopology {
     /// The topology of the first group of `axis` in `mesh` on `cluster`.
     pub fn of_axis(mesh: &Mesh, axis: &str, cluster: &Cluster) -> GroupTopology {
         match mesh.axis(axis) {
-            Some(a) => {
-                let groups = mesh.groups(a);
-                GroupTopology::of_members(&groups[0], cluster.profile.nvlink_domain.value as usize)
-            }
+            Some(a) => GroupTopology::of_members(
+                &mesh.group_of_first(&[a]),
+                cluster.profile.nvlink_domain.value as usize,
+            ),
             None => GroupTopology::intra(1),
         }
     }

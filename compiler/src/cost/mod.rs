@@ -69,7 +69,9 @@ pub use roofline::{
 };
 pub use simulate::{forward_plan_memory, simulate_plan};
 pub use trace::{chrome_trace, timelines_trace};
-pub use train::{layer_plan_spec, simulate_training_on, LayerPlanSpec, TrainOptions};
+pub use train::{
+    layer_plan_spec, simulate_training_on, LayerPlanSpec, StepBound, TrainMemo, TrainOptions,
+};
 pub use units::{Bytes, Seconds};
 
 use thiserror::Error;

@@ -9,7 +9,7 @@ use crate::schedule::pp::{PipelineSchedule, ScheduleKind};
 use serde::{Deserialize, Serialize};
 
 /// A pipeline schedule of the analytic training model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PipeSchedule {
     /// All forwards, then all backwards.

@@ -46,9 +46,10 @@ use super::CostError;
 use crate::ir::{Graph, Op, ValueId};
 use crate::model::{ModelConfig, ModelStats};
 use crate::plan::Plan;
-use crate::schedule::pp::{Phase, Replay, Timed};
+use crate::schedule::pp::{Phase, PipelineSchedule, Replay, Timed};
 use crate::shard::Mesh;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 
 /// Bytes of HBM traffic per local parameter of a mixed-precision Adam step: bf16 gradient
 /// read and fp32 copy (2 + 4), fp32 master weight, momentum, variance and gradient read
@@ -86,8 +87,9 @@ pub struct TrainOptions {
     /// the first chunk, the head the last); `None`: the compiler's split, balanced by forward
     /// FLOPs (`shardc compile`'s default), so a simulated step is the one that compiles.
     pub stage_layers: Option<Vec<usize>>,
-    /// Record each pass and gradient bucket in the stages' timelines (`--trace`) and label
-    /// every rank; a search, which reads only the numbers, leaves them out.
+    /// Record each pass and gradient bucket in the stages' timelines (`--trace`), with their
+    /// memory over time, and label every rank; a search, which reads only the numbers, leaves
+    /// them out.
     pub timelines: bool,
     /// The model's forward FLOPs per token at this sequence length, when the caller has them
     /// (a search computes them once); `None`: computed here.
@@ -193,8 +195,11 @@ fn time_pass(p: &Program, topo: &Topology, cluster: &Cluster) -> Result<Pass, Co
     })
 }
 
+/// `fwd`'s part under `recompute`; its forward pass timed into `fwd_pass` once, however many
+/// recomputations a caller times (a failed timing is not kept: timed again, it fails again).
 fn time_part(
     fwd: &Program,
+    fwd_pass: &mut Option<Pass>,
     recompute: Recompute,
     topo: &Topology,
     cluster: &Cluster,
@@ -209,8 +214,12 @@ fn time_part(
         bwd
     };
     let (input, weight) = bwd.split_weight_grad();
+    let fwd = match *fwd_pass {
+        Some(p) => p,
+        None => *fwd_pass.insert(time_pass(fwd, topo, cluster)?),
+    };
     Ok(Part {
-        fwd: time_pass(fwd, topo, cluster)?,
+        fwd,
         bwd: time_pass(&bwd, topo, cluster)?,
         bwd_input: time_pass(&input, topo, cluster)?,
         bwd_weight: time_pass(&weight, topo, cluster)?,
@@ -399,6 +408,194 @@ pub fn simulate_training_on(
     cluster: &Cluster,
     copts: &ComputeOptions,
 ) -> Result<Simulation, CostError> {
+    match simulate(cfg, plan, source, mesh, t, cluster, copts, None, false)? {
+        Step::Simulated(sim) => Ok(*sim),
+        Step::Bounded(_) => unreachable!("simulated without a bound"),
+    }
+}
+
+/// A layout's step time bounded from below, and its peak memory, without replaying its
+/// pipeline ([`TrainMemo::bound`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepBound {
+    /// Seconds per optimizer step, at most the simulated step's: the busiest stage's passes
+    /// back to back (a stage runs one at a time), less a relative 10⁻⁹ for rounding.
+    pub step_time_s: f64,
+    /// Peak memory of the most loaded rank, bytes: the simulated step's (the micro-batches
+    /// a stage holds follow from its schedule's order, not the passes' durations).
+    pub peak_memory_bytes_per_rank: u64,
+}
+
+/// How far [`simulate`] went.
+enum Step {
+    /// The whole step.
+    Simulated(Box<Simulation>),
+    /// Its bound, the pipeline not replayed.
+    Bounded(StepBound),
+}
+
+/// A pipeline schedule with each stage's peak number of (micro-batch, chunk) forwards in
+/// flight, as its replay counts them (empty: not counted before the replay).
+#[derive(Debug)]
+struct Built {
+    schedule: PipelineSchedule,
+    peak_in_flight: Vec<usize>,
+}
+
+/// What the simulated training steps of one model on one cluster, with one set of compute
+/// options, share across layouts, kept for a search: each layer plan's parts timed once per
+/// configuration that times them differently (the plan, where the `tp`, `ep` and `cp` groups
+/// sit, the micro-batch, sequence, recomputation and load imbalance; not `dp`, `pp`, ZeRO or
+/// the schedule), and each pipeline schedule built once per stage and micro-batch count.
+#[derive(Debug, Default)]
+pub struct TrainMemo {
+    /// Timed parts by plan key, then by what else times them.
+    parts: Mutex<HashMap<String, HashMap<PartsKey, Arc<LayerParts>>>>,
+    /// Schedules by (schedule, stages, micro-batches).
+    schedules: Mutex<HashMap<(PipeSchedule, usize, usize), Arc<Built>>>,
+}
+
+/// What times a layer plan's parts beside the plan (see [`layer_parts`]): the groups, `tp`
+/// and `cp`, micro-batch, sequence, recomputation and the load imbalance's bits.
+type PartsKey = (LayerGroups, [usize; 4], Recompute, u64);
+
+impl TrainMemo {
+    /// An empty memo.
+    pub fn new() -> TrainMemo {
+        TrainMemo::default()
+    }
+
+    /// [`simulate_training_on`], with what this memo keeps; `plan_key` names `plan` (equal
+    /// keys, equal plans). The same numbers, layout for layout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn simulate(
+        &self,
+        plan_key: &str,
+        cfg: &ModelConfig,
+        plan: &Plan,
+        source: &str,
+        mesh: &Mesh,
+        t: &TrainOptions,
+        cluster: &Cluster,
+        copts: &ComputeOptions,
+    ) -> Result<Simulation, CostError> {
+        let memo = Some((self, plan_key));
+        match simulate(cfg, plan, source, mesh, t, cluster, copts, memo, false)? {
+            Step::Simulated(sim) => Ok(*sim),
+            Step::Bounded(_) => unreachable!("simulated without a bound"),
+        }
+    }
+
+    /// The layout's step time bounded from below and its peak memory ([`StepBound`]), what
+    /// [`TrainMemo::simulate`] computes before the pipeline replay; refused exactly when
+    /// `simulate` would be.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bound(
+        &self,
+        plan_key: &str,
+        cfg: &ModelConfig,
+        plan: &Plan,
+        mesh: &Mesh,
+        t: &TrainOptions,
+        cluster: &Cluster,
+        copts: &ComputeOptions,
+    ) -> Result<StepBound, CostError> {
+        let memo = Some((self, plan_key));
+        match simulate(cfg, plan, "", mesh, t, cluster, copts, memo, true)? {
+            Step::Bounded(b) => Ok(b),
+            Step::Simulated(_) => unreachable!("bounded with a memo"),
+        }
+    }
+
+    /// `plan`'s parts for `t` (what [`layer_parts`] times), timed once.
+    #[allow(clippy::too_many_arguments)]
+    fn parts(
+        &self,
+        plan_key: &str,
+        cfg: &ModelConfig,
+        plan: &Plan,
+        t: &TrainOptions,
+        [tp, cp]: [usize; 2],
+        groups: LayerGroups,
+        cluster: &Cluster,
+        copts: &ComputeOptions,
+    ) -> Result<Arc<LayerParts>, CostError> {
+        let key: PartsKey = (
+            groups,
+            [tp, cp, t.micro_batch, t.seq],
+            t.recompute,
+            t.moe_imbalance.to_bits(),
+        );
+        let lock = || self.parts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = lock().get(plan_key).and_then(|m| m.get(&key)) {
+            return Ok(p.clone());
+        }
+        // A search tries every recomputation: all are timed at once, sharing the forwards.
+        let mut all = layer_parts(
+            cfg,
+            plan,
+            t,
+            [tp, cp],
+            groups,
+            cluster,
+            copts,
+            &Recompute::ALL,
+        );
+        let mut kept = lock();
+        let by_key = kept.entry(plan_key.to_string()).or_default();
+        let mut asked = None;
+        for (rc, parts) in Recompute::ALL.into_iter().zip(all.drain(..)) {
+            let parts = match parts {
+                Ok(p) => Arc::new(p),
+                Err(e) if rc == t.recompute => return Err(e),
+                Err(_) => continue,
+            };
+            let key: PartsKey = (key.0, key.1, rc, key.3);
+            let p = by_key.entry(key).or_insert(parts).clone();
+            if rc == t.recompute {
+                asked = Some(p);
+            }
+        }
+        Ok(asked.expect("invariant: every recomputation is timed"))
+    }
+
+    /// `schedule` on `p` stages for `m` micro-batches, built once, with its peaks in flight.
+    /// Replayed once with uniform passes for them: which slots can run depends on the order
+    /// alone, so a schedule that replays here replays with any durations.
+    fn schedule(
+        &self,
+        schedule: PipeSchedule,
+        p: usize,
+        m: usize,
+    ) -> Result<Arc<Built>, CostError> {
+        let lock = || self.schedules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = lock().get(&(schedule, p, m)) {
+            return Ok(s.clone());
+        }
+        let built = schedule.build(p, m)?;
+        let run = built.replay(crate::schedule::pp::PassCosts::uniform(1.0))?;
+        let s = Arc::new(Built {
+            peak_in_flight: run.ranks.iter().map(|r| r.peak_in_flight).collect(),
+            schedule: built,
+        });
+        Ok(lock().entry((schedule, p, m)).or_insert(s).clone())
+    }
+}
+
+/// [`simulate_training_on`], reusing what `memo` keeps (with the plan's key) when given;
+/// with `bound` and a memo, only up to the step's [`StepBound`].
+#[allow(clippy::too_many_arguments)]
+fn simulate(
+    cfg: &ModelConfig,
+    plan: &Plan,
+    source: &str,
+    mesh: &Mesh,
+    t: &TrainOptions,
+    cluster: &Cluster,
+    copts: &ComputeOptions,
+    memo: Option<(&TrainMemo, &str)>,
+    bound: bool,
+) -> Result<Step, CostError> {
     let Sizes {
         dp,
         tp,
@@ -416,7 +613,6 @@ pub fn simulate_training_on(
     let seq_local = t.seq / cp;
     let world = mesh.world_size();
     let sp = t.sp();
-    let lmesh = &plan.mesh;
     let m = t.global_batch / (data * t.micro_batch);
     // Decoder layers of each global chunk (chunk `gc` runs on stage `gc mod pp`).
     let chunk_layers: Vec<usize> = match &t.chunk_layers {
@@ -431,146 +627,40 @@ pub fn simulate_training_on(
     let dev = &cluster.device;
     let dt = copts.dtype;
 
-    // 1. The two-layer plan on the tensor-parallel mesh (with the expert-parallel axis: one
-    //    micro-batch per `ep` rank).
-    let g = &plan.program;
-    let first = g
-        .ids()
-        .find(|&v| g.node(v).layer.is_some())
-        .map_or(0, |v| v.index());
-    let last = g
-        .ids()
-        .filter(|&v| g.node(v).layer.is_some())
-        .last()
-        .map_or(0, |v| v.index());
-    // What only presents the outputs to an inference caller — their gathers and context
-    // parallelism's return to natural order — is not part of a training step.
-    let users = g.users();
-    let mut presentation = vec![false; g.len()];
-    let output_ids: BTreeSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
-    for i in (0..g.len()).rev() {
-        let v = ValueId(i as u32);
-        let op = &g.node(v).op;
-        let moves = op.is_collective() || matches!(op, Op::SeqPermute { inverse: true, .. });
-        let u = &users[v.index()];
-        presentation[v.index()] = moves
-            && (output_ids.contains(&v)
-                || (!u.is_empty() && u.iter().all(|x| presentation[x.index()])));
-    }
-    let keep_layer = |v: ValueId| g.node(v).layer == Some(0);
-    let keep_pre = |v: ValueId| g.node(v).layer.is_none() && v.index() < first;
-    let keep_post =
-        |v: ValueId| g.node(v).layer.is_none() && v.index() > last && !presentation[v.index()];
-    let tp_topo = GroupTopology::of_axis(mesh, "tp", cluster);
-    let ep_topo = GroupTopology::of_axis(mesh, "ep", cluster);
-    let cp_topo = GroupTopology::of_axis(mesh, "cp", cluster);
-    let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
-        let topo = match axis {
-            "ep" => ep_topo,
-            "cp" => cp_topo,
-            _ => tp_topo,
-        };
-        collective_time(cluster, kind, Bytes(bytes), topo)
+    // 1-2. The two-layer plan's parts, timed on a tensor-parallel group.
+    let groups: LayerGroups = [
+        GroupTopology::of_axis(mesh, "tp", cluster),
+        GroupTopology::of_axis(mesh, "ep", cluster),
+        GroupTopology::of_axis(mesh, "cp", cluster),
+    ];
+    let tp_topo = groups[0];
+    let parts = match memo {
+        Some((memo, key)) => {
+            let parts = memo.parts(key, cfg, plan, t, [tp, cp], groups, cluster, copts)?;
+            LayerParts::clone(&parts)
+        }
+        None => {
+            let rc = [t.recompute];
+            let mut one = layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts, &rc);
+            one.pop().expect("invariant: one recomputation timed")?
+        }
     };
-    let pre_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_pre, &comm);
-    let mut layer_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_layer, &comm);
-    if t.moe_imbalance > 1.0 {
-        imbalance(&mut layer_p, t.moe_imbalance);
-    }
-    // The layer's expert-parallel traffic as simulated: (collectives, bytes, time) forward.
-    let ep_traffic = layer_p
-        .ops
-        .iter()
-        .filter_map(|o| match &o.kind {
-            ProgKind::Collective { axis, kind, bytes } if axis == "ep" => Some((
-                *bytes,
-                collective_time(cluster, *kind, Bytes(*bytes), ep_topo),
-            )),
-            _ => None,
-        })
-        .fold((0usize, 0u64, 0.0f64), |(n, b, s), (x, d)| {
-            (n + 1, b + x, s + d.0)
-        });
-    let mut post_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_post, &comm);
-    // Vocabulary-parallel cross-entropy in fp32: read the logits, exponentiate and normalise
-    // (max and sum all-reduced over tp), write the loss; backward writes the logits' gradient.
-    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
-    let ce = Kernel::memory(3.0 * logits);
-    let ce_b = Kernel::memory(2.0 * logits);
-    post_p.ops.push(ProgOp {
-        stream: COMPUTE,
-        label: "loss.cross_entropy".into(),
-        kind: ProgKind::Kernel {
-            work: Work {
-                time: kernel_time(dev, dt, &ce),
-                flops: 0.0,
-                bytes: ce.bytes,
-            },
-            gemm: false,
-        },
-        alloc: 0,
-        free: 0,
-        grad: Some(Grad {
-            dgrad: Work {
-                time: kernel_time(dev, dt, &ce_b),
-                flops: 0.0,
-                bytes: ce_b.bytes,
-            },
-            wgrad: None,
-            regather: None,
-            exchange: None,
-            attention: false,
-        }),
-    });
-    if tp > 1 {
-        post_p.ops.push(ProgOp {
-            stream: COMPUTE,
-            label: "loss.max_sum".into(),
-            kind: ProgKind::Collective {
-                axis: "tp".into(),
-                kind: CollectiveKind::AllReduce,
-                bytes: (t.micro_batch * seq_local * 8) as u64,
-            },
-            alloc: 0,
-            free: 0,
-            grad: None,
-        });
-    }
-
-    // 2. Forward and backward of each part on one tp group, laid out as the full mesh's.
-    let topo = Topology::new(lmesh, cluster)
-        .with_axis("tp", tp_topo)
-        .with_axis("ep", ep_topo)
-        .with_axis("cp", cp_topo);
-    let layer_rc = t.recompute;
-    let edge_rc = if t.recompute == Recompute::Full {
-        Recompute::None
-    } else {
-        t.recompute
-    };
-    let pre = time_part(&pre_p, edge_rc, &topo, cluster)?;
-    let mut layer = time_part(&layer_p, layer_rc, &topo, cluster)?;
-    let post = time_part(&post_p, edge_rc, &topo, cluster)?;
-
-    // Parameters (tp-local elements).
-    let layer_set = params_used(g, &keep_layer);
-    let pre_set = params_used(g, &keep_pre);
-    let post_set = params_used(g, &keep_post);
-    let layer_elems = elems(g, &layer_set);
-    // Experts' weights `[experts, out, in]` (local: `experts / ep` of them), synchronised
-    // over `dp` alone; the router's `[experts, hidden]` is replicated, a dense parameter.
-    let layer_expert = elems(
-        g,
-        &layer_set
-            .iter()
-            .copied()
-            .filter(|&v| g.ty(v).rank() == 3 && is_expert_major(g.ty(v)))
-            .collect(),
-    );
+    let LayerParts {
+        pre,
+        mut layer,
+        post,
+        layer_elems,
+        layer_expert,
+        pre_elems,
+        post_elems,
+        shared_elems,
+        ep_traffic,
+        saved_layer,
+        saved_full_layer,
+        biggest,
+    } = parts;
     let layer_dense = layer_elems - layer_expert;
-    let pre_elems = elems(g, &pre_set);
-    let post_elems = elems(g, &post_set);
-    let shared_elems = elems(g, &pre_set.intersection(&post_set).copied().collect());
+    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
 
     // 3. ZeRO-3: each layer's parameters gathered before its forward and backward, its
     // gradients reduce-scattered, prefetched behind the layer's compute.
@@ -659,9 +749,13 @@ pub fn simulate_training_on(
     };
     // Slot `F`/`B`/`W` of global chunk `gc` runs on stage `gc mod pp` as its local chunk
     // `gc / pp`.
-    let run: Replay = schedule
-        .build(pp, m)?
-        .replay_with(&|gc, ph| dur(gc % pp, gc / pp, ph), p2p.0)?;
+    let built = match memo {
+        Some((memo, _)) => memo.schedule(schedule, pp, m)?,
+        None => Arc::new(Built {
+            schedule: schedule.build(pp, m)?,
+            peak_in_flight: Vec::new(),
+        }),
+    };
     let pass_name = |ph: Phase| match ph {
         Phase::F => "forward",
         Phase::B => "backward",
@@ -695,42 +789,68 @@ pub fn simulate_training_on(
     } else {
         Seconds::ZERO
     };
-    let saved_opts = SavedOptions {
-        dtype: dt,
-        attention: copts.attention,
-        dropout: copts.dropout,
-        recompute: t.recompute,
-    };
-    let saved_layer = saved_activations(g, 0, &saved_opts);
-    let saved_full_layer = saved_activations(
-        g,
-        0,
-        &SavedOptions {
-            recompute: Recompute::None,
-            ..saved_opts
-        },
-    );
-    // The largest value of a layer; a dense `[experts, ..]` one at its routed fraction.
-    let routed = routed_fraction(g);
-    let biggest = g
-        .ids()
-        .filter(|&v| keep_layer(v))
-        .map(|v| {
-            let b = sim_bytes(g.ty(v), dt);
-            let routed_b = if is_expert_major(g.ty(v)) {
-                b * routed
-            } else {
-                b
-            };
-            routed_b as u64
-        })
-        .max()
-        .unwrap_or(0);
     // A stage's (micro-batch, chunk) in flight holds its largest chunk's saved activations.
     let chunk_act = |s: usize| -> u64 {
         let most = (0..v).map(|c| chunk_layers[c * pp + s]).max().unwrap_or(0);
         saved_layer.0 * most as u64
     };
+    // Stage `s`'s memory with `peak_if` (micro-batch, chunk) pairs in flight at most.
+    let memory_of = |s: usize, peak_if: usize| -> MemoryBreakdown {
+        let (psi, psi_expert) = stage_elems[s];
+        let psi_dense = psi - psi_expert;
+        let (w, gr, opt) = {
+            let (a, b, c) = zero_static(psi_dense, sync, t.zero);
+            let (x, y, z) = zero_static(psi_expert, dp, t.zero);
+            (a + x, b + y, c + z)
+        };
+        let mut transient = 2 * biggest;
+        if t.recompute == Recompute::Full {
+            transient += saved_full_layer.0;
+        }
+        if s == pp - 1 {
+            transient = transient.max(2 * logits as u64);
+        }
+        MemoryBreakdown {
+            params: w,
+            grads: gr,
+            optimizer: opt,
+            activations: Bytes(peak_if as u64 * chunk_act(s)),
+            transient: Bytes(transient),
+            comm_buffers: Bytes(if t.zero == 3 && sync > 1 {
+                2 * layer_elems * 2
+            } else {
+                0
+            }),
+        }
+    };
+    if bound && !built.peak_in_flight.is_empty() {
+        // Each stage runs every (micro-batch, chunk, pass) of its own once, one at a time.
+        let passes: &[Phase] = if split {
+            &[Phase::F, Phase::B, Phase::W]
+        } else {
+            &[Phase::F, Phase::B]
+        };
+        let busiest = (0..pp)
+            .map(|s| {
+                let per_micro: f64 = (0..v)
+                    .flat_map(|c| passes.iter().map(move |&ph| (c, ph)))
+                    .map(|(c, ph)| dur(s, c, ph))
+                    .sum();
+                m as f64 * per_micro
+            })
+            .fold(0.0, f64::max);
+        let memory = (0..pp)
+            .map(|s| memory_of(s, built.peak_in_flight[s]).total().0)
+            .max()
+            .unwrap_or(0);
+        return Ok(Step::Bounded(StepBound {
+            step_time_s: busiest * (1.0 - 1e-9),
+            peak_memory_bytes_per_rank: memory,
+        }));
+    }
+    let run: Replay = built
+        .schedule
+        .replay_with(&|gc, ph| dur(gc % pp, gc / pp, ph), p2p.0)?;
 
     struct StageOut {
         end: f64,
@@ -882,39 +1002,18 @@ pub fn simulate_training_on(
             end += param_ag;
         }
         // Memory.
-        let (w, gr, opt) = {
-            let (a, b, c) = zero_static(psi_dense, sync, t.zero);
-            let (x, y, z) = zero_static(psi_expert, dp, t.zero);
-            (a + x, b + y, c + z)
-        };
         let (peak_if, in_flight) = (run.ranks[s].peak_in_flight, &run.ranks[s].in_flight);
-        let mut transient = 2 * biggest;
-        if t.recompute == Recompute::Full {
-            transient += saved_full_layer.0;
+        let memory = memory_of(s, peak_if);
+        if t.timelines {
+            let base = (memory.params + memory.grads + memory.optimizer + memory.comm_buffers).0;
+            tl.memory = std::iter::once((0.0, base))
+                .chain(
+                    in_flight
+                        .iter()
+                        .map(|&(tm, n)| (tm, base + n as u64 * chunk_act(s))),
+                )
+                .collect();
         }
-        if s == pp - 1 {
-            transient = transient.max(2 * logits as u64);
-        }
-        let memory = MemoryBreakdown {
-            params: w,
-            grads: gr,
-            optimizer: opt,
-            activations: Bytes(peak_if as u64 * chunk_act(s)),
-            transient: Bytes(transient),
-            comm_buffers: Bytes(if t.zero == 3 && sync > 1 {
-                2 * layer_elems * 2
-            } else {
-                0
-            }),
-        };
-        let base = (w + gr + opt + memory.comm_buffers).0;
-        tl.memory = std::iter::once((0.0, base))
-            .chain(
-                in_flight
-                    .iter()
-                    .map(|&(tm, n)| (tm, base + n as u64 * chunk_act(s))),
-            )
-            .collect();
         outs.push(StageOut {
             end,
             sync_total,
@@ -1069,7 +1168,7 @@ pub fn simulate_training_on(
     }
     .with_throughput(step, tokens, flops, model_flops, dev.peak(dt));
     let rank_timeline = (0..world).map(|r| stage_of(mesh, r) as u32).collect();
-    Ok(Simulation {
+    Ok(Step::Simulated(Box::new(Simulation {
         report,
         timelines: outs.into_iter().map(|o| o.timeline).collect(),
         rank_timeline,
@@ -1078,7 +1177,260 @@ pub fn simulate_training_on(
         } else {
             Vec::new()
         },
-    })
+    })))
+}
+
+/// A layer plan's parts timed for one configuration: what [`simulate_training_on`] derives
+/// from the plan before the data-parallel, pipeline and ZeRO arithmetic.
+#[derive(Clone, Debug)]
+struct LayerParts {
+    pre: Part,
+    layer: Part,
+    post: Part,
+    /// The layer's parameters, tp-local elements: all, and the experts' among them.
+    layer_elems: u64,
+    layer_expert: u64,
+    /// The embedding's and the head's parameters, and those both use (tied).
+    pre_elems: u64,
+    post_elems: u64,
+    shared_elems: u64,
+    /// The layer's expert-parallel traffic as simulated: (collectives, bytes, time) forward.
+    ep_traffic: (usize, u64, f64),
+    /// Activations a layer saves for its backward under the recomputation, and without.
+    saved_layer: Bytes,
+    saved_full_layer: Bytes,
+    /// The largest value of a layer.
+    biggest: u64,
+}
+
+/// The groups of a mesh's `tp`, `ep` and `cp` axes (rank 0's) on a cluster.
+type LayerGroups = [GroupTopology; 3];
+
+/// Times `plan`'s parts for `t` under each of `recomputes` (`t`'s own ignored; steps 1 and 2
+/// of the module docs): the forward and derived backward of the embedding, a layer and the
+/// head on one tensor-parallel group laid out as `groups` (`tp`, `ep`, `cp`) say, with `tp`
+/// and `cp` the mesh's sizes; their parameters; a layer's saved activations. Each result is
+/// the one that recomputation alone gives; the forwards, which none changes, are timed once.
+#[allow(clippy::too_many_arguments)]
+fn layer_parts(
+    cfg: &ModelConfig,
+    plan: &Plan,
+    t: &TrainOptions,
+    [tp, cp]: [usize; 2],
+    [tp_topo, ep_topo, cp_topo]: LayerGroups,
+    cluster: &Cluster,
+    copts: &ComputeOptions,
+    recomputes: &[Recompute],
+) -> Vec<Result<LayerParts, CostError>> {
+    let seq_local = t.seq / cp;
+    let lmesh = &plan.mesh;
+    let dev = &cluster.device;
+    let dt = copts.dtype;
+    // 1. The two-layer plan on the tensor-parallel mesh (with the expert-parallel axis: one
+    //    micro-batch per `ep` rank).
+    let g = &plan.program;
+    let first = g
+        .ids()
+        .find(|&v| g.node(v).layer.is_some())
+        .map_or(0, |v| v.index());
+    let last = g
+        .ids()
+        .filter(|&v| g.node(v).layer.is_some())
+        .last()
+        .map_or(0, |v| v.index());
+    // What only presents the outputs to an inference caller — their gathers and context
+    // parallelism's return to natural order — is not part of a training step.
+    let users = g.users();
+    let mut presentation = vec![false; g.len()];
+    let output_ids: BTreeSet<ValueId> = g.outputs.iter().map(|(_, v)| *v).collect();
+    for i in (0..g.len()).rev() {
+        let v = ValueId(i as u32);
+        let op = &g.node(v).op;
+        let moves = op.is_collective() || matches!(op, Op::SeqPermute { inverse: true, .. });
+        let u = &users[v.index()];
+        presentation[v.index()] = moves
+            && (output_ids.contains(&v)
+                || (!u.is_empty() && u.iter().all(|x| presentation[x.index()])));
+    }
+    let keep_layer = |v: ValueId| g.node(v).layer == Some(0);
+    let keep_pre = |v: ValueId| g.node(v).layer.is_none() && v.index() < first;
+    let keep_post =
+        |v: ValueId| g.node(v).layer.is_none() && v.index() > last && !presentation[v.index()];
+    let comm = |axis: &str, kind: CollectiveKind, bytes: u64| {
+        let topo = match axis {
+            "ep" => ep_topo,
+            "cp" => cp_topo,
+            _ => tp_topo,
+        };
+        collective_time(cluster, kind, Bytes(bytes), topo)
+    };
+    let pre_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_pre, &comm);
+    let mut layer_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_layer, &comm);
+    if t.moe_imbalance > 1.0 {
+        imbalance(&mut layer_p, t.moe_imbalance);
+    }
+    // The layer's expert-parallel traffic as simulated: (collectives, bytes, time) forward.
+    let ep_traffic = layer_p
+        .ops
+        .iter()
+        .filter_map(|o| match &o.kind {
+            ProgKind::Collective { axis, kind, bytes } if axis == "ep" => Some((
+                *bytes,
+                collective_time(cluster, *kind, Bytes(*bytes), ep_topo),
+            )),
+            _ => None,
+        })
+        .fold((0usize, 0u64, 0.0f64), |(n, b, s), (x, d)| {
+            (n + 1, b + x, s + d.0)
+        });
+    let mut post_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_post, &comm);
+    // Vocabulary-parallel cross-entropy in fp32: read the logits, exponentiate and normalise
+    // (max and sum all-reduced over tp), write the loss; backward writes the logits' gradient.
+    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
+    let ce = Kernel::memory(3.0 * logits);
+    let ce_b = Kernel::memory(2.0 * logits);
+    post_p.ops.push(ProgOp {
+        stream: COMPUTE,
+        label: "loss.cross_entropy".into(),
+        kind: ProgKind::Kernel {
+            work: Work {
+                time: kernel_time(dev, dt, &ce),
+                flops: 0.0,
+                bytes: ce.bytes,
+            },
+            gemm: false,
+        },
+        alloc: 0,
+        free: 0,
+        grad: Some(Grad {
+            dgrad: Work {
+                time: kernel_time(dev, dt, &ce_b),
+                flops: 0.0,
+                bytes: ce_b.bytes,
+            },
+            wgrad: None,
+            regather: None,
+            exchange: None,
+            attention: false,
+        }),
+    });
+    if tp > 1 {
+        post_p.ops.push(ProgOp {
+            stream: COMPUTE,
+            label: "loss.max_sum".into(),
+            kind: ProgKind::Collective {
+                axis: "tp".into(),
+                kind: CollectiveKind::AllReduce,
+                bytes: (t.micro_batch * seq_local * 8) as u64,
+            },
+            alloc: 0,
+            free: 0,
+            grad: None,
+        });
+    }
+
+    // 2. Forward and backward of each part on one tp group, laid out as the full mesh's.
+    let topo = Topology::new(lmesh, cluster)
+        .with_axis("tp", tp_topo)
+        .with_axis("ep", ep_topo)
+        .with_axis("cp", cp_topo);
+    // Each program's forward pass, timed when first needed.
+    let [mut pre_f, mut layer_f, mut post_f]: [Option<Pass>; 3] = [None; 3];
+
+    // Parameters (tp-local elements).
+    let layer_set = params_used(g, &keep_layer);
+    let pre_set = params_used(g, &keep_pre);
+    let post_set = params_used(g, &keep_post);
+    let layer_elems = elems(g, &layer_set);
+    // Experts' weights `[experts, out, in]` (local: `experts / ep` of them), synchronised
+    // over `dp` alone; the router's `[experts, hidden]` is replicated, a dense parameter.
+    let layer_expert = elems(
+        g,
+        &layer_set
+            .iter()
+            .copied()
+            .filter(|&v| g.ty(v).rank() == 3 && is_expert_major(g.ty(v)))
+            .collect(),
+    );
+    let pre_elems = elems(g, &pre_set);
+    let post_elems = elems(g, &post_set);
+    let shared_elems = elems(g, &pre_set.intersection(&post_set).copied().collect());
+
+    let saved_full_layer = saved_activations(
+        g,
+        0,
+        &SavedOptions {
+            dtype: dt,
+            attention: copts.attention,
+            dropout: copts.dropout,
+            recompute: Recompute::None,
+        },
+    );
+    // The largest value of a layer; a dense `[experts, ..]` one at its routed fraction.
+    let routed = routed_fraction(g);
+    let biggest = g
+        .ids()
+        .filter(|&v| keep_layer(v))
+        .map(|v| {
+            let b = sim_bytes(g.ty(v), dt);
+            let routed_b = if is_expert_major(g.ty(v)) {
+                b * routed
+            } else {
+                b
+            };
+            routed_b as u64
+        })
+        .max()
+        .unwrap_or(0);
+    // The embedding's and head's parts by their recomputation (full recomputation is the
+    // layers'; the edges then recompute nothing).
+    let mut edges: Vec<(Recompute, Part, Part)> = Vec::new();
+    let mut one = |layer_rc: Recompute| -> Result<LayerParts, CostError> {
+        let edge_rc = if layer_rc == Recompute::Full {
+            Recompute::None
+        } else {
+            layer_rc
+        };
+        let kept = edges.iter().find(|e| e.0 == edge_rc).cloned();
+        let (pre, layer, post) = match kept {
+            Some((_, pre, post)) => {
+                let layer = time_part(&layer_p, &mut layer_f, layer_rc, &topo, cluster)?;
+                (pre, layer, post)
+            }
+            None => {
+                let pre = time_part(&pre_p, &mut pre_f, edge_rc, &topo, cluster)?;
+                let layer = time_part(&layer_p, &mut layer_f, layer_rc, &topo, cluster)?;
+                let post = time_part(&post_p, &mut post_f, edge_rc, &topo, cluster)?;
+                edges.push((edge_rc, pre.clone(), post.clone()));
+                (pre, layer, post)
+            }
+        };
+        let saved_layer = saved_activations(
+            g,
+            0,
+            &SavedOptions {
+                dtype: dt,
+                attention: copts.attention,
+                dropout: copts.dropout,
+                recompute: layer_rc,
+            },
+        );
+        Ok(LayerParts {
+            pre,
+            layer,
+            post,
+            layer_elems,
+            layer_expert,
+            pre_elems,
+            post_elems,
+            shared_elems,
+            ep_traffic,
+            saved_layer,
+            saved_full_layer,
+            biggest,
+        })
+    };
+    recomputes.iter().map(|&rc| one(rc)).collect()
 }
 
 /// The mixture-of-experts arithmetic of an expert-parallel step, per rank and layer (empty
@@ -1142,21 +1494,15 @@ fn moe_notes(
 
 /// The group of rank 0 over the axes whose ranks hold different tokens (`dp`, `ep`, `cp`).
 fn data_group(mesh: &Mesh, cluster: &Cluster) -> GroupTopology {
-    let data: Vec<usize> = crate::shard::DATA_AXES
+    let data: Vec<_> = crate::shard::DATA_AXES
         .iter()
         .chain(&["cp"])
         .filter_map(|n| mesh.axis(n))
-        .map(|a| a.0 as usize)
         .collect();
-    let members: Vec<usize> = (0..mesh.world_size())
-        .filter(|&r| {
-            mesh.coords(r)
-                .iter()
-                .enumerate()
-                .all(|(a, &c)| data.contains(&a) || c == 0)
-        })
-        .collect();
-    GroupTopology::of_members(&members, cluster.profile.nvlink_domain.value as usize)
+    GroupTopology::of_members(
+        &mesh.group_of_first(&data),
+        cluster.profile.nvlink_domain.value as usize,
+    )
 }
 
 /// Scales a layer's mixture-of-experts work by load imbalance `f`: the expert GEMMs and
@@ -1186,5 +1532,5 @@ fn imbalance(p: &mut Program, f: f64) {
 /// The pipeline stage of `rank`.
 fn stage_of(mesh: &Mesh, rank: usize) -> usize {
     mesh.axis("pp")
-        .map_or(0, |a| mesh.coords(rank)[a.0 as usize])
+        .map_or(0, |a| rank / mesh.stride(a) % mesh.axis_size(a))
 }

@@ -260,6 +260,28 @@ impl Mesh {
             .fold(0, |r, (a, &c)| r * a.size + c)
     }
 
+    /// Ranks between neighbours along `axis`: the product of the inner axes' sizes.
+    pub fn stride(&self, axis: AxisId) -> usize {
+        self.axes[axis.0 as usize + 1..]
+            .iter()
+            .map(|a| a.size)
+            .product()
+    }
+
+    /// The ranks that differ from rank 0 only in the coordinates of `axes`, ascending: with
+    /// one axis, its first group (`groups(axis)[0]`), without enumerating the others.
+    pub fn group_of_first(&self, axes: &[AxisId]) -> Vec<usize> {
+        let mut out = vec![0];
+        for a in self.axis_ids().filter(|a| axes.contains(a)) {
+            let stride = self.stride(a);
+            out = out
+                .iter()
+                .flat_map(|&r| (0..self.axis_size(a)).map(move |k| r + k * stride))
+                .collect();
+        }
+        out
+    }
+
     /// The groups of `axis`: sets of ranks that differ only in that coordinate, each ordered by
     /// the coordinate; groups ordered by their first rank.
     pub fn groups(&self, axis: AxisId) -> Vec<Vec<usize>> {
@@ -317,6 +339,34 @@ mod tests {
             vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
         );
         assert_eq!(m.to_string(), "dp=2,tp=4");
+    }
+
+    /// The group of rank 0 over some axes is every rank whose other coordinates are 0, in
+    /// order; over one axis, that axis's first group.
+    #[test]
+    fn group_of_first_is_the_filtered_ranks() {
+        let m = Mesh::parse("pp=2,dp=3,ep=2,cp=2,tp=2", 8).unwrap();
+        let ids: Vec<AxisId> = m.axis_ids().collect();
+        for mask in 0u32..1 << ids.len() {
+            let axes: Vec<AxisId> = ids
+                .iter()
+                .copied()
+                .filter(|a| mask & (1 << a.0) != 0)
+                .collect();
+            let want: Vec<usize> = (0..m.world_size())
+                .filter(|&r| {
+                    m.coords(r)
+                        .iter()
+                        .enumerate()
+                        .all(|(a, &c)| c == 0 || axes.contains(&AxisId(a as u8)))
+                })
+                .collect();
+            assert_eq!(m.group_of_first(&axes), want, "{axes:?}");
+            if let [a] = axes[..] {
+                assert_eq!(m.group_of_first(&axes), m.groups(a)[0]);
+            }
+        }
+        assert_eq!(m.stride(m.axis("dp").unwrap()), 8);
     }
 
     #[test]
