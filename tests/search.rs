@@ -232,6 +232,13 @@ fn bad_flags_are_refused_by_name() {
         (vec!["--memory-fraction", "1.5"], "--memory-fraction"),
         (vec!["--gpus", "64"], "--gpus 64"),
         (vec!["--top", "0"], "--top"),
+        (vec!["--gpus", "16..8"], "--gpus 16..8"),
+        (vec!["--gpus", "4..x"], "--gpus `x`"),
+        (vec!["--gpus", "0..8"], "--gpus"),
+        (
+            vec!["--gpus", "2..8", "-o", "p.json"],
+            "-o compiles one layout",
+        ),
     ] {
         let mut a = vec!["search", "models/llama-3-8b.json", "--seq", "1024"];
         a.extend(args);
@@ -287,4 +294,62 @@ fn the_best_plan_trains_like_the_unsharded_step() {
     for (a, b) in planned.iter().zip(&single) {
         assert!((a - b).abs() < 1e-5, "{planned:?} vs {single:?}");
     }
+}
+
+/// `--gpus A..B` sweeps A, 2A, … B: each row is that size's own search's best (the same as
+/// searching that size alone), the first row's speed-up and efficiency are 1, and each row's
+/// speed-up is its total throughput over the first's.
+#[test]
+fn a_gpu_sweep_lists_each_sizes_best_and_the_scaling() {
+    let (ok, out, err) = run_shardc(
+        &[
+            "search",
+            "models/llama-3-8b.json",
+            "--cluster",
+            "dgx-h100x2",
+            "--gpus",
+            "4..16",
+            "--batch",
+            "32",
+            "--seq",
+            "2048",
+            "--json",
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v["sweep"].as_array().unwrap();
+    let sizes: Vec<u64> = rows.iter().map(|r| r["gpus"].as_u64().unwrap()).collect();
+    assert_eq!(sizes, [4, 8, 16]);
+    let throughput = |r: &serde_json::Value| {
+        r["best"]["tokens_per_s_per_gpu"].as_f64().unwrap() * r["gpus"].as_f64().unwrap()
+    };
+    let t0 = throughput(&rows[0]);
+    for r in rows {
+        let g = r["gpus"].as_u64().unwrap();
+        let alone = search(
+            &ModelConfig::from_path(Path::new("models/llama-3-8b.json")).unwrap(),
+            "models/llama-3-8b.json",
+            &Cluster::resolve("dgx-h100x2").unwrap(),
+            &{
+                let mut o = SearchOptions::new(g as usize, 32, 2048);
+                o.top = 1;
+                o
+            },
+            &copts(),
+        )
+        .unwrap();
+        let best = alone.best().unwrap();
+        assert_eq!(
+            r["best"]["step_time_s"].as_f64().unwrap(),
+            best.step_time_s,
+            "{g} GPUs"
+        );
+        let speedup = r["speedup"].as_f64().unwrap();
+        assert!((speedup - throughput(r) / t0).abs() < 1e-9, "{g} GPUs");
+        let eff = r["efficiency"].as_f64().unwrap();
+        assert!((eff - speedup / (g as f64 / 4.0)).abs() < 1e-9, "{g} GPUs");
+    }
+    assert_eq!(rows[0]["speedup"].as_f64().unwrap(), 1.0);
 }

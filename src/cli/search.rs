@@ -21,9 +21,10 @@ pub struct SearchArgs {
     /// --gpus says fewer).
     #[arg(long, default_value = "dgx-h100")]
     pub cluster: String,
-    /// GPUs to use (default: the cluster's).
+    /// GPUs to use (default: the cluster's); `A..B` sweeps A, 2A, 4A, … up to B and prints
+    /// the best layout at each size and the scaling curve.
     #[arg(long)]
-    pub gpus: Option<usize>,
+    pub gpus: Option<String>,
     /// Sequences per optimizer step.
     #[arg(long, visible_alias = "global-batch", default_value_t = 64)]
     pub batch: usize,
@@ -48,6 +49,114 @@ pub struct SearchArgs {
     /// Replace an existing `-o` file.
     #[arg(long)]
     pub overwrite: bool,
+}
+
+/// The GPU counts `--gpus` names: one count, or `A..B` for A, 2A, 4A, … up to B (default:
+/// the cluster's GPUs).
+fn gpu_counts(flag: Option<&str>, cluster: usize) -> anyhow::Result<Vec<usize>> {
+    let parse = |t: &str| -> anyhow::Result<usize> {
+        let n: usize = t.trim().parse().map_err(|_| {
+            anyhow::anyhow!("--gpus `{t}`: expected a GPU count or a range A..B (e.g. 64..1024)")
+        })?;
+        at_least("--gpus", n, 1)?;
+        Ok(n)
+    };
+    let Some(text) = flag else {
+        return Ok(vec![cluster]);
+    };
+    let Some((lo, hi)) = text.split_once("..") else {
+        return Ok(vec![parse(text)?]);
+    };
+    let (lo, hi) = (parse(lo)?, parse(hi)?);
+    if hi < lo {
+        bail!("--gpus {text}: the range ends below its start");
+    }
+    let mut out = Vec::new();
+    let mut n = lo;
+    while n <= hi {
+        out.push(n);
+        n *= 2;
+    }
+    Ok(out)
+}
+
+/// `--gpus A..B`: the best layout at each size, and how throughput scales from the first.
+fn sweep(
+    cfg: &ModelConfig,
+    source: &str,
+    cluster: &Cluster,
+    base: &SearchOptions,
+    copts: &ComputeOptions,
+    sizes: &[usize],
+    json: bool,
+) -> anyhow::Result<()> {
+    let mut rows: Vec<(usize, Option<Scored>, f64, usize)> = Vec::new();
+    for &gpus in sizes {
+        let mut o = base.clone();
+        o.gpus = gpus;
+        o.top = 1;
+        let r = search(cfg, source, cluster, &o, copts)?;
+        rows.push((gpus, r.best().cloned(), r.search_time_s, r.candidates));
+    }
+    // Throughput (tokens/s) relative to the first size that fits.
+    let first = rows
+        .iter()
+        .find_map(|(g, s, ..)| s.as_ref().map(|s| (*g, s.tokens_per_s_per_gpu * *g as f64)));
+    let scale = |g: usize, s: &Scored| -> Option<(f64, f64)> {
+        let (g0, t0) = first?;
+        let speedup = s.tokens_per_s_per_gpu * g as f64 / t0;
+        Some((speedup, speedup / (g as f64 / g0 as f64)))
+    };
+    if json {
+        let v: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(g, s, t, n)| {
+                let (speedup, efficiency) = s.as_ref().and_then(|s| scale(*g, s)).unzip();
+                serde_json::json!({
+                    "gpus": g, "best": s, "candidates": n, "search_time_s": t,
+                    "speedup": speedup, "efficiency": efficiency,
+                })
+            })
+            .collect();
+        let out = serde_json::json!({
+            "model": source, "cluster": cluster.label(), "global_batch": base.global_batch,
+            "seq": base.seq, "sweep": v,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "{source} on {} ({}): the best layout at each size, global batch {} × seq {}",
+        cluster.label(),
+        cluster.profile.name,
+        base.global_batch,
+        base.seq
+    );
+    println!(
+        "{:>7}  {:>9}  {:>9}  {:>6}  {:>10}  {:>8}  {:>10}  {:>7}  best layout",
+        "GPUs", "step", "tok/s/GPU", "MFU", "mem/GPU", "speed-up", "efficiency", "search"
+    );
+    for (g, s, t, _) in &rows {
+        match s {
+            Some(s) => {
+                let (speedup, eff) = scale(*g, s).unwrap_or((1.0, 1.0));
+                println!(
+                    "{:>7}  {:>7.3} s  {:>9}  {:>5.1}%  {:>10}  {:>7.2}×  {:>9.1}%  {:>5.2} s  {}",
+                    thousands(*g as u64),
+                    s.step_time_s,
+                    thousands(s.tokens_per_s_per_gpu.round() as u64),
+                    100.0 * s.mfu,
+                    bytes(s.memory_bytes),
+                    speedup,
+                    100.0 * eff,
+                    t,
+                    s.candidate
+                );
+            }
+            None => println!("{:>7}  no layout fits ({t:.2} s)", thousands(*g as u64)),
+        }
+    }
+    Ok(())
 }
 
 fn row(i: usize, s: &Scored) -> String {
@@ -132,17 +241,19 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
         bail!("--memory-fraction {}: must be in (0, 1]", a.memory_fraction);
     }
     let cluster = Cluster::resolve(&a.cluster)?;
-    let gpus = a.gpus.unwrap_or(cluster.gpus());
-    at_least("--gpus", gpus, 1)?;
-    if gpus > cluster.gpus() {
-        bail!(
-            "--gpus {gpus}: the cluster {} has {} GPUs (give more nodes: {}x{})",
-            cluster.label(),
-            cluster.gpus(),
-            cluster.profile.name,
-            gpus.div_ceil(cluster.gpus_per_node())
-        );
+    let sizes = gpu_counts(a.gpus.as_deref(), cluster.gpus())?;
+    for &gpus in &sizes {
+        if gpus > cluster.gpus() {
+            bail!(
+                "--gpus {gpus}: the cluster {} has {} GPUs (give more nodes: {}x{})",
+                cluster.label(),
+                cluster.gpus(),
+                cluster.profile.name,
+                gpus.div_ceil(cluster.gpus_per_node())
+            );
+        }
     }
+    let gpus = sizes[0];
     let micro_batches = a
         .micro_batches
         .split(',')
@@ -165,6 +276,12 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
         fuse_elementwise: true,
     };
     let source = path.display().to_string();
+    if sizes.len() > 1 {
+        if a.output.is_some() {
+            bail!("-o compiles one layout: give one --gpus count, not a sweep");
+        }
+        return sweep(&cfg, &source, &cluster, &o, &copts, &sizes, a.json);
+    }
     let outputs = Outputs::new(a.overwrite).inputs([Some(path.as_path())]);
     if let Some(out) = &a.output {
         outputs.check_file("-o", out)?;
