@@ -353,3 +353,48 @@ fn a_gpu_sweep_lists_each_sizes_best_and_the_scaling() {
     }
     assert_eq!(rows[0]["speedup"].as_f64().unwrap(), 1.0);
 }
+
+/// On Megatron-LM SC'21 Table 1's first configurations (GPT 1.7B on 32 A100s, 3.6B on 64),
+/// the published layout is in the search's space, so the search's best is at least as fast
+/// (`cargo run --release -p shardc-benches --bin search_sc21` prints every row).
+#[test]
+fn the_search_beats_or_equals_the_published_megatron_layouts() {
+    use shardc::compiler::cost::{gpt_config, MEGATRON_SC21_TABLE1};
+    use shardc::compiler::search::Candidate;
+    let copts = ComputeOptions {
+        dtype: DType::F16,
+        attention: AttentionImpl::Unfused,
+        dropout: true,
+        fuse_elementwise: true,
+    };
+    for r in &MEGATRON_SC21_TABLE1[..2] {
+        let cfg = gpt_config(r.layers, r.hidden, r.heads, 51200, 2048).unwrap();
+        let cluster = Cluster::resolve_for("dgx-a100", r.gpus).unwrap();
+        let mut o = SearchOptions::new(r.gpus, r.batch, 2048);
+        o.top = 1;
+        let dp = r.gpus / (r.tp * r.pp);
+        let mesh = if r.tp > 1 {
+            format!("dp={dp},tp={}", r.tp)
+        } else {
+            format!("dp={dp}")
+        };
+        let published = Candidate {
+            mesh,
+            strategies: Vec::new(),
+            micro_batch: 4,
+            recompute: "full".into(),
+            zero: 0,
+            schedule: "1f1b".into(),
+        };
+        let theirs = evaluate(&cfg, "gpt", &cluster, &o, &copts, &published).unwrap();
+        let best = search(&cfg, "gpt", &cluster, &o, &copts).unwrap();
+        let best = best.best().unwrap();
+        assert!(
+            best.step_time_s <= theirs.step_time_s,
+            "{}B: best {} s vs published {} s",
+            r.params_b,
+            best.step_time_s,
+            theirs.step_time_s
+        );
+    }
+}
