@@ -55,6 +55,25 @@ pub struct SearchOptions {
     pub top: usize,
     /// Apply the pruning rule (off: every candidate is simulated, for checking the rule).
     pub prune: bool,
+    /// Counters the search advances as it goes, for a caller's progress display.
+    pub progress: Option<std::sync::Arc<SearchProgress>>,
+}
+
+/// How far a running search is: read by a caller (another thread) while it runs.
+#[derive(Debug, Default)]
+pub struct SearchProgress {
+    /// Candidates in the space (set once they are enumerated).
+    pub candidates: std::sync::atomic::AtomicUsize,
+    /// Candidates bounded (or pruned by memory) so far.
+    pub bounded: std::sync::atomic::AtomicUsize,
+    /// Candidates simulated so far.
+    pub simulated: std::sync::atomic::AtomicUsize,
+}
+
+impl SearchProgress {
+    fn add(counter: &std::sync::atomic::AtomicUsize, n: usize) {
+        counter.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl SearchOptions {
@@ -68,6 +87,7 @@ impl SearchOptions {
             memory_fraction: 0.95,
             top: 10,
             prune: true,
+            progress: None,
         }
     }
 }
@@ -388,6 +408,15 @@ pub fn search(
     let (kept, pruned): (Vec<&Candidate>, Vec<&Candidate>) = candidates
         .iter()
         .partition(|c| !(o.prune && static_bound_exceeds(c, params, capacity)));
+    let progress = |f: &dyn Fn(&SearchProgress)| {
+        if let Some(p) = &o.progress {
+            f(p);
+        }
+    };
+    progress(&|p| {
+        SearchProgress::add(&p.candidates, candidates.len());
+        SearchProgress::add(&p.bounded, pruned.len());
+    });
     // Each candidate's two-layer plan: it depends on the layer's mesh (tp, cp, ep), sp, the
     // cp exchange and the micro-batch, not on dp, pp, ZeRO, recomputation or the schedule, so
     // the distinct ones are compiled once each.
@@ -429,6 +458,7 @@ pub fn search(
     let bounds: Vec<Option<StepBound>> = prepared
         .par_iter()
         .map(|p| {
+            progress(&|p| SearchProgress::add(&p.bounded, 1));
             let (mesh, t, key) = p.as_ref()?;
             let plan = plans.get(key)?;
             memo.bound(key, cfg, plan, mesh, t, cluster, copts).ok()
@@ -455,6 +485,7 @@ pub fn search(
         let results: Vec<Option<Scored>> = order[next..end]
             .par_iter()
             .map(|&i| {
+                progress(&|p| SearchProgress::add(&p.simulated, 1));
                 let (mesh, t, key) = prepared[i].as_ref()?;
                 let plan = plans.get(key)?;
                 memo.simulate(key, cfg, plan, source, mesh, t, cluster, copts)

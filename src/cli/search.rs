@@ -9,7 +9,9 @@ use clap::Args;
 use shardc::compiler::cost::{AttentionImpl, Cluster, ComputeOptions};
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::search::{evaluate, search, Candidate, Scored, SearchOptions};
+use shardc::compiler::search::{
+    evaluate, search, Candidate, Scored, SearchOptions, SearchProgress,
+};
 use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
 
@@ -49,6 +51,51 @@ pub struct SearchArgs {
     /// Replace an existing `-o` file.
     #[arg(long)]
     pub overwrite: bool,
+}
+
+/// Runs `f` (a search with options `o`); when it takes more than a second and stderr is a
+/// terminal, a progress line there (candidates bounded of those in the space, simulated,
+/// seconds), cleared at the end.
+fn with_progress<T>(o: &mut SearchOptions, f: impl FnOnce(&SearchOptions) -> T) -> T {
+    use std::io::{IsTerminal, Write};
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    use std::sync::Arc;
+    if !std::io::stderr().is_terminal() {
+        return f(o);
+    }
+    let p = Arc::new(SearchProgress::default());
+    o.progress = Some(p.clone());
+    let done = Arc::new(AtomicBool::new(false));
+    let t0 = std::time::Instant::now();
+    let shown = {
+        let (p, done) = (p.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut shown = false;
+            while !done.load(Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                if done.load(Relaxed) || t0.elapsed().as_secs_f64() < 1.0 {
+                    continue;
+                }
+                eprint!(
+                    "\rsearching: {} of {} candidates bounded, {} simulated, {:.1} s",
+                    p.bounded.load(Relaxed),
+                    p.candidates.load(Relaxed),
+                    p.simulated.load(Relaxed),
+                    t0.elapsed().as_secs_f64()
+                );
+                let _ = std::io::stderr().flush();
+                shown = true;
+            }
+            shown
+        })
+    };
+    let r = f(o);
+    done.store(true, Relaxed);
+    if shown.join().unwrap_or(false) {
+        eprint!("\r\x1b[2K");
+    }
+    o.progress = None;
+    r
 }
 
 /// The GPU counts `--gpus` names: one count, or `A..B` for A, 2A, 4A, … up to B (default:
@@ -95,7 +142,7 @@ fn sweep(
         let mut o = base.clone();
         o.gpus = gpus;
         o.top = 1;
-        let r = search(cfg, source, cluster, &o, copts)?;
+        let r = with_progress(&mut o, |o| search(cfg, source, cluster, o, copts))?;
         rows.push((gpus, r.best().cloned(), r.search_time_s, r.candidates));
     }
     // Throughput (tokens/s) relative to the first size that fits.
@@ -286,7 +333,7 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
     if let Some(out) = &a.output {
         outputs.check_file("-o", out)?;
     }
-    let r = search(&cfg, &source, &cluster, &o, &copts)?;
+    let r = with_progress(&mut o, |o| search(&cfg, &source, &cluster, o, &copts))?;
     if let (Some(out), Some(best)) = (&a.output, r.best()) {
         write_plan(
             &cfg,
