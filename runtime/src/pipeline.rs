@@ -140,6 +140,17 @@ impl<'c> StageTrainer<'c> {
         self.locals.get(chunk)?.get(name)
     }
 
+    /// Starts from this rank's own blocks of the state (per chunk, by program input, e.g.
+    /// read from a checkpoint) instead of the global initial state.
+    pub fn with_locals(mut self, mut locals: BTreeMap<usize, BTreeMap<String, Tensor>>) -> Self {
+        for (j, l) in self.locals.iter_mut().enumerate() {
+            if let Some(mine) = locals.remove(&j) {
+                *l = mine;
+            }
+        }
+        self
+    }
+
     /// Runs step `step` (1-based) on `batch`; `initial` is the global state before step 1.
     /// Returns the global loss on the ranks of stage 0 (sent there from the last chunk's
     /// stage), NaN elsewhere.

@@ -176,11 +176,20 @@ impl TrainState {
         step: u64,
         inputs: &mut BTreeMap<String, Tensor>,
     ) {
+        // A parameter the state does not hold (a resumed rank starts from its own blocks,
+        // given to its trainer as locals) is left out: a program that still reads it fails
+        // naming the input.
         for p in params {
             let l = &p.label;
-            inputs.insert(p.param.clone(), self.params[l].clone());
-            inputs.insert(p.adam_m.clone(), self.m[l].clone());
-            inputs.insert(p.adam_v.clone(), self.v[l].clone());
+            for (name, map) in [
+                (&p.param, &self.params),
+                (&p.adam_m, &self.m),
+                (&p.adam_v, &self.v),
+            ] {
+                if let Some(t) = map.get(l) {
+                    inputs.insert(name.clone(), t.clone());
+                }
+            }
         }
         inputs.insert("step".into(), Tensor::f32(vec![], vec![step as f32]));
     }
@@ -781,6 +790,13 @@ impl<'c> RankTrainer<'c> {
     /// step left it; `None` before the first step.
     pub fn local(&self, name: &str) -> Option<&Tensor> {
         self.locals.get(name)
+    }
+
+    /// Starts from this rank's own blocks of the state (by program input, e.g. read from a
+    /// checkpoint) instead of the global initial state.
+    pub fn with_locals(mut self, locals: BTreeMap<String, Tensor>) -> Self {
+        self.locals = locals;
+        self
     }
 
     /// Runs step `step` (1-based) on `batch`; `initial` is the global state before the

@@ -177,7 +177,7 @@ fn run_rank(
     env: &WorldEnv,
     batch: &Batch,
     weights: &Weights,
-    state: TrainState,
+    (state, locals): (TrainState, Option<Locals>),
     cfg: &ModelConfig,
 ) -> anyhow::Result<()> {
     if a.export.is_some() || a.dump_grads.is_some() || a.trace.is_some() {
@@ -207,10 +207,16 @@ fn run_rank(
             Flat(RankTrainer<'c>),
             Stage(StageTrainer<'c>),
         }
-        let mut trainer = if plan.pipeline.is_some() {
-            Trainer::Stage(StageTrainer::new(plan, env.rank)?)
-        } else {
-            Trainer::Flat(RankTrainer::new(plan, weights, &ctx)?)
+        let mut trainer = match (plan.pipeline.is_some(), locals) {
+            (true, None) => Trainer::Stage(StageTrainer::new(plan, env.rank)?),
+            (true, Some(l)) => Trainer::Stage(StageTrainer::new(plan, env.rank)?.with_locals(l)),
+            (false, l) => {
+                let t = RankTrainer::new(plan, weights, &ctx)?;
+                Trainer::Flat(match l {
+                    Some(mut l) => t.with_locals(l.remove(&0).unwrap_or_default()),
+                    None => t,
+                })
+            }
         };
         let (first, last) = (state.step + 1, state.step + a.steps as u64);
         for step in first..=last {
@@ -459,12 +465,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     {
         outputs.write("--save-plan", p, plan.to_json().as_bytes())?;
     }
-    let mut state = match &a.resume {
+    let (mut state, locals) = match &a.resume {
         Some(dir) => resume(dir, &plan, &cfg, &batch, world.as_ref().map(|w| w.rank))?,
-        None => TrainState::load(&plan, &weights)?,
+        None => (TrainState::load(&plan, &weights)?, None),
     };
     if let Some(env) = &world {
-        return run_rank(&a, &plan, env, &batch, &weights, state, &cfg);
+        return run_rank(&a, &plan, env, &batch, &weights, (state, locals), &cfg);
     }
     let mesh = &plan.mesh;
     let how = if mesh.world_size() == 1 {
@@ -647,14 +653,16 @@ fn save_checkpoint(
 
 /// The state of plan `plan` from checkpoint `dir`: its weights and moments in this plan's
 /// layout, its step count; a note when the tokens differ from those it was trained on.
-/// With `rank` (a process of a multi-process run), only that rank's blocks are read.
+/// With `rank` (a process of a multi-process run), only that rank's blocks are read, as the
+/// locals its trainer starts from (per pipeline chunk, by program input); the state then
+/// holds the step count alone.
 fn resume(
     dir: &std::path::Path,
     plan: &Plan,
     cfg: &ModelConfig,
     batch: &Batch,
     rank: Option<usize>,
-) -> anyhow::Result<TrainState> {
+) -> anyhow::Result<(TrainState, Option<Locals>)> {
     let ck = checkpoint::Checkpoint::open(dir)?;
     let m = &ck.manifest;
     if m.model.arch != cfg.arch.name() {
@@ -665,9 +673,20 @@ fn resume(
             cfg.arch.name()
         );
     }
-    let state = ck.load_state(plan, rank)?;
+    let (state, locals) = match rank {
+        None => (ck.load_state(plan, None)?, None),
+        Some(r) => {
+            let state = TrainState {
+                params: BTreeMap::new(),
+                m: BTreeMap::new(),
+                v: BTreeMap::new(),
+                step: m.step,
+            };
+            (state, Some(ck.load_locals(plan, r)?))
+        }
+    };
     if rank.is_some_and(|r| r != 0) {
-        return Ok(state);
+        return Ok((state, locals));
     }
     let saved_on = if m.layout.mesh.is_empty() {
         "unsharded".to_string()
@@ -686,8 +705,11 @@ fn resume(
             m.data.batch, m.data.seq
         );
     }
-    Ok(state)
+    Ok((state, locals))
 }
+
+/// A rank's own blocks of the training state, per pipeline chunk and program input.
+type Locals = BTreeMap<usize, BTreeMap<String, shardc::runtime::Tensor>>;
 
 /// Test hook: `SHARDC_TEST_KILL_DURING_SAVE=1` kills the process after a checkpoint's files are
 /// written and before it is published, as a crash at the worst moment would.

@@ -478,6 +478,38 @@ impl Checkpoint {
         Ok(state)
     }
 
+    /// Rank `rank`'s own state of training plan `plan`, as its trainer keeps it between
+    /// steps: per pipeline chunk, each program input (weight, AdamW moment) holding its block,
+    /// shaped as the block — only those blocks read, and nothing global allocated.
+    pub fn load_locals(
+        &self,
+        plan: &Plan,
+        rank: usize,
+    ) -> Result<BTreeMap<usize, BTreeMap<String, Tensor>>, CheckpointError> {
+        let train = plan.train.as_ref().ok_or_else(|| {
+            shardc_compiler::checkpoint::LayoutError::NotTraining(plan.model.source.clone())
+        })?;
+        let pieces = shardc_compiler::checkpoint::rank_pieces(plan, rank)?;
+        let filled = pieces
+            .into_par_iter()
+            .map(|piece| {
+                let p = &train.params[piece.param];
+                let direct = !p.source.transposed && p.source.view.is_none();
+                let mut dst = vec![0f32; piece.block.numel()];
+                for sp in stored_pieces(&p.source, &piece.block) {
+                    self.read_piece(&sp, piece.kind, &mut dst, &piece.block, direct)?;
+                }
+                let name = piece.kind.input_of(p).to_string();
+                Ok((p.chunk, name, Tensor::f32(piece.block.shape.clone(), dst)))
+            })
+            .collect::<Result<Vec<_>, CheckpointError>>()?;
+        let mut out: BTreeMap<usize, BTreeMap<String, Tensor>> = BTreeMap::new();
+        for (chunk, name, t) in filled {
+            out.entry(chunk).or_default().insert(name, t);
+        }
+        Ok(out)
+    }
+
     /// Every stored tensor's weight, whole, by name (an export's content).
     pub fn weights(&self) -> Result<BTreeMap<String, Tensor>, CheckpointError> {
         self.manifest
