@@ -190,9 +190,9 @@ fn chunk_mesh(plan: &Plan, chunk: usize, rank: usize) -> Option<(Mesh, Vec<usize
     Some((mesh.without_axis("pp"), stage_coords))
 }
 
-/// The layouts of program input `name` of chunk `chunk`: in its step program, then its
-/// micro-batch program (where either has it).
-fn input_shardings<'p>(plan: &'p Plan, chunk: usize, name: &str) -> Vec<&'p TensorSharding> {
+/// The layout of program input `name` of chunk `chunk`: found in its step program, then its
+/// micro-batch program.
+fn input_sharding<'p>(plan: &'p Plan, chunk: usize, name: &str) -> Option<&'p TensorSharding> {
     let graphs: Vec<(&crate::ir::Graph, &Vec<TensorSharding>)> = if plan.chunks.is_empty() {
         let mut g = Vec::new();
         if let Some(s) = &plan.step {
@@ -201,9 +201,7 @@ fn input_shardings<'p>(plan: &'p Plan, chunk: usize, name: &str) -> Vec<&'p Tens
         g.push((&plan.program, &plan.shardings));
         g
     } else {
-        let Some(ch) = plan.chunks.get(chunk) else {
-            return Vec::new();
-        };
+        let ch = plan.chunks.get(chunk)?;
         let mut g = Vec::new();
         if let Some(s) = &ch.step {
             g.push((&s.program, &s.shardings));
@@ -213,8 +211,7 @@ fn input_shardings<'p>(plan: &'p Plan, chunk: usize, name: &str) -> Vec<&'p Tens
     };
     graphs
         .into_iter()
-        .filter_map(|(g, s)| g.input_named(name).and_then(|v| s.get(v.index())))
-        .collect()
+        .find_map(|(g, s)| g.input_named(name).and_then(|v| s.get(v.index())))
 }
 
 /// The block of a tensor of global `shape` laid out by `s` that the rank at `coords` of
@@ -246,17 +243,6 @@ fn local_block(
 /// it holds (its step program's layout of it), and whether it owns it. A rank of a pipeline
 /// holds only its stage's chunks.
 pub fn rank_pieces(plan: &Plan, rank: usize) -> Result<Vec<RankPiece>, LayoutError> {
-    pieces(plan, rank, false)
-}
-
-/// Every block of training plan `plan`'s state rank `rank` reads when it starts from a
-/// global state: [`rank_pieces`], plus the blocks of programs that take a state input in
-/// another layout (a micro-batch program reading a weight its step program holds sharded).
-pub fn rank_reads(plan: &Plan, rank: usize) -> Result<Vec<RankPiece>, LayoutError> {
-    pieces(plan, rank, true)
-}
-
-fn pieces(plan: &Plan, rank: usize, every_program: bool) -> Result<Vec<RankPiece>, LayoutError> {
     let train = plan
         .train
         .as_ref()
@@ -278,30 +264,20 @@ fn pieces(plan: &Plan, rank: usize, every_program: bool) -> Result<Vec<RankPiece
         let shape = p.ty.shape();
         for kind in StateKind::ALL {
             let input = kind.input_of(p);
-            let layouts = input_shardings(plan, p.chunk, input);
-            if layouts.is_empty() {
-                return Err(LayoutError::MissingInput {
+            let s =
+                input_sharding(plan, p.chunk, input).ok_or_else(|| LayoutError::MissingInput {
                     label: p.label.clone(),
                     kind,
                     input: input.to_string(),
                     chunk: p.chunk,
-                });
-            }
-            let take = if every_program { layouts.len() } else { 1 };
-            let mut seen = Vec::new();
-            for (j, s) in layouts.into_iter().take(take).enumerate() {
-                let (block, first) = local_block(s, &mesh, &coords, &shape);
-                if seen.contains(&block) {
-                    continue;
-                }
-                seen.push(block.clone());
-                out.push(RankPiece {
-                    param: i,
-                    kind,
-                    block,
-                    owner: j == 0 && first && first_copy[p.label.as_str()] == p.chunk,
-                });
-            }
+                })?;
+            let (block, first) = local_block(s, &mesh, &coords, &shape);
+            out.push(RankPiece {
+                param: i,
+                kind,
+                block,
+                owner: first && first_copy[p.label.as_str()] == p.chunk,
+            });
         }
     }
     Ok(out)

@@ -12,6 +12,7 @@ use crate::cpu::layout::permute;
 use crate::spmd::{run_spmd, RankError};
 use crate::{execute_with_params, ParamCache, RankCtx, RuntimeError, Tensor, Weights};
 use shardc_compiler::autodiff::input_name;
+use shardc_compiler::checkpoint::StateKind;
 use shardc_compiler::ir::ValueRole;
 use shardc_compiler::plan::{Plan, PlanParam, PlanTrain};
 use shardc_compiler::shard::{Mesh, TensorSharding};
@@ -150,6 +151,24 @@ pub struct TrainState {
 }
 
 impl TrainState {
+    /// Its weights or one of its moments, by parameter label.
+    pub fn of(&self, kind: StateKind) -> &BTreeMap<String, Tensor> {
+        match kind {
+            StateKind::Param => &self.params,
+            StateKind::ExpAvg => &self.m,
+            StateKind::ExpAvgSq => &self.v,
+        }
+    }
+
+    /// [`TrainState::of`], to change.
+    pub fn of_mut(&mut self, kind: StateKind) -> &mut BTreeMap<String, Tensor> {
+        match kind {
+            StateKind::Param => &mut self.params,
+            StateKind::ExpAvg => &mut self.m,
+            StateKind::ExpAvgSq => &mut self.v,
+        }
+    }
+
     /// The initial state of training plan `plan`: the checkpoint's weights, zero moments,
     /// step 0.
     pub fn load(plan: &Plan, weights: &Weights) -> Result<TrainState, TrainError> {

@@ -356,9 +356,7 @@ fn import(a: ImportArgs) -> anyhow::Result<()> {
     let cfg = ModelConfig::from_path(&a.model)?;
     let weights = Weights::open(&a.model)?;
     let outputs = Outputs::new(false).input(&a.model);
-    outputs.check_dir_matching("OUT", &a.out, &|n| {
-        n == checkpoint::LATEST_FILE || n.starts_with("step-") || n.starts_with('.')
-    })?;
+    outputs.check_dir_matching("OUT", &a.out, &checkpoint::is_checkpoint_entry)?;
     let source = a.model.display().to_string();
     let plan = layout_plan(&cfg, &source, a.mesh.as_deref(), &a.layout.strategy)?;
     let state = TrainState::load(&plan, &weights)?;

@@ -390,7 +390,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         outputs.check_dir("--export", dir, &EXPORT_FILES)?;
     }
     if let Some(dir) = &a.save {
-        outputs.check_dir_matching("--save", dir, &checkpoint_entry)?;
+        outputs.check_dir_matching("--save", dir, &checkpoint::is_checkpoint_entry)?;
     }
     if a.save_every == Some(0) {
         bail!("--save-every must be at least 1 (found 0)");
@@ -600,16 +600,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
 /// The files an `--export` directory holds.
 const EXPORT_FILES: [&str; 2] = ["model.safetensors", "config.json"];
 
-/// The entries a `--save` checkpoint directory holds: `latest`, step directories, and the
-/// staging leftovers of a save that was killed.
-fn checkpoint_entry(name: &str) -> bool {
-    name == checkpoint::LATEST_FILE || name.starts_with("step-") || name.starts_with('.')
-}
-
 /// The tokens' digest, as a checkpoint's data position records it.
 fn tokens_digest(batch: &Batch) -> String {
     let bytes: Vec<u8> = batch.ids.iter().flat_map(|x| x.to_le_bytes()).collect();
-    format!("blake3:{}", checkpoint::digest_hex(&bytes))
+    checkpoint::digest(&bytes)
 }
 
 /// What a checkpoint of step `step` records besides the state.
@@ -674,7 +668,7 @@ fn resume(
         );
     }
     let (state, locals) = match rank {
-        None => (ck.load_state(plan, None)?, None),
+        None => (ck.load_state(plan)?, None),
         Some(r) => {
             let state = TrainState {
                 params: BTreeMap::new(),

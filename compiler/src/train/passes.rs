@@ -321,14 +321,6 @@ fn block_key(g: &Graph, v: ValueId) -> Option<(u32, bool)> {
 pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGraph, ShardError> {
     let g = &sg.graph;
     let n = g.len();
-    let gathered = |x: ValueId| match &g.node(x).op {
-        Op::AllGather {
-            axis: a,
-            dim: 1,
-            parts,
-        } if a == axis => Some(*parts),
-        _ => None,
-    };
     // Attention → (k source, v source, parts).
     let mut ring: BTreeMap<usize, (ValueId, ValueId, usize)> = BTreeMap::new();
     for v in g.ids() {
@@ -337,9 +329,12 @@ pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGrap
             continue;
         };
         let (k, vv) = (node.inputs[1], node.inputs[2]);
-        if let (true, Some(p), Some(q)) = (spec.indexed, gathered(k), gathered(vv)) {
+        if let (true, Some((ks, p)), Some((vs, q))) = (
+            spec.indexed,
+            seq_gather(g, axis, k),
+            seq_gather(g, axis, vv),
+        ) {
             if p == q {
-                let (ks, vs) = (g.node(k).inputs[0], g.node(vv).inputs[0]);
                 ring.insert(v.index(), (ks, vs, p));
             }
         }
@@ -388,6 +383,19 @@ pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGrap
         r.map[v.index()] = Some(x);
     }
     Ok(r.finish(sg))
+}
+
+/// When `x` is an all-gather over `axis` along the sequence (dim 1): its operand and the
+/// number of parts.
+fn seq_gather(g: &Graph, axis: &str, x: ValueId) -> Option<(ValueId, usize)> {
+    match &g.node(x).op {
+        Op::AllGather {
+            axis: a,
+            dim: 1,
+            parts,
+        } if a == axis => Some((g.node(x).inputs[0], *parts)),
+        _ => None,
+    }
 }
 
 /// Why a ring op exchanges: K/V read in blocks where the layout gathered them.
@@ -449,14 +457,7 @@ fn ring_backward(
         }
         x
     };
-    let gather_of = |x: ValueId| match &g.node(x).op {
-        Op::AllGather {
-            axis: a,
-            dim: 1,
-            parts,
-        } if a == axis => Some((g.node(x).inputs[0], *parts)),
-        _ => None,
-    };
+    let gather_of = |x: ValueId| seq_gather(g, axis, x);
     // An attention by its query and the keys its gather reads (through views: the backward
     // reads the saved copies).
     let qk = |q: ValueId, kg: ValueId| -> Option<(usize, usize)> {

@@ -45,9 +45,15 @@ pub const LATEST_FILE: &str = "latest";
 /// Bytes per stored element (f32).
 pub const ELEM_BYTES: u64 = 4;
 
-/// BLAKE3 of `bytes` in hex, as checksums and digests are written (after `blake3:`).
-pub fn digest_hex(bytes: &[u8]) -> String {
-    blake3::hash(bytes).to_hex().to_string()
+/// BLAKE3 of `bytes` as checksums and digests are written: `blake3:` and 64 hex digits.
+pub fn digest(bytes: &[u8]) -> String {
+    format!("blake3:{}", blake3::hash(bytes).to_hex())
+}
+
+/// Whether `name` is an entry a checkpoint directory holds: `latest`, a step directory, or
+/// the hidden staging of a save that was killed.
+pub fn is_checkpoint_entry(name: &str) -> bool {
+    name == LATEST_FILE || name.starts_with("step-") || name.starts_with('.')
 }
 
 /// The name of step `step`'s directory.

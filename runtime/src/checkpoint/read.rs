@@ -10,8 +10,7 @@ use crate::train::TrainState;
 use crate::Tensor;
 use memmap2::Mmap;
 use rayon::prelude::*;
-use shardc_compiler::checkpoint::{rank_reads, stored_pieces, Block, StateKind, StoredPiece};
-use shardc_compiler::ir::DType;
+use shardc_compiler::checkpoint::{stored_pieces, Block, StateKind, StoredPiece};
 use shardc_compiler::plan::Plan;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -258,7 +257,7 @@ impl Checkpoint {
             .as_deref()
             .map_or(&[][..], |f| &f[start..end]);
         if !self.verified[i].load(Ordering::Relaxed) {
-            let sum = format!("blake3:{}", blake3::hash(bytes).to_hex());
+            let sum = super::digest(bytes);
             if sum != c.checksum {
                 return Err(CheckpointError::Checksum {
                     file: self.dir.join(&self.manifest.files[c.rank].name),
@@ -397,83 +396,41 @@ impl Checkpoint {
     }
 
     /// The training state of plan `plan` from this checkpoint: every parameter's weight and
-    /// moments in graph layout, the step count. With `rank`, only the blocks that rank of the
-    /// plan holds are read (the rest of each global tensor is left zero).
-    pub fn load_state(
-        &self,
-        plan: &Plan,
-        rank: Option<usize>,
-    ) -> Result<TrainState, CheckpointError> {
+    /// moments, whole and in graph layout (a tied parameter's copies share one), each read in
+    /// parallel; the step count.
+    pub fn load_state(&self, plan: &Plan) -> Result<TrainState, CheckpointError> {
         let train = plan.train.as_ref().ok_or_else(|| {
             shardc_compiler::checkpoint::LayoutError::NotTraining(plan.model.source.clone())
         })?;
-        let mut wanted: BTreeMap<(usize, StateKind), Vec<Block>> = BTreeMap::new();
-        match rank {
-            None => {
-                for (i, p) in train.params.iter().enumerate() {
-                    for kind in StateKind::ALL {
-                        wanted
-                            .entry((i, kind))
-                            .or_default()
-                            .push(Block::whole(&p.ty.shape()));
-                    }
-                }
-            }
-            Some(r) => {
-                for piece in rank_reads(plan, r)? {
-                    wanted
-                        .entry((piece.param, piece.kind))
-                        .or_default()
-                        .push(piece.block);
-                }
-            }
+        let mut first: BTreeMap<&str, usize> = BTreeMap::new();
+        for (i, p) in train.params.iter().enumerate() {
+            first.entry(&p.label).or_insert(i);
         }
+        let wanted: Vec<(usize, StateKind)> = first
+            .values()
+            .flat_map(|&i| StateKind::ALL.map(|k| (i, k)))
+            .collect();
+        let filled = wanted
+            .into_par_iter()
+            .map(|(i, kind)| {
+                let p = &train.params[i];
+                let whole = Block::whole(&p.ty.shape());
+                let direct = !p.source.transposed && p.source.view.is_none();
+                let mut dst = vec![0f32; whole.numel()];
+                for sp in stored_pieces(&p.source, &whole) {
+                    self.read_piece(&sp, kind, &mut dst, &whole, direct)?;
+                }
+                Ok((p.label.clone(), kind, Tensor::f32(whole.shape, dst)))
+            })
+            .collect::<Result<Vec<_>, CheckpointError>>()?;
         let mut state = TrainState {
             params: BTreeMap::new(),
             m: BTreeMap::new(),
             v: BTreeMap::new(),
             step: self.manifest.step,
         };
-        // One tensor per label and state (a tied parameter's copies share one), filled in
-        // parallel.
-        let mut groups: BTreeMap<(String, StateKind), (usize, Vec<Block>)> = BTreeMap::new();
-        for ((i, kind), blocks) in wanted {
-            groups
-                .entry((train.params[i].label.clone(), kind))
-                .or_insert_with(|| (i, Vec::new()))
-                .1
-                .extend(blocks);
-        }
-        let filled = groups
-            .into_par_iter()
-            .map(|((label, kind), (i, blocks))| {
-                let p = &train.params[i];
-                let whole = Block::whole(&p.ty.shape());
-                let direct = !p.source.transposed && p.source.view.is_none();
-                let mut dst = vec![0f32; whole.numel()];
-                for block in blocks {
-                    for sp in stored_pieces(&p.source, &block) {
-                        self.read_piece(&sp, kind, &mut dst, &whole, direct)?;
-                    }
-                }
-                Ok(((label, kind), Tensor::f32(whole.shape, dst)))
-            })
-            .collect::<Result<Vec<_>, CheckpointError>>()?;
-        for ((label, kind), t) in filled {
-            let map = match kind {
-                StateKind::Param => &mut state.params,
-                StateKind::ExpAvg => &mut state.m,
-                StateKind::ExpAvgSq => &mut state.v,
-            };
-            map.insert(label, t);
-        }
-        // Every parameter present (a rank's inputs are cut from global tensors); only the
-        // blocks wanted were read.
-        for p in &train.params {
-            for map in [&mut state.params, &mut state.m, &mut state.v] {
-                map.entry(p.label.clone())
-                    .or_insert_with(|| Tensor::zeros(DType::F32, p.ty.shape()));
-            }
+        for (label, kind, t) in filled {
+            state.of_mut(kind).insert(label, t);
         }
         Ok(state)
     }

@@ -163,10 +163,7 @@ fn write_rank(
             .par_iter()
             .map(|j| {
                 let data = j.data.lay_out();
-                let sum = format!(
-                    "blake3:{}",
-                    blake3::hash(bytemuck::cast_slice(&data)).to_hex()
-                );
+                let sum = super::digest(bytemuck::cast_slice(&data));
                 (data, sum)
             })
             .collect();
@@ -248,12 +245,10 @@ pub fn save_global(
     info: &SaveInfo<'_>,
 ) -> Result<PathBuf, CheckpointError> {
     let source = |p: &PlanParam, piece: &RankPiece| -> Option<(&Tensor, Block)> {
-        let map = match piece.kind {
-            StateKind::Param => &state.params,
-            StateKind::ExpAvg => &state.m,
-            StateKind::ExpAvgSq => &state.v,
-        };
-        map.get(&p.label).map(|t| (t, Block::whole(&t.shape)))
+        state
+            .of(piece.kind)
+            .get(&p.label)
+            .map(|t| (t, Block::whole(&t.shape)))
     };
     let (tensors, extra) = stored_tensors(plan, info.weights)?;
     let step_dir = dir.join(step_dir_name(state.step));

@@ -271,8 +271,8 @@ pub(crate) fn ring_attention_grad(
                     let kh = h / rep;
                     for ti in 0..t {
                         let row = (bi * hq + h) * t + ti;
-                        let (qa, da) = (qrow(bi, ti, h), qrow(bi, ti, h));
-                        let dyr = &dyd[da..da + d];
+                        let qa = qrow(bi, ti, h);
+                        let dyr = &dyd[qa..qa + d];
                         for j in 0..c {
                             let Some(x) = score(kd, bi, h, ti, src, j) else {
                                 continue;
