@@ -7,7 +7,7 @@ mod common;
 
 use shardc::compiler::compile::{compile_forward, compile_forward_with, CompileOptions};
 use shardc::compiler::model::ModelConfig;
-use shardc::compiler::rewrite::RewriteOptions;
+use shardc::compiler::rewrite::{Objective, RewriteOptions};
 use shardc::compiler::shard::Mesh;
 use shardc::runtime::Weights;
 
@@ -143,9 +143,23 @@ fn replicated_layer_plans_match_the_unsharded_model() {
         let single = options("tp=1", "", case.batch, case.seq);
         let reference = compile_forward(&cfg, &single).expect("unsharded");
         let want = common::run_ranks(&reference.sharded, &w, &inputs, "unsharded run");
-        for sel in ["sequence-parallel", "all"] {
-            let opts = options("tp=2", "", case.batch, case.seq);
-            let c = compile_forward_with(&cfg, &opts, &rules(sel)).expect("rewritten");
+        // The layer search's rules too, from the replicated program: the layouts chosen in
+        // the window (by the cost model, or at random) are replicated with each layer's own
+        // weights, split as the template's are.
+        let layers = shardc::compiler::rewrite::rules::LAYER_SEARCH.join(",");
+        let cases = [
+            ("", "sequence-parallel", Objective::Model),
+            ("", "all", Objective::Model),
+            ("replicated", layers.as_str(), Objective::Model),
+            ("replicated", layers.as_str(), Objective::Shuffle(3)),
+        ];
+        for (extra, sel, objective) in cases {
+            let opts = options("tp=2", extra, case.batch, case.seq);
+            let rw = RewriteOptions {
+                objective,
+                ..rules(sel)
+            };
+            let c = compile_forward_with(&cfg, &opts, &rw).expect("rewritten");
             let report = c.report.as_ref().expect("report");
             assert!(
                 matches!(

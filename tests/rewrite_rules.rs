@@ -110,6 +110,14 @@ enum Step {
     /// A gradient op of a training step (norm, bias, mixture of experts) reading gathered
     /// values.
     GatheredGrad,
+    /// Per-head work on heads gathered from their ranks: a hidden dim gathered and split into
+    /// heads, rotary embedding, attention against replicated or gathered keys and values,
+    /// the heads merged back.
+    Heads,
+    /// An all-reduced value through a linear op (scale, product, MoE combine).
+    LinearOfReduce,
+    /// A rank's slice of a replicated input.
+    SliceInput,
 }
 
 const BASE: [Step; 10] = [
@@ -137,6 +145,12 @@ fn menu(group: &str) -> Vec<Step> {
         "collective-matmul" => &[Step::GatherMatMul, Step::MatMulScatter],
         "fuse-elementwise" => &[Step::Fusable, Step::Fusable],
         "weight-update-sharding" => &[Step::WeightUpdate, Step::WeightUpdate],
+        "layout" => &[
+            Step::MatMul,
+            Step::Heads,
+            Step::LinearOfReduce,
+            Step::SliceInput,
+        ],
         _ => &[],
     };
     for _ in 0..3 {
@@ -559,6 +573,100 @@ impl Builder {
         }
     }
 
+    /// Heads gathered from the ranks of `tp` (a column-parallel projection's output), split
+    /// out of the hidden dim, turned by rotary embedding, attended against keys and values
+    /// (replicated, or gathered heads too), and merged back into the hidden dim.
+    fn heads(&mut self, x: ValueId, k: u16) -> Option<ValueId> {
+        let s = self.shape(x);
+        if s.len() != 3 {
+            return None;
+        }
+        let (b, t, hd, tp) = (s[0], s[1], 2, self.tp);
+        let lh = 1 + (k as usize % 2);
+        // The hidden dim gathered then split into heads, or the heads gathered.
+        let mut q = if (k / 8) % 2 == 0 {
+            let q = self.gathered_input(&[b, t, lh * hd], 2)?;
+            let heads = TensorType::plain(DType::F32, &[b, t, tp * lh, hd]);
+            self.g
+                .add_typed(Op::Reshape, &[q], Some(heads), "q4")
+                .ok()?
+        } else {
+            self.gathered_input(&[b, t, lh, hd], 2)?
+        };
+        if k % 3 != 1 {
+            let pos = self.input(&[b, t], None, false, true);
+            let spec = shardc::compiler::ir::RopeSpec {
+                theta: Float(1e4),
+                style: shardc::compiler::ir::RopeStyle::Half,
+                scaling: None,
+            };
+            q = self.add(Op::Rope(spec), &[q, pos])?;
+        }
+        let mut kv = || -> Option<ValueId> {
+            if k % 4 == 3 {
+                let l = self.gathered_input(&[b, t, hd], 2)?;
+                let ty = TensorType::plain(DType::F32, &[b, t, tp, hd]);
+                self.g.add_typed(Op::Reshape, &[l], Some(ty), "kv4").ok()
+            } else {
+                Some(self.input(&[b, t, tp, hd], None, false, false))
+            }
+        };
+        let (kk, vv) = (kv()?, kv()?);
+        let spec = shardc::compiler::ir::AttnSpec {
+            causal: k % 2 == 0,
+            window: None,
+            scale: Float(0.5),
+            indexed: false,
+        };
+        let mut ins = vec![q, kk, vv];
+        if k % 5 == 0 {
+            ins.push(self.input(&[b, t], None, false, false));
+        }
+        let o = self.add(Op::Attention(spec), &ins)?;
+        let merged = TensorType::plain(DType::F32, &[b, t, tp * lh * hd]);
+        self.g.add_typed(Op::Reshape, &[o], Some(merged), "o3").ok()
+    }
+
+    /// An all-reduce, then an op linear in the reduced value: a scale, a product with a
+    /// replicated factor, or an MoE combine of all-reduced expert outputs.
+    fn linear_of_reduce(&mut self, x: ValueId, k: u16) -> Option<ValueId> {
+        let ar = |me: &mut Builder, v: ValueId| me.add(Op::AllReduce { axis: "tp".into() }, &[v]);
+        match k % 3 {
+            0 => {
+                let r = ar(self, x)?;
+                self.add(Op::Scale(Float(0.5)), &[r])
+            }
+            1 => {
+                let r = ar(self, x)?;
+                let s = self.shape(x);
+                let f = self.input(&s, None, false, false);
+                let ins = if k % 2 == 0 { [r, f] } else { [f, r] };
+                self.add(Op::Mul, &ins)
+            }
+            _ => {
+                let s = self.shape(x);
+                if s.len() != 3 {
+                    return None;
+                }
+                let (h, e) = (s[2], 2);
+                let wg = self.input(&[h, e], None, false, false);
+                let logits = self.add(Op::MatMul { transpose_b: false }, &[x, wg])?;
+                let gates = self.add(
+                    Op::Router {
+                        top_k: e,
+                        normalize: true,
+                    },
+                    &[logits],
+                )?;
+                let d = self.add(Op::Dispatch, &[x, gates])?;
+                let we = self.input(&[e, h, h], None, false, false);
+                let y = self.add(Op::MatMul { transpose_b: false }, &[d, we])?;
+                let r = ar(self, y)?;
+                self.add(Op::Combine, &[r, gates])
+            }
+        }
+    }
+
     fn step(&mut self, op: Step, a: u16, b: u16) {
         let x = self.pick(a);
         let r = self.shape(x).len();
@@ -640,6 +748,14 @@ impl Builder {
             }
             Step::WeightUpdate => self.weight_update(x, b),
             Step::GatheredGrad => self.gathered_grad(x, b),
+            Step::Heads => self.heads(x, b),
+            Step::LinearOfReduce => self.linear_of_reduce(x, b),
+            Step::SliceInput if self.divisible(x, d) => {
+                let s = self.shape(x);
+                let i = self.input(&s, None, false, false);
+                let sl = self.add(self.tp_op(2, d), &[i]);
+                sl.and_then(|sl| self.add(Op::Add, &[sl, sl]))
+            }
             Step::Fusable => match b % 3 {
                 0 => {
                     let u = self.binary(x, b / 3);
@@ -880,19 +996,31 @@ rule_tests! {
     gemm_epilogue => ("gemm-epilogue", "fuse-elementwise", 0.3),
     add_rms_norm => ("add-rms-norm", "fuse-elementwise", 0.3),
     weight_update_sharding => ("weight-update-sharding", "weight-update-sharding", 0.3),
+    tp_column => ("tp-column", "layout", 0.2),
+    tp_row => ("tp-row", "layout", 0.2),
+    slice_leaf => ("slice-leaf", "layout", 0.05),
+    gather_sink_reshape_split => ("gather-sink-reshape-split", "layout", 0.1),
+    gather_sink_rope_heads => ("gather-sink-rope-heads", "layout", 0.05),
+    gather_sink_attention => ("gather-sink-attention", "layout", 0.05),
+    reduce_sink_linear => ("reduce-sink-linear", "layout", 0.1),
     // Each group's rules together (they enable one another).
     group_sequence_parallel => ("sequence-parallel", "gather-sink", 0.5),
     group_collective_matmul => ("collective-matmul", "collective-matmul", 0.5),
     group_fuse_elementwise => ("fuse-elementwise", "fuse-elementwise", 0.5),
+    group_layout => ("layout", "layout", 0.5),
 }
 
-/// Every rule the registry holds (test-only ones aside) has a test above.
+/// Every rule the registry holds (test-only ones aside; `layout` ones, which `all` leaves
+/// out, included) has a test above.
 #[test]
 fn every_rule_has_a_property_test() {
     let source = include_str!("rewrite_rules.rs");
-    for r in RuleSelection::All.resolve().expect("all") {
-        let entry = format!("(\"{}\", ", r.name());
-        assert!(source.contains(&entry), "no property test for {}", r.name());
+    for r in shardc::compiler::rewrite::rules::list() {
+        if r.test_only {
+            continue;
+        }
+        let entry = format!("(\"{}\", ", r.name);
+        assert!(source.contains(&entry), "no property test for {}", r.name);
     }
 }
 

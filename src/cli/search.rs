@@ -51,6 +51,66 @@ pub struct SearchArgs {
     /// Replace an existing `-o` file.
     #[arg(long)]
     pub overwrite: bool,
+    /// What to search: `presets` (every layout of a training step the presets give, simulated)
+    /// or `layers` (research mode: each matmul's layout of the forward pass chosen by the
+    /// e-graph on one `--mesh`, compared with the presets on the same mesh).
+    #[arg(long, default_value = "presets")]
+    pub space: String,
+    /// `--space layers`: the mesh whose `tp` axis the layouts are chosen over (default: one
+    /// node's GPUs, `tp=8` on a DGX).
+    #[arg(long)]
+    pub mesh: Option<String>,
+}
+
+/// `--space layers`: each matmul's layout of the forward pass chosen by the e-graph.
+fn run_layers(a: &SearchArgs, cfg: &ModelConfig, path: &Path, seq: usize) -> anyhow::Result<()> {
+    use shardc::compiler::compile::{compile, CompileSpec, Job};
+    use shardc::compiler::rewrite::CostModel;
+    use shardc::compiler::search::{search_layers, LayerSearchOptions};
+    use shardc::compiler::shard::Mesh;
+    if a.gpus.is_some() {
+        bail!("--gpus sizes the preset search; --space layers searches one --mesh");
+    }
+    let cluster = Cluster::resolve(&a.cluster)?;
+    let per_node = cluster.gpus_per_node();
+    let text = a.mesh.clone().unwrap_or_else(|| format!("tp={per_node}"));
+    let mesh = Mesh::parse(&text, per_node).with_context(|| format!("--mesh `{text}`"))?;
+    let outputs = Outputs::new(a.overwrite).inputs([Some(path)]);
+    if let Some(out) = &a.output {
+        outputs.check_file("-o", out)?;
+    }
+    let o = LayerSearchOptions {
+        batch: a.batch,
+        seq,
+        mesh,
+        cost: CostModel {
+            device: cluster.rewrite_device(),
+            ..CostModel::default()
+        },
+        capacity: (a.memory_fraction * cluster.device.memory().0 as f64) as u64,
+    };
+    let r = search_layers(cfg, &o)?;
+    if let Some(out) = &a.output {
+        let (opts, rewrite) = r.compile.clone();
+        let mut spec =
+            CompileSpec::new(cfg.clone(), path.display().to_string(), Job::Forward(opts));
+        spec.rewrite = rewrite;
+        let plan = compile(&spec)?;
+        outputs.write("-o", out, plan.to_json().as_bytes())?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{r}");
+        if let Some(out) = &a.output {
+            println!(
+                "\nwrote {} (run it: shardc run MODEL --plan {} --tokens ...)",
+                out.display(),
+                out.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Runs `f` (a search with options `o`); when it takes more than a second and stderr is a
@@ -286,6 +346,15 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
     at_least("--top", a.top, 1)?;
     if !(a.memory_fraction > 0.0 && a.memory_fraction <= 1.0) {
         bail!("--memory-fraction {}: must be in (0, 1]", a.memory_fraction);
+    }
+    match a.space.as_str() {
+        "presets" => {
+            if a.mesh.is_some() {
+                bail!("--mesh is the mesh of --space layers; the preset search chooses the mesh");
+            }
+        }
+        "layers" => return run_layers(&a, &cfg, &path, seq),
+        other => bail!("--space `{other}`: expected presets or layers"),
     }
     let cluster = Cluster::resolve(&a.cluster)?;
     let sizes = gpu_counts(a.gpus.as_deref(), cluster.gpus())?;

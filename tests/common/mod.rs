@@ -41,7 +41,7 @@ fn flat_i64(v: &Value) -> Vec<i64> {
         .collect()
 }
 
-fn flat_f32(v: &Value) -> Vec<f32> {
+pub fn flat_f32(v: &Value) -> Vec<f32> {
     v.as_array()
         .unwrap()
         .iter()

@@ -212,6 +212,11 @@ pub struct CostModel {
     /// ([`DEFAULT_SAVED_FACTOR`]; 0 turns the saved-activation term off).
     #[serde(default = "default_saved_factor")]
     pub saved_factor: f64,
+    /// Weight of a parameter byte a rank holds, relative to an activation byte (0, the
+    /// default: a program's weights are not weighed, as no rule of `all` changes them;
+    /// `shardc search --space layers` raises it until the chosen layouts fit the device).
+    #[serde(default)]
+    pub weight_factor: f64,
 }
 
 /// Default weight of a saved byte: 4 transient bytes. A saved value is held from its forward
@@ -232,6 +237,7 @@ impl Default for CostModel {
             device: DeviceProfile::h100_sxm(),
             memory_us_per_mib: DEFAULT_MEMORY_US_PER_MIB,
             saved_factor: default_saved_factor(),
+            weight_factor: 0.0,
         }
     }
 }
@@ -247,12 +253,18 @@ impl CostModel {
         t.0 + self.memory_us_per_mib * c.memory.0 as f64 / (1u64 << 20) as f64
     }
 
-    /// The saved-activation term of a node in role `role`: a view saved for the backward
-    /// pass ([`ValueRole::Saved`]) holds its bytes from the forward to the backward pass.
-    pub fn saved(&self, role: ValueRole, op: &Op, out: &TensorType) -> NodeCost {
-        if matches!(op, Op::Reshape) && role == ValueRole::Saved && self.saved_factor > 0.0 {
+    /// The held-memory term of a node in role `role`: a view saved for the backward pass
+    /// ([`ValueRole::Saved`]) holds its bytes from the forward to the backward pass; a
+    /// parameter holds its bytes for the whole run (weighed by [`CostModel::weight_factor`]).
+    pub fn held(&self, role: ValueRole, op: &Op, out: &TensorType) -> NodeCost {
+        let factor = match op {
+            Op::Reshape if role == ValueRole::Saved => self.saved_factor,
+            Op::Param(_) => self.weight_factor,
+            _ => 0.0,
+        };
+        if factor > 0.0 {
             NodeCost {
-                memory: Bytes((out.size_bytes() as f64 * self.saved_factor) as u64),
+                memory: Bytes((out.size_bytes() as f64 * factor) as u64),
                 ..NodeCost::ZERO
             }
         } else {

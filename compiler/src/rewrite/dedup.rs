@@ -305,11 +305,20 @@ impl Plan {
                 .filter(|&i| matches!(src.graph.nodes[i].op, Op::Param(_)))
                 .collect()
         };
+        // By source without shards: a parameter the `layout` rules split is the template's
+        // parameter with more shards.
+        let unsharded = |p: &ParamSource| ParamSource {
+            shards: Vec::new(),
+            ..p.clone()
+        };
         let template_params = params(1);
-        let param_pos: HashMap<&Op, usize> = template_params
+        let param_pos: HashMap<ParamSource, usize> = template_params
             .iter()
             .enumerate()
-            .map(|(j, &i)| (&src.graph.nodes[i].op, j))
+            .filter_map(|(j, &i)| match &src.graph.nodes[i].op {
+                Op::Param(p) => Some((unsharded(p), j)),
+                _ => None,
+            })
             .collect();
         let mut e = Emit {
             out: Graph::new(),
@@ -328,7 +337,12 @@ impl Plan {
                 Some(ids) => Reads::Copy(ids, pos_mid.clone()),
             };
             let ps = params(l);
-            let pmap = |op: &Op| param_pos.get(op).and_then(|&j| ps.get(j).copied());
+            let pmap = |op: &Op| match op {
+                Op::Param(p) => param_pos
+                    .get(&unsharded(p))
+                    .and_then(|&j| ps.get(j).copied()),
+                _ => None,
+            };
             prev = Some(e.copy_block(w, notes, &b, 1, l as u32, &reads, src, &pmap)?);
         }
         let reads = Reads::Copy(prev.ok_or("no middle layer")?, pos_last);
@@ -520,10 +534,18 @@ impl Emit {
                 };
                 inputs.push(v);
             }
-            let (op, name) = match param(&n.op) {
-                Some(j) if matches!(n.op, Op::Param(_)) => {
+            let (op, name) = match (param(&n.op), &n.op) {
+                (Some(j), Op::Param(window)) => {
                     let o = &src.graph.nodes[j];
-                    (o.op.clone(), o.name.clone())
+                    // Layer `to`'s tensor, split as the window's parameter is.
+                    let op = match &o.op {
+                        Op::Param(p) => Op::Param(ParamSource {
+                            shards: window.shards.clone(),
+                            ..p.clone()
+                        }),
+                        other => other.clone(),
+                    };
+                    (op, o.name.clone())
                 }
                 _ => (n.op.clone(), relabel(&n.name, *tag, &to.to_string())),
             };

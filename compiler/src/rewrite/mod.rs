@@ -169,7 +169,7 @@ impl NodeCostFn for ModelCost<'_> {
         let tys: Vec<&TensorType> = node.children.iter().map(|&c| &eg[c].data.ty).collect();
         let d = &eg[class].data;
         let c =
-            self.0.node(&eg.analysis.mesh, op, &tys, &d.ty) + self.0.saved(d.meta.role, op, &d.ty);
+            self.0.node(&eg.analysis.mesh, op, &tys, &d.ty) + self.0.held(d.meta.role, op, &d.ty);
         self.0.weigh(&c)
     }
 }
@@ -307,7 +307,7 @@ pub fn program_cost(model: &CostModel, g: &Graph, mesh: &Mesh) -> ProgramCost {
     for node in &g.nodes {
         let tys: Vec<&TensorType> = node.inputs.iter().map(|&i| g.ty(i)).collect();
         let c =
-            model.node(mesh, &node.op, &tys, &node.ty) + model.saved(node.role, &node.op, &node.ty);
+            model.node(mesh, &node.op, &tys, &node.ty) + model.held(node.role, &node.op, &node.ty);
         weighted += model.weigh(&c);
         total = total + c;
     }

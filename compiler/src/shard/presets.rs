@@ -59,6 +59,10 @@ pub enum Strategy {
     /// Context parallelism without causal load balancing: rank `i` holds the `i`-th
     /// contiguous part of the sequence.
     CpContiguous,
+    /// The `tp` axis without a preset layout: every rank holds and computes the whole model,
+    /// the starting point from which the `layout` rewrite rules choose each matmul's layout
+    /// (`shardc search --space layers`).
+    Replicated,
 }
 
 /// How context parallelism exchanges keys and values.
@@ -137,7 +141,7 @@ pub fn cp_build_order(mesh: &Mesh, strategies: &[Strategy]) -> Option<SeqOrder> 
 
 impl Strategy {
     /// All strategies this version implements.
-    pub const ALL: [Strategy; 13] = [
+    pub const ALL: [Strategy; 14] = [
         Strategy::Dp,
         Strategy::Tp,
         Strategy::Sp,
@@ -151,6 +155,7 @@ impl Strategy {
         Strategy::CpUlysses,
         Strategy::CpRing,
         Strategy::CpContiguous,
+        Strategy::Replicated,
     ];
 
     /// Text name.
@@ -169,6 +174,7 @@ impl Strategy {
             Strategy::CpUlysses => "cp-ulysses",
             Strategy::CpRing => "cp-ring",
             Strategy::CpContiguous => "cp-contiguous",
+            Strategy::Replicated => "replicated",
         }
     }
 
@@ -267,6 +273,19 @@ fn resolve_inner(
     }
     out.sort();
     out.dedup();
+    // `replicated` takes the `tp` axis's preset away (and sequence parallelism with it).
+    if out.contains(&Strategy::Replicated) {
+        if out.contains(&Strategy::Sp) {
+            return Err(ShardError::ConflictingStrategies {
+                first: "replicated".into(),
+                second: "sp".into(),
+                choose: "sequence parallelism needs the tp preset's layout; under `replicated` \
+                         the layout rules find it (--rewrite layout,sequence-parallel)"
+                    .into(),
+            });
+        }
+        out.retain(|&s| s != Strategy::Tp);
+    }
     let exchanges: Vec<&Strategy> = out
         .iter()
         .filter(|s| {
@@ -301,7 +320,7 @@ fn resolve_inner(
             Strategy::Dp | Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp => {
                 "dp"
             }
-            Strategy::Tp | Strategy::Sp => "tp",
+            Strategy::Tp | Strategy::Sp | Strategy::Replicated => "tp",
             Strategy::Ep => "ep",
             Strategy::Cp
             | Strategy::CpAllGather

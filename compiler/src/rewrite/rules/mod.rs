@@ -14,6 +14,7 @@
 
 pub(crate) mod collectives;
 pub(crate) mod fusion;
+pub(crate) mod layout;
 pub(crate) mod optimizer;
 pub(crate) mod overlap;
 pub(crate) mod sequence_parallel;
@@ -38,6 +39,11 @@ pub trait RuleImpl: Send + Sync + 'static {
     /// True for deliberately wrong rules that only tests select (by name, never by `all`).
     fn test_only(&self) -> bool {
         false
+    }
+    /// False for rules `all` leaves out: the `layout` rules, which change which weights a
+    /// rank holds (selected by name or group).
+    fn in_all(&self) -> bool {
+        true
     }
     /// Appends to `out` every match rooted at class `class`.
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>);
@@ -66,6 +72,7 @@ pub fn registry() -> Vec<Arc<dyn RuleImpl>> {
     v.extend(overlap::rules());
     v.extend(fusion::rules());
     v.extend(optimizer::rules());
+    v.extend(layout::rules());
     v.extend(sequence_parallel::broken_rules());
     v
 }
@@ -93,6 +100,17 @@ pub const SEQUENCE_PARALLEL: [&str; 5] = [
     "gather-of-slice",
 ];
 
+/// The rule groups `shardc search --space layers` runs on a `replicated` program: each
+/// matmul's layout (`layout`) and the sequence-parallel groups that move its collectives.
+pub const LAYER_SEARCH: [&str; 6] = [
+    "layout",
+    "allreduce-split",
+    "gather-sink",
+    "scatter-hoist",
+    "slice-of-gather",
+    "gather-of-slice",
+];
+
 /// Which rules a compile runs: `none`, `all`, or named rules and groups.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RuleSelection {
@@ -111,7 +129,10 @@ impl RuleSelection {
         let reg = registry();
         match self {
             RuleSelection::None => Ok(Vec::new()),
-            RuleSelection::All => Ok(reg.into_iter().filter(|r| !r.test_only()).collect()),
+            RuleSelection::All => Ok(reg
+                .into_iter()
+                .filter(|r| !r.test_only() && r.in_all())
+                .collect()),
             RuleSelection::Named(given) => {
                 let mut names: Vec<&str> = Vec::new();
                 for n in given {

@@ -24,6 +24,10 @@
 //! those that fit; ties go to the candidate whose text sorts first, so the output is
 //! deterministic.
 
+pub mod layers;
+
+pub use layers::{search_layers, LayerSearch, LayerSearchError, LayerSearchOptions};
+
 use crate::autodiff::Recompute;
 use crate::compile::{layer_plan, simulate_training};
 use crate::cost::{
