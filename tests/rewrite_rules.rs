@@ -452,13 +452,10 @@ impl Builder {
         self.g.add_typed(Op::Reshape, &[r], Some(t3), "x3").ok()
     }
 
-    fn moe(&mut self, x: ValueId, k: u16) -> Option<ValueId> {
-        let s = self.shape(x);
-        if s.len() != 3 {
-            return None;
-        }
-        let h = s[2];
-        let e = 2;
+    /// `x` [B, T, H] routed to `e` experts (a replicated router weight): the gates and the
+    /// dispatched tokens [E, B, T, H].
+    fn dispatched(&mut self, x: ValueId, e: usize) -> Option<(ValueId, ValueId)> {
+        let h = *self.shape(x).last()?;
         let wg = self.input(&[h, e], None, false, false);
         let logits = self.add(Op::MatMul { transpose_b: false }, &[x, wg])?;
         let gates = self.add(
@@ -469,6 +466,16 @@ impl Builder {
             &[logits],
         )?;
         let d = self.add(Op::Dispatch, &[x, gates])?;
+        Some((gates, d))
+    }
+
+    fn moe(&mut self, x: ValueId, k: u16) -> Option<ValueId> {
+        let s = self.shape(x);
+        if s.len() != 3 {
+            return None;
+        }
+        let (h, e) = (s[2], 2);
+        let (gates, d) = self.dispatched(x, e)?;
         let split = (k % 2 == 1).then_some(1);
         let we = self.input(&[e, h, h], split, false, false);
         let y = self.add(Op::MatMul { transpose_b: false }, &[d, we])?;
@@ -649,16 +656,7 @@ impl Builder {
                     return None;
                 }
                 let (h, e) = (s[2], 2);
-                let wg = self.input(&[h, e], None, false, false);
-                let logits = self.add(Op::MatMul { transpose_b: false }, &[x, wg])?;
-                let gates = self.add(
-                    Op::Router {
-                        top_k: e,
-                        normalize: true,
-                    },
-                    &[logits],
-                )?;
-                let d = self.add(Op::Dispatch, &[x, gates])?;
+                let (gates, d) = self.dispatched(x, e)?;
                 let we = self.input(&[e, h, h], None, false, false);
                 let y = self.add(Op::MatMul { transpose_b: false }, &[d, we])?;
                 let r = ar(self, y)?;

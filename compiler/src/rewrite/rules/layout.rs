@@ -321,9 +321,7 @@ impl RuleImpl for SinkRopeHeads {
         }
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
-        let (f, ag) = (op_at(eg, m[0]), op_at(eg, m[1]));
-        let inner = add_like(eg, self.name(), f, vec![m[2], m[3]], class)?;
-        add(eg, self.name(), ag, vec![inner])
+        super::sink(eg, self.name(), class, m[0], m[1], vec![m[2], m[3]])
     }
 }
 
@@ -428,8 +426,6 @@ impl RuleImpl for ReduceSink {
         }
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
-        let (f, ar) = (op_at(eg, m[0]), op_at(eg, m[1]));
-        let inner = add_like(eg, self.name(), f, m[3..].to_vec(), class)?;
-        add(eg, self.name(), ar, vec![inner])
+        super::sink(eg, self.name(), class, m[0], m[1], m[3..].to_vec())
     }
 }

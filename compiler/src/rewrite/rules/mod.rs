@@ -350,6 +350,21 @@ pub(crate) fn add(
     Some(eg.add(node))
 }
 
+/// `outer(f(operands))` for the ops interned at match entries `f` and `outer` (a gather or
+/// reduction moved past `f`); the new `f` node takes the name, layer and role of `class`.
+pub(crate) fn sink(
+    eg: &mut SpmdEGraph,
+    rule: &'static str,
+    class: Id,
+    f: Id,
+    outer: Id,
+    operands: Vec<Id>,
+) -> Option<Id> {
+    let (f, outer) = (op_at(eg, f), op_at(eg, outer));
+    let inner = add_like(eg, rule, f, operands, class)?;
+    add(eg, rule, outer, vec![inner])
+}
+
 /// As [`add`]; a new class takes the name, layer and role of class `like` (the value it computes
 /// a form of).
 pub(crate) fn add_like(

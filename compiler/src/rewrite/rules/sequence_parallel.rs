@@ -86,9 +86,7 @@ impl RuleImpl for SinkRowwise {
         }
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
-        let (f, ag) = (op_at(eg, m[0]), op_at(eg, m[1]));
-        let inner = add_like(eg, self.name(), f, m[2..].to_vec(), class)?;
-        add(eg, self.name(), ag, vec![inner])
+        super::sink(eg, self.name(), class, m[0], m[1], m[2..].to_vec())
     }
 }
 
@@ -123,9 +121,7 @@ impl RuleImpl for SinkElementwise {
         }
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
-        let (f, ag) = (op_at(eg, m[0]), op_at(eg, m[1]));
-        let inner = add_like(eg, self.name(), f, vec![m[2]], class)?;
-        add(eg, self.name(), ag, vec![inner])
+        super::sink(eg, self.name(), class, m[0], m[1], vec![m[2]])
     }
 }
 
@@ -238,9 +234,7 @@ impl RuleImpl for SinkMatMul {
         }
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
-        let (f, ag) = (op_at(eg, m[0]), op_at(eg, m[1]));
-        let inner = add_like(eg, self.name(), f, vec![m[2], m[3]], class)?;
-        add(eg, self.name(), ag, vec![inner])
+        super::sink(eg, self.name(), class, m[0], m[1], vec![m[2], m[3]])
     }
 }
 
