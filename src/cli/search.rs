@@ -10,7 +10,7 @@ use shardc::compiler::cost::{AttentionImpl, Cluster, ComputeOptions};
 use shardc::compiler::ir::DType;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::search::{
-    evaluate, search, Candidate, Scored, SearchOptions, SearchProgress,
+    evaluate, search, Candidate, Scored, SearchOptions, SearchProgress, SpaceLimits,
 };
 use shardc::runtime::output::Outputs;
 use std::path::{Path, PathBuf};
@@ -51,15 +51,87 @@ pub struct SearchArgs {
     /// Replace an existing `-o` file.
     #[arg(long)]
     pub overwrite: bool,
-    /// What to search: `presets` (every layout of a training step the presets give, simulated)
-    /// or `layers` (research mode: each matmul's layout of the forward pass chosen by the
-    /// e-graph on one `--mesh`, compared with the presets on the same mesh).
+    /// What to search: `presets` (every layout of a training step the presets give, simulated),
+    /// `megatron-2021` (those Megatron-LM's 2021 recipe allows: no sp, ZeRO or cp, full
+    /// recomputation, 1F1B) or `layers` (research mode: each matmul's layout of the forward
+    /// pass chosen by the e-graph on one `--mesh`, compared with the presets on that mesh).
     #[arg(long, default_value = "presets")]
     pub space: String,
+    /// Recomputation modes to try (`none`, `selective`, `full`), comma-separated.
+    #[arg(long, default_value = "none,selective,full")]
+    pub recompute: String,
+    /// ZeRO stages to try (0–3), comma-separated.
+    #[arg(long, default_value = "0,1,2,3")]
+    pub zero: String,
+    /// Pipeline schedules to try (`1f1b`, `interleaved`, `zb-h1`), comma-separated.
+    #[arg(long, default_value = "1f1b,interleaved,zb-h1")]
+    pub schedules: String,
+    /// Sequence parallelism: `on`, `off`, or `on,off` (both tried).
+    #[arg(long, default_value = "on,off")]
+    pub sp: String,
+    /// Context parallelism: `on` (cp > 1), `off` (cp = 1), or `on,off`.
+    #[arg(long, default_value = "on,off")]
+    pub cp: String,
     /// `--space layers`: the mesh whose `tp` axis the layouts are chosen over (default: one
     /// node's GPUs, `tp=8` on a DGX).
     #[arg(long)]
     pub mesh: Option<String>,
+}
+
+/// The space's limits from `--recompute`, `--zero`, `--schedules`, `--sp`, `--cp` (each
+/// name checked), or Megatron-LM's 2021 recipe for `--space megatron-2021`.
+fn limits(a: &SearchArgs) -> anyhow::Result<SpaceLimits> {
+    use shardc::compiler::autodiff::Recompute;
+    fn list<T>(
+        flag: &str,
+        text: &str,
+        valid: &str,
+        parse: impl Fn(&str) -> Option<T>,
+    ) -> anyhow::Result<Vec<T>> {
+        let v = text
+            .split(',')
+            .map(|t| parse(t.trim()).with_context(|| format!("{flag} `{t}`: expected {valid}")))
+            .collect::<anyhow::Result<Vec<T>>>()?;
+        if v.is_empty() {
+            bail!("{flag}: give at least one of {valid}");
+        }
+        Ok(v)
+    }
+    let on_off = |t: &str| match t {
+        "on" => Some(true),
+        "off" => Some(false),
+        _ => None,
+    };
+    let l = SpaceLimits {
+        sp: list("--sp", &a.sp, "on, off", on_off)?,
+        cp: list("--cp", &a.cp, "on, off", on_off)?,
+        zero: list("--zero", &a.zero, "0, 1, 2, 3", |t| {
+            t.parse::<u8>().ok().filter(|&z| z <= 3)
+        })?,
+        recompute: list(
+            "--recompute",
+            &a.recompute,
+            "none, selective, full",
+            Recompute::from_name,
+        )?,
+        schedules: list(
+            "--schedules",
+            &a.schedules,
+            "1f1b, interleaved, zb-h1",
+            |t| {
+                ["1f1b", "interleaved", "zb-h1"]
+                    .contains(&t)
+                    .then(|| t.to_string())
+            },
+        )?,
+    };
+    if a.space == "megatron-2021" {
+        if !l.is_full() {
+            bail!("--space megatron-2021 sets the options itself; leave --recompute, --zero, --schedules, --sp and --cp out");
+        }
+        return Ok(SpaceLimits::megatron_2021());
+    }
+    Ok(l)
 }
 
 /// `--space layers`: each matmul's layout of the forward pass chosen by the e-graph.
@@ -70,6 +142,9 @@ fn run_layers(a: &SearchArgs, cfg: &ModelConfig, path: &Path, seq: usize) -> any
     use shardc::compiler::shard::Mesh;
     if a.gpus.is_some() {
         bail!("--gpus sizes the preset search; --space layers searches one --mesh");
+    }
+    if !limits(a)?.is_full() {
+        bail!("--recompute, --zero, --schedules, --sp and --cp limit the preset search; --space layers chooses each matmul's layout");
     }
     let cluster = Cluster::resolve(&a.cluster)?;
     let per_node = cluster.gpus_per_node();
@@ -348,13 +423,13 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
         bail!("--memory-fraction {}: must be in (0, 1]", a.memory_fraction);
     }
     match a.space.as_str() {
-        "presets" => {
+        "presets" | "megatron-2021" => {
             if a.mesh.is_some() {
                 bail!("--mesh is the mesh of --space layers; the preset search chooses the mesh");
             }
         }
         "layers" => return run_layers(&a, &cfg, &path, seq),
-        other => bail!("--space `{other}`: expected presets or layers"),
+        other => bail!("--space `{other}`: expected presets, megatron-2021 or layers"),
     }
     let cluster = Cluster::resolve(&a.cluster)?;
     let sizes = gpu_counts(a.gpus.as_deref(), cluster.gpus())?;
@@ -385,6 +460,7 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
     o.micro_batches = micro_batches;
     o.memory_fraction = a.memory_fraction;
     o.top = a.top;
+    o.limits = limits(&a)?;
     let copts = ComputeOptions {
         dtype: DType::Bf16,
         attention: AttentionImpl::Flash,
@@ -442,6 +518,7 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
             "too_big": r.too_big,
             "refused": r.refused,
             "search_time_s": r.search_time_s,
+            "limits": o.limits.describe(),
             "hand_layouts": hand_json,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -473,6 +550,9 @@ pub fn run(a: SearchArgs) -> anyhow::Result<()> {
         r.too_big,
         r.refused
     );
+    if !o.limits.is_full() {
+        println!("space limited to: {}", o.limits.describe());
+    }
     let Some(best) = r.best() else {
         println!(
             "no layout fits in {:.0}% of device memory",

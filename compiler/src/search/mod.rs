@@ -9,6 +9,9 @@
 //! divides the batch; the pipeline schedules 1F1B, interleaved (2 chunks) and ZB-H1 with
 //! `pp > 1`; the context-parallel exchange all-gather, ring or Ulysses with `cp > 1`.
 //!
+//! [`SpaceLimits`] restricts the options (sp, ZeRO stages, recomputation, schedules, cp), for
+//! instance to Megatron-LM's 2021 recipe; the search is exact on the smaller space.
+//!
 //! Each candidate is simulated by the analytic training model
 //! ([`crate::compile::simulate_training`], what `simulate --train` prints), in parallel over
 //! the cores, with what layouts share kept across them ([`TrainMemo`]: each layer plan's
@@ -61,6 +64,93 @@ pub struct SearchOptions {
     pub prune: bool,
     /// Counters the search advances as it goes, for a caller's progress display.
     pub progress: Option<std::sync::Arc<SearchProgress>>,
+    /// Which options each mesh's candidates may take (default: all).
+    pub limits: SpaceLimits,
+}
+
+/// The options a mesh's candidates may take beyond its factorisation; the search stays exact
+/// on the smaller space. The default holds everything; [`SpaceLimits::megatron_2021`] is
+/// Megatron-LM's recipe of 2021 (Narayanan et al., SC'21).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpaceLimits {
+    /// Sequence parallelism off, on (a layout with `tp` > 1 takes each listed).
+    pub sp: Vec<bool>,
+    /// ZeRO stages (a layout summing gradients over one rank takes 0).
+    pub zero: Vec<u8>,
+    /// Recomputation modes.
+    pub recompute: Vec<Recompute>,
+    /// Pipeline schedules by kind (`1f1b`, `interleaved`, `zb-h1`) for layouts with `pp` > 1.
+    pub schedules: Vec<String>,
+    /// Context parallelism: `false` admits `cp` = 1, `true` `cp` > 1.
+    pub cp: Vec<bool>,
+}
+
+impl Default for SpaceLimits {
+    fn default() -> SpaceLimits {
+        SpaceLimits {
+            sp: vec![false, true],
+            zero: vec![0, 1, 2, 3],
+            recompute: vec![Recompute::None, Recompute::Selective, Recompute::Full],
+            schedules: vec!["1f1b".into(), "interleaved".into(), "zb-h1".into()],
+            cp: vec![false, true],
+        }
+    }
+}
+
+impl SpaceLimits {
+    /// Megatron-LM's 2021 recipe: no sequence parallelism, ZeRO or context parallelism, full
+    /// recomputation, 1F1B.
+    pub fn megatron_2021() -> SpaceLimits {
+        SpaceLimits {
+            sp: vec![false],
+            zero: vec![0],
+            recompute: vec![Recompute::Full],
+            schedules: vec!["1f1b".into()],
+            cp: vec![false],
+        }
+    }
+
+    /// The limits as text, `sp off; zero 0; recompute full; schedules 1f1b; cp off` (options
+    /// that hold everything left out).
+    pub fn describe(&self) -> String {
+        let full = SpaceLimits::default();
+        let on_off = |v: &[bool]| {
+            v.iter()
+                .map(|&b| if b { "on" } else { "off" })
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let mut parts = Vec::new();
+        if !full.sp.iter().all(|x| self.sp.contains(x)) {
+            parts.push(format!("sp {}", on_off(&self.sp)));
+        }
+        if !full.zero.iter().all(|x| self.zero.contains(x)) {
+            let z: Vec<String> = self.zero.iter().map(u8::to_string).collect();
+            parts.push(format!("zero {}", z.join(",")));
+        }
+        if !full.recompute.iter().all(|x| self.recompute.contains(x)) {
+            let r: Vec<&str> = self.recompute.iter().map(|r| r.name()).collect();
+            parts.push(format!("recompute {}", r.join(",")));
+        }
+        if !full.schedules.iter().all(|x| self.schedules.contains(x)) {
+            parts.push(format!("schedules {}", self.schedules.join(",")));
+        }
+        if !full.cp.iter().all(|x| self.cp.contains(x)) {
+            parts.push(format!("cp {}", on_off(&self.cp)));
+        }
+        parts.join("; ")
+    }
+
+    /// True when the space holds every option.
+    pub fn is_full(&self) -> bool {
+        let full = SpaceLimits::default();
+        let holds = |a: &[String], b: &[String]| b.iter().all(|x| a.contains(x));
+        full.sp.iter().all(|x| self.sp.contains(x))
+            && full.zero.iter().all(|x| self.zero.contains(x))
+            && full.recompute.iter().all(|x| self.recompute.contains(x))
+            && holds(&self.schedules, &full.schedules)
+            && full.cp.iter().all(|x| self.cp.contains(x))
+    }
 }
 
 /// How far a running search is: read by a caller (another thread) while it runs.
@@ -92,6 +182,7 @@ impl SearchOptions {
             top: 10,
             prune: true,
             progress: None,
+            limits: SpaceLimits::default(),
         }
     }
 }
@@ -218,7 +309,7 @@ pub fn enumerate(cfg: &ModelConfig, cluster: &Cluster, o: &SearchOptions) -> Vec
                 continue;
             }
             for cp in divisors(o.gpus / (tp * pp)) {
-                if cp > 1 && o.seq % (2 * cp) != 0 {
+                if (cp > 1 && o.seq % (2 * cp) != 0) || !o.limits.cp.contains(&(cp > 1)) {
                     continue;
                 }
                 for ep in divisors(o.gpus / (tp * pp * cp)) {
@@ -249,8 +340,15 @@ fn add_meshes(cfg: &ModelConfig, o: &SearchOptions, sizes: [usize; 5], out: &mut
     }
     let mesh = axes.join(",");
     let data = dp * ep;
+    let lim = &o.limits;
     let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+    let sps: Vec<bool> = sps.iter().copied().filter(|s| lim.sp.contains(s)).collect();
     let zeros: &[u8] = if dp * cp > 1 { &[0, 1, 2, 3] } else { &[0] };
+    let zeros: Vec<u8> = zeros
+        .iter()
+        .copied()
+        .filter(|z| lim.zero.contains(z))
+        .collect();
     let cps: &[&str] = if cp > 1 {
         &["cp-allgather", "cp-ring", "cp-ulysses"]
     } else {
@@ -262,6 +360,7 @@ fn add_meshes(cfg: &ModelConfig, o: &SearchOptions, sizes: [usize; 5], out: &mut
             schedules.push(PipeSchedule::Interleaved(2));
         }
         schedules.push(PipeSchedule::ZbH1);
+        schedules.retain(|s| lim.schedules.iter().any(|k| k == s.kind().name()));
     }
     for &mb in &o.micro_batches {
         if o.global_batch % (data * mb) != 0 {
@@ -271,10 +370,10 @@ fn add_meshes(cfg: &ModelConfig, o: &SearchOptions, sizes: [usize; 5], out: &mut
         if pp > 1 && o.global_batch / (data * mb) < pp {
             continue;
         }
-        for &sp in sps {
-            for &zero in zeros {
+        for &sp in &sps {
+            for &zero in &zeros {
                 for &cpv in cps {
-                    for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                    for &rc in &lim.recompute {
                         for &schedule in &schedules {
                             let mut strategies = Vec::new();
                             if sp {
