@@ -404,6 +404,7 @@ fn the_search_beats_or_equals_the_published_megatron_layouts() {
             recompute: "full".into(),
             zero: 0,
             schedule: "1f1b".into(),
+            recompute_layers: None,
         };
         let theirs = evaluate(&cfg, "gpt", &cluster, &o, &copts, &published).unwrap();
         let best = search(&cfg, "gpt", &cluster, &o, &copts).unwrap();
@@ -444,4 +445,53 @@ fn the_search_beats_or_equals_the_published_megatron_layouts() {
 
 fn best_candidates(cfg: &ModelConfig, cluster: &Cluster, o: &SearchOptions) -> usize {
     shardc::compiler::search::enumerate(cfg, cluster, o).len()
+}
+
+/// Block recomputation (`--recompute-num-layers k`, the fewest layers that fit): on Llama-3-8B
+/// at 64 × 8192 without sp, cp or ZeRO beyond 1, the best layout recomputes one layer per
+/// chunk; every other k of the same layout is slower or does not fit.
+#[test]
+fn block_recomputation_takes_the_fewest_layers_that_fit() {
+    let cfg = ModelConfig::from_path(Path::new("models/llama-3-8b.json")).unwrap();
+    let cluster = Cluster::resolve("dgx-h100").unwrap();
+    let mut o = SearchOptions::new(8, 64, 8192);
+    o.micro_batches = vec![1];
+    o.top = 3;
+    o.limits.sp = vec![false];
+    o.limits.cp = vec![false];
+    o.limits.zero = vec![0, 1];
+    let r = search(&cfg, "llama", &cluster, &o, &copts()).unwrap();
+    let best = r.best().unwrap();
+    let k = best
+        .candidate
+        .recompute_layers
+        .expect("a block layout is the best");
+    assert_eq!(best.candidate.recompute, "none");
+    let capacity = cluster.device.memory_bytes.value * o.memory_fraction;
+    let layers = cfg.layers / size_of(&best.candidate.mesh, "pp");
+    for other in 1..layers {
+        let c = shardc::compiler::search::Candidate {
+            recompute_layers: Some(other),
+            ..best.candidate.clone()
+        };
+        let s = evaluate(&cfg, "llama", &cluster, &o, &copts(), &c).unwrap();
+        let fits = s.memory_bytes as f64 <= capacity;
+        if other < k {
+            assert!(!fits, "k={other} fits, fewer than the search's {k}");
+        } else {
+            assert!(fits && s.step_time_s >= best.step_time_s, "k={other}");
+        }
+    }
+    // Without blocks the best is slower.
+    o.limits.recompute_blocks = false;
+    let plain = search(&cfg, "llama", &cluster, &o, &copts()).unwrap();
+    assert!(plain.best().unwrap().step_time_s > best.step_time_s);
+    assert!(plain.candidates < r.candidates);
+}
+
+fn size_of(mesh: &str, axis: &str) -> usize {
+    mesh.split(',')
+        .filter_map(|a| a.split_once('='))
+        .find(|(n, _)| *n == axis)
+        .map_or(1, |(_, s)| s.parse().unwrap())
 }

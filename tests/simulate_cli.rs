@@ -382,3 +382,65 @@ fn train_runs_every_pipeline_schedule() {
         "{err}"
     );
 }
+
+/// `--recompute-num-layers k`: the first k layers of each stage fully recomputed, the others
+/// under `--recompute`. The step time and memory lie between no and full recomputation and
+/// move monotonically with k; k at least the stage's layers is full recomputation; a k with
+/// `--recompute full`, or 0, is refused by name.
+#[test]
+fn block_recomputation_lies_between_none_and_full() {
+    let at = |extra: &[&str]| {
+        let v = ok_json(
+            &[
+                &LLAMA_70B_TRAIN[..],
+                &[
+                    "--global-batch",
+                    "128",
+                    "--seq",
+                    "4096",
+                    "--cluster",
+                    "dgx-h100x128",
+                ],
+                extra,
+                &["--json"],
+            ]
+            .concat(),
+        );
+        (
+            v["step_time_s"].as_f64().unwrap(),
+            v["peak_memory_bytes_per_rank"].as_u64().unwrap(),
+            v["recompute"].as_str().unwrap().to_string(),
+        )
+    };
+    let none = at(&[]);
+    let full = at(&["--recompute", "full"]);
+    let mut last = none.clone();
+    for k in ["1", "4", "8"] {
+        let b = at(&["--recompute-num-layers", k]);
+        assert_eq!(b.2, format!("full×{k}+none"));
+        assert!(
+            b.0 > last.0 && b.0 < full.0,
+            "k={k}: {b:?} vs {last:?}, {full:?}"
+        );
+        assert!(
+            b.1 < last.1 && b.1 > full.1,
+            "k={k}: {b:?} vs {last:?}, {full:?}"
+        );
+        last = b;
+    }
+    let all = at(&["--recompute-num-layers", "80"]);
+    assert_eq!((all.0, all.1), (full.0, full.1));
+    for (args, needle) in [
+        (
+            vec!["--recompute", "full", "--recompute-num-layers", "2"],
+            "--recompute none or selective",
+        ),
+        (
+            vec!["--recompute-num-layers", "0"],
+            "--recompute-num-layers",
+        ),
+    ] {
+        let a: Vec<&str> = [&LLAMA_70B_TRAIN[..], &args[..]].concat();
+        common::fails_with(&a, &[needle]);
+    }
+}

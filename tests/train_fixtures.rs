@@ -108,3 +108,92 @@ fn two_micro_batches_accumulate_the_same_gradients() {
         assert_eq!(r.compiled.options.micro_batches, 2);
     }
 }
+
+/// Block recomputation (`--recompute-num-layers 1`): the first layer recomputed fully, the
+/// others under the given mode; the numbers are those of no recomputation, bit for bit. On a
+/// pipeline, each chunk's first layer.
+#[test]
+fn block_recomputation_recomputes_the_first_layers_only() {
+    for model in MODELS {
+        let none = run(model, "", &[], 1, Recompute::None, 1);
+        for base in [Recompute::None, Recompute::Selective] {
+            let r = train_support::run_with(model, "", &[], 1, base, 1, |o| {
+                o.recompute_layers = Some(1)
+            });
+            check(model, &format!("block 1 + {base}"), &r);
+            assert_eq!(grad_diff(&none, &r), 0.0, "{model} block 1 + {base}");
+            let g = &r.compiled.sharded.graph;
+            let recomputed: Vec<&str> = g
+                .nodes
+                .iter()
+                .filter(|n| n.role == ValueRole::Recompute)
+                .map(|n| n.name.as_str())
+                .collect();
+            // Layer 0 whole; later layers only their attention probabilities (selective).
+            assert!(
+                recomputed
+                    .iter()
+                    .any(|n| n.starts_with("recompute.layers.0.") && n.contains("mlp")),
+                "{model}: {recomputed:?}"
+            );
+            for n in &recomputed {
+                let first = n.starts_with("recompute.layers.0.");
+                let probs = n.ends_with(".attn.sdpa.probs");
+                assert!(
+                    first || (base == Recompute::Selective && probs),
+                    "{model} {base}: {n}"
+                );
+            }
+            // Layers after the first keep their probabilities under no recomputation.
+            let saved_probs = g
+                .nodes
+                .iter()
+                .filter(|n| matches!(n.op, Op::AttentionProbs(_)) && n.role != ValueRole::Recompute)
+                .count();
+            let layers = none
+                .compiled
+                .forward
+                .nodes
+                .iter()
+                .filter(|n| matches!(n.op, Op::Attention(_)))
+                .count();
+            let want = if base == Recompute::None {
+                layers - 1
+            } else {
+                0
+            };
+            assert_eq!(saved_probs, want, "{model} {base}");
+        }
+    }
+    // A pipeline of two stages: each chunk's first layer recomputed, the step unchanged.
+    let dir = train_support::dir("llama");
+    let batch = train_support::fixture_batch("llama", 4);
+    let p = train_support::pipe(
+        "pp=2",
+        &[],
+        2,
+        shardc::compiler::schedule::pp::ScheduleKind::OneFOneB,
+    );
+    let mut o = train_support::pipe_options(&p, batch.batch, batch.seq);
+    o.recompute_layers = Some(1);
+    let r = train_support::run_pipeline_opts(&dir, &o, &batch);
+    check("llama", "pp=2 block 1", &r);
+    let mut firsts = std::collections::BTreeSet::new();
+    for chunk in &r.compiled.chunks {
+        for n in chunk
+            .train
+            .sharded
+            .graph
+            .nodes
+            .iter()
+            .filter(|n| n.role == ValueRole::Recompute)
+        {
+            firsts.insert(n.layer);
+        }
+    }
+    assert_eq!(
+        firsts.len(),
+        2,
+        "one recomputed layer per chunk: {firsts:?}"
+    );
+}

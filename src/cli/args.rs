@@ -133,3 +133,17 @@ pub fn check_seq(flag: &str, seq: usize, cfg: &ModelConfig) -> anyhow::Result<()
     }
     Ok(())
 }
+
+/// `--recompute-num-layers N` under `--recompute mode`: at least 1, and the other layers'
+/// mode none or selective (full already recomputes every layer).
+pub fn recompute_layers(
+    n: Option<usize>,
+    mode: shardc::compiler::autodiff::Recompute,
+) -> anyhow::Result<Option<usize>> {
+    let Some(k) = n else { return Ok(None) };
+    at_least("--recompute-num-layers", k, 1)?;
+    if mode == shardc::compiler::autodiff::Recompute::Full {
+        anyhow::bail!("--recompute-num-layers {k} recomputes some layers fully and the others under --recompute: give --recompute none or selective");
+    }
+    Ok(Some(k))
+}

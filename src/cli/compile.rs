@@ -89,6 +89,10 @@ pub struct CompileArgs {
     /// Training: activation checkpointing: none, full or selective.
     #[arg(long, default_value = "none", requires = "train")]
     pub recompute: String,
+    /// Training: fully recompute the first N decoder layers of each pipeline chunk, the others
+    /// under --recompute (Megatron-LM's `--recompute-method block --recompute-num-layers N`).
+    #[arg(long, value_name = "N", requires = "train")]
+    pub recompute_num_layers: Option<usize>,
     /// Training, meshes with `pp`: the schedule: gpipe, 1f1b, interleaved or zb-h1 [default: 1f1b].
     #[arg(long, requires = "train")]
     pub schedule: Option<String>,
@@ -371,6 +375,7 @@ fn train_options(
         None => a.micro_batches,
     };
     t.recompute = recompute;
+    t.recompute_layers = super::args::recompute_layers(a.recompute_num_layers, recompute)?;
     let pp = t
         .mesh
         .axis("pp")
@@ -638,7 +643,13 @@ fn print_train_summary(
         "{}, {k} micro-batch(es) of {}, recompute {}",
         headline(plan, " training step"),
         plan.model.batch / k.max(1),
-        opts.recompute
+        match opts.recompute_layers {
+            Some(n) => format!(
+                "full on the first {n} layers of each chunk, {} on the others",
+                opts.recompute
+            ),
+            None => opts.recompute.to_string(),
+        }
     );
     print_axes(&plan.mesh);
     println!(

@@ -57,8 +57,10 @@ pub struct SearchArgs {
     /// pass chosen by the e-graph on one `--mesh`, compared with the presets on that mesh).
     #[arg(long, default_value = "presets")]
     pub space: String,
-    /// Recomputation modes to try (`none`, `selective`, `full`), comma-separated.
-    #[arg(long, default_value = "none,selective,full")]
+    /// Recomputation modes to try (`none`, `selective`, `full`, and `block`: the first k
+    /// layers of each chunk fully recomputed, the fewest that fit, for layouts that fit with
+    /// `full` but not with `none`), comma-separated.
+    #[arg(long, default_value = "none,selective,full,block")]
     pub recompute: String,
     /// ZeRO stages to try (0–3), comma-separated.
     #[arg(long, default_value = "0,1,2,3")]
@@ -111,9 +113,16 @@ fn limits(a: &SearchArgs) -> anyhow::Result<SpaceLimits> {
         recompute: list(
             "--recompute",
             &a.recompute,
-            "none, selective, full",
-            Recompute::from_name,
-        )?,
+            "none, selective, full, block",
+            |t| match t {
+                "block" => Some(None),
+                _ => Recompute::from_name(t).map(Some),
+            },
+        )?
+        .into_iter()
+        .flatten()
+        .collect(),
+        recompute_blocks: a.recompute.split(',').any(|t| t.trim() == "block"),
         schedules: list(
             "--schedules",
             &a.schedules,
@@ -395,6 +404,7 @@ fn hand_layouts(cfg: &ModelConfig, gpus: usize, node: usize) -> Vec<(&'static st
                 recompute: "selective".into(),
                 zero: u8::from(dp > 1),
                 schedule: "1f1b".into(),
+                recompute_layers: None,
             },
         ));
     }
@@ -407,6 +417,7 @@ fn hand_layouts(cfg: &ModelConfig, gpus: usize, node: usize) -> Vec<(&'static st
             recompute: "selective".into(),
             zero: 3,
             schedule: "1f1b".into(),
+            recompute_layers: None,
         },
     ));
     out
@@ -631,6 +642,7 @@ fn write_plan(
     t.extra_strategies = c.strategies.clone();
     t.micro_batches = batch / (t.mesh.data_ranks() * c.micro_batch);
     t.recompute = Recompute::from_name(&c.recompute).unwrap_or(Recompute::None);
+    t.recompute_layers = c.recompute_layers;
     if c.mesh.contains("pp=") {
         let (kind, v) = match c.schedule.as_str() {
             "zb-h1" => (ScheduleKind::ZbH1, 1),

@@ -69,6 +69,11 @@ pub struct SimulateArgs {
     /// Training: activation recomputation: none, selective or full [default: none].
     #[arg(long)]
     pub recompute: Option<String>,
+    /// Training: fully recompute the first N decoder layers of each pipeline chunk, the
+    /// others under --recompute (Megatron-LM's `--recompute-method block
+    /// --recompute-num-layers N`).
+    #[arg(long, value_name = "N")]
+    pub recompute_num_layers: Option<usize>,
     /// Training: ZeRO stage over the dp axis (0-3) [default: 0, or the --strategy zeroN].
     #[arg(long)]
     pub zero: Option<u8>,
@@ -196,6 +201,7 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
         (a.micro_batch.is_some(), "--micro-batch"),
         (a.micro_batches.is_some(), "--micro-batches"),
         (a.recompute.is_some(), "--recompute"),
+        (a.recompute_num_layers.is_some(), "--recompute-num-layers"),
         (a.zero.is_some(), "--zero"),
         (a.schedule.is_some(), "--schedule"),
         (a.virtual_stages.is_some(), "--virtual-stages"),
@@ -263,6 +269,7 @@ fn train_options(
     let recompute = a.recompute.as_deref().unwrap_or("none");
     t.recompute = Recompute::from_name(recompute)
         .with_context(|| format!("--recompute `{recompute}`: expected none, selective or full"))?;
+    t.recompute_layers = super::args::recompute_layers(a.recompute_num_layers, t.recompute)?;
     // --strategy: known names, one ZeRO stage, which --zero may repeat but not contradict.
     let mut zero_strategy = None;
     for name in extra.iter().flat_map(|e| e.split(',')).map(str::trim) {

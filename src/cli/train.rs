@@ -76,6 +76,10 @@ pub struct TrainArgs {
     /// Activation checkpointing: none (default), full or selective.
     #[arg(long)]
     recompute: Option<String>,
+    /// Fully recompute the first N decoder layers of each pipeline chunk, the others under
+    /// --recompute (Megatron-LM's `--recompute-method block --recompute-num-layers N`).
+    #[arg(long, value_name = "N")]
+    recompute_num_layers: Option<usize>,
     /// AdamW learning rate (default 1e-3).
     #[arg(long, allow_hyphen_values = true)]
     lr: Option<f32>,
@@ -321,6 +325,7 @@ fn compile_plan(
         None => a.micro_batches.unwrap_or(1),
     };
     opts.recompute = recompute;
+    opts.recompute_layers = super::args::recompute_layers(a.recompute_num_layers, recompute)?;
     opts.denom = Some(batch.predicted_tokens());
     opts.adamw = adamw;
     let pipelined = opts
@@ -410,6 +415,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
                 ("--micro-batches", a.micro_batches.is_some()),
                 ("--micro-batch", a.micro_batch.is_some()),
                 ("--recompute", a.recompute.is_some()),
+                ("--recompute-num-layers", a.recompute_num_layers.is_some()),
                 ("--schedule", a.schedule.is_some()),
                 ("--virtual-stages", a.virtual_stages.is_some()),
                 ("--stage-layers", a.stage_layers.is_some()),
@@ -487,7 +493,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         cfg.arch.name(),
         cfg.layers,
         tr.micro_batches,
-        tr.recompute
+        match tr.recompute_layers {
+            Some(k) => format!("full on the first {k} layers of each chunk, {} on the others", tr.recompute),
+            None => tr.recompute.to_string(),
+        }
     );
     if let Some(r) = &plan.rewrite {
         let fired: usize = r.fired.values().sum();

@@ -48,6 +48,7 @@ fn main() {
             recompute: "full".into(),
             zero: 0,
             schedule: "1f1b".into(),
+            recompute_layers: None,
         };
         let theirs = evaluate(&cfg, "gpt", &cluster, &o, &copts, &published);
         let t0 = Instant::now();

@@ -79,10 +79,9 @@ impl Builder<'_> {
         if matches!(node.op, Op::Input { .. }) {
             return Ok(self.map[u.index()].expect("invariant: inputs are mapped"));
         }
-        if self.opts.recompute == Recompute::Full
-            && node.layer.is_some()
-            && node.layer == self.cur_layer
-        {
+        let full =
+            |l: u32| self.opts.recompute == Recompute::Full || self.opts.full_layers.contains(&l);
+        if node.layer.is_some_and(full) && node.layer == self.cur_layer {
             return self.recompute(u);
         }
         let x = self.map[u.index()].expect("invariant: forward values are mapped");

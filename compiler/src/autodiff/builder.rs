@@ -15,6 +15,9 @@ pub struct TrainGraphOptions {
     pub denom: usize,
     /// Activation checkpointing.
     pub recompute: Recompute,
+    /// Layers recomputed fully whatever `recompute` says (Megatron-LM's block method: the
+    /// first `k` of each pipeline chunk).
+    pub full_layers: Vec<u32>,
     /// Optimizer hyperparameters.
     pub adamw: AdamWSpec,
     /// Read parameters through one `gather.<label>` node per micro-batch and pass (forward,
@@ -51,6 +54,7 @@ impl Default for TrainGraphOptions {
             micro_batches: 1,
             denom: 1,
             recompute: Recompute::None,
+            full_layers: Vec::new(),
             adamw: AdamWSpec::default(),
             gather_params: false,
             sync_grads: false,
@@ -300,7 +304,11 @@ impl Builder<'_> {
             let name = format!("{}{}", self.prefix, node.name);
             let x = self.add(node.op.clone(), &inputs, declared, name.clone(), node.layer)?;
             self.map[v.index()] = Some(x);
-            if let (Op::Attention(spec), Recompute::None) = (&node.op, self.opts.recompute) {
+            let probs_kept = self.opts.recompute == Recompute::None
+                && !node
+                    .layer
+                    .is_some_and(|l| self.opts.full_layers.contains(&l));
+            if let (Op::Attention(spec), true) = (&node.op, probs_kept) {
                 // q, k and what follows v: the mask and the indices.
                 let mut qk = vec![inputs[0], inputs[1]];
                 qk.extend(inputs.iter().skip(3).copied());

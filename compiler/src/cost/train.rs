@@ -67,6 +67,10 @@ pub struct TrainOptions {
     pub seq: usize,
     /// Activation recomputation.
     pub recompute: Recompute,
+    /// Full recomputation of the first `k` decoder layers of each pipeline chunk, the others
+    /// under `recompute` (Megatron-LM's `--recompute-method block --recompute-num-layers k`);
+    /// `None` or 0: every layer under `recompute`.
+    pub recompute_layers: Option<usize>,
     /// ZeRO stage over the `dp` axis (0: plain data parallelism).
     pub zero: u8,
     /// Pipeline schedule (ignored without a `pp` axis).
@@ -107,6 +111,7 @@ impl TrainOptions {
             micro_batch,
             seq,
             recompute: Recompute::None,
+            recompute_layers: None,
             zero: 0,
             schedule: PipeSchedule::OneFOneB,
             overlap_grad_reduce: false,
@@ -129,6 +134,26 @@ impl TrainOptions {
 
     fn sp(&self) -> bool {
         self.names().any(|s| s == "sp")
+    }
+
+    /// Decoder layers of a chunk of `n` fully recomputed ([`TrainOptions::recompute_layers`]).
+    pub fn full_layers(&self, n: usize) -> usize {
+        if self.recompute == Recompute::Full {
+            n
+        } else {
+            self.recompute_layers.unwrap_or(0).min(n)
+        }
+    }
+
+    /// The recomputation as text: `none`, `selective`, `full`, or `full×k+none` (the first
+    /// `k` layers of each chunk fully recomputed).
+    pub fn recompute_label(&self) -> String {
+        match self.recompute_layers {
+            Some(k) if k > 0 && self.recompute != Recompute::Full => {
+                format!("full×{k}+{}", self.recompute.name())
+            }
+            _ => self.recompute.name().to_string(),
+        }
     }
 
     /// The strategies of the layer plan: `sp` and the context-parallel variants.
@@ -634,16 +659,32 @@ fn simulate(
         GroupTopology::of_axis(mesh, "cp", cluster),
     ];
     let tp_topo = groups[0];
-    let parts = match memo {
-        Some((memo, key)) => {
-            let parts = memo.parts(key, cfg, plan, t, [tp, cp], groups, cluster, copts)?;
-            LayerParts::clone(&parts)
-        }
-        None => {
-            let rc = [t.recompute];
-            let mut one = layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts, &rc);
-            one.pop().expect("invariant: one recomputation timed")?
-        }
+    let parts_of = |t: &TrainOptions| -> Result<LayerParts, CostError> {
+        Ok(match memo {
+            Some((memo, key)) => {
+                let parts = memo.parts(key, cfg, plan, t, [tp, cp], groups, cluster, copts)?;
+                LayerParts::clone(&parts)
+            }
+            None => {
+                let rc = [t.recompute];
+                let mut one = layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts, &rc);
+                one.pop().expect("invariant: one recomputation timed")?
+            }
+        })
+    };
+    let parts = parts_of(t)?;
+    // Block recomputation: the fully recomputed layers' part beside the others'.
+    let blocks = t.recompute != Recompute::Full && t.recompute_layers.unwrap_or(0) > 0;
+    // (Its part, and what such a layer saves: its input.)
+    let (mut full_layer, saved_recomputed) = if blocks {
+        let full = TrainOptions {
+            recompute: Recompute::Full,
+            ..t.clone()
+        };
+        let p = parts_of(&full)?;
+        (Some(p.layer), p.saved_layer.0)
+    } else {
+        (None, 0)
     };
     let LayerParts {
         pre,
@@ -697,10 +738,12 @@ fn simulate(
             p.comm += t;
             p.comm_bytes += b;
         };
-        add(&mut layer.fwd, ag, bytes);
-        add(&mut layer.bwd, ag + rs, 2 * bytes);
-        add(&mut layer.bwd_input, ag, bytes);
-        add(&mut layer.bwd_weight, rs, bytes);
+        for layer in std::iter::once(&mut layer).chain(full_layer.as_mut()) {
+            add(&mut layer.fwd, ag, bytes);
+            add(&mut layer.bwd, ag + rs, 2 * bytes);
+            add(&mut layer.bwd_input, ag, bytes);
+            add(&mut layer.bwd_weight, rs, bytes);
+        }
     }
 
     // Chunk costs: the pass a `phase` slot of local chunk `c` of stage `s` runs.
@@ -709,9 +752,15 @@ fn simulate(
     let chunk = |s: usize, c: usize, ph: Phase, f: &dyn Fn(&Pass) -> f64| -> f64 {
         let gc = c * pp + s;
         let of = |p: &Part| f(p.pass(ph, split));
-        chunk_layers[gc] as f64 * of(&layer)
-            + if gc == 0 { of(&pre) } else { 0.0 }
-            + if gc == last_gc { of(&post) } else { 0.0 }
+        let n = chunk_layers[gc];
+        let layers = match &full_layer {
+            Some(full) => {
+                let k = t.full_layers(n);
+                (n - k) as f64 * of(&layer) + k as f64 * of(full)
+            }
+            None => n as f64 * of(&layer),
+        };
+        layers + if gc == 0 { of(&pre) } else { 0.0 } + if gc == last_gc { of(&post) } else { 0.0 }
     };
     let dur = |s: usize, c: usize, ph: Phase| chunk(s, c, ph, &|p| p.time.0);
     let compute_of = |s: usize, c: usize, ph: Phase| chunk(s, c, ph, &|p| p.compute.0);
@@ -791,8 +840,14 @@ fn simulate(
     };
     // A stage's (micro-batch, chunk) in flight holds its largest chunk's saved activations.
     let chunk_act = |s: usize| -> u64 {
-        let most = (0..v).map(|c| chunk_layers[c * pp + s]).max().unwrap_or(0);
-        saved_layer.0 * most as u64
+        (0..v)
+            .map(|c| {
+                let n = chunk_layers[c * pp + s];
+                let k = if blocks { t.full_layers(n) } else { 0 };
+                saved_layer.0 * (n - k) as u64 + saved_recomputed * k as u64
+            })
+            .max()
+            .unwrap_or(0)
     };
     // Stage `s`'s memory with `peak_if` (micro-batch, chunk) pairs in flight at most.
     let memory_of = |s: usize, peak_if: usize| -> MemoryBreakdown {
@@ -804,7 +859,7 @@ fn simulate(
             (a + x, b + y, c + z)
         };
         let mut transient = 2 * biggest;
-        if t.recompute == Recompute::Full {
+        if t.recompute == Recompute::Full || blocks {
             transient += saved_full_layer.0;
         }
         if s == pp - 1 {
@@ -1140,7 +1195,7 @@ fn simulate(
         micro_batch: Some(t.micro_batch),
         micro_batches: Some(m),
         schedule: Some(schedule.label()),
-        recompute: Some(t.recompute.name().into()),
+        recompute: Some(t.recompute_label()),
         zero: Some(t.zero),
         compute_s: compute,
         comm_s: comm_total,

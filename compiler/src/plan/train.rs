@@ -27,6 +27,9 @@ pub struct PlanTrain {
     pub adamw: AdamWSpec,
     /// Activation checkpointing.
     pub recompute: Recompute,
+    /// Layers of each chunk fully recomputed first, the others under `recompute`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_layers: Option<usize>,
     /// ZeRO stage inside a stage (0: none).
     pub zero_stage: u8,
     /// Every trainable parameter, in model order (a tied one once per chunk holding a copy).

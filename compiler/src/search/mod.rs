@@ -79,6 +79,10 @@ pub struct SpaceLimits {
     pub zero: Vec<u8>,
     /// Recomputation modes.
     pub recompute: Vec<Recompute>,
+    /// Block recomputation (the first `k` layers of each chunk fully recomputed, the fewest
+    /// that fit) for layouts that fit with full recomputation but not without; needs `none`
+    /// and `full` among the modes.
+    pub recompute_blocks: bool,
     /// Pipeline schedules by kind (`1f1b`, `interleaved`, `zb-h1`) for layouts with `pp` > 1.
     pub schedules: Vec<String>,
     /// Context parallelism: `false` admits `cp` = 1, `true` `cp` > 1.
@@ -91,6 +95,7 @@ impl Default for SpaceLimits {
             sp: vec![false, true],
             zero: vec![0, 1, 2, 3],
             recompute: vec![Recompute::None, Recompute::Selective, Recompute::Full],
+            recompute_blocks: true,
             schedules: vec!["1f1b".into(), "interleaved".into(), "zb-h1".into()],
             cp: vec![false, true],
         }
@@ -105,6 +110,7 @@ impl SpaceLimits {
             sp: vec![false],
             zero: vec![0],
             recompute: vec![Recompute::Full],
+            recompute_blocks: false,
             schedules: vec!["1f1b".into()],
             cp: vec![false],
         }
@@ -128,8 +134,11 @@ impl SpaceLimits {
             let z: Vec<String> = self.zero.iter().map(u8::to_string).collect();
             parts.push(format!("zero {}", z.join(",")));
         }
-        if !full.recompute.iter().all(|x| self.recompute.contains(x)) {
-            let r: Vec<&str> = self.recompute.iter().map(|r| r.name()).collect();
+        if !full.recompute.iter().all(|x| self.recompute.contains(x)) || !self.recompute_blocks {
+            let mut r: Vec<&str> = self.recompute.iter().map(|r| r.name()).collect();
+            if self.recompute_blocks {
+                r.push("block");
+            }
             parts.push(format!("recompute {}", r.join(",")));
         }
         if !full.schedules.iter().all(|x| self.schedules.contains(x)) {
@@ -148,6 +157,7 @@ impl SpaceLimits {
         full.sp.iter().all(|x| self.sp.contains(x))
             && full.zero.iter().all(|x| self.zero.contains(x))
             && full.recompute.iter().all(|x| self.recompute.contains(x))
+            && self.recompute_blocks
             && holds(&self.schedules, &full.schedules)
             && full.cp.iter().all(|x| self.cp.contains(x))
     }
@@ -202,6 +212,10 @@ pub struct Candidate {
     pub zero: u8,
     /// Pipeline schedule (`1f1b` without a pipeline).
     pub schedule: String,
+    /// Full recomputation of the first `k` layers of each pipeline chunk, the others under
+    /// `recompute` (Megatron-LM's `--recompute-num-layers`): the fewest that fit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_layers: Option<usize>,
 }
 
 impl fmt::Display for Candidate {
@@ -215,6 +229,9 @@ impl fmt::Display for Candidate {
             " --micro-batch {} --recompute {}",
             self.micro_batch, self.recompute
         )?;
+        if let Some(k) = self.recompute_layers {
+            write!(f, " --recompute-num-layers {k}")?;
+        }
         if self.mesh.contains("pp=") {
             match self.schedule.strip_prefix("interleaved(v=") {
                 Some(v) => write!(
@@ -392,6 +409,7 @@ fn add_meshes(cfg: &ModelConfig, o: &SearchOptions, sizes: [usize; 5], out: &mut
                                 recompute: rc.name().to_string(),
                                 zero,
                                 schedule: schedule.label(),
+                                recompute_layers: None,
                             });
                         }
                     }
@@ -437,6 +455,7 @@ impl Shared {
 fn train_options(c: &Candidate, o: &SearchOptions, shared: Option<&Shared>) -> TrainOptions {
     let mut t = TrainOptions::new(o.global_batch, c.micro_batch, o.seq);
     t.recompute = Recompute::from_name(&c.recompute).unwrap_or(Recompute::None);
+    t.recompute_layers = c.recompute_layers;
     t.zero = c.zero;
     t.strategies = c.strategies.clone();
     t.timelines = false;
@@ -567,6 +586,90 @@ pub fn search(
             memo.bound(key, cfg, plan, mesh, t, cluster, copts).ok()
         })
         .collect();
+    // Block recomputation: for a layout that fits with full recomputation but not without,
+    // the first k layers of each chunk fully recomputed, k the fewest that fit (a step's time
+    // grows with k and its memory falls, so that k is the best of the family).
+    let mut kept: Vec<Candidate> = kept.into_iter().cloned().collect();
+    let (mut prepared, mut bounds) = (prepared, bounds);
+    let lim = &o.limits;
+    let mut blocks = 0;
+    if lim.recompute_blocks
+        && lim.recompute.contains(&Recompute::None)
+        && lim.recompute.contains(&Recompute::Full)
+    {
+        let fits = |b: &StepBound| b.peak_memory_bytes_per_rank as f64 <= capacity;
+        let fits_at = |i: usize| bounds[i].as_ref().is_some_and(fits);
+        let family = |c: &Candidate| {
+            Candidate {
+                recompute: String::new(),
+                ..c.clone()
+            }
+            .to_string()
+        };
+        let full_at: HashMap<String, usize> = (0..kept.len())
+            .filter(|&i| kept[i].recompute == "full")
+            .map(|i| (family(&kept[i]), i))
+            .collect();
+        let todo: Vec<usize> = (0..kept.len())
+            .filter(|&i| {
+                kept[i].recompute == "none"
+                    && bounds[i].is_some()
+                    && !fits_at(i)
+                    && full_at.get(&family(&kept[i])).is_some_and(|&j| fits_at(j))
+            })
+            .collect();
+        let found: Vec<Option<(usize, usize, StepBound)>> = todo
+            .par_iter()
+            .map(|&i| {
+                let (mesh, t, key) = prepared[i].as_ref()?;
+                let plan = plans.get(key)?;
+                let most = t
+                    .chunk_layers
+                    .as_ref()
+                    .and_then(|c| c.iter().max().copied())
+                    .unwrap_or(cfg.layers);
+                let at = |k: usize| {
+                    let tk = TrainOptions {
+                        recompute_layers: Some(k),
+                        ..t.clone()
+                    };
+                    memo.bound(key, cfg, plan, mesh, &tk, cluster, copts).ok()
+                };
+                // The fewest k in 1..most that fit (most − 1 fitting, or none does).
+                let (mut lo, mut hi) = (1, most.checked_sub(1)?);
+                let mut best = at(hi).filter(fits).filter(|_| lo <= hi)?;
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    match at(mid).filter(fits) {
+                        Some(b) => {
+                            best = b;
+                            hi = mid;
+                        }
+                        None => lo = mid + 1,
+                    }
+                }
+                Some((i, hi, best))
+            })
+            .collect();
+        for (i, k, b) in found.into_iter().flatten() {
+            let c = Candidate {
+                recompute_layers: Some(k),
+                ..kept[i].clone()
+            };
+            let p = prepared[i].as_ref().map(|(mesh, t, key)| {
+                let t = TrainOptions {
+                    recompute_layers: Some(k),
+                    ..t.clone()
+                };
+                (mesh.clone(), t, key.clone())
+            });
+            kept.push(c);
+            prepared.push(p);
+            bounds.push(Some(b));
+            blocks += 1;
+        }
+        progress(&|p| SearchProgress::add(&p.candidates, blocks));
+    }
     let mut refused = bounds.iter().filter(|b| b.is_none()).count();
     let lower = |i: usize| bounds[i].map_or(f64::INFINITY, |b| b.step_time_s);
     let mut order: Vec<usize> = (0..kept.len()).filter(|&i| bounds[i].is_some()).collect();
@@ -627,7 +730,7 @@ pub fn search(
     }
     Ok(SearchReport {
         top: fit,
-        candidates: candidates.len(),
+        candidates: candidates.len() + blocks,
         evaluated: kept.len() - bounded.len(),
         pruned: pruned_by,
         too_big,

@@ -93,7 +93,10 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
     // Activations kept for backward: the operands of micro-batch 0's saved nodes (the
     // builder prefixes each micro-batch's node names with `mb<k>.` when there are several).
     let mb_prefix = if tg.micro_batches > 1 { "mb0." } else { "" };
-    let full = c.options.recompute == crate::autodiff::Recompute::Full;
+    let full_layers = super::first_layers(g, c.options.recompute_layers.unwrap_or(0));
+    let full = |l: u32| {
+        c.options.recompute == crate::autodiff::Recompute::Full || full_layers.contains(&l)
+    };
     let mut per_layer: BTreeMap<u32, u64> = BTreeMap::new();
     let mut activation_bytes = 0u64;
     for v in g.ids() {
@@ -113,7 +116,7 @@ pub fn memory_report(c: &CompiledTrain, p: Precision) -> TrainMemory {
             && node.name.ends_with(".residual")
             && node.name.starts_with(mb_prefix)
             && node.role != ValueRole::Recompute;
-        if residual && !full && node.layer.is_some() {
+        if residual && node.layer.is_some_and(|l| !full(l)) {
             // The 1-byte dropout mask of the residual branch.
             bytes += float_numel(g, node.inputs[1]);
         }

@@ -60,6 +60,13 @@ use crate::rewrite::{self, RewriteError, RewriteOptions, RewriteReport};
 use crate::shard::{self, Annotations, Mesh, ShardError, ShardedGraph, Strategy};
 use thiserror::Error;
 
+/// The first `k` decoder layers of `forward` (a pipeline chunk's, or the whole model's).
+pub(crate) fn first_layers(forward: &crate::ir::Graph, k: usize) -> Vec<u32> {
+    let layers: std::collections::BTreeSet<u32> =
+        forward.nodes.iter().filter_map(|n| n.layer).collect();
+    layers.into_iter().take(k).collect()
+}
+
 /// What to compile.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainOptions {
@@ -75,6 +82,10 @@ pub struct TrainOptions {
     pub micro_batches: usize,
     /// Activation checkpointing.
     pub recompute: Recompute,
+    /// Full recomputation of the first `k` decoder layers of each pipeline chunk (of the
+    /// step without a pipeline), the others under `recompute` (Megatron-LM's `--recompute-method
+    /// block --recompute-num-layers k`).
+    pub recompute_layers: Option<usize>,
     /// Optimizer.
     pub adamw: AdamWSpec,
     /// Predicted tokens per step (the loss divisor); `None`: `batch · (seq − 1)`.
@@ -100,6 +111,7 @@ impl TrainOptions {
             extra_strategies: Vec::new(),
             micro_batches: 1,
             recompute: Recompute::None,
+            recompute_layers: None,
             adamw: AdamWSpec::default(),
             denom: None,
             buckets: BucketCaps::default(),
@@ -195,6 +207,7 @@ impl CompiledTrain {
             denom: o.denom.unwrap_or(o.batch * o.seq.saturating_sub(1)),
             adamw: o.adamw,
             recompute: o.recompute,
+            recompute_layers: o.recompute_layers,
             zero_stage: self.zero_stage,
             params: self
                 .train
@@ -412,6 +425,7 @@ pub(crate) fn compile_chunk(
             micro_batches: 1,
             denom,
             recompute: opts.recompute,
+            full_layers: first_layers(&forward, opts.recompute_layers.unwrap_or(0)),
             adamw: opts.adamw,
             gather_params: zero_stage == 3,
             sync_grads: zero_stage >= 2,
