@@ -15,7 +15,9 @@ use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::model::ModelConfig;
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::ReduceOp;
-use shardc_runtime::cuda::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
+use shardc_runtime::cuda::comm::device::{
+    DeviceBuffer, DeviceCollective as Dc, DeviceCommunicator, DeviceDType,
+};
 use shardc_runtime::cuda::comm::nccl::{nccl_version, NcclComm, NcclId};
 use shardc_runtime::cuda::{run_spmd_nccl_threads, GpuDType, ParamInit};
 use shardc_runtime::spmd::run_spmd;
@@ -85,20 +87,26 @@ fn two_ranks_split_per_axis_and_run_every_collective() {
                     ] {
                         let ys: CudaSlice<f32> = stream.alloc_zeros(len).expect("alloc");
                         let yb = DeviceBuffer::new(ys.device_ptr(&stream).0, len, DeviceDType::F32);
+                        let (send, recv, op, peer) = (xb, yb, ReduceOp::Sum, 1 - rank);
+                        let c = match what {
+                            "all_reduce" => Dc::AllReduce { send, recv, op },
+                            "reduce_scatter" => Dc::ReduceScatter { send, recv, op },
+                            "all_gather" => Dc::AllGather { send, recv },
+                            "all_to_all" => Dc::AllToAll { send, recv },
+                            "broadcast" => Dc::Broadcast {
+                                send,
+                                recv,
+                                root: 1,
+                            },
+                            _ => Dc::SendRecv {
+                                send,
+                                to: peer,
+                                recv,
+                                from: peer,
+                            },
+                        };
                         // SAFETY: both slices live until after the poll loop.
-                        unsafe {
-                            match what {
-                                "all_reduce" => tp.all_reduce(xb, yb, ReduceOp::Sum, &stream),
-                                "reduce_scatter" => {
-                                    tp.reduce_scatter(xb, yb, ReduceOp::Sum, &stream)
-                                }
-                                "all_gather" => tp.all_gather(xb, yb, &stream),
-                                "all_to_all" => tp.all_to_all(xb, yb, &stream),
-                                "broadcast" => tp.broadcast(xb, yb, 1, &stream),
-                                _ => tp.send_recv(xb, 1 - rank, yb, 1 - rank, &stream),
-                            }
-                        }
-                        .expect(what);
+                        unsafe { tp.enqueue(c, &stream) }.expect(what);
                         while !tp.poll().expect("poll") {
                             std::thread::yield_now();
                         }

@@ -15,7 +15,9 @@ use super::rank::CudaRankCtx;
 use super::strided::{split3, StridedSpec};
 use super::CudaError;
 use crate::comm::{CommError, ReduceOp};
-use crate::cuda::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
+use crate::cuda::comm::device::{
+    DeviceBuffer, DeviceCollective, DeviceCollective as Dc, DeviceCommunicator, DeviceDType,
+};
 use crate::RuntimeError;
 use cudarc::driver::{CudaEvent, CudaStream};
 use shardc_compiler::ir::{Op, ValueId};
@@ -52,10 +54,12 @@ impl CudaProgram {
         // the streams drained.
         match &node.op {
             Op::AllReduce { .. } => {
-                unsafe { comm.all_reduce(send, recv, ReduceOp::Sum, s) }.map_err(wrap)
+                let op = ReduceOp::Sum;
+                unsafe { comm.enqueue(Dc::AllReduce { send, recv, op }, s) }.map_err(wrap)
             }
             Op::Broadcast { root, .. } => {
-                unsafe { comm.broadcast(send, recv, *root, s) }.map_err(wrap)
+                let root = *root;
+                unsafe { comm.enqueue(Dc::Broadcast { send, recv, root }, s) }.map_err(wrap)
             }
             Op::ReduceScatter { dim, parts, .. } => {
                 check_parts(*parts)?;
@@ -70,15 +74,17 @@ impl CudaProgram {
                     )?;
                     DeviceBuffer::new(a, send.len, send.dtype)
                 };
-                unsafe { comm.reduce_scatter(src, recv, ReduceOp::Sum, s) }.map_err(wrap)
+                let (send, op) = (src, ReduceOp::Sum);
+                unsafe { comm.enqueue(Dc::ReduceScatter { send, recv, op }, s) }.map_err(wrap)
             }
             Op::AllGather { dim, parts, .. } => {
                 check_parts(*parts)?;
                 if split3(&in_shape, *dim).0 == 1 {
-                    unsafe { comm.all_gather(send, recv, s) }.map_err(wrap)
+                    unsafe { comm.enqueue(Dc::AllGather { send, recv }, s) }.map_err(wrap)
                 } else {
                     let tmp = DeviceBuffer::new(a, recv.len, recv.dtype);
-                    unsafe { comm.all_gather(send, tmp, s) }.map_err(wrap)?;
+                    let gather = Dc::AllGather { send, recv: tmp };
+                    unsafe { comm.enqueue(gather, s) }.map_err(wrap)?;
                     lm.strided(
                         elem,
                         a,
@@ -108,10 +114,14 @@ impl CudaProgram {
                 let mut chunk = in_shape.clone();
                 chunk[*split_dim] /= parts;
                 if split3(&chunk, *concat_dim).0 == 1 {
-                    unsafe { comm.all_to_all(src, recv, s) }.map_err(wrap)
+                    unsafe { comm.enqueue(Dc::AllToAll { send: src, recv }, s) }.map_err(wrap)
                 } else {
                     let tmp = DeviceBuffer::new(b, recv.len, recv.dtype);
-                    unsafe { comm.all_to_all(src, tmp, s) }.map_err(wrap)?;
+                    let a2a = Dc::AllToAll {
+                        send: src,
+                        recv: tmp,
+                    };
+                    unsafe { comm.enqueue(a2a, s) }.map_err(wrap)?;
                     lm.strided(
                         elem,
                         b,
@@ -352,12 +362,15 @@ impl Ring<'_> {
         let (n, r) = (self.n, self.r);
         let send = DeviceBuffer::new(send, len, self.dtype);
         let recv = DeviceBuffer::new(recv, len, self.dtype);
+        let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+        let shift = DeviceCollective::SendRecv {
+            send,
+            to,
+            recv,
+            from,
+        };
         // SAFETY: forwarded from the caller.
-        unsafe {
-            self.comm
-                .send_recv(send, (r + 1) % n, recv, (r + n - 1) % n, &self.ms)
-        }
-        .map_err(&self.wrap)
+        unsafe { self.comm.enqueue(shift, &self.ms) }.map_err(&self.wrap)
     }
 
     /// Joins the streams both ways, so no comm work of the op outlives it.
