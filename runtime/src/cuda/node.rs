@@ -336,18 +336,7 @@ impl CudaProgram {
                 let (a, b, w) = (x, self.ptr(ins[1]), self.ptr(ins[2]));
                 l.add_rmsnorm(dt, a, b, sum, w, out, n / h.max(1), h, eps.0)
             }
-            Op::AgMatMul {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => self.ag_matmul(v, ctx, axis, *dim, *parts, *transpose_b, l),
-            Op::MatMulRs {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => self.matmul_rs(v, ctx, axis, *dim, *parts, *transpose_b, l),
+            Op::AgMatMul { .. } | Op::MatMulRs { .. } => self.ring_matmul(v, ctx, l),
             _ => Err(self.unsupported(v, "no CUDA kernel for this op")),
         }
     }
