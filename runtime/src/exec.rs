@@ -505,34 +505,15 @@ impl<'g, 'p> Run<'g, 'p> {
                 };
                 owned(self.take_chunk(args[0], &spec))
             }
-            Op::AgMatMul {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => owned(collective_matmul::ag_matmul(
-                self.ctx.comm(axis)?,
-                args[0],
-                args[1],
-                *dim,
-                *parts,
-                *transpose_b,
-                &wrap,
-            )),
-            Op::MatMulRs {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => owned(collective_matmul::matmul_rs(
-                self.ctx.comm(axis)?,
-                args[0],
-                args[1],
-                *dim,
-                *parts,
-                *transpose_b,
-                &wrap,
-            )),
+            Op::AgMatMul { axis, .. } | Op::MatMulRs { axis, .. } => {
+                owned(collective_matmul::ring_matmul(
+                    self.ctx.comm(axis)?,
+                    &node.op,
+                    args[0],
+                    args[1],
+                    &wrap,
+                ))
+            }
             Op::RingAttention { spec, axis, parts } => {
                 let keys = cpu::attention::Keys::of(spec, &args[3..]);
                 owned(cpu::ring_attention::ring_attention(

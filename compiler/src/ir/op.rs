@@ -148,6 +148,22 @@ impl RopeSpec {
     }
 }
 
+/// A collective matmul ([`Op::AgMatMul`] when `gather`, else [`Op::MatMulRs`]) as the ring
+/// that runs it: the mesh axis, the ring dim, the axis size and whether `w` is transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingMatMul<'a> {
+    /// `AgMatMul`: the input is gathered (else the product is reduce-scattered).
+    pub gather: bool,
+    /// The mesh axis.
+    pub axis: &'a str,
+    /// The ring dim.
+    pub dim: usize,
+    /// The axis size.
+    pub parts: usize,
+    /// The weight is stored transposed.
+    pub transpose_b: bool,
+}
+
 /// Attention parameters. Heads and head width come from the operand shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct AttnSpec {
@@ -866,6 +882,31 @@ impl Op {
             | Op::MatMulRs { axis, .. }
             | Op::RingAttention { axis, .. }
             | Op::RingAttentionGrad { axis, .. } => Some(axis),
+            _ => None,
+        }
+    }
+
+    /// The ring of a collective matmul (`AgMatMul`, `MatMulRs`).
+    pub fn ring_matmul(&self) -> Option<RingMatMul<'_>> {
+        match self {
+            Op::AgMatMul {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            }
+            | Op::MatMulRs {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => Some(RingMatMul {
+                gather: matches!(self, Op::AgMatMul { .. }),
+                axis,
+                dim: *dim,
+                parts: *parts,
+                transpose_b: *transpose_b,
+            }),
             _ => None,
         }
     }

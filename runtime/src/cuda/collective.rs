@@ -164,31 +164,19 @@ impl CudaProgram {
         l: &Launcher,
     ) -> Result<(), CudaError> {
         let node = self.graph.node(v).clone();
-        let (gather, axis, dim, parts, transpose_b) = match &node.op {
-            Op::AgMatMul {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => (true, axis, *dim, *parts, *transpose_b),
-            Op::MatMulRs {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => (false, axis, *dim, *parts, *transpose_b),
-            _ => return Err(self.unsupported(v, "not a collective matmul")),
+        let Some(m) = node.op.ring_matmul() else {
+            return Err(self.unsupported(v, "not a collective matmul"));
         };
-        let ring = self.ring(v, ctx, axis, parts, l.stream)?;
-        let mm = RingMatMul {
+        let ring = self.ring(v, ctx, m.axis, m.parts, l.stream)?;
+        let mm = RingOperands {
             v,
             x: node.inputs[0],
             w: node.inputs[1],
-            dim,
-            transpose_b,
+            dim: m.dim,
+            transpose_b: m.transpose_b,
             elem: self.storage[v.index()].size_bytes(),
         };
-        if gather {
+        if m.gather {
             self.ag_matmul(&mm, &ring, l)
         } else {
             self.matmul_rs(&mm, &ring, l)
@@ -196,7 +184,7 @@ impl CudaProgram {
     }
 
     /// `AgMatMul`: `matmul(all_gather(x, dim), w)` as a ring (module docs).
-    fn ag_matmul(&mut self, mm: &RingMatMul, ring: &Ring, l: &Launcher) -> Result<(), CudaError> {
+    fn ag_matmul(&mut self, mm: &RingOperands, ring: &Ring, l: &Launcher) -> Result<(), CudaError> {
         let (v, x, dim, elem) = (mm.v, mm.x, mm.dim, mm.elem);
         let (n, r) = (ring.n, ring.r);
         let x_len = self.numel(x);
@@ -257,7 +245,7 @@ impl CudaProgram {
     }
 
     /// `MatMulRs`: `reduce_scatter(matmul(x, w), dim)` as a ring (module docs).
-    fn matmul_rs(&mut self, mm: &RingMatMul, ring: &Ring, l: &Launcher) -> Result<(), CudaError> {
+    fn matmul_rs(&mut self, mm: &RingOperands, ring: &Ring, l: &Launcher) -> Result<(), CudaError> {
         let (v, x, dim, elem) = (mm.v, mm.x, mm.dim, mm.elem);
         let (n, r) = (ring.n, ring.r);
         let xs = self.shape(x);
@@ -343,7 +331,7 @@ fn check_axis_size(
 /// A collective matmul's node `v`, its operands `x` and `w`, the ring dim, whether `w` is
 /// transposed, and the element size.
 #[derive(Clone, Copy)]
-struct RingMatMul {
+struct RingOperands {
     v: ValueId,
     x: ValueId,
     w: ValueId,
