@@ -241,32 +241,17 @@ impl CudaProgram {
                 let e = node.ty.last();
                 l.router(dt, x, out, n / e.max(1), e, *top_k, *normalize)
             }
-            Op::Dispatch => {
+            Op::Dispatch | Op::Combine => {
+                // (tokens, experts, hidden) of `x[B,T,H]` and gates `[B,T,E]` (dispatch), or
+                // of `x[E,B,T,H]` (combine).
                 let s = self.shape(ins[0]);
-                let e = self.shape(ins[1])[2];
-                l.moe_move(
-                    "dispatch",
-                    dt,
-                    x,
-                    self.ptr(ins[1]),
-                    out,
-                    s[0] * s[1],
-                    e,
-                    s[2],
-                )
-            }
-            Op::Combine => {
-                let s = self.shape(ins[0]);
-                l.moe_move(
-                    "combine",
-                    dt,
-                    x,
-                    self.ptr(ins[1]),
-                    out,
-                    s[1] * s[2],
-                    s[0],
-                    s[3],
-                )
+                let (op, dims) = if node.op == Op::Dispatch {
+                    ("dispatch", (s[0] * s[1], self.shape(ins[1])[2], s[2]))
+                } else {
+                    ("combine", (s[1] * s[2], s[0], s[3]))
+                };
+                let (tokens, experts, hidden) = dims;
+                l.moe_move(op, dt, x, self.ptr(ins[1]), out, tokens, experts, hidden)
             }
             Op::CrossEntropy { denom } => {
                 let vocab_n = self.graph.ty(ins[0]).last();
