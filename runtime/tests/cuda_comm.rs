@@ -25,7 +25,7 @@ use shardc_runtime::cuda::comm::local_gpu::group;
 use shardc_runtime::cuda::comm::nccl::{NcclComm, NcclId};
 use shardc_runtime::cuda::{run_spmd_local_gpu, CudaDevice, GpuDType, ParamInit};
 use shardc_runtime::spmd::run_spmd;
-use shardc_runtime::Weights;
+use shardc_runtime::{Tensor, Weights};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -435,12 +435,51 @@ fn local_gpu_tp_plans_reproduce_the_fixtures() {
     assert!(ran >= 16, "only {ran} sharded GPU runs");
 }
 
+/// Runs `g` on the CPU thread ranks of `mesh` (a `tp` mesh) and, in f32 and bf16, on local-gpu
+/// ranks: every rank's every output matches the CPU's (under bf16 the CPU's rounded to bf16
+/// when `round_cpu`).
+fn local_gpu_matches_cpu_ranks(
+    g: &Graph,
+    mesh: &Mesh,
+    weights: &Weights,
+    inputs: &BTreeMap<String, Tensor>,
+    round_cpu: bool,
+) {
+    let (dev, parts) = (device(), mesh.world_size());
+    let cpu = run_spmd(g, mesh, weights, inputs, TIMEOUT).expect("cpu ranks");
+    for dt in [GpuDType::F32, GpuDType::Bf16] {
+        let gpu = run_spmd_local_gpu(
+            &dev,
+            g,
+            mesh,
+            &ParamInit::Weights(weights),
+            inputs,
+            &opts(dt, true),
+        )
+        .unwrap_or_else(|e| panic!("tp={parts} {dt}: {e}"));
+        let (a, r) = match dt {
+            GpuDType::F32 => (1e-5, 1e-5),
+            GpuDType::Bf16 => (5e-2, 5e-2),
+        };
+        for (rank, (go, co)) in gpu.iter().zip(&cpu).enumerate() {
+            for (name, want) in co {
+                let want = if dt == GpuDType::Bf16 && round_cpu {
+                    round_bf16(want)
+                } else {
+                    want.clone()
+                };
+                let what = format!("tp={parts} {dt} rank {rank} {name}");
+                assert_close(&what, &go[name], &want, a, r);
+            }
+        }
+    }
+}
+
 /// A graph with every collective (dims that need packing included), `RankOffset`,
 /// `LocalSlice` and the collective matmuls, on 2 and 4 virtual ranks, against CPU thread ranks.
 #[test]
 #[ignore = "needs a GPU"]
 fn local_gpu_collective_ops_and_collective_matmuls_match_cpu_ranks() {
-    let dev = device();
     for parts in [2, 4] {
         let mesh = Mesh::parse(&format!("tp={parts}"), 8).expect("mesh");
         let shard = |dim| {
@@ -592,38 +631,7 @@ fn local_gpu_collective_ops_and_collective_matmuls_match_cpu_ranks() {
             ("x".to_string(), rng.tensor(&[2 * parts, 8, 12], 1.0)),
             ("ids".to_string(), rng.ids(&[2 * parts, 8], 0, 100)),
         ]);
-        let cpu = run_spmd(&g, &mesh, &weights, &inputs, TIMEOUT).expect("cpu ranks");
-        for dt in [GpuDType::F32, GpuDType::Bf16] {
-            let gpu = run_spmd_local_gpu(
-                &dev,
-                &g,
-                &mesh,
-                &ParamInit::Weights(&weights),
-                &inputs,
-                &opts(dt, true),
-            )
-            .unwrap_or_else(|e| panic!("tp={parts} {dt}: {e}"));
-            for (rank, (go, co)) in gpu.iter().zip(&cpu).enumerate() {
-                for (name, want) in co {
-                    let want = if dt == GpuDType::Bf16 {
-                        round_bf16(want)
-                    } else {
-                        want.clone()
-                    };
-                    let (a, r) = match dt {
-                        GpuDType::F32 => (1e-5, 1e-5),
-                        GpuDType::Bf16 => (5e-2, 5e-2),
-                    };
-                    assert_close(
-                        &format!("tp={parts} {dt} rank {rank} {name}"),
-                        &go[name],
-                        &want,
-                        a,
-                        r,
-                    );
-                }
-            }
-        }
+        local_gpu_matches_cpu_ranks(&g, &mesh, &weights, &inputs, true);
     }
 }
 
@@ -632,7 +640,6 @@ fn local_gpu_collective_ops_and_collective_matmuls_match_cpu_ranks() {
 #[test]
 #[ignore = "needs a GPU"]
 fn local_gpu_vocab_parallel_cross_entropy_matches_cpu_ranks() {
-    let dev = device();
     for parts in [2, 4] {
         let mesh = Mesh::parse(&format!("tp={parts}"), 8).expect("mesh");
         let vocab = 783 * parts;
@@ -689,32 +696,6 @@ fn local_gpu_vocab_parallel_cross_entropy_matches_cpu_ranks() {
         ]);
         let dir = tempfile::tempdir().expect("tempdir");
         let weights = checkpoint(dir.path(), &[]);
-        let cpu = run_spmd(&g, &mesh, &weights, &inputs, TIMEOUT).expect("cpu ranks");
-        for dt in [GpuDType::F32, GpuDType::Bf16] {
-            let gpu = run_spmd_local_gpu(
-                &dev,
-                &g,
-                &mesh,
-                &ParamInit::Weights(&weights),
-                &inputs,
-                &opts(dt, true),
-            )
-            .unwrap_or_else(|e| panic!("tp={parts} {dt}: {e}"));
-            for (rank, (go, co)) in gpu.iter().zip(&cpu).enumerate() {
-                for (name, want) in co {
-                    let (a, r) = match dt {
-                        GpuDType::F32 => (1e-5, 1e-5),
-                        GpuDType::Bf16 => (5e-2, 5e-2),
-                    };
-                    assert_close(
-                        &format!("tp={parts} {dt} rank {rank} {name}"),
-                        &go[name],
-                        want,
-                        a,
-                        r,
-                    );
-                }
-            }
-        }
+        local_gpu_matches_cpu_ranks(&g, &mesh, &weights, &inputs, false);
     }
 }
