@@ -37,16 +37,20 @@ fn train_fails(model_name: &str, extra: &[&str], needles: &[&str]) {
     fails_with(&args, needles);
 }
 
+/// `shardc train <model>` on a `pp=2,dp=2` mesh with `--strategy strategy` must fail naming
+/// every needle.
+fn strategy_fails_with_pp(model_name: &str, strategy: &str, needles: &[&str]) {
+    let extra = ["--mesh", "pp=2,dp=2", "--strategy", strategy];
+    train_fails(model_name, &extra, needles);
+}
+
 #[test]
 fn tied_embeddings_over_stages_refuse_zero() {
     // gpt2's head reuses the embedding weight: split over stages, the two copies exchange
     // whole gradients, which ZeRO's sharded gradients and optimizer state do not provide.
     for z in ["zero1", "zero2"] {
-        train_fails(
-            "gpt2",
-            &["--mesh", "pp=2,dp=2", "--strategy", z],
-            &[&format!("`{z}` with tied embeddings"), "plain dp"],
-        );
+        let needles = [&format!("`{z}` with tied embeddings"), "plain dp"];
+        strategy_fails_with_pp("gpt2", z, &needles);
     }
     // Plain dp and no dp compile (and train: tests/train_pipeline.rs).
     let cfg = ModelConfig::from_path(&train_support::dir("gpt2")).unwrap();
@@ -59,14 +63,11 @@ fn tied_embeddings_over_stages_refuse_zero() {
 #[test]
 fn zero3_and_fsdp_are_refused_with_pp() {
     for s in ["zero3", "fsdp"] {
-        train_fails(
-            "llama",
-            &["--mesh", "pp=2,dp=2", "--strategy", s],
-            &[
-                &format!("`{s}` with pipeline parallelism"),
-                "zero1 or zero2",
-            ],
-        );
+        let needles = [
+            &format!("`{s}` with pipeline parallelism"),
+            "zero1 or zero2",
+        ];
+        strategy_fails_with_pp("llama", s, &needles);
     }
     // zero1 and zero2 compose with pp (the message's advice is sound).
     let cfg = llama_cfg();
