@@ -50,6 +50,9 @@ struct Bench {
     gemm_tflops: f64,
 }
 
+/// What a row measures: the metric's unit, its value, and its share of a ceiling (%).
+type Measure = (&'static str, f64, Option<f64>);
+
 struct Row {
     section: &'static str,
     case: String,
@@ -150,7 +153,6 @@ impl Bench {
         p.time(&ctx, 2.min(iters), iters)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn row(
         &mut self,
         section: &'static str,
@@ -158,9 +160,7 @@ impl Bench {
         dtype: GpuDType,
         shape: impl Into<String>,
         ms: f64,
-        metric: &'static str,
-        value: f64,
-        ceiling: Option<f64>,
+        (metric, value, ceiling): Measure,
     ) {
         let r = Row {
             section,
@@ -174,6 +174,11 @@ impl Bench {
         };
         print_row(&r);
         self.rows.push(r);
+    }
+
+    /// `tf` TFLOP/s, against the bf16 GEMM ceiling.
+    fn tflops(&self, tf: f64) -> Measure {
+        ("TFLOP/s", tf, pct(tf, self.gemm_tflops))
     }
 
     /// Device-to-device copy bandwidth (read + write bytes) of a 512 MiB buffer.
@@ -213,9 +218,7 @@ impl Bench {
             GpuDType::Bf16,
             format!("{} MiB", bytes >> 20),
             ms,
-            "GB/s",
-            gbs,
-            Some(100.0),
+            ("GB/s", gbs, Some(100.0)),
         );
         Ok(())
     }
@@ -255,9 +258,7 @@ impl Bench {
                 dt,
                 format!("[{t},{HIDDEN}]"),
                 ms,
-                "GB/s",
-                gbs,
-                pct(gbs, cop),
+                ("GB/s", gbs, pct(gbs, cop)),
             );
         }
         // SwiGLU: silu(gate) · up.
@@ -287,9 +288,7 @@ impl Bench {
                 dt,
                 format!("[{t},{FFN}]"),
                 ms,
-                "GB/s",
-                gbs,
-                pct(gbs, cop),
+                ("GB/s", gbs, pct(gbs, cop)),
             );
         }
         // RoPE on the query heads.
@@ -311,9 +310,7 @@ impl Bench {
             dt,
             format!("[{t},{HEADS},{HEAD_DIM}]"),
             ms,
-            "GB/s",
-            gbs,
-            pct(gbs, cop),
+            ("GB/s", gbs, pct(gbs, cop)),
         );
         // Softmax over 4096-wide rows.
         let rows = 4 * t;
@@ -331,9 +328,7 @@ impl Bench {
             dt,
             format!("[{rows},4096]"),
             ms,
-            "GB/s",
-            gbs,
-            pct(gbs, cop),
+            ("GB/s", gbs, pct(gbs, cop)),
         );
         Ok(())
     }
@@ -353,7 +348,7 @@ impl Bench {
         g.set_output("y", y);
         let ins = BTreeMap::from([("a".to_string(), Rng(99).tensor(&[m, k], 1.0))]);
         let ms = self.time(&g, &ins, dt, true, true)?;
-        Ok((ms, 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12))
+        Ok((ms, tflops(2.0 * (m * n * k) as f64, ms)))
     }
 
     fn gemm(&mut self) -> Result<(), CudaError> {
@@ -366,9 +361,7 @@ impl Bench {
             GpuDType::Bf16,
             format!("{big}x{big}x{big}"),
             ms,
-            "TFLOP/s",
-            tf,
-            Some(100.0),
+            ("TFLOP/s", tf, Some(100.0)),
         );
         let t = if self.quick { 1024 } else { 4096 };
         let qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM;
@@ -379,16 +372,14 @@ impl Bench {
             ("down_proj", HIDDEN, FFN),
         ] {
             let (ms, tf) = self.gemm_case(t, k, n, GpuDType::Bf16)?;
-            let ceil = self.gemm_tflops;
+            let measure = self.tflops(tf);
             self.row(
                 "gemm",
                 name,
                 GpuDType::Bf16,
                 format!("{t}x{k}x{n}"),
                 ms,
-                "TFLOP/s",
-                tf,
-                pct(tf, ceil),
+                measure,
             );
         }
         let f = if self.quick { 1024 } else { 4096 };
@@ -399,9 +390,7 @@ impl Bench {
             GpuDType::F32,
             format!("{f}x{f}x{f}"),
             ms,
-            "TFLOP/s",
-            tf,
-            None,
+            ("TFLOP/s", tf, None),
         );
         Ok(())
     }
@@ -436,17 +425,15 @@ impl Bench {
             let ms = self.time(&g, &ins, GpuDType::Bf16, true, true)?;
             // Causal: half of the 4·T·S·D·H multiply-adds of full attention.
             let flops = 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
-            let tf = flops / (ms * 1e-3) / 1e12;
-            let ceil = self.gemm_tflops;
+            let tf = tflops(flops, ms);
+            let measure = self.tflops(tf);
             self.row(
                 "attention",
                 format!("causal {}k", t / 1024),
                 GpuDType::Bf16,
                 format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
                 ms,
-                "TFLOP/s",
-                tf,
-                pct(tf, ceil),
+                measure,
             );
         }
         Ok(())
@@ -463,8 +450,8 @@ impl Bench {
         let flops = layer_flops(t);
         for fuse in [true, false] {
             let ms = self.time(&g, &ins, GpuDType::Bf16, fuse, true)?;
-            let tf = flops / (ms * 1e-3) / 1e12;
-            let ceil = self.gemm_tflops;
+            let tf = tflops(flops, ms);
+            let measure = self.tflops(tf);
             self.row(
                 "layer",
                 if fuse {
@@ -475,9 +462,7 @@ impl Bench {
                 GpuDType::Bf16,
                 format!("1x{t}"),
                 ms,
-                "TFLOP/s",
-                tf,
-                pct(tf, ceil),
+                measure,
             );
         }
         Ok(())
@@ -597,17 +582,15 @@ impl Bench {
             ),
         ] {
             let ms = self.time_ranks(&g, &ins, parts)?;
-            let tf = gemm_flops / (ms * 1e-3) / 1e12;
-            let ceil = self.gemm_tflops;
+            let tf = tflops(gemm_flops, ms);
+            let measure = self.tflops(tf);
             self.row(
                 "overlap",
                 format!("tp=2 {label}"),
                 GpuDType::Bf16,
                 format!("{t}x{HIDDEN}x{f}"),
                 ms,
-                "TFLOP/s",
-                tf,
-                pct(tf, ceil),
+                measure,
             );
         }
         Ok(())
@@ -662,6 +645,11 @@ impl Bench {
         }
         Ok(worst)
     }
+}
+
+/// TFLOP/s of `flops` in `ms` milliseconds.
+fn tflops(flops: f64, ms: f64) -> f64 {
+    flops / (ms * 1e-3) / 1e12
 }
 
 fn pct(v: f64, ceiling: f64) -> Option<f64> {
