@@ -514,31 +514,11 @@ impl<'g, 'p> Run<'g, 'p> {
                     &wrap,
                 ))
             }
-            Op::RingAttention { spec, axis, parts } => {
-                let keys = cpu::attention::Keys::of(spec, &args[3..]);
-                owned(cpu::ring_attention::ring_attention(
+            Op::RingAttention { axis, .. } | Op::RingAttentionGrad { axis, .. } => {
+                owned(cpu::ring_attention::ring_attention_op(
                     self.ctx.comm(axis)?,
-                    args[0],
-                    args[1],
-                    args[2],
-                    keys,
-                    spec,
-                    *parts,
-                    &wrap,
-                ))
-            }
-            Op::RingAttentionGrad { spec, axis, parts } => {
-                let keys = cpu::attention::Keys::of(spec, &args[5..]);
-                owned(cpu::ring_attention::ring_attention_grad(
-                    self.ctx.comm(axis)?,
-                    args[0],
-                    args[1],
-                    args[2],
-                    args[3],
-                    args[4],
-                    keys,
-                    spec,
-                    *parts,
+                    &node.op,
+                    &args,
                     &wrap,
                 ))
             }
