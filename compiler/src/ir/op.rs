@@ -31,32 +31,10 @@ pub enum UnaryOp {
     Neg,
 }
 
-impl UnaryOp {
-    /// All unary ops, for parsing.
-    pub const ALL: [UnaryOp; 6] = [
-        UnaryOp::GeluTanh,
-        UnaryOp::GeluErf,
-        UnaryOp::Silu,
-        UnaryOp::Relu,
-        UnaryOp::Exp,
-        UnaryOp::Neg,
-    ];
-    /// Text name.
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryOp::GeluTanh => "gelu_tanh",
-            UnaryOp::GeluErf => "gelu_erf",
-            UnaryOp::Silu => "silu",
-            UnaryOp::Relu => "relu",
-            UnaryOp::Exp => "exp",
-            UnaryOp::Neg => "neg",
-        }
-    }
-    /// Parses a text name.
-    pub fn from_name(s: &str) -> Option<UnaryOp> {
-        UnaryOp::ALL.into_iter().find(|u| u.name() == s)
-    }
-}
+text_names!(UnaryOp {
+    GeluTanh => "gelu_tanh", GeluErf => "gelu_erf", Silu => "silu", Relu => "relu", Exp => "exp",
+    Neg => "neg",
+});
 
 /// How rotary embedding pairs the elements of a head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
