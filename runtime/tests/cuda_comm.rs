@@ -14,7 +14,6 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use shardc_compiler::compile::{compile_forward_with, CompileOptions};
 use shardc_compiler::ir::{DType, Graph, Op, ShardSpec, TensorType};
-use shardc_compiler::model::ModelConfig;
 use shardc_compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::ReduceOp;
@@ -369,9 +368,7 @@ fn local_gpu_tp_plans_reproduce_the_fixtures() {
     let dev = device();
     let mut ran = 0;
     for case in cases().into_iter().filter(|c| c.batch == 2 && c.seq == 16) {
-        let dir = fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).expect("config");
-        let w = Weights::open(&dir).expect("weights");
+        let (cfg, w) = case.load();
         for (mesh, extra, rewrite) in [
             ("tp=2", "", false),
             ("tp=4", "", false),

@@ -12,7 +12,6 @@ mod cuda_common;
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use shardc_compiler::compile::{compile_forward, CompileOptions};
-use shardc_compiler::model::ModelConfig;
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::ReduceOp;
 use shardc_runtime::cuda::comm::device::{
@@ -21,7 +20,6 @@ use shardc_runtime::cuda::comm::device::{
 use shardc_runtime::cuda::comm::nccl::{nccl_version, NcclComm, NcclId};
 use shardc_runtime::cuda::{run_spmd_nccl_threads, GpuDType, ParamInit};
 use shardc_runtime::spmd::run_spmd;
-use shardc_runtime::Weights;
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -154,9 +152,7 @@ fn two_nccl_ranks_run_tp_and_sp_plans() {
     let dev = device();
     let mut ran = 0;
     for case in cases().into_iter().filter(|c| c.batch == 2 && c.seq == 16) {
-        let dir = fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).expect("config");
-        let w = Weights::open(&dir).expect("weights");
+        let (cfg, w) = case.load();
         for extra in ["", "sp"] {
             let opts = CompileOptions {
                 batch: case.batch,
