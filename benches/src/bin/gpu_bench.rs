@@ -22,8 +22,8 @@
 
 use cudarc::driver::{result as drv, sys, DevicePtr};
 use shardc_compiler::ir::{
-    AttnSpec, DType, Float, Graph, Op, ParamSource, RopeScaling, RopeSpec, RopeStyle, ShardSpec,
-    TensorType, UnaryOp, ValueId,
+    AttnSpec, DType, Float, Graph, Op, RopeScaling, RopeSpec, RopeStyle, ShardSpec, TensorType,
+    UnaryOp, ValueId,
 };
 use shardc_runtime::cuda::comm::device::DeviceCommunicator;
 use shardc_runtime::cuda::comm::local_gpu::group;
@@ -91,13 +91,7 @@ fn ty(dt: DType, shape: &[usize]) -> TensorType {
 }
 
 fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
-    g.add_typed(
-        Op::Param(ParamSource::whole(name)),
-        &[],
-        Some(ty(DType::F32, shape)),
-        name,
-    )
-    .expect("invariant: a parameter has no operands")
+    g.param(name, ty(DType::F32, shape))
 }
 
 fn add(g: &mut Graph, op: Op, ins: &[ValueId], name: &str) -> ValueId {

@@ -5,7 +5,7 @@
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
-use shardc_compiler::ir::{DType, Graph, Op, ParamSource, TensorType, ValueId};
+use shardc_compiler::ir::{DType, Graph, Op, TensorType, ValueId};
 use shardc_compiler::model::ModelConfig;
 use shardc_runtime::cuda::{
     execute_cuda, CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, GpuDType, ParamInit,
@@ -402,11 +402,5 @@ pub fn checkpoint(dir: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) -> Weigh
 
 /// A whole-tensor f32 parameter node.
 pub fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
-    g.add_typed(
-        Op::Param(ParamSource::whole(name)),
-        &[],
-        Some(TensorType::plain(DType::F32, shape)),
-        name,
-    )
-    .expect("param")
+    g.param(name, TensorType::plain(DType::F32, shape))
 }
