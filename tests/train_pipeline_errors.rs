@@ -44,6 +44,22 @@ fn strategy_fails_with_pp(model_name: &str, strategy: &str, needles: &[&str]) {
     train_fails(model_name, &extra, needles);
 }
 
+/// `shardc train llama` on `pp=2` with the interleaved schedule, `virtual_stages` chunks per
+/// rank and `micro_batches`, must fail naming every needle.
+fn interleaved_fails(virtual_stages: &str, micro_batches: &str, needles: &[&str]) {
+    let extra = [
+        "--mesh",
+        "pp=2",
+        "--schedule",
+        "interleaved",
+        "--virtual-stages",
+        virtual_stages,
+        "--micro-batches",
+        micro_batches,
+    ];
+    train_fails("llama", &extra, needles);
+}
+
 #[test]
 fn tied_embeddings_over_stages_refuse_zero() {
     // gpt2's head reuses the embedding weight: split over stages, the two copies exchange
@@ -91,20 +107,7 @@ fn too_many_chunks_for_the_model() {
         &["8 pipeline chunks", "3 layers", "at most 5"],
     );
     // Interleaving counts chunks, not ranks: pp=2 × 3 virtual stages = 6 chunks.
-    train_fails(
-        "llama",
-        &[
-            "--mesh",
-            "pp=2",
-            "--schedule",
-            "interleaved",
-            "--virtual-stages",
-            "3",
-            "--micro-batches",
-            "2",
-        ],
-        &["6 pipeline chunks", "at most 5"],
-    );
+    interleaved_fails("3", "2", &["6 pipeline chunks", "at most 5"]);
     // 5 chunks fit (a chunk may hold the embedding or head alone).
     let cfg = llama_cfg();
     let c = compile(&cfg, &pipe("pp=5", &[], 1, ScheduleKind::Gpipe, None), 2).unwrap();
@@ -166,20 +169,7 @@ fn bad_stage_layers() {
 #[test]
 fn micro_batch_counts_that_do_not_fit() {
     // Interleaved needs micro-batches divisible by pp.
-    train_fails(
-        "llama",
-        &[
-            "--mesh",
-            "pp=2",
-            "--schedule",
-            "interleaved",
-            "--virtual-stages",
-            "2",
-            "--micro-batches",
-            "3",
-        ],
-        &["interleaved", "divisible by pp", "3 % 2"],
-    );
+    interleaved_fails("2", "3", &["interleaved", "divisible by pp", "3 % 2"]);
     // The micro-batches must divide the batch (4).
     train_fails(
         "llama",
