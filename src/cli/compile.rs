@@ -2,7 +2,7 @@
 //! default; with `--train` one training step (forward, backward, AdamW per micro-batch; a
 //! pipeline over a `pp` axis), from the config alone: no weights or tokens are read.
 
-use super::args::{at_least, check_seq, options};
+use super::args::{at_least, check_seq, config_and_seq, options};
 use super::fmt::{bytes, thousands};
 use anyhow::{bail, Context};
 use clap::Args;
@@ -143,8 +143,7 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     let outputs =
         Outputs::new(a.overwrite).inputs([Some(path.as_path()), Some(Path::new(&a.cluster))]);
     outputs.check_file("-o", &a.output)?;
-    let cfg = ModelConfig::from_path(&path)?;
-    let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
+    let (cfg, seq) = config_and_seq(&path, a.seq)?;
     check_args(&a, &cfg, &path, seq)?;
     let opts = options(
         &cfg,
