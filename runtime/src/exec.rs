@@ -461,40 +461,14 @@ impl<'g, 'p> Run<'g, 'p> {
                         name: node.name.clone(),
                     })
             }
-            Op::AllReduce { axis } => {
-                owned(collective::all_reduce(self.ctx.comm(axis)?, args[0], &wrap))
-            }
-            Op::ReduceScatter { axis, dim, parts } => owned(collective::reduce_scatter(
+            Op::AllReduce { axis }
+            | Op::ReduceScatter { axis, .. }
+            | Op::AllGather { axis, .. }
+            | Op::AllToAll { axis, .. }
+            | Op::Broadcast { axis, .. } => owned(collective::collective(
                 self.ctx.comm(axis)?,
+                &node.op,
                 args[0],
-                *dim,
-                *parts,
-                &wrap,
-            )),
-            Op::AllGather { axis, dim, parts } => owned(collective::all_gather(
-                self.ctx.comm(axis)?,
-                args[0],
-                *dim,
-                *parts,
-                &wrap,
-            )),
-            Op::AllToAll {
-                axis,
-                split_dim,
-                concat_dim,
-                parts,
-            } => owned(collective::all_to_all(
-                self.ctx.comm(axis)?,
-                args[0],
-                *split_dim,
-                *concat_dim,
-                *parts,
-                &wrap,
-            )),
-            Op::Broadcast { axis, root } => owned(collective::broadcast(
-                self.ctx.comm(axis)?,
-                args[0],
-                *root,
                 &wrap,
             )),
             Op::LocalSlice { axis, dim, parts } => {

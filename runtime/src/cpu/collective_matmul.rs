@@ -207,14 +207,25 @@ mod tests {
                         wrap: &wrap,
                     };
                     let ring = ag_matmul(&rg, &x, &w).expect("ring");
-                    let g = collective::all_gather(c, &x, dim, n, &wrap).expect("gather");
+                    let tp = || "tp".to_string();
+                    let ag = Op::AllGather {
+                        axis: tp(),
+                        dim,
+                        parts: n,
+                    };
+                    let g = collective::collective(c, &ag, &x, &wrap).expect("gather");
                     let plain = linalg::matmul(&g, &w, tb).expect("gemm");
                     close(&ring, &plain);
                     // MatMulRs: full rows, partial sums.
                     let x = Tensor::f32(vec![b, t, k], data(10 + r, b * t * k));
                     let ring = matmul_rs(&rg, &x, &w).expect("ring");
                     let p = linalg::matmul(&x, &w, tb).expect("gemm");
-                    let plain = collective::reduce_scatter(c, &p, dim, n, &wrap).expect("scatter");
+                    let rs = Op::ReduceScatter {
+                        axis: tp(),
+                        dim,
+                        parts: n,
+                    };
+                    let plain = collective::collective(c, &rs, &p, &wrap).expect("scatter");
                     (ring, plain)
                 });
                 for (ring, plain) in &outs {
