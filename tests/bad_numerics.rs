@@ -66,6 +66,19 @@ fn edited_model(
     dir.display().to_string()
 }
 
+/// The llama fixture in `dir` with every value of weight `name` set to `value`.
+fn filled_model(dir: &Path, name: &str, value: f32) -> String {
+    edited_model(
+        dir,
+        |n, v| {
+            if n == name {
+                v.fill(value);
+            }
+        },
+        |_| {},
+    )
+}
+
 #[test]
 fn optimizer_and_run_flags_outside_their_domains_name_the_flag() {
     let tmp = tempfile::tempdir().unwrap();
@@ -235,15 +248,7 @@ fn non_finite_outputs_are_refused_not_written_as_null() {
     let out = d.join("out.json");
     let out_s = out.display().to_string();
     // Finite weights whose logits overflow f32.
-    let huge = edited_model(
-        &d.join("huge"),
-        |name, v| {
-            if name == "lm_head.weight" {
-                v.fill(3e38);
-            }
-        },
-        |_| {},
-    );
+    let huge = filled_model(&d.join("huge"), "lm_head.weight", 3e38);
     for mesh in [&[][..], &["--mesh", "tp=2"]] {
         let mut args = vec!["run", &huge, "--tokens", &ids, "--out", &out_s];
         args.extend_from_slice(mesh);
@@ -363,15 +368,7 @@ fn huge_finite_weights_overflow_the_first_loss() {
     let d = tmp.path();
     let ids = tokens(d);
     // Finite but huge: the norm scale overflows the hidden states, and the loss.
-    let model = edited_model(
-        &d.join("big"),
-        |name, v| {
-            if name == "model.norm.weight" {
-                v.fill(1e38);
-            }
-        },
-        |_| {},
-    );
+    let model = filled_model(&d.join("big"), "model.norm.weight", 1e38);
     for mesh in [&[][..], &["--mesh", "dp=2,tp=2"]] {
         let mut args = vec!["train", &model, "--tokens", &ids, "--steps", "3"];
         args.extend_from_slice(mesh);

@@ -135,9 +135,7 @@ fn zero_sizes_are_errors() {
 #[test]
 fn bad_meshes_name_the_flag() {
     let tmp = tempfile::tempdir().unwrap();
-    let ids = tmp.path().join("ids.json");
-    std::fs::write(&ids, "[[1, 2, 3, 4], [5, 6, 7, 8]]").unwrap();
-    let ids = ids.to_string_lossy().to_string();
+    let ids = common::tokens_2x4(tmp.path());
     let out = tmp.path().join("out.json").to_string_lossy().to_string();
     for cmd in [
         &["compile", LLAMA, "-o", "/dev/null"][..],
@@ -173,9 +171,7 @@ fn bad_meshes_name_the_flag() {
 #[test]
 fn conflicting_strategies_are_errors() {
     let tmp = tempfile::tempdir().unwrap();
-    let ids = tmp.path().join("ids.json");
-    std::fs::write(&ids, "[[1, 2, 3, 4], [5, 6, 7, 8]]").unwrap();
-    let ids = ids.to_string_lossy().to_string();
+    let ids = common::tokens_2x4(tmp.path());
     let cases: &[(&[&str], &[&str])] = &[
         (
             &["--strategy", "zero1,zero3"],
@@ -279,14 +275,13 @@ fn flags_of_another_mode_are_errors() {
     );
     // The shared pipeline schedule refuses virtual stages the schedule would ignore.
     let tmp = tempfile::tempdir().unwrap();
-    let ids = tmp.path().join("ids.json");
-    std::fs::write(&ids, "[[1, 2, 3, 4], [5, 6, 7, 8]]").unwrap();
+    let ids = common::tokens_2x4(tmp.path());
     fails_with(
         &[
             "train",
             LLAMA,
             "--tokens",
-            &ids.to_string_lossy(),
+            &ids,
             "--mesh",
             "pp=3",
             "--schedule",

@@ -275,31 +275,27 @@ fn tampered_plans_are_rejected_naming_rank_and_instruction() {
         ],
     );
 
-    // Stage 0's first send deleted: stage 1's first receive gets micro-batch 1 instead.
-    rejects(
-        &plan,
-        "no-send0.json",
-        |prog| {
-            let k = find(&prog[0], "send", "act", 0);
+    // Stage 0's activation send of a micro-batch deleted.
+    let missing_sends: [(u64, &[&str]); 2] = [
+        // The first: stage 1's first receive gets micro-batch 1 instead.
+        (
+            0,
+            &[
+                "pipeline rank 1, instruction 0",
+                "recv activation of micro-batch 0",
+                "send/recv mismatch",
+            ],
+        ),
+        // The last: both ranks wait forever.
+        (1, &["deadlock", "waits at slot", "recv"]),
+    ];
+    for (micro, needles) in missing_sends {
+        let delete = |prog: &mut Vec<Vec<Value>>| {
+            let k = find(&prog[0], "send", "act", micro);
             prog[0].remove(k);
-        },
-        &[
-            "pipeline rank 1, instruction 0",
-            "recv activation of micro-batch 0",
-            "send/recv mismatch",
-        ],
-    );
-
-    // Stage 0's last activation send deleted: both ranks wait forever.
-    rejects(
-        &plan,
-        "no-send1.json",
-        |prog| {
-            let k = find(&prog[0], "send", "act", 1);
-            prog[0].remove(k);
-        },
-        &["deadlock", "waits at slot", "recv"],
-    );
+        };
+        rejects(&plan, &format!("no-send{micro}.json"), delete, needles);
+    }
 
     // An extra send nobody receives.
     rejects(

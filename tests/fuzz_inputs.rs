@@ -20,7 +20,7 @@ mod fuzz;
 use fuzz::{
     all_keys, check_bin, check_message, duplicate_key, guarded, json_at, json_paths, known_panic,
     mutate_json, mutate_lines, mutate_text, path_text, reject, run_shardc, s, save_failure,
-    scratch, special_value, Known, Outcome, Rng, Step, Tally, Verdict,
+    scratch, special_value, Known, Outcome, Rng, Saved, Step, Tally, Verdict,
 };
 use serde_json::{json, Value};
 use shardc::compiler::compile::{compile_forward, CompileOptions};
@@ -36,7 +36,7 @@ use shardc::compiler::shard::Mesh;
 use shardc::runtime::Weights;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Deadline of one in-process case (they take milliseconds; this is for hangs only).
 const CASE_TIMEOUT: Duration = Duration::from_secs(20);
@@ -95,10 +95,15 @@ fn known(id: &str) -> &'static Known {
         .expect("invariant: a KNOWN_OTHERS id")
 }
 
-/// Adds one in-process outcome to the tally; false when it is a failure (the caller saves the
-/// input).
-fn judge(t: &mut Tally, case: usize, how: &str, out: Outcome<Result<Verdict, String>>) -> bool {
-    match out {
+/// Adds one in-process outcome to the tally; a failure saves the input's files `saves`.
+fn judge(
+    t: &mut Tally,
+    case: usize,
+    how: &str,
+    out: Outcome<Result<Verdict, String>>,
+    saves: &[Saved],
+) {
+    let ok = match out {
         Outcome::Done(Ok(None)) => {
             t.accepted += 1;
             true
@@ -124,6 +129,11 @@ fn judge(t: &mut Tally, case: usize, how: &str, out: Outcome<Result<Verdict, Str
         Outcome::Hang => {
             t.fail(case, how, format!("no result within {CASE_TIMEOUT:?}"));
             false
+        }
+    };
+    if !ok {
+        for &(target, ext, bytes) in saves {
+            save_failure(target, case, ext, bytes);
         }
     }
 }
@@ -275,88 +285,96 @@ fn config_keys(sources: &[(String, Value)]) -> Vec<String> {
     keys
 }
 
+/// The config targets' inputs: the source configs, every key they use, and the
+/// `config.json` each case is written to (in a scratch directory).
+struct ConfigTarget {
+    sources: Vec<(String, Value)>,
+    keys: Vec<String>,
+    path: PathBuf,
+    _dir: fuzz::Scratch,
+}
+
+impl ConfigTarget {
+    /// The inputs, with the scratch directory `name`.
+    fn new(name: &str) -> ConfigTarget {
+        let sources = config_sources();
+        let keys = config_keys(&sources);
+        let dir = scratch(name);
+        let path = dir.join("config.json");
+        ConfigTarget {
+            sources,
+            keys,
+            path,
+            _dir: dir,
+        }
+    }
+
+    /// Writes case `case` ([`config_case`]); its text and what was done to it.
+    fn write_case(&self, case: usize) -> (Vec<u8>, String) {
+        let keys: Vec<&str> = self.keys.iter().map(String::as_str).collect();
+        let (text, how) = config_case(case, &self.sources, &keys);
+        std::fs::write(&self.path, &text).expect("writing the case");
+        (text, how)
+    }
+
+    /// What an error may name ([`config_names`]).
+    fn names(&self) -> Vec<String> {
+        config_names(&self.sources, &self.path)
+    }
+}
+
 /// Model configs in-process: the parser, the graph builder and `inspect`'s accounting.
 #[test]
 fn fuzz_model_configs() {
     const CASES: usize = 12000;
-    let started = Instant::now();
-    let sources = config_sources();
-    let keys = config_keys(&sources);
-    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let dir = scratch("config");
-    let path = dir.join("config.json");
-    let names = Arc::new(config_names(&sources, &path));
-    let mut t = Tally::new("model configs");
-    for case in 0..CASES {
-        let (text, how) = config_case(case, &sources, &keys);
-        std::fs::write(&path, &text).expect("writing the case");
-        t.cases += 1;
-        match config_check(path.clone(), names.clone()) {
+    let target = ConfigTarget::new("config");
+    let names = Arc::new(target.names());
+    Tally::run("model configs", CASES, |t, case| {
+        let (text, how) = target.write_case(case);
+        match config_check(target.path.clone(), names.clone()) {
             Outcome::Done(Err(e)) if e.starts_with("size-caps") => {
                 t.known(case, &how, known("size-caps"));
             }
             out => {
-                if !judge(&mut t, case, &how, out) {
-                    save_failure("config", case, "json", &text);
-                }
+                judge(t, case, &how, out, &[("config", "json", &text)]);
             }
         }
-    }
-    t.finish(started);
+    });
 }
 
 /// A few config cases through `shardc inspect`: the same contract at the command line.
 #[test]
 fn fuzz_model_configs_cli() {
     const CASES: usize = 40;
-    let started = Instant::now();
-    let sources = config_sources();
-    let keys = config_keys(&sources);
-    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let dir = scratch("config-cli");
-    let path = dir.join("config.json");
-    let names = config_names(&sources, &path);
+    let target = ConfigTarget::new("config-cli");
+    let names = target.names();
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    let mut t = Tally::new("model configs (shardc inspect)");
-    for case in 0..CASES {
-        let (text, how) = config_case(10_000 + case, &sources, &keys);
-        std::fs::write(&path, &text).expect("writing the case");
-        t.cases += 1;
+    Tally::run("model configs (shardc inspect)", CASES, |t, case| {
+        let (text, how) = target.write_case(10_000 + case);
         // Bounded sizes only: the binary has no per-case deadline of its own.
         if let Ok(Ok(cfg)) =
             serde_json::from_slice::<Value>(&text).map(|v| ModelConfig::from_json(&v))
         {
             if cfg.layers > MAX_BUILT_LAYERS {
                 t.known(case, &how, known("size-caps"));
-                continue;
+                return;
             }
         }
-        let run = run_shardc(&["inspect".into(), s(&path), "--json".into()], BIN_TIMEOUT);
+        let run = run_shardc(&["inspect", &s(&target.path), "--json"], BIN_TIMEOUT);
         if let Some(k) = known_in_stderr(&run.stderr) {
             t.known(case, &how, k);
-            continue;
+            return;
         }
-        match check_bin(&run, &names) {
-            Ok(None) => {
-                let v: Value = serde_json::from_str(&run.stdout).unwrap_or(Value::Null);
-                if v["params"].as_u64().unwrap_or(0) == 0 {
-                    t.fail(
-                        case,
-                        &how,
-                        format!("accepted, but no parameter count: {}", run.stdout),
-                    );
-                } else {
-                    t.accepted += 1;
-                }
+        let save = ("config-cli", "json", &text[..]);
+        t.judge_bin(case, &how, (&run, &names), save, |run| {
+            let v: Value = serde_json::from_str(&run.stdout).unwrap_or(Value::Null);
+            if v["params"].as_u64().unwrap_or(0) == 0 {
+                Err(format!("accepted, but no parameter count: {}", run.stdout))
+            } else {
+                Ok(())
             }
-            Ok(Some(msg)) => t.reject(msg),
-            Err(e) => {
-                save_failure("config-cli", case, "json", &text);
-                t.fail(case, &how, e);
-            }
-        }
-    }
-    t.finish(started);
+        });
+    });
 }
 
 // =============================================================================================
@@ -679,35 +697,33 @@ fn load_everything(path: &Path, ck: &Checkpoint) -> Result<Verdict, String> {
 #[test]
 fn fuzz_safetensors() {
     const CASES: usize = 6000;
-    let started = Instant::now();
     let dir = scratch("safetensors");
-    let mut t = Tally::new("safetensors checkpoints");
-    for case in 0..CASES {
+    Tally::run("safetensors checkpoints", CASES, |t, case| {
         let (bytes, how, which) = safetensors_case(case);
         let path = dir.join(format!("case-{}.safetensors", case % 4));
         std::fs::write(&path, &bytes).expect("writing the case");
-        t.cases += 1;
         let p = path.clone();
         let out = guarded(CASE_TIMEOUT, move || {
             load_everything(&p, &checkpoints()[which])
         });
-        if !judge(&mut t, case, &how, out) {
-            save_failure("safetensors", case, "safetensors", &bytes);
-        }
-    }
-    t.finish(started);
+        judge(
+            t,
+            case,
+            &how,
+            out,
+            &[("safetensors", "safetensors", &bytes)],
+        );
+    });
 }
 
 /// A few mutated checkpoints through `shardc run`: the same errors, one line each.
 #[test]
 fn fuzz_safetensors_cli() {
     const CASES: usize = 30;
-    let started = Instant::now();
     let dir = scratch("safetensors-cli");
     let tok = dir.join("tokens.json");
     std::fs::write(&tok, "[[1,2,3,4]]").expect("writing tokens");
-    let mut t = Tally::new("safetensors checkpoints (shardc run)");
-    for case in 0..CASES {
+    Tally::run("safetensors checkpoints (shardc run)", CASES, |t, case| {
         let (bytes, how, which) = safetensors_case(20_000 + case);
         let ck = &checkpoints()[which];
         let model = dir.join(ck.model);
@@ -722,28 +738,18 @@ fn fuzz_safetensors_cli() {
         let fs = s(&file);
         let mut names: Vec<&str> = ck.names.iter().map(String::as_str).collect();
         names.push(&fs);
-        t.cases += 1;
-        let args: Vec<String> = [
+        let args = [
             "run",
             &s(&model),
             "--tokens",
             &s(&tok),
             "--out",
             &s(&dir.join("out.json")),
-        ]
-        .iter()
-        .map(|x| x.to_string())
-        .collect();
-        match check_bin(&run_shardc(&args, BIN_TIMEOUT), &names) {
-            Ok(None) => t.accepted += 1,
-            Ok(Some(msg)) => t.reject(msg),
-            Err(e) => {
-                save_failure("safetensors-cli", case, "safetensors", &bytes);
-                t.fail(case, &how, e);
-            }
-        }
-    }
-    t.finish(started);
+        ];
+        let run = run_shardc(&args, BIN_TIMEOUT);
+        let save = ("safetensors-cli", "safetensors", &bytes[..]);
+        t.judge_bin(case, &how, (&run, &names), save, |_| Ok(()));
+    });
 }
 
 /// Sharded-checkpoint indexes (`model.safetensors.index.json`) pointing at the fixture's file,
@@ -751,7 +757,6 @@ fn fuzz_safetensors_cli() {
 #[test]
 fn fuzz_safetensors_index() {
     const CASES: usize = 300;
-    let started = Instant::now();
     let dir = scratch("safetensors-index");
     let ck = &checkpoints()[0];
     std::fs::write(dir.join("model-00001.safetensors"), &ck.bytes).expect("shard");
@@ -767,8 +772,7 @@ fn fuzz_safetensors_index() {
     let base = json!({"metadata": {"total_size": ck.bytes.len()}, "weight_map": map});
     let index = dir.join("model.safetensors.index.json");
     let is = s(&index);
-    let mut t = Tally::new("safetensors index");
-    for case in 0..CASES {
+    Tally::run("safetensors index", CASES, |t, case| {
         let mut rng = Rng::for_case("index", case);
         let mut v = base.clone();
         let how = if rng.chance(0.5) {
@@ -793,7 +797,6 @@ fn fuzz_safetensors_index() {
         };
         let text = serde_json::to_vec(&v).expect("serialise");
         std::fs::write(&index, &text).expect("writing the case");
-        t.cases += 1;
         let d = dir.to_path_buf();
         let (is2, root) = (is.clone(), s(&dir));
         let out = guarded(CASE_TIMEOUT, move || -> Result<Verdict, String> {
@@ -811,11 +814,8 @@ fn fuzz_safetensors_index() {
             }
             Ok(None)
         });
-        if !judge(&mut t, case, &how, out) {
-            save_failure("safetensors-index", case, "json", &text);
-        }
-    }
-    t.finish(started);
+        judge(t, case, &how, out, &[("safetensors-index", "json", &text)]);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -877,10 +877,8 @@ fn expert_group(name: &str) -> String {
 #[test]
 fn fuzz_safetensors_reencoded_load_exactly() {
     const CASES: usize = 24;
-    let started = Instant::now();
     let dir = scratch("safetensors-reencoded");
-    let mut t = Tally::new("safetensors re-encodings");
-    for case in 0..CASES {
+    Tally::run("safetensors re-encodings", CASES, |t, case| {
         let mut rng = Rng::for_case("reencode", case);
         let which = rng.below(checkpoints().len());
         let ck = &checkpoints()[which];
@@ -923,7 +921,6 @@ fn fuzz_safetensors_reencoded_load_exactly() {
         common::write_safetensors(&path, &stored);
         let orig_path = dir.join("orig.safetensors");
         std::fs::write(&orig_path, &ck.bytes).expect("writing");
-        t.cases += 1;
         let out = guarded(CASE_TIMEOUT, move || -> Result<Verdict, String> {
             let ck = &checkpoints()[which];
             let w = Weights::open(&path).map_err(|e| e.to_string())?;
@@ -959,9 +956,8 @@ fn fuzz_safetensors_reencoded_load_exactly() {
             }
             Ok(None)
         });
-        judge(&mut t, case, &format!("{}: re-encoded", ck.model), out);
-    }
-    t.finish(started);
+        judge(t, case, &format!("{}: re-encoded", ck.model), out, &[]);
+    });
 }
 
 // =============================================================================================
@@ -1051,7 +1047,6 @@ fn mask_is_binary(text: &[u8]) -> bool {
 #[test]
 fn fuzz_token_files_run() {
     const CASES: usize = 120;
-    let started = Instant::now();
     let dir = scratch("tokens-run");
     let model = s(&common::fixtures().join("llama"));
     let (tok, mask, pos, out) = (
@@ -1070,8 +1065,7 @@ fn fuzz_token_files_run() {
         "attention mask",
         "sequence length",
     ];
-    let mut t = Tally::new("token files (shardc run)");
-    for case in 0..CASES {
+    Tally::run("token files (shardc run)", CASES, |t, case| {
         let mut rng = Rng::for_case("tokens-run", case);
         let mut files = [
             TOKENS.as_bytes().to_vec(),
@@ -1090,64 +1084,48 @@ fn fuzz_token_files_run() {
             std::fs::write(p, b).expect("writing the case");
         }
         let _ = std::fs::remove_file(&out);
-        t.cases += 1;
-        let mut args: Vec<String> = ["run", &model, "--tokens", &ts, "--out", &s(&out)]
-            .iter()
-            .map(|x| x.to_string())
-            .collect();
+        let out_s = s(&out);
+        let mut args = vec!["run", &model, "--tokens", &ts, "--out", &out_s];
         // The mask and position ids go along when they are the mutated file, or sometimes.
         let with_mask = which == 1 || rng.chance(0.3);
         if with_mask {
-            args.extend(["--attention-mask".to_string(), ms.clone()]);
+            args.extend(["--attention-mask", &ms]);
         }
         if which == 2 || rng.chance(0.3) {
-            args.extend(["--position-ids".to_string(), ps.clone()]);
+            args.extend(["--position-ids", &ps]);
         }
         let run = run_shardc(&args, BIN_TIMEOUT);
-        match check_bin(&run, &names) {
-            Ok(None) if with_mask && !mask_is_binary(&files[1]) => {
-                t.fail(
-                    case,
-                    &how,
-                    "accepted an attention mask that is not all 0 and 1".into(),
-                );
+        let save = ("tokens-run", "json", &files[which][..]);
+        t.judge_bin(case, &how, (&run, &names), save, |_| {
+            if with_mask && !mask_is_binary(&files[1]) {
+                return Err("accepted an attention mask that is not all 0 and 1".into());
             }
-            Ok(None) => {
-                let v: Value = std::fs::read_to_string(&out)
-                    .ok()
-                    .and_then(|x| serde_json::from_str(&x).ok())
-                    .unwrap_or(Value::Null);
-                let shape = v["logits_shape"].clone();
-                let tokens: Value = serde_json::from_slice(&files[0]).unwrap_or(Value::Null);
-                let (b, tl) = (
-                    tokens.as_array().map_or(0, Vec::len),
-                    tokens[0].as_array().map_or(0, Vec::len),
-                );
-                let finite = v["logits"].as_array().is_some_and(|a| {
-                    a.len() == b * tl * 256
-                        && a.iter().all(|x| x.as_f64().is_some_and(f64::is_finite))
-                });
-                if shape == json!([b, tl, 256]) && finite {
-                    t.accepted += 1;
-                } else {
-                    t.fail(case, &how, format!("accepted {b}×{tl} tokens, but out.json has logits of shape {shape}, all finite: {finite}"));
-                }
+            let v: Value = std::fs::read_to_string(&out)
+                .ok()
+                .and_then(|x| serde_json::from_str(&x).ok())
+                .unwrap_or(Value::Null);
+            let shape = v["logits_shape"].clone();
+            let tokens: Value = serde_json::from_slice(&files[0]).unwrap_or(Value::Null);
+            let (b, tl) = (
+                tokens.as_array().map_or(0, Vec::len),
+                tokens[0].as_array().map_or(0, Vec::len),
+            );
+            let finite = v["logits"].as_array().is_some_and(|a| {
+                a.len() == b * tl * 256 && a.iter().all(|x| x.as_f64().is_some_and(f64::is_finite))
+            });
+            if shape == json!([b, tl, 256]) && finite {
+                Ok(())
+            } else {
+                Err(format!("accepted {b}×{tl} tokens, but out.json has logits of shape {shape}, all finite: {finite}"))
             }
-            Ok(Some(msg)) => t.reject(msg),
-            Err(e) => {
-                save_failure("tokens-run", case, "json", &files[which]);
-                t.fail(case, &how, e);
-            }
-        }
-    }
-    t.finish(started);
+        });
+    });
 }
 
 /// Token files through `shardc train`.
 #[test]
 fn fuzz_token_files_train() {
     const CASES: usize = 60;
-    let started = Instant::now();
     let dir = scratch("tokens-train");
     let model = s(&common::fixtures().join("llama"));
     let tok = dir.join("tokens.json");
@@ -1159,34 +1137,24 @@ fn fuzz_token_files_train() {
         "sequences of",
         "batch",
     ];
-    let mut t = Tally::new("token files (shardc train)");
-    for case in 0..CASES {
+    Tally::run("token files (shardc train)", CASES, |t, case| {
         let mut rng = Rng::for_case("tokens-train", case);
         let (text, how) = matrix_case(&mut rng, TOKENS, 256);
         std::fs::write(&tok, &text).expect("writing the case");
-        t.cases += 1;
-        let args: Vec<String> = ["train", &model, "--tokens", &ts, "--steps", "1"]
-            .iter()
-            .map(|x| x.to_string())
-            .collect();
-        let run = run_shardc(&args, BIN_TIMEOUT);
-        match check_bin(&run, &names) {
-            Ok(None) => {
-                let lower = run.stdout.to_lowercase();
-                if lower.contains("loss") && !lower.contains("nan") && !lower.contains("inf") {
-                    t.accepted += 1;
-                } else {
-                    t.fail(case, &how, format!("accepted, but: {}", run.stdout));
-                }
+        let run = run_shardc(
+            &["train", &model, "--tokens", &ts, "--steps", "1"],
+            BIN_TIMEOUT,
+        );
+        let save = ("tokens-train", "json", &text[..]);
+        t.judge_bin(case, &how, (&run, &names), save, |run| {
+            let lower = run.stdout.to_lowercase();
+            if lower.contains("loss") && !lower.contains("nan") && !lower.contains("inf") {
+                Ok(())
+            } else {
+                Err(format!("accepted, but: {}", run.stdout))
             }
-            Ok(Some(msg)) => t.reject(msg),
-            Err(e) => {
-                save_failure("tokens-train", case, "json", &text);
-                t.fail(case, &how, e);
-            }
-        }
-    }
-    t.finish(started);
+        });
+    });
 }
 
 // =============================================================================================
@@ -1348,71 +1316,52 @@ fn fit_measurements(text: &[u8], name: &str) -> Result<Verdict, String> {
 #[test]
 fn fuzz_calibration_measurements() {
     const CASES: usize = 10000;
-    let started = Instant::now();
-    let mut t = Tally::new("calibration measurements");
-    for case in 0..CASES {
+    Tally::run("calibration measurements", CASES, |t, case| {
         let (text, how) = measurements_case(case);
-        t.cases += 1;
         let bytes = text.clone();
         let out = guarded(CASE_TIMEOUT, move || {
             fit_measurements(&bytes, "timings.json")
         });
-        if !judge(&mut t, case, &how, out) {
-            save_failure("measurements", case, "json", &text);
-        }
-    }
-    t.finish(started);
+        judge(t, case, &how, out, &[("measurements", "json", &text)]);
+    });
 }
 
 /// A few measurement files through `shardc calibrate --measurements`.
 #[test]
 fn fuzz_calibration_measurements_cli() {
     const CASES: usize = 30;
-    let started = Instant::now();
     let dir = scratch("measurements-cli");
     let file = dir.join("timings.json");
     let out = dir.join("fitted.toml");
     let fs = s(&file);
     let mut names: Vec<&str> = MEASUREMENT_KEYS.to_vec();
     names.push(&fs);
-    let mut t = Tally::new("calibration measurements (shardc calibrate)");
-    for case in 0..CASES {
-        let (text, how) = measurements_case(50_000 + case);
-        std::fs::write(&file, &text).expect("writing the case");
-        t.cases += 1;
-        let args: Vec<String> = [
-            "calibrate",
-            "--measurements",
-            &fs,
-            "--cluster",
-            "dgx-h100",
-            "-o",
-            &s(&out),
-        ]
-        .iter()
-        .map(|x| x.to_string())
-        .collect();
-        let run = run_shardc(&args, BIN_TIMEOUT);
-        match check_bin(&run, &names) {
-            Ok(None) => match std::fs::read_to_string(&out)
-                .map_err(|e| e.to_string())
-                .and_then(|x| DeviceProfile::from_toml("fitted", &x).map_err(|e| e.to_string()))
-            {
-                Ok(_) => t.accepted += 1,
-                Err(e) => t.fail(
-                    case,
-                    &how,
-                    format!("accepted, but the profile written does not load: {e}"),
-                ),
-            },
-            Ok(Some(msg)) => t.reject(msg),
-            Err(e) => {
-                save_failure("measurements-cli", case, "json", &text);
-                t.fail(case, &how, e);
-            }
-        }
-    }
-    t.finish(started);
+    Tally::run(
+        "calibration measurements (shardc calibrate)",
+        CASES,
+        |t, case| {
+            let (text, how) = measurements_case(50_000 + case);
+            std::fs::write(&file, &text).expect("writing the case");
+            let args = [
+                "calibrate",
+                "--measurements",
+                &fs,
+                "--cluster",
+                "dgx-h100",
+                "-o",
+                &s(&out),
+            ];
+            let run = run_shardc(&args, BIN_TIMEOUT);
+            let save = ("measurements-cli", "json", &text[..]);
+            t.judge_bin(case, &how, (&run, &names), save, |_| {
+                std::fs::read_to_string(&out)
+                    .map_err(|e| e.to_string())
+                    .and_then(|x| DeviceProfile::from_toml("fitted", &x).map_err(|e| e.to_string()))
+                    .map(drop)
+                    .map_err(|e| format!("accepted, but the profile written does not load: {e}"))
+            });
+        },
+    );
 }
 
 // =============================================================================================
@@ -1595,12 +1544,9 @@ fn use_profile(
 #[test]
 fn fuzz_cluster_profiles() {
     const CASES: usize = 6000;
-    let started = Instant::now();
     let dir = scratch("profiles");
-    let mut t = Tally::new("cluster and device profiles");
-    for case in 0..CASES {
+    Tally::run("cluster and device profiles", CASES, |t, case| {
         let (text, device, how) = profile_case(case);
-        t.cases += 1;
         let is_cluster =
             String::from_utf8_lossy(&text).contains("kind = \"cluster\"") || device.is_some();
         let cluster_path = dir.join("cluster.toml");
@@ -1625,21 +1571,16 @@ fn fuzz_cluster_profiles() {
                 use_profile(None, Some(text), &names)
             })
         };
-        if !judge(&mut t, case, &how, out) {
-            save_failure("profiles", case, "toml", &text);
-            if let Some(d) = &device {
-                save_failure("profiles", case, "device.toml", d);
-            }
-        }
-    }
-    t.finish(started);
+        let mut saves = vec![("profiles", "toml", &text[..])];
+        saves.extend(device.as_deref().map(|d| ("profiles", "device.toml", d)));
+        judge(t, case, &how, out, &saves);
+    });
 }
 
 /// A few cluster files through `shardc simulate --cluster FILE`.
 #[test]
 fn fuzz_cluster_profiles_cli() {
     const CASES: usize = 30;
-    let started = Instant::now();
     let dir = scratch("profiles-cli");
     let model = s(&common::fixtures().join("llama"));
     let cluster_path = dir.join("cluster.toml");
@@ -1662,32 +1603,23 @@ fn fuzz_cluster_profiles_cli() {
             std::fs::write(&device_path, d).expect("writing the case");
         }
         t.cases += 1;
-        let args: Vec<String> = [
+        let args = [
             &["simulate", &model, "--cluster", &cs],
             &common::TINY_TP2[..],
         ]
-        .concat()
-        .iter()
-        .map(|x| x.to_string())
-        .collect();
+        .concat();
         let run = run_shardc(&args, BIN_TIMEOUT);
-        match check_bin(&run, &names) {
-            Ok(None) => {
-                let low = run.stdout.to_lowercase();
-                if low.contains("nan") || low.contains("inf ") {
-                    t.fail(case, &how, format!("accepted, but: {}", run.stdout));
-                } else {
-                    t.accepted += 1;
-                }
+        let save = ("profiles-cli", "toml", &text[..]);
+        t.judge_bin(case, &how, (&run, &names), save, |run| {
+            let low = run.stdout.to_lowercase();
+            if low.contains("nan") || low.contains("inf ") {
+                Err(format!("accepted, but: {}", run.stdout))
+            } else {
+                Ok(())
             }
-            Ok(Some(msg)) => t.reject(msg),
-            Err(e) => {
-                save_failure("profiles-cli", case, "toml", &text);
-                t.fail(case, &how, e);
-            }
-        }
+        });
     }
-    t.finish(started);
+    t.finish();
 }
 
 // =============================================================================================
@@ -1695,8 +1627,7 @@ fn fuzz_cluster_profiles_cli() {
 
 /// Runs `shardc args...`, expects one `error: ` line containing every needle.
 fn fails_with(args: &[&str], needles: &[&str]) {
-    let args: Vec<String> = args.iter().map(|x| x.to_string()).collect();
-    let run = run_shardc(&args, BIN_TIMEOUT);
+    let run = run_shardc(args, BIN_TIMEOUT);
     let msg = match check_bin(&run, needles) {
         Ok(Some(msg)) => msg,
         Ok(None) => panic!("{args:?} should fail; stdout: {}", run.stdout),
@@ -1839,11 +1770,7 @@ fn calibration_faster_than_the_peak_is_refused() {
         .replace("\"seconds\": 2.32e-4", &format!("\"seconds\": {t}"))
         .replace("\"seconds\": 1.80e-3", &format!("\"seconds\": {}", 8.0 * t));
     std::fs::write(&file, text).unwrap();
-    let args: Vec<String> = ["calibrate", "--measurements", &f, "-o", &o]
-        .iter()
-        .map(|x| x.to_string())
-        .collect();
-    let run = run_shardc(&args, BIN_TIMEOUT);
+    let run = run_shardc(&["calibrate", "--measurements", &f, "-o", &o], BIN_TIMEOUT);
     assert_eq!(run.code, Some(0), "{}", run.stderr);
     assert!(
         run.stderr.starts_with("warning: calibration: median of 2 Large GEMMs: 1.1 of the base profile's peak FLOP/s, written as 1"),

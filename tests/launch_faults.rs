@@ -111,6 +111,22 @@ fn spawn_ranks(dir: &Path, mesh: &str, world: usize, fail: usize, mode: &str) ->
         .collect()
 }
 
+/// `shardc launch --nproc-per-node 2 <flags> -- run …` on `tp=2` (communicator timeout
+/// `timeout_s`), rank `fail.0` with the test hook in mode `fail.1`.
+fn launch_failing(dir: &Path, flags: &[&str], timeout_s: u64, fail: (usize, &str)) -> Child {
+    shardc()
+        .args(["launch", "--nproc-per-node", "2"])
+        .args(flags)
+        .arg("--")
+        .args(run_args(dir, "tp=2", timeout_s))
+        .env("SHARDC_TEST_FAIL_RANK", fail.0.to_string())
+        .env("SHARDC_TEST_FAIL_MODE", fail.1)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// Rank `rank`'s error line: a one-line `error:` naming its rank, the collective, its
 /// sequence number and mesh axis.
 fn assert_documented_error(d: &Done, rank: usize, needles: &[&str]) {
@@ -236,15 +252,7 @@ fn the_launcher_names_the_failing_rank_and_stops_the_rest() {
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let t0 = Instant::now();
-        let child = shardc()
-            .args(["launch", "--nproc-per-node", "2", "--grace", "1", "--"])
-            .args(run_args(tmp.path(), "tp=2", TIMEOUT_S))
-            .env("SHARDC_TEST_FAIL_RANK", "1")
-            .env("SHARDC_TEST_FAIL_MODE", mode)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let child = launch_failing(tmp.path(), &["--grace", "1"], TIMEOUT_S, (1, mode));
         let d = wait(child, t0, Duration::from_secs(TIMEOUT_S + 1) + SLACK)
             .unwrap_or_else(|| panic!("{mode}: the launcher hung"));
         assert!(!d.status.success(), "{mode}");
@@ -273,15 +281,7 @@ fn the_launcher_kills_a_job_past_its_timeout() {
     let tmp = tempfile::tempdir().unwrap();
     let t0 = Instant::now();
     // Both ranks stall (a long comm timeout), so only the job timeout ends it.
-    let child = shardc()
-        .args(["launch", "--nproc-per-node", "2", "--timeout", "2", "--"])
-        .args(run_args(tmp.path(), "tp=2", 600))
-        .env("SHARDC_TEST_FAIL_RANK", "0")
-        .env("SHARDC_TEST_FAIL_MODE", "hang")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = launch_failing(tmp.path(), &["--timeout", "2"], 600, (0, "hang"));
     let d = wait(child, t0, Duration::from_secs(2) + SLACK).expect("the launcher hung");
     assert!(!d.status.success());
     let last = d.stderr.lines().last().unwrap_or_default();

@@ -118,15 +118,14 @@ fn the_fit_check_counts_the_compute_dtype() {
 #[test]
 fn the_cpu_reference_says_it_runs_f32() {
     let dir = tempfile::tempdir().unwrap();
-    let ids = dir.path().join("ids.json");
-    std::fs::write(&ids, "[[1, 2, 3, 4], [5, 6, 7, 8]]").unwrap();
+    let ids = common::tokens_2x4(dir.path());
     let out = dir.path().join("out.json");
     let (ok, stdout, err) = run_shardc(
         &[
             "run",
             "tests/fixtures/hf-tiny/llama",
             "--tokens",
-            ids.to_str().unwrap(),
+            &ids,
             "--out",
             out.to_str().unwrap(),
         ],

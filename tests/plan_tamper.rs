@@ -100,6 +100,12 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
+/// Every reader of a plan file refuses plan `v` (written into `dir`) with `needles` in its
+/// one-line error.
+fn value_refused(dir: &Path, v: &Value, needles: &[&str]) {
+    every_reader_refuses(&write_value(dir, v), needles);
+}
+
 fn write_value(dir: &Path, v: &Value) -> PathBuf {
     write(
         dir,
@@ -148,8 +154,9 @@ fn out_of_range_ids_are_named() {
         .position(|s| s["kind"] == "kernel")
         .unwrap();
     v["steps"][k]["value"] = 99_999.into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[
             &format!("step {k} (kernel %99999)"),
             "not a node of the program",
@@ -159,8 +166,9 @@ fn out_of_range_ids_are_named() {
     let mut v = plan_value(FORWARD);
     let i = node_with_op(&v, "mat_mul");
     v["program"]["nodes"][i]["inputs"][0] = 4_000_000_000u64.into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[&format!("program node %{i}"), "operand %4000000000"],
     );
     // Provenance of a collective that is not there.
@@ -172,31 +180,26 @@ fn out_of_range_ids_are_named() {
         .next()
         .unwrap()
         .clone();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
-        &["plan field `provenance`", "key 77777"],
-    );
+    value_refused(dir.path(), &v, &["plan field `provenance`", "key 77777"]);
     // A layout missing.
     let mut v = plan_value(FORWARD);
     v["shardings"].as_array_mut().unwrap().pop();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
-        &["plan field `shardings`", "entries"],
-    );
+    value_refused(dir.path(), &v, &["plan field `shardings`", "entries"]);
     // A buffer of a node that does not exist.
     let mut v = plan_value(FORWARD);
     v["buffers"][3]["value"] = 123_456.into();
-    every_reader_refuses(&write_value(dir.path(), &v), &["buffer 3 (%123456)"]);
+    value_refused(dir.path(), &v, &["buffer 3 (%123456)"]);
     // A step on a stream the plan does not name.
     let mut v = plan_value(FORWARD);
     v["steps"][0]["stream"] = 9.into();
-    every_reader_refuses(&write_value(dir.path(), &v), &["step 0", "stream 9"]);
+    value_refused(dir.path(), &v, &["step 0", "stream 9"]);
     // A collective over an axis the mesh lacks.
     let mut v = plan_value(FORWARD);
     let i = node_with_op(&v, "all_reduce");
     v["program"]["nodes"][i]["op"]["axis"] = "dp".into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[
             &format!("program node %{i}"),
             "`dp`",
@@ -212,8 +215,9 @@ fn out_of_range_ids_are_named() {
         .position(|o| o.get("send").is_some())
         .unwrap();
     v["pipeline_program"][0][k]["send"]["to"] = 5.into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[
             &format!("rank 0, instruction {k}"),
             "rank 5 is not one of the 2 pipeline ranks",
@@ -221,8 +225,9 @@ fn out_of_range_ids_are_named() {
     );
     let mut v = plan_value(PIPELINE);
     v["pipeline_nodes"][1][0][0] = 31_337.into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &["chunk 1, pass F", "value %31337", "does not exist"],
     );
 }
@@ -242,8 +247,9 @@ fn edited_shapes_name_the_node() {
     let last = dims.len() - 1;
     let size = dims[last]["size"].as_u64().unwrap();
     dims[last]["size"] = (size * 2).into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[
             &format!("program node %{i} `{name}`"),
             "stored type",
@@ -258,8 +264,9 @@ fn edited_shapes_name_the_node() {
         .position(|n| n["op"]["op"] == "mat_mul")
         .unwrap();
     nodes[i]["ty"]["dtype"] = "f16".into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[&format!("chunk 1 node %{i}"), "stored type f16"],
     );
 }
@@ -283,8 +290,9 @@ fn swapped_steps_are_refused() {
         )
         .unwrap();
     v["steps"].as_array_mut().unwrap().swap(k - 1, k);
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[
             &format!("step {} (", k - 1),
             "runs before its operand",
@@ -307,7 +315,7 @@ fn swapped_steps_are_refused() {
     } else {
         [&format!("its operand %{node}"), "(never scheduled)"]
     };
-    every_reader_refuses(&write_value(dir.path(), &v), &needles);
+    value_refused(dir.path(), &v, &needles);
 }
 
 #[test]
@@ -316,8 +324,9 @@ fn version_truncation_and_json_errors_are_named() {
     let text = &plans()[FORWARD].1;
     let mut v = plan_value(FORWARD);
     v["format_version"] = 1.into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &["plan format version 1, this shardc reads version 6"],
     );
     every_reader_refuses(
@@ -335,27 +344,27 @@ fn version_truncation_and_json_errors_are_named() {
     );
     let mut v = plan_value(FORWARD);
     v["model"]["layers"] = "three".into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &["plan field `model`", "invalid type: string \"three\""],
     );
     let mut v = plan_value(FORWARD);
     v["program"]["nodes"][5]["inputs"] = Value::Null;
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &["plan field `program.nodes[5]`", "invalid type: null"],
     );
     let mut v = plan_value(FORWARD);
     v.as_object_mut().unwrap().remove("steps");
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
-        &["plan field `steps`: missing"],
-    );
+    value_refused(dir.path(), &v, &["plan field `steps`: missing"]);
     // A name with a line break stays on one line.
     let mut v = plan_value(FORWARD);
     v["format_version"] = "2\nsecond line".into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &["plan field `format_version`: expected an integer, found a string"],
     );
 }
@@ -365,22 +374,21 @@ fn a_mesh_axis_of_size_zero_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let mut v = plan_value(FORWARD);
     v["mesh"]["axes"][0]["size"] = 0.into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
-        &["plan mesh: axis `tp` has size 0"],
-    );
+    value_refused(dir.path(), &v, &["plan mesh: axis `tp` has size 0"]);
     // A size that disagrees with the collectives partitioned for the axis.
     let mut v = plan_value(FORWARD);
     v["mesh"]["axes"][0]["size"] = 1_000_000.into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &["in 2 parts, but `tp` has 1000000 ranks in mesh tp=1000000"],
     );
     // A pipeline schedule of more stages than the `pp` axis has.
     let mut v = plan_value(PIPELINE);
     v["pipeline"]["stages"] = 3.into();
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[
             "plan field `pipeline.stages`",
             "3, but the mesh's `pp` axis has 2 ranks",
@@ -389,7 +397,7 @@ fn a_mesh_axis_of_size_zero_is_refused() {
     // More layers than the program has.
     let mut v = plan_value(FORWARD);
     v["model"]["layers"] = 4_000_000_000u64.into();
-    every_reader_refuses(&write_value(dir.path(), &v), &["plan field `model.layers`"]);
+    value_refused(dir.path(), &v, &["plan field `model.layers`"]);
 }
 
 #[test]
@@ -400,8 +408,9 @@ fn an_edit_the_verifier_accepts_is_a_hash_mismatch() {
     v["memory"]["param_bytes"] = 1024.into();
     let recorded = original["hash"].as_str().unwrap();
     assert!(recorded.starts_with("blake3:") && recorded.len() == 7 + 64);
-    every_reader_refuses(
-        &write_value(dir.path(), &v),
+    value_refused(
+        dir.path(),
+        &v,
         &[
             "plan hash mismatch: the file was edited after compile",
             &format!("expected {recorded}, found blake3:"),
@@ -423,7 +432,7 @@ fn an_edit_the_verifier_accepts_is_a_hash_mismatch() {
     assert!(ok && out.contains("params 512 B"), "{out}{err}");
     // A plan without a hash.
     v.as_object_mut().unwrap().remove("hash");
-    every_reader_refuses(&write_value(dir.path(), &v), &["plan has no `hash` field"]);
+    value_refused(dir.path(), &v, &["plan has no `hash` field"]);
 }
 
 // ---- No panic on any plan file ----

@@ -10,7 +10,7 @@ use shardc::compiler::cost::{
     Topology, TrainOptions, MEGATRON_SC21_TABLE1,
 };
 use shardc::compiler::cost::{gpt_config, zero_static};
-use shardc::compiler::ir::{DType, Dim, Graph, Op, ParamSource, Role, TensorType};
+use shardc::compiler::ir::{DType, Dim, Graph, Op, Role, TensorType};
 use shardc::compiler::schedule::pp::Phase;
 use shardc::compiler::schedule::schedule;
 use shardc::compiler::shard::Mesh;
@@ -61,13 +61,7 @@ fn nccl_tests_bus_bandwidth_relations() {
 }
 
 fn param(g: &mut Graph, name: &str, shape: &[usize]) -> shardc::compiler::ir::ValueId {
-    g.add_typed(
-        Op::Param(ParamSource::whole(name)),
-        &[],
-        Some(TensorType::plain(DType::F32, shape)),
-        name,
-    )
-    .unwrap()
+    g.param(name, TensorType::plain(DType::F32, shape))
 }
 
 /// A plan of GEMMs only takes Σ 2MNK / (peak · efficiency of the shape class) on every rank.

@@ -14,35 +14,35 @@ fn json(args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
 }
 
+/// Compiles a Llama-3-8B training step with `flags` (memory fit not checked) into `plan`.
+fn compile_train(plan: &std::path::Path, flags: &[&str]) {
+    let head = ["compile", "models/llama-3-8b.json", "--train"];
+    let tail = ["--allow-oom", "-o", plan.to_str().unwrap()];
+    let (ok, _, err) = run_shardc(&[&head[..], flags, &tail].concat(), &[]);
+    assert!(ok, "{err}");
+}
+
 #[test]
 fn training_plan_replay_is_a_training_step() {
     let dir = tempfile::tempdir().unwrap();
     let plan = |m: usize| {
         let p = dir.path().join(format!("p{m}.json"));
-        let (ok, _, err) = run_shardc(
-            &[
-                "compile",
-                "models/llama-3-8b.json",
-                "--train",
-                "--mesh",
-                "dp=2,tp=4",
-                "--strategy",
-                "sp,zero1",
-                "--batch",
-                &(4 * m).to_string(),
-                "--seq",
-                "2048",
-                "--micro-batches",
-                &m.to_string(),
-                "--recompute",
-                "selective",
-                "--allow-oom",
-                "-o",
-                p.to_str().unwrap(),
-            ],
-            &[],
-        );
-        assert!(ok, "{err}");
+        let (batch, micro) = ((4 * m).to_string(), m.to_string());
+        let flags = [
+            "--mesh",
+            "dp=2,tp=4",
+            "--strategy",
+            "sp,zero1",
+            "--batch",
+            &batch,
+            "--seq",
+            "2048",
+            "--micro-batches",
+            &micro,
+            "--recompute",
+            "selective",
+        ];
+        compile_train(&p, &flags);
         p
     };
     let p2 = plan(2);
@@ -96,28 +96,19 @@ fn training_plan_replay_is_a_training_step() {
 fn pipeline_plan_replay_counts_the_collectives_inside_passes() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("pp.json");
-    let (ok, _, err) = run_shardc(
-        &[
-            "compile",
-            "models/llama-3-8b.json",
-            "--train",
-            "--mesh",
-            "pp=2,tp=4",
-            "--strategy",
-            "sp",
-            "--batch",
-            "8",
-            "--seq",
-            "2048",
-            "--micro-batches",
-            "8",
-            "--allow-oom",
-            "-o",
-            p.to_str().unwrap(),
-        ],
-        &[],
-    );
-    assert!(ok, "{err}");
+    let flags = [
+        "--mesh",
+        "pp=2,tp=4",
+        "--strategy",
+        "sp",
+        "--batch",
+        "8",
+        "--seq",
+        "2048",
+        "--micro-batches",
+        "8",
+    ];
+    compile_train(&p, &flags);
     let r = json(&["simulate", "--plan", p.to_str().unwrap(), "--json"]);
     let f = |k: &str| r[k].as_f64().unwrap();
     let p2p: f64 = r["stages"]

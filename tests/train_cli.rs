@@ -16,6 +16,12 @@ fn shardc(args: &[&str]) -> (bool, String, String) {
     run_shardc(args, &[])
 }
 
+/// `shardc train <fixture model> --tokens <ids> <extra>...`.
+fn train(model: &str, ids: &str, extra: &[&str]) -> (bool, String, String) {
+    let dir = train_support::dir(model);
+    shardc(&[&["train", dir.to_str().unwrap(), "--tokens", ids], extra].concat())
+}
+
 fn tokens_file(dir: &Path, model: &str) -> String {
     let r = train_support::reference(model);
     let rows: Vec<Vec<i32>> = r.ids.chunks(r.seq).map(|c| c.to_vec()).collect();
@@ -43,22 +49,21 @@ fn losses(out: &str) -> Vec<f32> {
 fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
     let tmp = tempfile::tempdir().unwrap();
     for model in ["llama", "gpt2", "mixtral"] {
-        let dir = train_support::dir(model);
         let ids = tokens_file(tmp.path(), model);
         let save = tmp.path().join(format!("{model}-trained"));
         let grads = tmp.path().join(format!("{model}-grads.safetensors"));
-        let (ok, out, err) = shardc(&[
-            "train",
-            dir.to_str().unwrap(),
-            "--tokens",
+        let (ok, out, err) = train(
+            model,
             &ids,
-            "--steps",
-            "3",
-            "--export",
-            save.to_str().unwrap(),
-            "--dump-grads",
-            grads.to_str().unwrap(),
-        ]);
+            &[
+                "--steps",
+                "3",
+                "--export",
+                save.to_str().unwrap(),
+                "--dump-grads",
+                grads.to_str().unwrap(),
+            ],
+        );
         assert!(ok, "{model}: {err}");
         let l = losses(&out);
         let r = train_support::reference(model);
@@ -75,7 +80,8 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
         );
 
         // Same tensor names, shapes and dtype as the checkpoint trained from.
-        let (orig, saved) = (Weights::open(&dir).unwrap(), Weights::open(&save).unwrap());
+        let orig = Weights::open(train_support::dir(model)).unwrap();
+        let saved = Weights::open(&save).unwrap();
         assert_eq!(orig.names(), saved.names(), "{model}: tensor names");
         for n in orig.names() {
             assert_eq!(orig.shape(&n), saved.shape(&n), "{model}: `{n}`");
@@ -110,18 +116,18 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
     let model = "gpt2";
     let ids = tokens_file(tmp.path(), model);
     let grads = tmp.path().join("one.safetensors");
-    let (ok, _, err) = shardc(&[
-        "train",
-        train_support::dir(model).to_str().unwrap(),
-        "--tokens",
+    let (ok, _, err) = train(
+        model,
         &ids,
-        "--mesh",
-        "dp=2",
-        "--strategy",
-        "zero2",
-        "--dump-grads",
-        grads.to_str().unwrap(),
-    ]);
+        &[
+            "--mesh",
+            "dp=2",
+            "--strategy",
+            "zero2",
+            "--dump-grads",
+            grads.to_str().unwrap(),
+        ],
+    );
     assert!(ok, "{err}");
     let g = Weights::open(&grads).unwrap();
     let r = train_support::reference(model);
@@ -137,23 +143,22 @@ fn sharded_train_reports_the_mesh_and_writes_a_plan() {
     let tmp = tempfile::tempdir().unwrap();
     let ids = tokens_file(tmp.path(), "llama");
     let plan = tmp.path().join("plan.json");
-    let dir = train_support::dir("llama");
-    let (ok, out, err) = shardc(&[
-        "train",
-        dir.to_str().unwrap(),
-        "--tokens",
+    let (ok, out, err) = train(
+        "llama",
         &ids,
-        "--mesh",
-        "tp=2",
-        "--strategy",
-        "sp",
-        "--micro-batches",
-        "2",
-        "--recompute",
-        "selective",
-        "--save-plan",
-        plan.to_str().unwrap(),
-    ]);
+        &[
+            "--mesh",
+            "tp=2",
+            "--strategy",
+            "sp",
+            "--micro-batches",
+            "2",
+            "--recompute",
+            "selective",
+            "--save-plan",
+            plan.to_str().unwrap(),
+        ],
+    );
     assert!(ok, "{err}");
     assert!(out.contains("mesh tp=2 (tp,sp) on 2 thread ranks"), "{out}");
     let l = losses(&out);
@@ -176,8 +181,6 @@ fn sharded_train_reports_the_mesh_and_writes_a_plan() {
 fn bad_training_arguments_are_one_line_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let ids = tokens_file(tmp.path(), "llama");
-    let dir = train_support::dir("llama");
-    let d = dir.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
         (
             &["--recompute", "sometimes"],
@@ -199,9 +202,7 @@ fn bad_training_arguments_are_one_line_errors() {
         (&["--steps", "0"], "--steps must be at least 1"),
     ];
     for (extra, needle) in cases {
-        let mut args = vec!["train", d, "--tokens", &ids];
-        args.extend_from_slice(extra);
-        let (ok, _, err) = shardc(&args);
+        let (ok, _, err) = train("llama", &ids, extra);
         assert!(!ok, "{extra:?} should fail");
         assert!(!err.contains("panicked"), "{extra:?}: {err}");
         assert!(
@@ -212,7 +213,7 @@ fn bad_training_arguments_are_one_line_errors() {
     }
     let bad = tmp.path().join("bad.json");
     std::fs::write(&bad, "[[1, 2, 999]]").unwrap();
-    let (ok, _, err) = shardc(&["train", d, "--tokens", bad.to_str().unwrap()]);
+    let (ok, _, err) = train("llama", bad.to_str().unwrap(), &[]);
     assert!(
         !ok && err.contains("token id 999 at [0][2] is out of range"),
         "{err}"

@@ -37,16 +37,36 @@ fn train_fails(model_name: &str, extra: &[&str], needles: &[&str]) {
     fails_with(&args, needles);
 }
 
+/// `shardc train <model>` on a `pp=2,dp=2` mesh with `--strategy strategy` must fail naming
+/// every needle.
+fn strategy_fails_with_pp(model_name: &str, strategy: &str, needles: &[&str]) {
+    let extra = ["--mesh", "pp=2,dp=2", "--strategy", strategy];
+    train_fails(model_name, &extra, needles);
+}
+
+/// `shardc train llama` on `pp=2` with the interleaved schedule, `virtual_stages` chunks per
+/// rank and `micro_batches`, must fail naming every needle.
+fn interleaved_fails(virtual_stages: &str, micro_batches: &str, needles: &[&str]) {
+    let extra = [
+        "--mesh",
+        "pp=2",
+        "--schedule",
+        "interleaved",
+        "--virtual-stages",
+        virtual_stages,
+        "--micro-batches",
+        micro_batches,
+    ];
+    train_fails("llama", &extra, needles);
+}
+
 #[test]
 fn tied_embeddings_over_stages_refuse_zero() {
     // gpt2's head reuses the embedding weight: split over stages, the two copies exchange
     // whole gradients, which ZeRO's sharded gradients and optimizer state do not provide.
     for z in ["zero1", "zero2"] {
-        train_fails(
-            "gpt2",
-            &["--mesh", "pp=2,dp=2", "--strategy", z],
-            &[&format!("`{z}` with tied embeddings"), "plain dp"],
-        );
+        let needles = [&format!("`{z}` with tied embeddings"), "plain dp"];
+        strategy_fails_with_pp("gpt2", z, &needles);
     }
     // Plain dp and no dp compile (and train: tests/train_pipeline.rs).
     let cfg = ModelConfig::from_path(&train_support::dir("gpt2")).unwrap();
@@ -59,14 +79,11 @@ fn tied_embeddings_over_stages_refuse_zero() {
 #[test]
 fn zero3_and_fsdp_are_refused_with_pp() {
     for s in ["zero3", "fsdp"] {
-        train_fails(
-            "llama",
-            &["--mesh", "pp=2,dp=2", "--strategy", s],
-            &[
-                &format!("`{s}` with pipeline parallelism"),
-                "zero1 or zero2",
-            ],
-        );
+        let needles = [
+            &format!("`{s}` with pipeline parallelism"),
+            "zero1 or zero2",
+        ];
+        strategy_fails_with_pp("llama", s, &needles);
     }
     // zero1 and zero2 compose with pp (the message's advice is sound).
     let cfg = llama_cfg();
@@ -90,20 +107,7 @@ fn too_many_chunks_for_the_model() {
         &["8 pipeline chunks", "3 layers", "at most 5"],
     );
     // Interleaving counts chunks, not ranks: pp=2 × 3 virtual stages = 6 chunks.
-    train_fails(
-        "llama",
-        &[
-            "--mesh",
-            "pp=2",
-            "--schedule",
-            "interleaved",
-            "--virtual-stages",
-            "3",
-            "--micro-batches",
-            "2",
-        ],
-        &["6 pipeline chunks", "at most 5"],
-    );
+    interleaved_fails("3", "2", &["6 pipeline chunks", "at most 5"]);
     // 5 chunks fit (a chunk may hold the embedding or head alone).
     let cfg = llama_cfg();
     let c = compile(&cfg, &pipe("pp=5", &[], 1, ScheduleKind::Gpipe, None), 2).unwrap();
@@ -165,20 +169,7 @@ fn bad_stage_layers() {
 #[test]
 fn micro_batch_counts_that_do_not_fit() {
     // Interleaved needs micro-batches divisible by pp.
-    train_fails(
-        "llama",
-        &[
-            "--mesh",
-            "pp=2",
-            "--schedule",
-            "interleaved",
-            "--virtual-stages",
-            "2",
-            "--micro-batches",
-            "3",
-        ],
-        &["interleaved", "divisible by pp", "3 % 2"],
-    );
+    interleaved_fails("2", "3", &["interleaved", "divisible by pp", "3 % 2"]);
     // The micro-batches must divide the batch (4).
     train_fails(
         "llama",

@@ -461,40 +461,14 @@ impl<'g, 'p> Run<'g, 'p> {
                         name: node.name.clone(),
                     })
             }
-            Op::AllReduce { axis } => {
-                owned(collective::all_reduce(self.ctx.comm(axis)?, args[0], &wrap))
-            }
-            Op::ReduceScatter { axis, dim, parts } => owned(collective::reduce_scatter(
+            Op::AllReduce { axis }
+            | Op::ReduceScatter { axis, .. }
+            | Op::AllGather { axis, .. }
+            | Op::AllToAll { axis, .. }
+            | Op::Broadcast { axis, .. } => owned(collective::collective(
                 self.ctx.comm(axis)?,
+                &node.op,
                 args[0],
-                *dim,
-                *parts,
-                &wrap,
-            )),
-            Op::AllGather { axis, dim, parts } => owned(collective::all_gather(
-                self.ctx.comm(axis)?,
-                args[0],
-                *dim,
-                *parts,
-                &wrap,
-            )),
-            Op::AllToAll {
-                axis,
-                split_dim,
-                concat_dim,
-                parts,
-            } => owned(collective::all_to_all(
-                self.ctx.comm(axis)?,
-                args[0],
-                *split_dim,
-                *concat_dim,
-                *parts,
-                &wrap,
-            )),
-            Op::Broadcast { axis, root } => owned(collective::broadcast(
-                self.ctx.comm(axis)?,
-                args[0],
-                *root,
                 &wrap,
             )),
             Op::LocalSlice { axis, dim, parts } => {
@@ -505,59 +479,20 @@ impl<'g, 'p> Run<'g, 'p> {
                 };
                 owned(self.take_chunk(args[0], &spec))
             }
-            Op::AgMatMul {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => owned(collective_matmul::ag_matmul(
-                self.ctx.comm(axis)?,
-                args[0],
-                args[1],
-                *dim,
-                *parts,
-                *transpose_b,
-                &wrap,
-            )),
-            Op::MatMulRs {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => owned(collective_matmul::matmul_rs(
-                self.ctx.comm(axis)?,
-                args[0],
-                args[1],
-                *dim,
-                *parts,
-                *transpose_b,
-                &wrap,
-            )),
-            Op::RingAttention { spec, axis, parts } => {
-                let keys = cpu::attention::Keys::of(spec, &args[3..]);
-                owned(cpu::ring_attention::ring_attention(
+            Op::AgMatMul { axis, .. } | Op::MatMulRs { axis, .. } => {
+                owned(collective_matmul::ring_matmul(
                     self.ctx.comm(axis)?,
+                    &node.op,
                     args[0],
                     args[1],
-                    args[2],
-                    keys,
-                    spec,
-                    *parts,
                     &wrap,
                 ))
             }
-            Op::RingAttentionGrad { spec, axis, parts } => {
-                let keys = cpu::attention::Keys::of(spec, &args[5..]);
-                owned(cpu::ring_attention::ring_attention_grad(
+            Op::RingAttention { axis, .. } | Op::RingAttentionGrad { axis, .. } => {
+                owned(cpu::ring_attention::ring_attention_op(
                     self.ctx.comm(axis)?,
-                    args[0],
-                    args[1],
-                    args[2],
-                    args[3],
-                    args[4],
-                    keys,
-                    spec,
-                    *parts,
+                    &node.op,
+                    &args,
                     &wrap,
                 ))
             }

@@ -14,16 +14,17 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use shardc_compiler::compile::{compile_forward_with, CompileOptions};
 use shardc_compiler::ir::{DType, Graph, Op, ShardSpec, TensorType};
-use shardc_compiler::model::ModelConfig;
 use shardc_compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::ReduceOp;
-use shardc_runtime::cuda::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
+use shardc_runtime::cuda::comm::device::{
+    DeviceBuffer, DeviceCollective, DeviceCollective as Dc, DeviceCommunicator, DeviceDType,
+};
 use shardc_runtime::cuda::comm::local_gpu::group;
 use shardc_runtime::cuda::comm::nccl::{NcclComm, NcclId};
 use shardc_runtime::cuda::{run_spmd_local_gpu, CudaDevice, GpuDType, ParamInit};
 use shardc_runtime::spmd::run_spmd;
-use shardc_runtime::Weights;
+use shardc_runtime::{Tensor, Weights};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -132,7 +133,21 @@ fn reduce_like_local_gpu(srcs: &[Data], op: ReduceOp) -> Data {
     Data::from_f32(acc, dt)
 }
 
-type Call = fn(&dyn DeviceCommunicator, DeviceBuffer, DeviceBuffer, &CudaStream);
+/// The collective a rank issues, given its communicator and its send and receive buffers.
+type Call = fn(&dyn DeviceCommunicator, DeviceBuffer, DeviceBuffer) -> DeviceCollective;
+
+/// Enqueues `call(comm, send, recv)` on `stream`.
+fn enqueue(
+    comm: &dyn DeviceCommunicator,
+    send: DeviceBuffer,
+    recv: DeviceBuffer,
+    stream: &CudaStream,
+    call: impl Fn(&dyn DeviceCommunicator, DeviceBuffer, DeviceBuffer) -> DeviceCollective,
+) {
+    let c = call(comm, send, recv);
+    // SAFETY: the callers' buffers live until after their poll loops.
+    unsafe { comm.enqueue(c, stream) }.unwrap_or_else(|e| panic!("{}: {e}", c.kind()));
+}
 
 /// Runs `call(comm, send, recv)` on every rank of a fresh local-gpu group (own stream per
 /// rank), waits through `poll`, and returns every rank's `recv`.
@@ -140,8 +155,9 @@ fn local_gpu_collective(
     dev: &Arc<CudaDevice>,
     sends: &[Data],
     recv_len: usize,
-    call: Call,
+    call: impl Fn(&dyn DeviceCommunicator, DeviceBuffer, DeviceBuffer) -> DeviceCollective + Sync,
 ) -> Vec<Data> {
+    let call = &call;
     let n = sends.len();
     let comms = group(dev, "tp", n, TIMEOUT);
     std::thread::scope(|s| {
@@ -154,7 +170,7 @@ fn local_gpu_collective(
                     let x = Dev::upload(&stream, send);
                     let y = Dev::zeros(&stream, recv_len, send.dtype());
                     stream.synchronize().expect("sync");
-                    call(&c, x.buf(&stream), y.buf(&stream), &stream);
+                    enqueue(&c, x.buf(&stream), y.buf(&stream), &stream, call);
                     while !c.poll().expect("poll") {
                         std::thread::yield_now();
                     }
@@ -182,19 +198,10 @@ fn local_gpu_collectives_match_their_definitions() {
                 // all_reduce sum / avg
                 for op in [ReduceOp::Sum, ReduceOp::Avg] {
                     let want = reduce_like_local_gpu(&sends, op);
-                    let call: Call = if op == ReduceOp::Sum {
-                        |c, x, y, s| {
-                            unsafe { c.all_reduce(x, y, ReduceOp::Sum, s) }.expect("all_reduce")
-                        }
-                    } else {
-                        |c, x, y, s| {
-                            unsafe { c.all_reduce(x, y, ReduceOp::Avg, s) }.expect("all_reduce")
-                        }
-                    };
-                    for (r, got) in local_gpu_collective(&dev, &sends, len, call)
-                        .iter()
-                        .enumerate()
-                    {
+                    let got = local_gpu_collective(&dev, &sends, len, |_, send, recv| {
+                        Dc::AllReduce { send, recv, op }
+                    });
+                    for (r, got) in got.iter().enumerate() {
                         assert_eq!(
                             got, &want,
                             "all_reduce {op:?} n={n} {dt} len={len} rank {r}"
@@ -203,8 +210,9 @@ fn local_gpu_collectives_match_their_definitions() {
                 }
                 // reduce_scatter
                 let c = len / n;
-                let got = local_gpu_collective(&dev, &sends, c, |c, x, y, s| {
-                    unsafe { c.reduce_scatter(x, y, ReduceOp::Sum, s) }.expect("reduce_scatter")
+                let got = local_gpu_collective(&dev, &sends, c, |_, send, recv| {
+                    let op = ReduceOp::Sum;
+                    Dc::ReduceScatter { send, recv, op }
                 });
                 for (r, g) in got.iter().enumerate() {
                     let chunks: Vec<Data> = sends.iter().map(|d| d.chunk(r, c)).collect();
@@ -215,33 +223,41 @@ fn local_gpu_collectives_match_their_definitions() {
                     );
                 }
                 // all_gather
-                let got = local_gpu_collective(&dev, &sends, len * n, |c, x, y, s| {
-                    unsafe { c.all_gather(x, y, s) }.expect("all_gather")
+                let got = local_gpu_collective(&dev, &sends, len * n, |_, send, recv| {
+                    Dc::AllGather { send, recv }
                 });
                 let cat: Vec<f32> = sends.iter().flat_map(|d| d.f32s()).collect();
                 for g in &got {
                     assert_eq!(g.f32s(), cat, "all_gather n={n} {dt}");
                 }
                 // all_to_all
-                let got = local_gpu_collective(&dev, &sends, len, |c, x, y, s| {
-                    unsafe { c.all_to_all(x, y, s) }.expect("all_to_all")
+                let got = local_gpu_collective(&dev, &sends, len, |_, send, recv| Dc::AllToAll {
+                    send,
+                    recv,
                 });
                 for (r, g) in got.iter().enumerate() {
                     let want: Vec<f32> = sends.iter().flat_map(|d| d.chunk(r, c).f32s()).collect();
                     assert_eq!(g.f32s(), want, "all_to_all rank {r}");
                 }
                 // broadcast from rank 1
-                let got = local_gpu_collective(&dev, &sends, len, |c, x, y, s| {
-                    unsafe { c.broadcast(x, y, 1, s) }.expect("broadcast")
+                let got = local_gpu_collective(&dev, &sends, len, |_, send, recv| Dc::Broadcast {
+                    send,
+                    recv,
+                    root: 1,
                 });
                 for g in &got {
                     assert_eq!(g, &sends[1], "broadcast");
                 }
                 // ring send_recv: rank r receives rank r-1's data
-                let got = local_gpu_collective(&dev, &sends, len, |c, x, y, s| {
+                let got = local_gpu_collective(&dev, &sends, len, |c, send, recv| {
                     let (r, n) = (c.rank(), c.size());
-                    unsafe { c.send_recv(x, (r + 1) % n, y, (r + n - 1) % n, s) }
-                        .expect("send_recv")
+                    let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+                    Dc::SendRecv {
+                        send,
+                        to,
+                        recv,
+                        from,
+                    }
                 });
                 for (r, g) in got.iter().enumerate() {
                     assert_eq!(g, &sends[(r + n - 1) % n], "send_recv rank {r}");
@@ -260,16 +276,19 @@ fn local_gpu_mismatch_and_timeout_fail_cleanly() {
     let stream = dev.new_stream().expect("stream");
     let x = Dev::upload(&stream, &Data::F32(vec![1.0; 8]));
     let y = Dev::zeros(&stream, 8, DeviceDType::F32);
-    let e = unsafe { comms[0].all_reduce(x.buf(&stream), y.buf(&stream), ReduceOp::Sum, &stream) }
-        .expect_err("peer missing");
+    let sum = Dc::AllReduce {
+        send: x.buf(&stream),
+        recv: y.buf(&stream),
+        op: ReduceOp::Sum,
+    };
+    let e = unsafe { comms[0].enqueue(sum, &stream) }.expect_err("peer missing");
     let text = e.to_string();
     assert!(
         text.contains("timed out") && text.contains("rank 1") && text.contains("`tp`"),
         "{text}"
     );
     // The group is aborted for the other rank too.
-    let e = unsafe { comms[1].all_reduce(x.buf(&stream), y.buf(&stream), ReduceOp::Sum, &stream) }
-        .expect_err("aborted");
+    let e = unsafe { comms[1].enqueue(sum, &stream) }.expect_err("aborted");
     assert!(e.to_string().contains("aborted"), "{e}");
 }
 
@@ -292,28 +311,31 @@ fn nccl_world_of_one_runs_every_collective() {
         let d = Data::random(&mut rng, 783, dt);
         let x = Dev::upload(&stream, &d);
         let calls: [(&str, Call); 6] = [
-            ("all_reduce", |c, x, y, s| {
-                unsafe { c.all_reduce(x, y, ReduceOp::Sum, s) }.expect("all_reduce")
+            ("all_reduce", |_, send, recv| {
+                let op = ReduceOp::Sum;
+                Dc::AllReduce { send, recv, op }
             }),
-            ("reduce_scatter", |c, x, y, s| {
-                unsafe { c.reduce_scatter(x, y, ReduceOp::Sum, s) }.expect("rs")
+            ("reduce_scatter", |_, send, recv| {
+                let op = ReduceOp::Sum;
+                Dc::ReduceScatter { send, recv, op }
             }),
-            ("all_gather", |c, x, y, s| {
-                unsafe { c.all_gather(x, y, s) }.expect("ag")
+            ("all_gather", |_, send, recv| Dc::AllGather { send, recv }),
+            ("all_to_all", |_, send, recv| Dc::AllToAll { send, recv }),
+            ("broadcast", |_, send, recv| Dc::Broadcast {
+                send,
+                recv,
+                root: 0,
             }),
-            ("all_to_all", |c, x, y, s| {
-                unsafe { c.all_to_all(x, y, s) }.expect("a2a")
-            }),
-            ("broadcast", |c, x, y, s| {
-                unsafe { c.broadcast(x, y, 0, s) }.expect("bcast")
-            }),
-            ("send_recv", |c, x, y, s| {
-                unsafe { c.send_recv(x, 0, y, 0, s) }.expect("send_recv")
+            ("send_recv", |_, send, recv| Dc::SendRecv {
+                send,
+                to: 0,
+                recv,
+                from: 0,
             }),
         ];
         for (name, call) in calls {
             let y = Dev::zeros(&stream, d.len(), dt);
-            call(&comm, x.buf(&stream), y.buf(&stream), &stream);
+            enqueue(&comm, x.buf(&stream), y.buf(&stream), &stream, call);
             while !comm.poll().expect("poll") {
                 std::thread::yield_now();
             }
@@ -330,7 +352,10 @@ fn nccl_world_of_one_runs_every_collective() {
         DeviceBuffer::new(x.device_ptr(&stream).0, 50, DeviceDType::F16),
         DeviceBuffer::new(y.device_ptr(&stream).0, 50, DeviceDType::F16),
     );
-    unsafe { comm.all_reduce(xb, yb, ReduceOp::Sum, &stream) }.expect("f16 all_reduce");
+    enqueue(&comm, xb, yb, &stream, |_, send, recv| {
+        let op = ReduceOp::Sum;
+        Dc::AllReduce { send, recv, op }
+    });
     while !comm.poll().expect("poll") {}
     assert_eq!(stream.clone_dtoh(&y).expect("download"), h);
 }
@@ -343,9 +368,7 @@ fn local_gpu_tp_plans_reproduce_the_fixtures() {
     let dev = device();
     let mut ran = 0;
     for case in cases().into_iter().filter(|c| c.batch == 2 && c.seq == 16) {
-        let dir = fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).expect("config");
-        let w = Weights::open(&dir).expect("weights");
+        let (cfg, w) = case.load();
         for (mesh, extra, rewrite) in [
             ("tp=2", "", false),
             ("tp=4", "", false),
@@ -409,12 +432,51 @@ fn local_gpu_tp_plans_reproduce_the_fixtures() {
     assert!(ran >= 16, "only {ran} sharded GPU runs");
 }
 
+/// Runs `g` on the CPU thread ranks of `mesh` (a `tp` mesh) and, in f32 and bf16, on local-gpu
+/// ranks: every rank's every output matches the CPU's (under bf16 the CPU's rounded to bf16
+/// when `round_cpu`).
+fn local_gpu_matches_cpu_ranks(
+    g: &Graph,
+    mesh: &Mesh,
+    weights: &Weights,
+    inputs: &BTreeMap<String, Tensor>,
+    round_cpu: bool,
+) {
+    let (dev, parts) = (device(), mesh.world_size());
+    let cpu = run_spmd(g, mesh, weights, inputs, TIMEOUT).expect("cpu ranks");
+    for dt in [GpuDType::F32, GpuDType::Bf16] {
+        let gpu = run_spmd_local_gpu(
+            &dev,
+            g,
+            mesh,
+            &ParamInit::Weights(weights),
+            inputs,
+            &opts(dt, true),
+        )
+        .unwrap_or_else(|e| panic!("tp={parts} {dt}: {e}"));
+        let (a, r) = match dt {
+            GpuDType::F32 => (1e-5, 1e-5),
+            GpuDType::Bf16 => (5e-2, 5e-2),
+        };
+        for (rank, (go, co)) in gpu.iter().zip(&cpu).enumerate() {
+            for (name, want) in co {
+                let want = if dt == GpuDType::Bf16 && round_cpu {
+                    round_bf16(want)
+                } else {
+                    want.clone()
+                };
+                let what = format!("tp={parts} {dt} rank {rank} {name}");
+                assert_close(&what, &go[name], &want, a, r);
+            }
+        }
+    }
+}
+
 /// A graph with every collective (dims that need packing included), `RankOffset`,
 /// `LocalSlice` and the collective matmuls, on 2 and 4 virtual ranks, against CPU thread ranks.
 #[test]
 #[ignore = "needs a GPU"]
 fn local_gpu_collective_ops_and_collective_matmuls_match_cpu_ranks() {
-    let dev = device();
     for parts in [2, 4] {
         let mesh = Mesh::parse(&format!("tp={parts}"), 8).expect("mesh");
         let shard = |dim| {
@@ -566,38 +628,7 @@ fn local_gpu_collective_ops_and_collective_matmuls_match_cpu_ranks() {
             ("x".to_string(), rng.tensor(&[2 * parts, 8, 12], 1.0)),
             ("ids".to_string(), rng.ids(&[2 * parts, 8], 0, 100)),
         ]);
-        let cpu = run_spmd(&g, &mesh, &weights, &inputs, TIMEOUT).expect("cpu ranks");
-        for dt in [GpuDType::F32, GpuDType::Bf16] {
-            let gpu = run_spmd_local_gpu(
-                &dev,
-                &g,
-                &mesh,
-                &ParamInit::Weights(&weights),
-                &inputs,
-                &opts(dt, true),
-            )
-            .unwrap_or_else(|e| panic!("tp={parts} {dt}: {e}"));
-            for (rank, (go, co)) in gpu.iter().zip(&cpu).enumerate() {
-                for (name, want) in co {
-                    let want = if dt == GpuDType::Bf16 {
-                        round_bf16(want)
-                    } else {
-                        want.clone()
-                    };
-                    let (a, r) = match dt {
-                        GpuDType::F32 => (1e-5, 1e-5),
-                        GpuDType::Bf16 => (5e-2, 5e-2),
-                    };
-                    assert_close(
-                        &format!("tp={parts} {dt} rank {rank} {name}"),
-                        &go[name],
-                        &want,
-                        a,
-                        r,
-                    );
-                }
-            }
-        }
+        local_gpu_matches_cpu_ranks(&g, &mesh, &weights, &inputs, true);
     }
 }
 
@@ -606,7 +637,6 @@ fn local_gpu_collective_ops_and_collective_matmuls_match_cpu_ranks() {
 #[test]
 #[ignore = "needs a GPU"]
 fn local_gpu_vocab_parallel_cross_entropy_matches_cpu_ranks() {
-    let dev = device();
     for parts in [2, 4] {
         let mesh = Mesh::parse(&format!("tp={parts}"), 8).expect("mesh");
         let vocab = 783 * parts;
@@ -663,32 +693,6 @@ fn local_gpu_vocab_parallel_cross_entropy_matches_cpu_ranks() {
         ]);
         let dir = tempfile::tempdir().expect("tempdir");
         let weights = checkpoint(dir.path(), &[]);
-        let cpu = run_spmd(&g, &mesh, &weights, &inputs, TIMEOUT).expect("cpu ranks");
-        for dt in [GpuDType::F32, GpuDType::Bf16] {
-            let gpu = run_spmd_local_gpu(
-                &dev,
-                &g,
-                &mesh,
-                &ParamInit::Weights(&weights),
-                &inputs,
-                &opts(dt, true),
-            )
-            .unwrap_or_else(|e| panic!("tp={parts} {dt}: {e}"));
-            for (rank, (go, co)) in gpu.iter().zip(&cpu).enumerate() {
-                for (name, want) in co {
-                    let (a, r) = match dt {
-                        GpuDType::F32 => (1e-5, 1e-5),
-                        GpuDType::Bf16 => (5e-2, 5e-2),
-                    };
-                    assert_close(
-                        &format!("tp={parts} {dt} rank {rank} {name}"),
-                        &go[name],
-                        want,
-                        a,
-                        r,
-                    );
-                }
-            }
-        }
+        local_gpu_matches_cpu_ranks(&g, &mesh, &weights, &inputs, false);
     }
 }

@@ -11,7 +11,7 @@ use shardc_compiler::ir::{
     AttnSpec, DType, EwExpr, EwStep, Float, Graph, Op, RopeScaling, RopeSpec, RopeStyle,
     TensorType, UnaryOp,
 };
-use shardc_runtime::cuda::{execute_cuda, CudaProgram, CudaRankCtx, GpuDType, ParamInit};
+use shardc_runtime::cuda::{execute_cuda, CudaRankCtx, GpuDType, ParamInit};
 use shardc_runtime::{execute, RankCtx, Tensor};
 use std::collections::BTreeMap;
 
@@ -540,14 +540,7 @@ fn planner_fusions_match_the_unfused_graph() {
     let want = execute(&g, &w, &inputs, &RankCtx::new()).expect("cpu")["y"].clone();
     for dt in DTYPES {
         let ctx = CudaRankCtx::new();
-        let mut fused = CudaProgram::prepare(
-            dev.clone(),
-            &g,
-            &ParamInit::Weights(&w),
-            &ctx,
-            opts(dt, true),
-        )
-        .expect("prepare fused");
+        let mut fused = prepare(&dev, &g, &w, &ctx, opts(dt, true)).expect("prepare fused");
         let labels: Vec<&str> = fused.fused_groups().iter().map(|x| x.label()).collect();
         assert!(labels.contains(&"gemm+bias+gelu"), "{labels:?}");
         assert!(labels.contains(&"add+rmsnorm"), "{labels:?}");

@@ -10,9 +10,9 @@
 mod cuda_common;
 
 use cuda_common::*;
-use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
-use shardc_runtime::cuda::{CudaProgram, CudaRankCtx, GpuDType, ParamInit};
-use shardc_runtime::{execute, RankCtx, Weights};
+use shardc_compiler::model::{build_forward, BuildOptions};
+use shardc_runtime::cuda::{CudaRankCtx, GpuDType};
+use shardc_runtime::{execute, RankCtx};
 
 #[test]
 #[ignore = "needs a GPU"]
@@ -20,20 +20,12 @@ fn f32_reproduces_every_fixture() {
     let dev = device();
     let mut ran = 0;
     for case in cases() {
-        let dir = fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).expect("config");
-        let w = Weights::open(&dir).expect("weights");
+        let (cfg, w) = case.load();
         let g = build_forward(&cfg, BuildOptions::new(case.batch, case.seq)).expect("graph");
         for fuse in [true, false] {
             let ctx = CudaRankCtx::new();
-            let mut p = CudaProgram::prepare(
-                dev.clone(),
-                &g,
-                &ParamInit::Weights(&w),
-                &ctx,
-                opts(GpuDType::F32, fuse),
-            )
-            .unwrap_or_else(|e| panic!("{} {}: {e}", case.model, case.name));
+            let mut p = prepare(&dev, &g, &w, &ctx, opts(GpuDType::F32, fuse))
+                .unwrap_or_else(|e| panic!("{} {}: {e}", case.model, case.name));
             let out = p.run(&case.inputs, &ctx).expect("run");
             let logits = out["logits"].as_f32().expect("f32 logits");
             let d = case.max_diff(logits, &case.logits);
@@ -69,20 +61,11 @@ fn bf16_tracks_the_f32_cpu_reference() {
     let dev = device();
     let (mut agree, mut rows) = (0.0, 0usize);
     for case in cases() {
-        let dir = fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).expect("config");
-        let w = Weights::open(&dir).expect("weights");
+        let (cfg, w) = case.load();
         let g = build_forward(&cfg, BuildOptions::new(case.batch, case.seq)).expect("graph");
         let cpu = execute(&g, &w, &case.inputs, &RankCtx::new()).expect("cpu");
         let ctx = CudaRankCtx::new();
-        let mut p = CudaProgram::prepare(
-            dev.clone(),
-            &g,
-            &ParamInit::Weights(&w),
-            &ctx,
-            opts(GpuDType::Bf16, true),
-        )
-        .expect("prepare bf16");
+        let mut p = prepare(&dev, &g, &w, &ctx, opts(GpuDType::Bf16, true)).expect("prepare bf16");
         let gpu = p.run(&case.inputs, &ctx).expect("run bf16");
         let (got, want) = (
             case.unmasked(gpu["logits"].as_f32().expect("f32")),

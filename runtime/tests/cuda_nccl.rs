@@ -12,14 +12,14 @@ mod cuda_common;
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use shardc_compiler::compile::{compile_forward, CompileOptions};
-use shardc_compiler::model::ModelConfig;
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::ReduceOp;
-use shardc_runtime::cuda::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
+use shardc_runtime::cuda::comm::device::{
+    DeviceBuffer, DeviceCollective as Dc, DeviceCommunicator, DeviceDType,
+};
 use shardc_runtime::cuda::comm::nccl::{nccl_version, NcclComm, NcclId};
 use shardc_runtime::cuda::{run_spmd_nccl_threads, GpuDType, ParamInit};
 use shardc_runtime::spmd::run_spmd;
-use shardc_runtime::Weights;
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -85,20 +85,26 @@ fn two_ranks_split_per_axis_and_run_every_collective() {
                     ] {
                         let ys: CudaSlice<f32> = stream.alloc_zeros(len).expect("alloc");
                         let yb = DeviceBuffer::new(ys.device_ptr(&stream).0, len, DeviceDType::F32);
+                        let (send, recv, op, peer) = (xb, yb, ReduceOp::Sum, 1 - rank);
+                        let c = match what {
+                            "all_reduce" => Dc::AllReduce { send, recv, op },
+                            "reduce_scatter" => Dc::ReduceScatter { send, recv, op },
+                            "all_gather" => Dc::AllGather { send, recv },
+                            "all_to_all" => Dc::AllToAll { send, recv },
+                            "broadcast" => Dc::Broadcast {
+                                send,
+                                recv,
+                                root: 1,
+                            },
+                            _ => Dc::SendRecv {
+                                send,
+                                to: peer,
+                                recv,
+                                from: peer,
+                            },
+                        };
                         // SAFETY: both slices live until after the poll loop.
-                        unsafe {
-                            match what {
-                                "all_reduce" => tp.all_reduce(xb, yb, ReduceOp::Sum, &stream),
-                                "reduce_scatter" => {
-                                    tp.reduce_scatter(xb, yb, ReduceOp::Sum, &stream)
-                                }
-                                "all_gather" => tp.all_gather(xb, yb, &stream),
-                                "all_to_all" => tp.all_to_all(xb, yb, &stream),
-                                "broadcast" => tp.broadcast(xb, yb, 1, &stream),
-                                _ => tp.send_recv(xb, 1 - rank, yb, 1 - rank, &stream),
-                            }
-                        }
-                        .expect(what);
+                        unsafe { tp.enqueue(c, &stream) }.expect(what);
                         while !tp.poll().expect("poll") {
                             std::thread::yield_now();
                         }
@@ -146,9 +152,7 @@ fn two_nccl_ranks_run_tp_and_sp_plans() {
     let dev = device();
     let mut ran = 0;
     for case in cases().into_iter().filter(|c| c.batch == 2 && c.seq == 16) {
-        let dir = fixtures().join(&case.model);
-        let cfg = ModelConfig::from_path(&dir).expect("config");
-        let w = Weights::open(&dir).expect("weights");
+        let (cfg, w) = case.load();
         for extra in ["", "sp"] {
             let opts = CompileOptions {
                 batch: case.batch,

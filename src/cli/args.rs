@@ -5,6 +5,7 @@ use anyhow::bail;
 use shardc::compiler::compile::CompileOptions;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::shard::Mesh;
+use std::path::Path;
 
 /// Default mesh and strategies of a bare `shardc compile`.
 const DEFAULT_MESH: &str = "dp=2,tp=4";
@@ -120,6 +121,14 @@ pub fn at_least(flag: &str, value: usize, min: usize) -> anyhow::Result<()> {
         bail!("{flag}: must be at least {min} (found {value})");
     }
     Ok(())
+}
+
+/// The model config at `path` and the sequence length: `seq`, or by default min(max
+/// positions, 4096).
+pub fn config_and_seq(path: &Path, seq: Option<usize>) -> anyhow::Result<(ModelConfig, usize)> {
+    let cfg = ModelConfig::from_path(path)?;
+    let seq = seq.unwrap_or(cfg.max_positions.min(4096));
+    Ok((cfg, seq))
 }
 
 /// A sequence length of 1 up to the model's maximum positions.

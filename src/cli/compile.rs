@@ -2,7 +2,7 @@
 //! default; with `--train` one training step (forward, backward, AdamW per micro-batch; a
 //! pipeline over a `pp` axis), from the config alone: no weights or tokens are read.
 
-use super::args::{at_least, check_seq, options};
+use super::args::{at_least, check_seq, config_and_seq, options};
 use super::fmt::{bytes, thousands};
 use anyhow::{bail, Context};
 use clap::Args;
@@ -147,8 +147,7 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     let outputs =
         Outputs::new(a.overwrite).inputs([Some(path.as_path()), Some(Path::new(&a.cluster))]);
     outputs.check_file("-o", &a.output)?;
-    let cfg = ModelConfig::from_path(&path)?;
-    let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
+    let (cfg, seq) = config_and_seq(&path, a.seq)?;
     check_args(&a, &cfg, &path, seq)?;
     let opts = options(
         &cfg,
@@ -203,17 +202,8 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     let json = plan.to_json();
     outputs.write("-o", &a.output, json.as_bytes())?;
     print_summary(&plan);
-    if let Some(r) = &plan.rewrite {
-        print!("{r}");
-    }
-    println!(
-        "compiled in {:.1} ms; wrote {} (plan format v{}, {} steps, {})",
-        elapsed.as_secs_f64() * 1e3,
-        a.output.display(),
-        plan.format_version,
-        thousands(plan.steps.len() as u64),
-        bytes(json.len() as u64)
-    );
+    let contents = format!("{} steps", thousands(plan.steps.len() as u64));
+    print_written(&plan, &a.output, elapsed, &contents, json.len());
     Ok(())
 }
 
@@ -448,35 +438,46 @@ fn finish_train(
     let json = plan.to_json();
     outputs.write("-o", &a.output, json.as_bytes())?;
     print_train_summary(plan, opts, &ranks)?;
+    let nodes = plan.program.len()
+        + plan.step.as_ref().map_or(0, |s| s.program.len())
+        + plan
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                usize::from(i > 0) * c.program.len()
+                    + c.step.as_ref().map_or(0, |s| s.program.len())
+            })
+            .sum::<usize>();
+    let programs = if plan.chunks.is_empty() {
+        1 + usize::from(plan.step.is_some())
+    } else {
+        2 * plan.chunks.len()
+    };
+    let contents = format!("{} nodes in {programs} program(s)", thousands(nodes as u64));
+    print_written(plan, &a.output, elapsed, &contents, json.len());
+    Ok(())
+}
+
+/// The rewrite report (when rules ran) and the closing line: the compile time, where the plan
+/// went, its format version, `contents` and its size.
+fn print_written(
+    plan: &Plan,
+    output: &Path,
+    elapsed: std::time::Duration,
+    contents: &str,
+    json_bytes: usize,
+) {
     if let Some(r) = &plan.rewrite {
         print!("{r}");
     }
     println!(
-        "compiled in {:.1} ms; wrote {} (plan format v{}, {} nodes in {} program(s), {})",
+        "compiled in {:.1} ms; wrote {} (plan format v{}, {contents}, {})",
         elapsed.as_secs_f64() * 1e3,
-        a.output.display(),
+        output.display(),
         plan.format_version,
-        thousands(
-            (plan.program.len()
-                + plan.step.as_ref().map_or(0, |s| s.program.len())
-                + plan
-                    .chunks
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| {
-                        usize::from(i > 0) * c.program.len()
-                            + c.step.as_ref().map_or(0, |s| s.program.len())
-                    })
-                    .sum::<usize>()) as u64
-        ),
-        if plan.chunks.is_empty() {
-            1 + usize::from(plan.step.is_some())
-        } else {
-            2 * plan.chunks.len()
-        },
-        bytes(json.len() as u64)
+        bytes(json_bytes as u64)
     );
-    Ok(())
 }
 
 /// Training memory of one rank (of one pipeline stage), at the plan's precision.

@@ -1,5 +1,7 @@
 //! Number formatting for reports.
 
+use shardc::compiler::model::scale_to_unit;
+
 /// `1234567` → `1,234,567`.
 pub fn thousands(n: u64) -> String {
     let s = n.to_string();
@@ -16,12 +18,7 @@ pub fn thousands(n: u64) -> String {
 /// Bytes with a binary unit (`1.50 GiB`).
 pub fn bytes(n: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut x = n as f64;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < units.len() {
-        x /= 1024.0;
-        u += 1;
-    }
+    let (x, u) = scale_to_unit(n as f64, 1024.0, units.len());
     if u == 0 {
         format!("{n} B")
     } else {
@@ -32,11 +29,6 @@ pub fn bytes(n: u64) -> String {
 /// A count with an SI unit (`16.1 G`).
 pub fn si(x: f64) -> String {
     let units = ["", "K", "M", "G", "T", "P", "E"];
-    let mut x = x;
-    let mut u = 0;
-    while x.abs() >= 1000.0 && u + 1 < units.len() {
-        x /= 1000.0;
-        u += 1;
-    }
+    let (x, u) = scale_to_unit(x, 1000.0, units.len());
     format!("{x:.2} {}", units[u])
 }

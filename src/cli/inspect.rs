@@ -4,7 +4,7 @@ use super::fmt::{bytes, si, thousands};
 use anyhow::Context;
 use clap::Args;
 use serde_json::json;
-use shardc::compiler::model::{ModelConfig, ModelStats};
+use shardc::compiler::model::ModelStats;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -21,8 +21,7 @@ pub struct InspectArgs {
 
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let path = a.model.unwrap_or_else(super::default_model);
-    let cfg = ModelConfig::from_path(&path)?;
-    let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
+    let (cfg, seq) = super::args::config_and_seq(&path, a.seq)?;
     super::args::check_seq("--seq", seq, &cfg)?;
     let s = ModelStats::compute(&cfg, seq).context("computing model statistics")?;
     if a.json {

@@ -3,7 +3,7 @@
 //! every rank; with `--train` one training step is modelled (backward, recomputation, ZeRO,
 //! pipeline schedule) from one layer's plan.
 
-use super::args::{at_least, check_seq};
+use super::args::{at_least, check_seq, config_and_seq};
 use super::fmt::{bytes, thousands};
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
@@ -358,8 +358,7 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
     }
     let copts = compute_options(&a, DType::Bf16)?;
     let path = a.model.clone().unwrap_or_else(super::default_model);
-    let cfg = ModelConfig::from_path(&path)?;
-    let seq = a.seq.unwrap_or(cfg.max_positions.min(4096));
+    let (cfg, seq) = config_and_seq(&path, a.seq)?;
     check_seq("--seq", seq, &cfg)?;
     let source = path.display().to_string();
     // The mesh's world size decides the default node count; parse it once with a provisional

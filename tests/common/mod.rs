@@ -269,6 +269,13 @@ pub fn write_file(dir: &std::path::Path, name: &str, text: &str) -> String {
     p.to_string_lossy().to_string()
 }
 
+/// Two sequences of 4 token ids, written to `dir/ids.json`; returns its path.
+pub fn tokens_2x4(dir: &std::path::Path) -> String {
+    let p = dir.join("ids.json");
+    std::fs::write(&p, "[[1, 2, 3, 4], [5, 6, 7, 8]]").unwrap();
+    p.to_string_lossy().to_string()
+}
+
 /// Four sequences of 16 token ids below 256 (every fixture's vocabulary is at least 256),
 /// written to `dir/toks.json`; returns its path.
 pub fn tokens_4x16(dir: &std::path::Path) -> String {

@@ -176,7 +176,7 @@ pub struct BinRun {
 }
 
 /// Runs `shardc args...` with a deadline; past it the child is killed.
-pub fn run_shardc(args: &[String], timeout: Duration) -> BinRun {
+pub fn run_shardc(args: &[&str], timeout: Duration) -> BinRun {
     let mut child = Command::new(env!("CARGO_BIN_EXE_shardc"))
         .args(args)
         .stdin(Stdio::null())
@@ -309,6 +309,10 @@ pub fn known_panic<'a>(known: &'a [Known], msg: &str, at: &str) -> Option<&'a Kn
 // ---------------------------------------------------------------------------------------------
 // Tally.
 
+/// One input file saved when its case fails: the target, the extension and the bytes (as
+/// [`save_failure`] takes them).
+pub type Saved<'a> = (&'a str, &'a str, &'a [u8]);
+
 /// Counts of one target's outcomes and its failures.
 #[derive(Debug, Default)]
 pub struct Tally {
@@ -326,14 +330,52 @@ pub struct Tally {
     pub known: BTreeMap<&'static str, usize>,
     /// Failures: (case, what was done to the input, what went wrong).
     pub failures: Vec<(usize, String, String)>,
+    /// When the target started.
+    pub started: Option<Instant>,
 }
 
 impl Tally {
-    /// An empty tally for `target`.
+    /// An empty tally for `target`, started now.
     pub fn new(target: &str) -> Tally {
         Tally {
             target: target.into(),
+            started: Some(Instant::now()),
             ..Tally::default()
+        }
+    }
+
+    /// Counts and runs `one(tally, case)` for cases `0..cases` of `target`, then
+    /// [`Tally::finish`]es.
+    pub fn run(target: &str, cases: usize, mut one: impl FnMut(&mut Tally, usize)) {
+        let mut t = Tally::new(target);
+        for case in 0..cases {
+            t.cases += 1;
+            one(&mut t, case);
+        }
+        t.finish();
+    }
+
+    /// Adds one binary run's outcome: an accepted input must pass `accepted` (its `Err` is a
+    /// failure), a rejected one must pass [`check_bin`]; a failure of that saves the input
+    /// (`save`: target, extension and bytes, as [`save_failure`] takes them).
+    pub fn judge_bin(
+        &mut self,
+        case: usize,
+        how: &str,
+        (run, names): (&BinRun, &[&str]),
+        save: Saved,
+        accepted: impl FnOnce(&BinRun) -> Result<(), String>,
+    ) {
+        match check_bin(run, names) {
+            Ok(None) => match accepted(run) {
+                Ok(()) => self.accepted += 1,
+                Err(e) => self.fail(case, how, e),
+            },
+            Ok(Some(msg)) => self.reject(msg),
+            Err(e) => {
+                save_failure(save.0, case, save.1, save.2);
+                self.fail(case, how, e);
+            }
         }
     }
 
@@ -365,7 +407,8 @@ impl Tally {
     }
 
     /// Prints the summary and panics on any failure.
-    pub fn finish(self, started: Instant) {
+    pub fn finish(self) {
+        let started = self.started.unwrap_or_else(Instant::now);
         eprintln!(
             "fuzz {}: {} cases in {:.1} s: {} accepted, {} rejected with a clear error, {} failures{}",
             self.target,

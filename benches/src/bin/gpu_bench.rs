@@ -22,8 +22,8 @@
 
 use cudarc::driver::{result as drv, sys, DevicePtr};
 use shardc_compiler::ir::{
-    AttnSpec, DType, Float, Graph, Op, ParamSource, RopeScaling, RopeSpec, RopeStyle, ShardSpec,
-    TensorType, UnaryOp, ValueId,
+    AttnSpec, DType, Float, Graph, Op, RopeScaling, RopeSpec, RopeStyle, ShardSpec, TensorType,
+    UnaryOp, ValueId,
 };
 use shardc_runtime::cuda::comm::device::DeviceCommunicator;
 use shardc_runtime::cuda::comm::local_gpu::group;
@@ -49,6 +49,9 @@ struct Bench {
     copy_gbs: f64,
     gemm_tflops: f64,
 }
+
+/// What a row measures: the metric's unit, its value, and its share of a ceiling (%).
+type Measure = (&'static str, f64, Option<f64>);
 
 struct Row {
     section: &'static str,
@@ -88,13 +91,7 @@ fn ty(dt: DType, shape: &[usize]) -> TensorType {
 }
 
 fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
-    g.add_typed(
-        Op::Param(ParamSource::whole(name)),
-        &[],
-        Some(ty(DType::F32, shape)),
-        name,
-    )
-    .expect("invariant: a parameter has no operands")
+    g.param(name, ty(DType::F32, shape))
 }
 
 fn add(g: &mut Graph, op: Op, ins: &[ValueId], name: &str) -> ValueId {
@@ -135,22 +132,26 @@ impl Bench {
         heavy: bool,
     ) -> Result<f64, CudaError> {
         let ctx = CudaRankCtx::new();
-        let mut p = CudaProgram::prepare(
-            self.dev.clone(),
-            g,
-            &ParamInit::Random {
-                seed: 7,
-                scale: 0.02,
-            },
-            &ctx,
-            opts(dtype, fuse),
-        )?;
-        p.upload_inputs(inputs)?;
+        let mut p = self.prepare(&ctx, g, inputs, 7, opts(dtype, fuse))?;
         let iters = self.iters(heavy);
         p.time(&ctx, 2.min(iters), iters)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// `g` prepared on `ctx` with random parameters from `seed`, `inputs` uploaded.
+    fn prepare<'c>(
+        &self,
+        ctx: &CudaRankCtx<'c>,
+        g: &Graph,
+        inputs: &BTreeMap<String, Tensor>,
+        seed: u64,
+        opts: CudaOptions,
+    ) -> Result<CudaProgram, CudaError> {
+        let params = ParamInit::Random { seed, scale: 0.02 };
+        let mut p = CudaProgram::prepare(self.dev.clone(), g, &params, ctx, opts)?;
+        p.upload_inputs(inputs)?;
+        Ok(p)
+    }
+
     fn row(
         &mut self,
         section: &'static str,
@@ -158,9 +159,7 @@ impl Bench {
         dtype: GpuDType,
         shape: impl Into<String>,
         ms: f64,
-        metric: &'static str,
-        value: f64,
-        ceiling: Option<f64>,
+        (metric, value, ceiling): Measure,
     ) {
         let r = Row {
             section,
@@ -174,6 +173,37 @@ impl Bench {
         };
         print_row(&r);
         self.rows.push(r);
+    }
+
+    /// `tf` TFLOP/s, against the bf16 GEMM ceiling.
+    fn tflops(&self, tf: f64) -> Measure {
+        ("TFLOP/s", tf, pct(tf, self.gemm_tflops))
+    }
+
+    /// `bytes` moved in `ms` milliseconds, in GB/s against the copy bandwidth.
+    fn gbs(&self, bytes: f64, ms: f64) -> Measure {
+        let gbs = bytes / (ms * 1e-3) / 1e9;
+        ("GB/s", gbs, pct(gbs, self.copy_gbs))
+    }
+
+    /// The rows `<name> fused` and `<name> unfused` of `section`: `g` (of `shape`) timed with
+    /// and without fusion, each measured by `measure(self, ms)`.
+    fn fused_and_unfused(
+        &mut self,
+        (section, name): (&'static str, &str),
+        g: &Graph,
+        ins: &BTreeMap<String, Tensor>,
+        (dt, heavy): (GpuDType, bool),
+        shape: String,
+        measure: impl Fn(&Self, f64) -> Measure,
+    ) -> Result<(), CudaError> {
+        for fuse in [true, false] {
+            let ms = self.time(g, ins, dt, fuse, heavy)?;
+            let m = measure(self, ms);
+            let case = format!("{name} {}", if fuse { "fused" } else { "unfused" });
+            self.row(section, case, dt, shape.clone(), ms, m);
+        }
+        Ok(())
     }
 
     /// Device-to-device copy bandwidth (read + write bytes) of a 512 MiB buffer.
@@ -213,9 +243,7 @@ impl Bench {
             GpuDType::Bf16,
             format!("{} MiB", bytes >> 20),
             ms,
-            "GB/s",
-            gbs,
-            Some(100.0),
+            ("GB/s", gbs, Some(100.0)),
         );
         Ok(())
     }
@@ -241,25 +269,11 @@ impl Bench {
         ]);
         let elems = (t * HIDDEN) as f64;
         let bytes = 4.0 * elems * e; // minimal traffic: read x, r; write sum, norm
-        for fuse in [true, false] {
-            let ms = self.time(&g, &ins, dt, fuse, false)?;
-            let gbs = bytes / (ms * 1e-3) / 1e9;
-            let cop = self.copy_gbs;
-            self.row(
-                "membound",
-                if fuse {
-                    "add+rmsnorm fused"
-                } else {
-                    "add+rmsnorm unfused"
-                },
-                dt,
-                format!("[{t},{HIDDEN}]"),
-                ms,
-                "GB/s",
-                gbs,
-                pct(gbs, cop),
-            );
-        }
+        let shape = format!("[{t},{HIDDEN}]");
+        let section = ("membound", "add+rmsnorm");
+        self.fused_and_unfused(section, &g, &ins, (dt, false), shape, |b, ms| {
+            b.gbs(bytes, ms)
+        })?;
         // SwiGLU: silu(gate) · up.
         let mut g = Graph::new();
         let gate = g.input("gate", ty(DType::F32, &[1, t, FFN]));
@@ -273,25 +287,11 @@ impl Bench {
         ]);
         let elems = (t * FFN) as f64;
         let bytes = 3.0 * elems * e; // minimal traffic: read gate, up; write out
-        for fuse in [true, false] {
-            let ms = self.time(&g, &ins, dt, fuse, false)?;
-            let gbs = bytes / (ms * 1e-3) / 1e9;
-            let cop = self.copy_gbs;
-            self.row(
-                "membound",
-                if fuse {
-                    "swiglu fused"
-                } else {
-                    "swiglu unfused"
-                },
-                dt,
-                format!("[{t},{FFN}]"),
-                ms,
-                "GB/s",
-                gbs,
-                pct(gbs, cop),
-            );
-        }
+        let shape = format!("[{t},{FFN}]");
+        let section = ("membound", "swiglu");
+        self.fused_and_unfused(section, &g, &ins, (dt, false), shape, |b, ms| {
+            b.gbs(bytes, ms)
+        })?;
         // RoPE on the query heads.
         let mut g = Graph::new();
         let q = g.input("q", ty(DType::F32, &[1, t, HEADS, HEAD_DIM]));
@@ -303,18 +303,9 @@ impl Bench {
             ("pos".to_string(), rng.positions(1, t)),
         ]);
         let ms = self.time(&g, &ins, dt, true, false)?;
-        let gbs = 2.0 * (t * HEADS * HEAD_DIM) as f64 * e / (ms * 1e-3) / 1e9;
-        let cop = self.copy_gbs;
-        self.row(
-            "membound",
-            "rope",
-            dt,
-            format!("[{t},{HEADS},{HEAD_DIM}]"),
-            ms,
-            "GB/s",
-            gbs,
-            pct(gbs, cop),
-        );
+        let measure = self.gbs(2.0 * (t * HEADS * HEAD_DIM) as f64 * e, ms);
+        let shape = format!("[{t},{HEADS},{HEAD_DIM}]");
+        self.row("membound", "rope", dt, shape, ms, measure);
         // Softmax over 4096-wide rows.
         let rows = 4 * t;
         let mut g = Graph::new();
@@ -323,18 +314,9 @@ impl Bench {
         g.set_output("y", y);
         let ins = BTreeMap::from([("x".to_string(), rng.tensor(&[rows, 4096], 4.0))]);
         let ms = self.time(&g, &ins, dt, true, false)?;
-        let gbs = 2.0 * (rows * 4096) as f64 * e / (ms * 1e-3) / 1e9;
-        let cop = self.copy_gbs;
-        self.row(
-            "membound",
-            "softmax",
-            dt,
-            format!("[{rows},4096]"),
-            ms,
-            "GB/s",
-            gbs,
-            pct(gbs, cop),
-        );
+        let measure = self.gbs(2.0 * (rows * 4096) as f64 * e, ms);
+        let shape = format!("[{rows},4096]");
+        self.row("membound", "softmax", dt, shape, ms, measure);
         Ok(())
     }
 
@@ -353,7 +335,7 @@ impl Bench {
         g.set_output("y", y);
         let ins = BTreeMap::from([("a".to_string(), Rng(99).tensor(&[m, k], 1.0))]);
         let ms = self.time(&g, &ins, dt, true, true)?;
-        Ok((ms, 2.0 * (m * n * k) as f64 / (ms * 1e-3) / 1e12))
+        Ok((ms, tflops(2.0 * (m * n * k) as f64, ms)))
     }
 
     fn gemm(&mut self) -> Result<(), CudaError> {
@@ -366,9 +348,7 @@ impl Bench {
             GpuDType::Bf16,
             format!("{big}x{big}x{big}"),
             ms,
-            "TFLOP/s",
-            tf,
-            Some(100.0),
+            ("TFLOP/s", tf, Some(100.0)),
         );
         let t = if self.quick { 1024 } else { 4096 };
         let qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM;
@@ -379,16 +359,14 @@ impl Bench {
             ("down_proj", HIDDEN, FFN),
         ] {
             let (ms, tf) = self.gemm_case(t, k, n, GpuDType::Bf16)?;
-            let ceil = self.gemm_tflops;
+            let measure = self.tflops(tf);
             self.row(
                 "gemm",
                 name,
                 GpuDType::Bf16,
                 format!("{t}x{k}x{n}"),
                 ms,
-                "TFLOP/s",
-                tf,
-                pct(tf, ceil),
+                measure,
             );
         }
         let f = if self.quick { 1024 } else { 4096 };
@@ -399,9 +377,7 @@ impl Bench {
             GpuDType::F32,
             format!("{f}x{f}x{f}"),
             ms,
-            "TFLOP/s",
-            tf,
-            None,
+            ("TFLOP/s", tf, None),
         );
         Ok(())
     }
@@ -436,17 +412,15 @@ impl Bench {
             let ms = self.time(&g, &ins, GpuDType::Bf16, true, true)?;
             // Causal: half of the 4·T·S·D·H multiply-adds of full attention.
             let flops = 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
-            let tf = flops / (ms * 1e-3) / 1e12;
-            let ceil = self.gemm_tflops;
+            let tf = tflops(flops, ms);
+            let measure = self.tflops(tf);
             self.row(
                 "attention",
                 format!("causal {}k", t / 1024),
                 GpuDType::Bf16,
                 format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
                 ms,
-                "TFLOP/s",
-                tf,
-                pct(tf, ceil),
+                measure,
             );
         }
         Ok(())
@@ -461,25 +435,12 @@ impl Bench {
             ("pos".to_string(), rng.positions(1, t)),
         ]);
         let flops = layer_flops(t);
-        for fuse in [true, false] {
-            let ms = self.time(&g, &ins, GpuDType::Bf16, fuse, true)?;
-            let tf = flops / (ms * 1e-3) / 1e12;
-            let ceil = self.gemm_tflops;
-            self.row(
-                "layer",
-                if fuse {
-                    "llama-3-8b layer fused"
-                } else {
-                    "llama-3-8b layer unfused"
-                },
-                GpuDType::Bf16,
-                format!("1x{t}"),
-                ms,
-                "TFLOP/s",
-                tf,
-                pct(tf, ceil),
-            );
-        }
+        let section = ("layer", "llama-3-8b layer");
+        let run = (GpuDType::Bf16, true);
+        let shape = format!("1x{t}");
+        self.fused_and_unfused(section, &g, &ins, run, shape, |b, ms| {
+            b.tflops(tflops(flops, ms))
+        })?;
         Ok(())
     }
 
@@ -574,40 +535,23 @@ impl Bench {
             g
         };
         let gemm_flops = 2.0 * (t * f * HIDDEN) as f64;
-        for (label, g, ins) in [
-            (
-                "ag+gemm",
-                ag(false),
-                BTreeMap::from([("x".to_string(), x_global.clone())]),
-            ),
-            (
-                "AgMatMul",
-                ag(true),
-                BTreeMap::from([("x".to_string(), x_global.clone())]),
-            ),
-            (
-                "gemm+rs",
-                rs(false),
-                BTreeMap::from([("m".to_string(), m_global.clone())]),
-            ),
-            (
-                "MatMulRs",
-                rs(true),
-                BTreeMap::from([("m".to_string(), m_global.clone())]),
-            ),
+        for (label, g, (input, global)) in [
+            ("ag+gemm", ag(false), ("x", &x_global)),
+            ("AgMatMul", ag(true), ("x", &x_global)),
+            ("gemm+rs", rs(false), ("m", &m_global)),
+            ("MatMulRs", rs(true), ("m", &m_global)),
         ] {
+            let ins = BTreeMap::from([(input.to_string(), global.clone())]);
             let ms = self.time_ranks(&g, &ins, parts)?;
-            let tf = gemm_flops / (ms * 1e-3) / 1e12;
-            let ceil = self.gemm_tflops;
+            let tf = tflops(gemm_flops, ms);
+            let measure = self.tflops(tf);
             self.row(
                 "overlap",
                 format!("tp=2 {label}"),
                 GpuDType::Bf16,
                 format!("{t}x{HIDDEN}x{f}"),
                 ms,
-                "TFLOP/s",
-                tf,
-                pct(tf, ceil),
+                measure,
             );
         }
         Ok(())
@@ -628,17 +572,7 @@ impl Bench {
                 .map(|c| {
                     s.spawn(move || {
                         let ctx = CudaRankCtx::new().with_axis("tp", &c as &dyn DeviceCommunicator);
-                        let mut p = CudaProgram::prepare(
-                            self.dev.clone(),
-                            g,
-                            &ParamInit::Random {
-                                seed: 3,
-                                scale: 0.02,
-                            },
-                            &ctx,
-                            opts(GpuDType::Bf16, true),
-                        )?;
-                        p.upload_inputs(inputs)?;
+                        let mut p = self.prepare(&ctx, g, inputs, 3, opts(GpuDType::Bf16, true))?;
                         let r = p.time(&ctx, 2.min(iters), iters);
                         if r.is_err() {
                             c.abort("a rank failed");
@@ -662,6 +596,11 @@ impl Bench {
         }
         Ok(worst)
     }
+}
+
+/// TFLOP/s of `flops` in `ms` milliseconds.
+fn tflops(flops: f64, ms: f64) -> f64 {
+    flops / (ms * 1e-3) / 1e12
 }
 
 fn pct(v: f64, ceiling: f64) -> Option<f64> {

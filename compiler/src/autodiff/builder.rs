@@ -538,26 +538,20 @@ impl Builder<'_> {
             } else {
                 grad
             };
-            let (m, v) = (ValueRole::FirstMoment, ValueRole::SecondMoment);
-            let m_in = self.input(&m.name(&label), ty.clone(), m);
-            let v_in = self.input(&v.name(&label), ty, v);
-            let moment = |beta, squared| Op::AdamMoment { beta, squared };
-            let m_out = self.add_as(
-                m,
-                moment(spec.beta1, false),
-                &[m_in, grad],
-                None,
-                format!("opt.m.{label}"),
-                None,
-            )?;
-            let v_out = self.add_as(
-                v,
-                moment(spec.beta2, true),
-                &[v_in, grad],
-                None,
-                format!("opt.v.{label}"),
-                None,
-            )?;
+            // The first and second moments: their inputs, then their updates.
+            let moments = [
+                (ValueRole::FirstMoment, "m", spec.beta1, false),
+                (ValueRole::SecondMoment, "v", spec.beta2, true),
+            ];
+            let [m_in, v_in] =
+                moments.map(|(role, ..)| self.input(&role.name(&label), ty.clone(), role));
+            let mut outs = [m_in, v_in];
+            for (out, (role, tag, beta, squared)) in outs.iter_mut().zip(moments) {
+                let op = Op::AdamMoment { beta, squared };
+                let name = format!("opt.{tag}.{label}");
+                *out = self.add_as(role, op, &[*out, grad], None, name, None)?;
+            }
+            let [m_out, v_out] = outs;
             let update = self.add_as(
                 ValueRole::Update,
                 Op::AdamWUpdate(spec),

@@ -57,22 +57,7 @@ pub enum Recompute {
     Selective,
 }
 
-impl Recompute {
-    /// All modes.
-    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Full, Recompute::Selective];
-    /// Text name (`none`, `full`, `selective`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Recompute::None => "none",
-            Recompute::Full => "full",
-            Recompute::Selective => "selective",
-        }
-    }
-    /// Parses a text name.
-    pub fn from_name(s: &str) -> Option<Recompute> {
-        Recompute::ALL.into_iter().find(|r| r.name() == s)
-    }
-}
+text_names!(Recompute { None => "none", Full => "full", Selective => "selective" });
 
 impl fmt::Display for Recompute {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

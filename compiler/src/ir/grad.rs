@@ -43,58 +43,18 @@ pub enum CombineWrt {
     Gates,
 }
 
-impl NormWrt {
-    /// Text name.
-    pub fn name(self) -> &'static str {
-        match self {
-            NormWrt::X => "x",
-            NormWrt::Weight => "weight",
-        }
-    }
-    /// Parses a text name.
-    pub fn from_name(s: &str) -> Option<NormWrt> {
-        [NormWrt::X, NormWrt::Weight]
-            .into_iter()
-            .find(|w| w.name() == s)
-    }
-}
+text_names!(NormWrt { X => "x", Weight => "weight" });
+
+text_names!(AttnWrt { Q => "q", K => "k", V => "v" });
 
 impl AttnWrt {
-    /// Text name.
-    pub fn name(self) -> &'static str {
-        match self {
-            AttnWrt::Q => "q",
-            AttnWrt::K => "k",
-            AttnWrt::V => "v",
-        }
-    }
-    /// Parses a text name.
-    pub fn from_name(s: &str) -> Option<AttnWrt> {
-        [AttnWrt::Q, AttnWrt::K, AttnWrt::V]
-            .into_iter()
-            .find(|w| w.name() == s)
-    }
     /// The index of the differentiated operand in `(q, k, v, ..)`.
     pub fn operand(self) -> usize {
         self as usize
     }
 }
 
-impl CombineWrt {
-    /// Text name.
-    pub fn name(self) -> &'static str {
-        match self {
-            CombineWrt::Y => "y",
-            CombineWrt::Gates => "gates",
-        }
-    }
-    /// Parses a text name.
-    pub fn from_name(s: &str) -> Option<CombineWrt> {
-        [CombineWrt::Y, CombineWrt::Gates]
-            .into_iter()
-            .find(|w| w.name() == s)
-    }
-}
+text_names!(CombineWrt { Y => "y", Gates => "gates" });
 
 /// AdamW hyperparameters (PyTorch's `torch.optim.AdamW`: decoupled weight decay, bias
 /// correction; weight decay applied to every parameter it updates).

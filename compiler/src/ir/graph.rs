@@ -3,7 +3,7 @@
 //! Invariant (checked by [`crate::ir::verify`]): every operand of node `i` is a node `j < i`,
 //! and each node's type equals what its op infers from its operands.
 
-use super::{IrError, Op, TensorType, ValueId, ValueRole};
+use super::{IrError, Op, ParamSource, TensorType, ValueId, ValueRole};
 use serde::{Deserialize, Serialize};
 
 /// One node: an op over earlier values, its result type, and labels.
@@ -142,16 +142,24 @@ impl Graph {
 
     /// Appends a graph input.
     pub fn input(&mut self, name: &str, ty: TensorType) -> ValueId {
-        self.add_typed(
+        self.leaf(
             Op::Input {
                 name: name.to_string(),
                 shards: Vec::new(),
             },
-            &[],
-            Some(ty),
             name,
+            ty,
         )
-        .expect("invariant: an input has no operands")
+    }
+
+    /// Appends the whole, unsharded parameter `name` of type `ty` (a leaf).
+    pub fn param(&mut self, name: &str, ty: TensorType) -> ValueId {
+        self.leaf(Op::Param(ParamSource::whole(name)), name, ty)
+    }
+
+    fn leaf(&mut self, op: Op, name: &str, ty: TensorType) -> ValueId {
+        self.add_typed(op, &[], Some(ty), name)
+            .expect("invariant: a leaf has no operands")
     }
 
     /// Names `v` as an output.

@@ -18,8 +18,8 @@ pub use grad::{AdamWError, AdamWSpec, AttnWrt, CombineWrt, NormWrt};
 pub use graph::{Graph, Node};
 pub use ids::{Float, ValueId};
 pub use op::{
-    dims, AttnSpec, AxisName, Op, ParamSource, ParamView, RopeScaling, RopeSpec, RopeStyle,
-    SeqOrder, ShardSpec, UnaryOp, CROSS_ENTROPY_STATS,
+    dims, AttnSpec, AxisName, Op, ParamSource, ParamView, RingMatMul, RopeScaling, RopeSpec,
+    RopeStyle, SeqOrder, ShardSpec, UnaryOp, CROSS_ENTROPY_STATS,
 };
 pub use role::ValueRole;
 pub use text::parse_graph;

@@ -31,32 +31,10 @@ pub enum UnaryOp {
     Neg,
 }
 
-impl UnaryOp {
-    /// All unary ops, for parsing.
-    pub const ALL: [UnaryOp; 6] = [
-        UnaryOp::GeluTanh,
-        UnaryOp::GeluErf,
-        UnaryOp::Silu,
-        UnaryOp::Relu,
-        UnaryOp::Exp,
-        UnaryOp::Neg,
-    ];
-    /// Text name.
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryOp::GeluTanh => "gelu_tanh",
-            UnaryOp::GeluErf => "gelu_erf",
-            UnaryOp::Silu => "silu",
-            UnaryOp::Relu => "relu",
-            UnaryOp::Exp => "exp",
-            UnaryOp::Neg => "neg",
-        }
-    }
-    /// Parses a text name.
-    pub fn from_name(s: &str) -> Option<UnaryOp> {
-        UnaryOp::ALL.into_iter().find(|u| u.name() == s)
-    }
-}
+text_names!(UnaryOp {
+    GeluTanh => "gelu_tanh", GeluErf => "gelu_erf", Silu => "silu", Relu => "relu", Exp => "exp",
+    Neg => "neg",
+});
 
 /// How rotary embedding pairs the elements of a head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -146,6 +124,22 @@ impl RopeSpec {
         }
         inv.into_iter().map(|f| f as f32).collect()
     }
+}
+
+/// A collective matmul ([`Op::AgMatMul`] when `gather`, else [`Op::MatMulRs`]) as the ring
+/// that runs it: the mesh axis, the ring dim, the axis size and whether `w` is transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingMatMul<'a> {
+    /// `AgMatMul`: the input is gathered (else the product is reduce-scattered).
+    pub gather: bool,
+    /// The mesh axis.
+    pub axis: &'a str,
+    /// The ring dim.
+    pub dim: usize,
+    /// The axis size.
+    pub parts: usize,
+    /// The weight is stored transposed.
+    pub transpose_b: bool,
 }
 
 /// Attention parameters. Heads and head width come from the operand shapes.
@@ -866,6 +860,31 @@ impl Op {
             | Op::MatMulRs { axis, .. }
             | Op::RingAttention { axis, .. }
             | Op::RingAttentionGrad { axis, .. } => Some(axis),
+            _ => None,
+        }
+    }
+
+    /// The ring of a collective matmul (`AgMatMul`, `MatMulRs`).
+    pub fn ring_matmul(&self) -> Option<RingMatMul<'_>> {
+        match self {
+            Op::AgMatMul {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            }
+            | Op::MatMulRs {
+                axis,
+                dim,
+                parts,
+                transpose_b,
+            } => Some(RingMatMul {
+                gather: matches!(self, Op::AgMatMul { .. }),
+                axis,
+                dim: *dim,
+                parts: *parts,
+                transpose_b: *transpose_b,
+            }),
             _ => None,
         }
     }

@@ -511,89 +511,69 @@ mod tests {
         assert!(parse_err("graph {\n").1.contains("missing `}`"));
         assert_eq!(parse_err("graph {\n}\n%0").0, 3);
         assert!(parse_graph("// golden\ngraph { // c\n\n}\n").is_ok());
-        check_err(
-            "  %1: f32[2,4] = frobnicate(%0)",
-            3,
-            "unknown op `frobnicate`",
-        );
-        check_err("  %1: f33[2,4] = softmax(%0)", 3, "expected a dtype");
-        check_err("  %1: f32[2,x] = softmax(%0)", 3, "dim role or size");
-        check_err("  %1: f32[width=2] = softmax(%0)", 3, "dim role or size");
-        check_err("  %1: f32[2,4 = softmax(%0)", 3, "to close the dims");
-        check_err(
-            "  %1: f32[2,99999999999999999999999] = softmax(%0)",
-            3,
-            "out of range",
-        );
-        check_err(
-            "  %1: f32[2,4] = add(%0, %5)",
-            3,
-            "operand %5 is not defined",
-        );
-        check_err("  %2: f32[2,4] = softmax(%0)", 3, "expected value id %1");
-        check_err("  %0: f32[2,4] = softmax(%0)", 3, "expected value id %1");
-        check_err(
-            "  %1: f32[2,4] = softmax(%0) \"abc",
-            3,
-            "unterminated string",
-        );
-        check_err("  %1: f32[2,4] = softmax(%0) \"a\\q\"", 3, "unknown escape");
-        check_err("  %1: f32[2,5] = softmax(%0)", 3, "declared type");
-        check_err("  %1: i32[2,4] = softmax(%0)", 3, "declared type");
-        check_err("  %1: f32[2,4] = softmax(%0, %0)", 3, "operand");
-        check_err("  %1: f32[2,4] = scale(%0)", 3, "missing attribute `c`");
-        check_err(
-            "  %1: f32[2,4] = scale{c=1.0, d=2}(%0)",
-            3,
-            "unknown attribute `d`",
-        );
-        check_err("  %1: f32[2,4] = scale{c=1.0, c=2.0}(%0)", 3, "given twice");
-        check_err("  %1: f32[2,4] = scale{c=x}(%0)", 3, "expected a float");
-        check_err("  %1: f32[2,4] = unary{fn=tanh}(%0)", 3, "unary function");
-        check_err("  %1: f32[2,4] = softmax(%0) junk", 3, "unexpected");
-        check_err("  %1: f32[2,4] = softmax(%0) @lay 2", 3, "expected `layer`");
-        check_err(
-            "  %1: f32[2,4] = softmax(%0) @role x",
-            3,
-            "expected a value role",
-        );
-        check_err(
-            "  %1: f32[2,4] = softmax(%0) @role forward",
-            3,
-            "value role",
-        );
-        check_err(
-            "  %1: f32[2,4] = softmax(%0) @role saved @layer 1",
-            3,
-            "`layer`",
-        );
-        check_err("  output y = %1", 3, "undefined value %1");
-        check_err("  outptu y = %0", 3, "expected a node");
-        check_err(
-            "  %1: f32[2,4] = scale{c=[[[[[[[[[[[[1]]]]]]]]]]]]}(%0)",
-            3,
-            "nested too deeply",
-        );
-        check_err(
-            "  %1: f32[2,8] = all_to_all{axis=tp, split_dim=0, concat_dim=1, parts=0}(%0)",
-            3,
-            "positive",
-        );
-        check_err(
-            "  %1: f32[2,4] = repeat{dim=1, times=18446744073709551615}(%0)",
-            3,
-            "overflows",
-        );
-        check_err(
-            "  %1: f32[2,4] = slice{dim=1, start=18446744073709551615, len=1}(%0)",
-            3,
-            "overflows",
-        );
-        check_err(
-            "  %1: f32[4294967296,4294967296] = reshape(%0)",
-            3,
-            "too large",
-        );
+        // Each body line after the input line (line 3 of the text), and what its error says.
+        for (body, needle) in [
+            ("  %1: f32[2,4] = frobnicate(%0)", "unknown op `frobnicate`"),
+            ("  %1: f33[2,4] = softmax(%0)", "expected a dtype"),
+            ("  %1: f32[2,x] = softmax(%0)", "dim role or size"),
+            ("  %1: f32[width=2] = softmax(%0)", "dim role or size"),
+            ("  %1: f32[2,4 = softmax(%0)", "to close the dims"),
+            (
+                "  %1: f32[2,99999999999999999999999] = softmax(%0)",
+                "out of range",
+            ),
+            ("  %1: f32[2,4] = add(%0, %5)", "operand %5 is not defined"),
+            ("  %2: f32[2,4] = softmax(%0)", "expected value id %1"),
+            ("  %0: f32[2,4] = softmax(%0)", "expected value id %1"),
+            ("  %1: f32[2,4] = softmax(%0) \"abc", "unterminated string"),
+            ("  %1: f32[2,4] = softmax(%0) \"a\\q\"", "unknown escape"),
+            ("  %1: f32[2,5] = softmax(%0)", "declared type"),
+            ("  %1: i32[2,4] = softmax(%0)", "declared type"),
+            ("  %1: f32[2,4] = softmax(%0, %0)", "operand"),
+            ("  %1: f32[2,4] = scale(%0)", "missing attribute `c`"),
+            (
+                "  %1: f32[2,4] = scale{c=1.0, d=2}(%0)",
+                "unknown attribute `d`",
+            ),
+            ("  %1: f32[2,4] = scale{c=1.0, c=2.0}(%0)", "given twice"),
+            ("  %1: f32[2,4] = scale{c=x}(%0)", "expected a float"),
+            ("  %1: f32[2,4] = unary{fn=tanh}(%0)", "unary function"),
+            ("  %1: f32[2,4] = softmax(%0) junk", "unexpected"),
+            ("  %1: f32[2,4] = softmax(%0) @lay 2", "expected `layer`"),
+            (
+                "  %1: f32[2,4] = softmax(%0) @role x",
+                "expected a value role",
+            ),
+            ("  %1: f32[2,4] = softmax(%0) @role forward", "value role"),
+            (
+                "  %1: f32[2,4] = softmax(%0) @role saved @layer 1",
+                "`layer`",
+            ),
+            ("  output y = %1", "undefined value %1"),
+            ("  outptu y = %0", "expected a node"),
+            (
+                "  %1: f32[2,4] = scale{c=[[[[[[[[[[[[1]]]]]]]]]]]]}(%0)",
+                "nested too deeply",
+            ),
+            (
+                "  %1: f32[2,8] = all_to_all{axis=tp, split_dim=0, concat_dim=1, parts=0}(%0)",
+                "positive",
+            ),
+            (
+                "  %1: f32[2,4] = repeat{dim=1, times=18446744073709551615}(%0)",
+                "overflows",
+            ),
+            (
+                "  %1: f32[2,4] = slice{dim=1, start=18446744073709551615, len=1}(%0)",
+                "overflows",
+            ),
+            (
+                "  %1: f32[4294967296,4294967296] = reshape(%0)",
+                "too large",
+            ),
+        ] {
+            check_err(body, 3, needle);
+        }
     }
 
     #[test]

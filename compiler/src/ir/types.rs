@@ -26,26 +26,9 @@ impl DType {
             DType::Bf16 | DType::F16 => 2,
         }
     }
-    /// The text name (`f32`, `bf16`, `f16`, `i32`).
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::Bf16 => "bf16",
-            DType::F16 => "f16",
-            DType::I32 => "i32",
-        }
-    }
-    /// Parses a text name.
-    pub fn from_name(s: &str) -> Option<DType> {
-        Some(match s {
-            "f32" => DType::F32,
-            "bf16" => DType::Bf16,
-            "f16" => DType::F16,
-            "i32" => DType::I32,
-            _ => return None,
-        })
-    }
 }
+
+text_names!(DType { F32 => "f32", Bf16 => "bf16", F16 => "f16", I32 => "i32" });
 
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -79,40 +62,10 @@ pub enum Role {
     Other,
 }
 
-impl Role {
-    /// All roles, for parsing.
-    pub const ALL: [Role; 10] = [
-        Role::Batch,
-        Role::Seq,
-        Role::Hidden,
-        Role::Heads,
-        Role::KvHeads,
-        Role::HeadDim,
-        Role::Ffn,
-        Role::Vocab,
-        Role::Expert,
-        Role::Other,
-    ];
-    /// The text name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Batch => "batch",
-            Role::Seq => "seq",
-            Role::Hidden => "hidden",
-            Role::Heads => "heads",
-            Role::KvHeads => "kv_heads",
-            Role::HeadDim => "head_dim",
-            Role::Ffn => "ffn",
-            Role::Vocab => "vocab",
-            Role::Expert => "expert",
-            Role::Other => "_",
-        }
-    }
-    /// Parses a text name.
-    pub fn from_name(s: &str) -> Option<Role> {
-        Role::ALL.into_iter().find(|r| r.name() == s)
-    }
-}
+text_names!(Role {
+    Batch => "batch", Seq => "seq", Hidden => "hidden", Heads => "heads", KvHeads => "kv_heads",
+    HeadDim => "head_dim", Ffn => "ffn", Vocab => "vocab", Expert => "expert", Other => "_",
+});
 
 impl fmt::Display for Role {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

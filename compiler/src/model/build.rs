@@ -52,30 +52,9 @@ pub enum ForwardOutput {
     Loss,
 }
 
-impl ForwardOutput {
-    /// All of them, for messages.
-    pub const ALL: [ForwardOutput; 4] = [
-        ForwardOutput::Logits,
-        ForwardOutput::Last,
-        ForwardOutput::Hidden,
-        ForwardOutput::Loss,
-    ];
-
-    /// `logits`, `last`, `hidden` or `loss`.
-    pub fn name(self) -> &'static str {
-        match self {
-            ForwardOutput::Logits => "logits",
-            ForwardOutput::Last => "last",
-            ForwardOutput::Hidden => "hidden",
-            ForwardOutput::Loss => "loss",
-        }
-    }
-
-    /// Parses a name.
-    pub fn from_name(s: &str) -> Option<ForwardOutput> {
-        ForwardOutput::ALL.into_iter().find(|o| o.name() == s)
-    }
-}
+text_names!(ForwardOutput {
+    Logits => "logits", Last => "last", Hidden => "hidden", Loss => "loss",
+});
 
 /// One pipeline chunk of the model: a contiguous range of decoder layers, with the
 /// embedding (first chunk) and the final norm and head (last chunk).

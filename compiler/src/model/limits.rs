@@ -173,15 +173,21 @@ pub fn parse_size(s: &str) -> Option<u64> {
         .filter(|&n| n > 0)
 }
 
+/// `x` divided by `base` while its magnitude is at least `base` and a larger unit is left
+/// (of `units`, the first being 1): the scaled value and its unit's index.
+pub fn scale_to_unit(x: f64, base: f64, units: usize) -> (f64, usize) {
+    let (mut x, mut u) = (x, 0);
+    while x.abs() >= base && u + 1 < units {
+        x /= base;
+        u += 1;
+    }
+    (x, u)
+}
+
 /// `17.6 GiB`, `3.0 PiB`, `1.2e6 EiB`.
 pub fn human_bytes(b: u128) -> String {
     const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    let mut x = b as f64;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < UNITS.len() {
-        x /= 1024.0;
-        u += 1;
-    }
+    let (x, u) = scale_to_unit(b as f64, 1024.0, UNITS.len());
     if u == 0 {
         format!("{b} B")
     } else if x >= 1e4 {

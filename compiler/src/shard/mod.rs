@@ -11,6 +11,7 @@ mod sharding;
 mod vocab_tests;
 
 pub use mesh::{AxisId, LinkClass, Mesh, MeshAxis, MeshError, DATA_AXES, KNOWN_AXES};
+pub(crate) use partition::ShardedBuilder;
 pub use partition::{partition, Annotations, Provenance, ReshardReason, ShardedGraph};
 pub(crate) use presets::data_axes;
 pub use presets::{

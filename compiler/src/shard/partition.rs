@@ -151,12 +151,71 @@ pub struct ShardedGraph {
     pub mesh: Mesh,
 }
 
+/// A [`ShardedGraph`] being built node by node: the per-rank graph with each value's layout
+/// and provenance alongside.
+pub(crate) struct ShardedBuilder {
+    /// The per-rank graph so far.
+    pub(crate) graph: Graph,
+    /// The layout of each value so far.
+    pub(crate) shardings: Vec<TensorSharding>,
+    /// The provenance of each value so far.
+    pub(crate) provenance: Vec<Option<Provenance>>,
+    /// What a failed append says was under way (`building`, `rebuilding`).
+    doing: &'static str,
+}
+
+impl ShardedBuilder {
+    /// An empty graph; a failed append's error starts with `doing`.
+    pub(crate) fn new(doing: &'static str) -> ShardedBuilder {
+        ShardedBuilder {
+            graph: Graph::new(),
+            shardings: Vec::new(),
+            provenance: Vec::new(),
+            doing,
+        }
+    }
+
+    /// Appends `op` of `inputs` (typed `ty`, or inferred) named `name`, in layer `layer` and
+    /// role `role`, laid out as `s`, with provenance `prov`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn push(
+        &mut self,
+        op: Op,
+        inputs: &[ValueId],
+        ty: Option<TensorType>,
+        name: String,
+        (layer, role): (Option<u32>, ValueRole),
+        s: TensorSharding,
+        prov: Option<Provenance>,
+    ) -> Result<ValueId, ShardError> {
+        self.graph.current_layer = layer;
+        self.graph.current_role = role;
+        let v = self
+            .graph
+            .add_typed(op, inputs, ty, name.clone())
+            .map_err(|e| ShardError::Internal(format!("{} `{name}`: {e}", self.doing)))?;
+        self.shardings.push(s);
+        self.provenance.push(prov);
+        Ok(v)
+    }
+
+    /// The sharded graph on `mesh` (the graph left in no layer, in the forward role).
+    pub(crate) fn finish(mut self, mesh: Mesh) -> ShardedGraph {
+        self.graph.current_layer = None;
+        self.graph.current_role = ValueRole::Forward;
+        ShardedGraph {
+            graph: self.graph,
+            shardings: self.shardings,
+            provenance: self.provenance,
+            mesh,
+        }
+    }
+}
+
 struct Ctx<'a> {
     g: &'a Graph,
     mesh: &'a Mesh,
-    out: Graph,
-    shardings: Vec<TensorSharding>,
-    provenance: Vec<Option<Provenance>>,
+    out: ShardedBuilder,
     /// (logical value, layout) → value in `out`.
     versions: HashMap<(ValueId, TensorSharding), ValueId>,
     /// Current layout of each logical value (its primary version).
@@ -188,28 +247,6 @@ fn local_type(mesh: &Mesh, ty: &TensorType, s: &TensorSharding) -> Option<Tensor
 }
 
 impl Ctx<'_> {
-    #[allow(clippy::too_many_arguments)]
-    fn push(
-        &mut self,
-        op: Op,
-        inputs: &[ValueId],
-        ty: Option<TensorType>,
-        name: String,
-        (layer, role): (Option<u32>, ValueRole),
-        s: TensorSharding,
-        prov: Option<Provenance>,
-    ) -> Result<ValueId, ShardError> {
-        self.out.current_layer = layer;
-        self.out.current_role = role;
-        let v = self
-            .out
-            .add_typed(op, inputs, ty, name.clone())
-            .map_err(|e| ShardError::Internal(format!("building `{name}`: {e}")))?;
-        self.shardings.push(s);
-        self.provenance.push(prov);
-        Ok(v)
-    }
-
     /// The version of logical `v` laid out as `to`, inserting the reshard if needed.
     fn version(
         &mut self,
@@ -257,7 +294,7 @@ impl Ctx<'_> {
             ))
         })?;
         let mut s = from.clone();
-        let tag = (self.out.node(x).layer, self.out.node(x).role);
+        let tag = (self.out.graph.node(x).layer, self.out.graph.node(x).role);
         let mut steps = Vec::with_capacity(ops.len());
         for op in ops {
             s = super::reshard::apply_public(self.mesh, &s, &op);
@@ -268,11 +305,13 @@ impl Ctx<'_> {
                 required_by: required_by.clone(),
             };
             let name = format!("{value}.{}", op.mnemonic());
-            let ty = self.out.ty(x).clone();
+            let ty = self.out.graph.ty(x).clone();
             let res = op
                 .infer(&[&ty], None)
                 .map_err(|e| type_err(&e.to_string()))?;
-            x = self.push(op, &[x], Some(res), name, tag, s.clone(), Some(prov))?;
+            x = self
+                .out
+                .push(op, &[x], Some(res), name, tag, s.clone(), Some(prov))?;
             steps.push((x, s.clone()));
         }
         Ok(steps)
@@ -297,9 +336,9 @@ impl Ctx<'_> {
         // The logits behind views of the same type (the backward pass reads the saved view
         // of the forward's logits): one set of stats for the loss and its gradient.
         let mut root = inputs[0];
-        while let Some(&x) = self.out.node(root).inputs.first().filter(|_| {
-            matches!(self.out.node(root).op, Op::Reshape)
-                && self.out.ty(self.out.node(root).inputs[0]) == self.out.ty(root)
+        while let Some(&x) = self.out.graph.node(root).inputs.first().filter(|_| {
+            matches!(self.out.graph.node(root).op, Op::Reshape)
+                && self.out.graph.ty(self.out.graph.node(root).inputs[0]) == self.out.graph.ty(root)
         }) {
             root = x;
         }
@@ -333,7 +372,8 @@ impl Ctx<'_> {
             Op::CrossEntropyShardGrad { .. } => vec![inputs[0], inputs[1], gathered],
             _ => vec![gathered, inputs[1]],
         };
-        self.push(op, &operands, None, node.name.clone(), tag, s, None)
+        self.out
+            .push(op, &operands, None, node.name.clone(), tag, s, None)
     }
 
     /// The per-row stats of this rank's vocabulary shard of `inputs[0]` (labels
@@ -348,7 +388,7 @@ impl Ctx<'_> {
     ) -> Result<ValueId, ShardError> {
         let tag = (node.layer, node.role);
         let split = TensorSharding {
-            dims: self.shardings[inputs[0].index()].dims.clone(),
+            dims: self.out.shardings[inputs[0].index()].dims.clone(),
             partial: Vec::new(),
         };
         let stats_op = Op::CrossEntropyStats {
@@ -357,7 +397,7 @@ impl Ctx<'_> {
         };
         let stats_name = format!("{}.stats", node.name);
         let local = &[inputs[0], inputs[1]];
-        let stats = self.push(
+        let stats = self.out.push(
             stats_op,
             local,
             None,
@@ -519,9 +559,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
     let mut cx = Ctx {
         g,
         mesh,
-        out: Graph::new(),
-        shardings: Vec::new(),
-        provenance: Vec::new(),
+        out: ShardedBuilder::new("building"),
         versions: HashMap::new(),
         cur: Vec::with_capacity(g.len()),
         offsets: HashMap::new(),
@@ -554,7 +592,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
                 },
                 other => other.clone(),
             };
-            let x = cx.push(
+            let x = cx.out.push(
                 op,
                 &[],
                 Some(ty),
@@ -658,11 +696,11 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
             if let Some(f) = r.operands[0][0] {
                 if let [a] = fa[f][..] {
                     let key = (node.inputs[1], a);
-                    let rows = cx.out.ty(inputs[0]).dim(0);
+                    let rows = cx.out.graph.ty(inputs[0]).dim(0);
                     let ids = match cx.offsets.get(&key) {
                         Some(&x) => x,
                         None => {
-                            let s = cx.shardings[inputs[1].index()].clone();
+                            let s = cx.out.shardings[inputs[1].index()].clone();
                             let op = Op::RankOffset {
                                 axis: mesh.axis_name(a).to_string(),
                                 stride: rows,
@@ -670,7 +708,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
                             let id = g.node(node.inputs[1]);
                             let name = format!("{}.rank_offset", id.name);
                             let tag = (node.layer, id.role);
-                            let x = cx.push(op, &[inputs[1]], None, name, tag, s, None)?;
+                            let x = cx.out.push(op, &[inputs[1]], None, name, tag, s, None)?;
                             cx.offsets.insert(key, x);
                             x
                         }
@@ -711,7 +749,7 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
         };
         let x = match vocab_axis {
             Some((_, a)) => cx.vocab_parallel(node, &inputs, a, s.clone())?,
-            None => cx.push(
+            None => cx.out.push(
                 node.op.clone(),
                 &inputs,
                 declared,
@@ -748,15 +786,8 @@ pub fn partition(g: &Graph, mesh: &Mesh, ann: &Annotations) -> Result<ShardedGra
             .unwrap_or_else(|| TensorSharding::replicated(g.ty(*v).rank()));
         let why = ReshardReason::Output { name: name.clone() };
         let x = cx.version(*v, &want, &why)?;
-        cx.out.set_output(name, x);
+        cx.out.graph.set_output(name, x);
     }
-    cx.out.current_layer = None;
-    cx.out.current_role = ValueRole::Forward;
-    crate::ir::verify_if_debug(&cx.out, "partition");
-    Ok(ShardedGraph {
-        graph: cx.out,
-        shardings: cx.shardings,
-        provenance: cx.provenance,
-        mesh: mesh.clone(),
-    })
+    crate::ir::verify_if_debug(&cx.out.graph, "partition");
+    Ok(cx.out.finish(mesh.clone()))
 }

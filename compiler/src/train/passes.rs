@@ -11,7 +11,9 @@
 
 use crate::autodiff::TrainGraph;
 use crate::ir::{Graph, Op, TensorType, ValueId, ValueRole};
-use crate::shard::{Provenance, ReshardReason, ShardError, ShardedGraph, TensorSharding};
+use crate::shard::{
+    Provenance, ReshardReason, ShardError, ShardedBuilder, ShardedGraph, TensorSharding,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -46,9 +48,8 @@ pub struct Bucket {
 
 /// Rebuilds a sharded graph node by node with remapped operands.
 pub(super) struct Rebuild {
-    pub(super) g: Graph,
-    shardings: Vec<TensorSharding>,
-    provenance: Vec<Option<Provenance>>,
+    /// The copy so far.
+    pub(super) out: ShardedBuilder,
     /// Old node → its copy.
     pub(super) map: Vec<Option<ValueId>>,
 }
@@ -56,33 +57,9 @@ pub(super) struct Rebuild {
 impl Rebuild {
     pub(super) fn new(n: usize) -> Rebuild {
         Rebuild {
-            g: Graph::new(),
-            shardings: Vec::new(),
-            provenance: Vec::new(),
+            out: ShardedBuilder::new("rebuilding"),
             map: vec![None; n],
         }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn push(
-        &mut self,
-        op: Op,
-        inputs: &[ValueId],
-        ty: Option<TensorType>,
-        name: String,
-        (layer, role): (Option<u32>, ValueRole),
-        s: TensorSharding,
-        prov: Option<Provenance>,
-    ) -> Result<ValueId, ShardError> {
-        self.g.current_layer = layer;
-        self.g.current_role = role;
-        let v = self
-            .g
-            .add_typed(op, inputs, ty, name.clone())
-            .map_err(|e| ShardError::Internal(format!("rebuilding `{name}`: {e}")))?;
-        self.shardings.push(s);
-        self.provenance.push(prov);
-        Ok(v)
     }
 
     /// Copies node `v` of `old` with its operands remapped.
@@ -109,7 +86,7 @@ impl Rebuild {
                 .map(|i| self.map[i.index()].expect("invariant: operands are copied first"))
                 .collect(),
         };
-        let x = self.push(
+        let x = self.out.push(
             op,
             &inputs,
             Some(node.ty.clone()),
@@ -126,21 +103,14 @@ impl Rebuild {
     fn finish(mut self, old: ShardedGraph) -> ShardedGraph {
         for (name, v) in &old.graph.outputs {
             let x = self.map[v.index()].expect("invariant: outputs are kept");
-            self.g.set_output(name, x);
+            self.out.graph.set_output(name, x);
         }
         self.into_graph(&old.mesh)
     }
 
     /// The copy on `mesh`, with the outputs set so far.
-    pub(super) fn into_graph(mut self, mesh: &crate::shard::Mesh) -> ShardedGraph {
-        self.g.current_layer = None;
-        self.g.current_role = ValueRole::Forward;
-        ShardedGraph {
-            graph: self.g,
-            shardings: self.shardings,
-            provenance: self.provenance,
-            mesh: mesh.clone(),
-        }
+    pub(super) fn into_graph(self, mesh: &crate::shard::Mesh) -> ShardedGraph {
+        self.out.finish(mesh.clone())
     }
 }
 
@@ -181,16 +151,9 @@ pub(super) fn strip_output_reshards(
     }
     for (name, v) in &outputs {
         let x = r.map[v.index()].expect("invariant: kept");
-        r.g.set_output(name, x);
+        r.out.graph.set_output(name, x);
     }
-    r.g.current_layer = None;
-    r.g.current_role = ValueRole::Forward;
-    Ok(ShardedGraph {
-        graph: r.g,
-        shardings: r.shardings,
-        provenance: r.provenance,
-        mesh: sg.mesh,
-    })
+    Ok(r.out.finish(sg.mesh))
 }
 
 /// Gives every `EmbeddingGrad` whose table is vocabulary-sharded shard-local ids.
@@ -247,7 +210,9 @@ pub(super) fn embedding_grad_offsets(sg: ShardedGraph) -> Result<ShardedGraph, S
                 let s = sg.shardings[node.inputs[0].index()].clone();
                 let id = g.node(node.inputs[0]);
                 let name = format!("{}.rank_offset", id.name);
-                let x = r.push(op, &[ids], None, name, (node.layer, id.role), s, None)?;
+                let x = r
+                    .out
+                    .push(op, &[ids], None, name, (node.layer, id.role), s, None)?;
                 offsets.insert(key, x);
                 x
             }
@@ -258,7 +223,7 @@ pub(super) fn embedding_grad_offsets(sg: ShardedGraph) -> Result<ShardedGraph, S
             .map(|i| r.map[i.index()].expect("invariant: copied"))
             .collect();
         inputs[0] = local;
-        let x = r.push(
+        let x = r.out.push(
             node.op.clone(),
             &inputs,
             Some(node.ty.clone()),
@@ -371,7 +336,7 @@ pub(crate) fn ring_attention(sg: ShardedGraph, axis: &str) -> Result<ShardedGrap
             .iter()
             .map(|i| r.map[i.index()].expect("invariant: operands are copied first"))
             .collect();
-        let x = r.push(
+        let x = r.out.push(
             op,
             &inputs,
             Some(node.ty.clone()),
@@ -628,7 +593,7 @@ fn push_ring_grad(
     axes.extend(sg.mesh.axis(axis));
     axes.sort();
     axes.dedup();
-    let packed = rb.push(
+    let packed = rb.out.push(
         Op::RingAttentionGrad {
             spec: r.spec,
             axis: axis.to_string(),
@@ -647,7 +612,7 @@ fn push_ring_grad(
     for (x, name) in [r.dq, r.dk, r.dv].into_iter().zip(names) {
         let node = g.node(x);
         let len = node.ty.numel();
-        let slice = rb.push(
+        let slice = rb.out.push(
             Op::Slice { dim: 0, start, len },
             &[packed],
             None,
@@ -656,7 +621,7 @@ fn push_ring_grad(
             TensorSharding::split(1, 0, &axes),
             None,
         )?;
-        let y = rb.push(
+        let y = rb.out.push(
             Op::Reshape,
             &[slice],
             Some(node.ty.clone()),
@@ -911,9 +876,12 @@ fn emit_bucket(
         let ty = TensorType::plain(g.ty(ar).dtype, &[n]);
         let name = format!("{}.flat", g.node(src).name);
         let tag = (None, g.node(src).role);
-        flats.push(r.push(Op::Reshape, &[x], Some(ty), name, tag, flat_s(true), None)?);
+        flats.push(
+            r.out
+                .push(Op::Reshape, &[x], Some(ty), name, tag, flat_s(true), None)?,
+        );
     }
-    let cat = r.push(
+    let cat = r.out.push(
         Op::Concat { dim: 0 },
         &flats,
         None,
@@ -934,7 +902,7 @@ fn emit_bucket(
         },
     };
     let op = Op::AllReduce { axis: "dp".into() };
-    let red = r.push(
+    let red = r.out.push(
         op,
         &[cat],
         None,
@@ -954,7 +922,7 @@ fn emit_bucket(
             len: n,
         };
         let name = g.node(ar).name.clone();
-        let part = r.push(
+        let part = r.out.push(
             slice,
             &[red],
             None,
@@ -963,7 +931,7 @@ fn emit_bucket(
             flat_s(false),
             None,
         )?;
-        let x = r.push(
+        let x = r.out.push(
             Op::Reshape,
             &[part],
             Some(ty),

@@ -111,7 +111,9 @@ pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, Sh
         m.copy_as(sg, v, node.op.clone(), node.name.clone())?;
     }
     for (name, v) in &micro_outputs {
-        m.g.set_output(name, m.map[v.index()].expect("invariant: kept"));
+        m.out
+            .graph
+            .set_output(name, m.map[v.index()].expect("invariant: kept"));
     }
     // The step program: the rest, reading the boundary values and the step's state as
     // inputs.
@@ -151,7 +153,7 @@ pub fn split_step(sg: &ShardedGraph, train: &TrainGraph) -> Result<StepSplit, Sh
                 "output `{name}` is computed per micro-batch, not once per step"
             ))
         })?;
-        s.g.set_output(name, x);
+        s.out.graph.set_output(name, x);
     }
     Ok(StepSplit {
         micro: m.into_graph(&sg.mesh),

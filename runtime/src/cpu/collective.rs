@@ -10,6 +10,7 @@ use super::layout::{pack_chunks, unpack_chunks};
 use super::shape_err;
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::{Buffer, RuntimeError, Tensor};
+use shardc_compiler::ir::Op;
 
 /// Turns a communicator error into a runtime error naming the node.
 pub(crate) type Wrap<'a> = &'a dyn Fn(CommError) -> RuntimeError;
@@ -80,70 +81,94 @@ fn check_dim(
     Ok(())
 }
 
-/// `AllReduce`: the sum over the group, on every rank.
-pub(crate) fn all_reduce(
+/// A collective's group: the axis' communicator, and how its errors name the node.
+#[derive(Clone, Copy)]
+struct Group<'a> {
+    comm: &'a dyn Communicator,
+    wrap: Wrap<'a>,
+}
+
+/// The collective `op` (`AllReduce`, `ReduceScatter`, `AllGather`, `AllToAll`, `Broadcast`)
+/// of `x` over `comm`.
+pub(crate) fn collective(
     comm: &dyn Communicator,
+    op: &Op,
     x: &Tensor,
     wrap: Wrap,
 ) -> Result<Tensor, RuntimeError> {
+    let g = Group { comm, wrap };
+    match *op {
+        Op::AllReduce { .. } => all_reduce(g, x),
+        Op::ReduceScatter { dim, parts, .. } => reduce_scatter(g, x, dim, parts),
+        Op::AllGather { dim, parts, .. } => all_gather(g, x, dim, parts),
+        Op::AllToAll {
+            split_dim,
+            concat_dim,
+            parts,
+            ..
+        } => all_to_all(g, x, (split_dim, concat_dim), parts),
+        Op::Broadcast { root, .. } => broadcast(g, x, root),
+        _ => unreachable!("invariant: called for collectives only"),
+    }
+}
+
+/// The checks of a collective over `parts` ranks (each `(dim, split)`: a dim of `x` split
+/// into or gathered from `parts` chunks), then `x` on the wire (`reduce`: summed).
+fn checked_wire(
+    op: &'static str,
+    g: Group,
+    x: &Tensor,
+    (dims, parts): (&[(usize, bool)], usize),
+    reduce: bool,
+) -> Result<(Vec<f32>, Wire), RuntimeError> {
+    check_size(g.comm, parts)?;
+    for &(dim, split) in dims {
+        check_dim(op, x, dim, parts, split)?;
+    }
+    to_wire(op, x, reduce)
+}
+
+/// `AllReduce`: the sum over the group, on every rank.
+fn all_reduce(g: Group, x: &Tensor) -> Result<Tensor, RuntimeError> {
     let (mut buf, w) = to_wire("all_reduce", x, true)?;
-    comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(wrap)?;
+    g.comm.all_reduce(&mut buf, ReduceOp::Sum).map_err(g.wrap)?;
     Ok(from_wire(x.shape.clone(), buf, w))
 }
 
 /// `ReduceScatter { dim, parts }`: the sum over the group; rank i keeps chunk i of `dim`.
-pub(crate) fn reduce_scatter(
-    comm: &dyn Communicator,
-    x: &Tensor,
-    dim: usize,
-    parts: usize,
-    wrap: Wrap,
-) -> Result<Tensor, RuntimeError> {
-    check_size(comm, parts)?;
-    check_dim("reduce_scatter", x, dim, parts, true)?;
-    let (buf, w) = to_wire("reduce_scatter", x, true)?;
+fn reduce_scatter(g: Group, x: &Tensor, dim: usize, parts: usize) -> Result<Tensor, RuntimeError> {
+    let (buf, w) = checked_wire("reduce_scatter", g, x, (&[(dim, true)], parts), true)?;
     let send = pack_chunks(&buf, &x.shape, dim, parts);
     let mut recv = vec![0.0f32; send.len() / parts];
-    comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum)
-        .map_err(wrap)?;
+    g.comm
+        .reduce_scatter(&send, &mut recv, ReduceOp::Sum)
+        .map_err(g.wrap)?;
     let mut shape = x.shape.clone();
     shape[dim] /= parts;
     Ok(from_wire(shape, recv, w))
 }
 
 /// `AllGather { dim, parts }`: every rank's value concatenated along `dim` in rank order.
-pub(crate) fn all_gather(
-    comm: &dyn Communicator,
-    x: &Tensor,
-    dim: usize,
-    parts: usize,
-    wrap: Wrap,
-) -> Result<Tensor, RuntimeError> {
-    check_size(comm, parts)?;
-    check_dim("all_gather", x, dim, parts, false)?;
-    let (send, w) = to_wire("all_gather", x, false)?;
+fn all_gather(g: Group, x: &Tensor, dim: usize, parts: usize) -> Result<Tensor, RuntimeError> {
+    let (send, w) = checked_wire("all_gather", g, x, (&[(dim, false)], parts), false)?;
     let mut recv = vec![0.0f32; send.len() * parts];
-    comm.all_gather(&send, &mut recv).map_err(wrap)?;
+    g.comm.all_gather(&send, &mut recv).map_err(g.wrap)?;
     Ok(concat_chunks(&recv, x.shape.clone(), dim, parts, w))
 }
 
 /// `AllToAll { split_dim, concat_dim, parts }`: chunk j of `split_dim` goes to rank j; the
 /// chunks received are concatenated along `concat_dim` in rank order.
-pub(crate) fn all_to_all(
-    comm: &dyn Communicator,
+fn all_to_all(
+    g: Group,
     x: &Tensor,
-    split_dim: usize,
-    concat_dim: usize,
+    (split_dim, concat_dim): (usize, usize),
     parts: usize,
-    wrap: Wrap,
 ) -> Result<Tensor, RuntimeError> {
-    check_size(comm, parts)?;
-    check_dim("all_to_all", x, split_dim, parts, true)?;
-    check_dim("all_to_all", x, concat_dim, parts, false)?;
-    let (buf, w) = to_wire("all_to_all", x, false)?;
+    let dims = [(split_dim, true), (concat_dim, false)];
+    let (buf, w) = checked_wire("all_to_all", g, x, (&dims, parts), false)?;
     let send = pack_chunks(&buf, &x.shape, split_dim, parts);
     let mut recv = vec![0.0f32; send.len()];
-    comm.all_to_all(&send, &mut recv).map_err(wrap)?;
+    g.comm.all_to_all(&send, &mut recv).map_err(g.wrap)?;
     let mut chunk = x.shape.clone();
     chunk[split_dim] /= parts;
     Ok(concat_chunks(&recv, chunk, concat_dim, parts, w))
@@ -159,13 +184,8 @@ fn concat_chunks(recv: &[f32], chunk: Vec<usize>, dim: usize, parts: usize, w: W
 }
 
 /// `Broadcast { root }`: rank `root`'s value on every rank.
-pub(crate) fn broadcast(
-    comm: &dyn Communicator,
-    x: &Tensor,
-    root: usize,
-    wrap: Wrap,
-) -> Result<Tensor, RuntimeError> {
+fn broadcast(g: Group, x: &Tensor, root: usize) -> Result<Tensor, RuntimeError> {
     let (mut buf, w) = to_wire("broadcast", x, false)?;
-    comm.broadcast(&mut buf, root).map_err(wrap)?;
+    g.comm.broadcast(&mut buf, root).map_err(g.wrap)?;
     Ok(from_wire(x.shape.clone(), buf, w))
 }

@@ -11,14 +11,45 @@ use super::collective::Wrap;
 use super::{f32_of, layout, linalg, shape_err};
 use crate::comm::Communicator;
 use crate::{RuntimeError, Tensor};
+use shardc_compiler::ir::Op;
 
-fn check(
-    op: &'static str,
-    comm: &dyn Communicator,
-    x: &Tensor,
+/// The ring of a collective matmul: the axis' communicator (of `parts` ranks), the ring dim,
+/// whether `w` is transposed, and how a communicator error names the node.
+struct Ring<'a> {
+    comm: &'a dyn Communicator,
     dim: usize,
     parts: usize,
-) -> Result<(), RuntimeError> {
+    transpose_b: bool,
+    wrap: Wrap<'a>,
+}
+
+/// The collective matmul `op` (`AgMatMul` or `MatMulRs`) of `x` and `w` over `comm`.
+pub(crate) fn ring_matmul(
+    comm: &dyn Communicator,
+    op: &Op,
+    x: &Tensor,
+    w: &Tensor,
+    wrap: Wrap,
+) -> Result<Tensor, RuntimeError> {
+    let m = op
+        .ring_matmul()
+        .expect("invariant: called for AgMatMul and MatMulRs only");
+    let ring = Ring {
+        comm,
+        dim: m.dim,
+        parts: m.parts,
+        transpose_b: m.transpose_b,
+        wrap,
+    };
+    if m.gather {
+        ag_matmul(&ring, x, w)
+    } else {
+        matmul_rs(&ring, x, w)
+    }
+}
+
+fn check(op: &'static str, ring: &Ring, x: &Tensor) -> Result<(), RuntimeError> {
+    let (comm, dim, parts) = (ring.comm, ring.dim, ring.parts);
     if comm.size() != parts {
         return Err(RuntimeError::AxisSize {
             axis: comm.name().to_string(),
@@ -35,18 +66,17 @@ fn check(
 /// `AgMatMul`: `matmul(all_gather(x, dim), w)`. Step `s` multiplies the chunk of rank
 /// `r − s` while that chunk travels on to rank `r + 1`; the products are concatenated along
 /// `dim` in rank order.
-pub(crate) fn ag_matmul(
-    comm: &dyn Communicator,
-    x: &Tensor,
-    w: &Tensor,
-    dim: usize,
-    parts: usize,
-    transpose_b: bool,
-    wrap: Wrap,
-) -> Result<Tensor, RuntimeError> {
+fn ag_matmul(ring: &Ring, x: &Tensor, w: &Tensor) -> Result<Tensor, RuntimeError> {
     const OP: &str = "ag_matmul";
-    check(OP, comm, x, dim, parts)?;
-    let (n, r) = (parts, comm.rank());
+    check(OP, ring, x)?;
+    let Ring {
+        comm,
+        dim,
+        parts: n,
+        transpose_b,
+        wrap,
+    } = *ring;
+    let r = comm.rank();
     let mut cur = x.clone();
     let mut src = r;
     let mut products: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
@@ -72,30 +102,23 @@ pub(crate) fn ag_matmul(
 /// `MatMulRs`: `reduce_scatter(matmul(x, w), dim)`. Step `s` multiplies rows chunk
 /// `r − s − 1` of `x`, adds the partial sum of that chunk received from rank `r − 1`, and
 /// passes it on to rank `r + 1`; after `parts` steps rank `r` holds the full sum of chunk `r`.
-pub(crate) fn matmul_rs(
-    comm: &dyn Communicator,
-    x: &Tensor,
-    w: &Tensor,
-    dim: usize,
-    parts: usize,
-    transpose_b: bool,
-    wrap: Wrap,
-) -> Result<Tensor, RuntimeError> {
+fn matmul_rs(ring: &Ring, x: &Tensor, w: &Tensor) -> Result<Tensor, RuntimeError> {
     const OP: &str = "matmul_rs";
-    check(OP, comm, x, dim, parts)?;
-    if x.shape[dim] % parts != 0 {
+    check(OP, ring, x)?;
+    let (comm, dim, n, wrap) = (ring.comm, ring.dim, ring.parts, ring.wrap);
+    if x.shape[dim] % n != 0 {
         return Err(shape_err(
             OP,
             &[x],
             "the ring dim does not divide by the axis size",
         ));
     }
-    let (n, r) = (parts, comm.rank());
+    let r = comm.rank();
     let chunk = x.shape[dim] / n;
     for s in 0..n {
         let c = (r + 2 * n - s - 1) % n;
         let xs = layout::slice(x, dim, c * chunk, chunk)?;
-        let mut p = linalg::matmul(&xs, w, transpose_b)?;
+        let mut p = linalg::matmul(&xs, w, ring.transpose_b)?;
         if s > 0 {
             let mut buf = vec![0.0f32; p.numel()];
             comm.recv(&mut buf, (r + n - 1) % n).map_err(wrap)?;
@@ -176,15 +199,33 @@ mod tests {
                     let mut xs = vec![b, t, k];
                     xs[dim] /= n;
                     let x = Tensor::f32(xs.clone(), data(r, xs.iter().product()));
-                    let ring = ag_matmul(c, &x, &w, dim, n, tb, &wrap).expect("ring");
-                    let g = collective::all_gather(c, &x, dim, n, &wrap).expect("gather");
+                    let rg = Ring {
+                        comm: c,
+                        dim,
+                        parts: n,
+                        transpose_b: tb,
+                        wrap: &wrap,
+                    };
+                    let ring = ag_matmul(&rg, &x, &w).expect("ring");
+                    let tp = || "tp".to_string();
+                    let ag = Op::AllGather {
+                        axis: tp(),
+                        dim,
+                        parts: n,
+                    };
+                    let g = collective::collective(c, &ag, &x, &wrap).expect("gather");
                     let plain = linalg::matmul(&g, &w, tb).expect("gemm");
                     close(&ring, &plain);
                     // MatMulRs: full rows, partial sums.
                     let x = Tensor::f32(vec![b, t, k], data(10 + r, b * t * k));
-                    let ring = matmul_rs(c, &x, &w, dim, n, tb, &wrap).expect("ring");
+                    let ring = matmul_rs(&rg, &x, &w).expect("ring");
                     let p = linalg::matmul(&x, &w, tb).expect("gemm");
-                    let plain = collective::reduce_scatter(c, &p, dim, n, &wrap).expect("scatter");
+                    let rs = Op::ReduceScatter {
+                        axis: tp(),
+                        dim,
+                        parts: n,
+                    };
+                    let plain = collective::collective(c, &rs, &p, &wrap).expect("scatter");
                     (ring, plain)
                 });
                 for (ring, plain) in &outs {

@@ -13,22 +13,56 @@ use super::collective::Wrap;
 use super::{f32_of, layout, shape_err};
 use crate::comm::Communicator;
 use crate::{RuntimeError, Tensor};
-use shardc_compiler::ir::AttnSpec;
+use shardc_compiler::ir::{AttnSpec, Op};
 
-/// `RingAttention { spec, parts }`: `q[B,T,Hq,D]`, this rank's `k`, `v` blocks
-/// `[B,c,Hkv,D]`, and `keys` (mask `[B,S]`, indices `i32[T]`, `i32[S]`) over the whole ring.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn ring_attention(
-    comm: &dyn Communicator,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    keys: Keys,
-    spec: &AttnSpec,
+/// The ring of a ring attention op: the axis' communicator (of `parts` ranks), the attention
+/// spec, and how a communicator error names the node.
+struct Ring<'a> {
+    comm: &'a dyn Communicator,
+    spec: &'a AttnSpec,
     parts: usize,
+    wrap: Wrap<'a>,
+}
+
+/// `op` (`RingAttention` or `RingAttentionGrad`) of its operands `args` (the tensors, then
+/// the keys) over `comm`.
+pub(crate) fn ring_attention_op(
+    comm: &dyn Communicator,
+    op: &Op,
+    args: &[&Tensor],
     wrap: Wrap,
 ) -> Result<Tensor, RuntimeError> {
+    let (grad, spec, parts) = match op {
+        Op::RingAttention { spec, parts, .. } => (false, spec, *parts),
+        Op::RingAttentionGrad { spec, parts, .. } => (true, spec, *parts),
+        _ => unreachable!("invariant: called for RingAttention and RingAttentionGrad only"),
+    };
+    let ring = Ring {
+        comm,
+        spec,
+        parts,
+        wrap,
+    };
+    let tensors = if grad { 5 } else { 3 };
+    let keys = Keys::of(spec, &args[tensors..]);
+    if grad {
+        ring_attention_grad(&ring, &args[..tensors], keys)
+    } else {
+        ring_attention(&ring, &args[..tensors], keys)
+    }
+}
+
+/// `RingAttention { spec, parts }` of `[q, k, v]`: `q[B,T,Hq,D]`, this rank's `k`, `v` blocks
+/// `[B,c,Hkv,D]`, and `keys` (mask `[B,S]`, indices `i32[T]`, `i32[S]`) over the whole ring.
+fn ring_attention(ring: &Ring, qkv: &[&Tensor], keys: Keys) -> Result<Tensor, RuntimeError> {
     const OP: &str = "ring_attention";
+    let Ring {
+        comm,
+        spec,
+        parts,
+        wrap,
+    } = *ring;
+    let (q, k, v) = (qkv[0], qkv[1], qkv[2]);
     let mut all = vec![q, k, v];
     all.extend(keys.all());
     let (b, t, hq, d, c, hkv) = ring_dims(OP, comm, &all, &keys, parts)?;
@@ -149,28 +183,19 @@ fn ring_dims(
     Ok(dims)
 }
 
-/// `RingAttentionGrad { spec, parts }`: `q`, this rank's `k`, `v` blocks, the forward's
-/// output `o` and its gradient `dy` (both `[B,T,Hq,D]`), and `keys` → `dq`, `dk`, `dv` packed
+/// `RingAttentionGrad { spec, parts }` of `[q, k, v, o, dy]`: `q`, this rank's `k`, `v`
+/// blocks, the forward's output `o` and its gradient `dy` (both `[B,T,Hq,D]`), and `keys` →
+/// `dq`, `dk`, `dv` packed
 /// (flat, in that order). Two passes round the ring: the K blocks, for each query row's
 /// softmax statistics (maximum and sum of exponentials); then the K/V blocks with their dK/dV
 /// accumulators, each rank adding its queries' contributions before passing them on, so that
 /// after `parts` hops every block's accumulators are back at its owner, complete. With
 /// `δᵢ = dyᵢ·oᵢ` and `pᵢⱼ = exp(sᵢⱼ − lseᵢ)`: `dsᵢⱼ = pᵢⱼ (dyᵢ·vⱼ − δᵢ)`, `dqᵢ += scale·dsᵢⱼ kⱼ`,
 /// `dkⱼ += scale·dsᵢⱼ qᵢ`, `dvⱼ += pᵢⱼ dyᵢ` (GQA: a KV head sums its query heads).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn ring_attention_grad(
-    comm: &dyn Communicator,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    o: &Tensor,
-    dy: &Tensor,
-    keys: Keys,
-    spec: &AttnSpec,
-    parts: usize,
-    wrap: Wrap,
-) -> Result<Tensor, RuntimeError> {
+fn ring_attention_grad(ring: &Ring, ops: &[&Tensor], keys: Keys) -> Result<Tensor, RuntimeError> {
     const OP: &str = "ring_attention_grad";
+    let (comm, spec, parts, wrap) = (ring.comm, ring.spec, ring.parts, ring.wrap);
+    let (q, k, v, o, dy) = (ops[0], ops[1], ops[2], ops[3], ops[4]);
     let mut all = vec![q, k, v, o, dy];
     all.extend(keys.all());
     if o.shape != q.shape || dy.shape != q.shape {

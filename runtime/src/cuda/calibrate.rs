@@ -23,7 +23,7 @@ use super::ops::Launcher;
 use super::plan::GpuDType;
 use super::{CudaDevice, CudaError};
 use crate::comm::{CommError, ReduceOp};
-use crate::cuda::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
+use crate::cuda::comm::device::{DeviceBuffer, DeviceCollective, DeviceCommunicator, DeviceDType};
 use crate::cuda::comm::local_gpu;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -248,19 +248,16 @@ fn rank_collectives(
             let send = DeviceBuffer::new(ptr(&sb, &stream), send_len, dt);
             let recv = DeviceBuffer::new(ptr(&rb, &stream), recv_len, dt);
             l.memset(send.ptr, 0x3c, send.bytes())?;
+            let op = ReduceOp::Sum;
+            let c = match kind {
+                CollectiveKind::AllGather => DeviceCollective::AllGather { send, recv },
+                CollectiveKind::ReduceScatter => DeviceCollective::ReduceScatter { send, recv, op },
+                _ => DeviceCollective::AllReduce { send, recv, op },
+            };
             let seconds = time_runs(&stream, o, || {
                 // SAFETY: send and recv are live allocations of this context of the sizes
                 // given; they are freed only after the stream is synchronized below.
-                unsafe {
-                    match kind {
-                        CollectiveKind::AllGather => comm.all_gather(send, recv, &stream),
-                        CollectiveKind::ReduceScatter => {
-                            comm.reduce_scatter(send, recv, ReduceOp::Sum, &stream)
-                        }
-                        _ => comm.all_reduce(send, recv, ReduceOp::Sum, &stream),
-                    }
-                }
-                .map_err(comm_err)
+                unsafe { comm.enqueue(c, &stream) }.map_err(comm_err)
             })?;
             stream
                 .synchronize()

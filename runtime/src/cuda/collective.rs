@@ -15,7 +15,9 @@ use super::rank::CudaRankCtx;
 use super::strided::{split3, StridedSpec};
 use super::CudaError;
 use crate::comm::{CommError, ReduceOp};
-use crate::cuda::comm::device::{DeviceBuffer, DeviceCommunicator, DeviceDType};
+use crate::cuda::comm::device::{
+    DeviceBuffer, DeviceCollective, DeviceCollective as Dc, DeviceCommunicator, DeviceDType,
+};
 use crate::RuntimeError;
 use cudarc::driver::{CudaEvent, CudaStream};
 use shardc_compiler::ir::{Op, ValueId};
@@ -46,46 +48,61 @@ impl CudaProgram {
         let wrap = self.comm_error(v, &axis);
         let check_parts = |parts: usize| check_axis_size(comm, &axis, parts);
         let spec = |s| self.strided_spec(v, s);
+        // `send`, or its `parts` chunks along `dim` of `shape` packed at `at` when `dim` is not
+        // the outermost.
+        let packed = |shape: &[usize], dim: usize, parts: usize, at: u64| {
+            if split3(shape, dim).0 == 1 {
+                return Ok(send);
+            }
+            lm.strided(
+                elem,
+                send.ptr,
+                at,
+                &spec(StridedSpec::pack_chunks(shape, dim, parts))?,
+            )?;
+            Ok::<_, CudaError>(DeviceBuffer::new(at, send.len, send.dtype))
+        };
+        // `issue(recv)`, or, when `dim` of `shape` is not the outermost, `issue` into `at` and
+        // its `parts` chunks unpacked into `recv`.
+        let unpacked =
+            |shape: &[usize],
+             dim: usize,
+             parts: usize,
+             at: u64,
+             issue: &dyn Fn(DeviceBuffer) -> Result<(), CudaError>| {
+                if split3(shape, dim).0 == 1 {
+                    return issue(recv);
+                }
+                issue(DeviceBuffer::new(at, recv.len, recv.dtype))?;
+                lm.strided(
+                    elem,
+                    at,
+                    recv.ptr,
+                    &spec(StridedSpec::unpack_chunks(shape, dim, parts))?,
+                )
+            };
         let s = lm.stream;
-        // SAFETY (every call below): `send`, `recv` and the scratch halves are live device
-        // buffers of the sizes given; they stay allocated until the program is dropped, after
-        // the streams drained.
+        // SAFETY: `send`, `recv` and the scratch halves are live device buffers of the sizes
+        // given; they stay allocated until the program is dropped, after the streams drained.
+        let issue = |c: Dc| unsafe { comm.enqueue(c, s) }.map_err(&wrap);
+        let op = ReduceOp::Sum;
         match &node.op {
-            Op::AllReduce { .. } => {
-                unsafe { comm.all_reduce(send, recv, ReduceOp::Sum, s) }.map_err(wrap)
-            }
-            Op::Broadcast { root, .. } => {
-                unsafe { comm.broadcast(send, recv, *root, s) }.map_err(wrap)
-            }
+            Op::AllReduce { .. } => issue(Dc::AllReduce { send, recv, op }),
+            Op::Broadcast { root, .. } => issue(Dc::Broadcast {
+                send,
+                recv,
+                root: *root,
+            }),
             Op::ReduceScatter { dim, parts, .. } => {
                 check_parts(*parts)?;
-                let src = if split3(&in_shape, *dim).0 == 1 {
-                    send
-                } else {
-                    lm.strided(
-                        elem,
-                        send.ptr,
-                        a,
-                        &spec(StridedSpec::pack_chunks(&in_shape, *dim, *parts))?,
-                    )?;
-                    DeviceBuffer::new(a, send.len, send.dtype)
-                };
-                unsafe { comm.reduce_scatter(src, recv, ReduceOp::Sum, s) }.map_err(wrap)
+                let send = packed(&in_shape, *dim, *parts, a)?;
+                issue(Dc::ReduceScatter { send, recv, op })
             }
             Op::AllGather { dim, parts, .. } => {
                 check_parts(*parts)?;
-                if split3(&in_shape, *dim).0 == 1 {
-                    unsafe { comm.all_gather(send, recv, s) }.map_err(wrap)
-                } else {
-                    let tmp = DeviceBuffer::new(a, recv.len, recv.dtype);
-                    unsafe { comm.all_gather(send, tmp, s) }.map_err(wrap)?;
-                    lm.strided(
-                        elem,
-                        a,
-                        recv.ptr,
-                        &spec(StridedSpec::unpack_chunks(&in_shape, *dim, *parts))?,
-                    )
-                }
+                unpacked(&in_shape, *dim, *parts, a, &|recv| {
+                    issue(Dc::AllGather { send, recv })
+                })
             }
             Op::AllToAll {
                 split_dim,
@@ -94,31 +111,12 @@ impl CudaProgram {
                 ..
             } => {
                 check_parts(*parts)?;
-                let src = if split3(&in_shape, *split_dim).0 == 1 {
-                    send
-                } else {
-                    lm.strided(
-                        elem,
-                        send.ptr,
-                        a,
-                        &spec(StridedSpec::pack_chunks(&in_shape, *split_dim, *parts))?,
-                    )?;
-                    DeviceBuffer::new(a, send.len, send.dtype)
-                };
+                let send = packed(&in_shape, *split_dim, *parts, a)?;
                 let mut chunk = in_shape.clone();
                 chunk[*split_dim] /= parts;
-                if split3(&chunk, *concat_dim).0 == 1 {
-                    unsafe { comm.all_to_all(src, recv, s) }.map_err(wrap)
-                } else {
-                    let tmp = DeviceBuffer::new(b, recv.len, recv.dtype);
-                    unsafe { comm.all_to_all(src, tmp, s) }.map_err(wrap)?;
-                    lm.strided(
-                        elem,
-                        b,
-                        recv.ptr,
-                        &spec(StridedSpec::unpack_chunks(&chunk, *concat_dim, *parts))?,
-                    )
-                }
+                unpacked(&chunk, *concat_dim, *parts, b, &|recv| {
+                    issue(Dc::AllToAll { send, recv })
+                })
             }
             _ => Err(self.unsupported(v, "not a collective")),
         }
@@ -158,25 +156,39 @@ impl CudaProgram {
         }
     }
 
-    /// `AgMatMul`: `matmul(all_gather(x, dim), w)` as a ring (module docs).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn ag_matmul(
+    /// A collective matmul (`AgMatMul`, `MatMulRs`) as a ring (module docs).
+    pub(super) fn ring_matmul(
         &mut self,
         v: ValueId,
         ctx: &CudaRankCtx,
-        axis: &str,
-        dim: usize,
-        parts: usize,
-        transpose_b: bool,
         l: &Launcher,
     ) -> Result<(), CudaError> {
-        let ring = self.ring(v, ctx, axis, parts, l.stream)?;
         let node = self.graph.node(v).clone();
-        let (x, w) = (node.inputs[0], node.inputs[1]);
+        let Some(m) = node.op.ring_matmul() else {
+            return Err(self.unsupported(v, "not a collective matmul"));
+        };
+        let ring = self.ring(v, ctx, m.axis, m.parts, l.stream)?;
+        let mm = RingOperands {
+            v,
+            x: node.inputs[0],
+            w: node.inputs[1],
+            dim: m.dim,
+            transpose_b: m.transpose_b,
+            elem: self.storage[v.index()].size_bytes(),
+        };
+        if m.gather {
+            self.ag_matmul(&mm, &ring, l)
+        } else {
+            self.matmul_rs(&mm, &ring, l)
+        }
+    }
+
+    /// `AgMatMul`: `matmul(all_gather(x, dim), w)` as a ring (module docs).
+    fn ag_matmul(&mut self, mm: &RingOperands, ring: &Ring, l: &Launcher) -> Result<(), CudaError> {
+        let (v, x, dim, elem) = (mm.v, mm.x, mm.dim, mm.elem);
         let (n, r) = (ring.n, ring.r);
-        let elem = self.storage[v.index()].size_bytes();
         let x_len = self.numel(x);
-        let out_shape = node.ty.shape();
+        let out_shape = self.shape(v);
         if dim + 1 >= out_shape.len() || n == 0 {
             return Err(self.unsupported(v, "the ring dim must be a row dim"));
         }
@@ -185,8 +197,8 @@ impl CudaProgram {
         let chunk_len: usize = chunk_out.iter().product();
         let key = GemmKey::for_matmul(
             &self.shape(x),
-            &self.shape(w),
-            transpose_b,
+            &self.shape(mm.w),
+            mm.transpose_b,
             self.opts.dtype,
             Epilogue::None,
         )?;
@@ -196,7 +208,7 @@ impl CudaProgram {
         let half = (x_len * elem).div_ceil(256) as u64 * 256;
         let bufs = [self.ring.ptr, self.ring.ptr + half];
         let (cs, ms) = (ring.cs, &*ring.ms);
-        let wptr = self.ptr(w);
+        let wptr = self.ptr(mm.w);
         wait(ms, &event(cs)?)?; // x is ready
         let mut cur = self.ptr(x);
         let mut recv_done: Vec<CudaEvent> = Vec::new();
@@ -233,22 +245,9 @@ impl CudaProgram {
     }
 
     /// `MatMulRs`: `reduce_scatter(matmul(x, w), dim)` as a ring (module docs).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn matmul_rs(
-        &mut self,
-        v: ValueId,
-        ctx: &CudaRankCtx,
-        axis: &str,
-        dim: usize,
-        parts: usize,
-        transpose_b: bool,
-        l: &Launcher,
-    ) -> Result<(), CudaError> {
-        let ring = self.ring(v, ctx, axis, parts, l.stream)?;
-        let node = self.graph.node(v).clone();
-        let (x, w) = (node.inputs[0], node.inputs[1]);
+    fn matmul_rs(&mut self, mm: &RingOperands, ring: &Ring, l: &Launcher) -> Result<(), CudaError> {
+        let (v, x, dim, elem) = (mm.v, mm.x, mm.dim, mm.elem);
         let (n, r) = (ring.n, ring.r);
-        let elem = self.storage[v.index()].size_bytes();
         let xs = self.shape(x);
         if dim + 1 >= xs.len() || n == 0 || xs[dim] % n != 0 {
             return Err(self.unsupported(v, "the ring dim must be a row dim divisible by the axis"));
@@ -261,8 +260,8 @@ impl CudaProgram {
         let p_len = self.numel(v);
         let key = GemmKey::for_matmul(
             &x_chunk,
-            &self.shape(w),
-            transpose_b,
+            &self.shape(mm.w),
+            mm.transpose_b,
             self.opts.dtype,
             Epilogue::None,
         )?;
@@ -271,7 +270,7 @@ impl CudaProgram {
         let pbuf = [self.ring.ptr, self.ring.ptr + q];
         let rbuf = [self.ring.ptr + 2 * q, self.ring.ptr + 3 * q];
         let (cs, ms) = (ring.cs, &*ring.ms);
-        let (xptr, wptr) = (self.ptr(x), self.ptr(w));
+        let (xptr, wptr) = (self.ptr(x), self.ptr(mm.w));
         let dt = self.dt();
         let mut sr_done: Vec<CudaEvent> = Vec::new();
         for s in 0..n {
@@ -329,6 +328,18 @@ fn check_axis_size(
     }
 }
 
+/// A collective matmul's node `v`, its operands `x` and `w`, the ring dim, whether `w` is
+/// transposed, and the element size.
+#[derive(Clone, Copy)]
+struct RingOperands {
+    v: ValueId,
+    x: ValueId,
+    w: ValueId,
+    dim: usize,
+    transpose_b: bool,
+    elem: usize,
+}
+
 /// The ring a collective matmul runs on: the axis' communicator with this rank's place `r` of
 /// `n`, the compute stream `cs`, the comm stream `ms`, and the error of a failed transfer.
 struct Ring<'a> {
@@ -352,12 +363,15 @@ impl Ring<'_> {
         let (n, r) = (self.n, self.r);
         let send = DeviceBuffer::new(send, len, self.dtype);
         let recv = DeviceBuffer::new(recv, len, self.dtype);
+        let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+        let shift = DeviceCollective::SendRecv {
+            send,
+            to,
+            recv,
+            from,
+        };
         // SAFETY: forwarded from the caller.
-        unsafe {
-            self.comm
-                .send_recv(send, (r + 1) % n, recv, (r + n - 1) % n, &self.ms)
-        }
-        .map_err(&self.wrap)
+        unsafe { self.comm.enqueue(shift, &self.ms) }.map_err(&self.wrap)
     }
 
     /// Joins the streams both ways, so no comm work of the op outlives it.

@@ -241,32 +241,17 @@ impl CudaProgram {
                 let e = node.ty.last();
                 l.router(dt, x, out, n / e.max(1), e, *top_k, *normalize)
             }
-            Op::Dispatch => {
+            Op::Dispatch | Op::Combine => {
+                // (tokens, experts, hidden) of `x[B,T,H]` and gates `[B,T,E]` (dispatch), or
+                // of `x[E,B,T,H]` (combine).
                 let s = self.shape(ins[0]);
-                let e = self.shape(ins[1])[2];
-                l.moe_move(
-                    "dispatch",
-                    dt,
-                    x,
-                    self.ptr(ins[1]),
-                    out,
-                    s[0] * s[1],
-                    e,
-                    s[2],
-                )
-            }
-            Op::Combine => {
-                let s = self.shape(ins[0]);
-                l.moe_move(
-                    "combine",
-                    dt,
-                    x,
-                    self.ptr(ins[1]),
-                    out,
-                    s[1] * s[2],
-                    s[0],
-                    s[3],
-                )
+                let (op, dims) = if node.op == Op::Dispatch {
+                    ("dispatch", (s[0] * s[1], self.shape(ins[1])[2], s[2]))
+                } else {
+                    ("combine", (s[1] * s[2], s[0], s[3]))
+                };
+                let (tokens, experts, hidden) = dims;
+                l.moe_move(op, dt, x, self.ptr(ins[1]), out, tokens, experts, hidden)
             }
             Op::CrossEntropy { denom } => {
                 let vocab_n = self.graph.ty(ins[0]).last();
@@ -336,18 +321,7 @@ impl CudaProgram {
                 let (a, b, w) = (x, self.ptr(ins[1]), self.ptr(ins[2]));
                 l.add_rmsnorm(dt, a, b, sum, w, out, n / h.max(1), h, eps.0)
             }
-            Op::AgMatMul {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => self.ag_matmul(v, ctx, axis, *dim, *parts, *transpose_b, l),
-            Op::MatMulRs {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => self.matmul_rs(v, ctx, axis, *dim, *parts, *transpose_b, l),
+            Op::AgMatMul { .. } | Op::MatMulRs { .. } => self.ring_matmul(v, ctx, l),
             _ => Err(self.unsupported(v, "no CUDA kernel for this op")),
         }
     }

@@ -460,7 +460,7 @@ fn fused_unary(u: UnaryOp) -> FusedUnary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shardc_compiler::ir::{Float, ParamSource, TensorType};
+    use shardc_compiler::ir::{Float, TensorType};
     use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
 
     fn fixture(model: &str) -> ModelConfig {
@@ -471,13 +471,7 @@ mod tests {
     }
 
     fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
-        g.add_typed(
-            Op::Param(ParamSource::whole(name)),
-            &[],
-            Some(TensorType::plain(DType::F32, shape)),
-            name,
-        )
-        .unwrap()
+        g.param(name, TensorType::plain(DType::F32, shape))
     }
 
     #[test]

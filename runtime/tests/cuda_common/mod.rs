@@ -5,8 +5,11 @@
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
-use shardc_compiler::ir::{DType, Graph, Op, ParamSource, TensorType, ValueId};
-use shardc_runtime::cuda::{execute_cuda, CudaDevice, CudaOptions, GpuDType, ParamInit};
+use shardc_compiler::ir::{DType, Graph, Op, TensorType, ValueId};
+use shardc_compiler::model::ModelConfig;
+use shardc_runtime::cuda::{
+    execute_cuda, CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, GpuDType, ParamInit,
+};
 use shardc_runtime::{eval_op, Tensor, Weights};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -254,6 +257,17 @@ pub fn fixtures() -> PathBuf {
     }
 }
 
+/// `g` prepared on `dev` and `ctx` with the parameters of checkpoint `w`.
+pub fn prepare(
+    dev: &Arc<CudaDevice>,
+    g: &Graph,
+    w: &Weights,
+    ctx: &CudaRankCtx,
+    opts: CudaOptions,
+) -> Result<CudaProgram, CudaError> {
+    CudaProgram::prepare(dev.clone(), g, &ParamInit::Weights(w), ctx, opts)
+}
+
 /// One fixture reference case: inputs and transformers' logits.
 pub struct Case {
     pub model: String,
@@ -330,6 +344,13 @@ pub fn cases() -> Vec<Case> {
 }
 
 impl Case {
+    /// The case's model: its config and weights.
+    pub fn load(&self) -> (ModelConfig, Weights) {
+        let dir = fixtures().join(&self.model);
+        let cfg = ModelConfig::from_path(&dir).expect("config");
+        (cfg, Weights::open(&dir).expect("weights"))
+    }
+
     /// Max |Δ| over tokens whose mask is 1.
     pub fn max_diff(&self, got: &[f32], want: &[f32]) -> f32 {
         let width = want.len() / (self.batch * self.seq);
@@ -381,11 +402,5 @@ pub fn checkpoint(dir: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) -> Weigh
 
 /// A whole-tensor f32 parameter node.
 pub fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
-    g.add_typed(
-        Op::Param(ParamSource::whole(name)),
-        &[],
-        Some(TensorType::plain(DType::F32, shape)),
-        name,
-    )
-    .expect("param")
+    g.param(name, TensorType::plain(DType::F32, shape))
 }

@@ -338,22 +338,12 @@ impl fmt::Display for Op {
                 r.kv("epilogue", Steps(epilogue))?;
             }
             Op::AddRmsNorm { eps } => r.kv("eps", Lit(*eps))?,
-            Op::AgMatMul {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            }
-            | Op::MatMulRs {
-                axis,
-                dim,
-                parts,
-                transpose_b,
-            } => {
-                r.kv("axis", Word(axis))?;
-                r.kv("dim", dim)?;
-                r.kv("parts", parts)?;
-                r.kv("transpose_b", transpose_b)?;
+            Op::AgMatMul { .. } | Op::MatMulRs { .. } => {
+                let m = self.ring_matmul().expect("invariant: a collective matmul");
+                r.kv("axis", Word(m.axis))?;
+                r.kv("dim", m.dim)?;
+                r.kv("parts", m.parts)?;
+                r.kv("transpose_b", m.transpose_b)?;
             }
         }
         r.close()

@@ -43,15 +43,8 @@ fn normalise(row: &[f32], eps: f32, center: bool) -> (Vec<f64>, f64) {
     (row.iter().map(|&v| (v as f64 - mean) * r).collect(), r)
 }
 
-fn dx(
-    op: &'static str,
-    x: &Tensor,
-    w: &Tensor,
-    dy: &Tensor,
-    eps: f32,
-    center: bool,
-) -> Result<Tensor, RuntimeError> {
-    let (h, xd, wd, gd) = operands(op, x, w, dy)?;
+/// The gradient with respect to `x`, row by row.
+fn dx((h, xd, wd, gd): Operands, eps: f32, center: bool) -> Vec<f32> {
     let mut out = vec![0.0f32; xd.len()];
     for_each_row(&mut out, h, |i, o| {
         let (xh, r) = normalise(&xd[i * h..(i + 1) * h], eps, center);
@@ -71,18 +64,11 @@ fn dx(
             *o = (r * (gi - mean_g - xi * mean_gx)) as f32;
         }
     });
-    Ok(Tensor::f32(x.shape.clone(), out))
+    out
 }
 
-fn dw(
-    op: &'static str,
-    x: &Tensor,
-    w: &Tensor,
-    dy: &Tensor,
-    eps: f32,
-    center: bool,
-) -> Result<Tensor, RuntimeError> {
-    let (h, xd, _, gd) = operands(op, x, w, dy)?;
+/// The gradient with respect to `w`, summed over the rows.
+fn dw((h, xd, _, gd): Operands, eps: f32, center: bool) -> Vec<f32> {
     let mut acc = vec![0.0f64; h];
     if h > 0 {
         for (xr, gr) in xd.chunks(h).zip(gd.chunks(h)) {
@@ -92,10 +78,7 @@ fn dw(
             }
         }
     }
-    Ok(Tensor::f32(
-        vec![h],
-        acc.into_iter().map(|a| a as f32).collect(),
-    ))
+    acc.into_iter().map(|a| a as f32).collect()
 }
 
 /// `RmsNormGrad` (`center` false) or `LayerNormGrad` (`center` true) with respect to `wrt`.
@@ -112,10 +95,11 @@ pub(crate) fn norm_grad(
     } else {
         "rms_norm_grad"
     };
-    match wrt {
-        NormWrt::X => dx(op, x, w, dy, eps, center),
-        NormWrt::Weight => dw(op, x, w, dy, eps, center),
-    }
+    let ops = operands(op, x, w, dy)?;
+    Ok(match wrt {
+        NormWrt::X => Tensor::f32(x.shape.clone(), dx(ops, eps, center)),
+        NormWrt::Weight => Tensor::f32(vec![ops.0], dw(ops, eps, center)),
+    })
 }
 
 #[cfg(test)]

@@ -90,6 +90,87 @@ impl DeviceBuffer {
     }
 }
 
+/// One collective over device buffers (element counts: the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceCollective {
+    /// Reduction of every rank's `send` into `recv` on every rank.
+    AllReduce {
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        op: ReduceOp,
+    },
+    /// Reduction of every rank's `send`; rank i keeps chunk i in `recv`.
+    ReduceScatter {
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        op: ReduceOp,
+    },
+    /// Concatenation of every rank's `send` into `recv`, in rank order.
+    AllGather {
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+    },
+    /// Chunk j of `send` to rank j; chunk i of `recv` from rank i.
+    AllToAll {
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+    },
+    /// `send` of rank `root` into `recv` on every rank (`send` is read on the root only).
+    Broadcast {
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        root: usize,
+    },
+    /// Point-to-point send of `buf` to `peer`.
+    Send { buf: DeviceBuffer, peer: usize },
+    /// Point-to-point receive into `buf` from `peer`.
+    Recv { buf: DeviceBuffer, peer: usize },
+    /// Sends `send` to rank `to` and receives `recv` from rank `from` as one step, so a ring
+    /// of ranks each sending to the next and receiving from the previous cannot deadlock.
+    SendRecv {
+        send: DeviceBuffer,
+        to: usize,
+        recv: DeviceBuffer,
+        from: usize,
+    },
+}
+
+/// One half of a point-to-point transfer: the buffer and the peer, if any.
+pub type Transfer = Option<(DeviceBuffer, usize)>;
+
+impl DeviceCollective {
+    /// The kind errors name (a [`DeviceCollective::SendRecv`] is a send).
+    pub fn kind(&self) -> CollectiveKind {
+        match self {
+            DeviceCollective::AllReduce { .. } => CollectiveKind::AllReduce,
+            DeviceCollective::ReduceScatter { .. } => CollectiveKind::ReduceScatter,
+            DeviceCollective::AllGather { .. } => CollectiveKind::AllGather,
+            DeviceCollective::AllToAll { .. } => CollectiveKind::AllToAll,
+            DeviceCollective::Broadcast { .. } => CollectiveKind::Broadcast,
+            DeviceCollective::Send { .. } | DeviceCollective::SendRecv { .. } => {
+                CollectiveKind::Send
+            }
+            DeviceCollective::Recv { .. } => CollectiveKind::Recv,
+        }
+    }
+
+    /// The two halves of a point-to-point transfer: what this rank sends and to which peer,
+    /// what it receives and from which peer (both `None` for the group collectives).
+    pub fn transfers(&self) -> (Transfer, Transfer) {
+        match *self {
+            DeviceCollective::Send { buf, peer } => (Some((buf, peer)), None),
+            DeviceCollective::Recv { buf, peer } => (None, Some((buf, peer))),
+            DeviceCollective::SendRecv {
+                send,
+                to,
+                recv,
+                from,
+            } => (Some((send, to)), Some((recv, from))),
+            _ => (None, None),
+        }
+    }
+}
+
 /// One rank's handle on a group of GPU ranks (one mesh axis). See the module docs for the
 /// contract. Implementations are not required to be `Send`: NCCL communicators live on the
 /// thread that created them.
@@ -103,100 +184,12 @@ pub trait DeviceCommunicator {
     /// Which implementation (`nccl`, `local-gpu`), for messages.
     fn kind(&self) -> &'static str;
 
-    /// Reduction of every rank's `send` into `recv` on every rank.
+    /// Enqueues collective `c` on `stream`.
     ///
     /// # Safety
-    /// `send` and `recv` are valid device memory of this communicator's context for their
-    /// whole length and stay allocated until the collective has executed on `stream`.
-    unsafe fn all_reduce(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<(), CommError>;
-
-    /// Reduction of every rank's `send`; rank i keeps chunk i in `recv`.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    unsafe fn reduce_scatter(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<(), CommError>;
-
-    /// Concatenation of every rank's `send` into `recv`, in rank order.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    unsafe fn all_gather(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        stream: &CudaStream,
-    ) -> Result<(), CommError>;
-
-    /// Chunk j of `send` to rank j; chunk i of `recv` from rank i.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    unsafe fn all_to_all(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        stream: &CudaStream,
-    ) -> Result<(), CommError>;
-
-    /// `send` of rank `root` into `recv` on every rank (`send` is read on the root only).
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    unsafe fn broadcast(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError>;
-
-    /// Point-to-point send of `buf` to `peer`.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    unsafe fn send(
-        &self,
-        buf: DeviceBuffer,
-        peer: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError>;
-
-    /// Point-to-point receive into `buf` from `peer`.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    unsafe fn recv(
-        &self,
-        buf: DeviceBuffer,
-        peer: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError>;
-
-    /// Sends `send` to rank `to` and receives `recv` from rank `from` as one step, so a ring
-    /// of ranks each sending to the next and receiving from the previous cannot deadlock.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    unsafe fn send_recv(
-        &self,
-        send: DeviceBuffer,
-        to: usize,
-        recv: DeviceBuffer,
-        from: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError>;
+    /// Every buffer of `c` is valid device memory of this communicator's context for its
+    /// whole length and stays allocated until the collective has executed on `stream`.
+    unsafe fn enqueue(&self, c: DeviceCollective, stream: &CudaStream) -> Result<(), CommError>;
 
     /// Non-blocking health check: `Ok(true)` when every enqueued collective has completed,
     /// `Ok(false)` while some are in flight, `Err` on an asynchronous failure or when the

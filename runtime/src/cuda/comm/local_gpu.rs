@@ -16,7 +16,9 @@
 //! [`CommError::Aborted`]. Reductions support `Sum` and `Avg` on f32 and bf16; i32 values move
 //! but do not sum here (NCCL sums them).
 
-use super::device::{check_peer, check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
+use super::device::{
+    check_peer, check_sizes, DeviceBuffer, DeviceCollective, DeviceCommunicator, DeviceDType,
+};
 use crate::comm::{CollectiveKind, CommError, ReduceOp};
 use crate::cuda::ops::Launcher;
 use crate::cuda::{CudaDevice, CudaError};
@@ -544,107 +546,56 @@ impl DeviceCommunicator for LocalGpuComm {
         "local-gpu"
     }
 
-    unsafe fn all_reduce(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        self.reduction(CollectiveKind::AllReduce, send, recv, op, stream, |s| s)
-    }
-
-    unsafe fn reduce_scatter(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let (rank, c) = (self.rank, recv.len);
-        let kind = CollectiveKind::ReduceScatter;
-        self.reduction(kind, send, recv, op, stream, |s| s.sub(rank * c, c))
-    }
-
-    unsafe fn all_gather(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::AllGather;
-        self.collective(kind, send, recv, 0, ReduceOp::Sum, stream, |l, posts| {
-            Self::gather_chunks(l, recv, send.len, posts, |s| s)
-        })
-    }
-
-    unsafe fn all_to_all(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let (kind, rank, n) = (CollectiveKind::AllToAll, self.rank, self.shared.size);
-        self.collective(kind, send, recv, 0, ReduceOp::Sum, stream, |l, posts| {
-            let c = send.len / n;
-            Self::gather_chunks(l, recv, c, posts, |s| s.sub(rank * c, c))
-        })
-    }
-
-    unsafe fn broadcast(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Broadcast;
-        check_peer(kind, self.rank, root, self.shared.size)?;
-        self.collective(kind, send, recv, root, ReduceOp::Sum, stream, |l, posts| {
-            l.copy(recv.ptr, posts[root].send.ptr, recv.bytes())
-                .map_err(transport("copy"))
-        })
-    }
-
-    unsafe fn send(
-        &self,
-        buf: DeviceBuffer,
-        peer: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Send;
-        self.check_peer(kind, peer)?;
-        let reply = self.post_mail(kind, buf, peer, stream)?;
-        self.await_reply(kind, &reply, peer, stream)
-    }
-
-    unsafe fn recv(
-        &self,
-        buf: DeviceBuffer,
-        peer: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Recv;
-        self.check_peer(kind, peer)?;
-        self.take_mail(kind, buf, peer, stream)
-    }
-
-    unsafe fn send_recv(
-        &self,
-        send: DeviceBuffer,
-        to: usize,
-        recv: DeviceBuffer,
-        from: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Send;
-        self.check_peer(kind, to)?;
-        self.check_peer(kind, from)?;
-        // Post first, then receive: every rank of a ring posts before it blocks, so the
-        // receives all find their mail.
-        let reply = self.post_mail(kind, send, to, stream)?;
-        self.take_mail(kind, recv, from, stream)?;
-        self.await_reply(kind, &reply, to, stream)
+    unsafe fn enqueue(&self, c: DeviceCollective, stream: &CudaStream) -> Result<(), CommError> {
+        let (kind, rank, n) = (c.kind(), self.rank, self.shared.size);
+        match c {
+            DeviceCollective::AllReduce { send, recv, op } => {
+                self.reduction(kind, send, recv, op, stream, |s| s)
+            }
+            DeviceCollective::ReduceScatter { send, recv, op } => {
+                let c = recv.len;
+                self.reduction(kind, send, recv, op, stream, |s| s.sub(rank * c, c))
+            }
+            DeviceCollective::AllGather { send, recv } => {
+                self.collective(kind, send, recv, 0, ReduceOp::Sum, stream, |l, posts| {
+                    Self::gather_chunks(l, recv, send.len, posts, |s| s)
+                })
+            }
+            DeviceCollective::AllToAll { send, recv } => {
+                self.collective(kind, send, recv, 0, ReduceOp::Sum, stream, |l, posts| {
+                    let c = send.len / n;
+                    Self::gather_chunks(l, recv, c, posts, |s| s.sub(rank * c, c))
+                })
+            }
+            DeviceCollective::Broadcast { send, recv, root } => {
+                check_peer(kind, rank, root, n)?;
+                self.collective(kind, send, recv, root, ReduceOp::Sum, stream, |l, posts| {
+                    l.copy(recv.ptr, posts[root].send.ptr, recv.bytes())
+                        .map_err(transport("copy"))
+                })
+            }
+            DeviceCollective::Send { .. }
+            | DeviceCollective::Recv { .. }
+            | DeviceCollective::SendRecv { .. } => {
+                let (out, inp) = c.transfers();
+                for (_, peer) in out.iter().chain(&inp) {
+                    self.check_peer(kind, *peer)?;
+                }
+                // Post first, then receive: every rank of a ring posts before it blocks, so
+                // the receives all find their mail.
+                let reply = match out {
+                    Some((buf, to)) => Some((self.post_mail(kind, buf, to, stream)?, to)),
+                    None => None,
+                };
+                if let Some((buf, from)) = inp {
+                    self.take_mail(kind, buf, from, stream)?;
+                }
+                match reply {
+                    Some((reply, to)) => self.await_reply(kind, &reply, to, stream),
+                    None => Ok(()),
+                }
+            }
+        }
     }
 
     fn poll(&self) -> Result<bool, CommError> {

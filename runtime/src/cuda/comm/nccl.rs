@@ -18,7 +18,10 @@
 //! NOTES-cuda.md §1.3. Several ranks on one GPU need NCCL ≥ 2.30 with
 //! `NCCL_MULTI_RANK_GPU_ENABLE=1` (§5.2).
 
-use super::device::{check_peer, check_sizes, DeviceBuffer, DeviceCommunicator, DeviceDType};
+use super::device::{
+    check_peer, check_sizes, DeviceBuffer, DeviceCollective, DeviceCommunicator, DeviceDType,
+    Transfer,
+};
 use crate::comm::{CollectiveKind, CommError, ReduceOp};
 use crate::cuda::{CudaDevice, CudaError};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -488,72 +491,40 @@ impl NcclComm {
         })
     }
 
-    /// Enqueues `ncclSend` of `buf` to `peer` on `s`.
+    /// Enqueues `ncclSend` of the buffer of `out` to its peer, then, unless it failed,
+    /// `ncclRecv` into the buffer of `inp` from its peer (inside a group, the two are one
+    /// step), on `s`.
     ///
     /// # Safety
-    /// `buf` is valid device memory of this communicator's context (the trait contract).
-    unsafe fn send_raw(
+    /// The buffers are valid device memory of this communicator's context (the trait
+    /// contract).
+    unsafe fn p2p_raw(
         &self,
-        buf: DeviceBuffer,
-        peer: usize,
+        out: Transfer,
+        inp: Transfer,
         s: nsys::cudaStream_t,
     ) -> nsys::ncclResult_t {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            nsys::ncclSend(
-                buf.ptr as *const c_void,
-                buf.len,
-                nccl_type(buf.dtype),
-                peer as i32,
-                self.comm,
-                s,
-            )
-        }
-    }
-
-    /// Enqueues `ncclRecv` into `buf` from `peer` on `s`.
-    ///
-    /// # Safety
-    /// As [`NcclComm::send_raw`].
-    unsafe fn recv_raw(
-        &self,
-        buf: DeviceBuffer,
-        peer: usize,
-        s: nsys::cudaStream_t,
-    ) -> nsys::ncclResult_t {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            nsys::ncclRecv(
+        let raw = |(buf, peer): (DeviceBuffer, usize)| {
+            (
                 buf.ptr as *mut c_void,
                 buf.len,
                 nccl_type(buf.dtype),
                 peer as i32,
-                self.comm,
-                s,
             )
-        }
-    }
-
-    /// Enqueues [`NcclComm::send_raw`] of `send` to `to`, then, unless it failed,
-    /// [`NcclComm::recv_raw`] into `recv` from `from` (inside a group, the two are one step).
-    ///
-    /// # Safety
-    /// As [`NcclComm::send_raw`], for both buffers.
-    unsafe fn send_recv_raw(
-        &self,
-        send: DeviceBuffer,
-        to: usize,
-        recv: DeviceBuffer,
-        from: usize,
-        s: nsys::cudaStream_t,
-    ) -> nsys::ncclResult_t {
+        };
         // SAFETY: forwarded from the caller.
         unsafe {
-            let r = self.send_raw(send, to, s);
-            if !ok_or_progress(r) {
-                return r;
+            let mut r = nsys::ncclResult_t::ncclSuccess;
+            if let Some((ptr, len, ty, to)) = out.map(raw) {
+                r = nsys::ncclSend(ptr, len, ty, to, self.comm, s);
+                if !ok_or_progress(r) {
+                    return r;
+                }
             }
-            self.recv_raw(recv, from, s)
+            match inp.map(raw) {
+                Some((ptr, len, ty, from)) => nsys::ncclRecv(ptr, len, ty, from, self.comm, s),
+                None => r,
+            }
         }
     }
 }
@@ -622,139 +593,78 @@ impl DeviceCommunicator for NcclComm {
         "nccl"
     }
 
-    unsafe fn all_reduce(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let (kind, call) = (CollectiveKind::AllReduce, "ncclAllReduce");
-        self.issue_buffers(kind, call, send, recv, stream, |src, dst, ty, s| {
-            // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe { nsys::ncclAllReduce(src, dst, send.len, ty, nccl_op(op), self.comm, s) }
-        })
-    }
-
-    unsafe fn reduce_scatter(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let (kind, call) = (CollectiveKind::ReduceScatter, "ncclReduceScatter");
-        self.issue_buffers(kind, call, send, recv, stream, |src, dst, ty, s| {
-            // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe { nsys::ncclReduceScatter(src, dst, recv.len, ty, nccl_op(op), self.comm, s) }
-        })
-    }
-
-    unsafe fn all_gather(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let (kind, call) = (CollectiveKind::AllGather, "ncclAllGather");
-        self.issue_buffers(kind, call, send, recv, stream, |src, dst, ty, s| {
-            // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe { nsys::ncclAllGather(src, dst, send.len, ty, self.comm, s) }
-        })
-    }
-
-    unsafe fn all_to_all(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::AllToAll;
-        check_sizes(kind, self.rank, self.size, &send, &recv)?;
-        let c = send.len / self.size;
-        self.grouped(kind, stream, |s| {
-            for peer in 0..self.size {
-                let (sb, rb) = (send.sub(peer * c, c), recv.sub(peer * c, c));
-                // SAFETY: sub-buffers of caller-guaranteed buffers (trait contract).
-                let r = unsafe { self.send_recv_raw(sb, peer, rb, peer, s) };
-                if !ok_or_progress(r) {
-                    return r;
+    unsafe fn enqueue(&self, c: DeviceCollective, stream: &CudaStream) -> Result<(), CommError> {
+        let (kind, comm) = (c.kind(), self.comm);
+        // SAFETY (every NCCL call below): the caller guarantees the buffers (trait contract).
+        match c {
+            DeviceCollective::AllReduce { send, recv, op } => self.issue_buffers(
+                kind,
+                "ncclAllReduce",
+                send,
+                recv,
+                stream,
+                |src, dst, ty, s| unsafe {
+                    nsys::ncclAllReduce(src, dst, send.len, ty, nccl_op(op), comm, s)
+                },
+            ),
+            DeviceCollective::ReduceScatter { send, recv, op } => {
+                let call = "ncclReduceScatter";
+                self.issue_buffers(kind, call, send, recv, stream, |src, dst, ty, s| unsafe {
+                    nsys::ncclReduceScatter(src, dst, recv.len, ty, nccl_op(op), comm, s)
+                })
+            }
+            DeviceCollective::AllGather { send, recv } => self.issue_buffers(
+                kind,
+                "ncclAllGather",
+                send,
+                recv,
+                stream,
+                |src, dst, ty, s| unsafe { nsys::ncclAllGather(src, dst, send.len, ty, comm, s) },
+            ),
+            DeviceCollective::AllToAll { send, recv } => {
+                check_sizes(kind, self.rank, self.size, &send, &recv)?;
+                let c = send.len / self.size;
+                self.grouped(kind, stream, |s| {
+                    for peer in 0..self.size {
+                        let (sb, rb) = (send.sub(peer * c, c), recv.sub(peer * c, c));
+                        let r = unsafe { self.p2p_raw(Some((sb, peer)), Some((rb, peer)), s) };
+                        if !ok_or_progress(r) {
+                            return r;
+                        }
+                    }
+                    nsys::ncclResult_t::ncclSuccess
+                })
+            }
+            DeviceCollective::Broadcast { send, recv, root } => {
+                check_sizes(kind, self.rank, self.size, &send, &recv)?;
+                check_peer(kind, self.rank, root, self.size)?;
+                self.issue(kind, "ncclBroadcast", stream, |s| unsafe {
+                    nsys::ncclBroadcast(
+                        send.ptr as *const c_void,
+                        recv.ptr as *mut c_void,
+                        recv.len,
+                        nccl_type(recv.dtype),
+                        root as i32,
+                        comm,
+                        s,
+                    )
+                })
+            }
+            DeviceCollective::Send { .. }
+            | DeviceCollective::Recv { .. }
+            | DeviceCollective::SendRecv { .. } => {
+                let (out, inp) = c.transfers();
+                for (_, peer) in out.iter().chain(&inp) {
+                    check_peer(kind, self.rank, *peer, self.size)?;
+                }
+                let raw = |s| unsafe { self.p2p_raw(out, inp, s) };
+                match (out, inp) {
+                    (Some(_), Some(_)) => self.grouped(kind, stream, raw),
+                    (Some(_), None) => self.issue(kind, "ncclSend", stream, raw),
+                    _ => self.issue(kind, "ncclRecv", stream, raw),
                 }
             }
-            nsys::ncclResult_t::ncclSuccess
-        })
-    }
-
-    unsafe fn broadcast(
-        &self,
-        send: DeviceBuffer,
-        recv: DeviceBuffer,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Broadcast;
-        check_sizes(kind, self.rank, self.size, &send, &recv)?;
-        check_peer(kind, self.rank, root, self.size)?;
-        self.issue(kind, "ncclBroadcast", stream, |s| {
-            // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe {
-                nsys::ncclBroadcast(
-                    send.ptr as *const c_void,
-                    recv.ptr as *mut c_void,
-                    recv.len,
-                    nccl_type(recv.dtype),
-                    root as i32,
-                    self.comm,
-                    s,
-                )
-            }
-        })
-    }
-
-    unsafe fn send(
-        &self,
-        buf: DeviceBuffer,
-        peer: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Send;
-        check_peer(kind, self.rank, peer, self.size)?;
-        self.issue(kind, "ncclSend", stream, |s| {
-            // SAFETY: caller guarantees the buffer (trait contract).
-            unsafe { self.send_raw(buf, peer, s) }
-        })
-    }
-
-    unsafe fn recv(
-        &self,
-        buf: DeviceBuffer,
-        peer: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Recv;
-        check_peer(kind, self.rank, peer, self.size)?;
-        self.issue(kind, "ncclRecv", stream, |s| {
-            // SAFETY: caller guarantees the buffer (trait contract).
-            unsafe { self.recv_raw(buf, peer, s) }
-        })
-    }
-
-    unsafe fn send_recv(
-        &self,
-        send: DeviceBuffer,
-        to: usize,
-        recv: DeviceBuffer,
-        from: usize,
-        stream: &CudaStream,
-    ) -> Result<(), CommError> {
-        let kind = CollectiveKind::Send;
-        for peer in [to, from] {
-            check_peer(kind, self.rank, peer, self.size)?;
         }
-        self.grouped(kind, stream, |s| {
-            // SAFETY: caller guarantees the buffers (trait contract).
-            unsafe { self.send_recv_raw(send, to, recv, from, s) }
-        })
     }
 
     fn poll(&self) -> Result<bool, CommError> {
