@@ -116,8 +116,8 @@ enum Step {
     Heads,
     /// An all-reduced value through a linear op (scale, product, MoE combine).
     LinearOfReduce,
-    /// A rank's slice of a replicated input.
-    SliceInput,
+    /// A rank's slice of a whole parameter (the checkpoint's embedding table).
+    SliceParam,
 }
 
 const BASE: [Step; 10] = [
@@ -149,7 +149,7 @@ fn menu(group: &str) -> Vec<Step> {
             Step::MatMul,
             Step::Heads,
             Step::LinearOfReduce,
-            Step::SliceInput,
+            Step::SliceParam,
         ],
         _ => &[],
     };
@@ -748,11 +748,18 @@ impl Builder {
             Step::GatheredGrad => self.gathered_grad(x, b),
             Step::Heads => self.heads(x, b),
             Step::LinearOfReduce => self.linear_of_reduce(x, b),
-            Step::SliceInput if self.divisible(x, d) => {
-                let s = self.shape(x);
-                let i = self.input(&s, None, false, false);
-                let sl = self.add(self.tp_op(2, d), &[i]);
-                sl.and_then(|sl| self.add(Op::Add, &[sl, sl]))
+            Step::SliceParam => {
+                let src = shardc::compiler::ir::ParamSource::whole("model.embed_tokens.weight");
+                let ty = TensorType::plain(DType::F32, &[256, 64]);
+                let p = self
+                    .g
+                    .add_typed(Op::Param(src), &[], Some(ty), "embed")
+                    .ok();
+                let d = b as usize % 2;
+                p.filter(|&p| self.divisible(p, d)).and_then(|p| {
+                    let sl = self.add(self.tp_op(2, d), &[p])?;
+                    self.add(Op::Add, &[sl, sl])
+                })
             }
             Step::Fusable => match b % 3 {
                 0 => {
@@ -859,7 +866,8 @@ struct Stats {
 }
 
 fn weights() -> Weights {
-    // The programs have no parameters; any checkpoint serves.
+    // The programs read one parameter at most (the embedding table, `SliceParam`): the llama
+    // fixture's.
     Weights::open(common::fixtures().join("llama")).expect("weights")
 }
 

@@ -164,9 +164,10 @@ fn slice(axis: &str, dim: usize, parts: usize) -> Op {
     }
 }
 
-/// `slice-leaf`: `local_slice_a,d(p) ⇒ p'` for a parameter or input `p` replicated over `a`
-/// and not yet split along `d`, `p'` the same leaf split over `a` along `d` (each rank loads
-/// only its block: a weight sliced for a tensor-parallel matmul is stored sharded).
+/// `slice-leaf`: `local_slice_a,d(p) ⇒ p'` for a parameter `p` replicated over `a` and not
+/// yet split along `d`, `p'` the same parameter split over `a` along `d` (each rank loads only
+/// its block: a weight sliced for a tensor-parallel matmul is stored sharded). Inputs keep
+/// their one declared layout (a program names each input once).
 pub(crate) struct SliceLeaf;
 
 impl RuleImpl for SliceLeaf {
@@ -177,7 +178,7 @@ impl RuleImpl for SliceLeaf {
         "layout"
     }
     fn identity(&self) -> &'static str {
-        "local_slice_a,d(p) => p split over a along d, p a parameter or input replicated over a and not split along d"
+        "local_slice_a,d(p) => p split over a along d, p a parameter replicated over a and not split along d"
     }
     fn in_all(&self) -> bool {
         false
@@ -192,11 +193,10 @@ impl RuleImpl for SliceLeaf {
                 continue;
             }
             for leaf in &eg[p].nodes {
-                let shards = match &eg.analysis.ops.get(leaf.op).op {
-                    Op::Param(src) => &src.shards,
-                    Op::Input { shards, .. } => shards,
-                    _ => continue,
+                let Op::Param(src) = &eg.analysis.ops.get(leaf.op).op else {
+                    continue;
                 };
+                let shards = &src.shards;
                 if shards.iter().all(|s| s.dim != *dim && s.axis != *axis) {
                     out.push(vec![op_id(n.op), op_id(leaf.op), p]);
                 }
@@ -213,17 +213,11 @@ impl RuleImpl for SliceLeaf {
             .get(super::OpId(usize::from(m[1]) as u32))
             .clone();
         let spec = ShardSpec { dim, axis, parts };
-        let op = match key.op {
-            Op::Param(mut src) => {
-                src.shards.push(spec);
-                Op::Param(src)
-            }
-            Op::Input { name, mut shards } => {
-                shards.push(spec);
-                Op::Input { name, shards }
-            }
-            _ => return None,
+        let Op::Param(mut src) = key.op else {
+            return None;
         };
+        src.shards.push(spec);
+        let op = Op::Param(src);
         let local = ty(eg, class).clone();
         let id = eg.analysis.ops.intern(OpKey {
             op,
