@@ -246,6 +246,32 @@ fn the_cli_writes_a_plan_that_runs() {
     assert_eq!(j["programs"][0]["name"], "layers (e-graph)");
     assert!(j["choices"].as_array().is_some_and(|c| !c.is_empty()));
 
+    // A training step keeps its declared layouts: the layout rules are refused by name.
+    let (ok, _, err) = run_shardc(
+        &[
+            "compile",
+            fixture,
+            "--train",
+            "--mesh",
+            "tp=2",
+            "--strategy",
+            "replicated",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--rewrite",
+            "layout",
+            "-o",
+            dir.path().join("t.json").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        !ok && err.contains("rewrite rule `tp-column` chooses a forward program"),
+        "{err}"
+    );
+
     for (bad, needle) in [
         (vec!["--space", "cubes"], "--space `cubes`"),
         (vec!["--space", "layers", "--gpus", "16"], "--gpus"),

@@ -265,8 +265,25 @@ pub(crate) fn compile_train_logged(
     log: &mut PassLog,
 ) -> Result<CompiledTrain, TrainCompileError> {
     check_sizes(cfg, opts, 1)?;
+    check_rules(opts)?;
     let strategies = shard::resolve(&opts.mesh, &opts.extra_strategies)?;
     compile_step(cfg, opts, strategies, log)
+}
+
+/// The `layout` rules (which change the parameters a rank holds) on a training step: refused
+/// by name, as the step's parameters, gradients and optimizer state keep the layouts the
+/// strategies declare.
+pub(crate) fn check_rules(opts: &TrainOptions) -> Result<(), TrainCompileError> {
+    let rules = opts.rewrite.rules.resolve()?;
+    match rules.iter().find(|r| r.group() == "layout") {
+        Some(r) => Err(TrainCompileError::Options(format!(
+            "rewrite rule `{}` chooses a forward program's layouts (`shardc search --space \
+             layers`); a training step's parameters, gradients and optimizer state keep the \
+             layouts its strategies declare",
+            r.name()
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Before anything is built: the IR of `micro_batches` micro-batches (one: programs are

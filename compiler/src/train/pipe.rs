@@ -294,6 +294,7 @@ pub(crate) fn compile_pipeline_logged(
     log: &mut PassLog,
 ) -> Result<CompiledPipeline, TrainCompileError> {
     super::check_sizes(cfg, opts, 1)?;
+    super::check_rules(opts)?;
     let mesh = &opts.mesh;
     let pp = mesh.axis("pp").ok_or_else(|| {
         TrainCompileError::Options(format!("mesh {mesh} has no `pp` axis to pipeline over"))
