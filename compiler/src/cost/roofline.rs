@@ -638,16 +638,18 @@ fn attention_cost(
     // Keys a query sees when executing (a window bounds them); Megatron counts all of them.
     let s_exec = window.map_or(s, |w| w.min(s));
     let counted = 4.0 * heads as f64 * t as f64 * s as f64 * d as f64;
+    // A product per head: `[m, k]·[k, n]`.
+    let per_head = |m: usize, n: usize, k: usize| GemmShape {
+        m,
+        n,
+        k,
+        batch: heads,
+    };
     match opts.attention {
         AttentionImpl::Flash => {
             let frac = causal_share(g, v, causal);
             let exec = 4.0 * heads as f64 * t as f64 * s_exec as f64 * d as f64 * frac;
-            let shape = GemmShape {
-                m: t,
-                n: s_exec,
-                k: d,
-                batch: heads,
-            };
+            let shape = per_head(t, s_exec, d);
             let mut f = Kernel::gemm(shape, q + k + vv + out);
             f.flops = counted;
             f.exec_flops = exec;
@@ -659,18 +661,10 @@ fn attention_cost(
         }
         AttentionImpl::Unfused => {
             let scores = heads as f64 * t as f64 * s as f64;
-            let qk = GemmShape {
-                m: t,
-                n: s,
-                k: d,
-                batch: heads,
-            };
-            let av = GemmShape {
-                m: t,
-                n: d,
-                k: s,
-                batch: heads,
-            };
+            let qk = per_head(t, s, d);
+            let av = per_head(t, d, s);
+            // dV = Pᵀ·dO and dK = dSᵀ·Q.
+            let st = per_head(s, d, t);
             // Forward: q·kᵀ writes scores; scale-mask-softmax reads and writes them; dropout
             // reads, writes and stores a 1-byte mask; ·v reads the probabilities.
             c.fwd.push(Kernel::gemm(qk, q + k + scores * el));
@@ -679,28 +673,11 @@ fn attention_cost(
             c.fwd.push(Kernel::gemm(av, scores * el + vv + out));
             // Backward: dV = Pᵀ·dO, dP = dO·Vᵀ, softmax (and dropout) backward, dQ = dS·K,
             // dK = dSᵀ·Q.
-            c.dgrad.push(Kernel::gemm(
-                GemmShape {
-                    m: s,
-                    n: d,
-                    k: t,
-                    batch: heads,
-                },
-                scores * el + out + vv,
-            ));
+            c.dgrad.push(Kernel::gemm(st, scores * el + out + vv));
             c.dgrad.push(Kernel::gemm(qk, out + vv + scores * el));
-            let drop_b = if opts.dropout { 2.0 * el + 1.0 } else { 0.0 };
-            c.dgrad.push(Kernel::memory(scores * (3.0 * el + drop_b)));
+            c.dgrad.push(Kernel::memory(scores * (3.0 * el + drop)));
             c.dgrad.push(Kernel::gemm(av, scores * el + k + q));
-            c.dgrad.push(Kernel::gemm(
-                GemmShape {
-                    m: s,
-                    n: d,
-                    k: t,
-                    batch: heads,
-                },
-                scores * el + q + k,
-            ));
+            c.dgrad.push(Kernel::gemm(st, scores * el + q + k));
         }
     }
 }
