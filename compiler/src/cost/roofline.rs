@@ -189,6 +189,32 @@ impl Kernel {
     }
 }
 
+/// The backward GEMMs of a forward `[m, k]·[k, n]` product of `shape` whose output gradient
+/// is `out` bytes, input `a` and weight `w`: the input gradient dA = dC · Wᵀ (`[m, n]·[n, k]`)
+/// and the weight gradient dW = Aᵀ · dC (`[k, m]·[m, n]`).
+fn gemm_backward(shape: GemmShape, out: f64, a: f64, w: f64) -> (Kernel, Kernel) {
+    let GemmShape { m, n, k, batch } = shape;
+    let dgrad = Kernel::gemm(
+        GemmShape {
+            m,
+            n: k,
+            k: n,
+            batch,
+        },
+        out + w + a,
+    );
+    let wgrad = Kernel::gemm(
+        GemmShape {
+            m: k,
+            n,
+            k: m,
+            batch,
+        },
+        out + a + w,
+    );
+    (dgrad, wgrad)
+}
+
 /// Efficiency of a GEMM class on `dev`.
 pub fn gemm_efficiency(dev: &DeviceProfile, shape: &GemmShape) -> f64 {
     let e = &dev.efficiency;
@@ -339,25 +365,8 @@ pub fn node_cost_routed(
             }
             let shape = GemmShape { m, n, k, batch };
             c.fwd.push(Kernel::gemm(shape, read(a) + b(w) + out));
-            // dA = dC · Wᵀ: [m, n]·[n, k]; dW = Aᵀ · dC: [k, m]·[m, n].
-            c.dgrad.push(Kernel::gemm(
-                GemmShape {
-                    m,
-                    n: k,
-                    k: n,
-                    batch,
-                },
-                out + b(w) + b(a),
-            ));
-            let wgrad = Kernel::gemm(
-                GemmShape {
-                    m: k,
-                    n,
-                    k: m,
-                    batch,
-                },
-                out + b(a) + b(w),
-            );
+            let (dgrad, wgrad) = gemm_backward(shape, out, b(a), b(w));
+            c.dgrad.push(dgrad);
             if matches!(g.node(w).op, Op::Param(_)) {
                 c.wgrad.push(wgrad);
             } else {
@@ -408,24 +417,9 @@ pub fn node_cost_routed(
             };
             c.fwd
                 .push(Kernel::gemm(shape, read(a) + b(w) + extra + out));
-            c.dgrad.push(Kernel::gemm(
-                GemmShape {
-                    m: m_total,
-                    n: k,
-                    k: n,
-                    batch,
-                },
-                out + b(w) + b(a),
-            ));
-            c.wgrad.push(Kernel::gemm(
-                GemmShape {
-                    m: k,
-                    n,
-                    k: m_total,
-                    batch,
-                },
-                out + b(a) + b(w),
-            ));
+            let (dgrad, wgrad) = gemm_backward(shape, out, b(a), b(w));
+            c.dgrad.push(dgrad);
+            c.wgrad.push(wgrad);
             c.embedded_comm = comm;
         }
         Op::WeightGrad { .. } => {
