@@ -74,6 +74,26 @@ fn matmuls(eg: &SpmdEGraph, class: Id) -> Vec<(Id, Id, Id, usize, usize)> {
         .collect()
 }
 
+/// The matches `[op, x, w, d, axis]` that split a matmul of `class` over a mesh axis of more
+/// than one rank both its operands are replicated over: `d` the weight dim `pick` chooses of
+/// (output, input), divisible by the axis size, and `x` one that `x_splits(x, size)` accepts.
+fn split_matmuls(
+    eg: &SpmdEGraph,
+    class: Id,
+    out: &mut Vec<Vec<Id>>,
+    pick: fn(usize, usize) -> usize,
+    x_splits: impl Fn(Id, usize) -> bool,
+) {
+    for (op, x, w, n, k) in matmuls(eg, class) {
+        let d = pick(n, k);
+        for (a, parts) in shared_axes(eg, &[x, w]) {
+            if ty(eg, w).dim(d) % parts == 0 && x_splits(x, parts) {
+                out.push(vec![op, x, w, int(d), int(a)]);
+            }
+        }
+    }
+}
+
 /// `tp-column`: `matmul(x, w) ⇒ all_gather_a,last(matmul(x, local_slice_a,n(w)))`, `n` the
 /// output dim of the weight's matrix (experts' stacked matrices alike), `x` and `w` replicated over `a` (each rank computes a block of
 /// output columns).
@@ -87,13 +107,7 @@ impl RuleImpl for TpColumn {
         in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
-        for (op, x, w, n, _) in matmuls(eg, class) {
-            for (a, parts) in shared_axes(eg, &[x, w]) {
-                if ty(eg, w).dim(n) % parts == 0 {
-                    out.push(vec![op, x, w, int(n), int(a)]);
-                }
-            }
-        }
+        split_matmuls(eg, class, out, |n, _| n, |_, _| true);
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
         let f = op_at(eg, m[0]);
@@ -124,13 +138,13 @@ impl RuleImpl for TpRow {
         in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
-        for (op, x, w, _, k) in matmuls(eg, class) {
-            for (a, parts) in shared_axes(eg, &[x, w]) {
-                if ty(eg, w).dim(k) % parts == 0 && ty(eg, x).last() % parts == 0 {
-                    out.push(vec![op, x, w, int(k), int(a)]);
-                }
-            }
-        }
+        split_matmuls(
+            eg,
+            class,
+            out,
+            |_, k| k,
+            |x, parts| ty(eg, x).last() % parts == 0,
+        );
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
         let f = op_at(eg, m[0]);
