@@ -51,10 +51,7 @@ fn context_parallel_plans_reproduce_every_fixture() {
                 }
                 Err(e) => panic!("{what}: {e}"),
             };
-            let outs = common::run_ranks(&c.sharded, &w, &case.inputs(), &what);
-            for (rank, out) in outs.iter().enumerate() {
-                case.check(out, &format!("{what} rank {rank}"));
-            }
+            case.check_ranks(&c.sharded, &w, &what, &what);
             ran += 1;
         }
     }

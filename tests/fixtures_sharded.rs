@@ -33,10 +33,7 @@ fn sharded_plans_reproduce_every_fixture() {
                 continue;
             };
             let what = format!("{} {} {mesh} {extra}", case.model, case.name);
-            let outs = common::run_ranks(&c.sharded, &w, &case.inputs(), &what);
-            for (rank, out) in outs.iter().enumerate() {
-                case.check(out, &format!("mesh {mesh} {extra} rank {rank}"));
-            }
+            case.check_ranks(&c.sharded, &w, &what, &format!("mesh {mesh} {extra}"));
             ran += 1;
         }
     }

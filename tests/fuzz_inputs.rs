@@ -1367,6 +1367,32 @@ fn fuzz_calibration_measurements_cli() {
 // =============================================================================================
 // Cluster and device profiles.
 
+/// Whether a profile case is a cluster profile (with its device file, if any) rather than a
+/// device profile alone.
+fn is_cluster_case(text: &[u8], device: &Option<Vec<u8>>) -> bool {
+    String::from_utf8_lossy(text).contains("kind = \"cluster\"") || device.is_some()
+}
+
+/// Writes a cluster case to `cluster_path`, and its device file, if any, to `device_path`.
+fn write_cluster_case(
+    cluster_path: &Path,
+    device_path: &Path,
+    text: &[u8],
+    device: &Option<Vec<u8>>,
+) {
+    std::fs::write(cluster_path, text).expect("writing the case");
+    if let Some(d) = device {
+        std::fs::write(device_path, d).expect("writing the case");
+    }
+}
+
+/// What an error about the cluster profile at `cluster` and its device at `device` may name.
+fn cluster_names<'a>(cluster: &'a str, device: &'a str) -> Vec<&'a str> {
+    let mut names = PROFILE_FIELDS.to_vec();
+    names.extend([cluster, device, "h100-sxm"]);
+    names
+}
+
 fn profile_case(case: usize) -> (Vec<u8>, Option<Vec<u8>>, String) {
     let mut rng = Rng::for_case("profile", case);
     let (name, text) = *rng.pick(&BUILTIN_PROFILES);
@@ -1547,21 +1573,14 @@ fn fuzz_cluster_profiles() {
     let dir = scratch("profiles");
     Tally::run("cluster and device profiles", CASES, |t, case| {
         let (text, device, how) = profile_case(case);
-        let is_cluster =
-            String::from_utf8_lossy(&text).contains("kind = \"cluster\"") || device.is_some();
         let cluster_path = dir.join("cluster.toml");
         let device_path = dir.join("device.toml");
-        let out = if is_cluster || device.is_some() {
-            std::fs::write(&cluster_path, &text).expect("writing the case");
-            if let Some(d) = &device {
-                std::fs::write(&device_path, d).expect("writing the case");
-            }
+        let out = if is_cluster_case(&text, &device) {
+            write_cluster_case(&cluster_path, &device_path, &text, &device);
             let (cp, dp) = (cluster_path.clone(), device_path.clone());
             guarded(CASE_TIMEOUT, move || {
                 let (a, b) = (s(&cp), s(&dp));
-                let mut names = PROFILE_FIELDS.to_vec();
-                names.extend([a.as_str(), b.as_str(), "h100-sxm"]);
-                use_profile(Some(&cp), None, &names)
+                use_profile(Some(&cp), None, &cluster_names(&a, &b))
             })
         } else {
             let text = String::from_utf8_lossy(&text).to_string();
@@ -1586,22 +1605,18 @@ fn fuzz_cluster_profiles_cli() {
     let cluster_path = dir.join("cluster.toml");
     let device_path = dir.join("device.toml");
     let (cs, ds) = (s(&cluster_path), s(&device_path));
-    let mut names = PROFILE_FIELDS.to_vec();
-    names.extend([cs.as_str(), ds.as_str(), "h100-sxm"]);
+    let names = cluster_names(&cs, &ds);
     let mut t = Tally::new("cluster profiles (shardc simulate)");
     let mut case = 0;
     let mut n = 0;
     while n < CASES {
         let (text, device, how) = profile_case(90_000 + case);
         case += 1;
-        if !(String::from_utf8_lossy(&text).contains("kind = \"cluster\"") || device.is_some()) {
+        if !is_cluster_case(&text, &device) {
             continue;
         }
         n += 1;
-        std::fs::write(&cluster_path, &text).expect("writing the case");
-        if let Some(d) = &device {
-            std::fs::write(&device_path, d).expect("writing the case");
-        }
+        write_cluster_case(&cluster_path, &device_path, &text, &device);
         t.cases += 1;
         let args = [
             &["simulate", &model, "--cluster", &cs],

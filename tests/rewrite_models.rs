@@ -48,10 +48,8 @@ fn rewritten_plans_reproduce_every_fixture() {
                     *ops.entry(n.op.mnemonic()).or_default() += 1;
                 }
                 let what = format!("{} {} {mesh} {extra} {sel}", case.model, case.name);
-                let outs = common::run_ranks(&c.sharded, &w, &case.inputs(), &what);
-                for (rank, out) in outs.iter().enumerate() {
-                    case.check(out, &format!("{mesh} {extra} --rewrite {sel} rank {rank}"));
-                }
+                let label = format!("{mesh} {extra} --rewrite {sel}");
+                case.check_ranks(&c.sharded, &w, &what, &label);
                 ran += 1;
             }
         }

@@ -452,9 +452,9 @@ impl Builder {
         self.g.add_typed(Op::Reshape, &[r], Some(t3), "x3").ok()
     }
 
-    /// `x` [B, T, H] routed to `e` experts (a replicated router weight): the gates and the
-    /// dispatched tokens [E, B, T, H].
-    fn dispatched(&mut self, x: ValueId, e: usize) -> Option<(ValueId, ValueId)> {
+    /// `x` [.., H] routed to `e` experts by a replicated router weight: the router's logits
+    /// and the gates.
+    fn routed(&mut self, x: ValueId, e: usize) -> Option<(ValueId, ValueId)> {
         let h = *self.shape(x).last()?;
         let wg = self.input(&[h, e], None, false, false);
         let logits = self.add(Op::MatMul { transpose_b: false }, &[x, wg])?;
@@ -465,6 +465,13 @@ impl Builder {
             },
             &[logits],
         )?;
+        Some((logits, gates))
+    }
+
+    /// `x` [B, T, H] routed to `e` experts (a replicated router weight): the gates and the
+    /// dispatched tokens [E, B, T, H].
+    fn dispatched(&mut self, x: ValueId, e: usize) -> Option<(ValueId, ValueId)> {
+        let (_, gates) = self.routed(x, e)?;
         let d = self.add(Op::Dispatch, &[x, gates])?;
         Some((gates, d))
     }
@@ -505,18 +512,6 @@ impl Builder {
         let w = self.input(&[h], None, false, false);
         let eps = Float(1e-5);
         let e = 2;
-        let gates = |me: &mut Builder| {
-            let wg = me.input(&[h, e], None, false, false);
-            let logits = me.add(Op::MatMul { transpose_b: false }, &[gx, wg])?;
-            let g = me.add(
-                Op::Router {
-                    top_k: e,
-                    normalize: true,
-                },
-                &[logits],
-            )?;
-            Some((logits, g))
-        };
         match (b / 2) % 9 {
             0 => self.add(
                 Op::RmsNormGrad {
@@ -548,7 +543,7 @@ impl Builder {
             ),
             4 => self.add(Op::BiasGrad, &[dy, w]),
             5 | 6 => {
-                let (_, g) = gates(self)?;
+                let (_, g) = self.routed(gx, e)?;
                 let y = self.add(Op::Dispatch, &[gx, g])?;
                 let wrt = if (b / 2) % 9 == 5 {
                     CombineWrt::Y
@@ -558,14 +553,14 @@ impl Builder {
                 self.add(Op::CombineGrad { wrt }, &[y, g, dy])
             }
             7 => {
-                let (_, g) = gates(self)?;
+                let (_, g) = self.routed(gx, e)?;
                 let mut local = vec![e];
                 local.extend_from_slice(&s);
                 let dxe = self.gathered_input(&local, d + 1)?;
                 self.add(Op::DispatchGrad, &[dxe, g])
             }
             _ => {
-                let (logits, _) = gates(self)?;
+                let (logits, _) = self.routed(gx, e)?;
                 let mut local = s.clone();
                 local[2] = e;
                 let dg = self.gathered_input(&local, d)?;

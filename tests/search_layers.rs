@@ -67,10 +67,7 @@ fn every_extracted_layout_reproduces_the_fixtures() {
                     .filter(|n| matches!(&n.op, Op::Param(p) if !p.shards.is_empty()))
                     .count();
                 let what = format!("{} {} {mesh} {objective:?}", case.model, case.name);
-                let outs = common::run_ranks(&c.sharded, &w, &case.inputs(), &what);
-                for (rank, out) in outs.iter().enumerate() {
-                    case.check(out, &format!("{what} rank {rank}"));
-                }
+                case.check_ranks(&c.sharded, &w, &what, &what);
                 ran += 1;
             }
         }

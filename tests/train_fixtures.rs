@@ -6,10 +6,36 @@
 mod train_support;
 
 use shardc::compiler::autodiff::Recompute;
-use shardc::compiler::ir::{Op, ValueRole};
-use train_support::{check, grad_diff, run};
+use shardc::compiler::ir::{Graph, Node, Op, ValueRole};
+use train_support::{check, grad_diff, run, Run};
 
 const MODELS: [&str; 3] = ["llama", "gpt2", "mixtral"];
+
+/// The names of `g`'s nodes that `keep` accepts, in graph order.
+fn names_where(g: &Graph, keep: impl Fn(&Node) -> bool) -> Vec<&str> {
+    g.nodes
+        .iter()
+        .filter(|n| keep(n))
+        .map(|n| n.name.as_str())
+        .collect()
+}
+
+/// The names of the values `r`'s step recomputes.
+fn recomputed_names(r: &Run) -> Vec<&str> {
+    names_where(&r.compiled.sharded.graph, |n| {
+        n.role == ValueRole::Recompute
+    })
+}
+
+/// The attention layers of `r`'s forward pass.
+fn attention_layers(r: &Run) -> usize {
+    r.compiled
+        .forward
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Attention(_)))
+        .count()
+}
 
 #[test]
 fn one_step_reproduces_every_fixture() {
@@ -24,12 +50,7 @@ fn recomputation_changes_the_graph_not_the_numbers() {
     for model in MODELS {
         let none = run(model, "", &[], 1, Recompute::None, 1);
         let g = &none.compiled.sharded.graph;
-        let probs: Vec<&str> = g
-            .nodes
-            .iter()
-            .filter(|n| matches!(n.op, Op::AttentionProbs(_)))
-            .map(|n| n.name.as_str())
-            .collect();
+        let probs = names_where(g, |n| matches!(n.op, Op::AttentionProbs(_)));
         // No recomputation: the probabilities are computed in the forward pass and saved.
         assert!(!probs.is_empty() && probs.iter().all(|n| n.ends_with(".attn.sdpa.probs")));
         assert!(g.nodes.iter().all(|n| n.role != ValueRole::Recompute));
@@ -40,22 +61,11 @@ fn recomputation_changes_the_graph_not_the_numbers() {
             assert_eq!(grad_diff(&none, &other), 0.0, "{model} {rc}");
             assert_eq!(none.loss, other.loss);
             let g = &other.compiled.sharded.graph;
-            let recomputed: Vec<&str> = g
-                .nodes
-                .iter()
-                .filter(|n| n.role == ValueRole::Recompute)
-                .map(|n| n.name.as_str())
-                .collect();
+            let recomputed = recomputed_names(&other);
             match rc {
                 // Only the attention probabilities, once per layer.
                 Recompute::Selective => {
-                    let layers = none
-                        .compiled
-                        .forward
-                        .nodes
-                        .iter()
-                        .filter(|n| matches!(n.op, Op::Attention(_)))
-                        .count();
+                    let layers = attention_layers(&none);
                     assert_eq!(recomputed.len(), layers, "{model}: {recomputed:?}");
                     assert!(recomputed.iter().all(|n| n.ends_with(".attn.sdpa.probs")));
                 }
@@ -123,12 +133,7 @@ fn block_recomputation_recomputes_the_first_layers_only() {
             check(model, &format!("block 1 + {base}"), &r);
             assert_eq!(grad_diff(&none, &r), 0.0, "{model} block 1 + {base}");
             let g = &r.compiled.sharded.graph;
-            let recomputed: Vec<&str> = g
-                .nodes
-                .iter()
-                .filter(|n| n.role == ValueRole::Recompute)
-                .map(|n| n.name.as_str())
-                .collect();
+            let recomputed = recomputed_names(&r);
             // Layer 0 whole; later layers only their attention probabilities (selective).
             assert!(
                 recomputed
@@ -150,13 +155,7 @@ fn block_recomputation_recomputes_the_first_layers_only() {
                 .iter()
                 .filter(|n| matches!(n.op, Op::AttentionProbs(_)) && n.role != ValueRole::Recompute)
                 .count();
-            let layers = none
-                .compiled
-                .forward
-                .nodes
-                .iter()
-                .filter(|n| matches!(n.op, Op::Attention(_)))
-                .count();
+            let layers = attention_layers(&none);
             let want = if base == Recompute::None {
                 layers - 1
             } else {

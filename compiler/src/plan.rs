@@ -103,6 +103,16 @@ impl PlanChunk {
         }
         .describe()
     }
+
+    /// `chunk 1 on stage 1: layers 16..31 + head`, as the command line lists a pipeline.
+    pub fn placement(&self) -> String {
+        format!(
+            "chunk {} on stage {}: {}",
+            self.index,
+            self.stage,
+            self.describe()
+        )
+    }
 }
 
 fn f32_dtype() -> DType {

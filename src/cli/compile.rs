@@ -686,12 +686,7 @@ fn print_train_summary(
     println!("pipeline: {}", s.describe()?);
     println!("chunks (training memory per rank {at}):");
     for ch in &plan.chunks {
-        println!(
-            "  chunk {} on stage {}: {}",
-            ch.index,
-            ch.stage,
-            ch.describe()
-        );
+        println!("  {}", ch.placement());
         if let Some(m) = &ch.memory.train {
             println!("    {}", train_memory_line(m));
         }

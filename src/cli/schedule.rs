@@ -102,10 +102,8 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
             );
             for ch in &plan.chunks {
                 println!(
-                    "  chunk {} on stage {}: {} ({} parameter bytes per rank)",
-                    ch.index,
-                    ch.stage,
-                    ch.describe(),
+                    "  {} ({} parameter bytes per rank)",
+                    ch.placement(),
                     ch.memory.param_bytes
                 );
             }

@@ -292,12 +292,7 @@ fn describe_pipeline(p: &Plan) -> anyhow::Result<()> {
     };
     println!("pipeline: {}", s.describe()?);
     for ch in &p.chunks {
-        println!(
-            "  chunk {} on stage {}: {}",
-            ch.index,
-            ch.stage,
-            ch.describe()
-        );
+        println!("  {}", ch.placement());
     }
     Ok(())
 }

@@ -151,6 +151,15 @@ impl Case {
         m
     }
 
+    /// Runs the sharded program `sg` of this case's model on every rank of its mesh (a failed
+    /// run names `what`) and checks each rank's outputs, as `{label} rank {r}`.
+    pub fn check_ranks(&self, sg: &ShardedGraph, w: &Weights, what: &str, label: &str) {
+        let outs = run_ranks(sg, w, &self.inputs(), what);
+        for (rank, out) in outs.iter().enumerate() {
+            self.check(out, &format!("{label} rank {rank}"));
+        }
+    }
+
     /// Checks logits and hidden states against the reference (< 1e-4).
     pub fn check(&self, outputs: &BTreeMap<String, Tensor>, what: &str) {
         let logits = outputs["logits"].as_f32().unwrap();

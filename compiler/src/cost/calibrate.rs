@@ -340,17 +340,18 @@ pub fn fit_profile_report(
         Some(c) => {
             let mut c = c.clone();
             let hint = "check the collectives' `seconds`";
-            if let Some(a) = alpha(false) {
-                let what = "NVLink latency (median per step of intra-node collectives <= 64 KiB)";
-                let a = fitted(what, a, LATENCY, hint)?;
-                c.nvlink_latency =
-                    Sourced::new(a, src("median per-step latency, intra-node".into()));
-            }
-            if let Some(a) = alpha(true) {
-                let what = "network latency (median per step of inter-node collectives <= 64 KiB)";
-                let a = fitted(what, a, LATENCY, hint)?;
-                c.network_latency =
-                    Sourced::new(a, src("median per-step latency, inter-node".into()));
+            let latencies = [
+                (false, "NVLink", "intra-node", &mut c.nvlink_latency),
+                (true, "network", "inter-node", &mut c.network_latency),
+            ];
+            for (inter, name, place, field) in latencies {
+                if let Some(a) = alpha(inter) {
+                    let what = format!(
+                        "{name} latency (median per step of {place} collectives <= 64 KiB)"
+                    );
+                    let a = fitted(&what, a, LATENCY, hint)?;
+                    *field = Sourced::new(a, src(format!("median per-step latency, {place}")));
+                }
             }
             let share =
                 c.nic_bandwidth.value * c.nics_per_node.value as f64 / c.gpus_per_node.value as f64;

@@ -189,6 +189,32 @@ impl Kernel {
     }
 }
 
+/// The backward GEMMs of a forward `[m, k]·[k, n]` product of `shape` whose output gradient
+/// is `out` bytes, input `a` and weight `w`: the input gradient dA = dC · Wᵀ (`[m, n]·[n, k]`)
+/// and the weight gradient dW = Aᵀ · dC (`[k, m]·[m, n]`).
+fn gemm_backward(shape: GemmShape, out: f64, a: f64, w: f64) -> (Kernel, Kernel) {
+    let GemmShape { m, n, k, batch } = shape;
+    let dgrad = Kernel::gemm(
+        GemmShape {
+            m,
+            n: k,
+            k: n,
+            batch,
+        },
+        out + w + a,
+    );
+    let wgrad = Kernel::gemm(
+        GemmShape {
+            m: k,
+            n,
+            k: m,
+            batch,
+        },
+        out + a + w,
+    );
+    (dgrad, wgrad)
+}
+
 /// Efficiency of a GEMM class on `dev`.
 pub fn gemm_efficiency(dev: &DeviceProfile, shape: &GemmShape) -> f64 {
     let e = &dev.efficiency;
@@ -339,25 +365,8 @@ pub fn node_cost_routed(
             }
             let shape = GemmShape { m, n, k, batch };
             c.fwd.push(Kernel::gemm(shape, read(a) + b(w) + out));
-            // dA = dC · Wᵀ: [m, n]·[n, k]; dW = Aᵀ · dC: [k, m]·[m, n].
-            c.dgrad.push(Kernel::gemm(
-                GemmShape {
-                    m,
-                    n: k,
-                    k: n,
-                    batch,
-                },
-                out + b(w) + b(a),
-            ));
-            let wgrad = Kernel::gemm(
-                GemmShape {
-                    m: k,
-                    n,
-                    k: m,
-                    batch,
-                },
-                out + b(a) + b(w),
-            );
+            let (dgrad, wgrad) = gemm_backward(shape, out, b(a), b(w));
+            c.dgrad.push(dgrad);
             if matches!(g.node(w).op, Op::Param(_)) {
                 c.wgrad.push(wgrad);
             } else {
@@ -408,24 +417,9 @@ pub fn node_cost_routed(
             };
             c.fwd
                 .push(Kernel::gemm(shape, read(a) + b(w) + extra + out));
-            c.dgrad.push(Kernel::gemm(
-                GemmShape {
-                    m: m_total,
-                    n: k,
-                    k: n,
-                    batch,
-                },
-                out + b(w) + b(a),
-            ));
-            c.wgrad.push(Kernel::gemm(
-                GemmShape {
-                    m: k,
-                    n,
-                    k: m_total,
-                    batch,
-                },
-                out + b(a) + b(w),
-            ));
+            let (dgrad, wgrad) = gemm_backward(shape, out, b(a), b(w));
+            c.dgrad.push(dgrad);
+            c.wgrad.push(wgrad);
             c.embedded_comm = comm;
         }
         Op::WeightGrad { .. } => {
@@ -638,16 +632,18 @@ fn attention_cost(
     // Keys a query sees when executing (a window bounds them); Megatron counts all of them.
     let s_exec = window.map_or(s, |w| w.min(s));
     let counted = 4.0 * heads as f64 * t as f64 * s as f64 * d as f64;
+    // A product per head: `[m, k]·[k, n]`.
+    let per_head = |m: usize, n: usize, k: usize| GemmShape {
+        m,
+        n,
+        k,
+        batch: heads,
+    };
     match opts.attention {
         AttentionImpl::Flash => {
             let frac = causal_share(g, v, causal);
             let exec = 4.0 * heads as f64 * t as f64 * s_exec as f64 * d as f64 * frac;
-            let shape = GemmShape {
-                m: t,
-                n: s_exec,
-                k: d,
-                batch: heads,
-            };
+            let shape = per_head(t, s_exec, d);
             let mut f = Kernel::gemm(shape, q + k + vv + out);
             f.flops = counted;
             f.exec_flops = exec;
@@ -659,18 +655,10 @@ fn attention_cost(
         }
         AttentionImpl::Unfused => {
             let scores = heads as f64 * t as f64 * s as f64;
-            let qk = GemmShape {
-                m: t,
-                n: s,
-                k: d,
-                batch: heads,
-            };
-            let av = GemmShape {
-                m: t,
-                n: d,
-                k: s,
-                batch: heads,
-            };
+            let qk = per_head(t, s, d);
+            let av = per_head(t, d, s);
+            // dV = Pᵀ·dO and dK = dSᵀ·Q.
+            let st = per_head(s, d, t);
             // Forward: q·kᵀ writes scores; scale-mask-softmax reads and writes them; dropout
             // reads, writes and stores a 1-byte mask; ·v reads the probabilities.
             c.fwd.push(Kernel::gemm(qk, q + k + scores * el));
@@ -679,28 +667,11 @@ fn attention_cost(
             c.fwd.push(Kernel::gemm(av, scores * el + vv + out));
             // Backward: dV = Pᵀ·dO, dP = dO·Vᵀ, softmax (and dropout) backward, dQ = dS·K,
             // dK = dSᵀ·Q.
-            c.dgrad.push(Kernel::gemm(
-                GemmShape {
-                    m: s,
-                    n: d,
-                    k: t,
-                    batch: heads,
-                },
-                scores * el + out + vv,
-            ));
+            c.dgrad.push(Kernel::gemm(st, scores * el + out + vv));
             c.dgrad.push(Kernel::gemm(qk, out + vv + scores * el));
-            let drop_b = if opts.dropout { 2.0 * el + 1.0 } else { 0.0 };
-            c.dgrad.push(Kernel::memory(scores * (3.0 * el + drop_b)));
+            c.dgrad.push(Kernel::memory(scores * (3.0 * el + drop)));
             c.dgrad.push(Kernel::gemm(av, scores * el + k + q));
-            c.dgrad.push(Kernel::gemm(
-                GemmShape {
-                    m: s,
-                    n: d,
-                    k: t,
-                    batch: heads,
-                },
-                scores * el + q + k,
-            ));
+            c.dgrad.push(Kernel::gemm(st, scores * el + q + k));
         }
     }
 }

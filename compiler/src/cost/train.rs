@@ -701,7 +701,7 @@ fn simulate(
         biggest,
     } = parts;
     let layer_dense = layer_elems - layer_expert;
-    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
+    let logits = logits_bytes(cfg, t, seq_local, tp);
 
     // 3. ZeRO-3: each layer's parameters gathered before its forward and backward, its
     // gradients reduce-scattered, prefetched behind the layer's compute.
@@ -1341,7 +1341,7 @@ fn layer_parts(
     let mut post_p = Program::from_steps(g, &plan.steps, dev, copts, &keep_post, &comm);
     // Vocabulary-parallel cross-entropy in fp32: read the logits, exponentiate and normalise
     // (max and sum all-reduced over tp), write the loss; backward writes the logits' gradient.
-    let logits = (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0;
+    let logits = logits_bytes(cfg, t, seq_local, tp);
     let ce = Kernel::memory(3.0 * logits);
     let ce_b = Kernel::memory(2.0 * logits);
     post_p.ops.push(ProgOp {
@@ -1411,16 +1411,17 @@ fn layer_parts(
     let post_elems = elems(g, &post_set);
     let shared_elems = elems(g, &pre_set.intersection(&post_set).copied().collect());
 
-    let saved_full_layer = saved_activations(
-        g,
-        0,
-        &SavedOptions {
+    // Activations a layer saves for its backward under a recomputation.
+    let saved = |recompute: Recompute| {
+        let o = SavedOptions {
             dtype: dt,
             attention: copts.attention,
             dropout: copts.dropout,
-            recompute: Recompute::None,
-        },
-    );
+            recompute,
+        };
+        saved_activations(g, 0, &o)
+    };
+    let saved_full_layer = saved(Recompute::None);
     // The largest value of a layer; a dense `[experts, ..]` one at its routed fraction.
     let routed = routed_fraction(g);
     let biggest = g
@@ -1460,16 +1461,7 @@ fn layer_parts(
                 (pre, layer, post)
             }
         };
-        let saved_layer = saved_activations(
-            g,
-            0,
-            &SavedOptions {
-                dtype: dt,
-                attention: copts.attention,
-                dropout: copts.dropout,
-                recompute: layer_rc,
-            },
-        );
+        let saved_layer = saved(layer_rc);
         Ok(LayerParts {
             pre,
             layer,
@@ -1486,6 +1478,12 @@ fn layer_parts(
         })
     };
     recomputes.iter().map(|&rc| one(rc)).collect()
+}
+
+/// Bytes of one micro-batch's fp32 logits on a rank: `seq_local` tokens a sequence, the
+/// vocabulary split over `tp`.
+fn logits_bytes(cfg: &ModelConfig, t: &TrainOptions, seq_local: usize, tp: usize) -> f64 {
+    (t.micro_batch * seq_local * cfg.vocab / tp) as f64 * 4.0
 }
 
 /// The mixture-of-experts arithmetic of an expert-parallel step, per rank and layer (empty

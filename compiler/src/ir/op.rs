@@ -142,6 +142,19 @@ pub struct RingMatMul<'a> {
     pub transpose_b: bool,
 }
 
+impl RingMatMul<'_> {
+    /// The collective the ring decomposes: the input's all-gather (`gather`) or the product's
+    /// reduce-scatter, over the ring's axis, dim and parts.
+    pub fn collective(&self) -> Op {
+        let (axis, dim, parts) = (self.axis.to_string(), self.dim, self.parts);
+        if self.gather {
+            Op::AllGather { axis, dim, parts }
+        } else {
+            Op::ReduceScatter { axis, dim, parts }
+        }
+    }
+}
+
 /// Attention parameters. Heads and head width come from the operand shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct AttnSpec {
@@ -1363,10 +1376,7 @@ impl Op {
                     .map_err(|e| shape_err(m, e.to_string()))
             }
             Op::AgMatMul {
-                axis,
-                dim,
-                parts,
-                transpose_b,
+                dim, transpose_b, ..
             } => {
                 arity(self, inputs, 2, "2")?;
                 if *dim + 1 >= inputs[0].rank() {
@@ -1375,12 +1385,9 @@ impl Op {
                         format!("dim {dim} of {} is not a row dim", inputs[0]),
                     ));
                 }
-                let ag = Op::AllGather {
-                    axis: axis.clone(),
-                    dim: *dim,
-                    parts: *parts,
-                };
-                let g = ag
+                let ring = self.ring_matmul().expect("invariant: a collective matmul");
+                let g = ring
+                    .collective()
                     .infer(&inputs[..1], None)
                     .map_err(|e| shape_err(m, e.to_string()))?;
                 Op::MatMul {
@@ -1390,10 +1397,7 @@ impl Op {
                 .map_err(|e| shape_err(m, e.to_string()))
             }
             Op::MatMulRs {
-                axis,
-                dim,
-                parts,
-                transpose_b,
+                dim, transpose_b, ..
             } => {
                 arity(self, inputs, 2, "2")?;
                 let p = Op::MatMul {
@@ -1404,12 +1408,9 @@ impl Op {
                 if *dim + 1 >= p.rank() {
                     return Err(shape_err(m, format!("dim {dim} of {p} is not a row dim")));
                 }
-                let rs = Op::ReduceScatter {
-                    axis: axis.clone(),
-                    dim: *dim,
-                    parts: *parts,
-                };
-                rs.infer(&[&p], None)
+                let ring = self.ring_matmul().expect("invariant: a collective matmul");
+                ring.collective()
+                    .infer(&[&p], None)
                     .map_err(|e| shape_err(m, e.to_string()))
             }
             // Typed by `grad::infer` above.

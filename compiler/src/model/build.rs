@@ -179,6 +179,40 @@ impl Builder<'_> {
         Ok(y)
     }
 
+    /// `x · W + b` for a GPT-2 `Conv1D` weight `[in, out]` and its bias.
+    fn conv1d(
+        &mut self,
+        x: ValueId,
+        prefix: &str,
+        inp: Dim,
+        out: Dim,
+        label: &str,
+    ) -> Result<ValueId, IrError> {
+        let w = ParamSource::whole(format!("{prefix}.weight"));
+        let b = ParamSource::whole(format!("{prefix}.bias"));
+        self.conv1d_of(x, [w, b], inp, out, label)
+    }
+
+    /// [`Builder::conv1d`] with the weight and bias read from `[w, b]`.
+    fn conv1d_of(
+        &mut self,
+        x: ValueId,
+        [w, b]: [ParamSource; 2],
+        inp: Dim,
+        out: Dim,
+        label: &str,
+    ) -> Result<ValueId, IrError> {
+        let w = self.param(w, vec![inp, out], &format!("{label}.weight"))?;
+        let y = self.g.add_typed(
+            Op::MatMul { transpose_b: false },
+            &[x, w],
+            Some(self.act(out)),
+            label,
+        )?;
+        let b = self.param(b, vec![out], &format!("{label}.bias"))?;
+        self.g.add(Op::Add, &[y, b], format!("{label}.add_bias"))
+    }
+
     fn norm(&mut self, x: ValueId, prefix: &str, label: &str) -> Result<ValueId, IrError> {
         let h = d(Role::Hidden, self.cfg.hidden);
         let eps = Float(self.cfg.eps);
@@ -429,35 +463,17 @@ fn attention_block(
                 start: i * cfg.hidden,
                 len: cfg.hidden,
             };
-            let w = bl.param(
-                ParamSource {
-                    view: Some(view),
-                    ..ParamSource::whole(format!("{lp}.attn.c_attn.weight"))
-                },
-                vec![hd, if i == 0 { qd } else { kd }],
-                &format!("{l}.attn.{name}_proj.weight"),
-            )?;
+            let w = ParamSource {
+                view: Some(view),
+                ..ParamSource::whole(format!("{lp}.attn.c_attn.weight"))
+            };
+            let b = ParamSource {
+                view: Some(ParamView { dim: 0, ..view }),
+                ..ParamSource::whole(format!("{lp}.attn.c_attn.bias"))
+            };
             let od = if i == 0 { qd } else { kd };
-            let y = bl.g.add_typed(
-                Op::MatMul { transpose_b: false },
-                &[h, w],
-                Some(bl.act(od)),
-                format!("{l}.attn.{name}_proj"),
-            )?;
-            let bview = ParamView { dim: 0, ..view };
-            let bias = bl.param(
-                ParamSource {
-                    view: Some(bview),
-                    ..ParamSource::whole(format!("{lp}.attn.c_attn.bias"))
-                },
-                vec![od],
-                &format!("{l}.attn.{name}_proj.bias"),
-            )?;
-            out.push(bl.g.add(
-                Op::Add,
-                &[y, bias],
-                format!("{l}.attn.{name}_proj.add_bias"),
-            )?);
+            let label = format!("{l}.attn.{name}_proj");
+            out.push(bl.conv1d_of(h, [w, b], hd, od, &label)?);
         }
         (out[0], out[1], out[2])
     } else {
@@ -526,23 +542,13 @@ fn attention_block(
         format!("{l}.attn.merge_heads"),
     )?;
     let o = if gpt2 {
-        let w = bl.whole(
-            format!("{lp}.attn.c_proj.weight"),
-            vec![qd, hd],
-            &format!("{l}.attn.o_proj.weight"),
-        )?;
-        let y = bl.g.add_typed(
-            Op::MatMul { transpose_b: false },
-            &[a, w],
-            Some(bl.act(hd)),
-            format!("{l}.attn.o_proj"),
-        )?;
-        let bias = bl.whole(
-            format!("{lp}.attn.c_proj.bias"),
-            vec![hd],
-            &format!("{l}.attn.o_proj.bias"),
-        )?;
-        bl.g.add(Op::Add, &[y, bias], format!("{l}.attn.o_proj.add_bias"))?
+        bl.conv1d(
+            a,
+            &format!("{lp}.attn.c_proj"),
+            qd,
+            hd,
+            &format!("{l}.attn.o_proj"),
+        )?
     } else {
         bl.linear(
             a,
@@ -563,42 +569,21 @@ fn mlp_block(bl: &mut Builder, x: ValueId, lp: &str, l: &str) -> Result<ValueId,
     let act = Op::Unary(cfg.act);
     let y = if cfg.arch == Arch::Gpt2 {
         let h = bl.norm(x, &format!("{lp}.ln_2"), &format!("{l}.mlp_norm"))?;
-        let w1 = bl.whole(
-            format!("{lp}.mlp.c_fc.weight"),
-            vec![hd, fd],
-            &format!("{l}.mlp.up_proj.weight"),
+        let u = bl.conv1d(
+            h,
+            &format!("{lp}.mlp.c_fc"),
+            hd,
+            fd,
+            &format!("{l}.mlp.up_proj"),
         )?;
-        let u = bl.g.add_typed(
-            Op::MatMul { transpose_b: false },
-            &[h, w1],
-            Some(bl.act(fd)),
-            format!("{l}.mlp.up_proj"),
-        )?;
-        let b1 = bl.whole(
-            format!("{lp}.mlp.c_fc.bias"),
-            vec![fd],
-            &format!("{l}.mlp.up_proj.bias"),
-        )?;
-        let u =
-            bl.g.add(Op::Add, &[u, b1], format!("{l}.mlp.up_proj.add_bias"))?;
         let a = bl.g.add(act, &[u], format!("{l}.mlp.act"))?;
-        let w2 = bl.whole(
-            format!("{lp}.mlp.c_proj.weight"),
-            vec![fd, hd],
-            &format!("{l}.mlp.down_proj.weight"),
-        )?;
-        let y = bl.g.add_typed(
-            Op::MatMul { transpose_b: false },
-            &[a, w2],
-            Some(bl.act(hd)),
-            format!("{l}.mlp.down_proj"),
-        )?;
-        let b2 = bl.whole(
-            format!("{lp}.mlp.c_proj.bias"),
-            vec![hd],
-            &format!("{l}.mlp.down_proj.bias"),
-        )?;
-        bl.g.add(Op::Add, &[y, b2], format!("{l}.mlp.down_proj.add_bias"))?
+        bl.conv1d(
+            a,
+            &format!("{lp}.mlp.c_proj"),
+            fd,
+            hd,
+            &format!("{l}.mlp.down_proj"),
+        )?
     } else {
         let h = bl.norm(
             x,

@@ -253,33 +253,16 @@ pub fn derive_sharding(
         Op::MatMul { transpose_b } | Op::FusedMatMul { transpose_b, .. } if children.len() >= 2 => {
             matmul_layout(children[0], children[1], b_rank(), *transpose_b)
         }
-        Op::AgMatMul {
-            axis,
-            dim,
-            parts,
-            transpose_b,
-        } if children.len() == 2 => {
-            let ag = Op::AllGather {
-                axis: axis.clone(),
-                dim: *dim,
-                parts: *parts,
-            };
-            let g = step(mesh, children[0], &ag);
-            matmul_layout(&g, children[1], b_rank(), *transpose_b)
-        }
-        Op::MatMulRs {
-            axis,
-            dim,
-            parts,
-            transpose_b,
-        } if children.len() == 2 => {
-            let rs = Op::ReduceScatter {
-                axis: axis.clone(),
-                dim: *dim,
-                parts: *parts,
-            };
-            let p = matmul_layout(children[0], children[1], b_rank(), *transpose_b);
-            step(mesh, &p, &rs)
+        Op::AgMatMul { .. } | Op::MatMulRs { .. } if children.len() == 2 => {
+            let r = op.ring_matmul().expect("invariant: a collective matmul");
+            let c = r.collective();
+            if r.gather {
+                let g = step(mesh, children[0], &c);
+                matmul_layout(&g, children[1], b_rank(), r.transpose_b)
+            } else {
+                let p = matmul_layout(children[0], children[1], b_rank(), r.transpose_b);
+                step(mesh, &p, &c)
+            }
         }
         // Sums over every leading dim of the incoming gradient (a norm gradient's last
         // operand, a bias gradient's first): the result is laid out like that gradient's

@@ -35,15 +35,19 @@ impl<'a> Keys<'a> {
         Keys { mask, index: None }
     }
 
-    /// The mask's data, and the indices checked against `t` queries and `s` keys.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn data(
+    /// Which keys each query sees under `spec` ([`visibility`]), from the mask's data (operand
+    /// `first`) and the indices checked against `t` queries and `s` keys.
+    pub(crate) fn visible<'s>(
         &self,
         op: &'static str,
         first: usize,
         all: &[&Tensor],
+        spec: &'s AttnSpec,
         (t, s): (usize, usize),
-    ) -> Result<(Option<&'a [f32]>, Option<(&'a [i32], &'a [i32])>), RuntimeError> {
+    ) -> Result<impl Fn(usize, usize, usize) -> bool + 's, RuntimeError>
+    where
+        'a: 's,
+    {
         let md = self.mask.map(|m| f32_of(op, m, first)).transpose()?;
         let index = match self.index {
             None => None,
@@ -58,7 +62,7 @@ impl<'a> Keys<'a> {
                 }
             },
         };
-        Ok((md, index))
+        Ok(visibility(spec, t, s, md, index))
     }
 
     pub(crate) fn all(&self) -> Vec<&'a Tensor> {
@@ -95,10 +99,9 @@ pub(crate) fn attention(
     if mask.is_some_and(|m| m.shape != [b, s]) {
         return Err(shape_err(OP, &all, "mask must be [B, S]"));
     }
-    let (md, index) = keys.data(OP, 3, &all, (t, s))?;
+    let visible = keys.visible(OP, 3, &all, spec, (t, s))?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
-    let visible = visibility(spec, t, s, md, index);
     // Per (b, h): [T, D] blocks, laid out [B, Hq, T, D]; permuted to [B, T, Hq, D] at the end.
     let mut tmp = vec![0.0f32; b * hq * t * d];
     if tmp.is_empty() {

@@ -205,12 +205,7 @@ pub(crate) fn f32_of<'t>(
     t: &'t Tensor,
     operand: usize,
 ) -> Result<&'t [f32], RuntimeError> {
-    t.as_f32().ok_or(RuntimeError::OperandDType {
-        op,
-        operand,
-        expected: "f32",
-        found: t.dtype_name(),
-    })
+    data_of(op, t, operand, "f32", t.as_f32())
 }
 
 /// Operand `i`'s i32 data, or an [`RuntimeError::OperandDType`].
@@ -219,10 +214,22 @@ pub(crate) fn i32_of<'t>(
     t: &'t Tensor,
     operand: usize,
 ) -> Result<&'t [i32], RuntimeError> {
-    t.as_i32().ok_or(RuntimeError::OperandDType {
+    data_of(op, t, operand, "i32", t.as_i32())
+}
+
+/// Operand `i`'s `data` as read for the `expected` dtype, or an
+/// [`RuntimeError::OperandDType`] naming the dtype `t` holds.
+fn data_of<'t, T>(
+    op: &'static str,
+    t: &Tensor,
+    operand: usize,
+    expected: &'static str,
+    data: Option<&'t [T]>,
+) -> Result<&'t [T], RuntimeError> {
+    data.ok_or(RuntimeError::OperandDType {
         op,
         operand,
-        expected: "i32",
+        expected,
         found: t.dtype_name(),
     })
 }

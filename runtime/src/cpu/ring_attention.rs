@@ -8,7 +8,7 @@
 //! Pre: the communicator's size is `parts`; rank `i` holds keys `[i·c, (i+1)·c)` of the
 //! `S = parts·c` the mask and key indices span; every rank of the group runs the same op.
 
-use super::attention::{dims, visibility, Keys};
+use super::attention::{dims, Keys};
 use super::collective::Wrap;
 use super::{f32_of, layout, shape_err};
 use crate::comm::Communicator;
@@ -67,8 +67,7 @@ fn ring_attention(ring: &Ring, qkv: &[&Tensor], keys: Keys) -> Result<Tensor, Ru
     all.extend(keys.all());
     let (b, t, hq, d, c, hkv) = ring_dims(OP, comm, &all, &keys, parts)?;
     let s = c * parts;
-    let (md, index) = keys.data(OP, 3, &all, (t, s))?;
-    let visible = visibility(spec, t, s, md, index);
+    let visible = keys.visible(OP, 3, &all, spec, (t, s))?;
     let qd = f32_of(OP, q, 0)?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
@@ -203,8 +202,7 @@ fn ring_attention_grad(ring: &Ring, ops: &[&Tensor], keys: Keys) -> Result<Tenso
     }
     let (b, t, hq, d, c, hkv) = ring_dims(OP, comm, &all, &keys, parts)?;
     let s = c * parts;
-    let (md, index) = keys.data(OP, 5, &all, (t, s))?;
-    let visible = visibility(spec, t, s, md, index);
+    let visible = keys.visible(OP, 5, &all, spec, (t, s))?;
     let (qd, od, dyd) = (f32_of(OP, q, 0)?, f32_of(OP, o, 3)?, f32_of(OP, dy, 4)?);
     let rep = hq / hkv;
     let scale = spec.scale.0 as f64;

@@ -22,14 +22,10 @@ pub(crate) fn rules() -> Vec<Arc<dyn RuleImpl>> {
 pub(crate) struct AllReduceSplit;
 
 impl RuleImpl for AllReduceSplit {
-    fn name(&self) -> &'static str {
-        "allreduce-split"
-    }
-    fn group(&self) -> &'static str {
-        "allreduce-split"
-    }
-    fn identity(&self) -> &'static str {
-        "all_reduce_a(x) => all_gather_a,d(reduce_scatter_a,d(x)), d a per-token dim divisible by |a|"
+    rule_header! {
+        name: "allreduce-split",
+        group: "allreduce-split",
+        identity: "all_reduce_a(x) => all_gather_a,d(reduce_scatter_a,d(x)), d a per-token dim divisible by |a|",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, op) in nodes_where(eg, class, |o| matches!(o, Op::AllReduce { .. })) {
@@ -71,14 +67,10 @@ impl RuleImpl for AllReduceSplit {
 pub(crate) struct SliceOfGather;
 
 impl RuleImpl for SliceOfGather {
-    fn name(&self) -> &'static str {
-        "slice-of-gather"
-    }
-    fn group(&self) -> &'static str {
-        "slice-of-gather"
-    }
-    fn identity(&self) -> &'static str {
-        "local_slice_a,d(all_gather_a,d(x)) => x"
+    rule_header! {
+        name: "slice-of-gather",
+        group: "slice-of-gather",
+        identity: "local_slice_a,d(all_gather_a,d(x)) => x",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, op) in nodes_where(eg, class, |o| matches!(o, Op::LocalSlice { .. })) {
@@ -104,14 +96,10 @@ impl RuleImpl for SliceOfGather {
 pub(crate) struct GatherOfSlice;
 
 impl RuleImpl for GatherOfSlice {
-    fn name(&self) -> &'static str {
-        "gather-of-slice"
-    }
-    fn group(&self) -> &'static str {
-        "gather-of-slice"
-    }
-    fn identity(&self) -> &'static str {
-        "all_gather_a,d(local_slice_a,d(y)) => y, y replicated over a"
+    rule_header! {
+        name: "gather-of-slice",
+        group: "gather-of-slice",
+        identity: "all_gather_a,d(local_slice_a,d(y)) => y, y replicated over a",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, op) in nodes_where(eg, class, |o| matches!(o, Op::AllGather { .. })) {
@@ -141,14 +129,10 @@ impl RuleImpl for GatherOfSlice {
 pub(crate) struct GatherSliceToAllToAll;
 
 impl RuleImpl for GatherSliceToAllToAll {
-    fn name(&self) -> &'static str {
-        "gather-slice-to-all-to-all"
-    }
-    fn group(&self) -> &'static str {
-        "slice-of-gather"
-    }
-    fn identity(&self) -> &'static str {
-        "local_slice_a,e(all_gather_a,d(x)) => all_to_all_a(x, split e, concat d), e != d"
+    rule_header! {
+        name: "gather-slice-to-all-to-all",
+        group: "slice-of-gather",
+        identity: "local_slice_a,e(all_gather_a,d(x)) => all_to_all_a(x, split e, concat d), e != d",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, op) in nodes_where(eg, class, |o| matches!(o, Op::LocalSlice { .. })) {

@@ -165,14 +165,10 @@ fn parts(eg: &SpmdEGraph, m: &[Id]) -> (Op, Op, Id, Vec<Id>, Vec<Id>) {
 pub(crate) struct FuseElementwise;
 
 impl RuleImpl for FuseElementwise {
-    fn name(&self) -> &'static str {
-        "fuse-elementwise"
-    }
-    fn group(&self) -> &'static str {
-        "fuse-elementwise"
-    }
-    fn identity(&self) -> &'static str {
-        "f(.., g(y..), ..) => fused_elementwise[g; f](.., y.., ..), f and g elementwise"
+    rule_header! {
+        name: "fuse-elementwise",
+        group: "fuse-elementwise",
+        identity: "f(.., g(y..), ..) => fused_elementwise[g; f](.., y.., ..), f and g elementwise",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         find_nested(eg, class, plain_elementwise, |_| 1, false, out);
@@ -204,14 +200,10 @@ impl RuleImpl for FuseElementwise {
 pub(crate) struct GemmEpilogue;
 
 impl RuleImpl for GemmEpilogue {
-    fn name(&self) -> &'static str {
-        "gemm-epilogue"
-    }
-    fn group(&self) -> &'static str {
-        "fuse-elementwise"
-    }
-    fn identity(&self) -> &'static str {
-        "f(.., matmul(a, b), ..) => fused_matmul[f](a, b, ..), f elementwise"
+    rule_header! {
+        name: "gemm-epilogue",
+        group: "fuse-elementwise",
+        identity: "f(.., matmul(a, b), ..) => fused_matmul[f](a, b, ..), f elementwise",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         let gemm = |o: &Op| matches!(o, Op::MatMul { .. } | Op::FusedMatMul { .. });
@@ -257,14 +249,10 @@ impl RuleImpl for GemmEpilogue {
 pub(crate) struct AddRmsNormRule;
 
 impl RuleImpl for AddRmsNormRule {
-    fn name(&self) -> &'static str {
-        "add-rms-norm"
-    }
-    fn group(&self) -> &'static str {
-        "fuse-elementwise"
-    }
-    fn identity(&self) -> &'static str {
-        "rms_norm(add(a, b), w) => add_rms_norm(a, b, w)"
+    rule_header! {
+        name: "add-rms-norm",
+        group: "fuse-elementwise",
+        identity: "rms_norm(add(a, b), w) => add_rms_norm(a, b, w)",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::RmsNorm { .. })) {

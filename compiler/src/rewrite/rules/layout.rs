@@ -11,7 +11,7 @@
 //! parameter into a sharded parameter), so `all` leaves them out: they are selected by name,
 //! by the group `layout`, or by `shardc search --space layers`.
 
-use super::{add, add_declared, add_like, int, nodes_where, op_at, op_id, ty};
+use super::{add, add_like, int, nodes_where, op_at, op_id, ty};
 use super::{rep_over, RuleImpl};
 use crate::ir::{Op, ShardSpec};
 use crate::rewrite::analysis::SpmdEGraph;
@@ -74,32 +74,40 @@ fn matmuls(eg: &SpmdEGraph, class: Id) -> Vec<(Id, Id, Id, usize, usize)> {
         .collect()
 }
 
+/// The matches `[op, x, w, d, axis]` that split a matmul of `class` over a mesh axis of more
+/// than one rank both its operands are replicated over: `d` the weight dim `pick` chooses of
+/// (output, input), divisible by the axis size, and `x` one that `x_splits(x, size)` accepts.
+fn split_matmuls(
+    eg: &SpmdEGraph,
+    class: Id,
+    out: &mut Vec<Vec<Id>>,
+    pick: fn(usize, usize) -> usize,
+    x_splits: impl Fn(Id, usize) -> bool,
+) {
+    for (op, x, w, n, k) in matmuls(eg, class) {
+        let d = pick(n, k);
+        for (a, parts) in shared_axes(eg, &[x, w]) {
+            if ty(eg, w).dim(d) % parts == 0 && x_splits(x, parts) {
+                out.push(vec![op, x, w, int(d), int(a)]);
+            }
+        }
+    }
+}
+
 /// `tp-column`: `matmul(x, w) ⇒ all_gather_a,last(matmul(x, local_slice_a,n(w)))`, `n` the
 /// output dim of the weight's matrix (experts' stacked matrices alike), `x` and `w` replicated over `a` (each rank computes a block of
 /// output columns).
 pub(crate) struct TpColumn;
 
 impl RuleImpl for TpColumn {
-    fn name(&self) -> &'static str {
-        "tp-column"
-    }
-    fn group(&self) -> &'static str {
-        "layout"
-    }
-    fn identity(&self) -> &'static str {
-        "matmul(x, w) => all_gather_a,last(matmul(x, local_slice_a,n(w))), n the output dim of w's matrix (its last two dims), x and w replicated over a"
-    }
-    fn in_all(&self) -> bool {
-        false
+    rule_header! {
+        name: "tp-column",
+        group: "layout",
+        identity: "matmul(x, w) => all_gather_a,last(matmul(x, local_slice_a,n(w))), n the output dim of w's matrix (its last two dims), x and w replicated over a",
+        in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
-        for (op, x, w, n, _) in matmuls(eg, class) {
-            for (a, parts) in shared_axes(eg, &[x, w]) {
-                if ty(eg, w).dim(n) % parts == 0 {
-                    out.push(vec![op, x, w, int(n), int(a)]);
-                }
-            }
-        }
+        split_matmuls(eg, class, out, |n, _| n, |_, _| true);
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
         let f = op_at(eg, m[0]);
@@ -123,26 +131,20 @@ impl RuleImpl for TpColumn {
 pub(crate) struct TpRow;
 
 impl RuleImpl for TpRow {
-    fn name(&self) -> &'static str {
-        "tp-row"
-    }
-    fn group(&self) -> &'static str {
-        "layout"
-    }
-    fn identity(&self) -> &'static str {
-        "matmul(x, w) => all_reduce_a(matmul(local_slice_a,last(x), local_slice_a,k(w))), k the input dim of w's matrix (its last two dims), x and w replicated over a"
-    }
-    fn in_all(&self) -> bool {
-        false
+    rule_header! {
+        name: "tp-row",
+        group: "layout",
+        identity: "matmul(x, w) => all_reduce_a(matmul(local_slice_a,last(x), local_slice_a,k(w))), k the input dim of w's matrix (its last two dims), x and w replicated over a",
+        in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
-        for (op, x, w, _, k) in matmuls(eg, class) {
-            for (a, parts) in shared_axes(eg, &[x, w]) {
-                if ty(eg, w).dim(k) % parts == 0 && ty(eg, x).last() % parts == 0 {
-                    out.push(vec![op, x, w, int(k), int(a)]);
-                }
-            }
-        }
+        split_matmuls(
+            eg,
+            class,
+            out,
+            |_, k| k,
+            |x, parts| ty(eg, x).last() % parts == 0,
+        );
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
         let f = op_at(eg, m[0]);
@@ -171,17 +173,11 @@ fn slice(axis: &str, dim: usize, parts: usize) -> Op {
 pub(crate) struct SliceLeaf;
 
 impl RuleImpl for SliceLeaf {
-    fn name(&self) -> &'static str {
-        "slice-leaf"
-    }
-    fn group(&self) -> &'static str {
-        "layout"
-    }
-    fn identity(&self) -> &'static str {
-        "local_slice_a,d(p) => p split over a along d, p a parameter replicated over a and not split along d"
-    }
-    fn in_all(&self) -> bool {
-        false
+    rule_header! {
+        name: "slice-leaf",
+        group: "layout",
+        identity: "local_slice_a,d(p) => p split over a along d, p a parameter replicated over a and not split along d",
+        in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, op) in nodes_where(eg, class, |o| matches!(o, Op::LocalSlice { .. })) {
@@ -243,47 +239,23 @@ impl RuleImpl for SliceLeaf {
 pub(crate) struct SinkReshapeSplit;
 
 impl RuleImpl for SinkReshapeSplit {
-    fn name(&self) -> &'static str {
-        "gather-sink-reshape-split"
-    }
-    fn group(&self) -> &'static str {
-        "layout"
-    }
-    fn identity(&self) -> &'static str {
-        "reshape(all_gather_a,d(x)) => all_gather_a,d(reshape'(x)), dims 0..d unchanged, dim d regrouped with the dims after it, the result's dim d divisible by |a|"
-    }
-    fn in_all(&self) -> bool {
-        false
+    rule_header! {
+        name: "gather-sink-reshape-split",
+        group: "layout",
+        identity: "reshape(all_gather_a,d(x)) => all_gather_a,d(reshape'(x)), dims 0..d unchanged, dim d regrouped with the dims after it, the result's dim d divisible by |a|",
+        in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
-        let to = ty(eg, class);
-        for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::Reshape)) {
-            let from = ty(eg, n.children[0]);
-            for (g, gop) in nodes_where(eg, n.children[0], |o| matches!(o, Op::AllGather { .. })) {
-                let Op::AllGather { dim, parts, .. } = gop else {
-                    continue;
-                };
-                let d = *dim;
-                let regroups = d < to.rank()
-                    && d < from.rank()
-                    && (0..d).all(|i| from.dim(i) == to.dim(i))
-                    && from.dim(d) != to.dim(d)
-                    && to.dim(d) % parts == 0;
-                if regroups {
-                    out.push(vec![op_id(g.op), g.children[0]]);
-                }
-            }
-        }
+        super::reshape_gathers(eg, class, out, |from, to, d, parts| {
+            d < to.rank()
+                && d < from.rank()
+                && (0..d).all(|i| from.dim(i) == to.dim(i))
+                && from.dim(d) != to.dim(d)
+                && to.dim(d) % parts == 0
+        });
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
-        let ag = op_at(eg, m[0]);
-        let Op::AllGather { dim, parts, .. } = ag else {
-            return None;
-        };
-        let mut local = ty(eg, class).clone();
-        local.dims[dim].size /= parts;
-        let inner = add_declared(eg, self.name(), Op::Reshape, local, vec![m[1]], class)?;
-        add(eg, self.name(), ag, vec![inner])
+        super::sink_reshape(eg, self.name(), class, m)
     }
 }
 
@@ -292,17 +264,11 @@ impl RuleImpl for SinkReshapeSplit {
 pub(crate) struct SinkRopeHeads;
 
 impl RuleImpl for SinkRopeHeads {
-    fn name(&self) -> &'static str {
-        "gather-sink-rope-heads"
-    }
-    fn group(&self) -> &'static str {
-        "layout"
-    }
-    fn identity(&self) -> &'static str {
-        "rope(all_gather_a,heads(x), pos) => all_gather_a,heads(rope(x, pos))"
-    }
-    fn in_all(&self) -> bool {
-        false
+    rule_header! {
+        name: "gather-sink-rope-heads",
+        group: "layout",
+        identity: "rope(all_gather_a,heads(x), pos) => all_gather_a,heads(rope(x, pos))",
+        in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::Rope(_))) {
@@ -326,17 +292,11 @@ impl RuleImpl for SinkRopeHeads {
 pub(crate) struct SinkAttention;
 
 impl RuleImpl for SinkAttention {
-    fn name(&self) -> &'static str {
-        "gather-sink-attention"
-    }
-    fn group(&self) -> &'static str {
-        "layout"
-    }
-    fn identity(&self) -> &'static str {
-        "attention(all_gather_a,heads(q), k, v, m..) => all_gather_a,heads(attention(q, local_slice_a,heads(k), local_slice_a,heads(v), m..)), k, v, m replicated over a, kv heads divisible by |a|"
-    }
-    fn in_all(&self) -> bool {
-        false
+    rule_header! {
+        name: "gather-sink-attention",
+        group: "layout",
+        identity: "attention(all_gather_a,heads(q), k, v, m..) => all_gather_a,heads(attention(q, local_slice_a,heads(k), local_slice_a,heads(v), m..)), k, v, m replicated over a, kv heads divisible by |a|",
+        in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::Attention(_))) {
@@ -377,17 +337,11 @@ impl RuleImpl for SinkAttention {
 pub(crate) struct ReduceSink;
 
 impl RuleImpl for ReduceSink {
-    fn name(&self) -> &'static str {
-        "reduce-sink-linear"
-    }
-    fn group(&self) -> &'static str {
-        "layout"
-    }
-    fn identity(&self) -> &'static str {
-        "f(all_reduce_a(y), g..) => all_reduce_a(f(y, g..)), f in {combine, mul, scale} linear in y, g replicated over a"
-    }
-    fn in_all(&self) -> bool {
-        false
+    rule_header! {
+        name: "reduce-sink-linear",
+        group: "layout",
+        identity: "f(all_reduce_a(y), g..) => all_reduce_a(f(y, g..)), f in {combine, mul, scale} linear in y, g replicated over a",
+        in_all: false,
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         let linear = |o: &Op| matches!(o, Op::Combine | Op::Mul | Op::Scale(_));

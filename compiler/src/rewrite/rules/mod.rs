@@ -12,6 +12,32 @@
 //! rule first (a rule never adds an ill-typed node) and logs which rule created it (the
 //! provenance the report gives for each collective).
 
+/// The descriptive methods of a [`RuleImpl`] whose name, group and identity are fixed text:
+/// `name`, `group` and `identity`, and `in_all` where the rule gives `in_all: false`.
+macro_rules! rule_header {
+    (
+        name: $name:literal,
+        group: $group:literal,
+        identity: $identity:literal,
+        $(in_all: $in_all:literal,)?
+    ) => {
+        fn name(&self) -> &'static str {
+            $name
+        }
+        fn group(&self) -> &'static str {
+            $group
+        }
+        fn identity(&self) -> &'static str {
+            $identity
+        }
+        $(
+            fn in_all(&self) -> bool {
+                $in_all
+            }
+        )?
+    };
+}
+
 pub(crate) mod collectives;
 pub(crate) mod fusion;
 pub(crate) mod layout;
@@ -363,6 +389,49 @@ pub(crate) fn sink(
     let (f, outer) = (op_at(eg, f), op_at(eg, outer));
     let inner = add_like(eg, rule, f, operands, class)?;
     add(eg, rule, outer, vec![inner])
+}
+
+/// The matches `[gather, x]` of `Reshape(AllGather_a,d(x))` at `class` whose reshape
+/// `moves(from, to, d, |a|)` accepts (`from` the gathered type, `to` the reshape's).
+pub(crate) fn reshape_gathers(
+    eg: &SpmdEGraph,
+    class: Id,
+    out: &mut Vec<Vec<Id>>,
+    moves: impl Fn(&TensorType, &TensorType, usize, usize) -> bool,
+) {
+    let to = ty(eg, class);
+    for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::Reshape)) {
+        let from = ty(eg, n.children[0]);
+        for (g, gop) in nodes_where(eg, n.children[0], |o| matches!(o, Op::AllGather { .. })) {
+            let Op::AllGather { dim, parts, .. } = gop else {
+                continue;
+            };
+            if moves(from, to, *dim, *parts) {
+                out.push(vec![op_id(g.op), g.children[0]]);
+            }
+        }
+    }
+}
+
+/// `AllGather_a,d(Reshape'(x))` for a match of [`reshape_gathers`]: the reshape to `class`'s
+/// type with dim `d` divided by `|a|` (`None` where it does not divide).
+pub(crate) fn sink_reshape(
+    eg: &mut SpmdEGraph,
+    rule: &'static str,
+    class: Id,
+    m: &[Id],
+) -> Option<Id> {
+    let ag = op_at(eg, m[0]);
+    let Op::AllGather { dim, parts, .. } = ag else {
+        return None;
+    };
+    let mut local = ty(eg, class).clone();
+    if local.dims[dim].size % parts != 0 {
+        return None;
+    }
+    local.dims[dim].size /= parts;
+    let inner = add_declared(eg, rule, Op::Reshape, local, vec![m[1]], class)?;
+    add(eg, rule, ag, vec![inner])
 }
 
 /// As [`add`]; a new class takes the name, layer and role of class `like` (the value it computes

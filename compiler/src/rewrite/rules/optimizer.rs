@@ -36,14 +36,10 @@ fn update_dim(eg: &SpmdEGraph, c: Id, parts: usize) -> Option<usize> {
 }
 
 impl RuleImpl for WeightUpdateSharding {
-    fn name(&self) -> &'static str {
-        "weight-update-sharding"
-    }
-    fn group(&self) -> &'static str {
-        "weight-update-sharding"
-    }
-    fn identity(&self) -> &'static str {
-        "adamw_update(w, adam_moment(m, all_reduce_a(g)), adam_moment(v, all_reduce_a(g)), t) => all_gather_a,d(adamw_update(local_slice_a,d(w), adam_moment(local_slice_a,d(m), reduce_scatter_a,d(g)), adam_moment(local_slice_a,d(v), reduce_scatter_a,d(g)), t)), w, m, v, t replicated over a"
+    rule_header! {
+        name: "weight-update-sharding",
+        group: "weight-update-sharding",
+        identity: "adamw_update(w, adam_moment(m, all_reduce_a(g)), adam_moment(v, all_reduce_a(g)), t) => all_gather_a,d(adamw_update(local_slice_a,d(w), adam_moment(local_slice_a,d(m), reduce_scatter_a,d(g)), adam_moment(local_slice_a,d(v), reduce_scatter_a,d(g)), t)), w, m, v, t replicated over a",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         let moment = |o: &Op| matches!(o, Op::AdamMoment { .. });

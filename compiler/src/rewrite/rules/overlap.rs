@@ -17,14 +17,10 @@ pub(crate) fn rules() -> Vec<Arc<dyn RuleImpl>> {
 pub(crate) struct AgMatMulRule;
 
 impl RuleImpl for AgMatMulRule {
-    fn name(&self) -> &'static str {
-        "ag-matmul"
-    }
-    fn group(&self) -> &'static str {
-        "collective-matmul"
-    }
-    fn identity(&self) -> &'static str {
-        "matmul(all_gather_a,d(x), w) => ag_matmul_a,d(x, w), d a row dim"
+    rule_header! {
+        name: "ag-matmul",
+        group: "collective-matmul",
+        identity: "matmul(all_gather_a,d(x), w) => ag_matmul_a,d(x, w), d a row dim",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::MatMul { .. })) {
@@ -57,14 +53,10 @@ impl RuleImpl for AgMatMulRule {
 pub(crate) struct MatMulRsRule;
 
 impl RuleImpl for MatMulRsRule {
-    fn name(&self) -> &'static str {
-        "matmul-rs"
-    }
-    fn group(&self) -> &'static str {
-        "collective-matmul"
-    }
-    fn identity(&self) -> &'static str {
-        "reduce_scatter_a,d(matmul(x, w)) => matmul_rs_a,d(x, w), d a row dim"
+    rule_header! {
+        name: "matmul-rs",
+        group: "collective-matmul",
+        identity: "reduce_scatter_a,d(matmul(x, w)) => matmul_rs_a,d(x, w), d a row dim",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, op) in nodes_where(eg, class, |o| matches!(o, Op::ReduceScatter { .. })) {

@@ -95,14 +95,10 @@ impl RuleImpl for SinkRowwise {
 pub(crate) struct SinkElementwise;
 
 impl RuleImpl for SinkElementwise {
-    fn name(&self) -> &'static str {
-        "gather-sink-elementwise"
-    }
-    fn group(&self) -> &'static str {
-        "gather-sink"
-    }
-    fn identity(&self) -> &'static str {
-        "f(all_gather_a,d(x)) => all_gather_a,d(f(x)), f in {unary, scale, cast, repeat along a dim other than d}"
+    rule_header! {
+        name: "gather-sink-elementwise",
+        group: "gather-sink",
+        identity: "f(all_gather_a,d(x)) => all_gather_a,d(f(x)), f in {unary, scale, cast, repeat along a dim other than d}",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         let unary = |o: &Op| {
@@ -163,14 +159,10 @@ impl SinkBinary {
 }
 
 impl RuleImpl for SinkBinary {
-    fn name(&self) -> &'static str {
-        "gather-sink-binary"
-    }
-    fn group(&self) -> &'static str {
-        "gather-sink"
-    }
-    fn identity(&self) -> &'static str {
-        "f(all_gather_a,d(x), y) => all_gather_a,d(f(x, local_slice_a,d(y))), f in {add, mul}, y replicated over a (and mirrored)"
+    rule_header! {
+        name: "gather-sink-binary",
+        group: "gather-sink",
+        identity: "f(all_gather_a,d(x), y) => all_gather_a,d(f(x, local_slice_a,d(y))), f in {add, mul}, y replicated over a (and mirrored)",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::Add | Op::Mul)) {
@@ -207,14 +199,10 @@ impl RuleImpl for SinkBinary {
 pub(crate) struct SinkMatMul;
 
 impl RuleImpl for SinkMatMul {
-    fn name(&self) -> &'static str {
-        "gather-sink-matmul"
-    }
-    fn group(&self) -> &'static str {
-        "gather-sink"
-    }
-    fn identity(&self) -> &'static str {
-        "matmul(all_gather_a,d(x), w) => all_gather_a,d(matmul(x, w)), d a row dim, w 2-D and replicated over a"
+    rule_header! {
+        name: "gather-sink-matmul",
+        group: "gather-sink",
+        identity: "matmul(all_gather_a,d(x), w) => all_gather_a,d(matmul(x, w)), d a row dim, w 2-D and replicated over a",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::MatMul { .. })) {
@@ -243,44 +231,18 @@ impl RuleImpl for SinkMatMul {
 pub(crate) struct SinkReshape;
 
 impl RuleImpl for SinkReshape {
-    fn name(&self) -> &'static str {
-        "gather-sink-reshape"
-    }
-    fn group(&self) -> &'static str {
-        "gather-sink"
-    }
-    fn identity(&self) -> &'static str {
-        "reshape(all_gather_a,d(x)) => all_gather_a,d(reshape'(x)), dims 0..=d unchanged by the reshape"
+    rule_header! {
+        name: "gather-sink-reshape",
+        group: "gather-sink",
+        identity: "reshape(all_gather_a,d(x)) => all_gather_a,d(reshape'(x)), dims 0..=d unchanged by the reshape",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
-        let to = ty(eg, class);
-        for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::Reshape)) {
-            let from = ty(eg, n.children[0]);
-            for (g, gop) in nodes_where(eg, n.children[0], |o| matches!(o, Op::AllGather { .. })) {
-                let Op::AllGather { dim, .. } = gop else {
-                    continue;
-                };
-                let keeps = *dim < to.rank()
-                    && *dim < from.rank()
-                    && (0..=*dim).all(|i| from.dim(i) == to.dim(i));
-                if keeps {
-                    out.push(vec![op_id(g.op), g.children[0]]);
-                }
-            }
-        }
+        super::reshape_gathers(eg, class, out, |from, to, d, _| {
+            d < to.rank() && d < from.rank() && (0..=d).all(|i| from.dim(i) == to.dim(i))
+        });
     }
     fn apply(&self, eg: &mut SpmdEGraph, class: Id, m: &[Id]) -> Option<Id> {
-        let ag = op_at(eg, m[0]);
-        let Op::AllGather { dim, parts, .. } = ag else {
-            return None;
-        };
-        let mut local = ty(eg, class).clone();
-        if local.dims[dim].size % parts != 0 {
-            return None;
-        }
-        local.dims[dim].size /= parts;
-        let inner = super::add_declared(eg, self.name(), Op::Reshape, local, vec![m[1]], class)?;
-        add(eg, self.name(), ag, vec![inner])
+        super::sink_reshape(eg, self.name(), class, m)
     }
 }
 
@@ -289,14 +251,10 @@ impl RuleImpl for SinkReshape {
 pub(crate) struct SinkRope;
 
 impl RuleImpl for SinkRope {
-    fn name(&self) -> &'static str {
-        "gather-sink-rope"
-    }
-    fn group(&self) -> &'static str {
-        "gather-sink"
-    }
-    fn identity(&self) -> &'static str {
-        "rope(all_gather_a,d(x), pos) => all_gather_a,d(rope(x, local_slice_a,d(pos))), d in {batch, seq}, pos replicated over a"
+    rule_header! {
+        name: "gather-sink-rope",
+        group: "gather-sink",
+        identity: "rope(all_gather_a,d(x), pos) => all_gather_a,d(rope(x, local_slice_a,d(pos))), d in {batch, seq}, pos replicated over a",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, _) in nodes_where(eg, class, |o| matches!(o, Op::Rope(_))) {
@@ -344,14 +302,10 @@ fn moe_token_dims(op: &Op) -> Option<(&'static [usize], usize)> {
 pub(crate) struct SinkMoe;
 
 impl RuleImpl for SinkMoe {
-    fn name(&self) -> &'static str {
-        "gather-sink-moe"
-    }
-    fn group(&self) -> &'static str {
-        "gather-sink"
-    }
-    fn identity(&self) -> &'static str {
-        "f(.., all_gather_a,d(x), ..) => all_gather_a,d'(f(.., x, local_slice(y).., ..)), f in {dispatch, combine, dispatch_grad, combine_grad, router_grad}, d a token dim (batch or seq) of x, the other operands y replicated over a and sliced along their token dim, d' the result's"
+    rule_header! {
+        name: "gather-sink-moe",
+        group: "gather-sink",
+        identity: "f(.., all_gather_a,d(x), ..) => all_gather_a,d'(f(.., x, local_slice(y).., ..)), f in {dispatch, combine, dispatch_grad, combine_grad, router_grad}, d a token dim (batch or seq) of x, the other operands y replicated over a and sliced along their token dim, d' the result's",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, op) in nodes_where(eg, class, |o| moe_token_dims(o).is_some()) {
@@ -451,14 +405,10 @@ fn norm_grad_matches(eg: &SpmdEGraph, class: Id, wrt: NormWrt, out: &mut Vec<Vec
 pub(crate) struct SinkNormGrad;
 
 impl RuleImpl for SinkNormGrad {
-    fn name(&self) -> &'static str {
-        "gather-sink-norm-grad"
-    }
-    fn group(&self) -> &'static str {
-        "gather-sink"
-    }
-    fn identity(&self) -> &'static str {
-        "g(all_gather_a,d(x), w, all_gather_a,d(dy)) => all_gather_a,d(g(x, w, dy)), g in {rms_norm_grad, layer_norm_grad} wrt x, d not the last dim, w replicated over a"
+    rule_header! {
+        name: "gather-sink-norm-grad",
+        group: "gather-sink",
+        identity: "g(all_gather_a,d(x), w, all_gather_a,d(dy)) => all_gather_a,d(g(x, w, dy)), g in {rms_norm_grad, layer_norm_grad} wrt x, d not the last dim, w replicated over a",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         norm_grad_matches(eg, class, NormWrt::X, out);
@@ -479,14 +429,10 @@ impl RuleImpl for SinkNormGrad {
 pub(crate) struct SinkParamGrad;
 
 impl RuleImpl for SinkParamGrad {
-    fn name(&self) -> &'static str {
-        "gather-sink-param-grad"
-    }
-    fn group(&self) -> &'static str {
-        "gather-sink"
-    }
-    fn identity(&self) -> &'static str {
-        "gw(all_gather_a,d(x), w, all_gather_a,d(dy)) => all_reduce_a(gw(x, w, dy)), gw in {rms_norm_grad, layer_norm_grad} wrt weight; bias_grad(all_gather_a,d(dy), b) => all_reduce_a(bias_grad(dy, b)); d not the last dim, w and b replicated over a"
+    rule_header! {
+        name: "gather-sink-param-grad",
+        group: "gather-sink",
+        identity: "gw(all_gather_a,d(x), w, all_gather_a,d(dy)) => all_reduce_a(gw(x, w, dy)), gw in {rms_norm_grad, layer_norm_grad} wrt weight; bias_grad(all_gather_a,d(dy), b) => all_reduce_a(bias_grad(dy, b)); d not the last dim, w and b replicated over a",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         norm_grad_matches(eg, class, NormWrt::Weight, out);
@@ -519,14 +465,10 @@ impl RuleImpl for SinkParamGrad {
 pub(crate) struct ScatterHoist;
 
 impl RuleImpl for ScatterHoist {
-    fn name(&self) -> &'static str {
-        "scatter-hoist"
-    }
-    fn group(&self) -> &'static str {
-        "scatter-hoist"
-    }
-    fn identity(&self) -> &'static str {
-        "reduce_scatter_a,d(f(y, g)) => f(reduce_scatter_a,d'(y), local_slice_a,d(g)), f in {combine, mul, scale} linear in y, g replicated over a"
+    rule_header! {
+        name: "scatter-hoist",
+        group: "scatter-hoist",
+        identity: "reduce_scatter_a,d(f(y, g)) => f(reduce_scatter_a,d'(y), local_slice_a,d(g)), f in {combine, mul, scale} linear in y, g replicated over a",
     }
     fn find(&self, eg: &SpmdEGraph, class: Id, out: &mut Vec<Vec<Id>>) {
         for (n, op) in nodes_where(eg, class, |o| matches!(o, Op::ReduceScatter { .. })) {

@@ -7,7 +7,7 @@
 //! `dK = scale·dSᵀ·Q`; `dK` and `dV` sum over the query heads sharing a KV head. Masked keys
 //! have `P = 0`, so they receive nothing. Gradients accumulate in f64.
 
-use crate::cpu::attention::{dims, masked_softmax_row, visibility, Keys};
+use crate::cpu::attention::{dims, masked_softmax_row, Keys};
 use crate::cpu::linalg::strided_gemm;
 use crate::cpu::{f32_of, shape_err};
 use crate::{RuntimeError, Tensor};
@@ -32,10 +32,9 @@ pub(crate) fn probs(
     if mask.is_some_and(|m| m.shape != [b, s]) {
         return Err(shape_err(OP, &all, "mask must be [B, S]"));
     }
-    let (md, index) = keys.data(OP, 2, &all, (t, s))?;
+    let visible = keys.visible(OP, 2, &all, spec, (t, s))?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
-    let visible = visibility(spec, t, s, md, index);
     let mut out = vec![0.0f32; b * hq * t * s];
     if out.is_empty() {
         return Ok(Tensor::f32(vec![b, hq, t, s], out));
