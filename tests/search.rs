@@ -243,6 +243,7 @@ fn bad_flags_are_refused_by_name() {
         ),
         (vec!["--zero", "0,5"], "--zero `5`"),
         (vec!["--recompute", "some"], "--recompute `some`"),
+        (vec!["--recompute", "selective,block"], "list them too"),
         (
             vec!["--schedules", "1f1b,dualpipe"],
             "--schedules `dualpipe`",

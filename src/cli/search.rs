@@ -104,25 +104,28 @@ fn limits(a: &SearchArgs) -> anyhow::Result<SpaceLimits> {
         "off" => Some(false),
         _ => None,
     };
+    // `block` as `None`: derived from the layouts under `none` and `full`.
+    let recompute = list(
+        "--recompute",
+        &a.recompute,
+        "none, selective, full, block",
+        |t| match t {
+            "block" => Some(None),
+            _ => Recompute::from_name(t).map(Some),
+        },
+    )?;
+    let needs = [Some(Recompute::None), Some(Recompute::Full)];
+    if recompute.contains(&None) && !needs.iter().all(|n| recompute.contains(n)) {
+        bail!("--recompute block derives its layouts from those under none and full: list them too (e.g. none,full,block)");
+    }
     let l = SpaceLimits {
         sp: list("--sp", &a.sp, "on, off", on_off)?,
         cp: list("--cp", &a.cp, "on, off", on_off)?,
         zero: list("--zero", &a.zero, "0, 1, 2, 3", |t| {
             t.parse::<u8>().ok().filter(|&z| z <= 3)
         })?,
-        recompute: list(
-            "--recompute",
-            &a.recompute,
-            "none, selective, full, block",
-            |t| match t {
-                "block" => Some(None),
-                _ => Recompute::from_name(t).map(Some),
-            },
-        )?
-        .into_iter()
-        .flatten()
-        .collect(),
-        recompute_blocks: a.recompute.split(',').any(|t| t.trim() == "block"),
+        recompute: recompute.iter().flatten().copied().collect(),
+        recompute_blocks: recompute.contains(&None),
         schedules: list(
             "--schedules",
             &a.schedules,

@@ -659,32 +659,39 @@ fn simulate(
         GroupTopology::of_axis(mesh, "cp", cluster),
     ];
     let tp_topo = groups[0];
-    let parts_of = |t: &TrainOptions| -> Result<LayerParts, CostError> {
-        Ok(match memo {
-            Some((memo, key)) => {
-                let parts = memo.parts(key, cfg, plan, t, [tp, cp], groups, cluster, copts)?;
-                LayerParts::clone(&parts)
-            }
-            None => {
-                let rc = [t.recompute];
-                let mut one = layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts, &rc);
-                one.pop().expect("invariant: one recomputation timed")?
-            }
-        })
-    };
-    let parts = parts_of(t)?;
-    // Block recomputation: the fully recomputed layers' part beside the others'.
+    // Block recomputation: the fully recomputed layers' part beside the others', and what
+    // such a layer saves (its input).
     let blocks = t.recompute != Recompute::Full && t.recompute_layers.unwrap_or(0) > 0;
-    // (Its part, and what such a layer saves: its input.)
-    let (mut full_layer, saved_recomputed) = if blocks {
-        let full = TrainOptions {
-            recompute: Recompute::Full,
-            ..t.clone()
-        };
-        let p = parts_of(&full)?;
-        (Some(p.layer), p.saved_layer.0)
-    } else {
-        (None, 0)
+    let (parts, full) = match memo {
+        Some((memo, key)) => {
+            let parts_of = |t: &TrainOptions| {
+                memo.parts(key, cfg, plan, t, [tp, cp], groups, cluster, copts)
+                    .map(|p| LayerParts::clone(&p))
+            };
+            let full = TrainOptions {
+                recompute: Recompute::Full,
+                ..t.clone()
+            };
+            (parts_of(t)?, blocks.then(|| parts_of(&full)).transpose()?)
+        }
+        None => {
+            // Both recomputations in one timing, sharing the forward.
+            let rcs: &[Recompute] = if blocks {
+                &[t.recompute, Recompute::Full]
+            } else {
+                &[t.recompute]
+            };
+            let mut timed =
+                layer_parts(cfg, plan, t, [tp, cp], groups, cluster, copts, rcs).into_iter();
+            let parts = timed
+                .next()
+                .expect("invariant: the recomputation is timed")?;
+            (parts, timed.next().transpose()?)
+        }
+    };
+    let (mut full_layer, saved_recomputed) = match full {
+        Some(p) => (Some(p.layer), p.saved_layer.0),
+        None => (None, 0),
     };
     let LayerParts {
         pre,

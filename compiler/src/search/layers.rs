@@ -482,20 +482,17 @@ impl fmt::Display for LayerSearch {
         if beyond.is_empty() {
             writeln!(f, "\n  every matmul as the tp preset lays it out")?;
         } else {
-            let names: Vec<String> = beyond.iter().map(|c| c.op.clone()).collect();
-            let mut names = names;
+            // Each matmul once (its runs of layers are consecutive), each layout once.
+            let mut names: Vec<&str> = beyond.iter().map(|c| c.op.as_str()).collect();
             names.dedup();
+            let layouts: std::collections::BTreeSet<&str> =
+                beyond.iter().map(|c| c.layout.name()).collect();
+            let layouts: Vec<&str> = layouts.into_iter().collect();
             writeln!(
                 f,
                 "\n  beyond the presets: {} laid out otherwise than Megatron's tp ({})",
                 names.join(", "),
-                beyond
-                    .iter()
-                    .map(|c| c.layout.name())
-                    .collect::<std::collections::BTreeSet<_>>()
-                    .into_iter()
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                layouts.join(", ")
             )?;
         }
         Ok(())

@@ -120,6 +120,10 @@ impl SpaceLimits {
     /// that hold everything left out).
     pub fn describe(&self) -> String {
         let full = SpaceLimits::default();
+        // Whether the limits keep every option of `all`.
+        fn holds<T: PartialEq>(all: &[T], kept: &[T]) -> bool {
+            all.iter().all(|x| kept.contains(x))
+        }
         let on_off = |v: &[bool]| {
             v.iter()
                 .map(|&b| if b { "on" } else { "off" })
@@ -127,24 +131,24 @@ impl SpaceLimits {
                 .join(",")
         };
         let mut parts = Vec::new();
-        if !full.sp.iter().all(|x| self.sp.contains(x)) {
+        if !holds(&full.sp, &self.sp) {
             parts.push(format!("sp {}", on_off(&self.sp)));
         }
-        if !full.zero.iter().all(|x| self.zero.contains(x)) {
+        if !holds(&full.zero, &self.zero) {
             let z: Vec<String> = self.zero.iter().map(u8::to_string).collect();
             parts.push(format!("zero {}", z.join(",")));
         }
-        if !full.recompute.iter().all(|x| self.recompute.contains(x)) || !self.recompute_blocks {
+        if !holds(&full.recompute, &self.recompute) || !self.recompute_blocks {
             let mut r: Vec<&str> = self.recompute.iter().map(|r| r.name()).collect();
             if self.recompute_blocks {
                 r.push("block");
             }
             parts.push(format!("recompute {}", r.join(",")));
         }
-        if !full.schedules.iter().all(|x| self.schedules.contains(x)) {
+        if !holds(&full.schedules, &self.schedules) {
             parts.push(format!("schedules {}", self.schedules.join(",")));
         }
-        if !full.cp.iter().all(|x| self.cp.contains(x)) {
+        if !holds(&full.cp, &self.cp) {
             parts.push(format!("cp {}", on_off(&self.cp)));
         }
         parts.join("; ")
@@ -152,14 +156,7 @@ impl SpaceLimits {
 
     /// True when the space holds every option.
     pub fn is_full(&self) -> bool {
-        let full = SpaceLimits::default();
-        let holds = |a: &[String], b: &[String]| b.iter().all(|x| a.contains(x));
-        full.sp.iter().all(|x| self.sp.contains(x))
-            && full.zero.iter().all(|x| self.zero.contains(x))
-            && full.recompute.iter().all(|x| self.recompute.contains(x))
-            && self.recompute_blocks
-            && holds(&self.schedules, &full.schedules)
-            && full.cp.iter().all(|x| self.cp.contains(x))
+        self.describe().is_empty()
     }
 }
 

@@ -214,21 +214,13 @@ impl RuleImpl for SliceLeaf {
         };
         src.shards.push(spec);
         let op = Op::Param(src);
-        let local = ty(eg, class).clone();
-        let id = eg.analysis.ops.intern(OpKey {
+        let key = OpKey {
             op,
-            declared: Some(local),
+            declared: Some(ty(eg, class).clone()),
             leaf: key.leaf,
-        });
-        let node = crate::rewrite::lang::ENode::new(id, Vec::new());
-        if let Some(c) = eg.lookup(node.clone()) {
-            return Some(c);
-        }
-        eg.analysis.origins.push((node.clone(), self.name()));
-        let c = eg.add(node);
-        let leaf_class = m[2];
-        super::take_meta(eg, c, leaf_class);
-        Some(c)
+        };
+        // The new leaf takes the parameter's name, layer and role.
+        super::add_key(eg, self.name(), key, Vec::new(), m[2])
     }
 }
 

@@ -471,16 +471,28 @@ pub(crate) fn add_declared(
     children: Vec<Id>,
     like: Id,
 ) -> Option<Id> {
-    let children: Vec<Id> = children.into_iter().map(|c| eg.find(c)).collect();
-    {
-        let tys: Vec<&TensorType> = children.iter().map(|&c| &eg[c].data.ty).collect();
-        op.infer(&tys, Some(&ty)).ok()?;
-    }
-    let id = eg.analysis.ops.intern(super::lang::OpKey {
+    let key = super::lang::OpKey {
         op,
         declared: Some(ty),
         leaf: None,
-    });
+    };
+    add_key(eg, rule, key, children, like)
+}
+
+/// As [`add_declared`] for a whole interned key (a leaf keeps its original node's index).
+pub(crate) fn add_key(
+    eg: &mut SpmdEGraph,
+    rule: &'static str,
+    key: super::lang::OpKey,
+    children: Vec<Id>,
+    like: Id,
+) -> Option<Id> {
+    let children: Vec<Id> = children.into_iter().map(|c| eg.find(c)).collect();
+    {
+        let tys: Vec<&TensorType> = children.iter().map(|&c| &eg[c].data.ty).collect();
+        key.op.infer(&tys, key.declared.as_ref()).ok()?;
+    }
+    let id = eg.analysis.ops.intern(key);
     let node = ENode::new(id, children);
     if let Some(c) = eg.lookup(node.clone()) {
         return Some(c);
