@@ -41,6 +41,12 @@ impl KernelDType {
             KernelDType::Bf16 => 2,
         }
     }
+
+    /// Elements per 16-byte vector access of the memory-bound kernels (`VecWidth<T>::N` in
+    /// `common.cuh`): 4 f32 or 8 bf16.
+    pub fn vector_lanes(self) -> usize {
+        16 / self.size_bytes()
+    }
 }
 
 impl fmt::Display for KernelDType {

@@ -13,7 +13,14 @@
 //! `in_j[i % len_j]`: an input whose shape is a suffix of the output's (a bias, a per-channel
 //! scale) broadcasts; `len_j == n` is a plain elementwise read. Every `len_j` must be >= 1.
 //! Evaluation is in f32 with one rounding to `T` on store; repeated sub-expressions are
-//! computed once. Grid-stride loop, any launch shape.
+//! computed once, in a `{name}_expr` device function of the loaded inputs. Grid-stride loop,
+//! any launch shape (`launch::vector_launch` gives one thread per vector).
+//!
+//! Memory access: 16-byte vectors (`VecWidth<T>::N` elements) over the whole vectors of the
+//! output when `out` and every loaded input are 16-byte aligned and every loaded `len_j` is `n`
+//! or a multiple of `N`; scalar accesses for the remaining elements, or for all of them
+//! otherwise. The broadcast index `i % len_j` advances with the grid stride (`DivMod` in
+//! `common.cuh`): no 64-bit division in the loop.
 
 use crate::registry::COMMON_CUH;
 use crate::KernelDType;
@@ -216,7 +223,7 @@ impl Emitter {
                 };
                 let t = format!("t{}", self.next);
                 self.next += 1;
-                let _ = writeln!(self.body, "        const float {t} = {rhs};  // {e}");
+                let _ = writeln!(self.body, "    const float {t} = {rhs};  // {e}");
                 self.done.insert(key, t.clone());
                 t
             }
@@ -251,6 +258,7 @@ pub fn generate_fused_kernel(name: &str, expr: &FusedExpr, dtype: KernelDType) -
     params.push(format!("{t}* out"));
     params.push("i64 n".to_owned());
     params.extend((0..k).map(|j| format!("i64 len{j}")));
+    let loaded: Vec<usize> = (0..k).filter(|&j| used[j]).collect();
 
     let mut em = Emitter {
         body: String::new(),
@@ -270,30 +278,86 @@ pub fn generate_fused_kernel(name: &str, expr: &FusedExpr, dtype: KernelDType) -
     );
     let _ = writeln!(
         src,
-        "// input j is read at in_j[i % len_j] (suffix broadcast)."
+        "// input j is read at in_j[i % len_j] (suffix broadcast); 16-byte vectors where aligned."
     );
     src.push_str(COMMON_CUH);
     if !COMMON_CUH.ends_with('\n') {
         src.push('\n');
     }
     let _ = writeln!(src);
+
+    // The expression, a function of the loaded inputs.
+    let args: Vec<String> = loaded.iter().map(|j| format!("float x{j}")).collect();
+    let _ = writeln!(
+        src,
+        "__device__ __forceinline__ float {name}_expr({}) {{",
+        args.join(", ")
+    );
+    src.push_str(&em.body);
+    let _ = writeln!(src, "    return {result};");
+    let _ = writeln!(src, "}}");
+    let _ = writeln!(src);
+
+    let each = |src: &mut String, indent: &str, line: &dyn Fn(usize) -> String| {
+        for &j in &loaded {
+            let _ = writeln!(src, "{indent}{}", line(j));
+        }
+    };
+    let call = |lane: &dyn Fn(usize) -> String| {
+        let a: Vec<String> = loaded.iter().map(|&j| lane(j)).collect();
+        format!("{name}_expr({})", a.join(", "))
+    };
     let _ = writeln!(
         src,
         "extern \"C\" __global__ void {name}({}) {{",
         params.join(", ")
     );
+    let _ = writeln!(src, "    constexpr int N = VecWidth<{t}>::N;");
     let _ = writeln!(
         src,
-        "    for (i64 i = global_thread_id(); i < n; i += grid_stride()) {{"
+        "    const i64 start = global_thread_id(), step = grid_stride();"
     );
-    for (j, _) in used.iter().enumerate().filter(|(_, u)| **u) {
-        let _ = writeln!(
-            src,
-            "        const float x{j} = load(in{j}, len{j} == n ? i : i % len{j});"
-        );
-    }
-    src.push_str(&em.body);
-    let _ = writeln!(src, "        store(out, i, {result});");
+    let mut cond = vec!["aligned16(out)".to_owned()];
+    cond.extend(
+        loaded
+            .iter()
+            .map(|j| format!("aligned16(in{j}) && (len{j} == n || len{j} % N == 0)")),
+    );
+    let _ = writeln!(src, "    const bool vectors = {};", cond.join(" && "));
+    let _ = writeln!(src, "    const i64 nv = vectors ? n / N : 0;");
+    let _ = writeln!(src, "    if (start < nv) {{");
+    each(&mut src, "        ", &|j| {
+        format!("DivMod j{j}(start * N, step * N, len{j});")
+    });
+    let _ = writeln!(src, "        for (i64 v = start; v < nv; v += step) {{");
+    let mut lanes = vec!["y[N]".to_owned()];
+    lanes.extend(loaded.iter().map(|j| format!("x{j}[N]")));
+    let _ = writeln!(src, "            float {};", lanes.join(", "));
+    each(&mut src, "            ", &|j| {
+        format!("load_vec(in{j}, j{j}.r, x{j});")
+    });
+    let _ = writeln!(
+        src,
+        "            for (int e = 0; e < N; ++e) y[e] = {};",
+        call(&|j| format!("x{j}[e]"))
+    );
+    let _ = writeln!(src, "            store_vec(out, v * N, y);");
+    each(&mut src, "            ", &|j| format!("j{j}.advance();"));
+    let _ = writeln!(src, "        }}");
+    let _ = writeln!(src, "    }}");
+    let _ = writeln!(src, "    const i64 first = nv * N + start;");
+    let _ = writeln!(src, "    if (first < n) {{");
+    each(&mut src, "        ", &|j| {
+        format!("DivMod j{j}(first, step, len{j});")
+    });
+    let _ = writeln!(src, "        for (i64 i = first; i < n; i += step) {{");
+    let _ = writeln!(
+        src,
+        "            store(out, i, {});",
+        call(&|j| format!("load(in{j}, j{j}.r)"))
+    );
+    each(&mut src, "            ", &|j| format!("j{j}.advance();"));
+    let _ = writeln!(src, "        }}");
     let _ = writeln!(src, "    }}");
     let _ = writeln!(src, "}}");
     src
@@ -303,11 +367,13 @@ pub fn generate_fused_kernel(name: &str, expr: &FusedExpr, dtype: KernelDType) -
 mod tests {
     use super::*;
 
-    /// The kernel body of a generated source (after the pasted header).
-    fn kernel_part(src: &str) -> &str {
+    /// The generated part of a source named `name`: its expression function and entry point
+    /// (after the pasted header).
+    fn kernel_part<'a>(src: &'a str, name: &str) -> &'a str {
+        let start = format!("__device__ __forceinline__ float {name}_expr(");
         &src[src
-            .find("extern \"C\"")
-            .expect("invariant: has an entry point")..]
+            .find(&start)
+            .expect("invariant: has an expression function")..]
     }
 
     fn swiglu() -> FusedExpr {
@@ -316,19 +382,46 @@ mod tests {
 
     #[test]
     fn swiglu_bf16_golden() {
-        let src = generate_fused_kernel("fused_swiglu_bf16", &swiglu(), KernelDType::Bf16);
+        const NAME: &str = "fused_swiglu_bf16";
+        let src = generate_fused_kernel(NAME, &swiglu(), KernelDType::Bf16);
         let expected = "\
+__device__ __forceinline__ float fused_swiglu_bf16_expr(float x0, float x1) {
+    const float t0 = op_silu(x0);  // silu(x0)
+    const float t1 = t0 * x1;  // mul(silu(x0), x1)
+    return t1;
+}
+
 extern \"C\" __global__ void fused_swiglu_bf16(const bf16* in0, const bf16* in1, bf16* out, i64 n, i64 len0, i64 len1) {
-    for (i64 i = global_thread_id(); i < n; i += grid_stride()) {
-        const float x0 = load(in0, len0 == n ? i : i % len0);
-        const float x1 = load(in1, len1 == n ? i : i % len1);
-        const float t0 = op_silu(x0);  // silu(x0)
-        const float t1 = t0 * x1;  // mul(silu(x0), x1)
-        store(out, i, t1);
+    constexpr int N = VecWidth<bf16>::N;
+    const i64 start = global_thread_id(), step = grid_stride();
+    const bool vectors = aligned16(out) && aligned16(in0) && (len0 == n || len0 % N == 0) && aligned16(in1) && (len1 == n || len1 % N == 0);
+    const i64 nv = vectors ? n / N : 0;
+    if (start < nv) {
+        DivMod j0(start * N, step * N, len0);
+        DivMod j1(start * N, step * N, len1);
+        for (i64 v = start; v < nv; v += step) {
+            float y[N], x0[N], x1[N];
+            load_vec(in0, j0.r, x0);
+            load_vec(in1, j1.r, x1);
+            for (int e = 0; e < N; ++e) y[e] = fused_swiglu_bf16_expr(x0[e], x1[e]);
+            store_vec(out, v * N, y);
+            j0.advance();
+            j1.advance();
+        }
+    }
+    const i64 first = nv * N + start;
+    if (first < n) {
+        DivMod j0(first, step, len0);
+        DivMod j1(first, step, len1);
+        for (i64 i = first; i < n; i += step) {
+            store(out, i, fused_swiglu_bf16_expr(load(in0, j0.r), load(in1, j1.r)));
+            j0.advance();
+            j1.advance();
+        }
     }
 }
 ";
-        assert_eq!(kernel_part(&src), expected);
+        assert_eq!(kernel_part(&src, NAME), expected);
         assert!(src.starts_with("// Generated by shardc-kernels"));
         assert!(src.contains("__device__ __forceinline__ float bf16_to_f32"));
         assert!(!src.lines().any(|l| l.trim_start().starts_with("#include")));
@@ -347,18 +440,17 @@ extern \"C\" __global__ void fused_swiglu_bf16(const bf16* in0, const bf16* in1,
         assert_eq!(e.to_string(), "mul(gelu_tanh(add(x0, x1)), 0.125)");
         let src = generate_fused_kernel("k", &e, KernelDType::F32);
         let expected = "\
-extern \"C\" __global__ void k(const float* in0, const float* in1, float* out, i64 n, i64 len0, i64 len1) {
-    for (i64 i = global_thread_id(); i < n; i += grid_stride()) {
-        const float x0 = load(in0, len0 == n ? i : i % len0);
-        const float x1 = load(in1, len1 == n ? i : i % len1);
-        const float t0 = x0 + x1;  // add(x0, x1)
-        const float t1 = op_gelu_tanh(t0);  // gelu_tanh(add(x0, x1))
-        const float t2 = t1 * 0.125f;  // mul(gelu_tanh(add(x0, x1)), 0.125)
-        store(out, i, t2);
-    }
+__device__ __forceinline__ float k_expr(float x0, float x1) {
+    const float t0 = x0 + x1;  // add(x0, x1)
+    const float t1 = op_gelu_tanh(t0);  // gelu_tanh(add(x0, x1))
+    const float t2 = t1 * 0.125f;  // mul(gelu_tanh(add(x0, x1)), 0.125)
+    return t2;
 }
 ";
-        assert_eq!(kernel_part(&src), expected);
+        let part = kernel_part(&src, "k");
+        assert_eq!(&part[..expected.len()], expected);
+        assert!(part.contains("store(out, i, k_expr(load(in0, j0.r), load(in1, j1.r)));"));
+        assert!(!part.contains("i % len"), "no division per element: {part}");
     }
 
     #[test]
@@ -381,8 +473,10 @@ extern \"C\" __global__ void k(const float* in0, const float* in1, float* out, i
         assert!(src.contains(
             "(const float* in0, const float* in1, float* out, i64 n, i64 len0, i64 len1)"
         ));
-        assert!(!src.contains("load(in0"));
-        assert!(src.contains("load(in1"));
+        assert!(!src.contains("load(in0") && !src.contains("load_vec(in0"));
+        assert!(!src.contains("aligned16(in0)"));
+        assert!(src.contains("load(in1") && src.contains("load_vec(in1"));
+        assert!(src.contains("__device__ __forceinline__ float k_expr(float x1) {"));
     }
 
     #[test]
@@ -391,7 +485,9 @@ extern \"C\" __global__ void k(const float* in0, const float* in1, float* out, i
         assert_eq!(e.num_inputs(), 0);
         let src = generate_fused_kernel("k", &e, KernelDType::Bf16);
         assert!(src.contains("void k(bf16* out, i64 n) {"));
-        assert!(src.contains("store(out, i, 1.0f);"));
+        assert!(src.contains("float k_expr() {\n    return 1.0f;\n}"));
+        assert!(src.contains("const bool vectors = aligned16(out);"));
+        assert!(src.contains("y[e] = k_expr();") && src.contains("store(out, i, k_expr());"));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Launch configurations that satisfy each kernel family's contract (block sizes, grid shape,
 //! dynamic shared memory), so the runtime does not re-derive them.
 
-use crate::KernelError;
+use crate::{KernelDType, KernelError};
 use cudarc::driver::LaunchConfig;
 
 /// Threads per block of elementwise (grid-stride) kernels.
@@ -34,6 +34,20 @@ pub fn elementwise_launch(n: usize) -> LaunchConfig {
         block_dim: (ELEMENTWISE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Grid-stride kernels that move 16-byte vectors (`dtype.vector_lanes()` elements per thread
+/// and step) over `n` elements: unary, scale, add/mul, swiglu, generated fused kernels. One
+/// thread per vector; where a kernel falls back to scalar accesses (unaligned pointers) its
+/// grid-stride loop covers the rest, so the shape is valid either way.
+pub fn vector_launch(n: usize, dtype: KernelDType) -> LaunchConfig {
+    elementwise_launch(n.div_ceil(dtype.vector_lanes()))
+}
+
+/// `rope_*` over `pairs` rotation pairs: one thread per vector unit (in the vector form a
+/// unit holds at least `vector_lanes / 2` pairs), grid-stride beyond.
+pub fn rope_launch(pairs: usize, dtype: KernelDType) -> LaunchConfig {
+    elementwise_launch(pairs.div_ceil(dtype.vector_lanes() / 2))
 }
 
 /// One block per row (block-stride): rmsnorm, layernorm, add_rmsnorm, softmax, cross_entropy,
@@ -155,6 +169,11 @@ mod tests {
         let r = rows_launch(7, 4096);
         assert_eq!((r.grid_dim.0, r.block_dim.0 % 32), (7, 0));
         assert!(router_launch(10, 2000).is_err());
+        assert_eq!(vector_launch(1000, KernelDType::F32).grid_dim, (1, 1, 1));
+        assert_eq!(vector_launch(2049, KernelDType::Bf16).grid_dim, (2, 1, 1));
+        assert_eq!(vector_launch(0, KernelDType::Bf16).grid_dim, (1, 1, 1));
+        assert_eq!(rope_launch(2048, KernelDType::Bf16).grid_dim, (2, 1, 1));
+        assert_eq!(rope_launch(2048, KernelDType::F32).grid_dim, (4, 1, 1));
         assert_eq!(router_launch(10, 8).map(|c| c.grid_dim.0).ok(), Some(3));
     }
 }

@@ -10,7 +10,10 @@
 //   * elementwise kernels use grid-stride loops, any grid/block shape is valid;
 //   * row kernels (norms, softmax, loss) walk rows with a block-stride loop over blockIdx.x and
 //     need blockDim.x to be a multiple of 32 and at most 1024;
-//   * `*_bf16` entry points read and write bf16 and accumulate in f32.
+//   * `*_bf16` entry points read and write bf16 and accumulate in f32;
+//   * memory-bound kernels access 16 bytes at a time where the addresses allow it and fall back
+//     to scalar accesses where they do not (see "128-bit vector access" below); the results
+//     are the same either way.
 
 #ifndef SHARDC_COMMON_CUH
 #define SHARDC_COMMON_CUH
@@ -52,6 +55,145 @@ __device__ __forceinline__ i64 global_thread_id() {
 }
 __device__ __forceinline__ i64 grid_stride() {
     return (i64)gridDim.x * blockDim.x;
+}
+
+// ---- 128-bit vector access ------------------------------------------------------------------
+//
+// Memory-bound kernels move 16 bytes per access (VecWidth<T>::N = 4 f32 or 8 bf16 elements)
+// where the addresses are 16-byte aligned, and fall back to scalar accesses where they are not
+// (a view at an odd element offset, a row whose length is not a multiple of N, a broadcast
+// operand whose length is not). Alignment is checked at run time by each kernel. `uint4` is the
+// built-in 16-byte aligned vector type: one ld/st.global.v4 per access.
+
+template <typename T> struct VecWidth;
+template <> struct VecWidth<float> { static constexpr int N = 4; };
+template <> struct VecWidth<bf16> { static constexpr int N = 8; };
+
+// A hook the CPU emulation defines to count vector accesses; nothing on the GPU.
+#ifndef SHARDC_VEC_HOOK
+#define SHARDC_VEC_HOOK()
+#endif
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (((unsigned long long)p) & 15ull) == 0;
+}
+
+// Pre: p is 16-byte aligned.
+__device__ __forceinline__ uint4 ld16(const void* p) {
+    SHARDC_VEC_HOOK();
+    return *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void st16(void* p, uint4 v) {
+    SHARDC_VEC_HOOK();
+    *reinterpret_cast<uint4*>(p) = v;
+}
+
+// 16 raw bytes <-> N f32 lanes (the pointer argument only selects the element type). Element 0
+// is the lowest address: the low half of .x for bf16.
+__device__ __forceinline__ void unpack16(const float*, uint4 u, float* f) {
+    f[0] = __uint_as_float(u.x);
+    f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z);
+    f[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void unpack16(const bf16*, uint4 u, float* f) {
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        f[2 * k] = __uint_as_float(w[k] << 16);
+        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ uint4 pack16(const float*, const float* f) {
+    uint4 u;
+    u.x = __float_as_uint(f[0]);
+    u.y = __float_as_uint(f[1]);
+    u.z = __float_as_uint(f[2]);
+    u.w = __float_as_uint(f[3]);
+    return u;
+}
+__device__ __forceinline__ uint4 pack16(const bf16*, const float* f) {
+    unsigned int w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        w[k] = (unsigned int)f32_to_bf16(f[2 * k]) | ((unsigned int)f32_to_bf16(f[2 * k + 1]) << 16);
+    }
+    uint4 u;
+    u.x = w[0];
+    u.y = w[1];
+    u.z = w[2];
+    u.w = w[3];
+    return u;
+}
+
+// N lanes of p starting at element i, through f32 (pre: p + i is 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* p, i64 i, float* f) {
+    unpack16(p, ld16(p + i), f);
+}
+template <typename T>
+__device__ __forceinline__ void store_vec(T* p, i64 i, const float* f) {
+    st16(p + i, pack16(p, f));
+}
+
+// ---- division by a loop-invariant divisor ---------------------------------------------------
+
+// i / d and i % d for an index that advances by a fixed step (a grid stride): two 64-bit
+// divisions when it starts, then an add and a compare per step, none in the loop.
+// Pre: d >= 1, i >= 0, step >= 0.
+struct DivMod {
+    i64 q, r, dq, dr, d;
+    __device__ __forceinline__ DivMod(i64 i, i64 step, i64 divisor) : d(divisor) {
+        q = i / d;
+        r = i - q * d;
+        dq = step / d;
+        dr = step - dq * d;
+    }
+    __device__ __forceinline__ void advance() {
+        q += dq;
+        r += dr;
+        if (r >= d) {
+            r -= d;
+            ++q;
+        }
+    }
+};
+
+// ---- grid-stride and row loops over vectors -------------------------------------------------
+
+// Grid-stride over [0, n): vec(i) for each vector start i = v·N below n / N·N when `vectors`
+// (every pointer the caller will touch is 16-byte aligned), then scalar(i) for each remaining
+// element (the tail, or the whole range when not `vectors`). Any launch shape.
+template <int N, typename FV, typename FS>
+__device__ __forceinline__ void grid_vectors(i64 n, bool vectors, FV vec, FS scalar) {
+    const i64 nv = vectors ? n / N : 0;
+    for (i64 v = global_thread_id(); v < nv; v += grid_stride()) vec(v * N);
+    for (i64 i = nv * N + global_thread_id(); i < n; i += grid_stride()) scalar(i);
+}
+
+// Vectors a thread keeps in registers between the passes of a row kernel: a row of up to
+// blockDim.x * SHARDC_ROW_CACHE vectors is read from memory once.
+#define SHARDC_ROW_CACHE 8
+
+// Calls f(k, v) for every vector v < nv of a row this thread owns (v = threadIdx.x + k *
+// blockDim.x, the same vectors in every pass). k < SHARDC_ROW_CACHE is v's register slot, a
+// constant once unrolled; vectors past the cache get k == SHARDC_ROW_CACHE.
+template <typename F>
+__device__ __forceinline__ void for_row_vectors(i64 nv, F f) {
+#pragma unroll
+    for (int k = 0; k < SHARDC_ROW_CACHE; ++k) {
+        const i64 v = threadIdx.x + (i64)k * blockDim.x;
+        if (v < nv) f(k, v);
+    }
+    for (i64 v = threadIdx.x + (i64)SHARDC_ROW_CACHE * blockDim.x; v < nv; v += blockDim.x) {
+        f(SHARDC_ROW_CACHE, v);
+    }
+}
+
+// Row vector v: from the register slot k when it has one, else from memory at row + v * N.
+template <typename T>
+__device__ __forceinline__ uint4 row_vec(const uint4* cache, int k, const T* row, i64 v) {
+    return k < SHARDC_ROW_CACHE ? cache[k] : ld16(row + v * VecWidth<T>::N);
 }
 
 // ---- scalar math (f32, precise library functions, no fast-math intrinsics) ------------------

@@ -8,10 +8,73 @@
 // swiglu_{f32,bf16}(const T* a, const T* b, T* out, i64 n)            out = silu(a) * b
 #include "common.cuh"
 
+// Every kernel here takes 16-byte vector accesses over the whole vectors of [0, n) when all its
+// pointers are 16-byte aligned (and, for a broadcast, nb is n or a multiple of the vector
+// width), then scalar accesses for the rest; otherwise scalar throughout. Same results.
+
+template <typename T, typename F>
+__device__ __forceinline__ void unary_impl(const T* x, T* out, i64 n, F fn) {
+    constexpr int N = VecWidth<T>::N;
+    grid_vectors<N>(
+        n, aligned16(x) && aligned16(out),
+        [&](i64 i) {
+            float f[N];
+            load_vec(x, i, f);
+#pragma unroll
+            for (int e = 0; e < N; ++e) f[e] = fn(f[e]);
+            store_vec(out, i, f);
+        },
+        [&](i64 i) { store(out, i, fn(load(x, i))); });
+}
+
+// out[i] = fn(a[i], b[i]) over equal shapes.
+template <typename T, typename F>
+__device__ __forceinline__ void zip_impl(const T* a, const T* b, T* out, i64 n, F fn) {
+    constexpr int N = VecWidth<T>::N;
+    grid_vectors<N>(
+        n, aligned16(a) && aligned16(b) && aligned16(out),
+        [&](i64 i) {
+            float f[N], g[N];
+            load_vec(a, i, f);
+            load_vec(b, i, g);
+#pragma unroll
+            for (int e = 0; e < N; ++e) f[e] = fn(f[e], g[e]);
+            store_vec(out, i, f);
+        },
+        [&](i64 i) { store(out, i, fn(load(a, i), load(b, i))); });
+}
+
+// out[i] = fn(a[i], b[i % nb]); the broadcast index advances with the grid stride (DivMod), no
+// division in the loop.
+template <typename T, typename F>
+__device__ __forceinline__ void broadcast_impl(const T* a, const T* b, T* out, i64 n, i64 nb,
+                                               F fn) {
+    constexpr int N = VecWidth<T>::N;
+    const bool vectors = aligned16(a) && aligned16(b) && aligned16(out) && (nb == n || nb % N == 0);
+    const i64 nv = vectors ? n / N : 0;
+    const i64 start = global_thread_id(), step = grid_stride();
+    if (start < nv) {
+        DivMod j(start * N, step * N, nb);
+        for (i64 v = start; v < nv; v += step, j.advance()) {
+            float f[N], g[N];
+            load_vec(a, v * N, f);
+            load_vec(b, j.r, g);
+#pragma unroll
+            for (int e = 0; e < N; ++e) f[e] = fn(f[e], g[e]);
+            store_vec(out, v * N, f);
+        }
+    }
+    if (nv * N + start < n) {
+        DivMod j(nv * N + start, step, nb);
+        for (i64 i = nv * N + start; i < n; i += step, j.advance()) {
+            store(out, i, fn(load(a, i), load(b, j.r)));
+        }
+    }
+}
+
 #define SHARDC_UNARY(NAME, T, FN)                                                    \
     extern "C" __global__ void NAME(const T* x, T* out, i64 n) {                     \
-        for (i64 i = global_thread_id(); i < n; i += grid_stride())                  \
-            store(out, i, FN(load(x, i)));                                           \
+        unary_impl(x, out, n, [](float v) { return FN(v); });                        \
     }
 
 SHARDC_UNARY(gelu_tanh_f32, float, op_gelu_tanh)
@@ -29,8 +92,7 @@ SHARDC_UNARY(neg_bf16, bf16, op_neg)
 
 #define SHARDC_SCALE(NAME, T)                                                        \
     extern "C" __global__ void NAME(const T* x, T* out, i64 n, float c) {            \
-        for (i64 i = global_thread_id(); i < n; i += grid_stride())                  \
-            store(out, i, load(x, i) * c);                                           \
+        unary_impl(x, out, n, [c](float v) { return v * c; });                       \
     }
 
 SHARDC_SCALE(scale_f32, float)
@@ -38,11 +100,7 @@ SHARDC_SCALE(scale_bf16, bf16)
 
 #define SHARDC_BINARY(NAME, T, EXPR)                                                 \
     extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 n, i64 nb) { \
-        for (i64 i = global_thread_id(); i < n; i += grid_stride()) {                \
-            const float x = load(a, i);                                              \
-            const float y = load(b, nb == n ? i : i % nb);                           \
-            store(out, i, EXPR);                                                     \
-        }                                                                            \
+        broadcast_impl(a, b, out, n, nb, [](float x, float y) { return EXPR; });     \
     }
 
 SHARDC_BINARY(add_f32, float, x + y)
@@ -52,8 +110,7 @@ SHARDC_BINARY(mul_bf16, bf16, x * y)
 
 #define SHARDC_SWIGLU(NAME, T)                                                       \
     extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 n) {         \
-        for (i64 i = global_thread_id(); i < n; i += grid_stride())                  \
-            store(out, i, op_silu(load(a, i)) * load(b, i));                         \
+        zip_impl(a, b, out, n, [](float x, float y) { return op_silu(x) * y; });     \
     }
 
 SHARDC_SWIGLU(swiglu_f32, float)

@@ -7,22 +7,51 @@
 // Launch: blockDim.x a multiple of 32, at most 1024; any gridDim.x.
 #include "common.cuh"
 
+// A row takes the vector path (16-byte accesses, x read once while the row fits in registers)
+// when its x and out rows are 16-byte aligned; the last cols % N elements, or the whole row
+// otherwise, are scalar.
 template <typename T>
 __device__ __forceinline__ void softmax_impl(const T* x, T* out, i64 rows, i64 cols) {
+    constexpr int N = VecWidth<T>::N;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const i64 base = r * cols;
+        const T* xr = x + r * cols;
+        T* outr = out + r * cols;
+        const i64 nv = aligned16(xr) && aligned16(outr) ? cols / N : 0;
+        uint4 cache[SHARDC_ROW_CACHE];
         float m = -SHARDC_INF;
-        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, load(x, base + c));
+        for_row_vectors(nv, [&](int k, i64 v) {
+            const uint4 u = ld16(xr + v * N);
+            if (k < SHARDC_ROW_CACHE) cache[k] = u;
+            float f[N];
+            unpack16(xr, u, f);
+#pragma unroll
+            for (int e = 0; e < N; ++e) m = fmaxf(m, f[e]);
+        });
+        for (i64 c = nv * N + threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, load(xr, c));
         m = block_max(m);
+        const bool live = m != -SHARDC_INF;
         float s = 0.0f;
-        if (m != -SHARDC_INF) {
-            for (i64 c = threadIdx.x; c < cols; c += blockDim.x) s += expf(load(x, base + c) - m);
+        if (live) {
+            for_row_vectors(nv, [&](int k, i64 v) {
+                float f[N];
+                unpack16(xr, row_vec(cache, k, xr, v), f);
+#pragma unroll
+                for (int e = 0; e < N; ++e) s += expf(f[e] - m);
+            });
+            for (i64 c = nv * N + threadIdx.x; c < cols; c += blockDim.x) s += expf(load(xr, c) - m);
         }
         s = block_sum(s);
         const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float e = m != -SHARDC_INF ? expf(load(x, base + c) - m) : 0.0f;
-            store(out, base + c, e * inv);
+        for_row_vectors(nv, [&](int k, i64 v) {
+            float f[N];
+            unpack16(xr, row_vec(cache, k, xr, v), f);
+#pragma unroll
+            for (int e = 0; e < N; ++e) f[e] = (live ? expf(f[e] - m) : 0.0f) * inv;
+            store_vec(outr, v * N, f);
+        });
+        for (i64 c = nv * N + threadIdx.x; c < cols; c += blockDim.x) {
+            const float e = live ? expf(load(xr, c) - m) : 0.0f;
+            store(outr, c, e * inv);
         }
     }
 }

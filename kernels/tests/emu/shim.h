@@ -64,3 +64,13 @@ template <class F> void launch(dim3 grid, dim3 block, F kernel) {
         for (auto& t : ts) t.join();
     }
 }
+
+// 16-byte vector types (built in under NVRTC) and a count of 16-byte accesses, so the tests can
+// tell the vector path of a kernel from its scalar fallback.
+#include <atomic>
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+std::atomic<long long> g_vec_accesses{0};
+#define SHARDC_VEC_HOOK() (g_vec_accesses.fetch_add(1, std::memory_order_relaxed))

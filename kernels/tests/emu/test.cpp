@@ -13,6 +13,7 @@
 #include "cu/moe.cu"
 #include "cu/reduce.cu"
 #include "cu/loss.cu"
+#include "fused_gen.cu"
 
 static int failures = 0;
 static std::mt19937 rng(42);
@@ -321,9 +322,248 @@ void test_vocab_parallel_loss() {
     check("cross_entropy_stats_f32 (NaN for label>=V)", {st[0], st[1], st[2]}, {NAN, NAN, NAN}, 0, 0);
 }
 
+// ---- 16-byte vector paths -------------------------------------------------------------------
+// Each kernel with a vector path runs on buffers placed at chosen offsets from a 16-byte
+// boundary and at lengths off the vector width, and g_vec_accesses tells which path ran: the
+// vector path (with its scalar tail), the scalar fallback, or both across rows.
+
+// A copy of v placed `off` elements past a 16-byte boundary.
+template <class T> struct Placed {
+    std::vector<T> buf; T* p;
+    Placed(const std::vector<T>& v, int off) : buf(v.size() + 16 + off) {
+        const size_t skip = ((16 - ((uintptr_t)buf.data() & 15)) & 15) / sizeof(T);
+        p = buf.data() + skip + off;
+        std::copy(v.begin(), v.end(), p);
+    }
+    std::vector<float> f32(size_t n) const {
+        std::vector<float> r(n);
+        for (size_t i = 0; i < n; ++i) { if constexpr (sizeof(T) == 2) r[i] = host_bf16_f(p[i]); else r[i] = p[i]; }
+        return r;
+    }
+};
+// Rounds x to bf16 in place (so references see the kernel's inputs) and returns the bf16 bits.
+std::vector<bf16> to_bf16(std::vector<float>& x) {
+    std::vector<bf16> r(x.size());
+    for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); }
+    return r;
+}
+template <class T> std::vector<T> as(std::vector<float>& x) {
+    if constexpr (sizeof(T) == 2) return to_bf16(x); else return x;
+}
+long long g_vec_mark = 0;
+void mark_vec() { g_vec_mark = g_vec_accesses.load(); }
+// Fails unless 16-byte accesses happened since mark_vec() exactly when `want`.
+void check_path(const char* what, bool want) {
+    const long long n = g_vec_accesses.load() - g_vec_mark;
+    if ((n > 0) != want) { printf("FAIL %s: %lld vector accesses, wanted %s\n", what, n, want ? "some" : "none"); failures++; }
+    else printf("ok   %s: %s path (%lld vector accesses)\n", what, want ? "vector" : "scalar", n);
+}
+template <class T> constexpr int lanes() { return 16 / sizeof(T); }
+template <class T> const char* tname() { return sizeof(T) == 2 ? "bf16" : "f32"; }
+
+template <class T> void norm_case(int R, int H, int offx, int offw, unsigned block) {
+    const bool bf = sizeof(T) == 2; const float eps = 1e-5f;
+    const double tol = bf ? 1e-2 : 1e-5;
+    auto xf = randv(R * H), rf = randv(R * H), wf = randv(H), bfv = randv(H);
+    auto xt = as<T>(xf); auto rt = as<T>(rf); auto wt = as<T>(wf); auto bt = as<T>(bfv);
+    Placed<T> x(xt, offx), res(rt, offx), w(wt, offw), b(bt, offw), out(std::vector<T>(R * H), offx);
+    // Rows that can take vectors: the row start and the weights 16-byte aligned.
+    bool any_vec = false;
+    for (int r = 0; r < R; ++r) any_vec |= ((uintptr_t)(x.p + (size_t)r * H) & 15) == 0 && ((uintptr_t)w.p & 15) == 0 && H >= lanes<T>();
+    char what[160];
+    std::vector<double> want(R * H);
+    mark_vec();
+    launch({2}, {block}, [&] { if constexpr (sizeof(T) == 2) rmsnorm_bf16(x.p, w.p, out.p, R, H, eps); else rmsnorm_f32(x.p, w.p, out.p, R, H, eps); });
+    snprintf(what, sizeof what, "rmsnorm_%s H=%d x+%d w+%d block %u", tname<T>(), H, offx, offw, block);
+    check_path(what, any_vec);
+    for (int r = 0; r < R; ++r) { double ss = 0; for (int c = 0; c < H; ++c) ss += (double)xf[r*H+c]*xf[r*H+c];
+        double inv = 1 / std::sqrt(ss / H + eps); for (int c = 0; c < H; ++c) want[r*H+c] = xf[r*H+c] * inv * wf[c]; }
+    check(what, out.f32(R * H), want, tol, tol);
+    mark_vec();
+    launch({3}, {block}, [&] { if constexpr (sizeof(T) == 2) layernorm_bf16(x.p, w.p, b.p, out.p, R, H, eps); else layernorm_f32(x.p, w.p, b.p, out.p, R, H, eps); });
+    snprintf(what, sizeof what, "layernorm_%s H=%d x+%d w+%d block %u", tname<T>(), H, offx, offw, block);
+    check_path(what, any_vec);
+    for (int r = 0; r < R; ++r) { double m = 0; for (int c = 0; c < H; ++c) m += xf[r*H+c]; m /= H;
+        double v = 0; for (int c = 0; c < H; ++c) v += (xf[r*H+c]-m)*(xf[r*H+c]-m); v /= H;
+        for (int c = 0; c < H; ++c) want[r*H+c] = (xf[r*H+c]-m)/std::sqrt(v+eps)*wf[c]+bfv[c]; }
+    check(what, out.f32(R * H), want, tol, tol);
+    // add_rmsnorm in place on the residual stream; out aliases x.
+    mark_vec();
+    launch({2}, {block}, [&] { if constexpr (sizeof(T) == 2) add_rmsnorm_bf16(x.p, res.p, res.p, w.p, x.p, R, H, eps); else add_rmsnorm_f32(x.p, res.p, res.p, w.p, x.p, R, H, eps); });
+    snprintf(what, sizeof what, "add_rmsnorm_%s H=%d x+%d w+%d block %u (sum in place, out over x)", tname<T>(), H, offx, offw, block);
+    check_path(what, any_vec);
+    std::vector<double> wsum(R * H);
+    for (int r = 0; r < R; ++r) { double ss = 0; for (int c = 0; c < H; ++c) { float s = xf[r*H+c] + rf[r*H+c]; if (bf) s = host_bf16_f(host_bf16(s)); wsum[r*H+c] = s; ss += (double)s*s; }
+        double inv = 1 / std::sqrt(ss / H + eps); for (int c = 0; c < H; ++c) want[r*H+c] = wsum[r*H+c] * inv * wf[c]; }
+    check(what, res.f32(R * H), wsum, 0, 0);
+    check(what, x.f32(R * H), want, tol, tol);
+}
+
+template <class T> void softmax_case(int R, int C, int off, unsigned block) {
+    const double tol = sizeof(T) == 2 ? 1e-2 : 1e-6;
+    auto xf = randv(R * C, -5, 5);
+    for (int c = 0; c < C; ++c) xf[(R - 1) * C + c] = -INFINITY;  // last row all -inf
+    xf[5] = -INFINITY;
+    auto xt = as<T>(xf);
+    Placed<T> x(xt, off), out(std::vector<T>(R * C), off);
+    bool any_vec = false;
+    for (int r = 0; r < R; ++r) any_vec |= ((uintptr_t)(x.p + (size_t)r * C) & 15) == 0 && C >= lanes<T>();
+    mark_vec();
+    launch({2}, {block}, [&] { if constexpr (sizeof(T) == 2) softmax_bf16(x.p, out.p, R, C); else softmax_f32(x.p, out.p, R, C); });
+    char what[128]; snprintf(what, sizeof what, "softmax_%s C=%d x+%d block %u (all -inf row)", tname<T>(), C, off, block);
+    check_path(what, any_vec);
+    std::vector<double> want(R * C, 0);
+    for (int r = 0; r < R - 1; ++r) { double m = -INFINITY; for (int c = 0; c < C; ++c) m = std::max(m, (double)xf[r*C+c]);
+        double s = 0; for (int c = 0; c < C; ++c) s += std::exp(xf[r*C+c]-m); for (int c = 0; c < C; ++c) want[r*C+c] = std::exp(xf[r*C+c]-m)/s; }
+    check(what, out.f32(R * C), want, tol, tol);
+}
+
+template <class T> void elementwise_case(int n, int nb, int off) {
+    const double tol = sizeof(T) == 2 ? 1e-2 : 1e-6;
+    const int N = lanes<T>();
+    auto af = randv(n, -4, 4), bfv = randv(n), cf = randv(nb);
+    auto at = as<T>(af); auto bt = as<T>(bfv); auto ct = as<T>(cf);
+    Placed<T> a(at, off), b(bt, off), c(ct, 0), out(std::vector<T>(n), off);
+    const bool aligned = off * sizeof(T) % 16 == 0;
+    char what[128]; std::vector<double> want(n);
+    // A small grid: every thread takes several grid-stride steps.
+    mark_vec();
+    launch({2}, {32}, [&] { if constexpr (sizeof(T) == 2) silu_bf16(a.p, out.p, n); else silu_f32(a.p, out.p, n); });
+    snprintf(what, sizeof what, "silu_%s n=%d +%d", tname<T>(), n, off); check_path(what, aligned);
+    for (int i = 0; i < n; ++i) want[i] = af[i] / (1 + std::exp(-(double)af[i]));
+    check(what, out.f32(n), want, tol, tol);
+    mark_vec();
+    launch({1}, {64}, [&] { if constexpr (sizeof(T) == 2) scale_bf16(a.p, out.p, n, -0.25f); else scale_f32(a.p, out.p, n, -0.25f); });
+    snprintf(what, sizeof what, "scale_%s n=%d +%d", tname<T>(), n, off); check_path(what, aligned);
+    for (int i = 0; i < n; ++i) want[i] = af[i] * -0.25;
+    check(what, out.f32(n), want, sizeof(T) == 2 ? 1e-2 : 0, sizeof(T) == 2 ? 1e-2 : 0);
+    mark_vec();
+    launch({2}, {32}, [&] { if constexpr (sizeof(T) == 2) swiglu_bf16(a.p, b.p, out.p, n); else swiglu_f32(a.p, b.p, out.p, n); });
+    snprintf(what, sizeof what, "swiglu_%s n=%d +%d", tname<T>(), n, off); check_path(what, aligned);
+    for (int i = 0; i < n; ++i) want[i] = af[i] / (1 + std::exp(-(double)af[i])) * bfv[i];
+    check(what, out.f32(n), want, tol, tol);
+    mark_vec();
+    launch({2}, {32}, [&] { if constexpr (sizeof(T) == 2) add_bf16(a.p, c.p, out.p, n, nb); else add_f32(a.p, c.p, out.p, n, nb); });
+    snprintf(what, sizeof what, "add_%s n=%d nb=%d +%d (broadcast)", tname<T>(), n, nb, off); check_path(what, aligned && (nb == n || nb % N == 0));
+    for (int i = 0; i < n; ++i) want[i] = (double)af[i] + cf[i % nb];
+    check(what, out.f32(n), want, tol, tol);
+    mark_vec();
+    launch({3}, {32}, [&] { if constexpr (sizeof(T) == 2) mul_bf16(a.p, b.p, a.p, n, n); else mul_f32(a.p, b.p, a.p, n, n); });
+    snprintf(what, sizeof what, "mul_%s n=%d +%d (same shape, in place)", tname<T>(), n, off); check_path(what, aligned);
+    for (int i = 0; i < n; ++i) want[i] = (double)af[i] * bfv[i];
+    check(what, a.f32(n), want, tol, tol);
+}
+
+template <class T> void rope_vec_case(int B, int Tn, int H, int D, int ROT, int off) {
+    const double tol = sizeof(T) == 2 ? 1e-2 : 1e-5;
+    const int N = lanes<T>();
+    auto xf = randv(B*Tn*H*D); auto xt = as<T>(xf);
+    std::vector<int> pos(B*Tn); for (int i = 0; i < B*Tn; ++i) pos[i] = (i * 37) % 3001;
+    std::vector<float> inv(ROT / 2); for (int j = 0; j < ROT/2; ++j) inv[j] = 1.0 / std::pow(10000.0, 2.0*j/ROT);
+    const bool vec = off * sizeof(T) % 16 == 0 && D % N == 0 && (ROT / 2) % N == 0;
+    for (int style = 0; style < 2; ++style) {
+        Placed<T> x(xt, off);
+        mark_vec();
+        launch({2}, {32}, [&] {
+            if constexpr (sizeof(T) == 2) { if (style == 0) rope_half_bf16(x.p, x.p, pos.data(), inv.data(), B, Tn, H, D, ROT); else rope_interleaved_bf16(x.p, x.p, pos.data(), inv.data(), B, Tn, H, D, ROT); }
+            else { if (style == 0) rope_half_f32(x.p, x.p, pos.data(), inv.data(), B, Tn, H, D, ROT); else rope_interleaved_f32(x.p, x.p, pos.data(), inv.data(), B, Tn, H, D, ROT); }
+        });
+        char what[128]; snprintf(what, sizeof what, "rope_%s_%s D=%d rot=%d heads=%d +%d (in place)", style == 0 ? "half" : "interleaved", tname<T>(), D, ROT, H, off);
+        check_path(what, vec);
+        std::vector<double> want(dv(xf));
+        for (int bt = 0; bt < B*Tn; ++bt) for (int h = 0; h < H; ++h) {
+            int base = (bt*H + h)*D;
+            for (int j = 0; j < ROT/2; ++j) {
+                int ia = style == 0 ? base + j : base + 2*j, ib = style == 0 ? base + j + ROT/2 : base + 2*j + 1;
+                double ang = (float)((float)pos[bt] * inv[j]); double c = std::cos(ang), s = std::sin(ang);
+                want[ia] = xf[ia]*c - xf[ib]*s; want[ib] = xf[ib]*c + xf[ia]*s;
+            }
+        }
+        auto got = x.f32(xf.size());
+        check(what, got, want, tol, tol);
+        // pass-through elements bit for bit
+        int bad = 0;
+        for (int row = 0; row < B*Tn*H; ++row) for (int c = ROT; c < D; ++c) bad += got[row*D+c] != xf[row*D+c];
+        if (bad) { printf("FAIL %s: %d pass-through elements changed\n", what, bad); failures++; }
+    }
+}
+
+// The generated fused kernels of fused_gen.cu (kernels/tests/fused_emu.rs keeps it current).
+template <class T> void fused_case(int n, int len1, int len2, int off) {
+    const double tol = sizeof(T) == 2 ? 1e-2 : 1e-5;
+    const int N = lanes<T>();
+    auto af = randv(n, -3, 3), bfv = randv(len1, -2, 2), cf = randv(len2, 0.5, 2);
+    auto at = as<T>(af); auto bt = as<T>(bfv); auto ct = as<T>(cf);
+    Placed<T> a(at, off), b(bt, 0), c(ct, 0), out(std::vector<T>(n), off);
+    const bool aligned = off * sizeof(T) % 16 == 0;
+    auto ok_len = [&](int len) { return len == n || len % N == 0; };
+    char what[160]; std::vector<double> want(n);
+    if constexpr (sizeof(T) == 2) {
+        std::vector<float> gf = randv(n); auto gt = as<T>(gf); Placed<T> g(gt, off);
+        mark_vec();
+        launch({2}, {32}, [&] { fused_swiglu_bf16(a.p, g.p, out.p, n, n, n); });
+        snprintf(what, sizeof what, "fused_swiglu_bf16 n=%d +%d", n, off); check_path(what, aligned);
+        for (int i = 0; i < n; ++i) want[i] = af[i] / (1 + std::exp(-(double)af[i])) * gf[i];
+        check(what, out.f32(n), want, tol, tol);
+        mark_vec();
+        launch({2}, {32}, [&] { fused_const_bf16(out.p, n); });
+        snprintf(what, sizeof what, "fused_const_bf16 n=%d +%d", n, off); check_path(what, aligned);
+        check(what, out.f32(n), std::vector<double>(n, 1.5), 0, 0);
+    } else {
+        mark_vec();
+        launch({2}, {32}, [&] { fused_bias_gelu_f32(a.p, b.p, out.p, n, n, len1); });
+        snprintf(what, sizeof what, "fused_bias_gelu_f32 n=%d len1=%d +%d", n, len1, off); check_path(what, aligned && ok_len(len1));
+        for (int i = 0; i < n; ++i) { double x = (double)af[i] + bfv[i % len1]; want[i] = 0.5*x*(1+std::tanh(std::sqrt(2/M_PI)*(x+0.044715*x*x*x))) * 0.125; }
+        check(what, out.f32(n), want, tol, tol);
+    }
+    // in0 is unused (a null pointer must not be touched); in1, in2 broadcast independently.
+    mark_vec();
+    launch({2}, {32}, [&] { if constexpr (sizeof(T) == 2) fused_three_bf16(nullptr, b.p, c.p, out.p, n, 1, len1, len2); else fused_three_f32(nullptr, b.p, c.p, out.p, n, 1, len1, len2); });
+    snprintf(what, sizeof what, "fused_three_%s n=%d len1=%d len2=%d +%d", tname<T>(), n, len1, len2, off);
+    check_path(what, aligned && ok_len(len1) && ok_len(len2));
+    for (int i = 0; i < n; ++i) { double x1 = bfv[i % len1], x2 = cf[i % len2]; want[i] = x1 / x2 - std::exp(x1); }
+    check(what, out.f32(n), want, tol, tol);
+}
+
+void test_vectors() {
+    // Norms: H % N != 0 (rows alternate between the vector path and the scalar fallback), rows
+    // longer than a block's register cache (32 threads x 8 vectors), misaligned x or weights.
+    norm_case<float>(5, 1067, 0, 0, 32);
+    norm_case<float>(4, 300, 0, 0, 64);
+    norm_case<float>(3, 256, 1, 0, 64);
+    norm_case<float>(3, 256, 0, 2, 64);
+    norm_case<bf16>(5, 300, 0, 0, 64);
+    norm_case<bf16>(3, 2056, 0, 0, 32);
+    norm_case<bf16>(3, 256, 3, 0, 64);
+    norm_case<bf16>(3, 264, 0, 4, 96);
+    softmax_case<float>(5, 1067, 0, 32);
+    softmax_case<float>(4, 64, 3, 64);
+    softmax_case<bf16>(4, 77, 0, 64);
+    softmax_case<bf16>(3, 2120, 0, 32);
+    softmax_case<bf16>(3, 64, 1, 64);
+    for (int nb : {1003, 40, 12, 7}) elementwise_case<float>(1003, nb, 0);
+    elementwise_case<float>(1003, 40, 1);
+    for (int nb : {1003, 40, 12, 7}) elementwise_case<bf16>(1003, nb, 0);
+    elementwise_case<bf16>(1003, 40, 4);
+    rope_vec_case<float>(2, 3, 3, 64, 48, 0);
+    rope_vec_case<float>(1, 3, 2, 40, 40, 0);
+    rope_vec_case<float>(2, 3, 3, 64, 48, 2);
+    rope_vec_case<bf16>(2, 3, 3, 64, 48, 0);
+    rope_vec_case<bf16>(2, 2, 2, 128, 128, 0);
+    rope_vec_case<bf16>(1, 3, 2, 40, 40, 0);
+    rope_vec_case<bf16>(2, 3, 3, 64, 48, 1);
+    fused_case<float>(1003, 1003, 12, 0);
+    fused_case<float>(1003, 40, 7, 0);
+    fused_case<float>(1003, 40, 12, 1);
+    fused_case<bf16>(1003, 1003, 40, 0);
+    fused_case<bf16>(1003, 40, 12, 0);
+    fused_case<bf16>(1003, 40, 40, 2);
+}
+
 int main() {
     test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
     test_attention(); test_router(); test_moe(); test_reduce_loss(); test_vocab_parallel_loss();
+    test_vectors();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

@@ -422,7 +422,7 @@ impl CudaProgram {
             .ok_or_else(|| self.unsupported(v, "a cast inside the fused program"))?;
         let k = fe.num_inputs();
         let f = self.dev.fused_function(&fe, self.dt())?;
-        l.fused(&f, &operands[..k], out, n)
+        l.fused(&f, self.dt(), &operands[..k], out, n)
     }
 
     /// `FusedMatMul`: the GEMM with a cuBLASLt epilogue when one matches, else the plain GEMM

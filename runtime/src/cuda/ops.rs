@@ -10,7 +10,8 @@ use super::{CudaDevice, CudaError};
 use cudarc::driver::{result as drv, CudaFunction, CudaStream, PushKernelArg};
 use shardc_compiler::ir::{RopeStyle, UnaryOp};
 use shardc_kernels::launch::{
-    attention_launch, elementwise_launch, loss_sum_launch, router_launch, rows_launch,
+    attention_launch, elementwise_launch, loss_sum_launch, rope_launch, router_launch, rows_launch,
+    vector_launch,
 };
 use shardc_kernels::{entry_name, KernelDType};
 
@@ -53,7 +54,7 @@ impl Launcher<'_> {
         n: usize,
     ) -> Result<(), CudaError> {
         let n64 = i(n);
-        launch!(self, entry_name(u.name(), dt), elementwise_launch(n); &x, &out, &n64)
+        launch!(self, entry_name(u.name(), dt), vector_launch(n, dt); &x, &out, &n64)
     }
 
     /// `out = x · c`.
@@ -66,7 +67,7 @@ impl Launcher<'_> {
         c: f32,
     ) -> Result<(), CudaError> {
         let n64 = i(n);
-        launch!(self, entry_name("scale", dt), elementwise_launch(n); &x, &out, &n64, &c)
+        launch!(self, entry_name("scale", dt), vector_launch(n, dt); &x, &out, &n64, &c)
     }
 
     /// `out[i] = a[i] op b[i % nb]` for `op` in `add`, `mul`.
@@ -82,7 +83,7 @@ impl Launcher<'_> {
         nb: usize,
     ) -> Result<(), CudaError> {
         let (n64, nb64) = (i(n), i(nb.max(1)));
-        launch!(self, entry_name(op, dt), elementwise_launch(n); &a, &b, &out, &n64, &nb64)
+        launch!(self, entry_name(op, dt), vector_launch(n, dt); &a, &b, &out, &n64, &nb64)
     }
 
     /// `out = silu(a) · b`.
@@ -95,7 +96,7 @@ impl Launcher<'_> {
         n: usize,
     ) -> Result<(), CudaError> {
         let n64 = i(n);
-        launch!(self, entry_name("swiglu", dt), elementwise_launch(n); &a, &b, &out, &n64)
+        launch!(self, entry_name("swiglu", dt), vector_launch(n, dt); &a, &b, &out, &n64)
     }
 
     /// RMSNorm over rows of `hidden`.
@@ -168,7 +169,7 @@ impl Launcher<'_> {
         };
         let [b, t, h, d] = shape.map(i);
         let pairs = shape.iter().product::<usize>() / 2;
-        launch!(self, entry_name(op, dt), elementwise_launch(pairs);
+        launch!(self, entry_name(op, dt), rope_launch(pairs, dt);
             &x, &out, &pos, &inv_freq, &b, &t, &h, &d, &d)
     }
 
@@ -382,11 +383,12 @@ impl Launcher<'_> {
         launch!(self, entry, elementwise_launch(spec.len()); &input, &out, spec)
     }
 
-    /// A generated fused elementwise kernel (`f`): `out[i] = expr(in_j[i % len_j])` over
-    /// `inputs = [(ptr, len)]` (every `len >= 1`).
+    /// A generated fused elementwise kernel (`f`, generated for `dt`): `out[i] =
+    /// expr(in_j[i % len_j])` over `inputs = [(ptr, len)]` (every `len >= 1`).
     pub fn fused(
         &self,
         f: &CudaFunction,
+        dt: KernelDType,
         inputs: &[(u64, usize)],
         out: u64,
         n: usize,
@@ -407,7 +409,7 @@ impl Launcher<'_> {
         }
         // SAFETY: the generated signature is (in_0.., out, n, len_0..) with one input per
         // entry of `inputs`, exactly as pushed; pointers valid per the module pre-condition.
-        unsafe { b.launch(elementwise_launch(n)) }
+        unsafe { b.launch(vector_launch(n, dt)) }
             .map(|_| ())
             .map_err(CudaError::driver("launch a fused elementwise kernel"))
     }
