@@ -10,7 +10,7 @@ out="$root/.gpu-bin"
 mkdir -p "$out"
 cargo build --release -p shardc-benches --bin gpu_bench
 cp target/release/gpu_bench "$out/"
-for t in cuda_nodriver cuda_kernels cuda_models cuda_comm cuda_nccl; do
+for t in cuda_nodriver cuda_kernels cuda_models cuda_graphs cuda_comm cuda_nccl; do
     exe="$(cargo test --release -p shardc-runtime --test "$t" --no-run --message-format=json 2>/dev/null |
         python3 -c 'import json, sys
 for line in sys.stdin:

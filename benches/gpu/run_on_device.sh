@@ -41,7 +41,7 @@ export SHARDC_FIXTURES="$root/tests/fixtures/hf-tiny"
 
 status=0
 if [[ "$what" == all || "$what" == test ]]; then
-    for t in cuda_nodriver cuda_kernels cuda_models cuda_comm; do
+    for t in cuda_nodriver cuda_kernels cuda_models cuda_graphs cuda_comm; do
         "$bin/$t" --include-ignored --test-threads=1 2>&1 | tee "$out/$t.log" || status=1
     done
     # Two NCCL ranks on one GPU need NCCL >= 2.30 and this variable (NOTES-cuda.md §5.2).

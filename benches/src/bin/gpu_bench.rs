@@ -13,7 +13,11 @@
 //! - `layer`: one Llama-3-8B decoder layer forward, bf16, batch 1 × 4096, fused and unfused;
 //! - `overlap`: `AgMatMul` vs all-gather then GEMM, and `MatMulRs` vs GEMM then
 //!   reduce-scatter, on 2 virtual ranks of this GPU (local-gpu communicator), Llama-3-8B MLP
-//!   shapes.
+//!   shapes;
+//! - `graphs`: the same layer's launches eager against a CUDA graph replay
+//!   (`CudaOptions::graphs`), bf16 fused, at 16 tokens (launch-bound, as in decoding) and at the
+//!   `layer` section's tokens: device ms per run, and the host's µs to enqueue one run
+//!   (`host µs/run`, the launch overhead a graph removes).
 //!
 //! Times are CUDA-event milliseconds per run of the whole (one-op or one-layer) program on the
 //! compute stream, after warm-up. Usage: `gpu_bench [--quick] [--only SECTION]`. Without a GPU
@@ -33,7 +37,7 @@ use shardc_runtime::cuda::{
 use shardc_runtime::Tensor;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Llama-3-8B dimensions.
 const HIDDEN: usize = 4096;
@@ -110,6 +114,7 @@ fn opts(dtype: GpuDType, fuse: bool) -> CudaOptions {
         fuse,
         poison: false,
         timeout: Duration::from_secs(300),
+        graphs: false,
     }
 }
 
@@ -444,6 +449,59 @@ impl Bench {
         Ok(())
     }
 
+    /// One layer eager against its CUDA graph replay: a row of device ms per run and a row of
+    /// host µs per enqueue for each.
+    fn graphs(&mut self) -> Result<(), CudaError> {
+        let big = if self.quick { 1024 } else { 4096 };
+        for t in [16, big] {
+            let g = llama_layer(t);
+            let mut rng = Rng(0x77);
+            let ins = BTreeMap::from([
+                ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
+                ("pos".to_string(), rng.positions(1, t)),
+            ]);
+            let iters = self.iters(t == big);
+            for graphs in [false, true] {
+                let ctx = CudaRankCtx::new();
+                let o = CudaOptions {
+                    graphs,
+                    ..opts(GpuDType::Bf16, true)
+                };
+                let mut p = self.prepare(&ctx, &g, &ins, 7, o)?;
+                // Two warm-up runs: eager, then (graph mode) the capture.
+                let ms = p.time(&ctx, 2, iters)?;
+                if graphs && !p.has_graph() {
+                    eprintln!("gpu_bench: graphs: the layer at {t} tokens was not captured");
+                }
+                let start = Instant::now();
+                for _ in 0..iters {
+                    p.enqueue(&ctx)?;
+                }
+                let host_us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
+                p.synchronize(&ctx)?;
+                let case = format!("layer {}", if graphs { "graph replay" } else { "eager" });
+                let shape = format!("1x{t}");
+                self.row(
+                    "graphs",
+                    case.clone(),
+                    GpuDType::Bf16,
+                    shape.clone(),
+                    ms,
+                    ("ms", ms, None),
+                );
+                self.row(
+                    "graphs",
+                    case,
+                    GpuDType::Bf16,
+                    shape,
+                    ms,
+                    ("host µs/run", host_us, None),
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Collective matmuls vs their unfused forms on 2 virtual ranks (local-gpu).
     fn overlap(&mut self) -> Result<(), CudaError> {
         let t = if self.quick { 1024 } else { 4096 };
@@ -698,7 +756,9 @@ fn main() {
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1).cloned());
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("usage: gpu_bench [--quick] [--only copy|membound|gemm|attention|layer|overlap]");
+        println!(
+            "usage: gpu_bench [--quick] [--only copy|membound|gemm|attention|layer|overlap|graphs]"
+        );
         return;
     }
     let dev = match CudaDevice::open(0) {
@@ -727,13 +787,14 @@ fn main() {
         gemm_tflops: 0.0,
     };
     type Section = fn(&mut Bench) -> Result<(), CudaError>;
-    let sections: [(&str, Section); 6] = [
+    let sections: [(&str, Section); 7] = [
         ("copy", Bench::copy),
         ("membound", Bench::membound),
         ("gemm", Bench::gemm),
         ("attention", Bench::attention),
         ("layer", Bench::layer),
         ("overlap", Bench::overlap),
+        ("graphs", Bench::graphs),
     ];
     let mut failed = false;
     for (name, f) in sections {

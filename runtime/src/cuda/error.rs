@@ -91,6 +91,16 @@ pub enum CudaError {
         /// The timeout.
         timeout_ms: u64,
     },
+    /// Host data larger than the device buffer it is to be written into.
+    #[error("{what}: {bytes} bytes do not fit its device buffer of {capacity} bytes")]
+    BufferTooSmall {
+        /// What was written.
+        what: String,
+        /// Bytes of the data.
+        bytes: usize,
+        /// Bytes of the buffer.
+        capacity: usize,
+    },
     /// An op (or this use of it) has no CUDA implementation.
     #[error("node {node} `{name}` ({op}): not supported by the CUDA backend: {detail}")]
     Unsupported {

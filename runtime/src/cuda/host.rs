@@ -14,6 +14,7 @@ use std::sync::Arc;
 pub(super) struct DevBuf {
     _buf: CudaSlice<u8>,
     pub(super) ptr: u64,
+    pub(super) bytes: usize,
 }
 
 pub(super) fn alloc(
@@ -29,7 +30,11 @@ pub(super) fn alloc(
         let (p, _sync) = buf.device_ptr(stream);
         p
     };
-    Ok(DevBuf { _buf: buf, ptr })
+    Ok(DevBuf {
+        _buf: buf,
+        ptr,
+        bytes,
+    })
 }
 
 /// Host data in its device representation.
@@ -55,23 +60,48 @@ impl HostData {
         }
     }
 
-    pub(super) fn upload(&self, stream: &Arc<CudaStream>, what: &str) -> Result<DevBuf, CudaError> {
-        let bytes = match self {
+    /// Bytes of the data.
+    pub(super) fn bytes(&self) -> usize {
+        match self {
             HostData::F32(v) => 4 * v.len(),
             HostData::Bf16(v) => 2 * v.len(),
             HostData::I32(v) => 4 * v.len(),
-        };
-        let buf = alloc(stream, bytes, what)?;
+        }
+    }
+
+    /// A new device buffer holding the data.
+    pub(super) fn upload(&self, stream: &Arc<CudaStream>, what: &str) -> Result<DevBuf, CudaError> {
+        let buf = alloc(stream, self.bytes(), what)?;
+        self.write(stream, &buf, what)?;
+        Ok(buf)
+    }
+
+    /// Copies the data into `buf` (stream-ordered; a buffer smaller than the data is an error), so a
+    /// buffer keeps its address from run to run (what a CUDA graph replay needs).
+    pub(super) fn write(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &DevBuf,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        let bytes = self.bytes();
+        if buf.bytes < bytes {
+            return Err(CudaError::BufferTooSmall {
+                what: what.to_string(),
+                bytes,
+                capacity: buf.bytes,
+            });
+        }
         if bytes == 0 {
-            return Ok(buf);
+            return Ok(());
         }
         stream
             .context()
             .bind_to_thread()
             .map_err(CudaError::driver("bind context"))?;
         let s = stream.cu_stream();
-        // SAFETY: `buf` holds `bytes` bytes; a pageable source is staged before the call
-        // returns, so the host vector may be dropped afterwards.
+        // SAFETY: `buf` holds at least `bytes` bytes (checked above); a pageable source is
+        // staged before the call returns, so the host vector may be dropped afterwards.
         unsafe {
             match self {
                 HostData::F32(v) => drv::memcpy_htod_async(buf.ptr, v, s),
@@ -79,8 +109,7 @@ impl HostData {
                 HostData::I32(v) => drv::memcpy_htod_async(buf.ptr, v, s),
             }
         }
-        .map_err(CudaError::driver(format!("upload {what} ({bytes} bytes)")))?;
-        Ok(buf)
+        .map_err(CudaError::driver(format!("upload {what} ({bytes} bytes)")))
     }
 }
 

@@ -6,7 +6,8 @@
 //!   arch, kernels from `shardc_kernels`' registry compiled by NVRTC through the PTX cache.
 //! - [`CudaProgram`]: one rank's graph prepared on a device — activation arena from liveness,
 //!   fused groups, parameters uploaded in the run's dtype, cuBLASLt GEMMs with cached
-//!   per-shape plans, compute and comm streams ordered by the plan's events.
+//!   per-shape plans, compute and comm streams ordered by the plan's events; with
+//!   `CudaOptions::graphs`, runs replayed from a CUDA graph (programs without collectives).
 //! - [`run_spmd_local_gpu`] / [`run_spmd_nccl_threads`]: every rank of a mesh on one GPU,
 //!   with the `local-gpu` or `nccl` device communicator.
 //!
@@ -46,7 +47,7 @@ pub use plan::{
     early_write_ok, fused_expr, last_uses, plan_arena, plan_memory, retyped, Action, ArenaPlan,
     FusedGroup, FusionPlan, GpuDType, Slot, Storage,
 };
-pub use program::{execute_cuda, CudaProgram};
+pub use program::{execute_cuda, graph_blocker, CudaProgram};
 pub use rank::{CudaOptions, CudaRankCtx, ParamInit};
 pub use spmd::{run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
 pub use strided::{contiguous_strides, StridedSpec, MAX_RANK};

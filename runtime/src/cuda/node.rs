@@ -48,6 +48,34 @@ impl CudaProgram {
         self.storage[v.index()].size_bytes()
     }
 
+    /// The host-side checks of node `v`'s integer operands uploaded from the host (token ids
+    /// inside the embedding table, labels inside the vocabulary), which the kernels do not
+    /// make. Eager launches call it per node; a CUDA graph replay calls it for every node
+    /// before replaying, since the captured launches do not run host code.
+    pub(super) fn check_host_values(&self, v: ValueId) -> Result<(), CudaError> {
+        let node = self.graph.node(v);
+        let Some(&ids) = node.inputs.get(1) else {
+            return Ok(());
+        };
+        let Some(host) = &self.host_i32[ids.index()] else {
+            return Ok(());
+        };
+        let vocab_n = self.graph.ty(node.inputs[0]).last();
+        match &node.op {
+            Op::Embedding if !self.local_ids[ids.index()] => {
+                vocab::check_ids(host, self.shape(node.inputs[0])[0])?
+            }
+            Op::CrossEntropy { .. } => check_labels(host, vocab_n)?,
+            Op::CrossEntropyStats { parts, .. } => check_labels(host, vocab_n * parts)?,
+            Op::CrossEntropyShardGrad { .. } => {
+                let shards = self.graph.ty(node.inputs[2]).last() / CROSS_ENTROPY_STATS;
+                check_labels(host, node.ty.last() * shards)?
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     pub(super) fn unsupported(&self, v: ValueId, detail: impl Into<String>) -> CudaError {
         let node = self.graph.node(v);
         CudaError::Unsupported {
@@ -124,11 +152,7 @@ impl CudaProgram {
             }
             Op::Embedding => {
                 let table = self.shape(ins[0]);
-                if !self.local_ids[ins[1].index()] {
-                    if let Some(ids) = &self.host_i32[ins[1].index()] {
-                        vocab::check_ids(ids, table[0])?;
-                    }
-                }
+                self.check_host_values(v)?;
                 l.embedding(
                     dt,
                     x,
@@ -256,9 +280,7 @@ impl CudaProgram {
             Op::CrossEntropy { denom } => {
                 let vocab_n = self.graph.ty(ins[0]).last();
                 let rows = self.numel(ins[1]);
-                if let Some(labels) = &self.host_i32[ins[1].index()] {
-                    check_labels(labels, vocab_n)?;
-                }
+                self.check_host_values(v)?;
                 let loss = self.scratch.ptr;
                 l.cross_entropy(dt, x, self.ptr(ins[1]), loss, rows, vocab_n)?;
                 self.loss_sum(loss, out, rows, *denom, l)
@@ -268,9 +290,7 @@ impl CudaProgram {
                 let vocab_n = self.graph.ty(ins[0]).last();
                 let total = vocab_n * parts;
                 let rows = self.numel(ins[1]);
-                if let Some(labels) = &self.host_i32[ins[1].index()] {
-                    check_labels(labels, total)?;
-                }
+                self.check_host_values(v)?;
                 let labels = self.ptr(ins[1]);
                 let lo = coord * vocab_n;
                 l.cross_entropy_stats(dt, x, labels, out, rows, vocab_n, lo, total)
@@ -295,9 +315,7 @@ impl CudaProgram {
                     .into());
                 }
                 let rows = self.numel(ins[1]);
-                if let Some(labels) = &self.host_i32[ins[1].index()] {
-                    check_labels(labels, vocab_n * shards)?;
-                }
+                self.check_host_values(v)?;
                 let (labels, stats) = (self.ptr(ins[1]), self.ptr(ins[2]));
                 let scale = 1.0 / (*denom).max(1) as f32;
                 let lo = coord * vocab_n;

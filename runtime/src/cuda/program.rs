@@ -8,6 +8,14 @@
 //! as the CPU executor takes it), enqueues every step, waits with a watchdog that polls the
 //! communicators, and downloads the named outputs as f32/i32 host tensors.
 //!
+//! With [`CudaOptions::graphs`] a run's launches are replayed from a CUDA graph: the first
+//! run with a given set of input buffers is eager (kernel modules load, GEMM plans are built),
+//! the second is captured on the compute stream and launched, later ones launch the graph.
+//! Every address a graph bakes in stays put between runs: the arena, scratch and parameters are
+//! allocated once, and [`CudaProgram::upload_inputs`] writes new inputs into the previous run's
+//! buffers when the sizes match. The host-side checks of token ids and labels run before every
+//! replay. Programs that communicate are refused (see [`graph_blocker`]).
+//!
 //! Stream safety (event tracking is off): the plan's events order a collective after its
 //! operand's producer and its first consumer after the collective. The arena reuses bytes by
 //! liveness in program order, which does not cover a collective still reading its operand on
@@ -23,7 +31,8 @@ use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
 use super::support::check_supported;
 use super::{CudaDevice, CudaError};
 use crate::{RuntimeError, Tensor};
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaStream};
 use shardc_compiler::ir::{DType, Graph, Op, ParamSource, ShardSpec, ValueId};
 use shardc_compiler::schedule::{schedule, Step, COMM_STREAM};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -34,6 +43,21 @@ use std::time::{Duration, Instant};
 struct InFlight {
     event: usize,
     slots: Vec<Slot>,
+}
+
+/// A run captured into a CUDA graph, and the input addresses it bakes in.
+struct StepGraph {
+    inputs: Vec<u64>,
+    /// `None` when the run enqueued no work.
+    graph: Option<CudaGraph>,
+}
+
+/// The first node of `graph` that stops its runs from being captured into a CUDA graph: a
+/// collective or an op that communicates inside (collective matmuls, ring attention), whose
+/// communicator progress, host-side watchdog and cross-stream ordering the executor drives from
+/// the host on every run. `None`: the program can run from a graph.
+pub fn graph_blocker(graph: &Graph) -> Option<ValueId> {
+    graph.ids().find(|&v| graph.node(v).op.communicates())
 }
 
 /// One rank's graph prepared on a GPU. See the module docs.
@@ -62,6 +86,11 @@ pub struct CudaProgram {
     pub(super) gemm: Option<GemmCache>,
     pub(super) inputs: Vec<Option<DevBuf>>,
     pub(super) host_i32: Vec<Option<Tensor>>,
+    /// The captured run ([`CudaOptions::graphs`]).
+    step_graph: Option<StepGraph>,
+    /// The input addresses of the last eager run in graph mode: the next run with the same
+    /// ones is captured.
+    graph_warm: Option<Vec<u64>>,
 }
 
 impl std::fmt::Debug for CudaProgram {
@@ -155,6 +184,8 @@ impl CudaProgram {
             gemm,
             inputs: (0..graph.len()).map(|_| None).collect(),
             host_i32: vec![None; graph.len()],
+            step_graph: None,
+            graph_warm: None,
         };
         p.load_params(params)?;
         p.load_rope_tables()?;
@@ -246,7 +277,8 @@ impl CudaProgram {
     }
 
     /// Uploads the graph inputs: each rank's chunk of the caller's global tensors, checked as
-    /// the CPU executor checks them.
+    /// the CPU executor checks them. An input of the same size as in the previous run is
+    /// written into that run's buffer (stream-ordered after the run).
     pub fn upload_inputs(&mut self, inputs: &BTreeMap<String, Tensor>) -> Result<(), CudaError> {
         for v in self.graph.ids().collect::<Vec<_>>() {
             let node = self.graph.node(v);
@@ -258,7 +290,12 @@ impl CudaProgram {
                 self.host_i32[v.index()] = Some(t.clone());
             }
             let data = HostData::of(&t, self.storage[v.index()], node.ty.dtype);
-            self.inputs[v.index()] = Some(data.upload(&self.compute, &format!("input `{name}`"))?);
+            let what = format!("input `{name}`");
+            // The previous run's buffer when it fits: its address stays put (graph replay).
+            match &self.inputs[v.index()] {
+                Some(buf) if buf.bytes == data.bytes() => data.write(&self.compute, buf, &what)?,
+                _ => self.inputs[v.index()] = Some(data.upload(&self.compute, &what)?),
+            }
         }
         Ok(())
     }
@@ -311,8 +348,9 @@ impl CudaProgram {
         self.graph.ty(v).numel()
     }
 
-    /// Enqueues every step on the streams (no host synchronisation). Inputs must have been
-    /// uploaded. When it returns, the compute stream's tail covers all work of the run.
+    /// Enqueues every step on the streams (no host synchronisation), or with
+    /// [`CudaOptions::graphs`] replays (or captures) the run's CUDA graph. Inputs must have
+    /// been uploaded. When it returns, the compute stream's tail covers all work of the run.
     pub fn enqueue(&mut self, ctx: &CudaRankCtx) -> Result<(), CudaError> {
         for v in self.graph.ids() {
             if matches!(self.graph.node(v).op, Op::Input { .. }) && self.inputs[v.index()].is_none()
@@ -323,6 +361,81 @@ impl CudaProgram {
                 .into());
             }
         }
+        if self.opts.graphs {
+            self.enqueue_graph(ctx)
+        } else {
+            self.enqueue_eager(ctx)
+        }
+    }
+
+    /// Graph mode: eager on the first run with these input buffers, captured on the second,
+    /// replayed after that.
+    fn enqueue_graph(&mut self, ctx: &CudaRankCtx) -> Result<(), CudaError> {
+        if let Some(v) = graph_blocker(&self.graph) {
+            return Err(self.unsupported(
+                v,
+                "it communicates, and runs that communicate cannot be captured into a CUDA \
+                 graph; run this program without CUDA graphs",
+            ));
+        }
+        for v in self.graph.ids() {
+            self.check_host_values(v).map_err(|e| self.at_node(v, e))?;
+        }
+        let inputs: Vec<u64> = self.inputs.iter().flatten().map(|b| b.ptr).collect();
+        if self.step_graph.as_ref().is_some_and(|g| g.inputs == inputs) {
+            return self.launch_graph();
+        }
+        if self.graph_warm.as_ref() != Some(&inputs) {
+            self.step_graph = None;
+            self.enqueue_eager(ctx)?;
+            self.graph_warm = Some(inputs);
+            return Ok(());
+        }
+        self.capture(ctx, inputs)?;
+        self.launch_graph()
+    }
+
+    /// Captures one run's launches on the compute stream (the comm stream joins through the
+    /// run's fork and join events) into a graph and instantiates it. Nothing runs until the
+    /// graph is launched.
+    fn capture(&mut self, ctx: &CudaRankCtx, inputs: Vec<u64>) -> Result<(), CudaError> {
+        self.step_graph = None;
+        let compute = self.compute.clone();
+        compute
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(CudaError::driver("begin capturing a run into a CUDA graph"))?;
+        let enqueued = self.enqueue_eager(ctx);
+        // Always end the capture, so the stream leaves capture mode when enqueuing failed too.
+        let ended = compute.end_capture(CUgraphInstantiate_flags(0));
+        enqueued?;
+        let graph = ended.map_err(CudaError::driver(
+            "end the capture of a run and instantiate its CUDA graph",
+        ))?;
+        if let Some(g) = &graph {
+            g.upload()
+                .map_err(CudaError::driver("upload the CUDA graph of a run"))?;
+        }
+        self.step_graph = Some(StepGraph { inputs, graph });
+        Ok(())
+    }
+
+    fn launch_graph(&self) -> Result<(), CudaError> {
+        match self.step_graph.as_ref().and_then(|g| g.graph.as_ref()) {
+            Some(g) => g
+                .launch()
+                .map_err(CudaError::driver("launch the CUDA graph of a run")),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether a run has been captured into a CUDA graph (replayed while the input buffers
+    /// stay the same).
+    pub fn has_graph(&self) -> bool {
+        self.step_graph.is_some()
+    }
+
+    /// Enqueues every step on the streams, one launch at a time.
+    fn enqueue_eager(&mut self, ctx: &CudaRankCtx) -> Result<(), CudaError> {
         let (dev, compute, comm) = (self.dev.clone(), self.compute.clone(), self.comm.clone());
         let lc = Launcher {
             dev: &dev,

@@ -19,6 +19,13 @@ pub struct CudaOptions {
     pub poison: bool,
     /// How long the host waits for the GPU (and collectives) before failing.
     pub timeout: Duration,
+    /// Replay each run's launches from a CUDA graph: the first run with a given set of input
+    /// buffers is eager, the second is captured (stream capture, thread-local mode) and every
+    /// later one replays the graph, one launch instead of one per kernel. Programs with
+    /// collectives (or collective matmuls) are refused with `CudaError::Unsupported`
+    /// (the communicators' host-side progress and watchdog do not fit in a graph); run them
+    /// eagerly. Off by default.
+    pub graphs: bool,
 }
 
 impl Default for CudaOptions {
@@ -28,6 +35,7 @@ impl Default for CudaOptions {
             fuse: true,
             poison: false,
             timeout: Duration::from_secs(60),
+            graphs: false,
         }
     }
 }
