@@ -13,8 +13,10 @@
 //! `in_j[i % len_j]`: an input whose shape is a suffix of the output's (a bias, a per-channel
 //! scale) broadcasts; `len_j == n` is a plain elementwise read. Every `len_j` must be >= 1.
 //! Evaluation is in f32 with one rounding to `T` on store; repeated sub-expressions are
-//! computed once, in a `{name}_expr` device function of the loaded inputs. Grid-stride loop,
-//! any launch shape (`launch::vector_launch` gives one thread per vector).
+//! computed once, in a `{name}_expr` device function of the loaded inputs. The entry point
+//! hands its loaded inputs to `fused_elementwise` in `common.cuh` (the loop the hand-written
+//! elementwise kernels share): grid-stride, any launch shape (`launch::vector_launch` gives one
+//! thread per vector).
 //!
 //! Memory access: 16-byte vectors (`VecWidth<T>::N` elements) over the whole vectors of the
 //! output when `out` and every loaded input are 16-byte aligned and every loaded `len_j` is `n`
@@ -298,67 +300,28 @@ pub fn generate_fused_kernel(name: &str, expr: &FusedExpr, dtype: KernelDType) -
     let _ = writeln!(src, "}}");
     let _ = writeln!(src);
 
-    let each = |src: &mut String, indent: &str, line: &dyn Fn(usize) -> String| {
-        for &j in &loaded {
-            let _ = writeln!(src, "{indent}{}", line(j));
-        }
-    };
-    let call = |lane: &dyn Fn(usize) -> String| {
-        let a: Vec<String> = loaded.iter().map(|&j| lane(j)).collect();
-        format!("{name}_expr({})", a.join(", "))
-    };
+    let ptrs: Vec<String> = loaded.iter().map(|j| format!("in{j}")).collect();
+    let lens: Vec<String> = loaded.iter().map(|j| format!("len{j}")).collect();
+    let lanes: Vec<String> = (0..loaded.len()).map(|k| format!("x[{k}]")).collect();
     let _ = writeln!(
         src,
         "extern \"C\" __global__ void {name}({}) {{",
         params.join(", ")
     );
-    let _ = writeln!(src, "    constexpr int N = VecWidth<{t}>::N;");
+    let (ins, lens) = if loaded.is_empty() {
+        ("nullptr".to_owned(), "nullptr".to_owned())
+    } else {
+        let _ = writeln!(src, "    const {t}* in[] = {{{}}};", ptrs.join(", "));
+        let _ = writeln!(src, "    const i64 len[] = {{{}}};", lens.join(", "));
+        ("in".to_owned(), "len".to_owned())
+    };
+    let x = if loaded.is_empty() { "" } else { " x" };
     let _ = writeln!(
         src,
-        "    const i64 start = global_thread_id(), step = grid_stride();"
+        "    fused_elementwise<{}, {t}>({ins}, {lens}, out, n, [](const float*{x}) {{ return {name}_expr({}); }});",
+        loaded.len(),
+        lanes.join(", ")
     );
-    let mut cond = vec!["aligned16(out)".to_owned()];
-    cond.extend(
-        loaded
-            .iter()
-            .map(|j| format!("aligned16(in{j}) && (len{j} == n || len{j} % N == 0)")),
-    );
-    let _ = writeln!(src, "    const bool vectors = {};", cond.join(" && "));
-    let _ = writeln!(src, "    const i64 nv = vectors ? n / N : 0;");
-    let _ = writeln!(src, "    if (start < nv) {{");
-    each(&mut src, "        ", &|j| {
-        format!("DivMod j{j}(start * N, step * N, len{j});")
-    });
-    let _ = writeln!(src, "        for (i64 v = start; v < nv; v += step) {{");
-    let mut lanes = vec!["y[N]".to_owned()];
-    lanes.extend(loaded.iter().map(|j| format!("x{j}[N]")));
-    let _ = writeln!(src, "            float {};", lanes.join(", "));
-    each(&mut src, "            ", &|j| {
-        format!("load_vec(in{j}, j{j}.r, x{j});")
-    });
-    let _ = writeln!(
-        src,
-        "            for (int e = 0; e < N; ++e) y[e] = {};",
-        call(&|j| format!("x{j}[e]"))
-    );
-    let _ = writeln!(src, "            store_vec(out, v * N, y);");
-    each(&mut src, "            ", &|j| format!("j{j}.advance();"));
-    let _ = writeln!(src, "        }}");
-    let _ = writeln!(src, "    }}");
-    let _ = writeln!(src, "    const i64 first = nv * N + start;");
-    let _ = writeln!(src, "    if (first < n) {{");
-    each(&mut src, "        ", &|j| {
-        format!("DivMod j{j}(first, step, len{j});")
-    });
-    let _ = writeln!(src, "        for (i64 i = first; i < n; i += step) {{");
-    let _ = writeln!(
-        src,
-        "            store(out, i, {});",
-        call(&|j| format!("load(in{j}, j{j}.r)"))
-    );
-    each(&mut src, "            ", &|j| format!("j{j}.advance();"));
-    let _ = writeln!(src, "        }}");
-    let _ = writeln!(src, "    }}");
     let _ = writeln!(src, "}}");
     src
 }
@@ -392,33 +355,9 @@ __device__ __forceinline__ float fused_swiglu_bf16_expr(float x0, float x1) {
 }
 
 extern \"C\" __global__ void fused_swiglu_bf16(const bf16* in0, const bf16* in1, bf16* out, i64 n, i64 len0, i64 len1) {
-    constexpr int N = VecWidth<bf16>::N;
-    const i64 start = global_thread_id(), step = grid_stride();
-    const bool vectors = aligned16(out) && aligned16(in0) && (len0 == n || len0 % N == 0) && aligned16(in1) && (len1 == n || len1 % N == 0);
-    const i64 nv = vectors ? n / N : 0;
-    if (start < nv) {
-        DivMod j0(start * N, step * N, len0);
-        DivMod j1(start * N, step * N, len1);
-        for (i64 v = start; v < nv; v += step) {
-            float y[N], x0[N], x1[N];
-            load_vec(in0, j0.r, x0);
-            load_vec(in1, j1.r, x1);
-            for (int e = 0; e < N; ++e) y[e] = fused_swiglu_bf16_expr(x0[e], x1[e]);
-            store_vec(out, v * N, y);
-            j0.advance();
-            j1.advance();
-        }
-    }
-    const i64 first = nv * N + start;
-    if (first < n) {
-        DivMod j0(first, step, len0);
-        DivMod j1(first, step, len1);
-        for (i64 i = first; i < n; i += step) {
-            store(out, i, fused_swiglu_bf16_expr(load(in0, j0.r), load(in1, j1.r)));
-            j0.advance();
-            j1.advance();
-        }
-    }
+    const bf16* in[] = {in0, in1};
+    const i64 len[] = {len0, len1};
+    fused_elementwise<2, bf16>(in, len, out, n, [](const float* x) { return fused_swiglu_bf16_expr(x[0], x[1]); });
 }
 ";
         assert_eq!(kernel_part(&src, NAME), expected);
@@ -449,8 +388,11 @@ __device__ __forceinline__ float k_expr(float x0, float x1) {
 ";
         let part = kernel_part(&src, "k");
         assert_eq!(&part[..expected.len()], expected);
-        assert!(part.contains("store(out, i, k_expr(load(in0, j0.r), load(in1, j1.r)));"));
-        assert!(!part.contains("i % len"), "no division per element: {part}");
+        assert!(
+            part.contains("fused_elementwise<2, float>(in, len, out, n,"),
+            "{part}"
+        );
+        assert!(!part.contains('%'), "no division per element: {part}");
     }
 
     #[test]
@@ -473,9 +415,9 @@ __device__ __forceinline__ float k_expr(float x0, float x1) {
         assert!(src.contains(
             "(const float* in0, const float* in1, float* out, i64 n, i64 len0, i64 len1)"
         ));
-        assert!(!src.contains("load(in0") && !src.contains("load_vec(in0"));
-        assert!(!src.contains("aligned16(in0)"));
-        assert!(src.contains("load(in1") && src.contains("load_vec(in1"));
+        assert!(src.contains("const float* in[] = {in1};"));
+        assert!(src.contains("const i64 len[] = {len1};"));
+        assert!(src.contains("fused_elementwise<1, float>(in, len, out, n,"));
         assert!(src.contains("__device__ __forceinline__ float k_expr(float x1) {"));
     }
 
@@ -486,8 +428,9 @@ __device__ __forceinline__ float k_expr(float x0, float x1) {
         let src = generate_fused_kernel("k", &e, KernelDType::Bf16);
         assert!(src.contains("void k(bf16* out, i64 n) {"));
         assert!(src.contains("float k_expr() {\n    return 1.0f;\n}"));
-        assert!(src.contains("const bool vectors = aligned16(out);"));
-        assert!(src.contains("y[e] = k_expr();") && src.contains("store(out, i, k_expr());"));
+        assert!(src.contains(
+            "fused_elementwise<0, bf16>(nullptr, nullptr, out, n, [](const float*) { return k_expr(); });"
+        ));
     }
 
     #[test]

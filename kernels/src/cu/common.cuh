@@ -143,6 +143,7 @@ __device__ __forceinline__ void store_vec(T* p, i64 i, const float* f) {
 // Pre: d >= 1, i >= 0, step >= 0.
 struct DivMod {
     i64 q, r, dq, dr, d;
+    __device__ __forceinline__ DivMod() {}
     __device__ __forceinline__ DivMod(i64 i, i64 step, i64 divisor) : d(divisor) {
         q = i / d;
         r = i - q * d;
@@ -159,17 +160,7 @@ struct DivMod {
     }
 };
 
-// ---- grid-stride and row loops over vectors -------------------------------------------------
-
-// Grid-stride over [0, n): vec(i) for each vector start i = v·N below n / N·N when `vectors`
-// (every pointer the caller will touch is 16-byte aligned), then scalar(i) for each remaining
-// element (the tail, or the whole range when not `vectors`). Any launch shape.
-template <int N, typename FV, typename FS>
-__device__ __forceinline__ void grid_vectors(i64 n, bool vectors, FV vec, FS scalar) {
-    const i64 nv = vectors ? n / N : 0;
-    for (i64 v = global_thread_id(); v < nv; v += grid_stride()) vec(v * N);
-    for (i64 i = nv * N + global_thread_id(); i < n; i += grid_stride()) scalar(i);
-}
+// ---- row loops over vectors -------------------------------------------------
 
 // Vectors a thread keeps in registers between the passes of a row kernel: a row of up to
 // blockDim.x * SHARDC_ROW_CACHE vectors is read from memory once.
@@ -194,6 +185,87 @@ __device__ __forceinline__ void for_row_vectors(i64 nv, F f) {
 template <typename T>
 __device__ __forceinline__ uint4 row_vec(const uint4* cache, int k, const T* row, i64 v) {
     return k < SHARDC_ROW_CACHE ? cache[k] : ld16(row + v * VecWidth<T>::N);
+}
+
+// The first pass over a row's nv vectors: loads each (keeping it in its register slot) and
+// calls f(v, lanes) with its N f32 lanes.
+template <typename T, typename F>
+__device__ __forceinline__ void row_first_pass(i64 nv, uint4* cache, const T* row, F f) {
+    constexpr int N = VecWidth<T>::N;
+    for_row_vectors(nv, [&](int k, i64 v) {
+        const uint4 u = ld16(row + v * N);
+        if (k < SHARDC_ROW_CACHE) cache[k] = u;
+        float x[N];
+        unpack16(row, u, x);
+        f(v, x);
+    });
+}
+
+// A later pass: the same vectors from their register slots (memory past the cache); f(v, lanes)
+// may overwrite the lanes.
+template <typename T, typename F>
+__device__ __forceinline__ void row_next_pass(i64 nv, const uint4* cache, const T* row, F f) {
+    for_row_vectors(nv, [&](int k, i64 v) {
+        float x[VecWidth<T>::N];
+        unpack16(row, row_vec(cache, k, row, v), x);
+        f(v, x);
+    });
+}
+
+// ---- generated fused elementwise kernels ----------------------------------------------------
+
+// The loop of a generated fused kernel (kernels/src/fused.rs) over its K loaded inputs:
+// out[i] = expr(x) with x[k] = in[k][i % len[k]] in f32, one rounding to T on store. 16-byte
+// vectors over the whole vectors of [0, n) when out and every in[k] are 16-byte aligned and
+// every len[k] is n or a multiple of N; scalar accesses for the rest, or for everything
+// otherwise. The broadcast indices advance with the grid stride (DivMod). in and len hold K
+// entries (none read when K == 0); every len[k] >= 1. Any launch shape.
+template <int K, typename T, typename F>
+__device__ __forceinline__ void fused_elementwise(const T* const* in, const i64* len, T* out,
+                                                  i64 n, F expr) {
+    constexpr int N = VecWidth<T>::N;
+    constexpr int KS = K > 0 ? K : 1;
+    const i64 start = global_thread_id(), step = grid_stride();
+    bool vectors = aligned16(out);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        vectors = vectors && aligned16(in[k]) && (len[k] == n || len[k] % N == 0);
+    }
+    const i64 nv = vectors ? n / N : 0;
+    if (start < nv) {
+        DivMod j[KS];
+#pragma unroll
+        for (int k = 0; k < K; ++k) j[k] = DivMod(start * N, step * N, len[k]);
+        for (i64 v = start; v < nv; v += step) {
+            float x[KS][N], y[N];
+#pragma unroll
+            for (int k = 0; k < K; ++k) load_vec(in[k], j[k].r, x[k]);
+#pragma unroll
+            for (int e = 0; e < N; ++e) {
+                float lane[KS];
+#pragma unroll
+                for (int k = 0; k < K; ++k) lane[k] = x[k][e];
+                y[e] = expr(lane);
+            }
+            store_vec(out, v * N, y);
+#pragma unroll
+            for (int k = 0; k < K; ++k) j[k].advance();
+        }
+    }
+    const i64 first = nv * N + start;
+    if (first < n) {
+        DivMod j[KS];
+#pragma unroll
+        for (int k = 0; k < K; ++k) j[k] = DivMod(first, step, len[k]);
+        for (i64 i = first; i < n; i += step) {
+            float lane[KS];
+#pragma unroll
+            for (int k = 0; k < K; ++k) lane[k] = load(in[k], j[k].r);
+            store(out, i, expr(lane));
+#pragma unroll
+            for (int k = 0; k < K; ++k) j[k].advance();
+        }
+    }
 }
 
 // ---- scalar math (f32, precise library functions, no fast-math intrinsics) ------------------

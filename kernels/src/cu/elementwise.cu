@@ -8,68 +8,25 @@
 // swiglu_{f32,bf16}(const T* a, const T* b, T* out, i64 n)            out = silu(a) * b
 #include "common.cuh"
 
-// Every kernel here takes 16-byte vector accesses over the whole vectors of [0, n) when all its
-// pointers are 16-byte aligned (and, for a broadcast, nb is n or a multiple of the vector
-// width), then scalar accesses for the rest; otherwise scalar throughout. Same results.
+// Every kernel here is the loop of the generated fused kernels (fused_elementwise in
+// common.cuh) over its one or two inputs: 16-byte vector accesses over the whole vectors of
+// [0, n) when all its pointers are 16-byte aligned (and, for a broadcast, nb is n or a multiple
+// of the vector width), then scalar accesses for the rest; otherwise scalar throughout. The
+// broadcast index advances with the grid stride, no division in the loop.
 
 template <typename T, typename F>
 __device__ __forceinline__ void unary_impl(const T* x, T* out, i64 n, F fn) {
-    constexpr int N = VecWidth<T>::N;
-    grid_vectors<N>(
-        n, aligned16(x) && aligned16(out),
-        [&](i64 i) {
-            float f[N];
-            load_vec(x, i, f);
-#pragma unroll
-            for (int e = 0; e < N; ++e) f[e] = fn(f[e]);
-            store_vec(out, i, f);
-        },
-        [&](i64 i) { store(out, i, fn(load(x, i))); });
+    const T* in[] = {x};
+    const i64 len[] = {n};
+    fused_elementwise<1, T>(in, len, out, n, [&](const float* v) { return fn(v[0]); });
 }
 
-// out[i] = fn(a[i], b[i]) over equal shapes.
+// out[i] = fn(a[i], b[i % nb]) (nb == n: same shapes).
 template <typename T, typename F>
-__device__ __forceinline__ void zip_impl(const T* a, const T* b, T* out, i64 n, F fn) {
-    constexpr int N = VecWidth<T>::N;
-    grid_vectors<N>(
-        n, aligned16(a) && aligned16(b) && aligned16(out),
-        [&](i64 i) {
-            float f[N], g[N];
-            load_vec(a, i, f);
-            load_vec(b, i, g);
-#pragma unroll
-            for (int e = 0; e < N; ++e) f[e] = fn(f[e], g[e]);
-            store_vec(out, i, f);
-        },
-        [&](i64 i) { store(out, i, fn(load(a, i), load(b, i))); });
-}
-
-// out[i] = fn(a[i], b[i % nb]); the broadcast index advances with the grid stride (DivMod), no
-// division in the loop.
-template <typename T, typename F>
-__device__ __forceinline__ void broadcast_impl(const T* a, const T* b, T* out, i64 n, i64 nb,
-                                               F fn) {
-    constexpr int N = VecWidth<T>::N;
-    const bool vectors = aligned16(a) && aligned16(b) && aligned16(out) && (nb == n || nb % N == 0);
-    const i64 nv = vectors ? n / N : 0;
-    const i64 start = global_thread_id(), step = grid_stride();
-    if (start < nv) {
-        DivMod j(start * N, step * N, nb);
-        for (i64 v = start; v < nv; v += step, j.advance()) {
-            float f[N], g[N];
-            load_vec(a, v * N, f);
-            load_vec(b, j.r, g);
-#pragma unroll
-            for (int e = 0; e < N; ++e) f[e] = fn(f[e], g[e]);
-            store_vec(out, v * N, f);
-        }
-    }
-    if (nv * N + start < n) {
-        DivMod j(nv * N + start, step, nb);
-        for (i64 i = nv * N + start; i < n; i += step, j.advance()) {
-            store(out, i, fn(load(a, i), load(b, j.r)));
-        }
-    }
+__device__ __forceinline__ void binary_impl(const T* a, const T* b, T* out, i64 n, i64 nb, F fn) {
+    const T* in[] = {a, b};
+    const i64 len[] = {n, nb};
+    fused_elementwise<2, T>(in, len, out, n, [&](const float* v) { return fn(v[0], v[1]); });
 }
 
 #define SHARDC_UNARY(NAME, T, FN)                                                    \
@@ -100,7 +57,7 @@ SHARDC_SCALE(scale_bf16, bf16)
 
 #define SHARDC_BINARY(NAME, T, EXPR)                                                 \
     extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 n, i64 nb) { \
-        broadcast_impl(a, b, out, n, nb, [](float x, float y) { return EXPR; });     \
+        binary_impl(a, b, out, n, nb, [](float x, float y) { return EXPR; });        \
     }
 
 SHARDC_BINARY(add_f32, float, x + y)
@@ -110,7 +67,7 @@ SHARDC_BINARY(mul_bf16, bf16, x * y)
 
 #define SHARDC_SWIGLU(NAME, T)                                                       \
     extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 n) {         \
-        zip_impl(a, b, out, n, [](float x, float y) { return op_silu(x) * y; });     \
+        binary_impl(a, b, out, n, n, [](float x, float y) { return op_silu(x) * y; }); \
     }
 
 SHARDC_SWIGLU(swiglu_f32, float)

@@ -19,6 +19,25 @@
 // last hidden % N elements with scalar accesses; otherwise the whole row is scalar. Which path a
 // row takes can change from row to row (hidden % N != 0), never the result.
 
+// The second pass of both RMSNorms: out = x / sqrt(ss / hidden + eps) * w over one row (its nv
+// vectors from the register cache, then the scalar tail).
+template <typename T>
+__device__ __forceinline__ void rms_scale_row(float ss, i64 nv, const uint4* cache, const T* xr,
+                                              const T* w, T* outr, i64 hidden, float eps) {
+    constexpr int N = VecWidth<T>::N;
+    const float inv = rsqrtf(ss / (float)hidden + eps);
+    row_next_pass(nv, cache, xr, [&](i64 v, float* f) {
+        float g[N];
+        load_vec(w, v * N, g);
+#pragma unroll
+        for (int e = 0; e < N; ++e) f[e] = f[e] * inv * g[e];
+        store_vec(outr, v * N, f);
+    });
+    for (i64 c = nv * N + threadIdx.x; c < hidden; c += blockDim.x) {
+        store(outr, c, load(xr, c) * inv * load(w, c));
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void rmsnorm_impl(const T* x, const T* w, T* out, i64 rows, i64 hidden,
                                              float eps) {
@@ -29,11 +48,7 @@ __device__ __forceinline__ void rmsnorm_impl(const T* x, const T* w, T* out, i64
         const i64 nv = aligned16(xr) && aligned16(outr) && aligned16(w) ? hidden / N : 0;
         uint4 cache[SHARDC_ROW_CACHE];
         float ss = 0.0f;
-        for_row_vectors(nv, [&](int k, i64 v) {
-            const uint4 u = ld16(xr + v * N);
-            if (k < SHARDC_ROW_CACHE) cache[k] = u;
-            float f[N];
-            unpack16(xr, u, f);
+        row_first_pass(nv, cache, xr, [&](i64, const float* f) {
 #pragma unroll
             for (int e = 0; e < N; ++e) ss += f[e] * f[e];
         });
@@ -41,19 +56,7 @@ __device__ __forceinline__ void rmsnorm_impl(const T* x, const T* w, T* out, i64
             const float v = load(xr, c);
             ss += v * v;
         }
-        ss = block_sum(ss);
-        const float inv = rsqrtf(ss / (float)hidden + eps);
-        for_row_vectors(nv, [&](int k, i64 v) {
-            float f[N], g[N];
-            unpack16(xr, row_vec(cache, k, xr, v), f);
-            load_vec(w, v * N, g);
-#pragma unroll
-            for (int e = 0; e < N; ++e) f[e] = f[e] * inv * g[e];
-            store_vec(outr, v * N, f);
-        });
-        for (i64 c = nv * N + threadIdx.x; c < hidden; c += blockDim.x) {
-            store(outr, c, load(xr, c) * inv * load(w, c));
-        }
+        rms_scale_row(block_sum(ss), nv, cache, xr, w, outr, hidden, eps);
     }
 }
 
@@ -68,20 +71,14 @@ __device__ __forceinline__ void layernorm_impl(const T* x, const T* w, const T* 
         const i64 nv = vectors ? hidden / N : 0;
         uint4 cache[SHARDC_ROW_CACHE];
         float s = 0.0f;
-        for_row_vectors(nv, [&](int k, i64 v) {
-            const uint4 u = ld16(xr + v * N);
-            if (k < SHARDC_ROW_CACHE) cache[k] = u;
-            float f[N];
-            unpack16(xr, u, f);
+        row_first_pass(nv, cache, xr, [&](i64, const float* f) {
 #pragma unroll
             for (int e = 0; e < N; ++e) s += f[e];
         });
         for (i64 c = nv * N + threadIdx.x; c < hidden; c += blockDim.x) s += load(xr, c);
         const float mean = block_sum(s) / (float)hidden;
         float sq = 0.0f;
-        for_row_vectors(nv, [&](int k, i64 v) {
-            float f[N];
-            unpack16(xr, row_vec(cache, k, xr, v), f);
+        row_next_pass(nv, cache, xr, [&](i64, const float* f) {
 #pragma unroll
             for (int e = 0; e < N; ++e) sq += (f[e] - mean) * (f[e] - mean);
         });
@@ -90,9 +87,8 @@ __device__ __forceinline__ void layernorm_impl(const T* x, const T* w, const T* 
             sq += d * d;
         }
         const float inv = rsqrtf(block_sum(sq) / (float)hidden + eps);
-        for_row_vectors(nv, [&](int k, i64 v) {
-            float f[N], g[N], h[N];
-            unpack16(xr, row_vec(cache, k, xr, v), f);
+        row_next_pass(nv, cache, xr, [&](i64 v, float* f) {
+            float g[N], h[N];
             load_vec(w, v * N, g);
             load_vec(b, v * N, h);
 #pragma unroll
@@ -142,19 +138,7 @@ __device__ __forceinline__ void add_rmsnorm_impl(const T* x, const T* residual, 
             const float v = load(sr, c);  // the rounded sum
             ss += v * v;
         }
-        ss = block_sum(ss);
-        const float inv = rsqrtf(ss / (float)hidden + eps);
-        for_row_vectors(nv, [&](int k, i64 v) {
-            float f[N], g[N];
-            unpack16(sr, row_vec(cache, k, (const T*)sr, v), f);
-            load_vec(w, v * N, g);
-#pragma unroll
-            for (int e = 0; e < N; ++e) f[e] = f[e] * inv * g[e];
-            store_vec(outr, v * N, f);
-        });
-        for (i64 c = nv * N + threadIdx.x; c < hidden; c += blockDim.x) {
-            store(outr, c, load(sr, c) * inv * load(w, c));
-        }
+        rms_scale_row(block_sum(ss), nv, cache, (const T*)sr, w, outr, hidden, eps);
     }
 }
 

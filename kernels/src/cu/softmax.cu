@@ -19,11 +19,7 @@ __device__ __forceinline__ void softmax_impl(const T* x, T* out, i64 rows, i64 c
         const i64 nv = aligned16(xr) && aligned16(outr) ? cols / N : 0;
         uint4 cache[SHARDC_ROW_CACHE];
         float m = -SHARDC_INF;
-        for_row_vectors(nv, [&](int k, i64 v) {
-            const uint4 u = ld16(xr + v * N);
-            if (k < SHARDC_ROW_CACHE) cache[k] = u;
-            float f[N];
-            unpack16(xr, u, f);
+        row_first_pass(nv, cache, xr, [&](i64, const float* f) {
 #pragma unroll
             for (int e = 0; e < N; ++e) m = fmaxf(m, f[e]);
         });
@@ -32,9 +28,7 @@ __device__ __forceinline__ void softmax_impl(const T* x, T* out, i64 rows, i64 c
         const bool live = m != -SHARDC_INF;
         float s = 0.0f;
         if (live) {
-            for_row_vectors(nv, [&](int k, i64 v) {
-                float f[N];
-                unpack16(xr, row_vec(cache, k, xr, v), f);
+            row_next_pass(nv, cache, xr, [&](i64, const float* f) {
 #pragma unroll
                 for (int e = 0; e < N; ++e) s += expf(f[e] - m);
             });
@@ -42,9 +36,7 @@ __device__ __forceinline__ void softmax_impl(const T* x, T* out, i64 rows, i64 c
         }
         s = block_sum(s);
         const float inv = s > 0.0f ? 1.0f / s : 0.0f;
-        for_row_vectors(nv, [&](int k, i64 v) {
-            float f[N];
-            unpack16(xr, row_vec(cache, k, xr, v), f);
+        row_next_pass(nv, cache, xr, [&](i64 v, float* f) {
 #pragma unroll
             for (int e = 0; e < N; ++e) f[e] = (live ? expf(f[e] - m) : 0.0f) * inv;
             store_vec(outr, v * N, f);

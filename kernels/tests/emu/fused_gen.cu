@@ -9,33 +9,9 @@ __device__ __forceinline__ float fused_swiglu_bf16_expr(float x0, float x1) {
 }
 
 extern "C" __global__ void fused_swiglu_bf16(const bf16* in0, const bf16* in1, bf16* out, i64 n, i64 len0, i64 len1) {
-    constexpr int N = VecWidth<bf16>::N;
-    const i64 start = global_thread_id(), step = grid_stride();
-    const bool vectors = aligned16(out) && aligned16(in0) && (len0 == n || len0 % N == 0) && aligned16(in1) && (len1 == n || len1 % N == 0);
-    const i64 nv = vectors ? n / N : 0;
-    if (start < nv) {
-        DivMod j0(start * N, step * N, len0);
-        DivMod j1(start * N, step * N, len1);
-        for (i64 v = start; v < nv; v += step) {
-            float y[N], x0[N], x1[N];
-            load_vec(in0, j0.r, x0);
-            load_vec(in1, j1.r, x1);
-            for (int e = 0; e < N; ++e) y[e] = fused_swiglu_bf16_expr(x0[e], x1[e]);
-            store_vec(out, v * N, y);
-            j0.advance();
-            j1.advance();
-        }
-    }
-    const i64 first = nv * N + start;
-    if (first < n) {
-        DivMod j0(first, step, len0);
-        DivMod j1(first, step, len1);
-        for (i64 i = first; i < n; i += step) {
-            store(out, i, fused_swiglu_bf16_expr(load(in0, j0.r), load(in1, j1.r)));
-            j0.advance();
-            j1.advance();
-        }
-    }
+    const bf16* in[] = {in0, in1};
+    const i64 len[] = {len0, len1};
+    fused_elementwise<2, bf16>(in, len, out, n, [](const float* x) { return fused_swiglu_bf16_expr(x[0], x[1]); });
 }
 
 // fused_bias_gelu_f32: mul(gelu_tanh(add(x0, x1)), 0.125)
@@ -47,33 +23,9 @@ __device__ __forceinline__ float fused_bias_gelu_f32_expr(float x0, float x1) {
 }
 
 extern "C" __global__ void fused_bias_gelu_f32(const float* in0, const float* in1, float* out, i64 n, i64 len0, i64 len1) {
-    constexpr int N = VecWidth<float>::N;
-    const i64 start = global_thread_id(), step = grid_stride();
-    const bool vectors = aligned16(out) && aligned16(in0) && (len0 == n || len0 % N == 0) && aligned16(in1) && (len1 == n || len1 % N == 0);
-    const i64 nv = vectors ? n / N : 0;
-    if (start < nv) {
-        DivMod j0(start * N, step * N, len0);
-        DivMod j1(start * N, step * N, len1);
-        for (i64 v = start; v < nv; v += step) {
-            float y[N], x0[N], x1[N];
-            load_vec(in0, j0.r, x0);
-            load_vec(in1, j1.r, x1);
-            for (int e = 0; e < N; ++e) y[e] = fused_bias_gelu_f32_expr(x0[e], x1[e]);
-            store_vec(out, v * N, y);
-            j0.advance();
-            j1.advance();
-        }
-    }
-    const i64 first = nv * N + start;
-    if (first < n) {
-        DivMod j0(first, step, len0);
-        DivMod j1(first, step, len1);
-        for (i64 i = first; i < n; i += step) {
-            store(out, i, fused_bias_gelu_f32_expr(load(in0, j0.r), load(in1, j1.r)));
-            j0.advance();
-            j1.advance();
-        }
-    }
+    const float* in[] = {in0, in1};
+    const i64 len[] = {len0, len1};
+    fused_elementwise<2, float>(in, len, out, n, [](const float* x) { return fused_bias_gelu_f32_expr(x[0], x[1]); });
 }
 
 // fused_three_f32: sub(div(x1, x2), exp(x1))
@@ -85,71 +37,22 @@ __device__ __forceinline__ float fused_three_f32_expr(float x1, float x2) {
 }
 
 extern "C" __global__ void fused_three_f32(const float* in0, const float* in1, const float* in2, float* out, i64 n, i64 len0, i64 len1, i64 len2) {
-    constexpr int N = VecWidth<float>::N;
-    const i64 start = global_thread_id(), step = grid_stride();
-    const bool vectors = aligned16(out) && aligned16(in1) && (len1 == n || len1 % N == 0) && aligned16(in2) && (len2 == n || len2 % N == 0);
-    const i64 nv = vectors ? n / N : 0;
-    if (start < nv) {
-        DivMod j1(start * N, step * N, len1);
-        DivMod j2(start * N, step * N, len2);
-        for (i64 v = start; v < nv; v += step) {
-            float y[N], x1[N], x2[N];
-            load_vec(in1, j1.r, x1);
-            load_vec(in2, j2.r, x2);
-            for (int e = 0; e < N; ++e) y[e] = fused_three_f32_expr(x1[e], x2[e]);
-            store_vec(out, v * N, y);
-            j1.advance();
-            j2.advance();
-        }
-    }
-    const i64 first = nv * N + start;
-    if (first < n) {
-        DivMod j1(first, step, len1);
-        DivMod j2(first, step, len2);
-        for (i64 i = first; i < n; i += step) {
-            store(out, i, fused_three_f32_expr(load(in1, j1.r), load(in2, j2.r)));
-            j1.advance();
-            j2.advance();
-        }
-    }
+    const float* in[] = {in1, in2};
+    const i64 len[] = {len1, len2};
+    fused_elementwise<2, float>(in, len, out, n, [](const float* x) { return fused_three_f32_expr(x[0], x[1]); });
 }
 
-// fused_three_bf16: sub(div(x1, x2), exp(x1))
+// fused_three_bf16: sub(x2, neg(x1))
 __device__ __forceinline__ float fused_three_bf16_expr(float x1, float x2) {
-    const float t0 = x1 / x2;  // div(x1, x2)
-    const float t1 = op_exp(x1);  // exp(x1)
-    const float t2 = t0 - t1;  // sub(div(x1, x2), exp(x1))
-    return t2;
+    const float t0 = op_neg(x1);  // neg(x1)
+    const float t1 = x2 - t0;  // sub(x2, neg(x1))
+    return t1;
 }
 
 extern "C" __global__ void fused_three_bf16(const bf16* in0, const bf16* in1, const bf16* in2, bf16* out, i64 n, i64 len0, i64 len1, i64 len2) {
-    constexpr int N = VecWidth<bf16>::N;
-    const i64 start = global_thread_id(), step = grid_stride();
-    const bool vectors = aligned16(out) && aligned16(in1) && (len1 == n || len1 % N == 0) && aligned16(in2) && (len2 == n || len2 % N == 0);
-    const i64 nv = vectors ? n / N : 0;
-    if (start < nv) {
-        DivMod j1(start * N, step * N, len1);
-        DivMod j2(start * N, step * N, len2);
-        for (i64 v = start; v < nv; v += step) {
-            float y[N], x1[N], x2[N];
-            load_vec(in1, j1.r, x1);
-            load_vec(in2, j2.r, x2);
-            for (int e = 0; e < N; ++e) y[e] = fused_three_bf16_expr(x1[e], x2[e]);
-            store_vec(out, v * N, y);
-            j1.advance();
-            j2.advance();
-        }
-    }
-    const i64 first = nv * N + start;
-    if (first < n) {
-        DivMod j1(first, step, len1);
-        DivMod j2(first, step, len2);
-        for (i64 i = first; i < n; i += step) {
-            store(out, i, fused_three_bf16_expr(load(in1, j1.r), load(in2, j2.r)));
-            j1.advance();
-            j2.advance();
-        }
-    }
+    const bf16* in[] = {in1, in2};
+    const i64 len[] = {len1, len2};
+    fused_elementwise<2, bf16>(in, len, out, n, [](const float* x) { return fused_three_bf16_expr(x[0], x[1]); });
 }
 
 // fused_const_bf16: 1.5
@@ -158,21 +61,5 @@ __device__ __forceinline__ float fused_const_bf16_expr() {
 }
 
 extern "C" __global__ void fused_const_bf16(bf16* out, i64 n) {
-    constexpr int N = VecWidth<bf16>::N;
-    const i64 start = global_thread_id(), step = grid_stride();
-    const bool vectors = aligned16(out);
-    const i64 nv = vectors ? n / N : 0;
-    if (start < nv) {
-        for (i64 v = start; v < nv; v += step) {
-            float y[N];
-            for (int e = 0; e < N; ++e) y[e] = fused_const_bf16_expr();
-            store_vec(out, v * N, y);
-        }
-    }
-    const i64 first = nv * N + start;
-    if (first < n) {
-        for (i64 i = first; i < n; i += step) {
-            store(out, i, fused_const_bf16_expr());
-        }
-    }
+    fused_elementwise<0, bf16>(nullptr, nullptr, out, n, [](const float*) { return fused_const_bf16_expr(); });
 }

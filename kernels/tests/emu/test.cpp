@@ -115,6 +115,22 @@ void test_norms() {
     check("add_rmsnorm_bf16 out", go, want, 1e-2, 1e-2);
 }
 
+// Rotary reference in double: x [rows of heads x d] rotated in place by pos[bt] * inv[j]
+// (style 0 half, 1 interleaved), elements past rot unchanged.
+std::vector<double> rope_want(const std::vector<float>& x, const std::vector<int>& pos, const std::vector<float>& inv,
+                              int BT, int H, int D, int ROT, int style) {
+    std::vector<double> want(x.begin(), x.end());
+    for (int bt = 0; bt < BT; ++bt) for (int h = 0; h < H; ++h) {
+        int base = (bt*H + h)*D;
+        for (int j = 0; j < ROT/2; ++j) {
+            int ia = style == 0 ? base + j : base + 2*j, ib = style == 0 ? base + j + ROT/2 : base + 2*j + 1;
+            double a = (float)((float)pos[bt] * inv[j]); double c = std::cos(a), s = std::sin(a);
+            want[ia] = x[ia]*c - x[ib]*s; want[ib] = x[ib]*c + x[ia]*s;
+        }
+    }
+    return want;
+}
+
 void test_rope() {
     const int B = 2, T = 3, N = 2, D = 10, ROT = 6;
     auto x = randv(B*T*N*D); std::vector<int> pos = {0, 5, 100, 7, 1, 3000};
@@ -123,15 +139,7 @@ void test_rope() {
         std::vector<float> out = x;  // in place
         if (style == 0) launch({2}, {32}, [&] { rope_half_f32(out.data(), out.data(), pos.data(), inv.data(), B, T, N, D, ROT); });
         else launch({2}, {32}, [&] { rope_interleaved_f32(out.data(), out.data(), pos.data(), inv.data(), B, T, N, D, ROT); });
-        std::vector<double> want(dv(x));
-        for (int bt = 0; bt < B*T; ++bt) for (int h = 0; h < N; ++h) {
-            int base = (bt*N + h)*D;
-            for (int j = 0; j < ROT/2; ++j) {
-                int ia = style == 0 ? base + j : base + 2*j, ib = style == 0 ? base + j + ROT/2 : base + 2*j + 1;
-                double a = (float)((float)pos[bt] * inv[j]); double c = std::cos(a), s = std::sin(a);
-                want[ia] = x[ia]*c - x[ib]*s; want[ib] = x[ib]*c + x[ia]*s;
-            }
-        }
+        std::vector<double> want = rope_want(x, pos, inv, B*T, N, D, ROT, style);
         check(style == 0 ? "rope_half_f32 (partial, in place)" : "rope_interleaved_f32 (partial, in place)", out, want, 1e-5, 1e-5);
     }
 }
@@ -470,15 +478,7 @@ template <class T> void rope_vec_case(int B, int Tn, int H, int D, int ROT, int 
         });
         char what[128]; snprintf(what, sizeof what, "rope_%s_%s D=%d rot=%d heads=%d +%d (in place)", style == 0 ? "half" : "interleaved", tname<T>(), D, ROT, H, off);
         check_path(what, vec);
-        std::vector<double> want(dv(xf));
-        for (int bt = 0; bt < B*Tn; ++bt) for (int h = 0; h < H; ++h) {
-            int base = (bt*H + h)*D;
-            for (int j = 0; j < ROT/2; ++j) {
-                int ia = style == 0 ? base + j : base + 2*j, ib = style == 0 ? base + j + ROT/2 : base + 2*j + 1;
-                double ang = (float)((float)pos[bt] * inv[j]); double c = std::cos(ang), s = std::sin(ang);
-                want[ia] = xf[ia]*c - xf[ib]*s; want[ib] = xf[ib]*c + xf[ia]*s;
-            }
-        }
+        std::vector<double> want = rope_want(xf, pos, inv, B*Tn, H, D, ROT, style);
         auto got = x.f32(xf.size());
         check(what, got, want, tol, tol);
         // pass-through elements bit for bit
@@ -517,11 +517,12 @@ template <class T> void fused_case(int n, int len1, int len2, int off) {
         check(what, out.f32(n), want, tol, tol);
     }
     // in0 is unused (a null pointer must not be touched); in1, in2 broadcast independently.
+    // f32: x1 / x2 - exp(x1); bf16: x2 - neg(x1).
     mark_vec();
     launch({2}, {32}, [&] { if constexpr (sizeof(T) == 2) fused_three_bf16(nullptr, b.p, c.p, out.p, n, 1, len1, len2); else fused_three_f32(nullptr, b.p, c.p, out.p, n, 1, len1, len2); });
     snprintf(what, sizeof what, "fused_three_%s n=%d len1=%d len2=%d +%d", tname<T>(), n, len1, len2, off);
     check_path(what, aligned && ok_len(len1) && ok_len(len2));
-    for (int i = 0; i < n; ++i) { double x1 = bfv[i % len1], x2 = cf[i % len2]; want[i] = x1 / x2 - std::exp(x1); }
+    for (int i = 0; i < n; ++i) { double x1 = bfv[i % len1], x2 = cf[i % len2]; want[i] = sizeof(T) == 2 ? x2 + x1 : x1 / x2 - std::exp(x1); }
     check(what, out.f32(n), want, tol, tol);
 }
 
