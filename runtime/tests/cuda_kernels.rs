@@ -582,3 +582,58 @@ fn the_gpu_checks_can_fail() {
     let top1 = top1_agreement(&got, &want, 2, 2e-2);
     assert!((top1 - 0.5).abs() < 1e-12, "{top1}");
 }
+
+/// Reshapes of computed values run as views of their root's slot (no copy): a chain of two
+/// reshapes read by a later kernel and named as outputs, with a value computed in between that
+/// must not land in the root's bytes, matches the CPU reference (f32).
+#[test]
+#[ignore = "needs a GPU"]
+fn reshape_of_a_computed_value_is_a_view() {
+    let mut rng = Rng::new(23);
+    let x = rng.tensor(&[6, 40], 1.0);
+    let mut g = Graph::new();
+    let xi = g.input("x", ty_of(&x));
+    let a = g.add(Op::Unary(UnaryOp::Silu), &[xi], "a").expect("silu");
+    let r1 = g
+        .add_typed(
+            Op::Reshape,
+            &[a],
+            Some(TensorType::plain(DType::F32, &[240])),
+            "r1",
+        )
+        .expect("reshape");
+    let b = g.add(Op::Unary(UnaryOp::Exp), &[xi], "b").expect("exp");
+    let r2 = g
+        .add_typed(
+            Op::Reshape,
+            &[r1],
+            Some(TensorType::plain(DType::F32, &[4, 60])),
+            "r2",
+        )
+        .expect("reshape");
+    let bb = g
+        .add_typed(
+            Op::Reshape,
+            &[b],
+            Some(TensorType::plain(DType::F32, &[4, 60])),
+            "bb",
+        )
+        .expect("reshape");
+    let s = g.add(Op::Add, &[r2, bb], "s").expect("add");
+    g.set_output("r2", r2);
+    g.set_output("s", s);
+    let inputs = BTreeMap::from([("x".to_string(), x)]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let w = checkpoint(dir.path(), &[]);
+    let want = execute(&g, &w, &inputs, &RankCtx::new()).expect("cpu");
+    let dev = device();
+    let params = ParamInit::Random {
+        seed: 1,
+        scale: 1.0,
+    };
+    let got = execute_cuda(&dev, &g, &params, &inputs, opts(GpuDType::F32, true)).expect("gpu");
+    let (atol, rtol) = tol(GpuDType::F32);
+    for name in ["r2", "s"] {
+        assert_close(name, &got[name], &want[name], atol, rtol);
+    }
+}

@@ -3,12 +3,12 @@
 //! fused groups, the GEMM plan-cache keys — on real model programs.
 
 use shardc_compiler::compile::{compile_forward, CompileOptions};
-use shardc_compiler::ir::{Op, ValueId};
+use shardc_compiler::ir::Op;
 use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::cuda::comm::nccl::NcclId;
 use shardc_runtime::cuda::{
-    cuda_device_count, last_uses, plan_arena, plan_memory, CudaDevice, CudaError, Epilogue,
+    cuda_device_count, plan_arena, plan_memory, Action, CudaDevice, CudaError, Epilogue,
     FusedGroup, GemmKey, GpuDType,
 };
 use std::collections::HashSet;
@@ -129,19 +129,39 @@ fn arena_reuse_and_fusion_on_every_fixture_model() {
                 plain.total
             );
             assert!(!plan.groups.is_empty(), "{model}: no fused group");
-            let last = last_uses(&g);
-            for (v, &lv) in last.iter().enumerate() {
-                for w in v + 1..=lv.min(g.len() - 1) {
-                    if let (Some(a), Some(b)) = (fused.slots[v], fused.slots[w]) {
-                        assert!(
-                            !a.overlaps(&b),
-                            "{model} {dt}: {} and {} overlap while both live",
-                            ValueId(v as u32),
-                            ValueId(w as u32)
-                        );
-                    }
-                }
+            // Reshapes of computed values are views of their root's slot and not run.
+            let mut aliased = 0;
+            for v in g.ids() {
+                let Some(r) = fused.aliases[v.index()] else {
+                    assert!(
+                        !matches!(g.node(v).op, Op::Reshape)
+                            || matches!(
+                                g.node(g.node(v).inputs[0]).op,
+                                Op::Input { .. } | Op::Param(_)
+                            ),
+                        "{model}: reshape {v} of a computed value is not an alias"
+                    );
+                    continue;
+                };
+                assert!(
+                    matches!(g.node(v).op, Op::Reshape),
+                    "{model}: {v} is no reshape"
+                );
+                assert!(
+                    !matches!(g.node(r).op, Op::Reshape),
+                    "{model}: root {r} is a reshape"
+                );
+                assert_eq!(
+                    fused.slots[v.index()],
+                    fused.slots[r.index()],
+                    "{model}: {v}"
+                );
+                assert_eq!(plan.actions[v.index()], Action::Skip, "{model}: {v} runs");
+                aliased += 1;
             }
+            assert!(aliased > 0, "{model}: no reshape aliased");
+            // No two values live at once share bytes (an alias shares its root's, by design).
+            assert_eq!(fused.live_overlap(&g), None, "{model} {dt}: values overlap");
             // Every group's tail slot is free of the head's operands (the fused launch reads
             // them while writing the tail).
             for grp in &plan.groups {

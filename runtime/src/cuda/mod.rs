@@ -44,8 +44,8 @@ pub use error::CudaError;
 pub use gemm::{Epilogue, GemmCache, GemmKey};
 pub use node::cublas_epilogue;
 pub use plan::{
-    early_write_ok, fused_expr, last_uses, plan_arena, plan_memory, retyped, Action, ArenaPlan,
-    FusedGroup, FusionPlan, GpuDType, Slot, Storage,
+    early_write_ok, fused_expr, last_uses, plan_arena, plan_memory, reshape_aliases, retyped,
+    Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType, Slot, Storage,
 };
 pub use program::{execute_cuda, graph_blocker, CudaProgram};
 pub use rank::{CudaOptions, CudaRankCtx, ParamInit};

@@ -13,11 +13,16 @@
 //!   overlaps no other value live between head and tail ([`early_write_ok`]), so writing it
 //!   early clobbers nothing. [`plan_memory`] makes (c) hold for the operands of the head: the
 //!   arena is planned with the tail also "using" them, so their bytes are not reused by it.
+//! - Aliases: a `Reshape` of a computed value is a view of its operand's slot (tensors are
+//!   contiguous, so every reshape is one), not a copy: [`plan_memory`] gives it its *root*'s
+//!   slot (the first value up a chain of reshapes that is not one), plans the arena with the
+//!   root live until the alias's last use, and skips the node. A reshape of an input or a
+//!   parameter (no arena slot) stays a device copy.
 
 pub use super::dtype::GpuDType;
 use super::gemm::Epilogue;
 use crate::cuda::comm::device::DeviceDType;
-use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Op, UnaryOp, ValueId};
+use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Op, TensorType, UnaryOp, ValueId};
 use shardc_compiler::schedule::arena;
 use shardc_kernels::{FusedExpr, FusedUnary};
 
@@ -77,10 +82,84 @@ impl Slot {
 /// The activation arena of a graph: a slot per computed value.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArenaPlan {
-    /// Slot of each value (None for inputs and parameters).
+    /// Slot of each value (None for inputs and parameters); an alias has its root's slot.
     pub slots: Vec<Option<Slot>>,
     /// Arena size in bytes (the peak of live activations).
     pub total: u64,
+    /// The root of each `Reshape` that aliases it (see the module docs); `None` elsewhere.
+    pub aliases: Vec<Option<ValueId>>,
+}
+
+impl ArenaPlan {
+    /// The arena `schedule::arena` plans for `ag` (the planning graph of `n` values), with
+    /// each alias in its root's slot.
+    fn of(ag: &Graph, n: usize, aliases: Vec<Option<ValueId>>) -> ArenaPlan {
+        let (slots, total) = arena(ag);
+        let mut out = vec![None; n];
+        for s in slots {
+            out[s.value.index()] = Some(Slot {
+                offset: s.offset,
+                size: s.size,
+            });
+        }
+        for (v, root) in aliases.iter().enumerate() {
+            if let Some(r) = root {
+                out[v] = out[r.index()];
+            }
+        }
+        ArenaPlan {
+            slots: out,
+            total,
+            aliases,
+        }
+    }
+}
+
+impl ArenaPlan {
+    /// Two values of `g` (the graph planned) that share bytes while both live, if any: the
+    /// arena's invariant, with each alias counted as its root (sharing its bytes by design, and
+    /// keeping it live until the alias's last use). `None` when it holds.
+    pub fn live_overlap(&self, g: &Graph) -> Option<(ValueId, ValueId)> {
+        let root = |v: usize| self.aliases[v].map_or(v, |r| r.index());
+        let mut last = last_uses(g);
+        for v in 0..g.len() {
+            let r = root(v);
+            last[r] = last[r].max(last[v]);
+        }
+        for (v, &lv) in last.iter().enumerate() {
+            for w in v + 1..=lv.min(g.len().saturating_sub(1)) {
+                if root(w) == root(v) {
+                    continue;
+                }
+                if let (Some(a), Some(b)) = (self.slots[v], self.slots[w]) {
+                    if a.overlaps(&b) {
+                        return Some((ValueId(v as u32), ValueId(w as u32)));
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+/// The root of every `Reshape` of `g` that can alias its operand's slot: the operand's own
+/// root, when that is a computed value stored like the reshape.
+pub fn reshape_aliases(g: &Graph, dt: GpuDType) -> Vec<Option<ValueId>> {
+    let mut roots: Vec<Option<ValueId>> = vec![None; g.len()];
+    for v in g.ids() {
+        let node = g.node(v);
+        if !matches!(node.op, Op::Reshape) {
+            continue;
+        }
+        let x = node.inputs[0];
+        let root = roots[x.index()].unwrap_or(x);
+        let computed = !matches!(g.node(root).op, Op::Input { .. } | Op::Param(_));
+        let same = Storage::of(g.ty(root).dtype, dt) == Storage::of(node.ty.dtype, dt);
+        if computed && same {
+            roots[v.index()] = Some(root);
+        }
+    }
+    roots
 }
 
 /// The graph with every float value retyped to `dt` (what the device stores).
@@ -96,15 +175,7 @@ pub fn retyped(g: &Graph, dt: GpuDType) -> Graph {
 
 /// The arena of `g` stored in `dt`, by `shardc_compiler::schedule::arena`.
 pub fn plan_arena(g: &Graph, dt: GpuDType) -> ArenaPlan {
-    let (slots, total) = arena(&retyped(g, dt));
-    let mut out = vec![None; g.len()];
-    for s in slots {
-        out[s.value.index()] = Some(Slot {
-            offset: s.offset,
-            size: s.size,
-        });
-    }
-    ArenaPlan { slots: out, total }
+    ArenaPlan::of(&retyped(g, dt), g.len(), vec![None; g.len()])
 }
 
 /// Index of each value's last use (its own index when unused; `len` for graph outputs), the
@@ -234,7 +305,8 @@ pub fn early_write_ok(
     })
 }
 
-/// The arena and the fused groups of `g` stored in `dt` (no groups when `fuse` is false).
+/// The arena (with reshape aliases) and the fused groups of `g` stored in `dt` (no groups when
+/// `fuse` is false); an alias's node is skipped.
 ///
 /// Candidates come from pattern matching; the arena is planned on the graph with each
 /// candidate's tail also using its head's operands (the fused launch reads them while writing
@@ -251,20 +323,35 @@ pub fn plan_memory(g: &Graph, dt: GpuDType, fuse: bool) -> (ArenaPlan, FusionPla
         let head_ops = g.node(group.head()).inputs.clone();
         ag.nodes[group.tail().index()].inputs.extend(head_ops);
     }
-    let (slots, total) = arena(&ag);
-    let mut out = vec![None; n];
-    for s in slots {
-        out[s.value.index()] = Some(Slot {
-            offset: s.offset,
-            size: s.size,
-        });
+    // An alias takes no bytes of its own; its root stays live while any reader of the alias
+    // (or an output naming it) is.
+    let aliases = reshape_aliases(g, dt);
+    for (v, root) in aliases.iter().enumerate() {
+        if let Some(r) = root {
+            let node = &mut ag.nodes[v];
+            node.ty = TensorType::plain(node.ty.dtype, &[0]);
+            for user in &mut ag.nodes {
+                if user.inputs.iter().any(|i| i.index() == v) {
+                    user.inputs.push(*r);
+                }
+            }
+            if g.outputs.iter().any(|&(_, o)| o.index() == v) {
+                ag.outputs
+                    .push((format!("{} (aliased)", g.node(*r).name), *r));
+            }
+        }
     }
-    let arena = ArenaPlan { slots: out, total };
+    let arena = ArenaPlan::of(&ag, n, aliases);
     let last = last_uses(&ag);
     let mut plan = FusionPlan {
         actions: vec![Action::Run; n],
         groups: Vec::new(),
     };
+    for (v, root) in arena.aliases.iter().enumerate() {
+        if root.is_some() {
+            plan.actions[v] = Action::Skip;
+        }
+    }
     for (group, members) in candidates {
         let mut exclude = members.clone();
         exclude.push(group.head());
@@ -501,17 +588,18 @@ mod tests {
             fused.total,
             a32.total
         );
-        // No two values live at once share bytes, with and without fusion.
-        let last = last_uses(&g);
+        // No two values live at once share bytes, with and without fusion (and aliases).
         for arena in [&a32, &fused] {
-            for (v, &lv) in last.iter().enumerate() {
-                for w in v + 1..=lv.min(g.len() - 1) {
-                    if let (Some(a), Some(b)) = (arena.slots[v], arena.slots[w]) {
-                        assert!(!a.overlaps(&b), "%{v} and %{w} overlap while both live");
-                    }
-                }
-            }
+            assert_eq!(
+                arena.live_overlap(&g),
+                None,
+                "values overlap while both live"
+            );
         }
+        assert!(
+            fused.aliases.iter().any(Option::is_some),
+            "no reshape aliased"
+        );
     }
 
     /// Plans the fixture `model`'s 2 × 16 forward graph at `dt` with fusion; checks that each
@@ -541,9 +629,21 @@ mod tests {
             assert_eq!(plan.actions[grp.head().index()], Action::Fused(i));
             assert_eq!(plan.actions[grp.tail().index()], Action::Skip);
         }
+        // Without fusion only the reshape aliases are skipped, and they save bytes.
         let (plain, off) = plan_memory(&g, GpuDType::F32, false);
-        assert!(off.groups.is_empty() && off.actions.iter().all(|a| *a == Action::Run));
-        assert_eq!(plain, plan_arena(&g, GpuDType::F32));
+        assert!(off.groups.is_empty());
+        for (v, a) in off.actions.iter().enumerate() {
+            let skip = plain.aliases[v].is_some();
+            assert_eq!(*a, if skip { Action::Skip } else { Action::Run }, "%{v}");
+        }
+        let no_alias = plan_arena(&g, GpuDType::F32);
+        assert!(
+            plain.total <= no_alias.total,
+            "{} vs {}",
+            plain.total,
+            no_alias.total
+        );
+        assert_eq!(plain.live_overlap(&g), None);
     }
 
     #[test]
