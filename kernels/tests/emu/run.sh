@@ -9,7 +9,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/cu"
-for f in "$here"/../../src/cu/*; do
+# The runtime's own data-movement kernels (layout.cu) run here too.
+for f in "$here"/../../src/cu/* "$here"/../../../runtime/src/cuda/layout.cu; do
     # Dynamic shared memory becomes a static buffer in the emulation.
     sed 's/extern __shared__ float smem\[\];/float* smem = g_smem;/' "$f" >"$work/cu/$(basename "$f")"
 done

@@ -14,6 +14,7 @@
 #include "cu/reduce.cu"
 #include "cu/loss.cu"
 #include "fused_gen.cu"
+#include "cu/layout.cu"
 
 static int failures = 0;
 static std::mt19937 rng(42);
@@ -526,6 +527,53 @@ template <class T> void fused_case(int n, int len1, int len2, int off) {
     check(what, out.f32(n), want, tol, tol);
 }
 
+// ---- layout.cu: the strided copy's digit counter -----------------------------------------
+// Host reference of the StridedSpec contract, straight from layout.cu's header.
+std::vector<float> strided_ref(const StridedSpec& s, const std::vector<float>& in, size_t out_len) {
+    std::vector<float> out(out_len, -7.0f);
+    for (i64 i = 0; i < s.n; ++i) {
+        i64 rem = i, src = s.in_base, dst = s.out_base;
+        for (int d = (int)s.rank - 1; d >= 0; --d) {
+            const i64 idx = rem % s.shape[d]; rem /= s.shape[d];
+            src += (idx / s.in_div[d]) * s.in_stride[d]; dst += idx * s.out_stride[d];
+        }
+        out[dst] = in[src];
+    }
+    return out;
+}
+StridedSpec spec(std::vector<i64> shape, std::vector<i64> in_stride, std::vector<i64> in_div, std::vector<i64> out_stride, i64 in_base, i64 out_base) {
+    StridedSpec s{};
+    s.rank = (i64)shape.size(); s.n = 1; s.in_base = in_base; s.out_base = out_base;
+    for (int d = 0; d < SHARDC_MAX_RANK; ++d) { s.shape[d] = 1; s.in_stride[d] = 0; s.in_div[d] = 1; s.out_stride[d] = 0; }
+    for (size_t d = 0; d < shape.size(); ++d) { s.shape[d] = shape[d]; s.in_stride[d] = in_stride[d]; s.in_div[d] = in_div[d]; s.out_stride[d] = out_stride[d]; s.n *= shape[d]; }
+    return s;
+}
+void test_strided_copy() {
+    struct Case { const char* what; StridedSpec s; size_t in_len, out_len; };
+    std::vector<Case> cases = {
+        // [5, 7, 3] -> transpose of the last two dims: out [5, 3, 7]
+        {"transpose [5,7,3] -> [5,3,7]", spec({5, 7, 3}, {21, 3, 1}, {1, 1, 1}, {21, 1, 7}, 0, 0), 105, 105},
+        // slice rows 2..6 of a [9, 11] matrix, columns 3..10, into [4, 7] at out offset 5
+        {"slice [9,11][2:6,3:10] at out+5", spec({4, 7}, {11, 1}, {1, 1}, {7, 1}, 2 * 11 + 3, 5), 99, 33},
+        // repeat_interleave of KV heads: [2, 3, 4] -> [2, 6, 4], head h reads h / 2
+        {"repeat_interleave [2,3,4] x2 on dim 1", spec({2, 6, 4}, {12, 4, 1}, {1, 2, 1}, {24, 4, 1}, 0, 0), 24, 48},
+        // rank 1, a long run (the grid stride is shorter than n: several steps per thread)
+        {"rank 1 copy of 1000 at in+3", spec({1000}, {1}, {1}, {1}, 3, 0), 1003, 1000},
+        // rank 6 with a dim of size 1 in the middle
+        {"rank 6 [2,3,1,2,5,2] reversed strides", spec({2, 3, 1, 2, 5, 2}, {1, 2, 6, 6, 12, 60}, {1, 1, 1, 1, 1, 1}, {60, 20, 20, 10, 2, 1}, 0, 0), 120, 120},
+    };
+    for (auto& c : cases) {
+        auto in = randv(c.in_len);
+        auto want = strided_ref(c.s, in, c.out_len);
+        for (unsigned blocks : {1u, 2u, 40u}) {
+            std::vector<float> got(c.out_len, -7.0f);
+            launch({blocks}, {32}, [&] { strided_copy_b4((const unsigned*)in.data(), (unsigned*)got.data(), c.s); });
+            char what[160]; snprintf(what, sizeof what, "strided_copy_b4 %s (grid %u x 32)", c.what, blocks);
+            check(what, got, dv(want), 0, 0);
+        }
+    }
+}
+
 void test_vectors() {
     // Norms: H % N != 0 (rows alternate between the vector path and the scalar fallback), rows
     // longer than a block's register cache (32 threads x 8 vectors), misaligned x or weights.
@@ -564,7 +612,7 @@ void test_vectors() {
 int main() {
     test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
     test_attention(); test_router(); test_moe(); test_reduce_loss(); test_vocab_parallel_loss();
-    test_vectors();
+    test_vectors(); test_strided_copy();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

@@ -25,19 +25,48 @@ struct StridedSpec {
     i64 out_stride[SHARDC_MAX_RANK];
 };
 
+// The index is kept as mixed-radix digits over s.shape (innermost last), decomposed once per
+// thread with divisions and then advanced by the grid stride's digits with carries: no division
+// per element (only for a dim with in_div > 1, a repeat_interleave). Every dim up to
+// SHARDC_MAX_RANK is walked (the padding dims have shape 1, strides 0, in_div 1, so their digit
+// stays 0), which keeps the digits in registers.
 template <typename T>
 __device__ __forceinline__ void strided_copy_impl(const T* in, T* out, const StridedSpec& s) {
-    for (i64 i = global_thread_id(); i < s.n; i += grid_stride()) {
-        i64 rem = i;
+    const i64 start = global_thread_id(), step = grid_stride();
+    if (start >= s.n) return;
+    i64 idx[SHARDC_MAX_RANK], inc[SHARDC_MAX_RANK];
+    i64 a = start, b = step;
+#pragma unroll
+    for (int d = SHARDC_MAX_RANK - 1; d >= 0; --d) {
+        idx[d] = 0;
+        inc[d] = 0;
+        if (s.shape[d] != 1) {
+            const i64 qa = a / s.shape[d], qb = b / s.shape[d];
+            idx[d] = a - qa * s.shape[d];
+            inc[d] = b - qb * s.shape[d];
+            a = qa;
+            b = qb;
+        }
+    }
+    // What is left of b counts whole iterations: when it is not 0, one step ends the loop.
+    for (i64 i = start; i < s.n; i += step) {
         i64 src = s.in_base;
         i64 dst = s.out_base;
-        for (int d = (int)s.rank - 1; d >= 0; --d) {
-            const i64 idx = rem % s.shape[d];
-            rem /= s.shape[d];
-            src += (idx / s.in_div[d]) * s.in_stride[d];
-            dst += idx * s.out_stride[d];
+#pragma unroll
+        for (int d = 0; d < SHARDC_MAX_RANK; ++d) {
+            const i64 k = s.in_div[d] == 1 ? idx[d] : idx[d] / s.in_div[d];
+            src += k * s.in_stride[d];
+            dst += idx[d] * s.out_stride[d];
         }
         out[dst] = in[src];
+        // idx += inc; a carry out of dim 0 means i + step >= n.
+        i64 carry = 0;
+#pragma unroll
+        for (int d = SHARDC_MAX_RANK - 1; d >= 0; --d) {
+            const i64 v = idx[d] + inc[d] + carry;
+            carry = v >= s.shape[d] ? 1 : 0;
+            idx[d] = v - carry * s.shape[d];
+        }
     }
 }
 
