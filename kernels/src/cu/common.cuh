@@ -268,6 +268,23 @@ __device__ __forceinline__ void fused_elementwise(const T* const* in, const i64*
     }
 }
 
+// out[i] = fn(x[i]) through fused_elementwise.
+template <typename T, typename F>
+__device__ __forceinline__ void map1(const T* x, T* out, i64 n, F fn) {
+    const T* in[] = {x};
+    const i64 len[] = {n};
+    fused_elementwise<1, T>(in, len, out, n, [&](const float* v) { return fn(v[0]); });
+}
+
+// out[i] = fn(a[i], b[i % nb]) through fused_elementwise (nb == n: same shapes). out may alias
+// a or b.
+template <typename T, typename F>
+__device__ __forceinline__ void map2(const T* a, const T* b, T* out, i64 n, i64 nb, F fn) {
+    const T* in[] = {a, b};
+    const i64 len[] = {n, nb};
+    fused_elementwise<2, T>(in, len, out, n, [&](const float* v) { return fn(v[0], v[1]); });
+}
+
 // ---- scalar math (f32, precise library functions, no fast-math intrinsics) ------------------
 
 __device__ __forceinline__ float op_gelu_tanh(float x) {

@@ -8,30 +8,14 @@
 // swiglu_{f32,bf16}(const T* a, const T* b, T* out, i64 n)            out = silu(a) * b
 #include "common.cuh"
 
-// Every kernel here is the loop of the generated fused kernels (fused_elementwise in
-// common.cuh) over its one or two inputs: 16-byte vector accesses over the whole vectors of
-// [0, n) when all its pointers are 16-byte aligned (and, for a broadcast, nb is n or a multiple
-// of the vector width), then scalar accesses for the rest; otherwise scalar throughout. The
-// broadcast index advances with the grid stride, no division in the loop.
-
-template <typename T, typename F>
-__device__ __forceinline__ void unary_impl(const T* x, T* out, i64 n, F fn) {
-    const T* in[] = {x};
-    const i64 len[] = {n};
-    fused_elementwise<1, T>(in, len, out, n, [&](const float* v) { return fn(v[0]); });
-}
-
-// out[i] = fn(a[i], b[i % nb]) (nb == n: same shapes).
-template <typename T, typename F>
-__device__ __forceinline__ void binary_impl(const T* a, const T* b, T* out, i64 n, i64 nb, F fn) {
-    const T* in[] = {a, b};
-    const i64 len[] = {n, nb};
-    fused_elementwise<2, T>(in, len, out, n, [&](const float* v) { return fn(v[0], v[1]); });
-}
+// Every kernel here is map1 / map2 of common.cuh (the loop of the generated fused kernels):
+// 16-byte vector accesses where the pointers are aligned (and, for a broadcast, nb is n or a
+// multiple of the vector width), scalar otherwise and for the tail; the broadcast index
+// advances with the grid stride, no division in the loop.
 
 #define SHARDC_UNARY(NAME, T, FN)                                                    \
     extern "C" __global__ void NAME(const T* x, T* out, i64 n) {                     \
-        unary_impl(x, out, n, [](float v) { return FN(v); });                        \
+        map1(x, out, n, [](float v) { return FN(v); });                        \
     }
 
 SHARDC_UNARY(gelu_tanh_f32, float, op_gelu_tanh)
@@ -49,7 +33,7 @@ SHARDC_UNARY(neg_bf16, bf16, op_neg)
 
 #define SHARDC_SCALE(NAME, T)                                                        \
     extern "C" __global__ void NAME(const T* x, T* out, i64 n, float c) {            \
-        unary_impl(x, out, n, [c](float v) { return v * c; });                       \
+        map1(x, out, n, [c](float v) { return v * c; });                       \
     }
 
 SHARDC_SCALE(scale_f32, float)
@@ -57,7 +41,7 @@ SHARDC_SCALE(scale_bf16, bf16)
 
 #define SHARDC_BINARY(NAME, T, EXPR)                                                 \
     extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 n, i64 nb) { \
-        binary_impl(a, b, out, n, nb, [](float x, float y) { return EXPR; });        \
+        map2(a, b, out, n, nb, [](float x, float y) { return EXPR; });        \
     }
 
 SHARDC_BINARY(add_f32, float, x + y)
@@ -67,7 +51,7 @@ SHARDC_BINARY(mul_bf16, bf16, x * y)
 
 #define SHARDC_SWIGLU(NAME, T)                                                       \
     extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 n) {         \
-        binary_impl(a, b, out, n, n, [](float x, float y) { return op_silu(x) * y; }); \
+        map2(a, b, out, n, n, [](float x, float y) { return op_silu(x) * y; }); \
     }
 
 SHARDC_SWIGLU(swiglu_f32, float)

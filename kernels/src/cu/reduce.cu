@@ -7,21 +7,20 @@
 //     the last step of a sum-then-average (scale = 1 / ranks), fused so bf16 rounds once.
 #include "common.cuh"
 
+// map2 of common.cuh: 16-byte vector accesses where the pointers are aligned.
 template <typename T>
 __device__ __forceinline__ void reduce_add_impl(const T* a, const T* b, T* out, i64 n) {
-    for (i64 i = global_thread_id(); i < n; i += grid_stride()) store(out, i, load(a, i) + load(b, i));
+    map2(a, b, out, n, n, [](float x, float y) { return x + y; });
 }
 
 template <typename T>
 __device__ __forceinline__ void reduce_accumulate_impl(T* acc, const T* x, i64 n) {
-    for (i64 i = global_thread_id(); i < n; i += grid_stride()) store(acc, i, load(acc, i) + load(x, i));
+    map2((const T*)acc, x, acc, n, n, [](float a, float b) { return a + b; });
 }
 
 template <typename T>
 __device__ __forceinline__ void reduce_average_impl(T* acc, const T* x, i64 n, float scale) {
-    for (i64 i = global_thread_id(); i < n; i += grid_stride()) {
-        store(acc, i, (load(acc, i) + load(x, i)) * scale);
-    }
+    map2((const T*)acc, x, acc, n, n, [scale](float a, float b) { return (a + b) * scale; });
 }
 
 extern "C" __global__ void reduce_add_f32(const float* a, const float* b, float* out, i64 n) {

@@ -574,6 +574,31 @@ void test_strided_copy() {
     }
 }
 
+// Embedding rows and the collectives' reductions through their vector paths and fallbacks.
+template <class T> void embedding_reduce_case(int H, int off) {
+    const int V = 9, Nn = 7; const long long id_off = 100;
+    auto tf = randv(V * H); auto tt = as<T>(tf);
+    Placed<T> table(tt, off), out(std::vector<T>(Nn * H), 0);
+    std::vector<int> ids = {100, 108, 99, 109, 104, 104, -3};
+    const bool vec = off * sizeof(T) % 16 == 0 && H % lanes<T>() == 0;
+    char what[128];
+    mark_vec();
+    launch({2}, {32}, [&] { if constexpr (sizeof(T) == 2) embedding_bf16(table.p, ids.data(), out.p, Nn, V, H, id_off); else embedding_f32(table.p, ids.data(), out.p, Nn, V, H, id_off); });
+    snprintf(what, sizeof what, "embedding_%s H=%d table+%d (offset, out-of-range rows zero)", tname<T>(), H, off);
+    check_path(what, vec);
+    std::vector<double> want(Nn * H, 0);
+    for (int n = 0; n < Nn; ++n) { long long r = ids[n] - id_off; if (r >= 0 && r < V) for (int c = 0; c < H; ++c) want[n * H + c] = tf[r * H + c]; }
+    check(what, out.f32(Nn * H), want, 0, 0);
+    const int n = 1003; auto af = randv(n), bfv = randv(n); auto at = as<T>(af); auto bt = as<T>(bfv);
+    Placed<T> acc(at, off), x(bt, off);
+    mark_vec();
+    launch({2}, {32}, [&] { if constexpr (sizeof(T) == 2) reduce_average_bf16(acc.p, x.p, n, 0.5f); else reduce_average_f32(acc.p, x.p, n, 0.5f); });
+    snprintf(what, sizeof what, "reduce_average_%s n=%d +%d", tname<T>(), n, off);
+    check_path(what, off * sizeof(T) % 16 == 0);
+    std::vector<double> wa(n); for (int i = 0; i < n; ++i) wa[i] = ((double)af[i] + bfv[i]) * 0.5;
+    check(what, acc.f32(n), wa, sizeof(T) == 2 ? 1e-2 : 1e-6, sizeof(T) == 2 ? 1e-2 : 0);
+}
+
 void test_vectors() {
     // Norms: H % N != 0 (rows alternate between the vector path and the scalar fallback), rows
     // longer than a block's register cache (32 threads x 8 vectors), misaligned x or weights.
@@ -607,6 +632,12 @@ void test_vectors() {
     fused_case<bf16>(1003, 1003, 40, 0);
     fused_case<bf16>(1003, 40, 12, 0);
     fused_case<bf16>(1003, 40, 40, 2);
+    embedding_reduce_case<float>(12, 0);
+    embedding_reduce_case<float>(12, 1);
+    embedding_reduce_case<float>(5, 0);
+    embedding_reduce_case<bf16>(16, 0);
+    embedding_reduce_case<bf16>(16, 3);
+    embedding_reduce_case<bf16>(12, 0);
 }
 
 int main() {

@@ -231,7 +231,7 @@ impl Launcher<'_> {
         hidden: usize,
     ) -> Result<(), CudaError> {
         let (n, v, h, off) = (i(n_ids), i(vocab), i(hidden), 0i64);
-        launch!(self, entry_name("embedding", dt), elementwise_launch(n_ids * hidden);
+        launch!(self, entry_name("embedding", dt), vector_launch(n_ids * hidden, dt);
             &table, &ids, &out, &n, &v, &h, &off)
     }
 
@@ -417,7 +417,7 @@ impl Launcher<'_> {
     /// `acc += x`.
     pub fn accumulate(&self, dt: KernelDType, acc: u64, x: u64, n: usize) -> Result<(), CudaError> {
         let n64 = i(n);
-        launch!(self, entry_name("reduce_accumulate", dt), elementwise_launch(n); &acc, &x, &n64)
+        launch!(self, entry_name("reduce_accumulate", dt), vector_launch(n, dt); &acc, &x, &n64)
     }
 
     /// `acc = (acc + x) · scale`.
@@ -430,7 +430,7 @@ impl Launcher<'_> {
         scale: f32,
     ) -> Result<(), CudaError> {
         let n64 = i(n);
-        launch!(self, entry_name("reduce_average", dt), elementwise_launch(n); &acc, &x, &n64, &scale)
+        launch!(self, entry_name("reduce_average", dt), vector_launch(n, dt); &acc, &x, &n64, &scale)
     }
 
     /// `bytes` bytes from `src` to `dst` (device to device).
