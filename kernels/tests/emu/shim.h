@@ -21,7 +21,7 @@ dim3 gridDim, blockDim;
 #define __shared__ static
 #define __launch_bounds__(x)
 float g_smem[1 << 16];
-struct WarpCtx { std::barrier<>* bar; unsigned long long slots[32]; };
+struct WarpCtx { std::barrier<>* bar; unsigned long long slots[32]; unsigned frag[32][6]; };
 thread_local WarpCtx* tw;
 thread_local std::barrier<>* tb;
 inline void __syncthreads() { tb->arrive_and_wait(); }
@@ -64,3 +64,4 @@ template <class F> void launch(dim3 grid, dim3 block, F kernel) {
         for (auto& t : ts) t.join();
     }
 }
+#include "warp_mma.h"

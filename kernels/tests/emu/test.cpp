@@ -10,6 +10,7 @@
 #include "cu/elementwise.cu"
 #include "cu/cast.cu"
 #include "cu/attention.cu"
+#include "cu/mma.cuh"
 #include "cu/moe.cu"
 #include "cu/reduce.cu"
 #include "cu/loss.cu"
@@ -321,9 +322,101 @@ void test_vocab_parallel_loss() {
     check("cross_entropy_stats_f32 (NaN for label>=V)", {st[0], st[1], st[2]}, {NAN, NAN, NAN}, 0, 0);
 }
 
+// ---- tensor-core wrappers (mma.cuh) alone, against the PTX ISA fragment layouts ----------
+// Element i (0..7) of a lane's A fragment, written from the ISA's formula (not the emulator's
+// inverse of it): row g for i in {0,1,4,5} else g + 8; column 2c + (i & 1), + 8 for i >= 4.
+static void frag_a_rc(int lane, int i, int& r, int& k) {
+    const int g = lane >> 2, c = lane & 3;
+    r = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+    k = 2 * c + (i & 1) + (i >= 4 ? 8 : 0);
+}
+// B (16x8): row 2c + (i & 1), + 8 for i >= 2; column g. C/D: row g (i < 2) or g + 8; column 2c + (i & 1).
+static void frag_b_rc(int lane, int i, int& k, int& n) { k = 2 * (lane & 3) + (i & 1) + (i >= 2 ? 8 : 0); n = lane >> 2; }
+static void frag_c_rc(int lane, int i, int& r, int& n) { r = (lane >> 2) + (i >= 2 ? 8 : 0); n = 2 * (lane & 3) + (i & 1); }
+
+void test_mma_wrappers() {
+    // mma.m16n8k16 alone: registers built from the ISA layouts, D = A B + C vs double.
+    auto a = randv(16 * 16), bm = randv(16 * 8), cm = randv(16 * 8);
+    for (auto& x : a) x = host_bf16_f(host_bf16(x));
+    for (auto& x : bm) x = host_bf16_f(host_bf16(x));
+    std::vector<float> d(16 * 8, NAN);
+    launch({1}, {32}, [&] {
+        const int lane = threadIdx.x;
+        unsigned ar[4], br[2]; float acc[4];
+        for (int reg = 0; reg < 4; ++reg) {
+            int r0, k0, r1, k1; frag_a_rc(lane, 2 * reg, r0, k0); frag_a_rc(lane, 2 * reg + 1, r1, k1);
+            ar[reg] = pack_bf16x2(a[r0 * 16 + k0], a[r1 * 16 + k1]);
+        }
+        for (int reg = 0; reg < 2; ++reg) {
+            int k0, n0, k1, n1; frag_b_rc(lane, 2 * reg, k0, n0); frag_b_rc(lane, 2 * reg + 1, k1, n1);
+            br[reg] = pack_bf16x2(bm[k0 * 8 + n0], bm[k1 * 8 + n1]);
+        }
+        for (int i = 0; i < 4; ++i) { int r, n; frag_c_rc(lane, i, r, n); acc[i] = cm[r * 8 + n]; }
+        mma_bf16_16816(acc, ar, br);
+        for (int i = 0; i < 4; ++i) { int r, n; frag_c_rc(lane, i, r, n); d[r * 8 + n] = acc[i]; }
+    });
+    std::vector<double> want(16 * 8);
+    for (int r = 0; r < 16; ++r) for (int n = 0; n < 8; ++n) {
+        double s = cm[r * 8 + n]; for (int k = 0; k < 16; ++k) s += (double)a[r * 16 + k] * bm[k * 8 + n];
+        want[r * 8 + n] = s;
+    }
+    check("mma_bf16_16816 (ISA fragment layouts) vs double", d, want, 1e-5, 1e-6);
+
+    // ldmatrix x4 and x4.trans: 4 matrices, rows 48 bytes apart (padded), value = 64 m + 8 row + col.
+    const int stride = 24;  // bf16 per row
+    for (int trans = 0; trans < 2; ++trans) {
+        int bad = 0;
+        launch({1}, {32}, [&] {
+            const int lane = threadIdx.x;
+            bf16* sm = (bf16*)g_smem;
+            if (lane == 0) for (int m = 0; m < 4; ++m) for (int r = 0; r < 8; ++r) for (int col = 0; col < 8; ++col)
+                sm[(m * 8 + r) * stride + col] = host_bf16((float)(64 * m + 8 * r + col));
+            tw->bar->arrive_and_wait();
+            unsigned reg[4];
+            const bf16* row = sm + ((lane >> 3) * 8 + (lane & 7)) * stride;
+            if (trans) ldmatrix_x4_trans(reg, row); else ldmatrix_x4(reg, row);
+            const int g = lane >> 2, c = lane & 3;
+            for (int m = 0; m < 4; ++m) for (int half = 0; half < 2; ++half) {
+                const int r = trans ? 2 * c + half : g, col = trans ? g : 2 * c + half;
+                const float want = (float)(64 * m + 8 * r + col);
+                if (emu_reg_half(reg[m], half) != want) { if (bad++ < 3) printf("  lane %d reg %d half %d: %g want %g\n", lane, m, half, emu_reg_half(reg[m], half), want); }
+            }
+        });
+        printf("%s %s (%d mismatches)\n", bad ? "FAIL" : "ok  ", trans ? "ldmatrix_x4_trans" : "ldmatrix_x4", bad); failures += bad != 0;
+    }
+
+    // The kernel's chain: 16x16 A row-major and B as [k][n] (V-like, ldmatrix.trans) and as
+    // [n][k] (K-like, ldmatrix) in shared memory, two mma for a 16x16x16 product.
+    std::vector<float> b16 = randv(16 * 16);
+    for (auto& x : b16) x = host_bf16_f(host_bf16(x));
+    for (int kn = 0; kn < 2; ++kn) {
+        std::vector<float> out(16 * 16, NAN);
+        launch({1}, {32}, [&] {
+            const int lane = threadIdx.x, mi = lane >> 3;
+            bf16* sa = (bf16*)g_smem; bf16* sb = sa + 256;
+            if (lane == 0) for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j) {
+                sa[i * 16 + j] = host_bf16(a[i * 16 + j]);
+                sb[i * 16 + j] = host_bf16(kn ? b16[j * 16 + i] : b16[i * 16 + j]);  // kn: stored [n][k]
+            }
+            tw->bar->arrive_and_wait();
+            unsigned af[4], bf[4];
+            ldmatrix_x4(af, sa + ((mi & 1) * 8 + (lane & 7)) * 16 + (mi >> 1) * 8);
+            if (kn) ldmatrix_x4(bf, sb + ((mi >> 1) * 8 + (lane & 7)) * 16 + (mi & 1) * 8);
+            else ldmatrix_x4_trans(bf, sb + ((mi & 1) * 8 + (lane & 7)) * 16 + (mi >> 1) * 8);
+            float acc[2][4] = {};
+            mma_bf16_16816(acc[0], af, bf); mma_bf16_16816(acc[1], af, bf + 2);
+            for (int nb = 0; nb < 2; ++nb) for (int i = 0; i < 4; ++i) { int r, n; frag_c_rc(lane, i, r, n); out[r * 16 + nb * 8 + n] = acc[nb][i]; }
+        });
+        std::vector<double> want2(16 * 16, 0);
+        for (int r = 0; r < 16; ++r) for (int n = 0; n < 16; ++n) for (int k = 0; k < 16; ++k) want2[r * 16 + n] += (double)a[r * 16 + k] * b16[k * 16 + n];
+        check(kn ? "ldmatrix + mma 16x16x16, B stored [n][k] (ldmatrix)" : "ldmatrix + mma 16x16x16, B stored [k][n] (ldmatrix.trans)", out, want2, 1e-5, 1e-6);
+    }
+}
+
 int main() {
     test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
     test_attention(); test_router(); test_moe(); test_reduce_loss(); test_vocab_parallel_loss();
+    test_mma_wrappers();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }
