@@ -35,7 +35,9 @@ mod probe;
 mod registry;
 
 pub use cache::{CacheKey, CacheOutcome, PtxCache};
-pub use compile::{compile, effective_options, ptx_entries, CompiledPtx, ALWAYS_OPTIONS};
+pub use compile::{
+    compile, compile_cubin, effective_options, ptx_entries, CompiledPtx, ALWAYS_OPTIONS,
+};
 pub use dtype::{entry_name, KernelDType};
 pub use error::{KernelError, Unavailable};
 pub use excerpt::{parse_diagnostics, source_excerpt, Diagnostic};
