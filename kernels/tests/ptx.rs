@@ -7,8 +7,8 @@
 //! `LD_LIBRARY_PATH=$(kernels/ci-nvrtc.sh DIR) SHARDC_REQUIRE_NVRTC=1 cargo test -p shardc-kernels`.
 
 use shardc_kernels::{
-    compile_cubin, generate_fused_kernel, nvrtc_version, CacheOutcome, FusedBinary, FusedExpr,
-    FusedUnary, KernelDType, KernelError, PtxCache, KERNELS,
+    compile_cubin, generate_fused_kernel, kernel_source, nvrtc_version, CacheOutcome, FusedBinary,
+    FusedExpr, FusedUnary, KernelDType, KernelError, PtxCache, KERNELS,
 };
 
 const ARCH: &str = "sm_90";
@@ -95,6 +95,35 @@ fn every_kernel_source_compiles_for_sm90() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// `attention_tc` (its `mma.sync`, `ldmatrix` and `cp.async` are inline PTX from mma.cuh) to
+/// PTX and to a CUBIN for sm_90: the CUBIN is assembled by ptxas, so a malformed asm string in
+/// mma.cuh fails here.
+#[test]
+fn tensor_core_attention_assembles_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let k = kernel_source("attention_tc").expect("invariant: registered");
+    let ptx = PtxCache::disabled()
+        .compile(k.file, &k.source(), ARCH, &[])
+        .unwrap_or_else(|e| panic!("{e}"));
+    for instruction in [
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+        "cp.async.cg.shared.global",
+        "cp.async.wait_group",
+    ] {
+        assert!(
+            ptx.ptx.contains(instruction),
+            "no `{instruction}` in the PTX"
+        );
+    }
+    let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+    eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
 }
 
 /// Inline `asm` is only checked when the PTX is assembled: a CUBIN makes NVRTC run ptxas.

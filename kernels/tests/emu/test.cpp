@@ -10,7 +10,7 @@
 #include "cu/elementwise.cu"
 #include "cu/cast.cu"
 #include "cu/attention.cu"
-#include "cu/mma.cuh"
+#include "cu/attention_tc.cu"
 #include "cu/moe.cu"
 #include "cu/reduce.cu"
 #include "cu/loss.cu"
@@ -413,10 +413,58 @@ void test_mma_wrappers() {
     }
 }
 
+// ---- attention_tc_bf16 vs a double reference and vs the scalar kernel ----------------------
+void attn_tc_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D, int causal, int window, int qoff, int mask_kind) {
+    auto q = randv(B*T*Hq*D), k = randv(B*S*Hkv*D), v = randv(B*S*Hkv*D);
+    auto tob = [](std::vector<float>& x) { std::vector<bf16> r(x.size()); for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); } return r; };
+    auto qb = tob(q), kb = tob(k), vb = tob(v);
+    std::vector<float> mask(B*S, 1.0f);
+    if (mask_kind) {  // every third key dropped, key 0 dropped (query 0 of a causal case sees nothing), last batch all dropped
+        for (int s = 0; s < S; ++s) mask[s] = (s % 3 == 1 || s == 0) ? 0.f : 1.f;
+        if (B > 1) for (int s = 0; s < S; ++s) mask[(B-1)*S + s] = 0.f;
+    }
+    const float* mp = mask_kind ? mask.data() : nullptr;
+    const float scale = 1.0f / std::sqrt((float)D);
+    std::vector<bf16> ob(B*T*Hq*D, 0x4640);  // 12288: a value the kernel must overwrite
+    launch({(unsigned)((T + 63) / 64), (unsigned)Hq, (unsigned)B}, {128}, [&] {
+        attention_tc_bf16(qb.data(), kb.data(), vb.data(), ob.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+    std::vector<float> got(ob.size()); for (size_t i = 0; i < ob.size(); ++i) got[i] = host_bf16_f(ob[i]);
+    auto want = attn_ref(q, k, v, mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff);
+    char what[200];
+    snprintf(what, sizeof what, "attention_tc_bf16 %s vs double", name);
+    check(what, got, want, 1e-2, 1e-2);
+    // The same inputs through the scalar f32 kernel (same rounding of the inputs).
+    std::vector<float> sc(got.size(), 12345.f);
+    launch({(unsigned)((T + 15) / 16), (unsigned)Hq, (unsigned)B}, {128}, [&] {
+        attention_f32(q.data(), k.data(), v.data(), sc.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+    snprintf(what, sizeof what, "attention_tc_bf16 %s vs attention_f32", name);
+    check(what, got, dv(sc), 1e-2, 1e-2);
+    // Zero rows exactly where the reference has them, and real values elsewhere.
+    size_t zero_want = 0, zero_got = 0, mism = 0;
+    for (size_t row = 0; row < got.size() / D; ++row) {
+        bool zw = true, zg = true;
+        for (int d = 0; d < D; ++d) { zw = zw && want[row * D + d] == 0; zg = zg && got[row * D + d] == 0; }
+        zero_want += zw; zero_got += zg; mism += zw != zg;
+    }
+    const bool ok = mism == 0 && zero_want < got.size() / D;
+    printf("%s attention_tc_bf16 %s: %zu of %zu rows zero (want %zu)\n", ok ? "ok  " : "FAIL", name, zero_got, got.size() / D, zero_want);
+    failures += !ok;
+}
+void test_attention_tc() {
+    // name, B, T, S, Hq, Hkv, D, causal, window, q_offset, mask
+    attn_tc_case("D=64 causal GQA T=S=77", 1, 77, 77, 2, 1, 64, 1, 0, 0, 0);
+    attn_tc_case("D=128 non-causal T=S=70", 1, 70, 70, 2, 2, 128, 0, 0, 0, 0);
+    attn_tc_case("D=64 causal window=20 mask (batch 1 all dropped, query 0 sees none)", 2, 50, 50, 2, 1, 64, 1, 20, 0, 1);
+    attn_tc_case("D=128 decode T=1 S=150 q_offset=149 GQA 4:1", 1, 1, 150, 4, 1, 128, 1, 0, 149, 0);
+    attn_tc_case("D=128 chunk T=40 S=104 q_offset=64 causal", 1, 40, 104, 2, 1, 128, 1, 0, 64, 0);
+    attn_tc_case("D=64 cross non-causal T=20 S=130 mask", 2, 20, 130, 1, 1, 64, 0, 0, 0, 1);
+    attn_tc_case("D=64 causal window=70 T=S=140 (tile skipping)", 1, 140, 140, 1, 1, 64, 1, 70, 0, 0);
+}
+
 int main() {
     test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
     test_attention(); test_router(); test_moe(); test_reduce_loss(); test_vocab_parallel_loss();
-    test_mma_wrappers();
+    test_mma_wrappers(); test_attention_tc();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }
