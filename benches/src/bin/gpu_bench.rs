@@ -110,6 +110,7 @@ fn opts(dtype: GpuDType, fuse: bool) -> CudaOptions {
         fuse,
         poison: false,
         timeout: Duration::from_secs(300),
+        tensor_core_attention: true,
     }
 }
 

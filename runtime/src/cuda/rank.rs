@@ -19,6 +19,10 @@ pub struct CudaOptions {
     pub poison: bool,
     /// How long the host waits for the GPU (and collectives) before failing.
     pub timeout: Duration,
+    /// Run bf16 attention on the tensor-core kernel (`attention_tc_bf16`) where it applies
+    /// (head_dim 64 or 128, sm_80 or newer); `false` keeps the scalar `attention_bf16`
+    /// everywhere (comparisons, benchmarks).
+    pub tensor_core_attention: bool,
 }
 
 impl Default for CudaOptions {
@@ -28,6 +32,7 @@ impl Default for CudaOptions {
             fuse: true,
             poison: false,
             timeout: Duration::from_secs(60),
+            tensor_core_attention: true,
         }
     }
 }
