@@ -48,6 +48,7 @@ template <class F> void launch(dim3 grid, dim3 block, F kernel) {
     for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
     for (unsigned x = 0; x < grid.x; ++x) {
+        std::memset(g_smem, 0xff, sizeof g_smem);  // NaN: no block reads what another left
         std::barrier<> bb(n);
         unsigned nw = (n + 31) / 32;
         std::vector<std::unique_ptr<std::barrier<>>> wb;

@@ -385,6 +385,23 @@ void test_mma_wrappers() {
         printf("%s %s (%d mismatches)\n", bad ? "FAIL" : "ok  ", trans ? "ldmatrix_x4_trans" : "ldmatrix_x4", bad); failures += bad != 0;
     }
 
+    // cp.async groups: wait_group<1> lands all but the newest group; src_bytes 0 zero-fills.
+    {
+        std::vector<bf16> src(16, 0x3f80);  // 1.0
+        int bad = 0;
+        launch({1}, {32}, [&] {
+            if (threadIdx.x != 0) return;
+            bf16* sm = (bf16*)g_smem;  // NaN-filled before the block
+            cp_async_cg16(sm, src.data(), 16); cp_async_commit();
+            cp_async_cg16(sm + 8, src.data(), 0); cp_async_commit();
+            cp_async_wait<1>();
+            bad += sm[0] != 0x3f80 || sm[7] != 0x3f80 || sm[8] != 0xffff;
+            cp_async_wait<0>();
+            bad += sm[8] != 0 || sm[15] != 0;
+        });
+        printf("%s cp.async commit/wait_group and zero-fill (%d mismatches)\n", bad ? "FAIL" : "ok  ", bad); failures += bad != 0;
+    }
+
     // The kernel's chain: 16x16 A row-major and B as [k][n] (V-like, ldmatrix.trans) and as
     // [n][k] (K-like, ldmatrix) in shared memory, two mma for a 16x16x16 product.
     std::vector<float> b16 = randv(16 * 16);

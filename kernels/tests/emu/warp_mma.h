@@ -2,7 +2,7 @@
 // Each lane publishes its operands in its warp slot, the warp meets at its barrier, every lane
 // computes its own result from the gathered operands (per the PTX ISA fragment layouts that
 // mma.cuh documents), and the warp meets again before the slots can be reused.
-// cp.async is a plain synchronous copy: the commit/wait calls have nothing left to wait for.
+// cp.async copies are deferred to the wait_group that covers them (see below).
 #pragma once
 #define SHARDC_EMU 1
 #include <cstdint>
@@ -63,12 +63,34 @@ inline void emu_ldmatrix_x4(unsigned* r, const unsigned short* row, bool trans) 
 inline void ldmatrix_x4(unsigned* r, const unsigned short* row) { emu_ldmatrix_x4(r, row, false); }
 inline void ldmatrix_x4_trans(unsigned* r, const unsigned short* row) { emu_ldmatrix_x4(r, row, true); }
 
+// cp.async: each copy is queued in this thread's open group; commit closes the group and
+// wait_group<N> performs every committed group but the newest N, oldest first. A kernel that
+// reads shared memory before waiting for (or without committing) its copies reads stale bytes,
+// as it may on the GPU, and the attention checks fail.
+struct EmuCopy { unsigned short* dst; const unsigned short* src; int bytes; };
+struct EmuCopies {
+    std::vector<EmuCopy> open;
+    std::vector<std::vector<EmuCopy>> committed;  // oldest first
+    ~EmuCopies() { if (!open.empty() || !committed.empty()) emu_fail("a thread exited with cp.async copies never waited for"); }
+};
+thread_local EmuCopies emu_copies;
 inline void cp_async_cg16(unsigned short* dst, const unsigned short* src, int src_bytes) {
     if (!emu_shared16(dst)) emu_fail("cp.async destination not 16-byte aligned shared memory");
     if ((uintptr_t)src % 16 != 0) emu_fail("cp.async source not 16-byte aligned");
     if (src_bytes != 0 && src_bytes != 16) emu_fail("cp.async src_bytes must be 0 or 16 here");
-    std::memcpy(dst, src, src_bytes);
-    std::memset((char*)dst + src_bytes, 0, 16 - src_bytes);
+    emu_copies.open.push_back({dst, src, src_bytes});
 }
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
+inline void cp_async_commit() {
+    emu_copies.committed.push_back(std::move(emu_copies.open));
+    emu_copies.open.clear();
+}
+template <int N> inline void cp_async_wait() {
+    auto& groups = emu_copies.committed;
+    while (groups.size() > (size_t)N) {
+        for (const EmuCopy& c : groups.front()) {
+            std::memcpy(c.dst, c.src, c.bytes);
+            std::memset((char*)c.dst + c.bytes, 0, 16 - c.bytes);
+        }
+        groups.erase(groups.begin());
+    }
+}
