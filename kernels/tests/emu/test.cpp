@@ -476,6 +476,7 @@ void test_attention_tc() {
     attn_tc_case("D=128 chunk T=40 S=104 q_offset=64 causal", 1, 40, 104, 2, 1, 128, 1, 0, 64, 0);
     attn_tc_case("D=64 cross non-causal T=20 S=130 mask", 2, 20, 130, 1, 1, 64, 0, 0, 0, 1);
     attn_tc_case("D=64 causal window=70 T=S=140 (tile skipping)", 1, 140, 140, 1, 1, 64, 1, 70, 0, 0);
+    attn_tc_case("D=128 causal T=S=128 (whole tiles) GQA 4:2 B=2", 2, 128, 128, 4, 2, 128, 1, 0, 0, 0);
 }
 
 int main() {
