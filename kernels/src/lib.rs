@@ -13,6 +13,8 @@
 //! - [`generate_fused_kernel`]: a complete `.cu` source for one [`FusedExpr`].
 //! - [`compile`] / [`PtxCache`]: NVRTC to PTX, `-lineinfo` always on, cached by blake3 of
 //!   (source name, source, options, arch, NVRTC version).
+//! - [`compile_cubin`]: NVRTC to a CUBIN for a real `sm_XY`, no cache; ptxas assembles the
+//!   PTX, so malformed inline `asm` (the tensor-core wrappers of `mma.cuh`) fails there.
 //! - [`cuda_available`], [`nvrtc_version`]: probes that never panic.
 //!
 //! ```no_run
