@@ -266,12 +266,7 @@ fn zero_bubble_shrinks_the_analytic_bubble() {
     let cfg = gpt_config(8, 4096, 32, 1024, 2048).unwrap();
     let mesh = Mesh::parse("pp=4,tp=2", 8).unwrap();
     let c = Cluster::resolve_for("dgx-a100", mesh.world_size()).unwrap();
-    let copts = ComputeOptions {
-        dtype: DType::Bf16,
-        attention: AttentionImpl::Flash,
-        dropout: false,
-        fuse_elementwise: true,
-    };
+    let copts = ComputeOptions::default();
     let run = |sched| {
         let mut t = TrainOptions::new(16, 2, 2048);
         t.schedule = sched;

@@ -221,6 +221,13 @@ pub fn run_shardc(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String)
     )
 }
 
+/// Expects `shardc args` to succeed; returns its stdout.
+pub fn succeeds(args: &[&str]) -> String {
+    let (ok, out, err) = run_shardc(args, &[]);
+    assert!(ok, "{args:?} failed: {err}");
+    out
+}
+
 /// Expects `shardc args` (with `env`) to fail with one `error:` line containing every
 /// needle, and no panic; returns its stdout.
 pub fn fails_with_env(args: &[&str], env: &[(&str, &str)], needles: &[&str]) -> String {
