@@ -307,7 +307,7 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
     );
     // Three layers on two stages: the compiler's split (uneven), simulated as compiled; a
     // `--stage-layers` that does not cover the model is refused by name.
-    let (ok, out, err) = shardc(&[
+    let pipeline = [
         "simulate",
         "tests/fixtures/hf-tiny/llama",
         "--train",
@@ -315,20 +315,11 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
         "pp=2,tp=2",
         "--seq",
         "16",
-    ]);
+    ];
+    let (ok, out, err) = shardc(&pipeline);
     assert!(ok, "{err}");
     assert!(out.contains("stage  layers"), "{out}");
-    let (ok, _, err) = shardc(&[
-        "simulate",
-        "tests/fixtures/hf-tiny/llama",
-        "--train",
-        "--mesh",
-        "pp=2,tp=2",
-        "--seq",
-        "16",
-        "--stage-layers",
-        "2,2",
-    ]);
+    let (ok, _, err) = shardc(&[&pipeline[..], &["--stage-layers", "2,2"]].concat());
     assert!(!ok && err.contains("--stage-layers"), "{err}");
 }
 
