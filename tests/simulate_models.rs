@@ -50,11 +50,7 @@ fn nccl_tests_bus_bandwidth_relations() {
     // Across nodes, one GPU per node: the per-GPU share of the node's adapters.
     let c = Cluster::resolve("dgx-a100x4").unwrap();
     let net = 8.0 * 25e9 / 8.0 * c.profile.network_efficiency.value;
-    let topo = GroupTopology {
-        ranks: 4,
-        per_domain: 1,
-        domains: 4,
-    };
+    let topo = GroupTopology::across(4, 1);
     let size = 16u64 << 30;
     let t = collective_time(&c, CollectiveKind::AllGather, Bytes(size), topo).0;
     assert!(rel(size as f64 / t * 0.75, net) < 1e-3);
