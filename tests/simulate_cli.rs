@@ -111,13 +111,7 @@ fn llama_70b_training_on_1024_h100s() {
     assert!(bubble > 0.09 && bubble < 0.3, "bubble {bubble}");
     assert_eq!(v["fits"], true);
     let peak = v["peak_memory_bytes_per_rank"].as_u64().unwrap();
-    let parts: u64 = v["memory_breakdown"]
-        .as_object()
-        .unwrap()
-        .values()
-        .map(|x| x.as_u64().unwrap())
-        .sum();
-    assert_eq!(parts, peak);
+    assert_eq!(common::sum_u64(&v["memory_breakdown"]), peak);
 }
 
 #[test]
