@@ -396,17 +396,12 @@ fn hf_inv_freq(theta: f64, d: usize, scaling: Option<RopeScaling>) -> Vec<f32> {
         None => base,
         Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor.0 as f64).collect(),
         Some(RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_positions,
+            factor: fac,
+            low_freq_factor: lo,
+            high_freq_factor: hi,
+            original_max_positions: old,
         }) => {
-            let (fac, lo, hi, old) = (
-                factor.0 as f64,
-                low_freq_factor.0 as f64,
-                high_freq_factor.0 as f64,
-                original_max_positions as f64,
-            );
+            let (fac, lo, hi, old) = (fac.0 as f64, lo.0 as f64, hi.0 as f64, old as f64);
             base.iter()
                 .map(|&f| {
                     let wavelen = 2.0 * std::f64::consts::PI / f;
