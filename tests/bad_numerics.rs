@@ -84,44 +84,30 @@ fn optimizer_and_run_flags_outside_their_domains_name_the_flag() {
     let tmp = tempfile::tempdir().unwrap();
     let ids = tokens(tmp.path());
     let model = llama().display().to_string();
-    let cases: &[(&[&str], &str)] = &[
-        (&["--lr", "NaN"], "--lr: must be finite and > 0 (found NaN)"),
-        (&["--lr", "inf"], "--lr: must be finite and > 0 (found inf)"),
+    // Further flags, and what the error says.
+    let cases = [
+        ("--lr NaN", "--lr: must be finite and > 0 (found NaN)"),
+        ("--lr inf", "--lr: must be finite and > 0 (found inf)"),
+        ("--lr=-1e-3", "--lr: must be finite and > 0 (found -0.001)"),
+        ("--lr 0", "--lr: must be finite and > 0 (found 0)"),
+        ("--beta1 1.5", "--beta1: must be in [0, 1) (found 1.5)"),
+        ("--beta1=-0.1", "--beta1: must be in [0, 1) (found -0.1)"),
+        ("--beta2 1.0", "--beta2: must be in [0, 1) (found 1)"),
+        ("--beta2 NaN", "--beta2: must be in [0, 1) (found NaN)"),
+        ("--eps 0", "--eps: must be finite and > 0 (found 0)"),
+        ("--eps inf", "--eps: must be finite and > 0 (found inf)"),
         (
-            &["--lr=-1e-3"],
-            "--lr: must be finite and > 0 (found -0.001)",
-        ),
-        (&["--lr", "0"], "--lr: must be finite and > 0 (found 0)"),
-        (
-            &["--beta1", "1.5"],
-            "--beta1: must be in [0, 1) (found 1.5)",
-        ),
-        (&["--beta1=-0.1"], "--beta1: must be in [0, 1) (found -0.1)"),
-        (&["--beta2", "1.0"], "--beta2: must be in [0, 1) (found 1)"),
-        (
-            &["--beta2", "NaN"],
-            "--beta2: must be in [0, 1) (found NaN)",
-        ),
-        (&["--eps", "0"], "--eps: must be finite and > 0 (found 0)"),
-        (
-            &["--eps", "inf"],
-            "--eps: must be finite and > 0 (found inf)",
-        ),
-        (
-            &["--weight-decay=-0.1"],
+            "--weight-decay=-0.1",
             "--weight-decay: must be finite and >= 0 (found -0.1)",
         ),
         (
-            &["--weight-decay", "NaN"],
+            "--weight-decay NaN",
             "--weight-decay: must be finite and >= 0 (found NaN)",
         ),
-        (&["--steps", "0"], "--steps must be at least 1 (found 0)"),
+        ("--steps 0", "--steps must be at least 1 (found 0)"),
+        ("--timeout 0", "--timeout must be at least 1 (found 0)"),
         (
-            &["--timeout", "0"],
-            "--timeout must be at least 1 (found 0)",
-        ),
-        (
-            &["--mesh", "pp=2", "--virtual-stages", "0"],
+            "--mesh pp=2 --virtual-stages 0",
             "--virtual-stages must be at least 1 (found 0)",
         ),
     ];
@@ -129,7 +115,7 @@ fn optimizer_and_run_flags_outside_their_domains_name_the_flag() {
     let save_s = save.display().to_string();
     for (extra, needle) in cases {
         let mut args = vec!["train", &model, "--tokens", &ids, "--export", &save_s];
-        args.extend_from_slice(extra);
+        args.extend(extra.split_whitespace());
         let out = fails_with(&args, &[needle]);
         assert!(!out.contains("step 1"), "{extra:?}: it trained:\n{out}");
         assert!(!save.exists(), "{extra:?}: a checkpoint was written");

@@ -449,8 +449,7 @@ fn batch_flags_mean_the_same_everywhere() {
             "--overwrite",
         ];
         args.extend_from_slice(extra);
-        let (ok, _, err) = run_shardc(&args, &[]);
-        assert!(ok, "{extra:?}: {err}");
+        common::succeeds(&args);
         std::fs::read_to_string(&out).unwrap()
     };
     // 8 sequences over dp=2: 2 micro-batches of 2 sequences per rank, said either way.
@@ -490,8 +489,7 @@ fn batch_flags_mean_the_same_everywhere() {
             "2",
         ];
         args.extend_from_slice(extra);
-        let (ok, out, err) = run_shardc(&args, &[]);
-        assert!(ok, "{extra:?}: {err}");
+        let out = common::succeeds(&args);
         // The losses and the header, not the step times.
         out.lines()
             .map(|l| l.split(" (").next().unwrap_or(l).to_string())
@@ -514,8 +512,7 @@ fn batch_flags_mean_the_same_everywhere() {
             "--json",
         ];
         args.extend_from_slice(extra);
-        let (ok, out, err) = run_shardc(&args, &[]);
-        assert!(ok, "{extra:?}: {err}");
+        let out = common::succeeds(&args);
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
     let a = sim(&["--global-batch", "32", "--micro-batch", "2"]);

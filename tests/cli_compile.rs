@@ -1,6 +1,8 @@
 //! `shardc inspect --json`, a bare `shardc compile` (the README's first command) and
 //! `shardc explain` on its plan.
 
+mod common;
+
 use std::process::Command;
 
 fn shardc_in(dir: &std::path::Path, args: &[&str]) -> String {
@@ -35,12 +37,7 @@ fn inspect_json_gives_published_counts() {
             Some(16 * want)
         );
         assert_eq!(v["memory_bytes"]["inference_bf16"].as_u64(), Some(2 * want));
-        let parts: u64 = v["params_by_component"]
-            .as_object()
-            .unwrap()
-            .values()
-            .map(|x| x.as_u64().unwrap())
-            .sum();
+        let parts = common::sum_u64(&v["params_by_component"]);
         assert_eq!(parts, want, "{file}: components add up");
         assert_eq!(
             v["flops_per_token"]["training"].as_u64(),

@@ -126,30 +126,28 @@ fn every_pass_of_each_job_runs_in_order() {
     }
 }
 
+/// The tiny Llama fixture's directory, for a command line.
+fn llama() -> String {
+    fixtures().join("llama").display().to_string()
+}
+
+/// `--mesh tp=2 --batch 2 --seq 8`: the tensor-parallel shape this file compiles the tiny
+/// Llama at.
+const TP2_B2_T8: [&str; 6] = ["--mesh", "tp=2", "--batch", "2", "--seq", "8"];
+
 /// `--dump-after` gives the text IR of the program after that pass: it parses back to a graph
 /// that verifies, its layouts follow as comments, and each pipeline chunk is dumped.
 #[test]
 fn dump_after_prints_text_ir_that_parses_back() {
-    let llama = fixtures().join("llama");
-    let m = llama.to_str().expect("utf-8 path");
+    let m = &llama();
     for pass in ["build", "annotate", "partition", "rewrite"] {
-        let (ok, out, err) = run_shardc(
-            &[
-                "compile",
-                m,
-                "--mesh",
-                "tp=2",
-                "--batch",
-                "2",
-                "--seq",
-                "8",
-                "--rewrite",
-                "all",
-                "--dump-after",
-                pass,
-            ],
-            &[],
-        );
+        let args = [
+            &["compile", m][..],
+            &TP2_B2_T8,
+            &["--rewrite", "all", "--dump-after", pass],
+        ]
+        .concat();
+        let (ok, out, err) = run_shardc(&args, &[]);
         assert!(ok, "{pass}: {err}");
         let body = out
             .strip_prefix(&format!("// after pass `{pass}`\n"))
@@ -220,8 +218,7 @@ fn dump_after_names_its_errors() {
 /// and `--pass-times` lists each pass.
 #[test]
 fn verify_and_pass_times_on_every_job() {
-    let llama = fixtures().join("llama");
-    let m = llama.to_str().expect("utf-8 path");
+    let m = &llama();
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("p.json");
     let o = out.to_str().expect("utf-8");
@@ -247,8 +244,7 @@ fn verify_and_pass_times_on_every_job() {
 /// step without rewriting (1e-5), and `--plan` refuses it (the plan fixes the program).
 #[test]
 fn train_with_rewrite_matches_the_plain_step() {
-    let llama = fixtures().join("llama");
-    let m = llama.to_str().expect("utf-8 path");
+    let m = &llama();
     let dir = tempfile::tempdir().expect("tempdir");
     let tokens = dir.path().join("b.json");
     std::fs::write(&tokens, "[[1,2,3,4,5,6,7,8],[9,10,11,12,13,14,15,16]]").expect("write");
@@ -305,22 +301,13 @@ fn train_with_rewrite_matches_the_plain_step() {
         assert!(d <= 1e-5, "{n0}: max |Δ| {d}");
     }
     let plan = dir.path().join("p.json");
-    let (ok, _, err) = run_shardc(
-        &[
-            "compile",
-            m,
-            "--train",
-            "--mesh",
-            "tp=2",
-            "--batch",
-            "2",
-            "--seq",
-            "8",
-            "-o",
-            plan.to_str().expect("utf-8"),
-        ],
-        &[],
-    );
+    let args = [
+        &["compile", m, "--train"][..],
+        &TP2_B2_T8,
+        &["-o", plan.to_str().expect("utf-8")],
+    ]
+    .concat();
+    let (ok, _, err) = run_shardc(&args, &[]);
     assert!(ok, "{err}");
     fails_with(
         &[

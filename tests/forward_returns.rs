@@ -24,8 +24,7 @@ fn run(dir: &std::path::Path, extra: &[&str]) -> serde_json::Value {
         "--overwrite",
     ];
     args.extend_from_slice(extra);
-    let (ok, _, err) = run_shardc(&args, &[]);
-    assert!(ok, "{extra:?}: {err}");
+    common::succeeds(&args);
     serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
 }
 
@@ -83,8 +82,7 @@ fn compile_returns_the_last_position_by_default() {
         let p = dir.path().join("p.json");
         let mut args = vec!["compile", "-o", p.to_str().unwrap(), "--overwrite"];
         args.extend_from_slice(extra);
-        let (ok, out, err) = run_shardc(&args, &[]);
-        assert!(ok, "{err}");
+        let out = common::succeeds(&args);
         let line = out
             .lines()
             .find(|l| l.starts_with("total per forward"))

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{free_port, spawn_rank};
+use common::{fails_with_env, free_port, spawn_rank};
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -310,23 +310,6 @@ fn a_rank_that_never_starts_fails_the_rendezvous() {
     );
 }
 
-/// Runs and expects failure with a one-line `error:` message containing every `needle`.
-fn fails_with(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
-    let out = shardc()
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{args:?} {env:?} should fail");
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(err.starts_with("error: "), "{args:?} {env:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
-    for n in needles {
-        assert!(err.contains(n), "{env:?}: `{n}` not in: {err}");
-    }
-}
-
 #[test]
 fn bad_environments_are_named() {
     let tmp = tempfile::tempdir().unwrap();
@@ -346,26 +329,26 @@ fn bad_environments_are_named() {
         v.push((var, value));
         v
     };
-    fails_with(&args, &without("WORLD_SIZE"), &["WORLD_SIZE is not set"]);
-    fails_with(&args, &without("RANK"), &["RANK is not set"]);
-    fails_with(&args, &without("MASTER_ADDR"), &["MASTER_ADDR is not set"]);
-    fails_with(&args, &without("MASTER_PORT"), &["MASTER_PORT is not set"]);
-    fails_with(
+    fails_with_env(&args, &without("WORLD_SIZE"), &["WORLD_SIZE is not set"]);
+    fails_with_env(&args, &without("RANK"), &["RANK is not set"]);
+    fails_with_env(&args, &without("MASTER_ADDR"), &["MASTER_ADDR is not set"]);
+    fails_with_env(&args, &without("MASTER_PORT"), &["MASTER_PORT is not set"]);
+    fails_with_env(
         &args,
         &with("RANK", "one"),
         &["RANK=`one`", "non-negative integer"],
     );
-    fails_with(
+    fails_with_env(
         &args,
         &with("RANK", "2"),
         &["RANK=`2`", "below WORLD_SIZE=2"],
     );
-    fails_with(
+    fails_with_env(
         &args,
         &with("MASTER_PORT", "http"),
         &["MASTER_PORT=`http`", "TCP port"],
     );
-    fails_with(
+    fails_with_env(
         &args,
         &with("WORLD_SIZE", "4"),
         &["mesh tp=2 has 2 ranks but WORLD_SIZE is 4"],
@@ -375,12 +358,12 @@ fn bad_environments_are_named() {
         .copied()
         .filter(|a| *a != "--mesh" && *a != "tp=2")
         .collect();
-    fails_with(&no_mesh, &full, &["rank 0 of 2", "no --mesh"]);
+    fails_with_env(&no_mesh, &full, &["rank 0 of 2", "no --mesh"]);
     // A one-rank world connects to itself; then the test hook rejects an unknown mode.
     let one = run_args(tmp.path(), "tp=1", 10);
     let one: Vec<&str> = one.iter().map(String::as_str).collect();
     let port = free_port().to_string();
-    fails_with(
+    fails_with_env(
         &one,
         &[
             ("RANK", "0"),
@@ -408,7 +391,7 @@ fn bad_launcher_arguments_are_named() {
     let check = |extra: &[&str], needles: &[&str]| {
         let a = launch(extra);
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
-        fails_with(&a, &[], needles);
+        fails_with_env(&a, &[], needles);
     };
     check(
         &["--nproc-per-node", "0"],

@@ -53,32 +53,25 @@ fn run(args: &[&str]) -> String {
 fn launched_training_prints_the_thread_rank_losses() {
     let tmp = tempfile::tempdir().unwrap();
     let ids = tokens(tmp.path());
-    let cases: [(&str, &str, &[&str]); 7] = [
+    // Model, mesh, further `train` flags.
+    let cases = [
         (
             "llama",
             "dp=2,tp=2",
-            &["--strategy", "sp,zero2", "--micro-batches", "2"],
+            "--strategy sp,zero2 --micro-batches 2",
         ),
-        ("llama", "pp=2,dp=2", &["--micro-batches", "2"]),
-        (
-            "llama",
-            "pp=2,dp=2,tp=2",
-            &["--strategy", "sp", "--micro-batches", "2"],
-        ),
-        (
-            "llama",
-            "pp=2",
-            &["--schedule", "zb-h1", "--micro-batches", "4"],
-        ),
-        ("gpt2", "pp=2", &["--micro-batches", "2"]),
-        ("llama", "dp=2,cp=2", &["--micro-batches", "2"]),
-        ("llama", "cp=2", &["--cp-algo", "ulysses"]),
+        ("llama", "pp=2,dp=2", "--micro-batches 2"),
+        ("llama", "pp=2,dp=2,tp=2", "--strategy sp --micro-batches 2"),
+        ("llama", "pp=2", "--schedule zb-h1 --micro-batches 4"),
+        ("gpt2", "pp=2", "--micro-batches 2"),
+        ("llama", "dp=2,cp=2", "--micro-batches 2"),
+        ("llama", "cp=2", "--cp-algo ulysses"),
     ];
     for (m, mesh, extra) in cases {
         let dir = model(m);
         let mut base = vec!["train", dir.as_str(), "--tokens", ids.as_str()];
         base.extend(["--mesh", mesh, "--steps", "3", "--timeout", "30"]);
-        base.extend_from_slice(extra);
+        base.extend(extra.split_whitespace());
         let threads = losses(&run(&base));
         assert_eq!(threads.len(), 3, "{m} {mesh}: three steps on thread ranks");
         let n: usize = mesh

@@ -23,6 +23,16 @@ fn ok(args: &[&str]) -> String {
     out
 }
 
+/// `shardc run MODEL --plan PLAN --tokens IDS --out OUT`, before any further flags.
+fn run_plan<'a>(m: &'a str, plan: &'a str, ids: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec!["run", m, "--plan", plan, "--tokens", ids, "--out", out]
+}
+
+/// `shardc train MODEL --plan PLAN --tokens TOKS`, before any further flags.
+fn train_plan<'a>(m: &'a str, plan: &'a str, toks: &'a str) -> Vec<&'a str> {
+    vec!["train", m, "--plan", plan, "--tokens", toks]
+}
+
 fn write_json(dir: &Path, name: &str, v: &serde_json::Value) -> String {
     let p = dir.join(name);
     std::fs::write(&p, v.to_string()).unwrap();
@@ -98,20 +108,9 @@ fn compiled_forward_plans_reproduce_the_fixtures() {
                 continue;
             };
             let out = d.join("out.json").display().to_string();
-            let printed = ok(&[
-                "run",
-                &m,
-                "--plan",
-                &plan,
-                "--tokens",
-                &ids,
-                "--attention-mask",
-                &mask,
-                "--position-ids",
-                &pos,
-                "--out",
-                &out,
-            ]);
+            let mut args = run_plan(&m, &plan, &ids, &out);
+            args.extend(["--attention-mask", &mask, "--position-ids", &pos]);
+            let printed = ok(&args);
             assert!(printed.contains(&format!("mesh {mesh}")), "{printed}");
             let j: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
@@ -147,22 +146,10 @@ fn a_compiled_forward_plan_runs_under_launch() {
     let ids = write_json(d, "ids.json", &rows(&case.ids, case.seq));
     let plan = compile(d, "plan.json", &m, "dp=2,tp=2", (case.batch, case.seq));
     let out = d.join("out.json").display().to_string();
-    let printed = ok(&[
-        "launch",
-        "--nproc-per-node",
-        "4",
-        "--",
-        "run",
-        &m,
-        "--plan",
-        &plan,
-        "--tokens",
-        &ids,
-        "--out",
-        &out,
-        "--comm-timeout",
-        "30",
-    ]);
+    let mut args = vec!["launch", "--nproc-per-node", "4", "--"];
+    args.extend(run_plan(&m, &plan, &ids, &out));
+    args.extend(["--comm-timeout", "30"]);
+    let printed = ok(&args);
     assert!(printed.contains("as rank 0 of 4 processes"), "{printed}");
     let j: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
@@ -224,16 +211,9 @@ fn train_plan_step(dir: &Path, m: &str, mesh: &str, dup: usize, extra: &[&str]) 
     ok(&args);
     let toks = train_tokens(dir, m, dup);
     let grads = dir.join("grads.safetensors");
-    let out = ok(&[
-        "train",
-        &md,
-        "--plan",
-        &plan,
-        "--tokens",
-        &toks,
-        "--dump-grads",
-        grads.to_str().unwrap(),
-    ]);
+    let mut args = train_plan(&md, &plan, &toks);
+    args.extend(["--dump-grads", grads.to_str().unwrap()]);
+    let out = ok(&args);
     let what = format!("{m} {mesh} {extra:?}");
     let loss = first_loss(&out);
     assert!(
@@ -260,46 +240,26 @@ fn train_plan_step(dir: &Path, m: &str, mesh: &str, dup: usize, extra: &[&str]) 
 fn compiled_training_plans_reproduce_the_fixtures() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path();
-    let cases: &[(&str, &str, usize, &[&str])] = &[
-        ("llama", "tp=2", 1, &[]),
-        ("llama", "tp=2", 1, &["--strategy", "sp"]),
-        ("llama", "dp=2", 1, &[]),
-        (
-            "llama",
-            "dp=2",
-            1,
-            &["--strategy", "zero1", "--micro-batches", "1"],
-        ),
-        (
-            "llama",
-            "dp=2",
-            2,
-            &["--strategy", "zero3", "--micro-batches", "2"],
-        ),
-        ("mixtral", "ep=2", 1, &[]),
+    // Model, mesh, copies of the fixture batch, further `compile` flags.
+    let cases = [
+        ("llama", "tp=2", 1, ""),
+        ("llama", "tp=2", 1, "--strategy sp"),
+        ("llama", "dp=2", 1, ""),
+        ("llama", "dp=2", 1, "--strategy zero1 --micro-batches 1"),
+        ("llama", "dp=2", 2, "--strategy zero3 --micro-batches 2"),
+        ("mixtral", "ep=2", 1, ""),
+        ("llama", "pp=2", 1, "--micro-batches 2 --schedule 1f1b"),
         (
             "llama",
             "pp=2",
             1,
-            &["--micro-batches", "2", "--schedule", "1f1b"],
+            "--micro-batches 2 --schedule interleaved --virtual-stages 2",
         ),
-        (
-            "llama",
-            "pp=2",
-            1,
-            &[
-                "--micro-batches",
-                "2",
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-            ],
-        ),
-        ("gpt2", "pp=2,dp=2", 2, &["--micro-batches", "2"]),
+        ("gpt2", "pp=2,dp=2", 2, "--micro-batches 2"),
     ];
-    for &(m, mesh, dup, extra) in cases {
-        train_plan_step(d, m, mesh, dup, extra);
+    for (m, mesh, dup, extra) in cases {
+        let extra: Vec<&str> = extra.split_whitespace().collect();
+        train_plan_step(d, m, mesh, dup, &extra);
     }
 }
 
@@ -309,20 +269,10 @@ fn a_compiled_training_plan_runs_under_launch() {
     let d = tmp.path();
     let plan = train_plan_step(d, "llama", "pp=2,dp=2", 2, &["--micro-batches", "2"]);
     let (md, toks) = (model("llama"), train_tokens(d, "llama", 2));
-    let out = ok(&[
-        "launch",
-        "--nproc-per-node",
-        "4",
-        "--",
-        "train",
-        &md,
-        "--plan",
-        &plan,
-        "--tokens",
-        &toks,
-        "--timeout",
-        "30",
-    ]);
+    let mut args = vec!["launch", "--nproc-per-node", "4", "--"];
+    args.extend(train_plan(&md, &plan, &toks));
+    args.extend(["--timeout", "30"]);
+    let out = ok(&args);
     assert!(out.contains("as rank 0 of 4 processes (tcp)"), "{out}");
     let r = train_support::reference("llama");
     let loss = first_loss(&out);

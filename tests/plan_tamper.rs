@@ -9,8 +9,7 @@ use common::{fails_with, run_shardc};
 
 use proptest::prelude::*;
 use serde_json::Value;
-use shardc::compiler::cost::{chrome_trace, simulate_plan, AttentionImpl, Cluster, ComputeOptions};
-use shardc::compiler::ir::DType;
+use shardc::compiler::cost::{chrome_trace, simulate_plan, Cluster, ComputeOptions};
 use shardc::compiler::plan::{rehash, Plan};
 use shardc::compiler::schedule::pp::PassCosts;
 use shardc::compiler::schedule::Step;
@@ -578,12 +577,7 @@ fn consume(plan: &Plan) {
     let Ok(cluster) = Cluster::resolve_for("dgx-h100", plan.mesh.world_size()) else {
         return;
     };
-    let opts = ComputeOptions {
-        dtype: DType::Bf16,
-        attention: AttentionImpl::Flash,
-        dropout: false,
-        fuse_elementwise: true,
-    };
+    let opts = ComputeOptions::default();
     if let Ok(sim) = simulate_plan(plan, &cluster, &opts) {
         let _ = chrome_trace(&sim, None);
         let _ = serde_json::to_string(&sim.report).unwrap();

@@ -513,34 +513,16 @@ impl Builder {
         let eps = Float(1e-5);
         let e = 2;
         match (b / 2) % 9 {
-            0 => self.add(
-                Op::RmsNormGrad {
-                    eps,
-                    wrt: NormWrt::X,
-                },
-                &[gx, w, dy],
-            ),
-            1 => self.add(
-                Op::RmsNormGrad {
-                    eps,
-                    wrt: NormWrt::Weight,
-                },
-                &[gx, w, dy],
-            ),
-            2 => self.add(
-                Op::LayerNormGrad {
-                    eps,
-                    wrt: NormWrt::X,
-                },
-                &[gx, w, dy],
-            ),
-            3 => self.add(
-                Op::LayerNormGrad {
-                    eps,
-                    wrt: NormWrt::Weight,
-                },
-                &[gx, w, dy],
-            ),
+            // RmsNorm then LayerNorm, each wrt x then weight.
+            k @ 0..=3 => {
+                let wrt = [NormWrt::X, NormWrt::Weight][k as usize % 2];
+                let op = if k < 2 {
+                    Op::RmsNormGrad { eps, wrt }
+                } else {
+                    Op::LayerNormGrad { eps, wrt }
+                };
+                self.add(op, &[gx, w, dy])
+            }
             4 => self.add(Op::BiasGrad, &[dy, w]),
             5 | 6 => {
                 let (_, g) = self.routed(gx, e)?;

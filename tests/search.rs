@@ -18,15 +18,6 @@ use shardc::compiler::search::{
 use shardc::compiler::shard::Mesh;
 use std::path::Path;
 
-fn copts() -> ComputeOptions {
-    ComputeOptions {
-        dtype: DType::Bf16,
-        attention: AttentionImpl::Flash,
-        dropout: false,
-        fuse_elementwise: true,
-    }
-}
-
 /// Llama-3-8B on 8 H100s with little memory (so the rule prunes): the pruned search's best
 /// and ranking equal brute force's; every pruned layout, simulated, does not fit.
 #[test]
@@ -36,16 +27,16 @@ fn pruned_search_equals_brute_force() {
     let mut o = SearchOptions::new(8, 16, 2048);
     o.micro_batches = vec![1, 2];
     o.memory_fraction = 0.4;
-    let pruned = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
+    let pruned = search(&cfg, "m", &cluster, &o, &ComputeOptions::default()).unwrap();
     o.prune = false;
-    let brute = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
+    let brute = search(&cfg, "m", &cluster, &o, &ComputeOptions::default()).unwrap();
     let n: usize = pruned.pruned.values().sum();
     assert!(n > 50, "the rule pruned only {n}");
     assert_same_search(&pruned, &brute);
     o.prune = true;
     let cap = cluster.device.memory_bytes.value * o.memory_fraction;
     for c in pruned_candidates(&cfg, &cluster, &o).iter().step_by(7) {
-        if let Some(s) = evaluate(&cfg, "m", &cluster, &o, &copts(), c) {
+        if let Some(s) = evaluate(&cfg, "m", &cluster, &o, &ComputeOptions::default(), c) {
             assert!(s.memory_bytes as f64 > cap, "{c} was pruned but fits");
         }
     }
@@ -91,9 +82,9 @@ fn bound_pruned_search_equals_brute_force() {
     let cfg = ModelConfig::from_path(Path::new("models/llama-3-8b.json")).unwrap();
     let cluster = Cluster::resolve("dgx-h100").unwrap();
     let mut o = SearchOptions::new(8, 64, 4096);
-    let pruned = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
+    let pruned = search(&cfg, "m", &cluster, &o, &ComputeOptions::default()).unwrap();
     o.prune = false;
-    let brute = search(&cfg, "m", &cluster, &o, &copts()).unwrap();
+    let brute = search(&cfg, "m", &cluster, &o, &ComputeOptions::default()).unwrap();
     let bounded = pruned.pruned.get("step-time bound").copied().unwrap_or(0);
     assert!(bounded > 1000, "the bound pruned only {bounded}");
     assert_same_search(&pruned, &brute);
@@ -122,13 +113,20 @@ fn memoised_steps_and_bounds_agree_with_simulate() {
                     t.zero = zero;
                     t.recompute = rc;
                     t.strategies = vec!["sp".into()];
-                    let want = simulate_training(&cfg, "m", &mesh, &t, &cluster, &copts());
+                    let want = simulate_training(
+                        &cfg,
+                        "m",
+                        &mesh,
+                        &t,
+                        &cluster,
+                        &ComputeOptions::default(),
+                    );
                     let Ok(want) = want else { continue };
                     t.timelines = false;
                     let spec = layer_plan_spec(&cfg, &mesh, &t, &cluster).unwrap();
                     let plan = layer_plan(&cfg, "m", &spec).unwrap();
                     let key = format!("{} {}", spec.mesh, spec.batch);
-                    let args = (&cfg, &plan, &mesh, &t, &cluster, &copts());
+                    let args = (&cfg, &plan, &mesh, &t, &cluster, &ComputeOptions::default());
                     let got = memo
                         .simulate(&key, args.0, args.1, "m", args.2, args.3, args.4, args.5)
                         .unwrap();
@@ -171,8 +169,7 @@ fn the_best_is_what_simulate_says() {
         "1,2",
         "--json",
     ];
-    let (ok, out, err) = run_shardc(&args, &[]);
-    assert!(ok, "{err}");
+    let out = common::succeeds(&args);
     let (_, again, _) = run_shardc(&args, &[]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let w: serde_json::Value = serde_json::from_str(&again).unwrap();
@@ -356,7 +353,7 @@ fn a_gpu_sweep_lists_each_sizes_best_and_the_scaling() {
                 o.top = 1;
                 o
             },
-            &copts(),
+            &ComputeOptions::default(),
         )
         .unwrap();
         let best = alone.best().unwrap();
@@ -461,7 +458,7 @@ fn block_recomputation_takes_the_fewest_layers_that_fit() {
     o.limits.sp = vec![false];
     o.limits.cp = vec![false];
     o.limits.zero = vec![0, 1];
-    let r = search(&cfg, "llama", &cluster, &o, &copts()).unwrap();
+    let r = search(&cfg, "llama", &cluster, &o, &ComputeOptions::default()).unwrap();
     let best = r.best().unwrap();
     let k = best
         .candidate
@@ -475,7 +472,7 @@ fn block_recomputation_takes_the_fewest_layers_that_fit() {
             recompute_layers: Some(other),
             ..best.candidate.clone()
         };
-        let s = evaluate(&cfg, "llama", &cluster, &o, &copts(), &c).unwrap();
+        let s = evaluate(&cfg, "llama", &cluster, &o, &ComputeOptions::default(), &c).unwrap();
         let fits = s.memory_bytes as f64 <= capacity;
         if other < k {
             assert!(!fits, "k={other} fits, fewer than the search's {k}");
@@ -485,7 +482,7 @@ fn block_recomputation_takes_the_fewest_layers_that_fit() {
     }
     // Without blocks the best is slower.
     o.limits.recompute_blocks = false;
-    let plain = search(&cfg, "llama", &cluster, &o, &copts()).unwrap();
+    let plain = search(&cfg, "llama", &cluster, &o, &ComputeOptions::default()).unwrap();
     assert!(plain.best().unwrap().step_time_s > best.step_time_s);
     assert!(plain.candidates < r.candidates);
 }

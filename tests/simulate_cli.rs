@@ -111,13 +111,7 @@ fn llama_70b_training_on_1024_h100s() {
     assert!(bubble > 0.09 && bubble < 0.3, "bubble {bubble}");
     assert_eq!(v["fits"], true);
     let peak = v["peak_memory_bytes_per_rank"].as_u64().unwrap();
-    let parts: u64 = v["memory_breakdown"]
-        .as_object()
-        .unwrap()
-        .values()
-        .map(|x| x.as_u64().unwrap())
-        .sum();
-    assert_eq!(parts, peak);
+    assert_eq!(common::sum_u64(&v["memory_breakdown"]), peak);
 }
 
 #[test]
@@ -307,7 +301,7 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
     );
     // Three layers on two stages: the compiler's split (uneven), simulated as compiled; a
     // `--stage-layers` that does not cover the model is refused by name.
-    let (ok, out, err) = shardc(&[
+    let pipeline = [
         "simulate",
         "tests/fixtures/hf-tiny/llama",
         "--train",
@@ -315,20 +309,11 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
         "pp=2,tp=2",
         "--seq",
         "16",
-    ]);
+    ];
+    let (ok, out, err) = shardc(&pipeline);
     assert!(ok, "{err}");
     assert!(out.contains("stage  layers"), "{out}");
-    let (ok, _, err) = shardc(&[
-        "simulate",
-        "tests/fixtures/hf-tiny/llama",
-        "--train",
-        "--mesh",
-        "pp=2,tp=2",
-        "--seq",
-        "16",
-        "--stage-layers",
-        "2,2",
-    ]);
+    let (ok, _, err) = shardc(&[&pipeline[..], &["--stage-layers", "2,2"]].concat());
     assert!(!ok && err.contains("--stage-layers"), "{err}");
 }
 

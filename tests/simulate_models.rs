@@ -50,11 +50,7 @@ fn nccl_tests_bus_bandwidth_relations() {
     // Across nodes, one GPU per node: the per-GPU share of the node's adapters.
     let c = Cluster::resolve("dgx-a100x4").unwrap();
     let net = 8.0 * 25e9 / 8.0 * c.profile.network_efficiency.value;
-    let topo = GroupTopology {
-        ranks: 4,
-        per_domain: 1,
-        domains: 4,
-    };
+    let topo = GroupTopology::across(4, 1);
     let size = 16u64 << 30;
     let t = collective_time(&c, CollectiveKind::AllGather, Bytes(size), topo).0;
     assert!(rel(size as f64 / t * 0.75, net) < 1e-3);
@@ -266,12 +262,7 @@ fn zero_bubble_shrinks_the_analytic_bubble() {
     let cfg = gpt_config(8, 4096, 32, 1024, 2048).unwrap();
     let mesh = Mesh::parse("pp=4,tp=2", 8).unwrap();
     let c = Cluster::resolve_for("dgx-a100", mesh.world_size()).unwrap();
-    let copts = ComputeOptions {
-        dtype: DType::Bf16,
-        attention: AttentionImpl::Flash,
-        dropout: false,
-        fuse_elementwise: true,
-    };
+    let copts = ComputeOptions::default();
     let run = |sched| {
         let mut t = TrainOptions::new(16, 2, 2048);
         t.schedule = sched;

@@ -8,23 +8,11 @@ mod common;
 
 use common::{fails_with, run_shardc};
 use shardc::compiler::compile::{simulate_training, SimulateError};
-use shardc::compiler::cost::{
-    AttentionImpl, Cluster, ComputeOptions, Recompute, Simulation, TrainOptions,
-};
-use shardc::compiler::ir::DType;
+use shardc::compiler::cost::{Cluster, ComputeOptions, Recompute, Simulation, TrainOptions};
 use shardc::compiler::model::{ModelConfig, ModelStats};
 use shardc::compiler::shard::Mesh;
 
 const MIXTRAL: &str = "models/mixtral-8x7b.json";
-
-fn copts() -> ComputeOptions {
-    ComputeOptions {
-        dtype: DType::Bf16,
-        attention: AttentionImpl::Flash,
-        dropout: false,
-        fuse_elementwise: true,
-    }
-}
 
 fn sim(model: &str, mesh: &str, zero: u8, imbalance: f64) -> Result<Simulation, SimulateError> {
     let cfg = ModelConfig::from_path(std::path::Path::new(model)).unwrap();
@@ -35,7 +23,7 @@ fn sim(model: &str, mesh: &str, zero: u8, imbalance: f64) -> Result<Simulation, 
     t.zero = zero;
     t.recompute = Recompute::Selective;
     t.moe_imbalance = imbalance;
-    simulate_training(&cfg, model, &mesh, &t, &c, &copts())
+    simulate_training(&cfg, model, &mesh, &t, &c, &ComputeOptions::default())
 }
 
 /// (dense, expert) parameters of the config: experts' `w1`, `w3`, `w2` are
@@ -124,7 +112,7 @@ fn expert_parallel_errors_are_named() {
     let mesh = Mesh::parse("dp=2,ep=4", 8).unwrap();
     let c = Cluster::resolve_for("dgx-h100", 8).unwrap();
     let t = TrainOptions::new(4, 1, 1024);
-    let e = simulate_training(&cfg, MIXTRAL, &mesh, &t, &c, &copts())
+    let e = simulate_training(&cfg, MIXTRAL, &mesh, &t, &c, &ComputeOptions::default())
         .unwrap_err()
         .to_string();
     assert!(e.contains("dp*ep*micro-batch"), "{e}");
@@ -148,8 +136,7 @@ fn cli_simulates_expert_parallel_training() {
         "selective",
         "--explain",
     ];
-    let (ok, out, err) = run_shardc(&args, &[]);
-    assert!(ok, "{err}");
+    let out = common::succeeds(&args);
     assert!(out.contains("strategies dp,ep,tp,sp"), "{out}");
     assert!(out.contains("tokens/s/GPU"), "{out}");
     assert!(

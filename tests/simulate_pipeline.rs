@@ -6,10 +6,9 @@
 
 use shardc::compiler::compile::simulate_training;
 use shardc::compiler::cost::{
-    simulate_plan, AttentionImpl, Cluster, ComputeOptions, PipeSchedule, Recompute, Simulation,
+    simulate_plan, Cluster, ComputeOptions, PipeSchedule, Recompute, Simulation,
     TrainOptions as SimTrain,
 };
-use shardc::compiler::ir::DType;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::schedule::pp::ScheduleKind;
 use shardc::compiler::shard::Mesh;
@@ -17,15 +16,6 @@ use shardc::compiler::train::{
     compile_pipeline, compile_train, PipelineOptions, Precision, TrainOptions,
 };
 use std::path::PathBuf;
-
-fn opts() -> ComputeOptions {
-    ComputeOptions {
-        dtype: DType::Bf16,
-        attention: AttentionImpl::Flash,
-        dropout: false,
-        fuse_elementwise: true,
-    }
-}
 
 /// Llama-3-8B with a small vocabulary: 32 equal layers, a negligible head.
 fn uniform_llama() -> ModelConfig {
@@ -60,7 +50,7 @@ fn pipelined(
     let c = compile_pipeline(cfg, &o).unwrap();
     let plan = c.plan("llama", "llama", cfg.layers, Precision::mixed());
     let cluster = Cluster::resolve("dgx-h100").unwrap();
-    simulate_plan(&plan, &cluster, &opts()).unwrap()
+    simulate_plan(&plan, &cluster, &ComputeOptions::default()).unwrap()
 }
 
 /// Bubble of the passes alone (the optimizer step after the flush left out).
@@ -147,7 +137,7 @@ fn pipelined_work_equals_the_flat_step_and_the_model_agrees() {
     let flat = compile_train(&cfg, &o).unwrap();
     let plan = flat.plan("llama", "llama", cfg.layers, Precision::mixed());
     let cluster = Cluster::resolve("dgx-h100").unwrap();
-    let flat = simulate_plan(&plan, &cluster, &opts()).unwrap();
+    let flat = simulate_plan(&plan, &cluster, &ComputeOptions::default()).unwrap();
     let (a, b) = (sim.report.flops_per_step, flat.report.flops_per_step);
     assert!(
         (a / b - 1.0).abs() < 0.01,
@@ -164,7 +154,7 @@ fn pipelined_work_equals_the_flat_step_and_the_model_agrees() {
         &Mesh::parse("pp=4,dp=2", 8).unwrap(),
         &t,
         &cluster,
-        &opts(),
+        &ComputeOptions::default(),
     )
     .unwrap();
     let (x, y) = (sim.report.step_time_s, model.report.step_time_s);

@@ -9,7 +9,9 @@ use crate::cache::{CacheKey, CacheOutcome, PtxCache};
 use crate::excerpt::source_excerpt;
 use crate::probe::{nvrtc_version, panic_message};
 use crate::{KernelError, Unavailable};
-use cudarc::nvrtc::CompileError;
+use cudarc::nvrtc::result::{self, NvrtcError};
+use cudarc::nvrtc::sys;
+use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Options passed on every compile, before the caller's.
@@ -111,63 +113,139 @@ impl PtxCache {
     }
 }
 
-/// One NVRTC run, no cache. The caller has probed NVRTC.
+/// Compiles `src` (named `source_name`) for the real architecture `arch` (e.g. `sm_90`) to a
+/// CUBIN, with `-lineinfo` plus `options`, no cache. The CUBIN comes out of NVRTC's assembler
+/// (ptxas), so malformed inline PTX (`asm(...)`) fails here as [`KernelError::Compile`] with
+/// ptxas' log (NVRTC 13.0 also assembles when asked for PTX for a real `sm_XY`, but only
+/// this function guarantees it). The bytes load with `cudarc::nvrtc::Ptx::from_binary`.
+pub fn compile_cubin(
+    source_name: &str,
+    src: &str,
+    arch: &'static str,
+    options: &[&str],
+) -> Result<Vec<u8>, KernelError> {
+    nvrtc_version()?;
+    nvrtc_run(
+        source_name,
+        src,
+        arch,
+        effective_options(options),
+        Output::Cubin,
+    )
+}
+
+/// What an NVRTC run hands back.
+#[derive(Clone, Copy)]
+enum Output {
+    Ptx,
+    Cubin,
+}
+
+/// One NVRTC run giving PTX text, no cache. The caller has probed NVRTC.
 fn nvrtc_compile(
     source_name: &str,
     src: &str,
     arch: &'static str,
     options: Vec<String>,
 ) -> Result<String, KernelError> {
-    for (what, text) in [("source", src), ("name", source_name)] {
-        if let Some(offset) = text.find('\0') {
-            return Err(KernelError::NulByte {
-                kernel: source_name.to_owned(),
-                what,
-                offset,
-            });
-        }
-    }
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(arch),
-        name: Some(source_name.to_owned()),
-        options,
-        ..Default::default()
-    };
+    let bytes = nvrtc_run(source_name, src, arch, options, Output::Ptx)?;
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    Ok(String::from_utf8_lossy(&bytes[..end]).into_owned())
+}
+
+/// One NVRTC run: create, compile with `options` and `--gpu-architecture=<arch>`, fetch the
+/// PTX or CUBIN, destroy. The caller has probed NVRTC.
+fn nvrtc_run(
+    source_name: &str,
+    src: &str,
+    arch: &'static str,
+    mut options: Vec<String>,
+    output: Output,
+) -> Result<Vec<u8>, KernelError> {
     let kernel = || source_name.to_owned();
+    let c_string = |what, text: &str| {
+        CString::new(text).map_err(|e| KernelError::NulByte {
+            kernel: kernel(),
+            what,
+            offset: e.nul_position(),
+        })
+    };
+    let src_c = c_string("source", src)?;
+    let name_c = c_string("name", source_name)?;
+    for option in &options {
+        c_string("options", option)?;
+    }
+    options.push(format!("--gpu-architecture={arch}"));
     let nvrtc = |stage, error| KernelError::Nvrtc {
         kernel: kernel(),
         stage,
         error,
     };
-    // cudarc panics (rather than erring) on a missing symbol or an unreadable log.
+    // cudarc panics (rather than erring) on a missing symbol.
     let run = catch_unwind(AssertUnwindSafe(|| {
-        cudarc::nvrtc::compile_ptx_with_opts(src, opts).map(|ptx| {
-            let bytes = ptx.as_bytes().unwrap_or_default();
-            let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-            String::from_utf8_lossy(&bytes[..end]).into_owned()
-        })
+        let prog = result::create_program(&src_c, Some(&name_c))
+            .map_err(|e| nvrtc("create program", e))?;
+        // SAFETY: `prog` was created above and is destroyed only after this block; `src_c`
+        // and `name_c` outlive it.
+        let body = unsafe {
+            match result::compile_program(prog, &options) {
+                Err(_) => match result::get_program_log(prog) {
+                    Ok(log) => {
+                        let log = c_text(&log);
+                        Err(KernelError::Compile {
+                            kernel: kernel(),
+                            source_excerpt: source_excerpt(src, &log),
+                            log,
+                        })
+                    }
+                    Err(e) => Err(nvrtc("get log", e)),
+                },
+                Ok(()) => match output {
+                    Output::Ptx => result::get_ptx(prog)
+                        .map(|p| p.iter().map(|&c| c as u8).collect())
+                        .map_err(|e| nvrtc("get PTX", e)),
+                    Output::Cubin => get_cubin(prog).map_err(|e| nvrtc("get CUBIN", e)),
+                },
+            }
+        };
+        // SAFETY: `prog` is live and not used after this call.
+        let destroyed = unsafe { result::destroy_program(prog) };
+        let bytes = body?;
+        destroyed.map_err(|e| nvrtc("destroy program", e))?;
+        Ok(bytes)
     }));
-    match run {
-        Ok(Ok(ptx)) => Ok(ptx),
-        Ok(Err(CompileError::CompileError { log, .. })) => {
-            let log = log.to_string_lossy().into_owned();
-            Err(KernelError::Compile {
-                kernel: kernel(),
-                source_excerpt: source_excerpt(src, &log),
-                log,
-            })
-        }
-        Ok(Err(CompileError::CreationError(e))) => Err(nvrtc("create program", e)),
-        Ok(Err(CompileError::GetLogError(e))) => Err(nvrtc("get log", e)),
-        Ok(Err(CompileError::GetPtxError(e))) => Err(nvrtc("get PTX", e)),
-        Ok(Err(CompileError::DestroyError(e))) => Err(nvrtc("destroy program", e)),
-        Err(payload) => Err(KernelError::NvrtcUnavailable {
+    run.unwrap_or_else(|payload| {
+        Err(KernelError::NvrtcUnavailable {
             reason: Unavailable::Panicked {
                 library: "libnvrtc",
                 message: panic_message(payload.as_ref()),
             },
-        }),
-    }
+        })
+    })
+}
+
+/// The text of a NUL-terminated NVRTC buffer (the log).
+fn c_text(buf: &[c_char]) -> String {
+    let bytes: Vec<u8> = buf
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&b| b != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// The CUBIN of a program compiled for a real architecture.
+///
+/// # Safety
+/// `prog` is a live program on which compilation succeeded.
+unsafe fn get_cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, NvrtcError> {
+    let mut size = 0usize;
+    // SAFETY: `prog` is live (caller); `size` is a writable usize.
+    unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result()?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` holds the `size` bytes NVRTC reported.
+    unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }.result()?;
+    Ok(cubin)
 }
 
 #[cfg(test)]

@@ -82,7 +82,7 @@ pub enum KernelError {
     NulByte {
         /// Source name.
         kernel: String,
-        /// `source` or `name`.
+        /// `source`, `name` or `options`.
         what: &'static str,
         /// Byte offset of the NUL.
         offset: usize,

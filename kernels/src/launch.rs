@@ -1,7 +1,7 @@
 //! Launch configurations that satisfy each kernel family's contract (block sizes, grid shape,
 //! dynamic shared memory), so the runtime does not re-derive them.
 
-use crate::{KernelDType, KernelError};
+use crate::{entry_name, KernelDType, KernelError};
 use cudarc::driver::LaunchConfig;
 
 /// Threads per block of elementwise (grid-stride) kernels.
@@ -110,36 +110,135 @@ pub fn attention_launch(
     heads_kv: usize,
     head_dim: usize,
 ) -> Result<LaunchConfig, KernelError> {
-    let bad = |param, value, allowed| KernelError::InvalidLaunch {
-        kernel: "attention",
-        param,
-        value,
-        allowed,
-    };
-    if head_dim == 0 || head_dim > ATTENTION_MAX_HEAD_DIM {
-        return Err(bad("head_dim", head_dim, "1..=256"));
+    SCALAR_ATTENTION.launch([batch, seq_q, heads_q, heads_kv, head_dim])
+}
+
+/// Queries per block of `attention_tc_bf16` (`ATC_BLOCK_Q` in attention_tc.cu), 16 per warp.
+pub const ATTENTION_TC_BLOCK_Q: usize = 64;
+/// Keys per tile of `attention_tc_bf16` (`ATC_BLOCK_K`).
+pub const ATTENTION_TC_BLOCK_K: usize = 64;
+/// The head widths `attention_tc_bf16` supports; others go to `attention_bf16`.
+pub const ATTENTION_TC_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Alignment in bytes `attention_tc_bf16` needs of q, k and v (16-byte `cp.async` rows).
+pub const ATTENTION_TC_ALIGN: u64 = 16;
+/// Dynamic shared memory the default (opt-in free) launch may use.
+pub const DEFAULT_MAX_DYNAMIC_SHARED: usize = 48 * 1024;
+
+/// Dynamic shared memory of `attention_tc_bf16` for `head_dim`: a 64-query tile and two
+/// buffers each of a 64-key K and V tile, bf16. 40 KiB for 64, 80 KiB for 128: above
+/// [`DEFAULT_MAX_DYNAMIC_SHARED`], so the function must be opted in to that size.
+pub fn attention_tc_shared_bytes(head_dim: usize) -> usize {
+    (ATTENTION_TC_BLOCK_Q + 4 * ATTENTION_TC_BLOCK_K) * head_dim * 2
+}
+
+/// Whether `attention_tc_bf16` can run this call: a supported `head_dim` and q, k, v (device
+/// addresses) aligned to [`ATTENTION_TC_ALIGN`]. Otherwise use `attention_bf16`.
+pub fn attention_tc_supported(head_dim: usize, q: u64, k: u64, v: u64) -> bool {
+    ATTENTION_TC_HEAD_DIMS.contains(&head_dim)
+        && [q, k, v].iter().all(|p| p % ATTENTION_TC_ALIGN == 0)
+}
+
+/// The attention entry point for one call and its launch configuration:
+/// `attention_tc_bf16` when `tensor_core` is allowed, the dtype is bf16, the device is sm_80 or
+/// newer (`sm_major` >= 8) and [`attention_tc_supported`] holds; otherwise `attention_{dtype}`.
+/// `dims = [batch, seq_q, heads_q, heads_kv, head_dim]`; `qkv` are the device addresses of q,
+/// k and v. Both kernels take the same argument list.
+pub fn attention_kernel(
+    dtype: KernelDType,
+    sm_major: i32,
+    tensor_core: bool,
+    dims: [usize; 5],
+    qkv: [u64; 3],
+) -> Result<(String, LaunchConfig), KernelError> {
+    let head_dim = dims[4];
+    let [q, k, v] = qkv;
+    if tensor_core
+        && dtype == KernelDType::Bf16
+        && sm_major >= 8
+        && attention_tc_supported(head_dim, q, k, v)
+    {
+        let cfg = TENSOR_CORE_ATTENTION.launch(dims)?;
+        return Ok((entry_name(TENSOR_CORE_ATTENTION.name, dtype), cfg));
     }
-    if heads_kv == 0 || heads_q % heads_kv != 0 {
-        return Err(bad("heads_kv", heads_kv, "a divisor of heads_q"));
-    }
-    let dim = |param, value: usize, max: usize, allowed| {
-        if value == 0 || value > max {
-            Err(bad(param, value, allowed))
-        } else {
-            Ok(u32::try_from(value).expect("invariant: value <= max <= u32::MAX"))
+    let cfg = SCALAR_ATTENTION.launch(dims)?;
+    Ok((entry_name(SCALAR_ATTENTION.name, dtype), cfg))
+}
+
+/// The dynamic shared memory to opt kernel `entry` in to when it is loaded
+/// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`), for kernels whose launches may ask for
+/// more than [`DEFAULT_MAX_DYNAMIC_SHARED`]; `None` for every other kernel.
+pub fn opt_in_shared_bytes(entry: &str) -> Option<usize> {
+    let widest = ATTENTION_TC_HEAD_DIMS.iter().copied().max().unwrap_or(0);
+    (entry == "attention_tc_bf16").then(|| attention_tc_shared_bytes(widest))
+}
+
+/// One attention kernel's launch contract: grid (ceil(Tq / block_q), Hq, B) of
+/// [`ATTENTION_THREADS`] threads and `shared_bytes(head_dim)` of dynamic shared memory.
+struct AttentionKernel {
+    /// Entry point family.
+    name: &'static str,
+    block_q: usize,
+    head_dim_ok: fn(usize) -> bool,
+    /// The head widths `head_dim_ok` accepts, for the error.
+    head_dims: &'static str,
+    /// Dynamic shared memory for a head_dim that passed the check.
+    shared_bytes: fn(usize) -> usize,
+}
+
+/// `attention_{f32,bf16}` (attention.cu).
+const SCALAR_ATTENTION: AttentionKernel = AttentionKernel {
+    name: "attention",
+    block_q: ATTENTION_BLOCK_Q,
+    head_dim_ok: |d| (1..=ATTENTION_MAX_HEAD_DIM).contains(&d),
+    head_dims: "1..=256",
+    shared_bytes: attention_shared_bytes,
+};
+
+/// `attention_tc_bf16` (attention_tc.cu).
+const TENSOR_CORE_ATTENTION: AttentionKernel = AttentionKernel {
+    name: "attention_tc",
+    block_q: ATTENTION_TC_BLOCK_Q,
+    head_dim_ok: |d| ATTENTION_TC_HEAD_DIMS.contains(&d),
+    head_dims: "64 or 128",
+    shared_bytes: attention_tc_shared_bytes,
+};
+
+impl AttentionKernel {
+    /// The launch for `dims = [batch, seq_q, heads_q, heads_kv, head_dim]`, after checking
+    /// the shape.
+    fn launch(&self, dims: [usize; 5]) -> Result<LaunchConfig, KernelError> {
+        let [batch, seq_q, heads_q, heads_kv, head_dim] = dims;
+        let bad = |param, value, allowed| KernelError::InvalidLaunch {
+            kernel: self.name,
+            param,
+            value,
+            allowed,
+        };
+        if !(self.head_dim_ok)(head_dim) {
+            return Err(bad("head_dim", head_dim, self.head_dims));
         }
-    };
-    let tiles = seq_q.div_ceil(ATTENTION_BLOCK_Q);
-    Ok(LaunchConfig {
-        grid_dim: (
-            dim("seq_q", tiles, i32::MAX as usize, "1..=2^31 query tiles")?,
-            dim("heads_q", heads_q, 65_535, "1..=65535")?,
-            dim("batch", batch, 65_535, "1..=65535")?,
-        ),
-        block_dim: (ATTENTION_THREADS, 1, 1),
-        shared_mem_bytes: u32::try_from(attention_shared_bytes(head_dim))
-            .expect("invariant: at most 48 KiB"),
-    })
+        if heads_kv == 0 || heads_q % heads_kv != 0 {
+            return Err(bad("heads_kv", heads_kv, "a divisor of heads_q"));
+        }
+        let dim = |param, value: usize, max: usize, allowed| {
+            if value == 0 || value > max {
+                Err(bad(param, value, allowed))
+            } else {
+                Ok(u32::try_from(value).expect("invariant: value <= max <= u32::MAX"))
+            }
+        };
+        let tiles = seq_q.div_ceil(self.block_q);
+        Ok(LaunchConfig {
+            grid_dim: (
+                dim("seq_q", tiles, i32::MAX as usize, "1..=2^31 query tiles")?,
+                dim("heads_q", heads_q, 65_535, "1..=65535")?,
+                dim("batch", batch, 65_535, "1..=65535")?,
+            ),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: u32::try_from((self.shared_bytes)(head_dim))
+                .expect("invariant: at most 80 KiB for a valid head_dim"),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -157,6 +256,65 @@ mod tests {
         assert!(attention_launch(1, 1, 32, 8, 257).is_err());
         assert!(attention_launch(1, 1, 32, 6, 64).is_err());
         assert!(attention_launch(1, 0, 32, 8, 64).is_err());
+    }
+
+    #[test]
+    fn tensor_core_attention_config() {
+        let aligned = [256, 4096, 1 << 20];
+        let (entry, c) = attention_kernel(KernelDType::Bf16, 9, true, [2, 65, 32, 8, 128], aligned)
+            .expect("valid shape");
+        assert_eq!(entry, "attention_tc_bf16");
+        assert_eq!(c.grid_dim, (2, 32, 2));
+        assert_eq!(c.block_dim, (128, 1, 1));
+        assert_eq!(c.shared_mem_bytes, 80 * 1024);
+        assert_eq!(attention_tc_shared_bytes(64), 40 * 1024);
+        assert!(attention_tc_shared_bytes(64) <= DEFAULT_MAX_DYNAMIC_SHARED);
+        assert!(attention_tc_shared_bytes(128) > DEFAULT_MAX_DYNAMIC_SHARED);
+        for d in [32, 80, 96, 256] {
+            assert!(
+                TENSOR_CORE_ATTENTION.launch([1, 1, 32, 8, d]).is_err(),
+                "head_dim {d}"
+            );
+            assert!(!attention_tc_supported(d, 0, 0, 0), "head_dim {d}");
+        }
+        assert!(TENSOR_CORE_ATTENTION.launch([1, 1, 32, 6, 64]).is_err());
+        assert!(attention_tc_supported(64, 256, 4096, 1 << 20));
+        assert!(!attention_tc_supported(128, 256, 4096 + 8, 1 << 20));
+    }
+
+    #[test]
+    fn attention_kernel_choice() {
+        let aligned = [256, 4096, 1 << 20];
+        let pick = |dt, sm, tc, d, qkv| {
+            attention_kernel(dt, sm, tc, [1, 100, 32, 8, d], qkv)
+                .map(|(entry, cfg)| (entry, cfg.grid_dim.0))
+                .expect("valid shape")
+        };
+        let (bf16, f32) = (KernelDType::Bf16, KernelDType::F32);
+        let (tc, scalar) = ("attention_tc_bf16", "attention_bf16");
+        // (dtype, sm major, allowed, head_dim, q/k/v, entry, query blocks); the fallbacks:
+        // not allowed, f32, pre-Ampere, head_dim, alignment.
+        let cases = [
+            (bf16, 9, true, 128, aligned, tc, 2),
+            (bf16, 8, true, 64, aligned, tc, 2),
+            (bf16, 9, false, 128, aligned, scalar, 7),
+            (f32, 9, true, 128, aligned, "attention_f32", 7),
+            (bf16, 7, true, 128, aligned, scalar, 7),
+            (bf16, 9, true, 96, aligned, scalar, 7),
+            (bf16, 9, true, 128, [256, 4098, 1 << 20], scalar, 7),
+        ];
+        for (dt, sm, allowed, d, qkv, entry, blocks) in cases {
+            let case = format!("{dt:?} sm {sm} allowed {allowed} d {d} {qkv:?}");
+            assert_eq!(
+                pick(dt, sm, allowed, d, qkv),
+                (entry.into(), blocks),
+                "{case}"
+            );
+        }
+        let bf16 = KernelDType::Bf16;
+        assert!(attention_kernel(bf16, 9, true, [1, 1, 32, 8, 300], aligned).is_err());
+        assert_eq!(opt_in_shared_bytes("attention_tc_bf16"), Some(80 * 1024));
+        assert_eq!(opt_in_shared_bytes("attention_bf16"), None);
     }
 
     #[test]

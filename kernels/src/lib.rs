@@ -13,6 +13,8 @@
 //! - [`generate_fused_kernel`]: a complete `.cu` source for one [`FusedExpr`].
 //! - [`compile`] / [`PtxCache`]: NVRTC to PTX, `-lineinfo` always on, cached by blake3 of
 //!   (source name, source, options, arch, NVRTC version).
+//! - [`compile_cubin`]: NVRTC to a CUBIN for a real `sm_XY`, no cache; ptxas assembles the
+//!   PTX, so malformed inline `asm` (the tensor-core wrappers of `mma.cuh`) fails there.
 //! - [`cuda_available`], [`nvrtc_version`]: probes that never panic.
 //!
 //! ```no_run
@@ -35,12 +37,14 @@ mod probe;
 mod registry;
 
 pub use cache::{CacheKey, CacheOutcome, PtxCache};
-pub use compile::{compile, effective_options, ptx_entries, CompiledPtx, ALWAYS_OPTIONS};
+pub use compile::{
+    compile, compile_cubin, effective_options, ptx_entries, CompiledPtx, ALWAYS_OPTIONS,
+};
 pub use dtype::{entry_name, KernelDType};
 pub use error::{KernelError, Unavailable};
 pub use excerpt::{parse_diagnostics, source_excerpt, Diagnostic};
 pub use fused::{generate_fused_kernel, FusedBinary, FusedExpr, FusedUnary};
 pub use probe::{arch_for_compute_capability, cuda_available, nvrtc_available, nvrtc_version};
 pub use registry::{
-    expand_includes, kernel_source, source_for_entry, KernelSource, COMMON_CUH, KERNELS,
+    expand_includes, kernel_source, source_for_entry, KernelSource, COMMON_CUH, KERNELS, MMA_CUH,
 };

@@ -10,8 +10,18 @@ use crate::{compile, CompiledPtx, KernelError};
 /// helpers, the scalar activation functions and warp/block reductions.
 pub const COMMON_CUH: &str = include_str!("cu/common.cuh");
 
-/// The include line that [`expand_includes`] replaces with [`COMMON_CUH`].
+/// The tensor-core header (after `common.cuh`): `mma.sync` m16n8k16 bf16, `ldmatrix` and
+/// `cp.async` wrappers around inline PTX, with their fragment layouts.
+pub const MMA_CUH: &str = include_str!("cu/mma.cuh");
+
+/// The include line of [`COMMON_CUH`].
 const COMMON_INCLUDE: &str = "#include \"common.cuh\"";
+
+/// Each include line [`expand_includes`] replaces, with the header's text.
+const HEADERS: &[(&str, &str)] = &[
+    (COMMON_INCLUDE, COMMON_CUH),
+    ("#include \"mma.cuh\"", MMA_CUH),
+];
 
 /// One `.cu` file: an op family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,18 +58,22 @@ impl KernelSource {
     }
 }
 
-/// Replaces the `#include "common.cuh"` line with the header's text. Other lines are kept.
+/// Replaces each `#include "common.cuh"` / `#include "mma.cuh"` line with the header's text.
+/// Other lines are kept.
 pub fn expand_includes(raw: &str) -> String {
     let mut out = String::with_capacity(raw.len() + COMMON_CUH.len());
     for line in raw.lines() {
-        if line.trim() == COMMON_INCLUDE {
-            out.push_str(COMMON_CUH);
-            if !COMMON_CUH.ends_with('\n') {
+        match HEADERS.iter().find(|(include, _)| line.trim() == *include) {
+            Some((_, header)) => {
+                out.push_str(header);
+                if !header.ends_with('\n') {
+                    out.push('\n');
+                }
+            }
+            None => {
+                out.push_str(line);
                 out.push('\n');
             }
-        } else {
-            out.push_str(line);
-            out.push('\n');
         }
     }
     out
@@ -127,6 +141,7 @@ pub static KERNELS: &[KernelSource] = &[
     ),
     kernel_source!("cast", ["cast_f32_bf16", "cast_bf16_f32"]),
     kernel_source!("attention", ["attention_f32", "attention_bf16"]),
+    kernel_source!("attention_tc", ["attention_tc_bf16"]),
     kernel_source!(
         "moe",
         [
@@ -300,6 +315,10 @@ mod tests {
             );
         }
         assert!(!has_include(COMMON_CUH));
+        assert!(!has_include(MMA_CUH));
+        let with_mma = expand_includes("#include \"common.cuh\"\n#include \"mma.cuh\"\n");
+        assert!(with_mma.contains("mma_bf16_16816"), "mma.cuh not pasted");
+        assert!(!has_include(&with_mma));
     }
 
     #[test]

@@ -7,8 +7,8 @@
 //! `LD_LIBRARY_PATH=$(kernels/ci-nvrtc.sh DIR) SHARDC_REQUIRE_NVRTC=1 cargo test -p shardc-kernels`.
 
 use shardc_kernels::{
-    generate_fused_kernel, nvrtc_version, CacheOutcome, FusedBinary, FusedExpr, FusedUnary,
-    KernelDType, KernelError, PtxCache, KERNELS,
+    compile_cubin, generate_fused_kernel, kernel_source, nvrtc_version, CacheOutcome, FusedBinary,
+    FusedExpr, FusedUnary, KernelDType, KernelError, PtxCache, KERNELS,
 };
 
 const ARCH: &str = "sm_90";
@@ -95,6 +95,56 @@ fn every_kernel_source_compiles_for_sm90() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// `attention_tc` (its `mma.sync`, `ldmatrix` and `cp.async` are inline PTX from mma.cuh) to
+/// PTX and to a CUBIN for sm_90: the CUBIN is assembled by ptxas, so a malformed asm string in
+/// mma.cuh fails here.
+#[test]
+fn tensor_core_attention_assembles_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let k = kernel_source("attention_tc").expect("invariant: registered");
+    let ptx = PtxCache::disabled()
+        .compile(k.file, &k.source(), ARCH, &[])
+        .unwrap_or_else(|e| panic!("{e}"));
+    for instruction in [
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+        "cp.async.cg.shared.global",
+        "cp.async.wait_group",
+    ] {
+        assert!(
+            ptx.ptx.contains(instruction),
+            "no `{instruction}` in the PTX"
+        );
+    }
+    let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+    eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+}
+
+/// Inline `asm` is only checked when the PTX is assembled: a CUBIN makes NVRTC run ptxas.
+#[test]
+fn malformed_inline_ptx_fails_the_cubin_build() {
+    if !nvrtc_present() {
+        return;
+    }
+    let good = "extern \"C\" __global__ void good(float* out) { out[0] = 1.0f; }\n";
+    let cubin = compile_cubin("good.cu", good, ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+    let src = "extern \"C\" __global__ void bad(float* out) {\n    \
+               asm volatile(\"mma.sync.aligned.m16n8k17.row.col.f32.bf16.bf16.f32 {%0}, {%0}, {%0}, {%0};\" : \"+f\"(out[0]));\n}\n";
+    match compile_cubin("bad_asm.cu", src, ARCH, &[]) {
+        Err(KernelError::Compile { kernel, log, .. }) => {
+            assert_eq!(kernel, "bad_asm.cu");
+            assert!(log.contains("m16n8k17"), "{log}");
+            eprintln!("{log}");
+        }
+        other => panic!("expected a compile error from ptxas, got {other:?}"),
+    }
 }
 
 fn sample_fused() -> Vec<(&'static str, FusedExpr)> {

@@ -11,7 +11,7 @@ use shardc_compiler::ir::{
     AttnSpec, DType, EwExpr, EwStep, Float, Graph, Op, RopeScaling, RopeSpec, RopeStyle,
     TensorType, UnaryOp,
 };
-use shardc_runtime::cuda::{execute_cuda, CudaRankCtx, GpuDType, ParamInit};
+use shardc_runtime::cuda::{execute_cuda, CudaOptions, CudaRankCtx, GpuDType, ParamInit};
 use shardc_runtime::{execute, RankCtx, Tensor};
 use std::collections::BTreeMap;
 
@@ -157,23 +157,24 @@ fn rope_both_styles_with_scaling() {
     }
 }
 
+/// An attention case: (batch, t, s, heads_q, heads_kv, head_dim, causal, window, masked).
+type AttnCase = (
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    bool,
+    Option<usize>,
+    bool,
+);
+
 #[test]
 #[ignore = "needs a GPU"]
 fn attention_causal_window_mask_gqa_decode() {
     let mut rng = Rng::new(4);
-    // (batch, t, s, heads_q, heads_kv, head_dim, causal, window, masked)
-    type Case = (
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        bool,
-        Option<usize>,
-        bool,
-    );
-    let cases: &[Case] = &[
+    let cases: &[AttnCase] = &[
         (1, 3, 3, 2, 2, 64, true, None, false),
         (2, 50, 50, 8, 2, 80, true, None, true),
         (1, 37, 37, 4, 1, 128, true, Some(8), false),
@@ -212,6 +213,88 @@ fn attention_causal_window_mask_gqa_decode() {
                 check(&Op::Attention(spec), &[&q, &k, &v], dt, a, r, &what);
             }
         }
+    }
+}
+
+/// The tensor-core kernel (`attention_tc_bf16`: bf16, head_dim 64 and 128) against the scalar
+/// `attention_bf16` and the CPU reference, at Llama-like shapes: prefill, decode, chunked
+/// prefill with a window, and a masked non-causal case.
+#[test]
+#[ignore = "needs a GPU"]
+fn tensor_core_attention_matches_scalar_and_cpu() {
+    let dev = device();
+    assert!(
+        dev.compute_capability().0 >= 8,
+        "attention_tc_bf16 needs sm_80 or newer, this is {:?}",
+        dev.compute_capability()
+    );
+    let mut rng = Rng::new(41);
+    // q_offset = s - t.
+    let cases: &[AttnCase] = &[
+        (1, 512, 512, 32, 8, 128, true, None, false), // Llama-3-8B prefill
+        (1, 1, 1000, 32, 8, 128, true, None, false),  // decode, q_offset 999
+        (1, 300, 700, 16, 4, 128, true, Some(256), false), // chunk, q_offset 400
+        (2, 200, 200, 8, 8, 64, false, None, true),
+        (1, 77, 77, 4, 2, 64, true, None, true),
+    ];
+    let tc = |tensor_core_attention| CudaOptions {
+        tensor_core_attention,
+        ..opts(GpuDType::Bf16, true)
+    };
+    let (a, r) = (2e-2, 1.0 / 32.0);
+    for &(b, t, s, hq, hkv, d, causal, window, masked) in cases {
+        let q = rng.tensor(&[b, t, hq, d], 1.0);
+        let k = rng.tensor(&[b, s, hkv, d], 1.0);
+        let v = rng.tensor(&[b, s, hkv, d], 1.0);
+        let mut m = vec![1.0f32; b * s];
+        for (i, x) in m.iter_mut().enumerate() {
+            if i % s < 3 || rng.below(4) == 0 {
+                *x = 0.0;
+            }
+        }
+        let mask = Tensor::f32(vec![b, s], m);
+        let mut ins = vec![&q, &k, &v];
+        if masked {
+            ins.push(&mask);
+        }
+        let op = Op::Attention(AttnSpec {
+            causal,
+            window,
+            scale: Float(1.0 / (d as f32).sqrt()),
+            indexed: false,
+        });
+        let what = format!(
+            "b{b} t{t} s{s} h{hq}/{hkv} d{d} causal={causal} window={window:?} mask={masked}"
+        );
+        let (got, want) = gpu_and_cpu_with(&dev, &op, &ins, None, tc(true));
+        let (scalar, _) = gpu_and_cpu_with(&dev, &op, &ins, None, tc(false));
+        assert_close(&format!("tensor-core attention {what}"), &got, &want, a, r);
+        assert_close(&format!("scalar attention {what}"), &scalar, &want, a, r);
+        assert_close(
+            &format!("tensor-core vs scalar {what}"),
+            &got,
+            &scalar,
+            a,
+            r,
+        );
+        let f32s = |x: &Tensor| {
+            x.as_f32()
+                .expect("invariant: attention outputs f32")
+                .to_vec()
+        };
+        let (g, sc, w) = (f32s(&got), f32s(&scalar), f32s(&want));
+        // Different kernels: their f32 sums differ somewhere (the same bits everywhere would
+        // mean the tensor-core kernel was not chosen).
+        assert!(g != sc, "{what}: the two runs are bit-identical");
+        let err = rel_l2(&g, &w);
+        assert!(
+            err < 1e-2,
+            "{what}: relative L2 error {err} against the CPU"
+        );
+        assert!(
+            w.iter().any(|&x| x != 0.0),
+            "{what}: the reference is all zeros"
+        );
     }
 }
 

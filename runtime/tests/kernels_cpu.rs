@@ -70,6 +70,11 @@ fn to64(v: &[f32]) -> Vec<f64> {
 // ---------------------------------------------------------------------------------------------
 
 /// c[r, n] = Σ_k a[r, k] · b(k, n) over `rows` rows, `b(k, n)` from `[K, N]` or `[N, K]`.
+/// A matmul's result `c` against the naive product `want` (1e-5 absolute and relative).
+fn assert_matmul(c: &Tensor, want: &[f64], what: &str) {
+    assert_close(f(c), want, 1e-5, 1e-5, what);
+}
+
 fn naive_mm(a: &[f32], b: &[f32], rows: usize, k: usize, n: usize, tb: bool) -> Vec<f64> {
     let mut c = vec![0.0; rows * n];
     for r in 0..rows {
@@ -100,13 +105,7 @@ fn matmul_2d_matches_naive_at_odd_sizes() {
             let c = run(Op::MatMul { transpose_b: false }, &[&a, &b]);
             let rows = a.numel() / k;
             let want = naive_mm(f(&a), f(&b), rows, k, n, false);
-            assert_close(
-                f(&c),
-                &want,
-                1e-5,
-                1e-5,
-                &format!("matmul {ash:?} x [{k},{n}]"),
-            );
+            assert_matmul(&c, &want, &format!("matmul {ash:?} x [{k},{n}]"));
         }
     }
 }
@@ -119,13 +118,7 @@ fn matmul_transpose_b_matches_naive() {
         let b = rng.tensor(&[n, k], 1.0);
         let c = run(Op::MatMul { transpose_b: true }, &[&a, &b]);
         let want = naive_mm(f(&a), f(&b), 2 * m, k, n, true);
-        assert_close(
-            f(&c),
-            &want,
-            1e-5,
-            1e-5,
-            &format!("matmul^T m{m} k{k} n{n}"),
-        );
+        assert_matmul(&c, &want, &format!("matmul^T m{m} k{k} n{n}"));
     }
 }
 
@@ -146,13 +139,7 @@ fn matmul_batched_both_layouts_match_naive() {
                 let be = &f(&b)[ei * k * n..(ei + 1) * k * n];
                 want.extend(naive_mm(ae, be, 2 * m, k, n, tb));
             }
-            assert_close(
-                f(&c),
-                &want,
-                1e-5,
-                1e-5,
-                &format!("batched tb={tb} m{m} k{k} n{n}"),
-            );
+            assert_matmul(&c, &want, &format!("batched tb={tb} m{m} k{k} n{n}"));
         }
     }
 }
@@ -409,17 +396,12 @@ fn hf_inv_freq(theta: f64, d: usize, scaling: Option<RopeScaling>) -> Vec<f32> {
         None => base,
         Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor.0 as f64).collect(),
         Some(RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_positions,
+            factor: fac,
+            low_freq_factor: lo,
+            high_freq_factor: hi,
+            original_max_positions: old,
         }) => {
-            let (fac, lo, hi, old) = (
-                factor.0 as f64,
-                low_freq_factor.0 as f64,
-                high_freq_factor.0 as f64,
-                original_max_positions as f64,
-            );
+            let (fac, lo, hi, old) = (fac.0 as f64, lo.0 as f64, hi.0 as f64, old as f64);
             base.iter()
                 .map(|&f| {
                     let wavelen = 2.0 * std::f64::consts::PI / f;
@@ -1029,19 +1011,20 @@ fn tiny() -> Tiny {
     }
 }
 
+/// The stored tensor `name`'s rows `start..start + len`: a view along dim 0.
+fn rows_view(name: &str, start: usize, len: usize) -> ParamSource {
+    ParamSource {
+        view: Some(ParamView { dim: 0, start, len }),
+        ..ParamSource::whole(name)
+    }
+}
+
 fn tiny_graph() -> Graph {
     let mut g = Graph::new();
     let ids = g.input("input_ids", TensorType::plain(DType::I32, &[2, 3]));
     let emb = param(&mut g, ParamSource::whole("emb"), &[V, H], "emb");
     let x = g.add(Op::Embedding, &[emb, ids], "x").unwrap();
-    let view = ParamSource {
-        view: Some(ParamView {
-            dim: 0,
-            start: 6,
-            len: 4,
-        }),
-        ..ParamSource::whole("fused")
-    };
+    let view = rows_view("fused", 6, 4);
     let wq = param(&mut g, view, &[4, H], "wq");
     let q = g
         .add(Op::MatMul { transpose_b: true }, &[x, wq], "q")
@@ -1218,13 +1201,8 @@ fn load_shards_read_the_right_chunk() {
     }
     // View of rows 4..10 of the fused tensor, sharded by tp (2) then dp (3) along dim 0.
     let src = ParamSource {
-        view: Some(ParamView {
-            dim: 0,
-            start: 4,
-            len: 6,
-        }),
         shards: vec![shard(0, "tp", 2), shard(0, "dp", 3)],
-        ..ParamSource::whole("fused")
+        ..rows_view("fused", 4, 6)
     };
     let coords = |a: &str| {
         if a == "tp" {
@@ -1381,14 +1359,7 @@ fn misshaped_tensor_error_names_tensor_and_shapes() {
     };
     expect(src, &[3, 6], &|_| Some((0, 4)), "emb", &[12, 6], &[11, 6]);
     // A view past the end: rows 10..16 of the [14, 6] fused tensor.
-    let src = ParamSource {
-        view: Some(ParamView {
-            dim: 0,
-            start: 10,
-            len: 6,
-        }),
-        ..ParamSource::whole("fused")
-    };
+    let src = rows_view("fused", 10, 6);
     expect(src, &[6, 6], &none, "fused", &[16, 6], &[14, 6]);
     // Stack count differs from the parameter's leading dim.
     let src = ParamSource {
@@ -1599,103 +1570,66 @@ impl Communicator for One {
 fn collectives_graph(parts: usize) -> Graph {
     let mut g = Graph::new();
     let tp = || "tp".to_string();
-    let x = g
-        .add_typed(
-            Op::Input {
-                name: "x".into(),
-                shards: vec![ShardSpec {
-                    dim: 1,
-                    axis: tp(),
-                    parts,
-                }],
-            },
-            &[],
-            Some(TensorType::plain(DType::F32, &[2, 4 / parts, 6])),
-            "x",
-        )
-        .unwrap();
-    let ids = g
-        .add_typed(
-            Op::Input {
-                name: "ids".into(),
-                shards: vec![ShardSpec {
-                    dim: 1,
-                    axis: tp(),
-                    parts,
-                }],
-            },
-            &[],
-            Some(TensorType::plain(DType::I32, &[2, 4 / parts])),
-            "ids",
-        )
-        .unwrap();
-    let ag = g
-        .add(
-            Op::AllGather {
-                axis: tp(),
-                dim: 1,
-                parts,
-            },
-            &[x],
-            "ag",
-        )
-        .unwrap();
-    let rs = g
-        .add(
-            Op::ReduceScatter {
-                axis: tp(),
-                dim: 2,
-                parts,
-            },
-            &[ag],
-            "rs",
-        )
-        .unwrap();
-    let a2a = g
-        .add(
-            Op::AllToAll {
-                axis: tp(),
-                split_dim: 2,
-                concat_dim: 1,
-                parts,
-            },
-            &[x],
-            "a2a",
-        )
-        .unwrap();
-    let ar = g.add(Op::AllReduce { axis: tp() }, &[x], "ar").unwrap();
-    let bc = g
-        .add(
-            Op::Broadcast {
-                axis: tp(),
-                root: parts - 1,
-            },
-            &[x],
-            "bc",
-        )
-        .unwrap();
-    let ls = g
-        .add(
-            Op::LocalSlice {
-                axis: tp(),
-                dim: 2,
-                parts,
-            },
-            &[ag],
-            "ls",
-        )
-        .unwrap();
-    let ids_ag = g
-        .add(
-            Op::AllGather {
-                axis: tp(),
-                dim: 1,
-                parts,
-            },
-            &[ids],
-            "ids_ag",
-        )
-        .unwrap();
+    let mut input = |name: &str, dtype, shape: &[usize]| {
+        let shards = vec![ShardSpec {
+            dim: 1,
+            axis: tp(),
+            parts,
+        }];
+        let op = Op::Input {
+            name: name.into(),
+            shards,
+        };
+        let ty = TensorType::plain(dtype, shape);
+        g.add_typed(op, &[], Some(ty), name).unwrap()
+    };
+    let x = input("x", DType::F32, &[2, 4 / parts, 6]);
+    let ids = input("ids", DType::I32, &[2, 4 / parts]);
+    let mut add = |op, from, name: &str| g.add(op, &[from], name).unwrap();
+    let gather = |dim| Op::AllGather {
+        axis: tp(),
+        dim,
+        parts,
+    };
+    let ag = add(gather(1), x, "ag");
+    let rs = add(
+        Op::ReduceScatter {
+            axis: tp(),
+            dim: 2,
+            parts,
+        },
+        ag,
+        "rs",
+    );
+    let a2a = add(
+        Op::AllToAll {
+            axis: tp(),
+            split_dim: 2,
+            concat_dim: 1,
+            parts,
+        },
+        x,
+        "a2a",
+    );
+    let ar = add(Op::AllReduce { axis: tp() }, x, "ar");
+    let bc = add(
+        Op::Broadcast {
+            axis: tp(),
+            root: parts - 1,
+        },
+        x,
+        "bc",
+    );
+    let ls = add(
+        Op::LocalSlice {
+            axis: tp(),
+            dim: 2,
+            parts,
+        },
+        ag,
+        "ls",
+    );
+    let ids_ag = add(gather(1), ids, "ids_ag");
     for (n, v) in [
         ("ag", ag),
         ("rs", rs),

@@ -5,7 +5,7 @@ use anyhow::bail;
 use shardc::compiler::compile::CompileOptions;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::shard::Mesh;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Default mesh and strategies of a bare `shardc compile`.
 const DEFAULT_MESH: &str = "dp=2,tp=4";
@@ -20,11 +20,7 @@ pub fn options(
     seq: usize,
     gpus_per_node: usize,
 ) -> anyhow::Result<CompileOptions> {
-    let (mesh, extra) = match mesh {
-        Some(m) => (m.to_string(), strategy.to_vec()),
-        None if strategy.is_empty() => (DEFAULT_MESH.to_string(), vec![DEFAULT_EXTRA.to_string()]),
-        None => (DEFAULT_MESH.to_string(), strategy.to_vec()),
-    };
+    let (mesh, extra) = mesh_or_default(mesh, strategy.to_vec());
     let _ = cfg;
     Ok(CompileOptions {
         batch,
@@ -32,6 +28,50 @@ pub fn options(
         mesh: Mesh::parse(&mesh, gpus_per_node)?,
         extra_strategies: extra,
     })
+}
+
+/// The model and its sharding, shared by `compile` and `simulate`: the config, the mesh,
+/// strategies beyond the mesh axes' defaults and context parallelism's flags.
+#[derive(clap::Args, Debug)]
+pub struct ShardArgs {
+    /// A `config.json` or model directory (default: the bundled Llama-3-8B config).
+    pub model: Option<PathBuf>,
+    /// Device mesh, e.g. `dp=2,tp=4` or `pp=8,dp=16,tp=8` (default dp=2,tp=4 with sp when
+    /// nothing is given).
+    #[arg(long)]
+    pub mesh: Option<String>,
+    /// Strategies beyond the mesh axes' defaults, comma-separated (e.g. `sp`).
+    #[arg(long)]
+    pub strategy: Vec<String>,
+    #[command(flatten)]
+    pub cp: CpArgs,
+}
+
+impl ShardArgs {
+    /// The model path: `MODEL`, or the bundled default.
+    pub fn model_path(&self) -> PathBuf {
+        self.model.clone().unwrap_or_else(super::default_model)
+    }
+
+    /// `--strategy` with the strategies the context-parallel flags name.
+    pub fn strategies(&self) -> anyhow::Result<Vec<String>> {
+        self.cp.with(&self.strategy)
+    }
+
+    /// The mesh text and strategies to compile, the defaults filled in as [`options`] does.
+    pub fn mesh_and_strategies(&self) -> anyhow::Result<(String, Vec<String>)> {
+        Ok(mesh_or_default(self.mesh.as_deref(), self.strategies()?))
+    }
+}
+
+/// The mesh and strategies to compile: `mesh` and `strategy` as given, or without a mesh the
+/// default one (with `sp` when no strategy is given either).
+fn mesh_or_default(mesh: Option<&str>, strategy: Vec<String>) -> (String, Vec<String>) {
+    match mesh {
+        Some(m) => (m.to_string(), strategy),
+        None if strategy.is_empty() => (DEFAULT_MESH.to_string(), vec![DEFAULT_EXTRA.to_string()]),
+        None => (DEFAULT_MESH.to_string(), strategy),
+    }
 }
 
 /// Context parallelism's flags, shared by `compile`, `run`, `train` and `simulate`: they

@@ -2,7 +2,7 @@
 //! default; with `--train` one training step (forward, backward, AdamW per micro-batch; a
 //! pipeline over a `pp` axis), from the config alone: no weights or tokens are read.
 
-use super::args::{at_least, check_seq, config_and_seq, options};
+use super::args::{at_least, check_seq, config_and_seq, options, ShardArgs};
 use super::fmt::{bytes, thousands};
 use anyhow::{bail, Context};
 use clap::Args;
@@ -20,16 +20,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct CompileArgs {
-    /// A `config.json` or model directory (default: the bundled Llama-3-8B config).
-    pub model: Option<PathBuf>,
-    /// Device mesh, e.g. `dp=2,tp=4` (default dp=2,tp=4 with sp when nothing is given).
-    #[arg(long)]
-    pub mesh: Option<String>,
-    /// Strategies beyond the mesh axes' defaults, comma-separated (e.g. `sp`).
-    #[arg(long)]
-    pub strategy: Vec<String>,
     #[command(flatten)]
-    pub cp: super::args::CpArgs,
+    pub shard: ShardArgs,
     /// Global batch: sequences per forward pass or optimizer step (`--global-batch` is the
     /// same flag, in every subcommand).
     #[arg(
@@ -143,7 +135,7 @@ fn check_args(a: &CompileArgs, cfg: &ModelConfig, path: &Path, seq: usize) -> an
 }
 
 pub fn run(a: CompileArgs) -> anyhow::Result<()> {
-    let path = a.model.clone().unwrap_or_else(super::default_model);
+    let path = a.shard.model_path();
     let outputs =
         Outputs::new(a.overwrite).inputs([Some(path.as_path()), Some(Path::new(&a.cluster))]);
     outputs.check_file("-o", &a.output)?;
@@ -151,8 +143,8 @@ pub fn run(a: CompileArgs) -> anyhow::Result<()> {
     check_args(&a, &cfg, &path, seq)?;
     let opts = options(
         &cfg,
-        a.mesh.as_deref(),
-        &a.cp.with(&a.strategy)?,
+        a.shard.mesh.as_deref(),
+        &a.shard.strategies()?,
         a.batch,
         seq,
         a.gpus_per_node,

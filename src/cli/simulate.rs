@@ -3,7 +3,7 @@
 //! every rank; with `--train` one training step is modelled (backward, recomputation, ZeRO,
 //! pipeline schedule) from one layer's plan.
 
-use super::args::{at_least, check_seq, config_and_seq};
+use super::args::{at_least, check_seq, config_and_seq, ShardArgs};
 use super::fmt::{bytes, thousands};
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
@@ -25,16 +25,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
-    /// A `config.json` or model directory (default: the bundled Llama-3-8B config).
-    pub model: Option<PathBuf>,
-    /// Device mesh, e.g. `dp=2,tp=4` or `pp=8,dp=16,tp=8` (default dp=2,tp=4 with sp).
-    #[arg(long)]
-    pub mesh: Option<String>,
-    /// Strategies beyond the mesh axes' defaults, comma-separated (e.g. `sp`).
-    #[arg(long)]
-    pub strategy: Vec<String>,
     #[command(flatten)]
-    pub cp: super::args::CpArgs,
+    pub shard: ShardArgs,
     /// Cluster profile and node count: `dgx-h100x128`, `dgx-a100`, or a `.toml` path
     /// (optionally followed by `xNODES`). Without a count, just enough nodes for the mesh.
     #[arg(long, default_value = "dgx-h100")]
@@ -130,7 +122,7 @@ pub struct SimulateArgs {
 /// The files this command reads, against which `--trace` is checked.
 fn outputs(a: &SimulateArgs) -> Outputs {
     Outputs::new(a.overwrite).inputs([
-        a.model.as_deref(),
+        a.shard.model.as_deref(),
         a.plan.as_deref(),
         Some(Path::new(&a.cluster)),
     ])
@@ -184,11 +176,11 @@ fn check_modes(a: &SimulateArgs) -> anyhow::Result<()> {
     }
     if a.plan.is_some() {
         let model_flags = [
-            (a.model.is_some(), "MODEL"),
-            (a.mesh.is_some(), "--mesh"),
-            (!a.strategy.is_empty(), "--strategy"),
-            (a.cp.cp_algo.is_some(), "--cp-algo"),
-            (a.cp.cp_balance.is_some(), "--cp-balance"),
+            (a.shard.model.is_some(), "MODEL"),
+            (a.shard.mesh.is_some(), "--mesh"),
+            (!a.shard.strategy.is_empty(), "--strategy"),
+            (a.shard.cp.cp_algo.is_some(), "--cp-algo"),
+            (a.shard.cp.cp_balance.is_some(), "--cp-balance"),
             (a.batch.is_some(), "--batch"),
             (a.seq.is_some(), "--seq"),
             (a.returns.is_some(), "--returns"),
@@ -357,18 +349,13 @@ pub fn run(a: SimulateArgs) -> anyhow::Result<()> {
         return finish(&a, &sim);
     }
     let copts = compute_options(&a, DType::Bf16)?;
-    let path = a.model.clone().unwrap_or_else(super::default_model);
+    let path = a.shard.model_path();
     let (cfg, seq) = config_and_seq(&path, a.seq)?;
     check_seq("--seq", seq, &cfg)?;
     let source = path.display().to_string();
     // The mesh's world size decides the default node count; parse it once with a provisional
     // node size, then again with the cluster's.
-    let strategy = a.cp.with(&a.strategy)?;
-    let (mesh_text, extra) = match &a.mesh {
-        Some(m) => (m.clone(), strategy),
-        None if strategy.is_empty() => ("dp=2,tp=4".to_string(), vec!["sp".to_string()]),
-        None => ("dp=2,tp=4".to_string(), strategy),
-    };
+    let (mesh_text, extra) = a.shard.mesh_and_strategies()?;
     let world = Mesh::parse(&mesh_text, 8)?.world_size();
     let cluster = Cluster::resolve_for(&a.cluster, world)?;
     let mesh = Mesh::parse(&mesh_text, cluster.gpus_per_node())?;

@@ -49,6 +49,12 @@ pub fn flat_f32(v: &Value) -> Vec<f32> {
         .collect()
 }
 
+/// The sum of a JSON object's unsigned values (a breakdown's parts).
+pub fn sum_u64(v: &Value) -> u64 {
+    let parts = v.as_object().expect("a JSON object").values();
+    parts.map(|x| x.as_u64().expect("an unsigned value")).sum()
+}
+
 /// Every `reference_*.json` of every fixture model.
 pub fn cases() -> Vec<Case> {
     let mut out = Vec::new();
@@ -219,6 +225,13 @@ pub fn run_shardc(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String)
         String::from_utf8_lossy(&out.stdout).to_string(),
         String::from_utf8_lossy(&out.stderr).to_string(),
     )
+}
+
+/// Expects `shardc args` to succeed; returns its stdout.
+pub fn succeeds(args: &[&str]) -> String {
+    let (ok, out, err) = run_shardc(args, &[]);
+    assert!(ok, "{args:?} failed: {err}");
+    out
 }
 
 /// Expects `shardc args` (with `env`) to fail with one `error:` line containing every

@@ -9,7 +9,7 @@
 //! - `gemm`: an 8192³ bf16 GEMM as the ceiling, then Llama-3-8B's layer GEMMs at 4096 tokens
 //!   in bf16 and a 4096³ true-fp32 GEMM;
 //! - `attention`: Llama-3-8B attention (32 query / 8 KV heads, head_dim 128, causal) at 4k and
-//!   16k tokens, TFLOP/s (causal FLOPs);
+//!   16k tokens, TFLOP/s (causal FLOPs), on the tensor-core kernel and on the scalar one;
 //! - `layer`: one Llama-3-8B decoder layer forward, bf16, batch 1 × 4096, fused and unfused;
 //! - `overlap`: `AgMatMul` vs all-gather then GEMM, and `MatMulRs` vs GEMM then
 //!   reduce-scatter, on 2 virtual ranks of this GPU (local-gpu communicator), Llama-3-8B MLP
@@ -115,6 +115,7 @@ fn opts(dtype: GpuDType, fuse: bool) -> CudaOptions {
         poison: false,
         timeout: Duration::from_secs(300),
         graphs: false,
+        tensor_core_attention: true,
     }
 }
 
@@ -136,8 +137,19 @@ impl Bench {
         fuse: bool,
         heavy: bool,
     ) -> Result<f64, CudaError> {
+        self.time_with(g, inputs, opts(dtype, fuse), heavy)
+    }
+
+    /// [`Bench::time`] with explicit options.
+    fn time_with(
+        &self,
+        g: &Graph,
+        inputs: &BTreeMap<String, Tensor>,
+        opts: CudaOptions,
+        heavy: bool,
+    ) -> Result<f64, CudaError> {
         let ctx = CudaRankCtx::new();
-        let mut p = self.prepare(&ctx, g, inputs, 7, opts(dtype, fuse))?;
+        let mut p = self.prepare(&ctx, g, inputs, 7, opts)?;
         let iters = self.iters(heavy);
         p.time(&ctx, 2.min(iters), iters)
     }
@@ -414,19 +426,26 @@ impl Bench {
                     rng.tensor(&[1, t, KV_HEADS, HEAD_DIM], 1.0),
                 ),
             ]);
-            let ms = self.time(&g, &ins, GpuDType::Bf16, true, true)?;
-            // Causal: half of the 4·T·S·D·H multiply-adds of full attention.
-            let flops = 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
-            let tf = tflops(flops, ms);
-            let measure = self.tflops(tf);
-            self.row(
-                "attention",
-                format!("causal {}k", t / 1024),
-                GpuDType::Bf16,
-                format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
-                ms,
-                measure,
-            );
+            // The tensor-core kernel (attention_tc_bf16), then the scalar one (attention_bf16).
+            for (tensor_core, kernel) in [(true, "tensor cores"), (false, "scalar")] {
+                let run = CudaOptions {
+                    tensor_core_attention: tensor_core,
+                    ..opts(GpuDType::Bf16, true)
+                };
+                let ms = self.time_with(&g, &ins, run, true)?;
+                // Causal: half of the 4·T·S·D·H multiply-adds of full attention.
+                let flops = 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
+                let tf = tflops(flops, ms);
+                let measure = self.tflops(tf);
+                self.row(
+                    "attention",
+                    format!("causal {}k, {kernel}", t / 1024),
+                    GpuDType::Bf16,
+                    format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
+                    ms,
+                    measure,
+                );
+            }
         }
         Ok(())
     }

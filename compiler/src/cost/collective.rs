@@ -115,10 +115,15 @@ pub struct GroupTopology {
 impl GroupTopology {
     /// All `n` ranks inside one NVLink domain.
     pub fn intra(n: usize) -> GroupTopology {
+        GroupTopology::across(1, n)
+    }
+
+    /// `per_domain` ranks in each of `domains` NVLink domains.
+    pub fn across(domains: usize, per_domain: usize) -> GroupTopology {
         GroupTopology {
-            ranks: n,
-            per_domain: n,
-            domains: 1,
+            ranks: domains.saturating_mul(per_domain),
+            per_domain,
+            domains,
         }
     }
 
@@ -324,21 +329,13 @@ mod tests {
     fn hierarchical_allreduce_is_bounded_by_the_network_share() {
         let c = cluster();
         // One rank per node on 4 nodes: the whole buffer crosses the network at the per-GPU share.
-        let topo = GroupTopology {
-            ranks: 4,
-            per_domain: 1,
-            domains: 4,
-        };
+        let topo = GroupTopology::across(4, 1);
         let bytes = 4u64 << 30;
         let t = collective_time(&c, CollectiveKind::AllReduce, Bytes(bytes), topo).0;
         let expect = 2.0 * 3.0 / 4.0 * bytes as f64 / c.net_bw_per_gpu();
         assert!((t / expect - 1.0).abs() < 0.01, "{t} vs {expect}");
         // Eight per node on 4 nodes: the network phase carries 1/8 of the data per GPU.
-        let topo = GroupTopology {
-            ranks: 32,
-            per_domain: 8,
-            domains: 4,
-        };
+        let topo = GroupTopology::across(4, 8);
         let t32 = collective_time(&c, CollectiveKind::AllReduce, Bytes(bytes), topo).0;
         assert!(t32 < t, "{t32} < {t}");
         let nv = Link::nvlink(&c);
@@ -356,20 +353,12 @@ mod tests {
         );
         assert_eq!(
             GroupTopology::of_axis(&mesh, "dp", &c),
-            GroupTopology {
-                ranks: 4,
-                per_domain: 1,
-                domains: 4
-            }
+            GroupTopology::across(4, 1)
         );
         let mesh = Mesh::parse("tp=2,dp=16", 8).unwrap();
         assert_eq!(
             GroupTopology::of_axis(&mesh, "dp", &c),
-            GroupTopology {
-                ranks: 16,
-                per_domain: 8,
-                domains: 2
-            }
+            GroupTopology::across(2, 8)
         );
         assert_eq!(
             CollectiveKind::AllGather.conjugate(),

@@ -779,11 +779,7 @@ fn simulate(
     let act_bytes = (t.micro_batch * seq_local * cfg.hidden * dt.size_bytes()) as u64;
     let pp_topo = GroupTopology::of_axis(mesh, "pp", cluster);
     let hop = if pp_topo.crosses_network() {
-        GroupTopology {
-            ranks: 2,
-            per_domain: 1,
-            domains: 2,
-        }
+        GroupTopology::across(2, 1)
     } else {
         GroupTopology::intra(2)
     };

@@ -372,16 +372,17 @@ pub fn rewrite(sg: &ShardedGraph, opts: &RewriteOptions) -> Result<Rewritten, Re
             state_layout: None,
         }
     };
+    // The rewritten program `sharded` with its report, the total time taken last.
+    let finish = |run: Option<&Run>, sharded: ShardedGraph, notes: &[NodeNote], layers| {
+        let mut report = report(run, &sharded, notes, layers);
+        report.timing.total = t0.elapsed();
+        Rewritten { sharded, report }
+    };
     if rules.is_empty() {
         let layers = LayerPlanning::Whole {
             reason: "no rules selected".into(),
         };
-        let mut r = report(None, sg, &[], layers);
-        r.timing.total = t0.elapsed();
-        return Ok(Rewritten {
-            sharded: sg.clone(),
-            report: r,
-        });
+        return Ok(finish(None, sg.clone(), &[], layers));
     }
     let mut why = String::from("layer planning off");
     if opts.dedup {
@@ -396,12 +397,7 @@ pub fn rewrite(sg: &ShardedGraph, opts: &RewriteOptions) -> Result<Rewritten, Re
                             layers: info.layers,
                             window_nodes: info.window_nodes,
                         };
-                        let mut r = report(Some(&run), &full, &notes, layers);
-                        r.timing.total = t0.elapsed();
-                        return Ok(Rewritten {
-                            sharded: full,
-                            report: r,
-                        });
+                        return Ok(finish(Some(&run), full, &notes, layers));
                     }
                     Err(e) => why = format!("window not replicable: {e}"),
                 }
@@ -417,12 +413,7 @@ pub fn rewrite(sg: &ShardedGraph, opts: &RewriteOptions) -> Result<Rewritten, Re
                                 layers: plan.layers as usize,
                                 window_nodes: win.nodes,
                             };
-                            let mut r = report(Some(&run), &full, &notes, layers);
-                            r.timing.total = t0.elapsed();
-                            return Ok(Rewritten {
-                                sharded: full,
-                                report: r,
-                            });
+                            return Ok(finish(Some(&run), full, &notes, layers));
                         }
                         Err(e) => why = format!("training window not replicable: {e}"),
                     }

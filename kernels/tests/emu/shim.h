@@ -21,7 +21,7 @@ dim3 gridDim, blockDim;
 #define __shared__ static
 #define __launch_bounds__(x)
 float g_smem[1 << 16];
-struct WarpCtx { std::barrier<>* bar; unsigned long long slots[32]; };
+struct WarpCtx { std::barrier<>* bar; unsigned long long slots[32]; unsigned frag[32][6]; };
 thread_local WarpCtx* tw;
 thread_local std::barrier<>* tb;
 inline void __syncthreads() { tb->arrive_and_wait(); }
@@ -48,6 +48,7 @@ template <class F> void launch(dim3 grid, dim3 block, F kernel) {
     for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
     for (unsigned x = 0; x < grid.x; ++x) {
+        std::memset(g_smem, 0xff, sizeof g_smem);  // NaN: no block reads what another left
         std::barrier<> bb(n);
         unsigned nw = (n + 31) / 32;
         std::vector<std::unique_ptr<std::barrier<>>> wb;
@@ -74,3 +75,4 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 std::atomic<long long> g_vec_accesses{0};
 #define SHARDC_VEC_HOOK() (g_vec_accesses.fetch_add(1, std::memory_order_relaxed))
+#include "warp_mma.h"

@@ -10,6 +10,7 @@
 #include "cu/elementwise.cu"
 #include "cu/cast.cu"
 #include "cu/attention.cu"
+#include "cu/attention_tc.cu"
 #include "cu/moe.cu"
 #include "cu/reduce.cu"
 #include "cu/loss.cu"
@@ -640,10 +641,168 @@ void test_vectors() {
     embedding_reduce_case<bf16>(12, 0);
 }
 
+// ---- tensor-core wrappers (mma.cuh) alone, against the PTX ISA fragment layouts ----------
+// Element i (0..7) of a lane's A fragment, written from the ISA's formula (not the emulator's
+// inverse of it): row g for i in {0,1,4,5} else g + 8; column 2c + (i & 1), + 8 for i >= 4.
+static void frag_a_rc(int lane, int i, int& r, int& k) {
+    const int g = lane >> 2, c = lane & 3;
+    r = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+    k = 2 * c + (i & 1) + (i >= 4 ? 8 : 0);
+}
+// B (16x8): row 2c + (i & 1), + 8 for i >= 2; column g. C/D: row g (i < 2) or g + 8; column 2c + (i & 1).
+static void frag_b_rc(int lane, int i, int& k, int& n) { k = 2 * (lane & 3) + (i & 1) + (i >= 2 ? 8 : 0); n = lane >> 2; }
+static void frag_c_rc(int lane, int i, int& r, int& n) { r = (lane >> 2) + (i >= 2 ? 8 : 0); n = 2 * (lane & 3) + (i & 1); }
+
+void test_mma_wrappers() {
+    // mma.m16n8k16 alone: registers built from the ISA layouts, D = A B + C vs double.
+    auto a = randv(16 * 16), bm = randv(16 * 8), cm = randv(16 * 8);
+    for (auto& x : a) x = host_bf16_f(host_bf16(x));
+    for (auto& x : bm) x = host_bf16_f(host_bf16(x));
+    std::vector<float> d(16 * 8, NAN);
+    launch({1}, {32}, [&] {
+        const int lane = threadIdx.x;
+        unsigned ar[4], br[2]; float acc[4];
+        for (int reg = 0; reg < 4; ++reg) {
+            int r0, k0, r1, k1; frag_a_rc(lane, 2 * reg, r0, k0); frag_a_rc(lane, 2 * reg + 1, r1, k1);
+            ar[reg] = pack_bf16x2(a[r0 * 16 + k0], a[r1 * 16 + k1]);
+        }
+        for (int reg = 0; reg < 2; ++reg) {
+            int k0, n0, k1, n1; frag_b_rc(lane, 2 * reg, k0, n0); frag_b_rc(lane, 2 * reg + 1, k1, n1);
+            br[reg] = pack_bf16x2(bm[k0 * 8 + n0], bm[k1 * 8 + n1]);
+        }
+        for (int i = 0; i < 4; ++i) { int r, n; frag_c_rc(lane, i, r, n); acc[i] = cm[r * 8 + n]; }
+        mma_bf16_16816(acc, ar, br);
+        for (int i = 0; i < 4; ++i) { int r, n; frag_c_rc(lane, i, r, n); d[r * 8 + n] = acc[i]; }
+    });
+    std::vector<double> want(16 * 8);
+    for (int r = 0; r < 16; ++r) for (int n = 0; n < 8; ++n) {
+        double s = cm[r * 8 + n]; for (int k = 0; k < 16; ++k) s += (double)a[r * 16 + k] * bm[k * 8 + n];
+        want[r * 8 + n] = s;
+    }
+    check("mma_bf16_16816 (ISA fragment layouts) vs double", d, want, 1e-5, 1e-6);
+
+    // ldmatrix x4 and x4.trans: 4 matrices, rows 48 bytes apart (padded), value = 64 m + 8 row + col.
+    const int stride = 24;  // bf16 per row
+    for (int trans = 0; trans < 2; ++trans) {
+        int bad = 0;
+        launch({1}, {32}, [&] {
+            const int lane = threadIdx.x;
+            bf16* sm = (bf16*)g_smem;
+            if (lane == 0) for (int m = 0; m < 4; ++m) for (int r = 0; r < 8; ++r) for (int col = 0; col < 8; ++col)
+                sm[(m * 8 + r) * stride + col] = host_bf16((float)(64 * m + 8 * r + col));
+            tw->bar->arrive_and_wait();
+            unsigned reg[4];
+            const bf16* row = sm + ((lane >> 3) * 8 + (lane & 7)) * stride;
+            if (trans) ldmatrix_x4_trans(reg, row); else ldmatrix_x4(reg, row);
+            const int g = lane >> 2, c = lane & 3;
+            for (int m = 0; m < 4; ++m) for (int half = 0; half < 2; ++half) {
+                const int r = trans ? 2 * c + half : g, col = trans ? g : 2 * c + half;
+                const float want = (float)(64 * m + 8 * r + col);
+                if (emu_reg_half(reg[m], half) != want) { if (bad++ < 3) printf("  lane %d reg %d half %d: %g want %g\n", lane, m, half, emu_reg_half(reg[m], half), want); }
+            }
+        });
+        printf("%s %s (%d mismatches)\n", bad ? "FAIL" : "ok  ", trans ? "ldmatrix_x4_trans" : "ldmatrix_x4", bad); failures += bad != 0;
+    }
+
+    // cp.async groups: wait_group<1> lands all but the newest group; src_bytes 0 zero-fills.
+    {
+        std::vector<bf16> src(16, 0x3f80);  // 1.0
+        int bad = 0;
+        launch({1}, {32}, [&] {
+            if (threadIdx.x != 0) return;
+            bf16* sm = (bf16*)g_smem;  // NaN-filled before the block
+            cp_async_cg16(sm, src.data(), 16); cp_async_commit();
+            cp_async_cg16(sm + 8, src.data(), 0); cp_async_commit();
+            cp_async_wait<1>();
+            bad += sm[0] != 0x3f80 || sm[7] != 0x3f80 || sm[8] != 0xffff;
+            cp_async_wait<0>();
+            bad += sm[8] != 0 || sm[15] != 0;
+        });
+        printf("%s cp.async commit/wait_group and zero-fill (%d mismatches)\n", bad ? "FAIL" : "ok  ", bad); failures += bad != 0;
+    }
+
+    // The kernel's chain: 16x16 A row-major and B as [k][n] (V-like, ldmatrix.trans) and as
+    // [n][k] (K-like, ldmatrix) in shared memory, two mma for a 16x16x16 product.
+    std::vector<float> b16 = randv(16 * 16);
+    for (auto& x : b16) x = host_bf16_f(host_bf16(x));
+    for (int kn = 0; kn < 2; ++kn) {
+        std::vector<float> out(16 * 16, NAN);
+        launch({1}, {32}, [&] {
+            const int lane = threadIdx.x, mi = lane >> 3;
+            bf16* sa = (bf16*)g_smem; bf16* sb = sa + 256;
+            if (lane == 0) for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j) {
+                sa[i * 16 + j] = host_bf16(a[i * 16 + j]);
+                sb[i * 16 + j] = host_bf16(kn ? b16[j * 16 + i] : b16[i * 16 + j]);  // kn: stored [n][k]
+            }
+            tw->bar->arrive_and_wait();
+            unsigned af[4], bf[4];
+            ldmatrix_x4(af, sa + ((mi & 1) * 8 + (lane & 7)) * 16 + (mi >> 1) * 8);
+            if (kn) ldmatrix_x4(bf, sb + ((mi >> 1) * 8 + (lane & 7)) * 16 + (mi & 1) * 8);
+            else ldmatrix_x4_trans(bf, sb + ((mi & 1) * 8 + (lane & 7)) * 16 + (mi >> 1) * 8);
+            float acc[2][4] = {};
+            mma_bf16_16816(acc[0], af, bf); mma_bf16_16816(acc[1], af, bf + 2);
+            for (int nb = 0; nb < 2; ++nb) for (int i = 0; i < 4; ++i) { int r, n; frag_c_rc(lane, i, r, n); out[r * 16 + nb * 8 + n] = acc[nb][i]; }
+        });
+        std::vector<double> want2(16 * 16, 0);
+        for (int r = 0; r < 16; ++r) for (int n = 0; n < 16; ++n) for (int k = 0; k < 16; ++k) want2[r * 16 + n] += (double)a[r * 16 + k] * b16[k * 16 + n];
+        check(kn ? "ldmatrix + mma 16x16x16, B stored [n][k] (ldmatrix)" : "ldmatrix + mma 16x16x16, B stored [k][n] (ldmatrix.trans)", out, want2, 1e-5, 1e-6);
+    }
+}
+
+// ---- attention_tc_bf16 vs a double reference and vs the scalar kernel ----------------------
+void attn_tc_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D, int causal, int window, int qoff, int mask_kind) {
+    auto q = randv(B*T*Hq*D), k = randv(B*S*Hkv*D), v = randv(B*S*Hkv*D);
+    auto tob = [](std::vector<float>& x) { std::vector<bf16> r(x.size()); for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); } return r; };
+    auto qb = tob(q), kb = tob(k), vb = tob(v);
+    std::vector<float> mask(B*S, 1.0f);
+    if (mask_kind) {  // every third key dropped, key 0 dropped (query 0 of a causal case sees nothing), last batch all dropped
+        for (int s = 0; s < S; ++s) mask[s] = (s % 3 == 1 || s == 0) ? 0.f : 1.f;
+        if (B > 1) for (int s = 0; s < S; ++s) mask[(B-1)*S + s] = 0.f;
+    }
+    const float* mp = mask_kind ? mask.data() : nullptr;
+    const float scale = 1.0f / std::sqrt((float)D);
+    std::vector<bf16> ob(B*T*Hq*D, 0x4640);  // 12288: a value the kernel must overwrite
+    launch({(unsigned)((T + 63) / 64), (unsigned)Hq, (unsigned)B}, {128}, [&] {
+        attention_tc_bf16(qb.data(), kb.data(), vb.data(), ob.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+    std::vector<float> got(ob.size()); for (size_t i = 0; i < ob.size(); ++i) got[i] = host_bf16_f(ob[i]);
+    auto want = attn_ref(q, k, v, mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff);
+    char what[200];
+    snprintf(what, sizeof what, "attention_tc_bf16 %s vs double", name);
+    check(what, got, want, 1e-2, 1e-2);
+    // The same inputs through the scalar f32 kernel (same rounding of the inputs).
+    std::vector<float> sc(got.size(), 12345.f);
+    launch({(unsigned)((T + 15) / 16), (unsigned)Hq, (unsigned)B}, {128}, [&] {
+        attention_f32(q.data(), k.data(), v.data(), sc.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+    snprintf(what, sizeof what, "attention_tc_bf16 %s vs attention_f32", name);
+    check(what, got, dv(sc), 1e-2, 1e-2);
+    // Zero rows exactly where the reference has them, and real values elsewhere.
+    size_t zero_want = 0, zero_got = 0, mism = 0;
+    for (size_t row = 0; row < got.size() / D; ++row) {
+        bool zw = true, zg = true;
+        for (int d = 0; d < D; ++d) { zw = zw && want[row * D + d] == 0; zg = zg && got[row * D + d] == 0; }
+        zero_want += zw; zero_got += zg; mism += zw != zg;
+    }
+    const bool ok = mism == 0 && zero_want < got.size() / D;
+    printf("%s attention_tc_bf16 %s: %zu of %zu rows zero (want %zu)\n", ok ? "ok  " : "FAIL", name, zero_got, got.size() / D, zero_want);
+    failures += !ok;
+}
+void test_attention_tc() {
+    // name, B, T, S, Hq, Hkv, D, causal, window, q_offset, mask
+    attn_tc_case("D=64 causal GQA T=S=77", 1, 77, 77, 2, 1, 64, 1, 0, 0, 0);
+    attn_tc_case("D=128 non-causal T=S=70", 1, 70, 70, 2, 2, 128, 0, 0, 0, 0);
+    attn_tc_case("D=64 causal window=20 mask (batch 1 all dropped, query 0 sees none)", 2, 50, 50, 2, 1, 64, 1, 20, 0, 1);
+    attn_tc_case("D=128 decode T=1 S=150 q_offset=149 GQA 4:1", 1, 1, 150, 4, 1, 128, 1, 0, 149, 0);
+    attn_tc_case("D=128 chunk T=40 S=104 q_offset=64 causal", 1, 40, 104, 2, 1, 128, 1, 0, 64, 0);
+    attn_tc_case("D=64 cross non-causal T=20 S=130 mask", 2, 20, 130, 1, 1, 64, 0, 0, 0, 1);
+    attn_tc_case("D=64 causal window=70 T=S=140 (tile skipping)", 1, 140, 140, 1, 1, 64, 1, 70, 0, 0);
+    attn_tc_case("D=128 causal T=S=128 (whole tiles) GQA 4:2 B=2", 2, 128, 128, 4, 2, 128, 1, 0, 0, 0);
+}
+
 int main() {
     test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
     test_attention(); test_router(); test_moe(); test_reduce_loss(); test_vocab_parallel_loss();
     test_vectors(); test_strided_copy();
+    test_mma_wrappers(); test_attention_tc();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

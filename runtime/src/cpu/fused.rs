@@ -87,57 +87,43 @@ mod tests {
 
     #[test]
     fn programs_compute_exactly_their_unfused_chains() {
+        use DType::Bf16;
+        use EwStep::{Add, Cast, Mul, Scale, Unary};
+        use UnaryOp::{GeluTanh, Silu};
         let (x, y, bias) = (t(&[3, 5], 1), t(&[3, 5], 2), t(&[5], 3));
+        let c = Float(0.75);
         let expr = EwExpr {
             steps: vec![
-                EwStep::Add { a: 0, b: 2 },
-                EwStep::Unary {
-                    f: UnaryOp::Silu,
-                    x: 3,
-                },
-                EwStep::Mul { a: 4, b: 1 },
-                EwStep::Scale {
-                    c: Float(0.75),
-                    x: 5,
-                },
-                EwStep::Cast {
-                    to: DType::Bf16,
-                    x: 6,
-                },
+                Add { a: 0, b: 2 },
+                Unary { f: Silu, x: 3 },
+                Mul { a: 4, b: 1 },
+                Scale { c, x: 5 },
+                Cast { to: Bf16, x: 6 },
             ],
         };
         let got = elementwise(&expr, &[&x, &y, &bias]).expect("fused");
         let s = elementwise::add(&x, &bias).expect("add");
-        let s = elementwise::unary(UnaryOp::Silu, &s).expect("silu");
+        let s = elementwise::unary(Silu, &s).expect("silu");
         let s = elementwise::mul(&s, &y).expect("mul");
         let s = elementwise::scale(&s, 0.75).expect("scale");
-        let want = elementwise::cast(&s, DType::Bf16).expect("cast");
+        let want = elementwise::cast(&s, Bf16).expect("cast");
         assert_eq!(got, want);
         // Epilogue: (x·w + bias) then GeLU.
         let w = t(&[5, 4], 4);
         let b4 = t(&[4], 5);
         let ep = EwExpr {
-            steps: vec![
-                EwStep::Add { a: 0, b: 1 },
-                EwStep::Unary {
-                    f: UnaryOp::GeluTanh,
-                    x: 2,
-                },
-            ],
+            steps: vec![Add { a: 0, b: 1 }, Unary { f: GeluTanh, x: 2 }],
         };
         let got = matmul(false, &ep, &[&x, &w, &b4]).expect("fused matmul");
         let p = linalg::matmul(&x, &w, false).expect("gemm");
         let p = elementwise::add(&p, &b4).expect("bias");
-        assert_eq!(
-            got,
-            elementwise::unary(UnaryOp::GeluTanh, &p).expect("gelu")
-        );
+        assert_eq!(got, elementwise::unary(GeluTanh, &p).expect("gelu"));
         let got = add_rms_norm(&x, &y, &bias, 1e-5).expect("add rms norm");
         let s = elementwise::add(&x, &y).expect("add");
         assert_eq!(got, norm::rms_norm(&s, &bias, 1e-5).expect("norm"));
         // A step reading a value not defined yet is an error, not a panic.
         let bad = EwExpr {
-            steps: vec![EwStep::Add { a: 0, b: 9 }],
+            steps: vec![Add { a: 0, b: 9 }],
         };
         assert!(elementwise(&bad, &[&x]).is_err());
     }

@@ -8,7 +8,9 @@
 //! `sm_XY` through the on-disk PTX cache the first time it is asked for.
 
 use super::CudaError;
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use shardc_kernels::launch::opt_in_shared_bytes;
 use shardc_kernels::{
     arch_for_compute_capability, expand_includes, generate_fused_kernel, source_for_entry,
     FusedExpr, KernelDType,
@@ -139,6 +141,18 @@ impl CudaDevice {
         let f = module
             .load_function(entry)
             .map_err(CudaError::driver(format!("load kernel {entry}")))?;
+        if let Some(bytes) = opt_in_shared_bytes(entry) {
+            let what = format!("opt kernel {entry} in to {bytes} bytes of dynamic shared memory");
+            let bytes = i32::try_from(bytes).unwrap_or(i32::MAX);
+            self.ctx
+                .bind_to_thread()
+                .map_err(CudaError::driver(what.clone()))?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes,
+            )
+            .map_err(CudaError::driver(what))?;
+        }
         self.functions
             .lock()
             .expect("invariant: kernel table lock not poisoned")

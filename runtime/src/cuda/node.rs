@@ -255,6 +255,7 @@ impl CudaProgram {
                     spec.causal,
                     spec.window,
                     k[1] as i64 - q[1] as i64,
+                    self.opts.tensor_core_attention,
                 )
             }
             Op::Softmax => {

@@ -10,7 +10,7 @@ use super::{CudaDevice, CudaError};
 use cudarc::driver::{result as drv, CudaFunction, CudaStream, PushKernelArg};
 use shardc_compiler::ir::{RopeStyle, UnaryOp};
 use shardc_kernels::launch::{
-    attention_launch, elementwise_launch, loss_sum_launch, rope_launch, router_launch, rows_launch,
+    attention_kernel, elementwise_launch, loss_sum_launch, rope_launch, router_launch, rows_launch,
     vector_launch,
 };
 use shardc_kernels::{entry_name, KernelDType};
@@ -187,7 +187,9 @@ impl Launcher<'_> {
     }
 
     /// Flash-style attention. `dims = [batch, seq_q, seq_k, heads_q, heads_kv, head_dim]`;
-    /// `mask` is an f32 `[B, S]` pointer or 0.
+    /// `mask` is an f32 `[B, S]` pointer or 0. With `tensor_core`, bf16 calls the kernel
+    /// supports (head_dim 64 or 128, sm_80+, 16-byte aligned q/k/v) run `attention_tc_bf16`;
+    /// everything else runs the scalar `attention_{dtype}` (`attention_kernel`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -202,18 +204,21 @@ impl Launcher<'_> {
         causal: bool,
         window: Option<usize>,
         q_offset: i64,
+        tensor_core: bool,
     ) -> Result<(), CudaError> {
         let [b, t, s, hq, hkv, d] = dims;
         if b == 0 || t == 0 || hq == 0 {
             return Ok(());
         }
-        let cfg = attention_launch(b, t, hq, hkv, d)?;
+        let sm_major = self.dev.compute_capability().0;
+        let (entry, cfg) =
+            attention_kernel(dt, sm_major, tensor_core, [b, t, hq, hkv, d], [q, k, v])?;
         let c32 = |x: usize| x as i32;
         let (b32, t32, s32, hq32, hkv32, d32) = (c32(b), c32(t), c32(s), c32(hq), c32(hkv), c32(d));
         let causal = causal as i32;
         let window = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let off = q_offset as i32;
-        launch!(self, entry_name("attention", dt), cfg;
+        launch!(self, entry, cfg;
             &q, &k, &v, &out, &mask, &b32, &t32, &s32, &hq32, &hkv32, &d32, &scale, &causal,
             &window, &off)
     }

@@ -26,6 +26,10 @@ pub struct CudaOptions {
     /// (the communicators' host-side progress and watchdog do not fit in a graph); run them
     /// eagerly. Off by default.
     pub graphs: bool,
+    /// Run bf16 attention on the tensor-core kernel (`attention_tc_bf16`) where it applies
+    /// (head_dim 64 or 128, sm_80 or newer); `false` keeps the scalar `attention_bf16`
+    /// everywhere (comparisons, benchmarks).
+    pub tensor_core_attention: bool,
 }
 
 impl Default for CudaOptions {
@@ -36,6 +40,7 @@ impl Default for CudaOptions {
             poison: false,
             timeout: Duration::from_secs(60),
             graphs: false,
+            tensor_core_attention: true,
         }
     }
 }

@@ -128,6 +128,18 @@ pub fn gpu_and_cpu(
     declared: Option<TensorType>,
     dtype: GpuDType,
 ) -> (Tensor, Tensor) {
+    gpu_and_cpu_with(dev, op, ins, declared, opts(dtype, true))
+}
+
+/// [`gpu_and_cpu`] with explicit options (`opts.dtype` is the device dtype).
+pub fn gpu_and_cpu_with(
+    dev: &Arc<CudaDevice>,
+    op: &Op,
+    ins: &[&Tensor],
+    declared: Option<TensorType>,
+    opts: CudaOptions,
+) -> (Tensor, Tensor) {
+    let dtype = opts.dtype;
     let ins: Vec<Tensor> = ins
         .iter()
         .map(|t| {
@@ -151,7 +163,7 @@ pub fn gpu_and_cpu(
         seed: 1,
         scale: 1.0,
     };
-    let mut got = execute_cuda(dev, &g, &params, &inputs, opts(dtype, true))
+    let mut got = execute_cuda(dev, &g, &params, &inputs, opts)
         .unwrap_or_else(|e| panic!("gpu {}: {e}", op.mnemonic()));
     (got.remove("y").expect("output y"), want)
 }

@@ -254,6 +254,20 @@ impl PipelineSchedule {
         let (p, n) = (self.stages, self.chunks());
         let split = self.splits_weight_grad();
         let rank = |c: usize| c % p;
+        // The transfer of micro-batch `micro`'s `carry` between chunk `c` and the neighbour
+        // chunk `peer`, over the boundary between the two.
+        let recv = |carry, micro, c: usize, peer: usize| PipeOp::Recv {
+            from: rank(peer),
+            carry,
+            micro,
+            boundary: c.min(peer),
+        };
+        let send = |carry, micro, c: usize, peer: usize| PipeOp::Send {
+            to: rank(peer),
+            carry,
+            micro,
+            boundary: c.min(peer),
+        };
         self.per_rank
             .iter()
             .enumerate()
@@ -264,43 +278,23 @@ impl PipelineSchedule {
                     match s.phase {
                         Phase::F => {
                             if c > 0 {
-                                out.push(PipeOp::Recv {
-                                    from: rank(c - 1),
-                                    carry: Carry::Act,
-                                    micro: i,
-                                    boundary: c - 1,
-                                });
+                                out.push(recv(Carry::Act, i, c, c - 1));
                             }
                             out.push(PipeOp::Run(s));
                             if c + 1 < n {
-                                out.push(PipeOp::Send {
-                                    to: rank(c + 1),
-                                    carry: Carry::Act,
-                                    micro: i,
-                                    boundary: c,
-                                });
+                                out.push(send(Carry::Act, i, c, c + 1));
                             }
                         }
                         Phase::B => {
                             if c + 1 < n {
-                                out.push(PipeOp::Recv {
-                                    from: rank(c + 1),
-                                    carry: Carry::Grad,
-                                    micro: i,
-                                    boundary: c,
-                                });
+                                out.push(recv(Carry::Grad, i, c, c + 1));
                             }
                             out.push(PipeOp::Run(s));
                             if !split {
                                 out.push(PipeOp::Run(w(i, c)));
                             }
                             if c > 0 {
-                                out.push(PipeOp::Send {
-                                    to: rank(c - 1),
-                                    carry: Carry::Grad,
-                                    micro: i,
-                                    boundary: c - 1,
-                                });
+                                out.push(send(Carry::Grad, i, c, c - 1));
                             }
                         }
                         Phase::W => out.push(PipeOp::Run(s)),

@@ -132,9 +132,7 @@ pub(crate) fn grad(
                                 continue;
                             }
                             let kk = &kd[ki(bi, si, kh)..ki(bi, si, kh) + d];
-                            for (o, &x) in dq[ti * d..(ti + 1) * d].iter_mut().zip(kk) {
-                                *o += w * x as f64;
-                            }
+                            add_scaled(&mut dq[ti * d..(ti + 1) * d], w, kk);
                         }
                     }
                     (i, dq)
@@ -167,9 +165,7 @@ pub(crate) fn grad(
                                     if w == 0.0 {
                                         continue;
                                     }
-                                    for (o, &x) in acc[si * d..(si + 1) * d].iter_mut().zip(qq) {
-                                        *o += scale * w * x as f64;
-                                    }
+                                    add_scaled(&mut acc[si * d..(si + 1) * d], scale * w, qq);
                                 }
                             }
                         } else {
@@ -180,9 +176,7 @@ pub(crate) fn grad(
                                     if w == 0.0 {
                                         continue;
                                     }
-                                    for (o, &x) in acc[si * d..(si + 1) * d].iter_mut().zip(g) {
-                                        *o += w as f64 * x as f64;
-                                    }
+                                    add_scaled(&mut acc[si * d..(si + 1) * d], w as f64, g);
                                 }
                             }
                         }
@@ -207,6 +201,13 @@ pub(crate) fn grad(
         k.shape.clone()
     };
     Ok(Tensor::f32(shape, out))
+}
+
+/// `acc += w · x`, in f64.
+fn add_scaled(acc: &mut [f64], w: f64, x: &[f32]) {
+    for (o, &x) in acc.iter_mut().zip(x) {
+        *o += w * x as f64;
+    }
 }
 
 #[cfg(test)]
