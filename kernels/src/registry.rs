@@ -148,6 +148,15 @@ pub static KERNELS: &[KernelSource] = &[
     kernel_source!("attention", ["attention_f32", "attention_bf16"]),
     kernel_source!("attention_tc", ["attention_tc_bf16"]),
     kernel_source!(
+        "attention_decode",
+        [
+            "attention_decode_f32",
+            "attention_decode_bf16",
+            "attention_decode_combine_f32",
+            "attention_decode_combine_bf16",
+        ]
+    ),
+    kernel_source!(
         "moe",
         [
             "router_f32",
