@@ -164,6 +164,206 @@ pub fn attention_kernel(
     Ok((entry_name(SCALAR_ATTENTION.name, dtype), cfg))
 }
 
+/// Split-KV (flash-decoding) attention, `attention_decode.cu`: taken only when the ordinary
+/// grid has fewer blocks than this many per SM (it leaves SMs idle)...
+pub const SPLIT_KV_MAX_BLOCKS_PER_SM: usize = 2;
+/// ... and the KV sequence has at least this many keys (shorter walks are cheap anyway).
+pub const SPLIT_KV_MIN_KEYS: usize = 1024;
+/// Fewest keys per split: below this the combine and the per-split setup outweigh the walk.
+pub const SPLIT_KV_MIN_SPLIT_KEYS: usize = 256;
+/// Blocks per SM the split grid aims for (about 3 waves of one block per SM).
+pub const SPLIT_KV_TARGET_BLOCKS_PER_SM: usize = 3;
+
+/// Why [`split_kv_splits`] keeps the ordinary (non-split) attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitKvFallback {
+    /// The caller turned split-KV off.
+    Disabled,
+    /// The SM count is unknown (0).
+    UnknownSmCount,
+    /// The ordinary grid already has `blocks` >= [`SPLIT_KV_MAX_BLOCKS_PER_SM`] x `sm_count`.
+    GridFull {
+        /// Blocks of the ordinary launch.
+        blocks: usize,
+        /// SMs of the device.
+        sm_count: usize,
+    },
+    /// Fewer than [`SPLIT_KV_MIN_KEYS`] keys.
+    ShortKeys {
+        /// The KV sequence length.
+        seq_k: usize,
+    },
+    /// Fewer than 2 splits would reach the target grid with [`SPLIT_KV_MIN_SPLIT_KEYS`] keys
+    /// each.
+    OneSplit,
+}
+
+/// Blocks per split of `attention_decode_*`: `B x Hkv x ceil(Tq x G / 16)` (G = Hq / Hkv), the
+/// query heads of a GQA group packed in one block. `dims = [batch, seq_q, seq_k, heads_q,
+/// heads_kv, head_dim]`; 0 for an invalid head split.
+fn split_kv_blocks_per_split(dims: [usize; 6]) -> usize {
+    let [batch, seq_q, _, heads_q, heads_kv, _] = dims;
+    if heads_kv == 0 || heads_q % heads_kv != 0 {
+        return 0;
+    }
+    let rows = seq_q.saturating_mul(heads_q / heads_kv);
+    batch
+        .saturating_mul(heads_kv)
+        .saturating_mul(rows.div_ceil(ATTENTION_BLOCK_Q))
+}
+
+/// The split-KV heuristic: the number of key splits for an attention call with
+/// `dims = [batch, seq_q, seq_k, heads_q, heads_kv, head_dim]` whose ordinary launch has
+/// `ordinary_blocks` blocks, on a device with `sm_count` SMs, or why the ordinary kernel stays.
+/// Split when the ordinary grid is below [`SPLIT_KV_MAX_BLOCKS_PER_SM`] x SMs and S >=
+/// [`SPLIT_KV_MIN_KEYS`]; take enough splits for the split grid to reach
+/// [`SPLIT_KV_TARGET_BLOCKS_PER_SM`] x SMs, but no more than leave each split
+/// [`SPLIT_KV_MIN_SPLIT_KEYS`] keys; fewer than 2 splits is no split.
+pub fn split_kv_splits(
+    enabled: bool,
+    sm_count: usize,
+    ordinary_blocks: usize,
+    dims: [usize; 6],
+) -> Result<usize, SplitKvFallback> {
+    let seq_k = dims[2];
+    if !enabled {
+        return Err(SplitKvFallback::Disabled);
+    }
+    if sm_count == 0 {
+        return Err(SplitKvFallback::UnknownSmCount);
+    }
+    if ordinary_blocks >= SPLIT_KV_MAX_BLOCKS_PER_SM.saturating_mul(sm_count) {
+        return Err(SplitKvFallback::GridFull {
+            blocks: ordinary_blocks,
+            sm_count,
+        });
+    }
+    if seq_k < SPLIT_KV_MIN_KEYS {
+        return Err(SplitKvFallback::ShortKeys { seq_k });
+    }
+    let per_split = split_kv_blocks_per_split(dims).max(1);
+    let target = SPLIT_KV_TARGET_BLOCKS_PER_SM.saturating_mul(sm_count);
+    let splits = target
+        .div_ceil(per_split)
+        .min(seq_k / SPLIT_KV_MIN_SPLIT_KEYS);
+    if splits < 2 {
+        return Err(SplitKvFallback::OneSplit);
+    }
+    Ok(splits)
+}
+
+/// Bytes of the f32 workspace of `attention_decode_*` with `num_splits` splits: unnormalised
+/// output rows plus row max and sum, `4 x B x num_splits x Tq x Hq x (D + 2)`.
+pub fn split_kv_workspace_bytes(dims: [usize; 6], num_splits: usize) -> usize {
+    let [batch, seq_q, _, heads_q, _, head_dim] = dims;
+    [batch, num_splits, seq_q, heads_q, head_dim + 2, 4]
+        .into_iter()
+        .fold(1usize, usize::saturating_mul)
+}
+
+/// The workspace to reserve at plan time for an attention call with these `dims` on a device
+/// with `sm_count` SMs: enough for whatever [`attention_plan`] picks (0 when it can never
+/// split, since the split count does not depend on the ordinary kernel).
+pub fn split_kv_reserve_bytes(dims: [usize; 6], sm_count: usize) -> usize {
+    split_kv_splits(true, sm_count, 0, dims).map_or(0, |n| split_kv_workspace_bytes(dims, n))
+}
+
+/// The two launches of the split-KV path: `attention_decode_{dtype}` then
+/// `attention_decode_combine_{dtype}`, both with attention's argument list plus the workspace
+/// pointer and `num_splits`.
+#[derive(Debug, Clone)]
+pub struct SplitKvLaunch {
+    /// `attention_decode_{dtype}`: partial results of each split into the workspace.
+    pub partial: String,
+    /// Its launch: grid (num_splits, Hkv x ceil(Tq x G / 16), B), 128 threads.
+    pub partial_cfg: LaunchConfig,
+    /// `attention_decode_combine_{dtype}`: merges the splits into the output.
+    pub combine: String,
+    /// Its launch: one block per output row (block-stride).
+    pub combine_cfg: LaunchConfig,
+    /// Key splits.
+    pub num_splits: usize,
+    /// f32 workspace bytes the pair needs ([`split_kv_workspace_bytes`]).
+    pub workspace_bytes: usize,
+}
+
+/// The split-KV launches for `dims = [batch, seq_q, seq_k, heads_q, heads_kv, head_dim]` with
+/// `num_splits` splits, after checking the shape against `attention_decode.cu`'s contract.
+pub fn split_kv_launch(
+    dtype: KernelDType,
+    dims: [usize; 6],
+    num_splits: usize,
+) -> Result<SplitKvLaunch, KernelError> {
+    let [batch, seq_q, _, heads_q, heads_kv, head_dim] = dims;
+    let k = &SPLIT_KV_ATTENTION;
+    k.check_heads(head_dim, heads_q, heads_kv)?;
+    let per_split = split_kv_blocks_per_split(dims) / batch.max(1);
+    let partial_cfg = LaunchConfig {
+        grid_dim: (
+            k.grid_dim("num_splits", num_splits, i32::MAX as usize, "1..=2^31")?,
+            k.grid_dim(
+                "heads_kv",
+                per_split,
+                65_535,
+                "Hkv x query tiles in 1..=65535",
+            )?,
+            k.grid_dim("batch", batch, 65_535, "1..=65535")?,
+        ),
+        block_dim: (ATTENTION_THREADS, 1, 1),
+        shared_mem_bytes: k.shared_bytes_u32(head_dim),
+    };
+    let out_rows = batch.saturating_mul(seq_q).saturating_mul(heads_q);
+    if out_rows == 0 {
+        return Err(k.bad("seq_q", seq_q, "batch x seq_q x heads_q >= 1"));
+    }
+    Ok(SplitKvLaunch {
+        partial: entry_name(k.name, dtype),
+        partial_cfg,
+        combine: entry_name("attention_decode_combine", dtype),
+        combine_cfg: rows_launch(out_rows, head_dim),
+        num_splits,
+        workspace_bytes: split_kv_workspace_bytes(dims, num_splits),
+    })
+}
+
+/// How one attention call runs: one ordinary kernel, or the split-KV pair.
+#[derive(Debug, Clone)]
+pub enum AttentionPlan {
+    /// [`attention_kernel`]'s entry point and launch.
+    Single(String, LaunchConfig),
+    /// The split-KV pair ([`split_kv_launch`]).
+    SplitKv(SplitKvLaunch),
+}
+
+/// [`attention_kernel`]'s choice, replaced by the split-KV pair when `workspace_bytes` (the
+/// workspace the caller has, 0 for none) holds it and [`split_kv_splits`] says so for a device
+/// with `sm_count` SMs. `dims = [batch, seq_q, seq_k, heads_q, heads_kv, head_dim]`.
+pub fn attention_plan(
+    dtype: KernelDType,
+    (sm_major, sm_count): (i32, usize),
+    tensor_core: bool,
+    workspace_bytes: usize,
+    dims: [usize; 6],
+    qkv: [u64; 3],
+) -> Result<AttentionPlan, KernelError> {
+    let [batch, seq_q, _, heads_q, heads_kv, head_dim] = dims;
+    let (entry, cfg) = attention_kernel(
+        dtype,
+        sm_major,
+        tensor_core,
+        [batch, seq_q, heads_q, heads_kv, head_dim],
+        qkv,
+    )?;
+    let (x, y, z) = cfg.grid_dim;
+    let blocks = [x, y, z].iter().map(|&n| n as usize).product();
+    match split_kv_splits(workspace_bytes > 0, sm_count, blocks, dims) {
+        Ok(n) if split_kv_workspace_bytes(dims, n) <= workspace_bytes => {
+            Ok(AttentionPlan::SplitKv(split_kv_launch(dtype, dims, n)?))
+        }
+        _ => Ok(AttentionPlan::Single(entry, cfg)),
+    }
+}
+
 /// The dynamic shared memory to opt kernel `entry` in to when it is loaded
 /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`), for kernels whose launches may ask for
 /// more than [`DEFAULT_MAX_DYNAMIC_SHARED`]; `None` for every other kernel.
@@ -194,6 +394,13 @@ const SCALAR_ATTENTION: AttentionKernel = AttentionKernel {
     shared_bytes: attention_shared_bytes,
 };
 
+/// `attention_decode_{f32,bf16}` (attention_decode.cu): the scalar kernel's tiles and head
+/// widths; its grid is [`split_kv_launch`]'s.
+const SPLIT_KV_ATTENTION: AttentionKernel = AttentionKernel {
+    name: "attention_decode",
+    ..SCALAR_ATTENTION
+};
+
 /// `attention_tc_bf16` (attention_tc.cu).
 const TENSOR_CORE_ATTENTION: AttentionKernel = AttentionKernel {
     name: "attention_tc",
@@ -207,37 +414,64 @@ impl AttentionKernel {
     /// The launch for `dims = [batch, seq_q, heads_q, heads_kv, head_dim]`, after checking
     /// the shape.
     fn launch(&self, dims: [usize; 5]) -> Result<LaunchConfig, KernelError> {
-        let [batch, seq_q, heads_q, heads_kv, head_dim] = dims;
-        let bad = |param, value, allowed| KernelError::InvalidLaunch {
+        let [batch, seq_q, heads_q, _, head_dim] = dims;
+        self.check_heads(head_dim, heads_q, dims[3])?;
+        let tiles = seq_q.div_ceil(self.block_q);
+        Ok(LaunchConfig {
+            grid_dim: (
+                self.grid_dim("seq_q", tiles, i32::MAX as usize, "1..=2^31 query tiles")?,
+                self.grid_dim("heads_q", heads_q, 65_535, "1..=65535")?,
+                self.grid_dim("batch", batch, 65_535, "1..=65535")?,
+            ),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: self.shared_bytes_u32(head_dim),
+        })
+    }
+
+    fn bad(&self, param: &'static str, value: usize, allowed: &'static str) -> KernelError {
+        KernelError::InvalidLaunch {
             kernel: self.name,
             param,
             value,
             allowed,
-        };
+        }
+    }
+
+    /// Checks `head_dim` and that `heads_kv` divides `heads_q`.
+    fn check_heads(
+        &self,
+        head_dim: usize,
+        heads_q: usize,
+        heads_kv: usize,
+    ) -> Result<(), KernelError> {
         if !(self.head_dim_ok)(head_dim) {
-            return Err(bad("head_dim", head_dim, self.head_dims));
+            return Err(self.bad("head_dim", head_dim, self.head_dims));
         }
         if heads_kv == 0 || heads_q % heads_kv != 0 {
-            return Err(bad("heads_kv", heads_kv, "a divisor of heads_q"));
+            return Err(self.bad("heads_kv", heads_kv, "a divisor of heads_q"));
         }
-        let dim = |param, value: usize, max: usize, allowed| {
-            if value == 0 || value > max {
-                Err(bad(param, value, allowed))
-            } else {
-                Ok(u32::try_from(value).expect("invariant: value <= max <= u32::MAX"))
-            }
-        };
-        let tiles = seq_q.div_ceil(self.block_q);
-        Ok(LaunchConfig {
-            grid_dim: (
-                dim("seq_q", tiles, i32::MAX as usize, "1..=2^31 query tiles")?,
-                dim("heads_q", heads_q, 65_535, "1..=65535")?,
-                dim("batch", batch, 65_535, "1..=65535")?,
-            ),
-            block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: u32::try_from((self.shared_bytes)(head_dim))
-                .expect("invariant: at most 80 KiB for a valid head_dim"),
-        })
+        Ok(())
+    }
+
+    /// One grid dimension, `1..=max`.
+    fn grid_dim(
+        &self,
+        param: &'static str,
+        value: usize,
+        max: usize,
+        allowed: &'static str,
+    ) -> Result<u32, KernelError> {
+        if value == 0 || value > max {
+            Err(self.bad(param, value, allowed))
+        } else {
+            Ok(u32::try_from(value).expect("invariant: value <= max <= u32::MAX"))
+        }
+    }
+
+    /// Dynamic shared memory for a `head_dim` that passed [`Self::check_heads`].
+    fn shared_bytes_u32(&self, head_dim: usize) -> u32 {
+        u32::try_from((self.shared_bytes)(head_dim))
+            .expect("invariant: at most 80 KiB for a valid head_dim")
     }
 }
 
@@ -315,6 +549,150 @@ mod tests {
         assert!(attention_kernel(bf16, 9, true, [1, 1, 32, 8, 300], aligned).is_err());
         assert_eq!(opt_in_shared_bytes("attention_tc_bf16"), Some(80 * 1024));
         assert_eq!(opt_in_shared_bytes("attention_bf16"), None);
+    }
+
+    #[test]
+    fn split_kv_heuristic_and_fallbacks() {
+        // Llama-3-8B decode: Hq 32, Hkv 8, D 128, Tq 1 on an H100 (132 SMs).
+        let llama = |b, t, s| [b, t, s, 32, 8, 128];
+        let sms = 132;
+        // Ordinary grids: scalar 1 x 32 x 1 = 32 blocks; the split grid has 8 blocks per split.
+        assert_eq!(split_kv_splits(true, sms, 32, llama(1, 1, 4096)), Ok(16));
+        // 3 x 132 / 8 = 49.5 -> 50 splits, 16384 / 256 = 64 allowed.
+        assert_eq!(split_kv_splits(true, sms, 32, llama(1, 1, 16384)), Ok(50));
+        // Short: capped by 256 keys per split (1280 / 256 = 5).
+        assert_eq!(split_kv_splits(true, sms, 32, llama(1, 1, 1280)), Ok(5));
+        // Tq 16 packs 4 query heads x 16 = 64 rows = 4 tiles per KV head: 32 blocks per split.
+        assert_eq!(split_kv_splits(true, sms, 32, llama(1, 16, 8192)), Ok(13));
+        let fallbacks = [
+            (false, sms, 32, llama(1, 1, 4096), SplitKvFallback::Disabled),
+            (
+                true,
+                0,
+                32,
+                llama(1, 1, 4096),
+                SplitKvFallback::UnknownSmCount,
+            ),
+            (
+                true,
+                sms,
+                264,
+                llama(1, 1, 4096),
+                SplitKvFallback::GridFull {
+                    blocks: 264,
+                    sm_count: sms,
+                },
+            ),
+            (
+                true,
+                sms,
+                32,
+                llama(1, 1, 1023),
+                SplitKvFallback::ShortKeys { seq_k: 1023 },
+            ),
+            // 8 batches x 8 KV heads x 16 tiles = 1024 blocks per split: past the target.
+            (
+                true,
+                sms,
+                263,
+                llama(8, 64, 4096),
+                SplitKvFallback::OneSplit,
+            ),
+        ];
+        for (enabled, sm, blocks, dims, why) in fallbacks {
+            assert_eq!(
+                split_kv_splits(enabled, sm, blocks, dims),
+                Err(why),
+                "{dims:?}"
+            );
+        }
+        assert_eq!(split_kv_splits(true, sms, 263, llama(1, 1, 4096)), Ok(16));
+        assert_eq!(
+            split_kv_workspace_bytes(llama(1, 1, 4096), 16),
+            16 * 32 * 130 * 4
+        );
+        assert_eq!(
+            split_kv_reserve_bytes(llama(1, 1, 4096), sms),
+            16 * 32 * 130 * 4
+        );
+        assert_eq!(split_kv_reserve_bytes(llama(1, 1, 512), sms), 0);
+    }
+
+    #[test]
+    fn split_kv_launch_config() {
+        let l =
+            split_kv_launch(KernelDType::Bf16, [2, 4, 4096, 32, 8, 128], 16).expect("valid shape");
+        assert_eq!(l.partial, "attention_decode_bf16");
+        assert_eq!(l.combine, "attention_decode_combine_bf16");
+        // 4 queries x 4 heads = 16 rows: one tile per KV head.
+        assert_eq!(l.partial_cfg.grid_dim, (16, 8, 2));
+        assert_eq!(l.partial_cfg.block_dim, (128, 1, 1));
+        assert_eq!(l.partial_cfg.shared_mem_bytes, 48 * 128 * 4);
+        assert_eq!(l.combine_cfg.grid_dim, (2 * 4 * 32, 1, 1));
+        assert_eq!(l.combine_cfg.block_dim.0 % 32, 0);
+        assert_eq!(l.workspace_bytes, 2 * 16 * 4 * 32 * 130 * 4);
+        let f32 = KernelDType::F32;
+        let l = split_kv_launch(f32, [1, 5, 900, 8, 2, 80], 3).expect("valid shape");
+        assert_eq!(l.partial, "attention_decode_f32");
+        assert_eq!(
+            l.partial_cfg.grid_dim,
+            (3, 2 * 2, 1),
+            "20 rows: 2 tiles per KV head"
+        );
+        assert!(split_kv_launch(f32, [1, 1, 4096, 32, 8, 257], 4).is_err());
+        assert!(split_kv_launch(f32, [1, 1, 4096, 32, 6, 128], 4).is_err());
+        assert!(split_kv_launch(f32, [1, 1, 4096, 32, 8, 128], 0).is_err());
+        assert!(split_kv_launch(f32, [1, 0, 4096, 32, 8, 128], 4).is_err());
+    }
+
+    #[test]
+    fn attention_plan_choice() {
+        let aligned = [256, 4096, 1 << 20];
+        let dims = [1, 1, 4096, 32, 8, 128];
+        let ws = split_kv_reserve_bytes(dims, 132);
+        let plan = |dt, tc, ws, dims| {
+            attention_plan(dt, (9, 132), tc, ws, dims, aligned).expect("valid shape")
+        };
+        let bf16 = KernelDType::Bf16;
+        match plan(bf16, true, ws, dims) {
+            AttentionPlan::SplitKv(l) => {
+                assert_eq!(
+                    (l.partial.as_str(), l.num_splits),
+                    ("attention_decode_bf16", 16)
+                );
+                assert_eq!(l.workspace_bytes, ws);
+            }
+            other => panic!("expected split-KV, got {other:?}"),
+        }
+        // No workspace, too small a workspace, a long prefill (full grid), a short cache.
+        let single = [
+            (0, dims, "attention_tc_bf16"),
+            (ws - 4, dims, "attention_tc_bf16"),
+            (ws, [1, 4096, 4096, 32, 8, 128], "attention_tc_bf16"),
+            (ws, [1, 1, 512, 32, 8, 128], "attention_tc_bf16"),
+            (0, [1, 1, 4096, 32, 8, 96], "attention_bf16"),
+        ];
+        for (ws, dims, entry) in single {
+            match plan(bf16, true, ws, dims) {
+                AttentionPlan::Single(e, _) => assert_eq!(e, entry, "{dims:?} ws {ws}"),
+                other => panic!("{dims:?} ws {ws}: expected {entry}, got {other:?}"),
+            }
+        }
+        // The split path takes any head_dim the scalar kernel does.
+        let d96 = [1, 1, 4096, 32, 8, 96];
+        let d96_plan = plan(bf16, true, split_kv_reserve_bytes(d96, 132), d96);
+        assert!(
+            matches!(&d96_plan, AttentionPlan::SplitKv(l) if l.num_splits == 16),
+            "{d96_plan:?}"
+        );
+        let f32_plan = plan(KernelDType::F32, false, ws, dims);
+        assert!(
+            matches!(&f32_plan, AttentionPlan::SplitKv(l) if l.partial == "attention_decode_f32"),
+            "{f32_plan:?}"
+        );
+        assert!(
+            attention_plan(bf16, (9, 132), true, ws, [1, 1, 4096, 32, 8, 300], aligned).is_err()
+        );
     }
 
     #[test]

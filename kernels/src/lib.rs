@@ -46,5 +46,6 @@ pub use excerpt::{parse_diagnostics, source_excerpt, Diagnostic};
 pub use fused::{generate_fused_kernel, FusedBinary, FusedExpr, FusedUnary};
 pub use probe::{arch_for_compute_capability, cuda_available, nvrtc_available, nvrtc_version};
 pub use registry::{
-    expand_includes, kernel_source, source_for_entry, KernelSource, COMMON_CUH, KERNELS, MMA_CUH,
+    expand_includes, kernel_source, source_for_entry, KernelSource, ATTENTION_CUH, COMMON_CUH,
+    KERNELS, MMA_CUH,
 };

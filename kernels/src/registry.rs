@@ -14,6 +14,10 @@ pub const COMMON_CUH: &str = include_str!("cu/common.cuh");
 /// `cp.async` wrappers around inline PTX, with their fragment layouts.
 pub const MMA_CUH: &str = include_str!("cu/mma.cuh");
 
+/// The scalar attention core (after `common.cuh`) that `attention.cu` and `attention_decode.cu`
+/// share: the 16-row block over 32-key tiles with online softmax.
+pub const ATTENTION_CUH: &str = include_str!("cu/attention.cuh");
+
 /// The include line of [`COMMON_CUH`].
 const COMMON_INCLUDE: &str = "#include \"common.cuh\"";
 
@@ -21,6 +25,7 @@ const COMMON_INCLUDE: &str = "#include \"common.cuh\"";
 const HEADERS: &[(&str, &str)] = &[
     (COMMON_INCLUDE, COMMON_CUH),
     ("#include \"mma.cuh\"", MMA_CUH),
+    ("#include \"attention.cuh\"", ATTENTION_CUH),
 ];
 
 /// One `.cu` file: an op family.
@@ -58,8 +63,8 @@ impl KernelSource {
     }
 }
 
-/// Replaces each `#include "common.cuh"` / `#include "mma.cuh"` line with the header's text.
-/// Other lines are kept.
+/// Replaces each `#include "common.cuh"` / `"mma.cuh"` / `"attention.cuh"` line with the
+/// header's text. Other lines are kept.
 pub fn expand_includes(raw: &str) -> String {
     let mut out = String::with_capacity(raw.len() + COMMON_CUH.len());
     for line in raw.lines() {
@@ -142,6 +147,15 @@ pub static KERNELS: &[KernelSource] = &[
     kernel_source!("cast", ["cast_f32_bf16", "cast_bf16_f32"]),
     kernel_source!("attention", ["attention_f32", "attention_bf16"]),
     kernel_source!("attention_tc", ["attention_tc_bf16"]),
+    kernel_source!(
+        "attention_decode",
+        [
+            "attention_decode_f32",
+            "attention_decode_bf16",
+            "attention_decode_combine_f32",
+            "attention_decode_combine_bf16",
+        ]
+    ),
     kernel_source!(
         "moe",
         [
@@ -316,6 +330,7 @@ mod tests {
         }
         assert!(!has_include(COMMON_CUH));
         assert!(!has_include(MMA_CUH));
+        assert!(!has_include(ATTENTION_CUH));
         let with_mma = expand_includes("#include \"common.cuh\"\n#include \"mma.cuh\"\n");
         assert!(with_mma.contains("mma_bf16_16816"), "mma.cuh not pasted");
         assert!(!has_include(&with_mma));

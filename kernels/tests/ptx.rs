@@ -126,6 +126,27 @@ fn tensor_core_attention_assembles_for_sm90() {
     eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
 }
 
+/// The scalar attention and the split-KV decode pair (both on attention.cuh's core) to CUBINs
+/// for sm_90, every entry point present.
+#[test]
+fn attention_decode_assembles_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    for family in ["attention", "attention_decode"] {
+        let k = kernel_source(family).expect("invariant: registered");
+        let ptx = PtxCache::disabled()
+            .compile(k.file, &k.source(), ARCH, &[])
+            .unwrap_or_else(|e| panic!("{e}"));
+        for e in k.entries {
+            assert!(ptx.has_entry(e), "{}: no `{e}` in the PTX", k.file);
+        }
+        let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
+        assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+        eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+    }
+}
+
 /// Inline `asm` is only checked when the PTX is assembled: a CUBIN makes NVRTC run ptxas.
 #[test]
 fn malformed_inline_ptx_fails_the_cubin_build() {

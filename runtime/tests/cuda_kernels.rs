@@ -253,16 +253,8 @@ fn tensor_core_attention_matches_scalar_and_cpu() {
             }
         }
         let mask = Tensor::f32(vec![b, s], m);
-        let mut ins = vec![&q, &k, &v];
-        if masked {
-            ins.push(&mask);
-        }
-        let op = Op::Attention(AttnSpec {
-            causal,
-            window,
-            scale: Float(1.0 / (d as f32).sqrt()),
-            indexed: false,
-        });
+        let ins = attention_inputs([&q, &k, &v], masked.then_some(&mask));
+        let op = attention_op(causal, window, d);
         let what = format!(
             "b{b} t{t} s{s} h{hq}/{hkv} d{d} causal={causal} window={window:?} mask={masked}"
         );
@@ -286,16 +278,37 @@ fn tensor_core_attention_matches_scalar_and_cpu() {
         // Different kernels: their f32 sums differ somewhere (the same bits everywhere would
         // mean the tensor-core kernel was not chosen).
         assert!(g != sc, "{what}: the two runs are bit-identical");
-        let err = rel_l2(&g, &w);
-        assert!(
-            err < 1e-2,
-            "{what}: relative L2 error {err} against the CPU"
-        );
-        assert!(
-            w.iter().any(|&x| x != 0.0),
-            "{what}: the reference is all zeros"
-        );
+        assert_rel_l2_nonzero(&what, &g, &w);
     }
+}
+
+/// q, k, v and the mask when there is one: an attention op's inputs.
+fn attention_inputs<'a>(qkv: [&'a Tensor; 3], mask: Option<&'a Tensor>) -> Vec<&'a Tensor> {
+    qkv.into_iter().chain(mask).collect()
+}
+
+/// Attention with scale 1/sqrt(`d`).
+fn attention_op(causal: bool, window: Option<usize>, d: usize) -> Op {
+    Op::Attention(AttnSpec {
+        causal,
+        window,
+        scale: Float(1.0 / (d as f32).sqrt()),
+        indexed: false,
+    })
+}
+
+/// `got` within 1e-2 relative L2 of the CPU's `want`, and `want` not all zeros (a case that
+/// checks nothing).
+fn assert_rel_l2_nonzero(what: &str, got: &[f32], want: &[f32]) {
+    let err = rel_l2(got, want);
+    assert!(
+        err < 1e-2,
+        "{what}: relative L2 error {err} against the CPU"
+    );
+    assert!(
+        want.iter().any(|&x| x != 0.0),
+        "{what}: the reference is all zeros"
+    );
 }
 
 #[test]
@@ -718,5 +731,73 @@ fn reshape_of_a_computed_value_is_a_view() {
     let (atol, rtol) = tol(GpuDType::F32);
     for name in ["r2", "s"] {
         assert_close(name, &got[name], &want[name], atol, rtol);
+    }
+}
+
+/// The split-KV decode path (`attention_decode_*` + `attention_decode_combine_*`) against the
+/// ordinary kernel (`CudaOptions::split_kv_attention` off) and the CPU reference at Llama-3-8B
+/// decode shapes (32 query / 8 KV heads, head_dim 128, q_offset = S - Tq), in bf16 and f32;
+/// the plan is checked to take the split path on this device first.
+#[test]
+#[ignore = "needs a GPU"]
+fn split_kv_decode_matches_ordinary_and_cpu() {
+    use shardc_kernels::launch::{attention_plan, split_kv_reserve_bytes, AttentionPlan};
+    use shardc_kernels::KernelDType;
+    let dev = device();
+    let mut rng = Rng::new(43);
+    let cases: &[AttnCase] = &[
+        (1, 1, 4096, 32, 8, 128, true, None, false),
+        (1, 1, 16384, 32, 8, 128, true, None, false),
+        (2, 4, 4099, 32, 8, 128, true, Some(1500), true), // odd S, window, mask
+    ];
+    let split = |split_kv_attention, dt| CudaOptions {
+        split_kv_attention,
+        ..opts(dt, true)
+    };
+    for &(b, t, s, hq, hkv, d, causal, window, masked) in cases {
+        let dims = [b, t, s, hq, hkv, d];
+        let ws = split_kv_reserve_bytes(dims, dev.sm_count());
+        let cap = (dev.compute_capability().0, dev.sm_count());
+        let aligned = [256, 256, 256];
+        for kdt in [KernelDType::Bf16, KernelDType::F32] {
+            let plan = attention_plan(kdt, cap, true, ws, dims, aligned).expect("valid shape");
+            assert!(
+                matches!(plan, AttentionPlan::SplitKv(_)),
+                "{dims:?} on {} SMs: {plan:?}",
+                dev.sm_count()
+            );
+        }
+        let q = rng.tensor(&[b, t, hq, d], 1.0);
+        let k = rng.tensor(&[b, s, hkv, d], 1.0);
+        let v = rng.tensor(&[b, s, hkv, d], 1.0);
+        let mut m = vec![1.0f32; b * s];
+        for (i, x) in m.iter_mut().enumerate() {
+            // Every key of batch 0 below 1024 (whole splits) and a random fifth.
+            if (i < s && i < 1024) || rng.below(5) == 0 {
+                *x = 0.0;
+            }
+        }
+        let mask = Tensor::f32(vec![b, s], m);
+        let ins = attention_inputs([&q, &k, &v], masked.then_some(&mask));
+        let op = attention_op(causal, window, d);
+        for dt in DTYPES {
+            let what =
+                format!("{dt} b{b} t{t} s{s} h{hq}/{hkv} d{d} window={window:?} mask={masked}");
+            let (a, r) = match dt {
+                GpuDType::F32 => (3e-5, 1e-4),
+                GpuDType::Bf16 => (2e-2, 1.0 / 32.0),
+            };
+            let (got, want) = gpu_and_cpu_with(&dev, &op, &ins, None, split(true, dt));
+            let (plain, _) = gpu_and_cpu_with(&dev, &op, &ins, None, split(false, dt));
+            assert_close(&format!("split-KV {what}"), &got, &want, a, r);
+            assert_close(&format!("ordinary {what}"), &plain, &want, a, r);
+            assert_close(&format!("split-KV vs ordinary {what}"), &got, &plain, a, r);
+            let f32s = |x: &Tensor| {
+                x.as_f32()
+                    .expect("invariant: attention outputs f32")
+                    .to_vec()
+            };
+            assert_rel_l2_nonzero(&what, &f32s(&got), &f32s(&want));
+        }
     }
 }

@@ -9,7 +9,9 @@
 //! - `gemm`: an 8192³ bf16 GEMM as the ceiling, then Llama-3-8B's layer GEMMs at 4096 tokens
 //!   in bf16 and a 4096³ true-fp32 GEMM;
 //! - `attention`: Llama-3-8B attention (32 query / 8 KV heads, head_dim 128, causal) at 4k and
-//!   16k tokens, TFLOP/s (causal FLOPs), on the tensor-core kernel and on the scalar one;
+//!   16k tokens, TFLOP/s (causal FLOPs), on the tensor-core kernel and on the scalar one; then
+//!   one decode step (1 query against a 4k / 16k cache), GB/s of the K/V read, on the split-KV
+//!   pair and on the ordinary kernel;
 //! - `layer`: one Llama-3-8B decoder layer forward, bf16, batch 1 × 4096, fused and unfused;
 //! - `overlap`: `AgMatMul` vs all-gather then GEMM, and `MatMulRs` vs GEMM then
 //!   reduce-scatter, on 2 virtual ranks of this GPU (local-gpu communicator), Llama-3-8B MLP
@@ -116,6 +118,7 @@ fn opts(dtype: GpuDType, fuse: bool) -> CudaOptions {
         timeout: Duration::from_secs(300),
         graphs: false,
         tensor_core_attention: true,
+        split_kv_attention: true,
     }
 }
 
@@ -402,34 +405,12 @@ impl Bench {
     fn attention(&mut self) -> Result<(), CudaError> {
         let lens: &[usize] = if self.quick { &[1024] } else { &[4096, 16384] };
         for &t in lens {
-            let mut rng = Rng(0xabc);
-            let mut g = Graph::new();
-            let q = g.input("q", ty(DType::F32, &[1, t, HEADS, HEAD_DIM]));
-            let k = g.input("k", ty(DType::F32, &[1, t, KV_HEADS, HEAD_DIM]));
-            let v = g.input("v", ty(DType::F32, &[1, t, KV_HEADS, HEAD_DIM]));
-            let spec = AttnSpec {
-                causal: true,
-                window: None,
-                scale: Float(1.0 / (HEAD_DIM as f32).sqrt()),
-                indexed: false,
-            };
-            let y = add(&mut g, Op::Attention(spec), &[q, k, v], "attn");
-            g.set_output("y", y);
-            let ins = BTreeMap::from([
-                ("q".to_string(), rng.tensor(&[1, t, HEADS, HEAD_DIM], 1.0)),
-                (
-                    "k".to_string(),
-                    rng.tensor(&[1, t, KV_HEADS, HEAD_DIM], 1.0),
-                ),
-                (
-                    "v".to_string(),
-                    rng.tensor(&[1, t, KV_HEADS, HEAD_DIM], 1.0),
-                ),
-            ]);
+            let (g, ins) = attention_graph(t, t, 0xabc);
             // The tensor-core kernel (attention_tc_bf16), then the scalar one (attention_bf16).
             for (tensor_core, kernel) in [(true, "tensor cores"), (false, "scalar")] {
                 let run = CudaOptions {
                     tensor_core_attention: tensor_core,
+                    split_kv_attention: false,
                     ..opts(GpuDType::Bf16, true)
                 };
                 let ms = self.time_with(&g, &ins, run, true)?;
@@ -446,6 +427,34 @@ impl Bench {
                     measure,
                 );
             }
+        }
+        for &s in lens {
+            self.decode_attention(s)?;
+        }
+        Ok(())
+    }
+
+    /// One decode step's attention (1 query, causal, `q_offset = S - 1`) against an `s`-key
+    /// cache, on the split-KV pair (`attention_decode_bf16`) and on the ordinary kernel; GB/s of
+    /// the K and V cache read once.
+    fn decode_attention(&mut self, s: usize) -> Result<(), CudaError> {
+        let (g, ins) = attention_graph(1, s, 0xdec0de);
+        for (split, kernel) in [(true, "split-KV"), (false, "non-split")] {
+            let run = CudaOptions {
+                split_kv_attention: split,
+                ..opts(GpuDType::Bf16, true)
+            };
+            let ms = self.time_with(&g, &ins, run, false)?;
+            let bytes = 2.0 * (s * KV_HEADS * HEAD_DIM * 2) as f64;
+            let measure = self.gbs(bytes, ms);
+            self.row(
+                "attention",
+                format!("decode {}k, {kernel}", s / 1024),
+                GpuDType::Bf16,
+                format!("1x1 s{s} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
+                ms,
+                measure,
+            );
         }
         Ok(())
     }
@@ -737,6 +746,35 @@ fn llama_layer(t: usize) -> Graph {
     let y = add(&mut g, Op::Add, &[h, d], "mlp_residual");
     g.set_output("y", y);
     g
+}
+
+/// Llama-3-8B causal attention, `t` queries against `s` keys (`q_offset = s - t`), with its
+/// inputs `q`, `k`, `v` drawn from `seed`.
+fn attention_graph(t: usize, s: usize, seed: u64) -> (Graph, BTreeMap<String, Tensor>) {
+    let mut rng = Rng(seed);
+    let mut g = Graph::new();
+    let shapes = [
+        ("q", [1, t, HEADS, HEAD_DIM]),
+        ("k", [1, s, KV_HEADS, HEAD_DIM]),
+        ("v", [1, s, KV_HEADS, HEAD_DIM]),
+    ];
+    let qkv: Vec<ValueId> = shapes
+        .iter()
+        .map(|(name, shape)| g.input(name, ty(DType::F32, shape)))
+        .collect();
+    let spec = AttnSpec {
+        causal: true,
+        window: None,
+        scale: Float(1.0 / (HEAD_DIM as f32).sqrt()),
+        indexed: false,
+    };
+    let y = add(&mut g, Op::Attention(spec), &qkv, "attn");
+    g.set_output("y", y);
+    let ins = shapes
+        .iter()
+        .map(|(name, shape)| (name.to_string(), rng.tensor(shape, 1.0)))
+        .collect();
+    (g, ins)
 }
 
 /// GEMM FLOPs plus causal attention FLOPs of one layer.

@@ -19,34 +19,12 @@
 //
 // Launch (exactly): blockDim = (128, 1, 1); gridDim = (ceil(Tq / 16), Hq, B);
 // dynamic shared memory = (16 + 32) * ceil32(D) * 4 bytes (<= 48 KiB, so no opt-in needed).
-// Each block owns 16 queries of one (b, h); each of its 4 warps owns 4 queries. Key tiles of 32
-// rows go through shared memory; in the score phase lane j owns key j of the tile, in the PV
-// phase lane l owns dims l, l+32, ... Tiles are stored with an XOR swizzle (column d of row j
-// at j*Dp + (d ^ j)), which keeps both phases free of bank conflicts without padding.
+// Each block owns 16 queries of one (b, h); each of its 4 warps owns 4 queries. The tiling is
+// attention.cuh's, which attention_decode.cu (the split-KV decode path) shares.
 // A launch with another block size or an out-of-range head_dim traps (a loud error, not
 // silently wrong output); the host-side launch helper validates first.
 #include "common.cuh"
-
-#define ATTN_BLOCK_Q 16
-#define ATTN_BLOCK_K 32
-#define ATTN_THREADS 128
-#define ATTN_Q_PER_WARP 4
-#define ATTN_MAX_CHUNKS 8  // head_dim <= 8 * 32
-
-template <typename T>
-__device__ __forceinline__ void attn_load_tile(float* dst, const T* src, int b, int s0, int seq_k,
-                                               int heads_kv, int hk, int head_dim, int dp) {
-    for (int idx = threadIdx.x; idx < ATTN_BLOCK_K * dp; idx += blockDim.x) {
-        const int j = idx / dp;
-        const int d = idx - j * dp;
-        const int s = s0 + j;
-        float val = 0.0f;
-        if (s < seq_k && d < head_dim) {
-            val = load(src, (((i64)b * seq_k + s) * heads_kv + hk) * head_dim + d);
-        }
-        dst[j * dp + (d ^ j)] = val;
-    }
-}
+#include "attention.cuh"
 
 template <typename T>
 __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* v, T* out,
@@ -54,16 +32,7 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
                                                int seq_k, int heads_q, int heads_kv,
                                                int head_dim, float scale, int causal, int window,
                                                int q_offset) {
-    if (blockDim.x != ATTN_THREADS || head_dim <= 0 || head_dim > 32 * ATTN_MAX_CHUNKS ||
-        heads_kv <= 0 || heads_q % heads_kv != 0) {
-        __trap();
-    }
-    extern __shared__ float smem[];
-    const int dp = (head_dim + 31) & ~31;
-    const int nchunk = dp >> 5;
-    float* q_s = smem;                        // [ATTN_BLOCK_Q][dp], plain layout (broadcast reads)
-    float* kv_s = smem + ATTN_BLOCK_Q * dp;   // [ATTN_BLOCK_K][dp], swizzled
-
+    attn_check_launch(head_dim, heads_q, heads_kv);
     const int b = blockIdx.z;
     const int h = blockIdx.y;
     const int t0 = blockIdx.x * ATTN_BLOCK_Q;
@@ -71,97 +40,11 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
     const int hk = h / (heads_q / heads_kv);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-
-    for (int idx = threadIdx.x; idx < ATTN_BLOCK_Q * dp; idx += blockDim.x) {
-        const int qi = idx / dp;
-        const int d = idx - qi * dp;
-        const int t = t0 + qi;
-        float val = 0.0f;
-        if (t < seq_q && d < head_dim) {
-            val = load(q, (((i64)b * seq_q + t) * heads_q + h) * head_dim + d);
-        }
-        q_s[idx] = val;
-    }
-
-    // Keys any query of this tile can see (block-uniform, so the barriers below are safe).
-    const int t_last = min(t0 + ATTN_BLOCK_Q, seq_q) - 1;
-    int s_begin = 0;
-    int s_end = seq_k;
-    if (causal) s_end = min(seq_k, t_last + q_offset + 1);
-    if (window > 0) s_begin = max(0, t0 + q_offset - window + 1);
+    const int nchunk = (head_dim + 31) >> 5;
 
     float m[ATTN_Q_PER_WARP], l[ATTN_Q_PER_WARP], acc[ATTN_Q_PER_WARP][ATTN_MAX_CHUNKS];
-#pragma unroll
-    for (int r = 0; r < ATTN_Q_PER_WARP; ++r) {
-        m[r] = -SHARDC_INF;
-        l[r] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < ATTN_MAX_CHUNKS; ++c) acc[r][c] = 0.0f;
-    }
-
-    for (int s0 = s_begin; s0 < s_end; s0 += ATTN_BLOCK_K) {
-        __syncthreads();  // previous V tile fully consumed (and the q tile written)
-        attn_load_tile(kv_s, k, b, s0, seq_k, heads_kv, hk, head_dim, dp);
-        __syncthreads();
-
-        // Scores: lane j against key s0 + j, for the warp's 4 queries.
-        float dot[ATTN_Q_PER_WARP];
-#pragma unroll
-        for (int r = 0; r < ATTN_Q_PER_WARP; ++r) dot[r] = 0.0f;
-        const float* k_row = kv_s + lane * dp;
-        const float* q_rows = q_s + warp * ATTN_Q_PER_WARP * dp;
-#pragma unroll 4
-        for (int d = 0; d < dp; ++d) {
-            const float kd = k_row[d ^ lane];
-#pragma unroll
-            for (int r = 0; r < ATTN_Q_PER_WARP; ++r) dot[r] += q_rows[r * dp + d] * kd;
-        }
-
-        const int s = s0 + lane;
-        const bool key_ok = s < s_end && (mask == nullptr || mask[(i64)b * seq_k + s] != 0.0f);
-        float p[ATTN_Q_PER_WARP];
-#pragma unroll
-        for (int r = 0; r < ATTN_Q_PER_WARP; ++r) {
-            const int t = t0 + warp * ATTN_Q_PER_WARP + r;
-            const int tp = t + q_offset;
-            const bool visible = key_ok && t < seq_q && (!causal || s <= tp) &&
-                                 (window <= 0 || tp - s < window);
-            const float score = visible ? dot[r] * scale : -SHARDC_INF;
-            const float m_new = fmaxf(m[r], warp_max(score));
-            float pr = 0.0f;
-            float corr = 1.0f;
-            if (m_new != -SHARDC_INF) {  // warp-uniform
-                pr = visible ? expf(score - m_new) : 0.0f;
-                corr = expf(m[r] - m_new);  // 0 when m[r] was -inf
-            }
-            l[r] = l[r] * corr + warp_sum(pr);
-#pragma unroll
-            for (int c = 0; c < ATTN_MAX_CHUNKS; ++c) acc[r][c] *= corr;
-            m[r] = m_new;
-            p[r] = pr;
-        }
-
-        __syncthreads();  // everyone done with the K tile
-        attn_load_tile(kv_s, v, b, s0, seq_k, heads_kv, hk, head_dim, dp);
-        __syncthreads();
-
-        // acc[r][c] += sum_j p_j * v[j][lane + 32 c]
-        for (int j = 0; j < ATTN_BLOCK_K; ++j) {
-            float vv[ATTN_MAX_CHUNKS];
-#pragma unroll
-            for (int c = 0; c < ATTN_MAX_CHUNKS; ++c) {
-                vv[c] = c < nchunk ? kv_s[j * dp + ((lane + 32 * c) ^ j)] : 0.0f;
-            }
-#pragma unroll
-            for (int r = 0; r < ATTN_Q_PER_WARP; ++r) {
-                const float pj = __shfl_sync(SHARDC_FULL_MASK, p[r], j);
-                if (pj != 0.0f) {  // warp-uniform; also keeps 0 * inf out of the sum
-#pragma unroll
-                    for (int c = 0; c < ATTN_MAX_CHUNKS; ++c) acc[r][c] += pj * vv[c];
-                }
-            }
-        }
-    }
+    attn_rows(q, k, v, mask, b, seq_q, seq_k, heads_q, heads_kv, head_dim, scale, causal, window,
+              q_offset, hk, h, 1, seq_q, t0, 0, seq_k, m, l, acc);
 
 #pragma unroll
     for (int r = 0; r < ATTN_Q_PER_WARP; ++r) {

@@ -11,6 +11,7 @@
 #include "cu/cast.cu"
 #include "cu/attention.cu"
 #include "cu/attention_tc.cu"
+#include "cu/attention_decode.cu"
 #include "cu/moe.cu"
 #include "cu/reduce.cu"
 #include "cu/loss.cu"
@@ -749,6 +750,19 @@ void test_mma_wrappers() {
     }
 }
 
+// Zero rows (of width D) exactly where the reference has them, and not every row zero.
+void check_zero_rows(const char* what, const std::vector<float>& got, const std::vector<double>& want, int D) {
+    size_t zero_want = 0, zero_got = 0, mism = 0;
+    for (size_t row = 0; row < got.size() / D; ++row) {
+        bool zw = true, zg = true;
+        for (int d = 0; d < D; ++d) { zw = zw && want[row * D + d] == 0; zg = zg && got[row * D + d] == 0; }
+        zero_want += zw; zero_got += zg; mism += zw != zg;
+    }
+    const bool ok = mism == 0 && zero_want < got.size() / D;
+    printf("%s %s: %zu of %zu rows zero (want %zu)\n", ok ? "ok  " : "FAIL", what, zero_got, got.size() / D, zero_want);
+    failures += !ok;
+}
+
 // ---- attention_tc_bf16 vs a double reference and vs the scalar kernel ----------------------
 void attn_tc_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D, int causal, int window, int qoff, int mask_kind) {
     auto q = randv(B*T*Hq*D), k = randv(B*S*Hkv*D), v = randv(B*S*Hkv*D);
@@ -775,16 +789,8 @@ void attn_tc_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D,
         attention_f32(q.data(), k.data(), v.data(), sc.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
     snprintf(what, sizeof what, "attention_tc_bf16 %s vs attention_f32", name);
     check(what, got, dv(sc), 1e-2, 1e-2);
-    // Zero rows exactly where the reference has them, and real values elsewhere.
-    size_t zero_want = 0, zero_got = 0, mism = 0;
-    for (size_t row = 0; row < got.size() / D; ++row) {
-        bool zw = true, zg = true;
-        for (int d = 0; d < D; ++d) { zw = zw && want[row * D + d] == 0; zg = zg && got[row * D + d] == 0; }
-        zero_want += zw; zero_got += zg; mism += zw != zg;
-    }
-    const bool ok = mism == 0 && zero_want < got.size() / D;
-    printf("%s attention_tc_bf16 %s: %zu of %zu rows zero (want %zu)\n", ok ? "ok  " : "FAIL", name, zero_got, got.size() / D, zero_want);
-    failures += !ok;
+    snprintf(what, sizeof what, "attention_tc_bf16 %s", name);
+    check_zero_rows(what, got, want, D);
 }
 void test_attention_tc() {
     // name, B, T, S, Hq, Hkv, D, causal, window, q_offset, mask
@@ -798,11 +804,64 @@ void test_attention_tc() {
     attn_tc_case("D=128 causal T=S=128 (whole tiles) GQA 4:2 B=2", 2, 128, 128, 4, 2, 128, 1, 0, 0, 0);
 }
 
+// ---- split-KV decode (attention_decode_* + attention_decode_combine_*) vs double and attention_f32
+void attn_decode_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D, int causal, int window, int qoff, int mask_kind, int splits, bool bf) {
+    auto q = randv(B*T*Hq*D), k = randv(B*S*Hkv*D), v = randv(B*S*Hkv*D);
+    auto tob = [](std::vector<float>& x) { std::vector<bf16> r(x.size()); for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); } return r; };
+    std::vector<bf16> qb, kb, vb;
+    if (bf) { qb = tob(q); kb = tob(k); vb = tob(v); }
+    std::vector<float> mask(B*S, 1.0f);
+    // 1: every third key dropped and the keys of the first two splits' worth (whole splits
+    // hidden); 2: as 1, and the last batch entirely dropped (every split empty there).
+    const int chunk = ((S + splits - 1) / splits + 31) / 32 * 32;
+    if (mask_kind) for (int b = 0; b < B; ++b) for (int s = 0; s < S; ++s)
+        mask[b*S + s] = (s % 3 == 1 || s < 2 * chunk || (mask_kind == 2 && b == B - 1)) ? 0.f : 1.f;
+    const float* mp = mask_kind ? mask.data() : nullptr;
+    const float scale = 1.0f / std::sqrt((float)D);
+    const int G = Hq / Hkv, tiles = (T * G + 15) / 16;
+    std::vector<float> ws((size_t)B * splits * T * Hq * (D + 2), NAN);  // NaN: every slot is written
+    std::vector<float> got(B*T*Hq*D, 12345.f);
+    std::vector<bf16> ob(got.size(), 0x4640);
+    dim3 grid{(unsigned)splits, (unsigned)(Hkv * tiles), (unsigned)B};
+    if (!bf) {
+        launch(grid, {128}, [&] { attention_decode_f32(q.data(), k.data(), v.data(), got.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff, ws.data(), splits); });
+        launch({3}, {64}, [&] { attention_decode_combine_f32(q.data(), k.data(), v.data(), got.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff, ws.data(), splits); });
+    } else {
+        launch(grid, {128}, [&] { attention_decode_bf16(qb.data(), kb.data(), vb.data(), ob.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff, ws.data(), splits); });
+        launch({3}, {64}, [&] { attention_decode_combine_bf16(qb.data(), kb.data(), vb.data(), ob.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff, ws.data(), splits); });
+        for (size_t i = 0; i < ob.size(); ++i) got[i] = host_bf16_f(ob[i]);
+    }
+    const double tol = bf ? 1e-2 : 1e-5;
+    auto want = attn_ref(q, k, v, mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff);
+    char what[240];
+    snprintf(what, sizeof what, "attention_decode_%s splits=%d %s vs double", bf ? "bf16" : "f32", splits, name);
+    check(what, got, want, tol, bf ? 1e-2 : 1e-4);
+    std::vector<float> sc(got.size(), 12345.f);
+    launch({(unsigned)((T + 15) / 16), (unsigned)Hq, (unsigned)B}, {128}, [&] {
+        attention_f32(q.data(), k.data(), v.data(), sc.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+    snprintf(what, sizeof what, "attention_decode_%s splits=%d %s vs attention_f32", bf ? "bf16" : "f32", splits, name);
+    check(what, got, dv(sc), tol, bf ? 1e-2 : 1e-4);
+    snprintf(what, sizeof what, "attention_decode %s splits=%d", name, splits);
+    check_zero_rows(what, got, want, D);
+}
+void test_attention_decode() {
+    // name, B, T, S, Hq, Hkv, D, causal, window, q_offset, mask, splits, bf16
+    for (int splits : {1, 3, 7}) {
+        attn_decode_case("T=1 S=333 causal q_offset=S-1 GQA 4:1 D=128", 1, 1, 333, 4, 1, 128, 1, 0, 332, 0, splits, false);
+        attn_decode_case("T=4 S=517 causal q_offset=S-4 GQA 8:2 D=64 bf16", 2, 4, 517, 8, 2, 64, 1, 0, 513, 0, splits, true);
+    }
+    attn_decode_case("T=1 S=450 window=100 GQA 4:1 D=64", 1, 1, 450, 4, 1, 64, 1, 100, 449, 0, 7, false);
+    attn_decode_case("T=4 S=300 causal window=70 GQA 8:2 D=80", 1, 4, 300, 8, 2, 80, 1, 70, 296, 0, 3, false);
+    attn_decode_case("T=4 S=400 mask hides splits 0-1 GQA 4:1 D=128 bf16", 1, 4, 400, 4, 1, 128, 1, 0, 396, 1, 7, true);
+    attn_decode_case("T=1 S=350 mask, batch 1 all hidden (all splits empty) D=64", 2, 1, 350, 2, 2, 64, 0, 0, 0, 2, 3, false);
+    attn_decode_case("T=5 S=300 13 splits of 32 keys, the last 3 empty, non-causal GQA 8:2 D=64", 1, 5, 300, 8, 2, 64, 0, 0, 0, 0, 13, false);
+}
+
 int main() {
     test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
     test_attention(); test_router(); test_moe(); test_reduce_loss(); test_vocab_parallel_loss();
     test_vectors(); test_strided_copy();
-    test_mma_wrappers(); test_attention_tc();
+    test_mma_wrappers(); test_attention_tc(); test_attention_decode();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

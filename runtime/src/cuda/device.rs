@@ -8,7 +8,7 @@
 //! `sm_XY` through the on-disk PTX cache the first time it is asked for.
 
 use super::CudaError;
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use shardc_kernels::launch::opt_in_shared_bytes;
 use shardc_kernels::{
@@ -44,6 +44,7 @@ pub struct CudaDevice {
     ordinal: usize,
     name: String,
     capability: (i32, i32),
+    sm_count: usize,
     arch: &'static str,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
@@ -82,12 +83,16 @@ impl CudaDevice {
             .compute_capability()
             .map_err(CudaError::driver("query compute capability"))?;
         let name = ctx.name().map_err(CudaError::driver("query device name"))?;
+        let sm_count = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(CudaError::driver("query the SM count"))?;
         let arch = arch_for_compute_capability(capability.0, capability.1)?;
         Ok(Arc::new(CudaDevice {
             ctx,
             ordinal,
             name,
             capability,
+            sm_count: usize::try_from(sm_count).unwrap_or(0),
             arch,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
@@ -112,6 +117,11 @@ impl CudaDevice {
     /// Compute capability `(major, minor)`.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.capability
+    }
+
+    /// Streaming multiprocessors (132 on an H100 SXM); 0 if the driver reported a negative count.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
     }
 
     /// NVRTC target (`sm_90`).

@@ -8,7 +8,7 @@
 
 use super::gemm::{Epilogue, GemmKey};
 use super::ops::Launcher;
-use super::plan::{fused_expr, FusedGroup, GpuDType};
+use super::plan::{attention_scratch, fused_expr, FusedGroup, GpuDType};
 use super::program::CudaProgram;
 use super::rank::CudaRankCtx;
 use super::strided::StridedSpec;
@@ -229,6 +229,12 @@ impl CudaProgram {
             }
             Op::Attention(spec) => {
                 let (q, k) = (self.shape(ins[0]), self.shape(ins[1]));
+                let scratch = attention_scratch(
+                    &self.graph,
+                    &node,
+                    self.dev.sm_count(),
+                    self.opts.split_kv_attention,
+                );
                 let mask = match ins.get(3) {
                     None => 0,
                     Some(&m) if self.opts.dtype == GpuDType::F32 => self.ptr(m),
@@ -243,6 +249,10 @@ impl CudaProgram {
                     }
                 };
                 let dims = [q[0], q[1], k[1], q[2], k[2], q[3]];
+                let workspace = (
+                    self.scratch.ptr + scratch.workspace_offset as u64,
+                    scratch.workspace_bytes,
+                );
                 l.attention(
                     dt,
                     x,
@@ -256,6 +266,7 @@ impl CudaProgram {
                     spec.window,
                     k[1] as i64 - q[1] as i64,
                     self.opts.tensor_core_attention,
+                    workspace,
                 )
             }
             Op::Softmax => {

@@ -10,8 +10,8 @@ use super::{CudaDevice, CudaError};
 use cudarc::driver::{result as drv, CudaFunction, CudaStream, PushKernelArg};
 use shardc_compiler::ir::{RopeStyle, UnaryOp};
 use shardc_kernels::launch::{
-    attention_kernel, elementwise_launch, loss_sum_launch, rope_launch, router_launch, rows_launch,
-    vector_launch,
+    attention_plan, elementwise_launch, loss_sum_launch, rope_launch, router_launch, rows_launch,
+    vector_launch, AttentionPlan,
 };
 use shardc_kernels::{entry_name, KernelDType};
 
@@ -189,7 +189,10 @@ impl Launcher<'_> {
     /// Flash-style attention. `dims = [batch, seq_q, seq_k, heads_q, heads_kv, head_dim]`;
     /// `mask` is an f32 `[B, S]` pointer or 0. With `tensor_core`, bf16 calls the kernel
     /// supports (head_dim 64 or 128, sm_80+, 16-byte aligned q/k/v) run `attention_tc_bf16`;
-    /// everything else runs the scalar `attention_{dtype}` (`attention_kernel`).
+    /// everything else runs the scalar `attention_{dtype}` (`attention_kernel`). Calls whose
+    /// grid would leave the SMs idle (decode against a long cache) run the split-KV pair
+    /// `attention_decode_{dtype}` + `attention_decode_combine_{dtype}` instead when
+    /// `workspace = (device pointer, bytes)` holds its f32 workspace (`attention_plan`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -205,22 +208,36 @@ impl Launcher<'_> {
         window: Option<usize>,
         q_offset: i64,
         tensor_core: bool,
+        workspace: (u64, usize),
     ) -> Result<(), CudaError> {
         let [b, t, s, hq, hkv, d] = dims;
         if b == 0 || t == 0 || hq == 0 {
             return Ok(());
         }
-        let sm_major = self.dev.compute_capability().0;
-        let (entry, cfg) =
-            attention_kernel(dt, sm_major, tensor_core, [b, t, hq, hkv, d], [q, k, v])?;
+        let device = (self.dev.compute_capability().0, self.dev.sm_count());
+        let plan = attention_plan(dt, device, tensor_core, workspace.1, dims, [q, k, v])?;
         let c32 = |x: usize| x as i32;
         let (b32, t32, s32, hq32, hkv32, d32) = (c32(b), c32(t), c32(s), c32(hq), c32(hkv), c32(d));
         let causal = causal as i32;
         let window = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let off = q_offset as i32;
-        launch!(self, entry, cfg;
-            &q, &k, &v, &out, &mask, &b32, &t32, &s32, &hq32, &hkv32, &d32, &scale, &causal,
-            &window, &off)
+        match plan {
+            AttentionPlan::Single(entry, cfg) => launch!(self, entry, cfg;
+                &q, &k, &v, &out, &mask, &b32, &t32, &s32, &hq32, &hkv32, &d32, &scale, &causal,
+                &window, &off),
+            AttentionPlan::SplitKv(split) => {
+                let (ws, splits) = (workspace.0, c32(split.num_splits));
+                for (entry, cfg) in [
+                    (split.partial, split.partial_cfg),
+                    (split.combine, split.combine_cfg),
+                ] {
+                    launch!(self, entry, cfg;
+                        &q, &k, &v, &out, &mask, &b32, &t32, &s32, &hq32, &hkv32, &d32, &scale,
+                        &causal, &window, &off, &ws, &splits)?;
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Row lookup `out[n] = table[ids[n] - id_offset]` (zero rows outside the table).

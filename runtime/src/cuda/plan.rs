@@ -22,8 +22,9 @@
 pub use super::dtype::GpuDType;
 use super::gemm::Epilogue;
 use crate::cuda::comm::device::DeviceDType;
-use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Op, TensorType, UnaryOp, ValueId};
+use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Node, Op, TensorType, UnaryOp, ValueId};
 use shardc_compiler::schedule::arena;
+use shardc_kernels::launch::split_kv_reserve_bytes;
 use shardc_kernels::{FusedExpr, FusedUnary};
 
 /// How one value is stored on the device.
@@ -544,6 +545,48 @@ fn fused_unary(u: UnaryOp) -> FusedUnary {
     }
 }
 
+/// Where an attention node's parts of the compute scratch go: the f32 copy of its mask (bf16
+/// runs) at offset 0, then the split-KV workspace (256-byte aligned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct AttentionScratch {
+    /// Byte offset of the split-KV workspace in the compute scratch.
+    pub workspace_offset: usize,
+    /// Its bytes: `split_kv_reserve_bytes` of the node's shape, or 0 (no split-KV) without
+    /// `split_kv`.
+    pub workspace_bytes: usize,
+}
+
+impl AttentionScratch {
+    /// Compute-scratch bytes the node needs in all.
+    pub fn total(&self) -> usize {
+        self.workspace_offset + self.workspace_bytes
+    }
+}
+
+/// The compute-scratch layout of attention node `node` of `g` (q `[B, Tq, Hq, D]`, k `[B, S,
+/// Hkv, D]`, optional mask as the 4th input) on a device with `sm_count` SMs, with room for the
+/// split-KV workspace when `split_kv` (`CudaOptions::split_kv_attention`). Sized at plan time,
+/// so no launch allocates.
+pub(super) fn attention_scratch(
+    g: &Graph,
+    node: &Node,
+    sm_count: usize,
+    split_kv: bool,
+) -> AttentionScratch {
+    let mask_bytes = node.inputs.get(3).map_or(0, |&m| 4 * g.ty(m).numel());
+    let (q, k) = (g.ty(node.inputs[0]).shape(), g.ty(node.inputs[1]).shape());
+    let workspace_bytes = match (q.as_slice(), k.as_slice()) {
+        ([b, t, hq, d], [_, s, hkv, _]) if split_kv => {
+            split_kv_reserve_bytes([*b, *t, *s, *hq, *hkv, *d], sm_count)
+        }
+        _ => 0,
+    };
+    AttentionScratch {
+        workspace_offset: mask_bytes.div_ceil(256) * 256,
+        workspace_bytes,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -677,5 +720,39 @@ mod tests {
         assert!(!arena.slots[d.index()]
             .unwrap()
             .overlaps(&arena.slots[b.index()].unwrap()));
+    }
+
+    #[test]
+    fn attention_scratch_holds_mask_then_split_kv_workspace() {
+        use shardc_compiler::ir::AttnSpec;
+        use shardc_kernels::launch::split_kv_workspace_bytes;
+        let spec = AttnSpec {
+            causal: true,
+            window: None,
+            scale: Float(0.125),
+            indexed: false,
+        };
+        let mut g = Graph::new();
+        let ty = |shape: &[usize]| TensorType::plain(DType::F32, shape);
+        let q = g.input("q", ty(&[1, 1, 32, 128]));
+        let k = g.input("k", ty(&[1, 4099, 8, 128]));
+        let v = g.input("v", ty(&[1, 4099, 8, 128]));
+        let mask = g.input("mask", ty(&[1, 4099]));
+        let plain = g
+            .add(Op::Attention(spec), &[q, k, v], "plain")
+            .expect("valid attention");
+        let masked = g
+            .add(Op::Attention(spec), &[q, k, v, mask], "masked")
+            .expect("valid attention");
+        // 132 SMs: 8 blocks per split, 50 splits wanted, 4099 / 256 = 16 allowed.
+        let ws = split_kv_workspace_bytes([1, 1, 4099, 32, 8, 128], 16);
+        let at = |v, split_kv| attention_scratch(&g, g.node(v), 132, split_kv);
+        assert_eq!(at(plain, true).workspace_offset, 0);
+        assert_eq!(at(plain, true).total(), ws);
+        // The f32 mask (4 x 4099 bytes) first, the workspace 256-byte aligned after it.
+        assert_eq!(at(masked, true).workspace_offset, 16_640);
+        assert_eq!(at(masked, true).total(), 16_640 + ws);
+        assert_eq!(at(masked, false).total(), 16_640);
+        assert_eq!(at(plain, false).total(), 0);
     }
 }

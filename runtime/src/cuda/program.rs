@@ -26,7 +26,9 @@
 use super::gemm::GemmCache;
 use super::host::{alloc, download, random_values, DevBuf, HostData};
 use super::ops::Launcher;
-use super::plan::{plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage};
+use super::plan::{
+    attention_scratch, plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage,
+};
 use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
 use super::support::check_supported;
 use super::{CudaDevice, CudaError};
@@ -137,7 +139,8 @@ impl CudaProgram {
         let compute = dev.new_stream()?;
         let comm = dev.new_stream()?;
         let arena = alloc(&compute, arena_plan.total as usize, "activation arena")?;
-        let (scratch_bytes, comm_half, ring_bytes) = scratch_sizes(graph, &storage);
+        let (scratch_bytes, comm_half, ring_bytes) =
+            scratch_sizes(graph, &storage, dev.sm_count(), opts.split_kv_attention);
         let scratch = alloc(&compute, scratch_bytes, "compute scratch")?;
         let ring = alloc(&compute, ring_bytes, "collective-matmul ring buffers")?;
         let comm_scratch = alloc(&compute, 2 * comm_half as usize, "collective scratch")?;
@@ -685,7 +688,12 @@ pub fn execute_cuda(
 
 /// `(compute scratch bytes, bytes of each of the two collective scratch halves, ring buffer
 /// bytes of the collective matmuls)`.
-fn scratch_sizes(g: &Graph, storage: &[Storage]) -> (usize, u64, usize) {
+fn scratch_sizes(
+    g: &Graph,
+    storage: &[Storage],
+    sm_count: usize,
+    split_kv: bool,
+) -> (usize, u64, usize) {
     let align = |b: usize| b.div_ceil(256) * 256;
     let mut compute = 256usize;
     let mut comm = 256u64;
@@ -696,8 +704,8 @@ fn scratch_sizes(g: &Graph, storage: &[Storage]) -> (usize, u64, usize) {
         let x_bytes = node.inputs.first().map_or(0, |&x| g.ty(x).numel() * e);
         let out_bytes = node.ty.numel() * e;
         match &node.op {
-            Op::Attention(_) if node.inputs.len() == 4 => {
-                compute = compute.max(4 * g.ty(node.inputs[3]).numel());
+            Op::Attention(_) => {
+                compute = compute.max(attention_scratch(g, node, sm_count, split_kv).total());
             }
             Op::CrossEntropy { .. } | Op::CrossEntropyFromStats { .. } => {
                 let rows = g.ty(node.inputs[1]).numel();

@@ -30,6 +30,11 @@ pub struct CudaOptions {
     /// (head_dim 64 or 128, sm_80 or newer); `false` keeps the scalar `attention_bf16`
     /// everywhere (comparisons, benchmarks).
     pub tensor_core_attention: bool,
+    /// Run attention calls that leave the GPU mostly idle (decode: few queries against a long
+    /// KV cache) on the split-KV pair `attention_decode_*` (`launch::attention_plan`), its
+    /// workspace reserved in the compute scratch at prepare time; `false` keeps the ordinary
+    /// kernels everywhere (comparisons, benchmarks).
+    pub split_kv_attention: bool,
 }
 
 impl Default for CudaOptions {
@@ -41,6 +46,7 @@ impl Default for CudaOptions {
             timeout: Duration::from_secs(60),
             graphs: false,
             tensor_core_attention: true,
+            split_kv_attention: true,
         }
     }
 }
