@@ -1,6 +1,7 @@
 //! The rank core both backends share: what one rank of an SPMD program does that does not
 //! depend on where it computes — its chunk of each global input, which values hold
-//! vocabulary-local token ids, and which failure among the ranks of a run is the root cause.
+//! vocabulary-local token ids, which failure among the ranks of a run is the root cause, and
+//! the scoped thread each rank runs on.
 
 use crate::cpu::layout;
 use crate::{RuntimeError, Tensor};
@@ -132,6 +133,19 @@ pub struct RankFailure<E: std::error::Error + 'static> {
     pub coords: String,
     /// What went wrong.
     pub error: E,
+}
+
+/// Runs `f(item)` for every item, each on its own scoped thread (one per rank); the join
+/// results in item order, `Err` where a thread panicked.
+pub(crate) fn on_threads<T: Send, R: Send>(
+    items: impl IntoIterator<Item = T>,
+    f: impl Fn(T) -> R + Sync,
+) -> Vec<std::thread::Result<R>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    })
 }
 
 /// Every rank's output, or the first root-cause failure: one other than the knock-on ones it

@@ -10,6 +10,7 @@ use shardc_compiler::shard::{AxisId, Mesh};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::rank::on_threads;
 pub use crate::rank::RankFailure;
 
 /// A rank failed.
@@ -41,32 +42,22 @@ pub(crate) fn run_threads<T: Send>(
     comms: Vec<Vec<(String, ThreadComm)>>,
     f: impl Fn(usize, &RankCtx) -> Result<T, RuntimeError> + Sync,
 ) -> Vec<Result<T, RuntimeError>> {
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mine)| {
-                s.spawn(move || {
-                    let mut ctx = RankCtx::new();
-                    for (axis, h) in &mine {
-                        ctx.insert(axis.clone(), h as &dyn Communicator);
-                    }
-                    let out = f(rank, &ctx);
-                    if let Err(e) = &out {
-                        for (_, h) in &mine {
-                            h.abort(&e.to_string());
-                        }
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("invariant: rank threads do not panic"))
-            .collect()
+    on_threads(comms.into_iter().enumerate(), |(rank, mine)| {
+        let mut ctx = RankCtx::new();
+        for (axis, h) in &mine {
+            ctx.insert(axis.clone(), h as &dyn Communicator);
+        }
+        let out = f(rank, &ctx);
+        if let Err(e) = &out {
+            for (_, h) in &mine {
+                h.abort(&e.to_string());
+            }
+        }
+        out
     })
+    .into_iter()
+    .map(|r| r.expect("invariant: rank threads do not panic"))
+    .collect()
 }
 
 /// One thread communicator per group of every mesh axis `pick` selects: per rank, its

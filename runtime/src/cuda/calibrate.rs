@@ -25,6 +25,7 @@ use super::{CudaDevice, CudaError};
 use crate::comm::{CommError, ReduceOp};
 use crate::cuda::comm::device::{DeviceBuffer, DeviceCollective, DeviceCommunicator, DeviceDType};
 use crate::cuda::comm::local_gpu;
+use crate::rank::on_threads;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use shardc_compiler::cost::{
@@ -286,33 +287,20 @@ pub fn measure_collectives(
         return Ok(Vec::new());
     }
     let comms = local_gpu::group(dev, "calibrate", o.ranks, o.timeout);
-    let per_rank: Vec<Result<Vec<CollectiveSample>, CudaError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                s.spawn(move || {
-                    let r = rank_collectives(dev, &comm, o);
-                    if let Err(e) = &r {
-                        comm.abort(&e.to_string());
-                    }
-                    r
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(comm_err(CommError::Transport(
-                        "a calibration rank thread panicked".into(),
-                    )))
-                })
-            })
-            .collect()
+    let per_rank = on_threads(comms, |comm| {
+        let r = rank_collectives(dev, &comm, o);
+        if let Err(e) = &r {
+            comm.abort(&e.to_string());
+        }
+        r
     });
     let mut ranks = Vec::with_capacity(per_rank.len());
     for r in per_rank {
-        ranks.push(r?);
+        ranks.push(r.unwrap_or_else(|_| {
+            Err(comm_err(CommError::Transport(
+                "a calibration rank thread panicked".into(),
+            )))
+        })?);
     }
     let mut out = ranks.swap_remove(0);
     for other in &ranks {

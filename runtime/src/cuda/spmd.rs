@@ -6,6 +6,7 @@ use super::{CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, ParamI
 use crate::cuda::comm::device::DeviceCommunicator;
 use crate::cuda::comm::local_gpu::{group, LocalGpuComm};
 use crate::cuda::comm::nccl::{NcclComm, NcclId};
+use crate::rank::on_threads;
 use crate::Tensor;
 use shardc_compiler::ir::Graph;
 use shardc_compiler::shard::Mesh;
@@ -22,17 +23,10 @@ fn on_rank_threads<T: Send>(
     per_rank: Vec<T>,
     rank: impl Fn(T) -> Result<BTreeMap<String, Tensor>, CudaError> + Sync,
 ) -> Result<Vec<BTreeMap<String, Tensor>>, CudaRankError> {
-    let rank = &rank;
-    let results = std::thread::scope(|s| {
-        let handles: Vec<_> = per_rank
-            .into_iter()
-            .map(|t| s.spawn(move || rank(t)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
-            .collect::<Vec<_>>()
-    });
+    let results = on_threads(per_rank, rank)
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|_| Err(panicked())))
+        .collect();
     crate::rank::root_cause(mesh, results)
 }
 

@@ -20,11 +20,11 @@ use super::LaunchError;
 use crate::comm::tcp::TcpComm;
 use crate::comm::thread::group;
 use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::rank::on_threads;
 use serde::Serialize;
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::str::FromStr;
-use std::thread;
 use std::time::{Duration, Instant};
 
 /// Which communicator a benchmark (or a run) uses.
@@ -127,21 +127,13 @@ pub fn loopback_tcp_group(
             what: "loopback listener address".into(),
             source: e,
         })?;
-    let joined: Vec<Result<TcpComm, CommError>> = thread::scope(|s| {
-        let handles: Vec<_> = listeners
-            .into_iter()
-            .enumerate()
-            .map(|(rank, l)| {
-                let addrs = &addrs;
-                s.spawn(move || TcpComm::from_listener(name, rank, n, l, addrs, timeout))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("invariant: set-up threads do not panic"))
-            .collect()
+    let joined = on_threads(listeners.into_iter().enumerate(), |(rank, l)| {
+        TcpComm::from_listener(name, rank, n, l, &addrs, timeout)
     });
-    Ok(joined.into_iter().collect::<Result<Vec<_>, _>>()?)
+    Ok(joined
+        .into_iter()
+        .map(|r| r.expect("invariant: set-up threads do not panic"))
+        .collect::<Result<Vec<_>, _>>()?)
 }
 
 /// A benchmarked collective.
@@ -453,27 +445,18 @@ pub fn run_on(
                 .collect::<Vec<_>>()
         })
         .collect();
-    let per_rank: Vec<Result<Vec<Sample>, CommError>> = thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let plan = &plan;
-                s.spawn(move || {
-                    let out = bench_rank(comm.as_ref(), plan, opts);
-                    if out.is_err() {
-                        // Let the peers fail promptly: dropping the handle tells them.
-                        drop(comm);
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("invariant: bench ranks do not panic"))
-            .collect()
+    let per_rank = on_threads(comms, |comm| {
+        let out = bench_rank(comm.as_ref(), &plan, opts);
+        if out.is_err() {
+            // Let the peers fail promptly: dropping the handle tells them.
+            drop(comm);
+        }
+        out
     });
-    let per_rank = per_rank.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let per_rank = per_rank
+        .into_iter()
+        .map(|r| r.expect("invariant: bench ranks do not panic"))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(plan
         .iter()
         .enumerate()
