@@ -8,7 +8,7 @@ mod comm_common;
 
 use comm_common::{
     assert_aborted_promptly, assert_timed_out, bits, cases, input, inputs as all_inputs, naive,
-    COUNTS, LONG,
+    on_threads, COUNTS, LONG,
 };
 use shardc_runtime::comm::thread::{group, ThreadComm};
 use shardc_runtime::comm::{CollectiveKind, CommError, Communicator, ReduceOp};
@@ -32,17 +32,7 @@ fn assert_close(op: ReduceOp, got: &[f32], want: &[f32], what: &str) {
 /// Runs `body(comm)` on every rank of a fresh group, each in its own thread; returns the
 /// results in rank order.
 fn run<R: Send>(size: usize, timeout: Duration, body: impl Fn(ThreadComm) -> R + Sync) -> Vec<R> {
-    let body = &body;
-    thread::scope(|s| {
-        let handles: Vec<_> = group("tp", size, timeout)
-            .into_iter()
-            .map(|comm| s.spawn(move || body(comm)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
-    })
+    on_threads(group("tp", size, timeout), body)
 }
 
 /// Every (count, op) case of `all_reduce` on a group of `size`: outputs[rank][case].
