@@ -143,10 +143,7 @@ fn ptr(s: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
 pub fn measure_gemms(dev: &CudaDevice, o: &CalibrateOptions) -> Result<Vec<GemmSample>, CudaError> {
     let stream = dev.new_stream()?;
     let mut cache = GemmCache::new(&stream, dev.compute_capability().0)?;
-    let l = Launcher {
-        dev,
-        stream: &stream,
-    };
+    let l = Launcher::new(dev, &stream);
     let mut out = Vec::new();
     for (dt, gdt, size) in [
         (DType::Bf16, GpuDType::Bf16, 2),
@@ -190,10 +187,7 @@ pub fn measure_copies(
     o: &CalibrateOptions,
 ) -> Result<Vec<CopySample>, CudaError> {
     let stream = dev.new_stream()?;
-    let l = Launcher {
-        dev,
-        stream: &stream,
-    };
+    let l = Launcher::new(dev, &stream);
     let mut out = Vec::new();
     for &bytes in &o.copy_bytes {
         let n = bytes as usize;
@@ -224,10 +218,7 @@ fn rank_collectives(
     o: &CalibrateOptions,
 ) -> Result<Vec<CollectiveSample>, CudaError> {
     let stream = dev.new_stream()?;
-    let l = Launcher {
-        dev,
-        stream: &stream,
-    };
+    let l = Launcher::new(dev, &stream);
     let r = o.ranks;
     let dt = DeviceDType::Bf16;
     let mut out = Vec::new();
