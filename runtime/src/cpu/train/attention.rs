@@ -24,15 +24,11 @@ pub(crate) fn probs(
     spec: &AttnSpec,
 ) -> Result<Tensor, RuntimeError> {
     const OP: &str = "attention_probs";
-    let mask = keys.mask;
     let mut all = vec![q, k];
     all.extend(keys.all());
     let (qd, kd) = (f32_of(OP, q, 0)?, f32_of(OP, k, 1)?);
     let (b, t, hq, d, s, hkv) = dims(OP, q, k, &all)?;
-    if mask.is_some_and(|m| m.shape != [b, s]) {
-        return Err(shape_err(OP, &all, "mask must be [B, S]"));
-    }
-    let visible = keys.visible(OP, 2, &all, spec, (t, s))?;
+    let visible = keys.visible(OP, 2, &all, spec, (b, t, s))?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
     let mut out = vec![0.0f32; b * hq * t * s];
