@@ -12,7 +12,7 @@ mod cuda_common;
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
-use shardc_compiler::compile::{compile_forward_with, CompileOptions};
+use shardc_compiler::compile::compile_forward_with;
 use shardc_compiler::ir::{DType, Graph, Op, ShardSpec, TensorType};
 use shardc_compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc_compiler::shard::Mesh;
@@ -375,16 +375,7 @@ fn local_gpu_tp_plans_reproduce_the_fixtures() {
             ("tp=2", "sp", false),
             ("tp=2", "sp", true),
         ] {
-            let opts = CompileOptions {
-                batch: case.batch,
-                seq: case.seq,
-                mesh: Mesh::parse(mesh, 8).expect("mesh"),
-                extra_strategies: if extra.is_empty() {
-                    vec![]
-                } else {
-                    vec![extra.to_string()]
-                },
-            };
+            let opts = case.options(mesh, extra);
             let rw = RewriteOptions {
                 rules: if rewrite {
                     RuleSelection::All

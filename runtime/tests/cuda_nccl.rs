@@ -11,7 +11,7 @@ mod cuda_common;
 
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, DevicePtr};
-use shardc_compiler::compile::{compile_forward, CompileOptions};
+use shardc_compiler::compile::compile_forward;
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::ReduceOp;
 use shardc_runtime::cuda::comm::device::{
@@ -154,16 +154,7 @@ fn two_nccl_ranks_run_tp_and_sp_plans() {
     for case in cases().into_iter().filter(|c| c.batch == 2 && c.seq == 16) {
         let (cfg, w) = case.load();
         for extra in ["", "sp"] {
-            let opts = CompileOptions {
-                batch: case.batch,
-                seq: case.seq,
-                mesh: Mesh::parse("tp=2", 8).expect("mesh"),
-                extra_strategies: if extra.is_empty() {
-                    vec![]
-                } else {
-                    vec![extra.to_string()]
-                },
-            };
+            let opts = case.options("tp=2", extra);
             let Ok(c) = compile_forward(&cfg, &opts) else {
                 continue;
             };
