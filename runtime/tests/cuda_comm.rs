@@ -160,29 +160,17 @@ fn local_gpu_collective(
     let call = &call;
     let n = sends.len();
     let comms = group(dev, "tp", n, TIMEOUT);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .zip(sends)
-            .map(|(c, send)| {
-                s.spawn(move || {
-                    let stream = dev.new_stream().expect("stream");
-                    let x = Dev::upload(&stream, send);
-                    let y = Dev::zeros(&stream, recv_len, send.dtype());
-                    stream.synchronize().expect("sync");
-                    enqueue(&c, x.buf(&stream), y.buf(&stream), &stream, call);
-                    while !c.poll().expect("poll") {
-                        std::thread::yield_now();
-                    }
-                    stream.synchronize().expect("sync");
-                    y.download(&stream)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
+    on_threads(comms.into_iter().zip(sends), |(c, send)| {
+        let stream = dev.new_stream().expect("stream");
+        let x = Dev::upload(&stream, send);
+        let y = Dev::zeros(&stream, recv_len, send.dtype());
+        stream.synchronize().expect("sync");
+        enqueue(&c, x.buf(&stream), y.buf(&stream), &stream, call);
+        while !c.poll().expect("poll") {
+            std::thread::yield_now();
+        }
+        stream.synchronize().expect("sync");
+        y.download(&stream)
     })
 }
 

@@ -4,7 +4,7 @@
 
 mod cuda_common;
 
-use cuda_common::{ty_of, Rng};
+use cuda_common::{on_threads, ty_of, Rng};
 use half::bf16;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -1709,21 +1709,9 @@ fn two_rank_collectives_on_inner_dims_match_the_global_result() {
     let ins = collective_inputs();
     let comms = group("tp", 2, std::time::Duration::from_secs(20));
     let g = collectives_graph(2);
-    let outs: Vec<BTreeMap<String, Tensor>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                let (g, ins) = (&g, &ins);
-                s.spawn(move || {
-                    let ctx = RankCtx::new().with_axis("tp", &c);
-                    execute_with_params(g, &ParamCache::default(), ins, &ctx)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread").expect("rank runs"))
-            .collect()
+    let outs: Vec<BTreeMap<String, Tensor>> = on_threads(comms, |c| {
+        let ctx = RankCtx::new().with_axis("tp", &c);
+        execute_with_params(&g, &ParamCache::default(), &ins, &ctx).expect("rank runs")
     });
     let x = &ins["x"];
     let slice =
