@@ -69,17 +69,25 @@ impl fmt::Display for CommKind {
 impl FromStr for CommKind {
     type Err = LaunchError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        CommKind::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = CommKind::ALL.iter().map(|k| k.name()).collect();
-                LaunchError::Config(format!(
-                    "unknown communicator `{s}` (expected one of {})",
-                    names.join(", ")
-                ))
-            })
+        by_name(&CommKind::ALL, "communicator", s, |k| k.name() == s)
     }
+}
+
+/// The first of `all` that `matches`, or an error saying `s` is no known `what` and listing
+/// every name.
+fn by_name<T: Copy + fmt::Display>(
+    all: &[T],
+    what: &str,
+    s: &str,
+    matches: impl Fn(T) -> bool,
+) -> Result<T, LaunchError> {
+    all.iter().copied().find(|&t| matches(t)).ok_or_else(|| {
+        let names: Vec<String> = all.iter().map(T::to_string).collect();
+        LaunchError::Config(format!(
+            "unknown {what} `{s}` (expected one of {})",
+            names.join(", ")
+        ))
+    })
 }
 
 /// The handles of one group of `n` ranks of `kind` in this process, named `name`: element `i`
@@ -252,16 +260,9 @@ impl FromStr for Collective {
     type Err = LaunchError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let norm = s.replace('-', "_");
-        Collective::ALL
-            .into_iter()
-            .find(|c| c.name() == norm || c.name().replace('_', "") == norm)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Collective::ALL.iter().map(|c| c.name()).collect();
-                LaunchError::Config(format!(
-                    "unknown collective `{s}` (expected one of {})",
-                    names.join(", ")
-                ))
-            })
+        by_name(&Collective::ALL, "collective", s, |c| {
+            c.name() == norm || c.name().replace('_', "") == norm
+        })
     }
 }
 
