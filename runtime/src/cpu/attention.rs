@@ -29,6 +29,21 @@ impl<'a> Keys<'a> {
         Keys { mask, index }
     }
 
+    /// The operands after the first `tensors` (`q, k, v` or `q, k`) of an op with `spec`, as
+    /// [`Keys::of`]; an error when `inputs` has too few or too many for `spec`.
+    pub(crate) fn after(
+        op: &'static str,
+        spec: &AttnSpec,
+        inputs: &[&'a Tensor],
+        tensors: usize,
+    ) -> Result<Keys<'a>, RuntimeError> {
+        let extra = if spec.indexed { 2 } else { 0 };
+        if !(tensors + extra..=tensors + 1 + extra).contains(&inputs.len()) {
+            return Err(shape_err(op, inputs, "wrong number of operands"));
+        }
+        Ok(Keys::of(spec, &inputs[tensors..]))
+    }
+
     /// A mask alone.
     #[cfg(test)]
     pub(crate) fn mask(mask: Option<&'a Tensor>) -> Keys<'a> {
