@@ -6,7 +6,7 @@
 use crate::cpu::layout;
 use crate::{RuntimeError, Tensor};
 use shardc_compiler::ir::{DType, Graph, Node, Op, ShardSpec};
-use shardc_compiler::shard::Mesh;
+use shardc_compiler::shard::{AxisId, Mesh};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
@@ -133,6 +133,26 @@ pub struct RankFailure<E: std::error::Error + 'static> {
     pub coords: String,
     /// What went wrong.
     pub error: E,
+}
+
+/// One communicator per group of every mesh axis `pick` selects, from `group(axis name,
+/// group size)` (a group's handles in group-rank order): per rank, its (axis name, handle)
+/// pairs.
+pub(crate) fn axis_comms<C>(
+    mesh: &Mesh,
+    pick: impl Fn(AxisId) -> bool,
+    group: impl Fn(&str, usize) -> Vec<C>,
+) -> Vec<Vec<(String, C)>> {
+    let mut comms: Vec<Vec<(String, C)>> = (0..mesh.world_size()).map(|_| Vec::new()).collect();
+    for a in mesh.axis_ids().filter(|&a| pick(a)) {
+        let name = mesh.axis_name(a).to_string();
+        for ranks in mesh.groups(a) {
+            for (k, h) in group(&name, ranks.len()).into_iter().enumerate() {
+                comms[ranks[k]].push((name.clone(), h));
+            }
+        }
+    }
+    comms
 }
 
 /// Runs `f(item)` for every item, each on its own scoped thread (one per rank); the join

@@ -10,8 +10,8 @@ use shardc_compiler::shard::{AxisId, Mesh};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::rank::on_threads;
 pub use crate::rank::RankFailure;
+use crate::rank::{axis_comms, on_threads};
 
 /// A rank failed.
 pub type RankError = RankFailure<RuntimeError>;
@@ -67,17 +67,7 @@ pub(crate) fn thread_comms(
     pick: impl Fn(AxisId) -> bool,
     timeout: Duration,
 ) -> Vec<Vec<(String, ThreadComm)>> {
-    let mut comms: Vec<Vec<(String, ThreadComm)>> =
-        (0..mesh.world_size()).map(|_| Vec::new()).collect();
-    for a in mesh.axis_ids().filter(|&a| pick(a)) {
-        let name = mesh.axis_name(a).to_string();
-        for ranks in mesh.groups(a) {
-            for (k, h) in group(&name, ranks.len(), timeout).into_iter().enumerate() {
-                comms[ranks[k]].push((name.clone(), h));
-            }
-        }
-    }
-    comms
+    axis_comms(mesh, pick, |name, n| group(name, n, timeout))
 }
 
 /// Every rank's output, or the first root-cause error (see [`crate::rank::root_cause`]).
