@@ -7,8 +7,10 @@
 //! Needs a GPU: `cargo test -p shardc-runtime --test cuda_comm -- --include-ignored`
 //! (the NCCL test also needs `libnccl.so` on the library path, NOTES-cuda.md §1.3).
 
+mod comm_common;
 mod cuda_common;
 
+use comm_common::on_threads;
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;

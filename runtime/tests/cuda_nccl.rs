@@ -7,8 +7,10 @@
 //! `NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_MAX_CTAS=4 cargo test -p shardc-runtime --test cuda_nccl -- --include-ignored --test-threads=1`
 //! (the tests also set both variables themselves before NCCL initialises).
 
+mod comm_common;
 mod cuda_common;
 
+use comm_common::on_threads;
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use shardc_compiler::compile::compile_forward;

@@ -2,9 +2,11 @@
 //! random inputs at odd sizes, and the executor on tiny hand-built graphs with checkpoints
 //! written by the test.
 
+mod comm_common;
 mod cuda_common;
 
-use cuda_common::{on_threads, ty_of, Rng};
+use comm_common::on_threads;
+use cuda_common::{ty_of, Rng};
 use half::bf16;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;

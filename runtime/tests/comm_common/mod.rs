@@ -1,5 +1,6 @@
 //! What the communicator tests share: seeded inputs, the naive (sequential rank-order)
-//! reductions they are checked against, and the (count, op) cases.
+//! reductions they are checked against, the (count, op) cases, and a thread per rank (the
+//! GPU communicator tests and the CPU kernel tests' two-rank runs use that too).
 
 #![allow(dead_code)]
 

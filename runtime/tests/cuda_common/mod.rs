@@ -29,22 +29,6 @@ pub fn device() -> Arc<CudaDevice> {
         .clone()
 }
 
-/// Runs `f(item)` for every item (a rank), each on a thread of its own; the results in item
-/// order.
-pub fn on_threads<T: Send, R: Send>(
-    items: impl IntoIterator<Item = T>,
-    f: impl Fn(T) -> R + Sync,
-) -> Vec<R> {
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
-    })
-}
-
 /// xorshift64* with a fixed seed per test.
 pub struct Rng(u64);
 
