@@ -51,11 +51,17 @@ fn register_all(
     world: usize,
     timeout: Duration,
 ) -> Vec<Result<RendezvousTable, String>> {
+    on_threads(ranks.iter().copied(), |r| register(port, r, world, timeout))
+}
+
+/// Runs `f(item)` for every item, each on a thread of its own; the results in item order.
+fn on_threads<T: Send, R: Send>(
+    items: impl IntoIterator<Item = T>,
+    f: impl Fn(T) -> R + Sync,
+) -> Vec<R> {
+    let f = &f;
     thread::scope(|s| {
-        let hs: Vec<_> = ranks
-            .iter()
-            .map(|&r| s.spawn(move || register(port, r, world, timeout)))
-            .collect();
+        let hs: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
@@ -201,37 +207,28 @@ fn process_groups_connect_each_mesh_axis() {
     let mesh = Mesh::parse("dp=2,tp=2", 8).unwrap();
     let port = free_port();
     let nccl_id: Vec<u8> = (0..128).map(|i| i as u8 ^ 0x5a).collect();
-    let results: Vec<(usize, Vec<u8>, String, f32, f32)> = thread::scope(|s| {
-        let hs: Vec<_> = (0..4)
-            .map(|rank| {
-                let (mesh, nccl_id) = (&mesh, &nccl_id);
-                s.spawn(move || {
-                    // Only rank 0's bootstrap bytes count.
-                    let mine = if rank == 0 {
-                        Some(&nccl_id[..])
-                    } else {
-                        Some(&b"ignored"[..])
-                    };
-                    let pg = ProcessGroup::connect(&env(rank, 4, port), mesh, b"plan", mine, LONG)
-                        .unwrap();
-                    let g = pg.groups();
-                    assert_eq!((g[0].axis.as_str(), g[1].axis.as_str()), ("dp", "tp"));
-                    let mut dp = [rank as f32];
-                    g[0].comm.all_reduce(&mut dp, ReduceOp::Sum).unwrap();
-                    let mut tp = [rank as f32];
-                    g[1].comm.all_reduce(&mut tp, ReduceOp::Sum).unwrap();
-                    pg.barrier().unwrap();
-                    (
-                        pg.rank(),
-                        pg.bootstrap().to_vec(),
-                        pg.groups_text(),
-                        dp[0],
-                        tp[0],
-                    )
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let results = on_threads(0..4, |rank| {
+        // Only rank 0's bootstrap bytes count.
+        let mine = if rank == 0 {
+            Some(&nccl_id[..])
+        } else {
+            Some(&b"ignored"[..])
+        };
+        let pg = ProcessGroup::connect(&env(rank, 4, port), &mesh, b"plan", mine, LONG).unwrap();
+        let g = pg.groups();
+        assert_eq!((g[0].axis.as_str(), g[1].axis.as_str()), ("dp", "tp"));
+        let mut dp = [rank as f32];
+        g[0].comm.all_reduce(&mut dp, ReduceOp::Sum).unwrap();
+        let mut tp = [rank as f32];
+        g[1].comm.all_reduce(&mut tp, ReduceOp::Sum).unwrap();
+        pg.barrier().unwrap();
+        (
+            pg.rank(),
+            pg.bootstrap().to_vec(),
+            pg.groups_text(),
+            dp[0],
+            tp[0],
+        )
     });
     // Row-major ranks: dp groups {0,2} {1,3}; tp groups {0,1} {2,3}.
     let want = [
@@ -252,19 +249,10 @@ fn the_default_bootstrap_is_a_shared_random_job_id() {
     let mesh = Mesh::parse("tp=3", 8).unwrap();
     let run = || -> Vec<Vec<u8>> {
         let port = free_port();
-        thread::scope(|s| {
-            let hs: Vec<_> = (0..3)
-                .map(|rank| {
-                    let mesh = &mesh;
-                    s.spawn(move || {
-                        let pg =
-                            ProcessGroup::connect(&env(rank, 3, port), mesh, b"plan", None, LONG)
-                                .unwrap();
-                        pg.bootstrap().to_vec()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        on_threads(0..3, |rank| {
+            let pg =
+                ProcessGroup::connect(&env(rank, 3, port), &mesh, b"plan", None, LONG).unwrap();
+            pg.bootstrap().to_vec()
         })
     };
     let (a, b) = (run(), run());
@@ -286,20 +274,12 @@ fn a_mesh_of_another_size_is_refused_before_connecting() {
 fn a_rank_with_another_plan_is_refused_at_the_rendezvous() {
     let mesh = Mesh::parse("tp=3", 8).unwrap();
     let port = free_port();
-    let errors: Vec<String> = thread::scope(|s| {
-        let hs: Vec<_> = (0..3)
-            .map(|rank| {
-                let mesh = &mesh;
-                s.spawn(move || {
-                    let plan = plan_fingerprint(if rank == 2 { b"plan B" } else { b"plan A" });
-                    ProcessGroup::connect(&env(rank, 3, port), mesh, &plan, None, LONG)
-                        .map(|_| ())
-                        .unwrap_err()
-                        .to_string()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let errors = on_threads(0..3, |rank| {
+        let plan = plan_fingerprint(if rank == 2 { b"plan B" } else { b"plan A" });
+        ProcessGroup::connect(&env(rank, 3, port), &mesh, &plan, None, LONG)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
     });
     let (a, b) = (
         plan_fingerprint(b"plan A")[..8]

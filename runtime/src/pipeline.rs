@@ -182,16 +182,11 @@ impl<'c> StageTrainer<'c> {
             .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
         let mut loss = [f32::NAN];
         if self.stage == head.stage {
-            let v = head
-                .program
-                .output("loss")
-                .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
-            let local = run
+            let out = run
                 .outputs
                 .get(&head.index)
-                .and_then(|o| o.get("loss"))
                 .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
-            loss[0] = reduce_loss(local, &head.shardings[v.index()], &stage_mesh, ctx)?;
+            loss[0] = reduce_loss(&head.program, &head.shardings, out, &stage_mesh, ctx)?;
         }
         if head.stage != 0 && (self.stage == head.stage || self.stage == 0) {
             let pp = ctx.comm("pp")?;

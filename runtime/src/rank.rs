@@ -1,11 +1,12 @@
 //! The rank core both backends share: what one rank of an SPMD program does that does not
 //! depend on where it computes — its chunk of each global input, which values hold
-//! vocabulary-local token ids, and which failure among the ranks of a run is the root cause.
+//! vocabulary-local token ids, which failure among the ranks of a run is the root cause, and
+//! the scoped thread each rank runs on.
 
 use crate::cpu::layout;
 use crate::{RuntimeError, Tensor};
 use shardc_compiler::ir::{DType, Graph, Node, Op, ShardSpec};
-use shardc_compiler::shard::Mesh;
+use shardc_compiler::shard::{AxisId, Mesh};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
@@ -132,6 +133,39 @@ pub struct RankFailure<E: std::error::Error + 'static> {
     pub coords: String,
     /// What went wrong.
     pub error: E,
+}
+
+/// One communicator per group of every mesh axis `pick` selects, from `group(axis name,
+/// group size)` (a group's handles in group-rank order): per rank, its (axis name, handle)
+/// pairs.
+pub(crate) fn axis_comms<C>(
+    mesh: &Mesh,
+    pick: impl Fn(AxisId) -> bool,
+    group: impl Fn(&str, usize) -> Vec<C>,
+) -> Vec<Vec<(String, C)>> {
+    let mut comms: Vec<Vec<(String, C)>> = (0..mesh.world_size()).map(|_| Vec::new()).collect();
+    for a in mesh.axis_ids().filter(|&a| pick(a)) {
+        let name = mesh.axis_name(a).to_string();
+        for ranks in mesh.groups(a) {
+            for (k, h) in group(&name, ranks.len()).into_iter().enumerate() {
+                comms[ranks[k]].push((name.clone(), h));
+            }
+        }
+    }
+    comms
+}
+
+/// Runs `f(item)` for every item, each on its own scoped thread (one per rank); the join
+/// results in item order, `Err` where a thread panicked.
+pub(crate) fn on_threads<T: Send, R: Send>(
+    items: impl IntoIterator<Item = T>,
+    f: impl Fn(T) -> R + Sync,
+) -> Vec<std::thread::Result<R>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items.into_iter().map(|t| s.spawn(move || f(t))).collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    })
 }
 
 /// Every rank's output, or the first root-cause failure: one other than the knock-on ones it

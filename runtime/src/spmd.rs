@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 pub use crate::rank::RankFailure;
+use crate::rank::{axis_comms, on_threads};
 
 /// A rank failed.
 pub type RankError = RankFailure<RuntimeError>;
@@ -41,32 +42,22 @@ pub(crate) fn run_threads<T: Send>(
     comms: Vec<Vec<(String, ThreadComm)>>,
     f: impl Fn(usize, &RankCtx) -> Result<T, RuntimeError> + Sync,
 ) -> Vec<Result<T, RuntimeError>> {
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mine)| {
-                s.spawn(move || {
-                    let mut ctx = RankCtx::new();
-                    for (axis, h) in &mine {
-                        ctx.insert(axis.clone(), h as &dyn Communicator);
-                    }
-                    let out = f(rank, &ctx);
-                    if let Err(e) = &out {
-                        for (_, h) in &mine {
-                            h.abort(&e.to_string());
-                        }
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("invariant: rank threads do not panic"))
-            .collect()
+    on_threads(comms.into_iter().enumerate(), |(rank, mine)| {
+        let mut ctx = RankCtx::new();
+        for (axis, h) in &mine {
+            ctx.insert(axis.clone(), h as &dyn Communicator);
+        }
+        let out = f(rank, &ctx);
+        if let Err(e) = &out {
+            for (_, h) in &mine {
+                h.abort(&e.to_string());
+            }
+        }
+        out
     })
+    .into_iter()
+    .map(|r| r.expect("invariant: rank threads do not panic"))
+    .collect()
 }
 
 /// One thread communicator per group of every mesh axis `pick` selects: per rank, its
@@ -76,17 +67,7 @@ pub(crate) fn thread_comms(
     pick: impl Fn(AxisId) -> bool,
     timeout: Duration,
 ) -> Vec<Vec<(String, ThreadComm)>> {
-    let mut comms: Vec<Vec<(String, ThreadComm)>> =
-        (0..mesh.world_size()).map(|_| Vec::new()).collect();
-    for a in mesh.axis_ids().filter(|&a| pick(a)) {
-        let name = mesh.axis_name(a).to_string();
-        for ranks in mesh.groups(a) {
-            for (k, h) in group(&name, ranks.len(), timeout).into_iter().enumerate() {
-                comms[ranks[k]].push((name.clone(), h));
-            }
-        }
-    }
-    comms
+    axis_comms(mesh, pick, |name, n| group(name, n, timeout))
 }
 
 /// Every rank's output, or the first root-cause error (see [`crate::rank::root_cause`]).

@@ -763,16 +763,21 @@ pub(crate) fn kept_state(out: &BTreeMap<String, Tensor>) -> BTreeMap<String, Ten
         .collect()
 }
 
-/// This rank's `loss` value reduced over the mesh axes its layout `s` is partial on (the
-/// communicators of `ctx`): the global loss, on every rank of those groups.
+/// This rank's `loss` output of program `g` (in its outputs `out`) reduced over the mesh axes
+/// its layout in `shardings` is partial on (the communicators of `ctx`): the global loss, on
+/// every rank of those groups.
 pub(crate) fn reduce_loss(
-    local: &Tensor,
-    s: &TensorSharding,
+    g: &shardc_compiler::ir::Graph,
+    shardings: &[TensorSharding],
+    out: &BTreeMap<String, Tensor>,
     mesh: &Mesh,
     ctx: &RankCtx,
-) -> Result<f32, RuntimeError> {
+) -> Result<f32, TrainError> {
+    let missing = || TrainError::MissingOutput("loss".into());
+    let v = g.output("loss").ok_or_else(missing)?;
+    let local = out.get("loss").ok_or_else(missing)?;
     let mut buf = [local.as_f32().map_or(f32::NAN, |v| v[0])];
-    for &ax in &s.partial {
+    for &ax in &shardings[v.index()].partial {
         let c = ctx.comm(mesh.axis_name(ax))?;
         c.all_reduce(&mut buf, crate::comm::ReduceOp::Sum)
             .map_err(|e| RuntimeError::Pipeline {
@@ -849,14 +854,8 @@ impl<'c> RankTrainer<'c> {
                 st.finish().map_err(|e| at_step(step, e))?
             }
         };
-        let v = g
-            .output("loss")
-            .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
-        let local = out
-            .get("loss")
-            .ok_or_else(|| TrainError::MissingOutput("loss".into()))?;
         let mesh = &plan.mesh;
-        let loss = reduce_loss(local, &plan.shardings[v.index()], mesh, ctx)?;
+        let loss = reduce_loss(g, &plan.shardings, &out, mesh, ctx)?;
         let check = StepCheck::new(&t.params);
         let mut codes = check.codes();
         check.loss(&mut codes, loss);

@@ -5,7 +5,8 @@
 mod comm_common;
 
 use comm_common::{
-    assert_aborted_promptly, assert_timed_out, bits, cases, input, inputs, naive, COUNTS, LONG,
+    assert_aborted_promptly, assert_timed_out, bits, cases, input, inputs, naive, on_threads,
+    COUNTS, LONG,
 };
 use shardc_runtime::comm::tcp::TcpComm;
 use shardc_runtime::comm::thread::group;
@@ -158,23 +159,10 @@ fn run_tcp<R: Send>(size: usize, timeout: Duration, body: impl Fn(TcpComm) -> R 
         .iter()
         .map(|l| l.local_addr().expect("local address"))
         .collect();
-    let (body, addrs) = (&body, &addrs);
-    thread::scope(|s| {
-        let handles: Vec<_> = listeners
-            .into_iter()
-            .enumerate()
-            .map(|(rank, listener)| {
-                s.spawn(move || {
-                    let comm = TcpComm::from_listener("tp", rank, size, listener, addrs, timeout)
-                        .expect("join the group");
-                    body(comm)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
+    on_threads(listeners.into_iter().enumerate(), |(rank, listener)| {
+        let comm = TcpComm::from_listener("tp", rank, size, listener, &addrs, timeout)
+            .expect("join the group");
+        body(comm)
     })
 }
 
@@ -182,16 +170,7 @@ fn run_tcp<R: Send>(size: usize, timeout: Duration, body: impl Fn(TcpComm) -> R 
 fn collectives_match_naive_and_the_thread_communicator_bit_for_bit() {
     for size in [2, 3, 4] {
         let tcp = run_tcp(size, LONG, |comm| program(&comm));
-        let threads: Vec<Vec<Out>> = thread::scope(|s| {
-            let handles: Vec<_> = group("tp", size, LONG)
-                .into_iter()
-                .map(|comm| s.spawn(move || program(&comm)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("rank thread panicked"))
-                .collect()
-        });
+        let threads = on_threads(group("tp", size, LONG), |comm| program(&comm));
         for rank in 0..size {
             let want = expected(rank, size);
             assert_eq!(tcp[rank].len(), want.len(), "size {size} rank {rank}");
@@ -217,23 +196,12 @@ fn connect_binds_the_given_addresses() {
         .iter()
         .map(|l| l.local_addr().expect("local address"))
         .collect();
-    let outs: Vec<Vec<f32>> = thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let addrs = &addrs;
-                s.spawn(move || {
-                    let comm = TcpComm::connect("pp", rank, 2, addrs, LONG).expect("connect");
-                    let mut buf = vec![rank as f32 + 1.0; 3];
-                    comm.all_reduce(&mut buf, ReduceOp::Sum)
-                        .expect("all_reduce");
-                    buf
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
+    let outs = on_threads(0..2, |rank| {
+        let comm = TcpComm::connect("pp", rank, 2, &addrs, LONG).expect("connect");
+        let mut buf = vec![rank as f32 + 1.0; 3];
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+            .expect("all_reduce");
+        buf
     });
     assert_eq!(outs, vec![vec![3.0; 3], vec![3.0; 3]]);
 }

@@ -8,7 +8,7 @@ mod comm_common;
 
 use comm_common::{
     assert_aborted_promptly, assert_timed_out, bits, cases, input, inputs as all_inputs, naive,
-    COUNTS, LONG,
+    on_threads, COUNTS, LONG,
 };
 use shardc_runtime::comm::thread::{group, ThreadComm};
 use shardc_runtime::comm::{CollectiveKind, CommError, Communicator, ReduceOp};
@@ -32,29 +32,28 @@ fn assert_close(op: ReduceOp, got: &[f32], want: &[f32], what: &str) {
 /// Runs `body(comm)` on every rank of a fresh group, each in its own thread; returns the
 /// results in rank order.
 fn run<R: Send>(size: usize, timeout: Duration, body: impl Fn(ThreadComm) -> R + Sync) -> Vec<R> {
-    let body = &body;
-    thread::scope(|s| {
-        let handles: Vec<_> = group("tp", size, timeout)
-            .into_iter()
-            .map(|comm| s.spawn(move || body(comm)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
+    on_threads(group("tp", size, timeout), body)
+}
+
+/// Runs `each(comm, case, item)` for every item of `items` (`case` is its index), in order,
+/// on every rank of a group of `size`: outputs[rank][case].
+fn per_case<T: Sync, R: Send>(
+    size: usize,
+    items: &[T],
+    each: impl Fn(&ThreadComm, usize, &T) -> R + Sync,
+) -> Vec<Vec<R>> {
+    run(size, LONG, |comm| {
+        let each = |(case, t)| each(&comm, case, t);
+        items.iter().enumerate().map(each).collect()
     })
 }
 
 /// Every (count, op) case of `all_reduce` on a group of `size`: outputs[rank][case].
 fn all_reduce_outputs(size: usize) -> Vec<Vec<Vec<f32>>> {
-    run(size, LONG, |comm| {
-        let mut outs = Vec::new();
-        for (case, &(len, op)) in cases().iter().enumerate() {
-            let mut buf = input(case, comm.rank(), len, op);
-            comm.all_reduce(&mut buf, op).expect("all_reduce");
-            outs.push(buf);
-        }
-        outs
+    per_case(size, &cases(), |comm, case, &(len, op)| {
+        let mut buf = input(case, comm.rank(), len, op);
+        comm.all_reduce(&mut buf, op).expect("all_reduce");
+        buf
     })
 }
 
@@ -143,19 +142,15 @@ fn broadcast_copies_the_root_buffer_for_every_root() {
 #[test]
 fn gather_and_all_gather_concatenate_in_rank_order() {
     for size in SIZES {
-        let outs = run(size, LONG, |comm| {
+        let outs = per_case(size, &COUNTS, |comm, case, &m| {
             let (rank, n) = (comm.rank(), comm.size());
-            let mut outs = Vec::new();
-            for (case, m) in COUNTS.into_iter().enumerate() {
-                let send = input(case, rank, m, ReduceOp::Sum);
-                let mut all = vec![f32::NAN; m * n];
-                comm.all_gather(&send, &mut all).expect("all_gather");
-                let root = case % n;
-                let mut gathered = vec![f32::NAN; if rank == root { m * n } else { 0 }];
-                comm.gather(&send, &mut gathered, root).expect("gather");
-                outs.push((case, m, all, gathered));
-            }
-            outs
+            let send = input(case, rank, m, ReduceOp::Sum);
+            let mut all = vec![f32::NAN; m * n];
+            comm.all_gather(&send, &mut all).expect("all_gather");
+            let root = case % n;
+            let mut gathered = vec![f32::NAN; if rank == root { m * n } else { 0 }];
+            comm.gather(&send, &mut gathered, root).expect("gather");
+            (case, m, all, gathered)
         });
         for (rank, rank_outs) in outs.iter().enumerate() {
             for (case, m, all, gathered) in rank_outs {
@@ -176,21 +171,17 @@ fn gather_and_all_gather_concatenate_in_rank_order() {
 #[test]
 fn scatter_hands_chunk_i_to_rank_i() {
     for size in SIZES {
-        let outs = run(size, LONG, |comm| {
+        let outs = per_case(size, &COUNTS, |comm, case, &m| {
             let (rank, n) = (comm.rank(), comm.size());
-            let mut outs = Vec::new();
-            for (case, m) in COUNTS.into_iter().enumerate() {
-                let root = (case + 1) % n;
-                let send = if rank == root {
-                    input(case, root, m * n, ReduceOp::Sum)
-                } else {
-                    Vec::new()
-                };
-                let mut recv = vec![f32::NAN; m];
-                comm.scatter(&send, &mut recv, root).expect("scatter");
-                outs.push((case, m, recv));
-            }
-            outs
+            let root = (case + 1) % n;
+            let send = if rank == root {
+                input(case, root, m * n, ReduceOp::Sum)
+            } else {
+                Vec::new()
+            };
+            let mut recv = vec![f32::NAN; m];
+            comm.scatter(&send, &mut recv, root).expect("scatter");
+            (case, m, recv)
         });
         for (rank, rank_outs) in outs.iter().enumerate() {
             for (case, m, recv) in rank_outs {
@@ -206,17 +197,13 @@ fn scatter_hands_chunk_i_to_rank_i() {
 #[test]
 fn reduce_scatter_keeps_chunk_i_of_the_reduction_on_rank_i() {
     for size in SIZES {
-        let outs = run(size, LONG, |comm| {
+        let outs = per_case(size, &cases(), |comm, case, &(m, op)| {
             let n = comm.size();
-            let mut outs = Vec::new();
-            for (case, &(m, op)) in cases().iter().enumerate() {
-                let send = input(case, comm.rank(), m * n, op);
-                let mut recv = vec![f32::NAN; m];
-                comm.reduce_scatter(&send, &mut recv, op)
-                    .expect("reduce_scatter");
-                outs.push(recv);
-            }
-            outs
+            let send = input(case, comm.rank(), m * n, op);
+            let mut recv = vec![f32::NAN; m];
+            comm.reduce_scatter(&send, &mut recv, op)
+                .expect("reduce_scatter");
+            recv
         });
         for (case, &(m, op)) in cases().iter().enumerate() {
             let want = naive(op, &all_inputs(case, size, m * size, op));
@@ -231,16 +218,12 @@ fn reduce_scatter_keeps_chunk_i_of_the_reduction_on_rank_i() {
 #[test]
 fn all_to_all_transposes_chunks() {
     for size in SIZES {
-        let outs = run(size, LONG, |comm| {
+        let outs = per_case(size, &[0, 1, 3, 7, 50], |comm, case, &m| {
             let n = comm.size();
-            let mut outs = Vec::new();
-            for (case, m) in [0, 1, 3, 7, 50].into_iter().enumerate() {
-                let send = input(case, comm.rank(), m * n, ReduceOp::Sum);
-                let mut recv = vec![f32::NAN; m * n];
-                comm.all_to_all(&send, &mut recv).expect("all_to_all");
-                outs.push((case, m, recv));
-            }
-            outs
+            let send = input(case, comm.rank(), m * n, ReduceOp::Sum);
+            let mut recv = vec![f32::NAN; m * n];
+            comm.all_to_all(&send, &mut recv).expect("all_to_all");
+            (case, m, recv)
         });
         for (rank, rank_outs) in outs.iter().enumerate() {
             for (case, m, recv) in rank_outs {

@@ -7,12 +7,14 @@
 //! Needs a GPU: `cargo test -p shardc-runtime --test cuda_comm -- --include-ignored`
 //! (the NCCL test also needs `libnccl.so` on the library path, NOTES-cuda.md §1.3).
 
+mod comm_common;
 mod cuda_common;
 
+use comm_common::on_threads;
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
-use shardc_compiler::compile::{compile_forward_with, CompileOptions};
+use shardc_compiler::compile::compile_forward_with;
 use shardc_compiler::ir::{DType, Graph, Op, ShardSpec, TensorType};
 use shardc_compiler::rewrite::{RewriteOptions, RuleSelection};
 use shardc_compiler::shard::Mesh;
@@ -160,29 +162,17 @@ fn local_gpu_collective(
     let call = &call;
     let n = sends.len();
     let comms = group(dev, "tp", n, TIMEOUT);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .zip(sends)
-            .map(|(c, send)| {
-                s.spawn(move || {
-                    let stream = dev.new_stream().expect("stream");
-                    let x = Dev::upload(&stream, send);
-                    let y = Dev::zeros(&stream, recv_len, send.dtype());
-                    stream.synchronize().expect("sync");
-                    enqueue(&c, x.buf(&stream), y.buf(&stream), &stream, call);
-                    while !c.poll().expect("poll") {
-                        std::thread::yield_now();
-                    }
-                    stream.synchronize().expect("sync");
-                    y.download(&stream)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
+    on_threads(comms.into_iter().zip(sends), |(c, send)| {
+        let stream = dev.new_stream().expect("stream");
+        let x = Dev::upload(&stream, send);
+        let y = Dev::zeros(&stream, recv_len, send.dtype());
+        stream.synchronize().expect("sync");
+        enqueue(&c, x.buf(&stream), y.buf(&stream), &stream, call);
+        while !c.poll().expect("poll") {
+            std::thread::yield_now();
+        }
+        stream.synchronize().expect("sync");
+        y.download(&stream)
     })
 }
 
@@ -375,16 +365,7 @@ fn local_gpu_tp_plans_reproduce_the_fixtures() {
             ("tp=2", "sp", false),
             ("tp=2", "sp", true),
         ] {
-            let opts = CompileOptions {
-                batch: case.batch,
-                seq: case.seq,
-                mesh: Mesh::parse(mesh, 8).expect("mesh"),
-                extra_strategies: if extra.is_empty() {
-                    vec![]
-                } else {
-                    vec![extra.to_string()]
-                },
-            };
+            let opts = case.options(mesh, extra);
             let rw = RewriteOptions {
                 rules: if rewrite {
                     RuleSelection::All

@@ -7,11 +7,13 @@
 //! `NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_MAX_CTAS=4 cargo test -p shardc-runtime --test cuda_nccl -- --include-ignored --test-threads=1`
 //! (the tests also set both variables themselves before NCCL initialises).
 
+mod comm_common;
 mod cuda_common;
 
+use comm_common::on_threads;
 use cuda_common::*;
 use cudarc::driver::{CudaSlice, DevicePtr};
-use shardc_compiler::compile::{compile_forward, CompileOptions};
+use shardc_compiler::compile::compile_forward;
 use shardc_compiler::shard::Mesh;
 use shardc_runtime::comm::ReduceOp;
 use shardc_runtime::cuda::comm::device::{
@@ -60,64 +62,53 @@ fn two_ranks_split_per_axis_and_run_every_collective() {
     let mesh = Mesh::parse("dp=1,tp=2", 8).expect("mesh");
     let id = NcclId::new().expect("nccl id");
     let n = 1024 + 3;
-    let results: Vec<Vec<(String, Vec<f32>)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let (dev, mesh) = (&dev, &mesh);
-                s.spawn(move || {
-                    let world = NcclComm::init(dev, rank, 2, id, "world", TIMEOUT).expect("init");
-                    let axes = world.for_mesh(mesh).expect("split");
-                    let (name, tp) = &axes[1];
-                    assert_eq!((name.as_str(), tp.rank(), tp.size()), ("tp", rank, 2));
-                    assert_eq!((axes[0].1.rank(), axes[0].1.size()), (0, 1));
-                    let stream = dev.new_stream().expect("stream");
-                    let x: Vec<f32> = (0..2 * n).map(|i| (i + 1000 * rank) as f32).collect();
-                    let xs: CudaSlice<f32> = stream.clone_htod(&x).expect("upload");
-                    let xb = DeviceBuffer::new(xs.device_ptr(&stream).0, 2 * n, DeviceDType::F32);
-                    let mut out = Vec::new();
-                    for (what, len) in [
-                        ("all_reduce", 2 * n),
-                        ("reduce_scatter", n),
-                        ("all_gather", 4 * n),
-                        ("all_to_all", 2 * n),
-                        ("broadcast", 2 * n),
-                        ("send_recv", 2 * n),
-                    ] {
-                        let ys: CudaSlice<f32> = stream.alloc_zeros(len).expect("alloc");
-                        let yb = DeviceBuffer::new(ys.device_ptr(&stream).0, len, DeviceDType::F32);
-                        let (send, recv, op, peer) = (xb, yb, ReduceOp::Sum, 1 - rank);
-                        let c = match what {
-                            "all_reduce" => Dc::AllReduce { send, recv, op },
-                            "reduce_scatter" => Dc::ReduceScatter { send, recv, op },
-                            "all_gather" => Dc::AllGather { send, recv },
-                            "all_to_all" => Dc::AllToAll { send, recv },
-                            "broadcast" => Dc::Broadcast {
-                                send,
-                                recv,
-                                root: 1,
-                            },
-                            _ => Dc::SendRecv {
-                                send,
-                                to: peer,
-                                recv,
-                                from: peer,
-                            },
-                        };
-                        // SAFETY: both slices live until after the poll loop.
-                        unsafe { tp.enqueue(c, &stream) }.expect(what);
-                        while !tp.poll().expect("poll") {
-                            std::thread::yield_now();
-                        }
-                        out.push((what.to_string(), stream.clone_dtoh(&ys).expect("download")));
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank"))
-            .collect()
+    let results: Vec<Vec<(String, Vec<f32>)>> = on_threads(0..2, |rank| {
+        let world = NcclComm::init(&dev, rank, 2, id, "world", TIMEOUT).expect("init");
+        let axes = world.for_mesh(&mesh).expect("split");
+        let (name, tp) = &axes[1];
+        assert_eq!((name.as_str(), tp.rank(), tp.size()), ("tp", rank, 2));
+        assert_eq!((axes[0].1.rank(), axes[0].1.size()), (0, 1));
+        let stream = dev.new_stream().expect("stream");
+        let x: Vec<f32> = (0..2 * n).map(|i| (i + 1000 * rank) as f32).collect();
+        let xs: CudaSlice<f32> = stream.clone_htod(&x).expect("upload");
+        let xb = DeviceBuffer::new(xs.device_ptr(&stream).0, 2 * n, DeviceDType::F32);
+        let mut out = Vec::new();
+        for (what, len) in [
+            ("all_reduce", 2 * n),
+            ("reduce_scatter", n),
+            ("all_gather", 4 * n),
+            ("all_to_all", 2 * n),
+            ("broadcast", 2 * n),
+            ("send_recv", 2 * n),
+        ] {
+            let ys: CudaSlice<f32> = stream.alloc_zeros(len).expect("alloc");
+            let yb = DeviceBuffer::new(ys.device_ptr(&stream).0, len, DeviceDType::F32);
+            let (send, recv, op, peer) = (xb, yb, ReduceOp::Sum, 1 - rank);
+            let c = match what {
+                "all_reduce" => Dc::AllReduce { send, recv, op },
+                "reduce_scatter" => Dc::ReduceScatter { send, recv, op },
+                "all_gather" => Dc::AllGather { send, recv },
+                "all_to_all" => Dc::AllToAll { send, recv },
+                "broadcast" => Dc::Broadcast {
+                    send,
+                    recv,
+                    root: 1,
+                },
+                _ => Dc::SendRecv {
+                    send,
+                    to: peer,
+                    recv,
+                    from: peer,
+                },
+            };
+            // SAFETY: both slices live until after the poll loop.
+            unsafe { tp.enqueue(c, &stream) }.expect(what);
+            while !tp.poll().expect("poll") {
+                std::thread::yield_now();
+            }
+            out.push((what.to_string(), stream.clone_dtoh(&ys).expect("download")));
+        }
+        out
     });
     let x = |r: usize| -> Vec<f32> { (0..2 * n).map(|i| (i + 1000 * r) as f32).collect() };
     for (rank, res) in results.iter().enumerate() {
@@ -154,16 +145,7 @@ fn two_nccl_ranks_run_tp_and_sp_plans() {
     for case in cases().into_iter().filter(|c| c.batch == 2 && c.seq == 16) {
         let (cfg, w) = case.load();
         for extra in ["", "sp"] {
-            let opts = CompileOptions {
-                batch: case.batch,
-                seq: case.seq,
-                mesh: Mesh::parse("tp=2", 8).expect("mesh"),
-                extra_strategies: if extra.is_empty() {
-                    vec![]
-                } else {
-                    vec![extra.to_string()]
-                },
-            };
+            let opts = case.options("tp=2", extra);
             let Ok(c) = compile_forward(&cfg, &opts) else {
                 continue;
             };

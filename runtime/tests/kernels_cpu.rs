@@ -2,8 +2,10 @@
 //! random inputs at odd sizes, and the executor on tiny hand-built graphs with checkpoints
 //! written by the test.
 
+mod comm_common;
 mod cuda_common;
 
+use comm_common::on_threads;
 use cuda_common::{ty_of, Rng};
 use half::bf16;
 use safetensors::tensor::TensorView;
@@ -1709,21 +1711,9 @@ fn two_rank_collectives_on_inner_dims_match_the_global_result() {
     let ins = collective_inputs();
     let comms = group("tp", 2, std::time::Duration::from_secs(20));
     let g = collectives_graph(2);
-    let outs: Vec<BTreeMap<String, Tensor>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                let (g, ins) = (&g, &ins);
-                s.spawn(move || {
-                    let ctx = RankCtx::new().with_axis("tp", &c);
-                    execute_with_params(g, &ParamCache::default(), ins, &ctx)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread").expect("rank runs"))
-            .collect()
+    let outs: Vec<BTreeMap<String, Tensor>> = on_threads(comms, |c| {
+        let ctx = RankCtx::new().with_axis("tp", &c);
+        execute_with_params(&g, &ParamCache::default(), &ins, &ctx).expect("rank runs")
     });
     let x = &ins["x"];
     let slice =

@@ -29,6 +29,21 @@ impl<'a> Keys<'a> {
         Keys { mask, index }
     }
 
+    /// The operands after the first `tensors` (`q, k, v` or `q, k`) of an op with `spec`, as
+    /// [`Keys::of`]; an error when `inputs` has too few or too many for `spec`.
+    pub(crate) fn after(
+        op: &'static str,
+        spec: &AttnSpec,
+        inputs: &[&'a Tensor],
+        tensors: usize,
+    ) -> Result<Keys<'a>, RuntimeError> {
+        let extra = if spec.indexed { 2 } else { 0 };
+        if !(tensors + extra..=tensors + 1 + extra).contains(&inputs.len()) {
+            return Err(shape_err(op, inputs, "wrong number of operands"));
+        }
+        Ok(Keys::of(spec, &inputs[tensors..]))
+    }
+
     /// A mask alone.
     #[cfg(test)]
     pub(crate) fn mask(mask: Option<&'a Tensor>) -> Keys<'a> {
@@ -36,18 +51,22 @@ impl<'a> Keys<'a> {
     }
 
     /// Which keys each query sees under `spec` ([`visibility`]), from the mask's data (operand
-    /// `first`) and the indices checked against `t` queries and `s` keys.
+    /// `first`, checked to be `[b, s]`) and the indices checked against `t` queries and `s`
+    /// keys.
     pub(crate) fn visible<'s>(
         &self,
         op: &'static str,
         first: usize,
         all: &[&Tensor],
         spec: &'s AttnSpec,
-        (t, s): (usize, usize),
+        (b, t, s): (usize, usize, usize),
     ) -> Result<impl Fn(usize, usize, usize) -> bool + 's, RuntimeError>
     where
         'a: 's,
     {
+        if self.mask.is_some_and(|m| m.shape != [b, s]) {
+            return Err(shape_err(op, all, "mask must be [B, S]"));
+        }
         let md = self.mask.map(|m| f32_of(op, m, first)).transpose()?;
         let index = match self.index {
             None => None,
@@ -84,7 +103,6 @@ pub(crate) fn attention(
     spec: &AttnSpec,
 ) -> Result<Tensor, RuntimeError> {
     const OP: &str = "attention";
-    let mask = keys.mask;
     let mut all = vec![q, k, v];
     all.extend(keys.all());
     let (qd, kd, vd) = (f32_of(OP, q, 0)?, f32_of(OP, k, 1)?, f32_of(OP, v, 2)?);
@@ -96,10 +114,7 @@ pub(crate) fn attention(
         ));
     }
     let (b, t, hq, d, s, hkv) = dims(OP, q, k, &all)?;
-    if mask.is_some_and(|m| m.shape != [b, s]) {
-        return Err(shape_err(OP, &all, "mask must be [B, S]"));
-    }
-    let visible = keys.visible(OP, 3, &all, spec, (t, s))?;
+    let visible = keys.visible(OP, 3, &all, spec, (b, t, s))?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
     // Per (b, h): [T, D] blocks, laid out [B, Hq, T, D]; permuted to [B, T, Hq, D] at the end.

@@ -142,6 +142,7 @@ mod tests {
     use super::*;
     use crate::comm::thread::group;
     use crate::cpu::collective;
+    use crate::rank::on_threads;
     use std::time::Duration;
 
     fn data(seed: usize, n: usize) -> Vec<f32> {
@@ -156,19 +157,10 @@ mod tests {
         F: Fn(&dyn Communicator, usize) -> (Tensor, Tensor) + Sync,
     {
         let comms = group("tp", n, Duration::from_secs(10));
-        std::thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .into_iter()
-                .enumerate()
-                .map(|(r, c)| {
-                    let f = &f;
-                    s.spawn(move || f(&c, r))
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().expect("rank thread"))
-                .collect()
-        })
+        on_threads(comms.into_iter().enumerate(), |(r, c)| f(&c, r))
+            .into_iter()
+            .map(|h| h.expect("rank thread"))
+            .collect()
     }
 
     fn close(a: &Tensor, b: &Tensor) {

@@ -82,11 +82,7 @@ pub fn eval_op(op: &Op, inputs: &[&Tensor], out: &TensorType) -> Result<Tensor, 
             rope::rope(inputs[0], inputs[1], spec)
         }
         Op::Attention(spec) => {
-            let extra = if spec.indexed { 2 } else { 0 };
-            if !(3 + extra..=4 + extra).contains(&inputs.len()) {
-                return Err(shape_err(m, inputs, "wrong number of operands"));
-            }
-            let keys = attention::Keys::of(spec, &inputs[3..]);
+            let keys = attention::Keys::after(m, spec, inputs, 3)?;
             attention::attention(inputs[0], inputs[1], inputs[2], keys, spec)
         }
         Op::SeqIndex { len, order } => {

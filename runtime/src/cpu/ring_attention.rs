@@ -67,7 +67,7 @@ fn ring_attention(ring: &Ring, qkv: &[&Tensor], keys: Keys) -> Result<Tensor, Ru
     all.extend(keys.all());
     let (b, t, hq, d, c, hkv) = ring_dims(OP, comm, &all, &keys, parts)?;
     let s = c * parts;
-    let visible = keys.visible(OP, 3, &all, spec, (t, s))?;
+    let visible = keys.visible(OP, 3, &all, spec, (b, t, s))?;
     let qd = f32_of(OP, q, 0)?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
@@ -202,7 +202,7 @@ fn ring_attention_grad(ring: &Ring, ops: &[&Tensor], keys: Keys) -> Result<Tenso
     }
     let (b, t, hq, d, c, hkv) = ring_dims(OP, comm, &all, &keys, parts)?;
     let s = c * parts;
-    let visible = keys.visible(OP, 5, &all, spec, (t, s))?;
+    let visible = keys.visible(OP, 5, &all, spec, (b, t, s))?;
     let (qd, od, dyd) = (f32_of(OP, q, 0)?, f32_of(OP, o, 3)?, f32_of(OP, dy, 4)?);
     let rep = hq / hkv;
     let scale = spec.scale.0 as f64;

@@ -25,6 +25,7 @@ use super::{CudaDevice, CudaError};
 use crate::comm::{CommError, ReduceOp};
 use crate::cuda::comm::device::{DeviceBuffer, DeviceCollective, DeviceCommunicator, DeviceDType};
 use crate::cuda::comm::local_gpu;
+use crate::rank::on_threads;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use shardc_compiler::cost::{
@@ -142,10 +143,7 @@ fn ptr(s: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
 pub fn measure_gemms(dev: &CudaDevice, o: &CalibrateOptions) -> Result<Vec<GemmSample>, CudaError> {
     let stream = dev.new_stream()?;
     let mut cache = GemmCache::new(&stream, dev.compute_capability().0)?;
-    let l = Launcher {
-        dev,
-        stream: &stream,
-    };
+    let l = Launcher::new(dev, &stream);
     let mut out = Vec::new();
     for (dt, gdt, size) in [
         (DType::Bf16, GpuDType::Bf16, 2),
@@ -189,10 +187,7 @@ pub fn measure_copies(
     o: &CalibrateOptions,
 ) -> Result<Vec<CopySample>, CudaError> {
     let stream = dev.new_stream()?;
-    let l = Launcher {
-        dev,
-        stream: &stream,
-    };
+    let l = Launcher::new(dev, &stream);
     let mut out = Vec::new();
     for &bytes in &o.copy_bytes {
         let n = bytes as usize;
@@ -223,10 +218,7 @@ fn rank_collectives(
     o: &CalibrateOptions,
 ) -> Result<Vec<CollectiveSample>, CudaError> {
     let stream = dev.new_stream()?;
-    let l = Launcher {
-        dev,
-        stream: &stream,
-    };
+    let l = Launcher::new(dev, &stream);
     let r = o.ranks;
     let dt = DeviceDType::Bf16;
     let mut out = Vec::new();
@@ -286,33 +278,20 @@ pub fn measure_collectives(
         return Ok(Vec::new());
     }
     let comms = local_gpu::group(dev, "calibrate", o.ranks, o.timeout);
-    let per_rank: Vec<Result<Vec<CollectiveSample>, CudaError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                s.spawn(move || {
-                    let r = rank_collectives(dev, &comm, o);
-                    if let Err(e) = &r {
-                        comm.abort(&e.to_string());
-                    }
-                    r
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(comm_err(CommError::Transport(
-                        "a calibration rank thread panicked".into(),
-                    )))
-                })
-            })
-            .collect()
+    let per_rank = on_threads(comms, |comm| {
+        let r = rank_collectives(dev, &comm, o);
+        if let Err(e) = &r {
+            comm.abort(&e.to_string());
+        }
+        r
     });
     let mut ranks = Vec::with_capacity(per_rank.len());
     for r in per_rank {
-        ranks.push(r?);
+        ranks.push(r.unwrap_or_else(|_| {
+            Err(comm_err(CommError::Transport(
+                "a calibration rank thread panicked".into(),
+            )))
+        })?);
     }
     let mut out = ranks.swap_remove(0);
     for other in &ranks {

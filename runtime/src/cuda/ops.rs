@@ -43,7 +43,12 @@ fn i(n: usize) -> i64 {
     n as i64
 }
 
-impl Launcher<'_> {
+impl<'a> Launcher<'a> {
+    /// Launches kernels of `dev` on `stream`.
+    pub fn new(dev: &'a CudaDevice, stream: &'a CudaStream) -> Self {
+        Launcher { dev, stream }
+    }
+
     /// `out = f(x)` elementwise.
     pub fn unary(
         &self,

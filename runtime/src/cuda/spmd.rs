@@ -4,8 +4,9 @@
 
 use super::{CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, ParamInit};
 use crate::cuda::comm::device::DeviceCommunicator;
-use crate::cuda::comm::local_gpu::{group, LocalGpuComm};
+use crate::cuda::comm::local_gpu::group;
 use crate::cuda::comm::nccl::{NcclComm, NcclId};
+use crate::rank::{axis_comms, on_threads};
 use crate::Tensor;
 use shardc_compiler::ir::Graph;
 use shardc_compiler::shard::Mesh;
@@ -22,17 +23,10 @@ fn on_rank_threads<T: Send>(
     per_rank: Vec<T>,
     rank: impl Fn(T) -> Result<BTreeMap<String, Tensor>, CudaError> + Sync,
 ) -> Result<Vec<BTreeMap<String, Tensor>>, CudaRankError> {
-    let rank = &rank;
-    let results = std::thread::scope(|s| {
-        let handles: Vec<_> = per_rank
-            .into_iter()
-            .map(|t| s.spawn(move || rank(t)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
-            .collect::<Vec<_>>()
-    });
+    let results = on_threads(per_rank, rank)
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|_| Err(panicked())))
+        .collect();
     crate::rank::root_cause(mesh, results)
 }
 
@@ -69,19 +63,7 @@ pub fn run_spmd_local_gpu(
     inputs: &BTreeMap<String, Tensor>,
     opts: &CudaOptions,
 ) -> Result<Vec<BTreeMap<String, Tensor>>, CudaRankError> {
-    let world = mesh.world_size();
-    let mut comms: Vec<Vec<(String, LocalGpuComm)>> = (0..world).map(|_| Vec::new()).collect();
-    for a in mesh.axis_ids() {
-        let name = mesh.axis_name(a).to_string();
-        for ranks in mesh.groups(a) {
-            for (k, h) in group(dev, &name, ranks.len(), opts.timeout)
-                .into_iter()
-                .enumerate()
-            {
-                comms[ranks[k]].push((name.clone(), h));
-            }
-        }
-    }
+    let comms = axis_comms(mesh, |_| true, |name, n| group(dev, name, n, opts.timeout));
     on_rank_threads(mesh, comms, |mine| {
         run_rank(dev, program, params, inputs, opts, &mine)
     })

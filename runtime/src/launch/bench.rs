@@ -20,11 +20,11 @@ use super::LaunchError;
 use crate::comm::tcp::TcpComm;
 use crate::comm::thread::group;
 use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::rank::on_threads;
 use serde::Serialize;
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::str::FromStr;
-use std::thread;
 use std::time::{Duration, Instant};
 
 /// Which communicator a benchmark (or a run) uses.
@@ -69,17 +69,25 @@ impl fmt::Display for CommKind {
 impl FromStr for CommKind {
     type Err = LaunchError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        CommKind::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = CommKind::ALL.iter().map(|k| k.name()).collect();
-                LaunchError::Config(format!(
-                    "unknown communicator `{s}` (expected one of {})",
-                    names.join(", ")
-                ))
-            })
+        by_name(&CommKind::ALL, "communicator", s, |k| k.name() == s)
     }
+}
+
+/// The first of `all` that `matches`, or an error saying `s` is no known `what` and listing
+/// every name.
+fn by_name<T: Copy + fmt::Display>(
+    all: &[T],
+    what: &str,
+    s: &str,
+    matches: impl Fn(T) -> bool,
+) -> Result<T, LaunchError> {
+    all.iter().copied().find(|&t| matches(t)).ok_or_else(|| {
+        let names: Vec<String> = all.iter().map(T::to_string).collect();
+        LaunchError::Config(format!(
+            "unknown {what} `{s}` (expected one of {})",
+            names.join(", ")
+        ))
+    })
 }
 
 /// The handles of one group of `n` ranks of `kind` in this process, named `name`: element `i`
@@ -127,21 +135,13 @@ pub fn loopback_tcp_group(
             what: "loopback listener address".into(),
             source: e,
         })?;
-    let joined: Vec<Result<TcpComm, CommError>> = thread::scope(|s| {
-        let handles: Vec<_> = listeners
-            .into_iter()
-            .enumerate()
-            .map(|(rank, l)| {
-                let addrs = &addrs;
-                s.spawn(move || TcpComm::from_listener(name, rank, n, l, addrs, timeout))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("invariant: set-up threads do not panic"))
-            .collect()
+    let joined = on_threads(listeners.into_iter().enumerate(), |(rank, l)| {
+        TcpComm::from_listener(name, rank, n, l, &addrs, timeout)
     });
-    Ok(joined.into_iter().collect::<Result<Vec<_>, _>>()?)
+    Ok(joined
+        .into_iter()
+        .map(|r| r.expect("invariant: set-up threads do not panic"))
+        .collect::<Result<Vec<_>, _>>()?)
 }
 
 /// A benchmarked collective.
@@ -260,16 +260,9 @@ impl FromStr for Collective {
     type Err = LaunchError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let norm = s.replace('-', "_");
-        Collective::ALL
-            .into_iter()
-            .find(|c| c.name() == norm || c.name().replace('_', "") == norm)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Collective::ALL.iter().map(|c| c.name()).collect();
-                LaunchError::Config(format!(
-                    "unknown collective `{s}` (expected one of {})",
-                    names.join(", ")
-                ))
-            })
+        by_name(&Collective::ALL, "collective", s, |c| {
+            c.name() == norm || c.name().replace('_', "") == norm
+        })
     }
 }
 
@@ -453,27 +446,18 @@ pub fn run_on(
                 .collect::<Vec<_>>()
         })
         .collect();
-    let per_rank: Vec<Result<Vec<Sample>, CommError>> = thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let plan = &plan;
-                s.spawn(move || {
-                    let out = bench_rank(comm.as_ref(), plan, opts);
-                    if out.is_err() {
-                        // Let the peers fail promptly: dropping the handle tells them.
-                        drop(comm);
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("invariant: bench ranks do not panic"))
-            .collect()
+    let per_rank = on_threads(comms, |comm| {
+        let out = bench_rank(comm.as_ref(), &plan, opts);
+        if out.is_err() {
+            // Let the peers fail promptly: dropping the handle tells them.
+            drop(comm);
+        }
+        out
     });
-    let per_rank = per_rank.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let per_rank = per_rank
+        .into_iter()
+        .map(|r| r.expect("invariant: bench ranks do not panic"))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(plan
         .iter()
         .enumerate()

@@ -82,10 +82,7 @@ impl RendezvousServer {
         timeout: Duration,
     ) -> Result<RendezvousServer, LaunchError> {
         let shown = host_port(host, port);
-        let fail = |detail: String| LaunchError::Rendezvous {
-            addr: shown.clone(),
-            detail,
-        };
+        let fail = |detail| store_err(&shown, detail);
         if world_size == 0 || world_size as u64 > MAX_WORLD {
             return Err(fail(format!("world size {world_size} is out of range")));
         }
@@ -172,10 +169,7 @@ impl Rendezvous {
         timeout: Duration,
     ) -> Result<Rendezvous, LaunchError> {
         let shown = host_port(host, port);
-        let fail = |detail: String| LaunchError::Rendezvous {
-            addr: shown.clone(),
-            detail,
-        };
+        let fail = |detail| store_err(&shown, detail);
         let targets: Vec<SocketAddr> = (host, port)
             .to_socket_addrs()
             .map_err(|e| fail(format!("cannot resolve `{host}`: {e}")))?
@@ -242,10 +236,7 @@ impl Rendezvous {
             deadline,
             server,
         } = self;
-        let fail = |detail: String| LaunchError::Rendezvous {
-            addr: shown.clone(),
-            detail,
-        };
+        let fail = |detail| store_err(&shown, detail);
         let answer = (|| -> io::Result<Result<RendezvousTable, String>> {
             let wait = remaining(deadline).map_or(ANSWER_SLACK, |l| l.saturating_add(ANSWER_SLACK));
             stream.set_read_timeout(Some(wait))?;
@@ -326,6 +317,14 @@ fn remaining(deadline: Option<Instant>) -> Option<Duration> {
     }
 }
 
+/// An error of the store at `shown` (`host:port`).
+fn store_err(shown: &str, detail: String) -> LaunchError {
+    LaunchError::Rendezvous {
+        addr: shown.to_string(),
+        detail,
+    }
+}
+
 /// The store's loop (see the module docs). After a fatal inconsistency it keeps answering
 /// latecomers with the same error until the deadline, so every rank reports the cause.
 fn serve(
@@ -335,10 +334,7 @@ fn serve(
     deadline: Option<Instant>,
     shown: &str,
 ) -> Result<(), LaunchError> {
-    let fail = |detail: String| LaunchError::Rendezvous {
-        addr: shown.to_string(),
-        detail,
-    };
+    let fail = |detail| store_err(shown, detail);
     listener
         .set_nonblocking(true)
         .map_err(|e| fail(format!("store: {e}")))?;

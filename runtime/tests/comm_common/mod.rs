@@ -1,9 +1,11 @@
 //! What the communicator tests share: seeded inputs, the naive (sequential rank-order)
-//! reductions they are checked against, and the (count, op) cases.
+//! reductions they are checked against, the (count, op) cases, and a thread per rank (the
+//! GPU communicator tests and the CPU kernel tests' two-rank runs use that too).
 
 #![allow(dead_code)]
 
 use shardc_runtime::comm::{CommError, ReduceOp};
+use std::thread;
 use std::time::Duration;
 
 pub const COUNTS: [usize; 7] = [0, 1, 3, 7, 50, 783, 4097];
@@ -80,6 +82,25 @@ pub fn cases() -> Vec<(usize, ReduceOp)> {
         .iter()
         .flat_map(|&len| OPS.iter().map(move |&op| (len, op)))
         .collect()
+}
+
+/// Runs `body(item)` for every item (a rank's communicator, or what it is built from), each
+/// in its own thread; the results in item order.
+pub fn on_threads<T: Send, R: Send>(
+    items: impl IntoIterator<Item = T>,
+    body: impl Fn(T) -> R + Sync,
+) -> Vec<R> {
+    let body = &body;
+    thread::scope(|s| {
+        let handles: Vec<_> = items
+            .into_iter()
+            .map(|t| s.spawn(move || body(t)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
 }
 
 /// The bit patterns of `v`, for exact comparisons.

@@ -5,8 +5,10 @@
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
+use shardc_compiler::compile::CompileOptions;
 use shardc_compiler::ir::{DType, Graph, Op, TensorType, ValueId};
 use shardc_compiler::model::ModelConfig;
+use shardc_compiler::shard::Mesh;
 use shardc_runtime::cuda::{
     execute_cuda, CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx, GpuDType, ParamInit,
 };
@@ -356,6 +358,21 @@ pub fn cases() -> Vec<Case> {
 }
 
 impl Case {
+    /// Options compiling the case's batch and sequence for `mesh` with the `extra` strategy
+    /// (none when empty).
+    pub fn options(&self, mesh: &str, extra: &str) -> CompileOptions {
+        CompileOptions {
+            batch: self.batch,
+            seq: self.seq,
+            mesh: Mesh::parse(mesh, 8).expect("mesh"),
+            extra_strategies: if extra.is_empty() {
+                vec![]
+            } else {
+                vec![extra.to_string()]
+            },
+        }
+    }
+
     /// The case's model: its config and weights.
     pub fn load(&self) -> (ModelConfig, Weights) {
         let dir = fixtures().join(&self.model);

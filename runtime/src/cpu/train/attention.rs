@@ -24,15 +24,11 @@ pub(crate) fn probs(
     spec: &AttnSpec,
 ) -> Result<Tensor, RuntimeError> {
     const OP: &str = "attention_probs";
-    let mask = keys.mask;
     let mut all = vec![q, k];
     all.extend(keys.all());
     let (qd, kd) = (f32_of(OP, q, 0)?, f32_of(OP, k, 1)?);
     let (b, t, hq, d, s, hkv) = dims(OP, q, k, &all)?;
-    if mask.is_some_and(|m| m.shape != [b, s]) {
-        return Err(shape_err(OP, &all, "mask must be [B, S]"));
-    }
-    let visible = keys.visible(OP, 2, &all, spec, (t, s))?;
+    let visible = keys.visible(OP, 2, &all, spec, (b, t, s))?;
     let rep = hq / hkv;
     let scale = spec.scale.0;
     let mut out = vec![0.0f32; b * hq * t * s];
@@ -116,84 +112,52 @@ pub(crate) fn grad(
         ds
     };
     let out: Vec<f32> = match wrt {
-        AttnWrt::Q => {
-            let mut out = vec![0.0f32; qd.len()];
-            let blocks: Vec<(usize, Vec<f64>)> = (0..b * hq)
-                .into_par_iter()
-                .map(|i| {
-                    let (bi, h) = (i / hq, i % hq);
-                    let kh = h / rep;
+        AttnWrt::Q => per_head_rows((b, hq), (t, d), qd.len(), scale, &qi, |bi, h| {
+            let kh = h / rep;
+            let ds = d_scores(bi, h);
+            let mut dq = vec![0.0f64; t * d];
+            for ti in 0..t {
+                for si in 0..s {
+                    let w = ds[ti * s + si];
+                    if w == 0.0 {
+                        continue;
+                    }
+                    let kk = &kd[ki(bi, si, kh)..ki(bi, si, kh) + d];
+                    add_scaled(&mut dq[ti * d..(ti + 1) * d], w, kk);
+                }
+            }
+            dq
+        }),
+        AttnWrt::K | AttnWrt::V => per_head_rows((b, hkv), (s, d), kd.len(), 1.0, &ki, |bi, kh| {
+            let mut acc = vec![0.0f64; s * d];
+            for h in kh * rep..(kh + 1) * rep {
+                if wrt == AttnWrt::K {
                     let ds = d_scores(bi, h);
-                    let mut dq = vec![0.0f64; t * d];
                     for ti in 0..t {
+                        let qq = &qd[qi(bi, ti, h)..qi(bi, ti, h) + d];
                         for si in 0..s {
                             let w = ds[ti * s + si];
                             if w == 0.0 {
                                 continue;
                             }
-                            let kk = &kd[ki(bi, si, kh)..ki(bi, si, kh) + d];
-                            add_scaled(&mut dq[ti * d..(ti + 1) * d], w, kk);
+                            add_scaled(&mut acc[si * d..(si + 1) * d], scale * w, qq);
                         }
                     }
-                    (i, dq)
-                })
-                .collect();
-            for (i, dq) in blocks {
-                let (bi, h) = (i / hq, i % hq);
-                for ti in 0..t {
-                    for di in 0..d {
-                        out[qi(bi, ti, h) + di] = (scale * dq[ti * d + di]) as f32;
+                } else {
+                    for ti in 0..t {
+                        let p = &pd[pi(bi, h, ti)..pi(bi, h, ti) + s];
+                        let g = &gd[qi(bi, ti, h)..qi(bi, ti, h) + d];
+                        for (si, &w) in p.iter().enumerate() {
+                            if w == 0.0 {
+                                continue;
+                            }
+                            add_scaled(&mut acc[si * d..(si + 1) * d], w as f64, g);
+                        }
                     }
                 }
             }
-            out
-        }
-        AttnWrt::K | AttnWrt::V => {
-            let mut out = vec![0.0f32; kd.len()];
-            let blocks: Vec<(usize, Vec<f64>)> = (0..b * hkv)
-                .into_par_iter()
-                .map(|i| {
-                    let (bi, kh) = (i / hkv, i % hkv);
-                    let mut acc = vec![0.0f64; s * d];
-                    for h in kh * rep..(kh + 1) * rep {
-                        if wrt == AttnWrt::K {
-                            let ds = d_scores(bi, h);
-                            for ti in 0..t {
-                                let qq = &qd[qi(bi, ti, h)..qi(bi, ti, h) + d];
-                                for si in 0..s {
-                                    let w = ds[ti * s + si];
-                                    if w == 0.0 {
-                                        continue;
-                                    }
-                                    add_scaled(&mut acc[si * d..(si + 1) * d], scale * w, qq);
-                                }
-                            }
-                        } else {
-                            for ti in 0..t {
-                                let p = &pd[pi(bi, h, ti)..pi(bi, h, ti) + s];
-                                let g = &gd[qi(bi, ti, h)..qi(bi, ti, h) + d];
-                                for (si, &w) in p.iter().enumerate() {
-                                    if w == 0.0 {
-                                        continue;
-                                    }
-                                    add_scaled(&mut acc[si * d..(si + 1) * d], w as f64, g);
-                                }
-                            }
-                        }
-                    }
-                    (i, acc)
-                })
-                .collect();
-            for (i, acc) in blocks {
-                let (bi, kh) = (i / hkv, i % hkv);
-                for si in 0..s {
-                    for di in 0..d {
-                        out[ki(bi, si, kh) + di] = acc[si * d + di] as f32;
-                    }
-                }
-            }
-            out
-        }
+            acc
+        }),
     };
     let shape = if wrt == AttnWrt::Q {
         q.shape.clone()
@@ -201,6 +165,33 @@ pub(crate) fn grad(
         k.shape.clone()
     };
     Ok(Tensor::f32(shape, out))
+}
+
+/// The `[len]` gradient whose `(batch, head)` blocks are `block(bi, h)`, computed in parallel
+/// over `heads = (batch, heads)`: `[rows, d]` in f64, row `r` written at `at(bi, r, h)` times
+/// `scale`.
+fn per_head_rows(
+    (batch, heads): (usize, usize),
+    (rows, d): (usize, usize),
+    len: usize,
+    scale: f64,
+    at: &(impl Fn(usize, usize, usize) -> usize + Sync),
+    block: impl Fn(usize, usize) -> Vec<f64> + Sync,
+) -> Vec<f32> {
+    let blocks: Vec<(usize, Vec<f64>)> = (0..batch * heads)
+        .into_par_iter()
+        .map(|i| (i, block(i / heads, i % heads)))
+        .collect();
+    let mut out = vec![0.0f32; len];
+    for (i, acc) in blocks {
+        let (bi, h) = (i / heads, i % heads);
+        for r in 0..rows {
+            for di in 0..d {
+                out[at(bi, r, h) + di] = (scale * acc[r * d + di]) as f32;
+            }
+        }
+    }
+    out
 }
 
 /// `acc += w · x`, in f64.

@@ -16,7 +16,8 @@ mod optim;
 #[cfg(test)]
 mod check;
 
-use super::{arity, shape_err};
+use super::arity;
+use crate::cpu::attention::Keys;
 use crate::{RuntimeError, Tensor};
 use shardc_compiler::ir::Op;
 
@@ -39,13 +40,7 @@ pub(crate) fn eval(op: &Op, inputs: &[&Tensor]) -> Option<Result<Tensor, Runtime
         }
         Op::RopeGrad(spec) => want(2).and_then(|_| basic::rope_grad(i[0], i[1], spec)),
         Op::AttentionProbs(spec) => {
-            let extra = if spec.indexed { 2 } else { 0 };
-            if !(2 + extra..=3 + extra).contains(&i.len()) {
-                Err(shape_err(m, i, "wrong number of operands"))
-            } else {
-                let keys = crate::cpu::attention::Keys::of(spec, &i[2..]);
-                attention::probs(i[0], i[1], keys, spec)
-            }
+            Keys::after(m, spec, i, 2).and_then(|keys| attention::probs(i[0], i[1], keys, spec))
         }
         Op::AttentionGrad { spec, wrt } => {
             want(5).and_then(|_| attention::grad(i[0], i[1], i[2], i[3], i[4], spec, *wrt))

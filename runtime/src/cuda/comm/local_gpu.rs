@@ -291,10 +291,7 @@ impl LocalGpuComm {
                 self.wait(stream, &p.ready)?;
             }
         }
-        let l = Launcher {
-            dev: &self.dev,
-            stream,
-        };
+        let l = Launcher::new(&self.dev, stream);
         work(&l, &posts)?;
         let done = Arc::new(self.record(stream)?);
         let dones = self.exchange(Msg::Done(done), kind, seq)?;
@@ -515,10 +512,7 @@ impl LocalGpuComm {
             });
         }
         self.wait(stream, &mail.ready)?;
-        let l = Launcher {
-            dev: &self.dev,
-            stream,
-        };
+        let l = Launcher::new(&self.dev, stream);
         l.copy(buf.ptr, mail.buf.ptr, buf.bytes())
             .map_err(transport("copy"))?;
         let done = Arc::new(self.record(stream)?);
