@@ -140,7 +140,15 @@ pub static KERNELS: &[KernelSource] = &[
         ]
     ),
     kernel_source!("cast", ["cast_f32_bf16", "cast_bf16_f32"]),
-    kernel_source!("attention", ["attention_f32", "attention_bf16"]),
+    kernel_source!(
+        "attention",
+        [
+            "attention_f32",
+            "attention_bf16",
+            "attention_lse_f32",
+            "attention_lse_bf16",
+        ]
+    ),
     kernel_source!("attention_tc", ["attention_tc_bf16"]),
     kernel_source!(
         "moe",

@@ -16,6 +16,8 @@
 // out[b,t,h] = softmax_s(q[b,t,h] . k[b,s,h/(Hq/Hkv)] * scale over visible s) . v[b,s,...]
 // (GQA: query head h reads KV head h / (Hq / Hkv); Hq must be a multiple of Hkv).
 // A query with no visible key outputs zeros.
+// attention_lse_{f32,bf16}: the same with a trailing `float* lse` ([B, Tq, Hq] f32), each query's
+// log-sum-exp of its scaled visible scores (-inf when none), for the backward (attention_bwd.cu).
 //
 // Launch (exactly): blockDim = (128, 1, 1); gridDim = (ceil(Tq / 16), Hq, B);
 // dynamic shared memory = (16 + 32) * ceil32(D) * 4 bytes (<= 48 KiB, so no opt-in needed).
@@ -34,26 +36,11 @@
 #define ATTN_MAX_CHUNKS 8  // head_dim <= 8 * 32
 
 template <typename T>
-__device__ __forceinline__ void attn_load_tile(float* dst, const T* src, int b, int s0, int seq_k,
-                                               int heads_kv, int hk, int head_dim, int dp) {
-    for (int idx = threadIdx.x; idx < ATTN_BLOCK_K * dp; idx += blockDim.x) {
-        const int j = idx / dp;
-        const int d = idx - j * dp;
-        const int s = s0 + j;
-        float val = 0.0f;
-        if (s < seq_k && d < head_dim) {
-            val = load(src, (((i64)b * seq_k + s) * heads_kv + hk) * head_dim + d);
-        }
-        dst[j * dp + (d ^ j)] = val;
-    }
-}
-
-template <typename T>
 __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* v, T* out,
                                                const float* mask, int batch, int seq_q,
                                                int seq_k, int heads_q, int heads_kv,
                                                int head_dim, float scale, int causal, int window,
-                                               int q_offset) {
+                                               int q_offset, float* lse) {
     if (blockDim.x != ATTN_THREADS || head_dim <= 0 || head_dim > 32 * ATTN_MAX_CHUNKS ||
         heads_kv <= 0 || heads_q % heads_kv != 0) {
         __trap();
@@ -72,16 +59,7 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
 
-    for (int idx = threadIdx.x; idx < ATTN_BLOCK_Q * dp; idx += blockDim.x) {
-        const int qi = idx / dp;
-        const int d = idx - qi * dp;
-        const int t = t0 + qi;
-        float val = 0.0f;
-        if (t < seq_q && d < head_dim) {
-            val = load(q, (((i64)b * seq_q + t) * heads_q + h) * head_dim + d);
-        }
-        q_s[idx] = val;
-    }
+    attn_load_rows(q_s, q, ATTN_BLOCK_Q, t0, seq_q, b, heads_q, h, head_dim, dp, false);
 
     // Keys any query of this tile can see (block-uniform, so the barriers below are safe).
     const int t_last = min(t0 + ATTN_BLOCK_Q, seq_q) - 1;
@@ -101,7 +79,7 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
 
     for (int s0 = s_begin; s0 < s_end; s0 += ATTN_BLOCK_K) {
         __syncthreads();  // previous V tile fully consumed (and the q tile written)
-        attn_load_tile(kv_s, k, b, s0, seq_k, heads_kv, hk, head_dim, dp);
+        attn_load_rows(kv_s, k, ATTN_BLOCK_K, s0, seq_k, b, heads_kv, hk, head_dim, dp, true);
         __syncthreads();
 
         // Scores: lane j against key s0 + j, for the warp's 4 queries.
@@ -124,8 +102,7 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
         for (int r = 0; r < ATTN_Q_PER_WARP; ++r) {
             const int t = t0 + warp * ATTN_Q_PER_WARP + r;
             const int tp = t + q_offset;
-            const bool visible = key_ok && t < seq_q && (!causal || s <= tp) &&
-                                 (window <= 0 || tp - s < window);
+            const bool visible = key_ok && t < seq_q && attn_visible(s, tp, causal, window);
             const float score = visible ? dot[r] * scale : -SHARDC_INF;
             const float m_new = fmaxf(m[r], warp_max(score));
             float pr = 0.0f;
@@ -142,7 +119,7 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
         }
 
         __syncthreads();  // everyone done with the K tile
-        attn_load_tile(kv_s, v, b, s0, seq_k, heads_kv, hk, head_dim, dp);
+        attn_load_rows(kv_s, v, ATTN_BLOCK_K, s0, seq_k, b, heads_kv, hk, head_dim, dp, true);
         __syncthreads();
 
         // acc[r][c] += sum_j p_j * v[j][lane + 32 c]
@@ -168,7 +145,9 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
         const int t = t0 + warp * ATTN_Q_PER_WARP + r;
         if (t >= seq_q) continue;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        const i64 base = (((i64)b * seq_q + t) * heads_q + h) * head_dim;
+        const i64 row = ((i64)b * seq_q + t) * heads_q + h;
+        const i64 base = row * head_dim;
+        if (lse != nullptr && lane == 0) lse[row] = l[r] > 0.0f ? m[r] + logf(l[r]) : -SHARDC_INF;
 #pragma unroll
         for (int c = 0; c < ATTN_MAX_CHUNKS; ++c) {
             const int d = lane + 32 * c;
@@ -182,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                   int batch, int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim,
                   float scale, int causal, int window, int q_offset) {
     attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                   causal, window, q_offset);
+                   causal, window, q_offset, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
@@ -190,5 +169,25 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                    int batch, int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim,
                    float scale, int causal, int window, int q_offset) {
     attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                   causal, window, q_offset);
+                   causal, window, q_offset, nullptr);
+}
+
+// The same forward, also writing each query's log-sum-exp of its scaled scores for the backward
+// (attention_bwd.cu): lse [B, Tq, Hq] f32, -inf for a query with no visible key. Same launch.
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attention_lse_f32(const float* q, const float* k, const float* v, float* out,
+                      const float* mask, int batch, int seq_q, int seq_k, int heads_q,
+                      int heads_kv, int head_dim, float scale, int causal, int window,
+                      int q_offset, float* lse) {
+    attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
+                   causal, window, q_offset, lse);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attention_lse_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
+                       const float* mask, int batch, int seq_q, int seq_k, int heads_q,
+                       int heads_kv, int head_dim, float scale, int causal, int window,
+                       int q_offset, float* lse) {
+    attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
+                   causal, window, q_offset, lse);
 }
