@@ -151,6 +151,15 @@ pub static KERNELS: &[KernelSource] = &[
     ),
     kernel_source!("attention_tc", ["attention_tc_bf16"]),
     kernel_source!(
+        "attention_bwd",
+        [
+            "attention_bwd_prep_f32",
+            "attention_bwd_prep_bf16",
+            "attention_bwd_f32",
+            "attention_bwd_bf16",
+        ]
+    ),
+    kernel_source!(
         "moe",
         [
             "router_f32",
