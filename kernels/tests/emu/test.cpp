@@ -888,8 +888,9 @@ void attn_bwd_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D
     }
     const auto want = attn_grad_ref(q, k, v, dout, mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff);
     // bf16: inputs exact (rounded before the reference), the forward's output and the
-    // gradients rounded to bf16 (8 bits), so about 1% of the largest values.
-    const double atol = bf ? 2e-2 : 1e-4, rtol = bf ? 2e-2 : 1e-3;
+    // gradients rounded to bf16 (8 bits). About twice the worst error seen (f32 1e-5 + 1e-4|w|
+    // passes, bf16 4e-3 + 4e-3|w| fails one dK value).
+    const double atol = bf ? 1e-2 : 2e-5, rtol = bf ? 1e-2 : 2e-4;
     const char* dt = bf ? "bf16" : "f32";
     char what[240];
     snprintf(what, sizeof what, "attention_lse_%s %s lse", dt, name); check(what, lse, want.lse, 1e-5, 1e-5);
