@@ -475,6 +475,74 @@ impl AttentionKernel {
     }
 }
 
+/// Keys per block of `attention_bwd_*` (`ABWD_BLOCK_K` in attention_bwd.cu).
+pub const ATTENTION_BWD_BLOCK_K: usize = 32;
+/// Queries per tile of `attention_bwd_*` (`ABWD_BLOCK_Q`).
+pub const ATTENTION_BWD_BLOCK_Q: usize = 8;
+/// Threads per block of `attention_bwd_*` (`ABWD_THREADS`); the kernel traps on any other size.
+pub const ATTENTION_BWD_THREADS: u32 = 128;
+/// Largest head width the attention backward supports (`ABWD_MAX_CHUNKS` * 32).
+pub const ATTENTION_BWD_MAX_HEAD_DIM: usize = 128;
+
+/// Dynamic shared memory of `attention_bwd_*` for `head_dim`: a 32-key K and V tile and an
+/// 8-query q and dO tile of f32, rows padded to a multiple of 32, plus the tile's P and dS
+/// (8 x 32 f32 each). 42 KiB at head_dim 128, so no opt-in.
+pub fn attention_bwd_shared_bytes(head_dim: usize) -> usize {
+    let dp = head_dim.div_ceil(32) * 32;
+    let (k, q) = (ATTENTION_BWD_BLOCK_K, ATTENTION_BWD_BLOCK_Q);
+    ((2 * k + 2 * q) * dp + 2 * q * k) * 4
+}
+
+/// `attention_bwd_prep_*` over `rows = B * Tq * Hq`: one warp per row, 4 warps per block,
+/// warp-stride beyond the grid cap.
+pub fn attention_bwd_prep_launch(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks(rows, 4), 1, 1),
+        block_dim: (ATTENTION_BWD_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `attention_bwd_*`: grid (ceil(S / 32), Hkv, B) of [`ATTENTION_BWD_THREADS`] threads, one
+/// block per 32 keys of one (batch, KV head), and [`attention_bwd_shared_bytes`]. The shape is
+/// checked first: head_dim in 1..=128, heads_kv a divisor of heads_q, no empty or oversized
+/// grid dimension.
+pub fn attention_bwd_launch(
+    batch: usize,
+    seq_k: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+) -> Result<LaunchConfig, KernelError> {
+    let bad = |param, value, allowed| KernelError::InvalidLaunch {
+        kernel: "attention_bwd",
+        param,
+        value,
+        allowed,
+    };
+    if !(1..=ATTENTION_BWD_MAX_HEAD_DIM).contains(&head_dim) {
+        return Err(bad("head_dim", head_dim, "1..=128"));
+    }
+    if heads_kv == 0 || heads_q % heads_kv != 0 {
+        return Err(bad("heads_kv", heads_kv, "a divisor of heads_q"));
+    }
+    let grid = |param, value: usize, max: usize, allowed| match u32::try_from(value) {
+        Ok(v) if value > 0 && value <= max => Ok(v),
+        _ => Err(bad(param, value, allowed)),
+    };
+    let key_tiles = seq_k.div_ceil(ATTENTION_BWD_BLOCK_K);
+    Ok(LaunchConfig {
+        grid_dim: (
+            grid("seq_k", key_tiles, i32::MAX as usize, "1..=2^31 key tiles")?,
+            grid("heads_kv", heads_kv, 65_535, "1..=65535")?,
+            grid("batch", batch, 65_535, "1..=65535")?,
+        ),
+        block_dim: (ATTENTION_BWD_THREADS, 1, 1),
+        shared_mem_bytes: u32::try_from(attention_bwd_shared_bytes(head_dim))
+            .expect("invariant: at most 42 KiB for a valid head_dim"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -692,6 +760,46 @@ mod tests {
         );
         assert!(
             attention_plan(bf16, (9, 132), true, ws, [1, 1, 4096, 32, 8, 300], aligned).is_err()
+        );
+    }
+
+    #[test]
+    fn attention_bwd_config() {
+        let c = attention_bwd_launch(2, 512, 32, 8, 128).expect("valid shape");
+        assert_eq!(c.grid_dim, (16, 8, 2));
+        assert_eq!(c.block_dim, (128, 1, 1));
+        assert_eq!(c.shared_mem_bytes, (80 * 128 + 512) * 4);
+        assert!(attention_bwd_shared_bytes(128) <= DEFAULT_MAX_DYNAMIC_SHARED);
+        assert_eq!(attention_bwd_shared_bytes(40), (80 * 64 + 512) * 4);
+        let c = attention_bwd_launch(1, 33, 4, 2, 40).expect("valid shape");
+        assert_eq!(c.grid_dim, (2, 2, 1));
+        // (batch, seq_k, heads_q, heads_kv, head_dim) and the parameter the error names.
+        let bad = [
+            ([1, 64, 32, 8, 129], "head_dim"),
+            ([1, 64, 32, 8, 0], "head_dim"),
+            ([1, 64, 32, 6, 64], "heads_kv"),
+            ([1, 64, 32, 0, 64], "heads_kv"),
+            ([1, 0, 32, 8, 64], "seq_k"),
+            ([0, 64, 32, 8, 64], "batch"),
+            ([70_000, 64, 32, 8, 64], "batch"),
+        ];
+        for ([b, s, hq, hkv, d], want) in bad {
+            match attention_bwd_launch(b, s, hq, hkv, d) {
+                Err(KernelError::InvalidLaunch { kernel, param, .. }) => {
+                    assert_eq!(
+                        (kernel, param),
+                        ("attention_bwd", want),
+                        "{b} {s} {hq} {hkv} {d}"
+                    )
+                }
+                other => panic!("{b} {s} {hq} {hkv} {d}: want an InvalidLaunch, got {other:?}"),
+            }
+        }
+        let p = attention_bwd_prep_launch(9);
+        assert_eq!((p.grid_dim, p.block_dim), ((3, 1, 1), (128, 1, 1)));
+        assert_eq!(
+            attention_bwd_prep_launch(1 << 40).grid_dim.0,
+            MAX_GRID_STRIDE_BLOCKS
         );
     }
 

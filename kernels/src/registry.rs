@@ -145,7 +145,15 @@ pub static KERNELS: &[KernelSource] = &[
         ]
     ),
     kernel_source!("cast", ["cast_f32_bf16", "cast_bf16_f32"]),
-    kernel_source!("attention", ["attention_f32", "attention_bf16"]),
+    kernel_source!(
+        "attention",
+        [
+            "attention_f32",
+            "attention_bf16",
+            "attention_lse_f32",
+            "attention_lse_bf16",
+        ]
+    ),
     kernel_source!("attention_tc", ["attention_tc_bf16"]),
     kernel_source!(
         "attention_decode",
@@ -154,6 +162,15 @@ pub static KERNELS: &[KernelSource] = &[
             "attention_decode_bf16",
             "attention_decode_combine_f32",
             "attention_decode_combine_bf16",
+        ]
+    ),
+    kernel_source!(
+        "attention_bwd",
+        [
+            "attention_bwd_prep_f32",
+            "attention_bwd_prep_bf16",
+            "attention_bwd_f32",
+            "attention_bwd_bf16",
         ]
     ),
     kernel_source!(

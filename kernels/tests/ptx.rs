@@ -147,6 +147,36 @@ fn attention_decode_assembles_for_sm90() {
     }
 }
 
+/// `attention_bwd` to PTX and to a CUBIN for sm_90 (ptxas accepts its register and shared
+/// memory use), with its dQ accumulation as f32 global atomics.
+#[test]
+fn attention_backward_assembles_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let k = kernel_source("attention_bwd").expect("invariant: registered");
+    let ptx = PtxCache::disabled()
+        .compile(k.file, &k.source(), ARCH, &[])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        ptx.ptx
+            .lines()
+            .any(|l| l.contains(".global.add.f32") && (l.contains("red.") || l.contains("atom."))),
+        "no f32 global atomic add in the PTX"
+    );
+    // dK, dV and the dQ rows stay in registers: no per-thread array is indexed at run time.
+    assert!(
+        !ptx.ptx.contains(".local"),
+        "a local-memory array in the PTX"
+    );
+    for e in k.entries {
+        assert!(ptx.has_entry(e), "entry `{e}` missing from the PTX");
+    }
+    let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+    eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+}
+
 /// Inline `asm` is only checked when the PTX is assembled: a CUBIN makes NVRTC run ptxas.
 #[test]
 fn malformed_inline_ptx_fails_the_cubin_build() {

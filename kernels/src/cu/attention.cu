@@ -16,6 +16,8 @@
 // out[b,t,h] = softmax_s(q[b,t,h] . k[b,s,h/(Hq/Hkv)] * scale over visible s) . v[b,s,...]
 // (GQA: query head h reads KV head h / (Hq / Hkv); Hq must be a multiple of Hkv).
 // A query with no visible key outputs zeros.
+// attention_lse_{f32,bf16}: the same with a trailing `float* lse` ([B, Tq, Hq] f32), each query's
+// log-sum-exp of its scaled visible scores (-inf when none), for the backward (attention_bwd.cu).
 //
 // Launch (exactly): blockDim = (128, 1, 1); gridDim = (ceil(Tq / 16), Hq, B);
 // dynamic shared memory = (16 + 32) * ceil32(D) * 4 bytes (<= 48 KiB, so no opt-in needed).
@@ -31,7 +33,7 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
                                                const float* mask, int batch, int seq_q,
                                                int seq_k, int heads_q, int heads_kv,
                                                int head_dim, float scale, int causal, int window,
-                                               int q_offset) {
+                                               int q_offset, float* lse) {
     attn_check_launch(head_dim, heads_q, heads_kv);
     const int b = blockIdx.z;
     const int h = blockIdx.y;
@@ -51,7 +53,9 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
         const int t = t0 + warp * ATTN_Q_PER_WARP + r;
         if (t >= seq_q) continue;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        const i64 base = (((i64)b * seq_q + t) * heads_q + h) * head_dim;
+        const i64 row = ((i64)b * seq_q + t) * heads_q + h;
+        const i64 base = row * head_dim;
+        if (lse != nullptr && lane == 0) lse[row] = l[r] > 0.0f ? m[r] + logf(l[r]) : -SHARDC_INF;
 #pragma unroll
         for (int c = 0; c < ATTN_MAX_CHUNKS; ++c) {
             const int d = lane + 32 * c;
@@ -65,7 +69,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                   int batch, int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim,
                   float scale, int causal, int window, int q_offset) {
     attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                   causal, window, q_offset);
+                   causal, window, q_offset, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
@@ -73,5 +77,25 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                    int batch, int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim,
                    float scale, int causal, int window, int q_offset) {
     attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                   causal, window, q_offset);
+                   causal, window, q_offset, nullptr);
+}
+
+// The same forward, also writing each query's log-sum-exp of its scaled scores for the backward
+// (attention_bwd.cu): lse [B, Tq, Hq] f32, -inf for a query with no visible key. Same launch.
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attention_lse_f32(const float* q, const float* k, const float* v, float* out,
+                      const float* mask, int batch, int seq_q, int seq_k, int heads_q,
+                      int heads_kv, int head_dim, float scale, int causal, int window,
+                      int q_offset, float* lse) {
+    attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
+                   causal, window, q_offset, lse);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attention_lse_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
+                       const float* mask, int batch, int seq_q, int seq_k, int heads_q,
+                       int heads_kv, int head_dim, float scale, int causal, int window,
+                       int q_offset, float* lse) {
+    attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
+                   causal, window, q_offset, lse);
 }

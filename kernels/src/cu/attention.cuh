@@ -26,21 +26,6 @@ __device__ __forceinline__ void attn_check_launch(int head_dim, int heads_q, int
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void attn_load_tile(float* dst, const T* src, int b, int s0, int seq_k,
-                                               int heads_kv, int hk, int head_dim, int dp) {
-    for (int idx = threadIdx.x; idx < ATTN_BLOCK_K * dp; idx += blockDim.x) {
-        const int j = idx / dp;
-        const int d = idx - j * dp;
-        const int s = s0 + j;
-        float val = 0.0f;
-        if (s < seq_k && d < head_dim) {
-            val = load(src, (((i64)b * seq_k + s) * heads_kv + hk) * head_dim + d);
-        }
-        dst[j * dp + (d ^ j)] = val;
-    }
-}
-
 // One block's 16 rows (see the top of the file) against the keys s_lo <= s < s_hi they can see:
 // on return the calling warp's rows have row max m (-inf when no key was visible), row sum l
 // (0 then) and unnormalised acc[r][c] for dim lane + 32 c. Every thread of the block must call
@@ -92,7 +77,7 @@ __device__ __forceinline__ void attn_rows(const T* q, const T* k, const T* v, co
 
     for (int s0 = s_begin; s0 < s_end; s0 += ATTN_BLOCK_K) {
         __syncthreads();  // previous V tile fully consumed (and the q tile written)
-        attn_load_tile(kv_s, k, b, s0, seq_k, heads_kv, hk, head_dim, dp);
+        attn_load_rows(kv_s, k, ATTN_BLOCK_K, s0, seq_k, b, heads_kv, hk, head_dim, dp, true);
         __syncthreads();
 
         // Scores: lane j against key s0 + j, for the warp's 4 rows.
@@ -115,8 +100,7 @@ __device__ __forceinline__ void attn_rows(const T* q, const T* k, const T* v, co
         for (int r = 0; r < ATTN_Q_PER_WARP; ++r) {
             const int row = row0 + warp * ATTN_Q_PER_WARP + r;
             const int tp = row / group + q_offset;
-            const bool visible = key_ok && row < rows && (!causal || s <= tp) &&
-                                 (window <= 0 || tp - s < window);
+            const bool visible = key_ok && row < rows && attn_visible(s, tp, causal, window);
             const float score = visible ? dot[r] * scale : -SHARDC_INF;
             const float m_new = fmaxf(m[r], warp_max(score));
             float pr = 0.0f;
@@ -133,7 +117,7 @@ __device__ __forceinline__ void attn_rows(const T* q, const T* k, const T* v, co
         }
 
         __syncthreads();  // everyone done with the K tile
-        attn_load_tile(kv_s, v, b, s0, seq_k, heads_kv, hk, head_dim, dp);
+        attn_load_rows(kv_s, v, ATTN_BLOCK_K, s0, seq_k, b, heads_kv, hk, head_dim, dp, true);
         __syncthreads();
 
         // acc[r][c] += sum_j p_j * v[j][lane + 32 c]

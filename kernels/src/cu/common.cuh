@@ -352,4 +352,32 @@ __device__ __forceinline__ float block_max(float v) {
     return scratch[0];
 }
 
+// ---- attention masking -----------------------------------------------------------------------
+
+// Whether query position `tp` (= t + q_offset) sees key `s` under the causal and sliding-window
+// rules (the key mask is checked separately): the forward and backward attention kernels share it.
+__device__ __forceinline__ bool attn_visible(int s, int tp, int causal, int window) {
+    return (!causal || s <= tp) && (window <= 0 || tp - s < window);
+}
+
+// Rows [r0, r0 + nrows) of a [B, rows, heads, head_dim] tensor at (b, h) into f32 shared memory
+// dst [nrows][dp], by the whole block: row j, column d at j * dp + d, or j * dp + (d ^ j) with
+// `swizzle` (conflict-free for both a lane-per-row and a lane-per-column read; dp a multiple of
+// 32). Rows past `rows` and columns past head_dim are zero.
+template <typename T>
+__device__ __forceinline__ void attn_load_rows(float* dst, const T* src, int nrows, int r0,
+                                               int rows, int b, int heads, int h, int head_dim,
+                                               int dp, bool swizzle) {
+    for (int idx = threadIdx.x; idx < nrows * dp; idx += blockDim.x) {
+        const int j = idx / dp;
+        const int d = idx - j * dp;
+        const int r = r0 + j;
+        float val = 0.0f;
+        if (r < rows && d < head_dim) {
+            val = load(src, (((i64)b * rows + r) * heads + h) * head_dim + d);
+        }
+        dst[j * dp + (swizzle ? (d ^ j) : d)] = val;
+    }
+}
+
 #endif  // SHARDC_COMMON_CUH

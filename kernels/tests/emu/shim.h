@@ -76,3 +76,7 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 std::atomic<long long> g_vec_accesses{0};
 #define SHARDC_VEC_HOOK() (g_vec_accesses.fetch_add(1, std::memory_order_relaxed))
 #include "warp_mma.h"
+
+// f32 atomicAdd (the attention backward's dQ accumulation): the block's threads run
+// concurrently, so the add is a real atomic read-modify-write.
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }

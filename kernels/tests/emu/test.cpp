@@ -12,6 +12,7 @@
 #include "cu/attention.cu"
 #include "cu/attention_tc.cu"
 #include "cu/attention_decode.cu"
+#include "cu/attention_bwd.cu"
 #include "cu/moe.cu"
 #include "cu/reduce.cu"
 #include "cu/loss.cu"
@@ -857,11 +858,124 @@ void test_attention_decode() {
     attn_decode_case("T=5 S=300 13 splits of 32 keys, the last 3 empty, non-causal GQA 8:2 D=64", 1, 5, 300, 8, 2, 64, 0, 0, 0, 0, 13, false);
 }
 
+// ---- attention backward (attention_bwd.cu) vs a double reference of the gradients ----------
+// From the formulas alone: P = softmax of the scaled visible scores, O = P.V, Di = rowsum(dOi *
+// Oi), dS = P * (dO.Vᵀ - Di), dQ = scale dS.K, dK = scale dSᵀ.Q, dV = Pᵀ.dO (dK, dV summed over
+// the query heads of a KV head). lse is -inf for a query that sees no key.
+struct AttnGrads { std::vector<double> lse, dq, dk, dv; std::vector<char> q_sees, kv_seen; };
+AttnGrads attn_grad_ref(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+    const std::vector<float>& dout, const float* mask, int B, int T, int S, int Hq, int Hkv, int D,
+    float scale, int causal, int window, int qoff) {
+    AttnGrads g{std::vector<double>(B*T*Hq, -INFINITY), std::vector<double>(B*T*Hq*D, 0),
+                std::vector<double>(B*S*Hkv*D, 0), std::vector<double>(B*S*Hkv*D, 0),
+                std::vector<char>(B*T*Hq, 0), std::vector<char>(B*S*Hkv, 0)};
+    for (int b = 0; b < B; ++b) for (int t = 0; t < T; ++t) for (int h = 0; h < Hq; ++h) {
+        const int hk = h / (Hq / Hkv), tp = t + qoff, row = (b*T+t)*Hq+h;
+        const float* qr = &q[row*D]; const float* dor = &dout[row*D];
+        auto kr = [&](int s) { return &k[((b*S+s)*Hkv+hk)*D]; };
+        auto vr = [&](int s) { return &v[((b*S+s)*Hkv+hk)*D]; };
+        std::vector<double> sc(S, -INFINITY); double m = -INFINITY;
+        for (int s = 0; s < S; ++s) {
+            if (!((!causal || s <= tp) && (window <= 0 || tp - s < window) && (!mask || mask[b*S+s] != 0))) continue;
+            double d = 0; for (int i = 0; i < D; ++i) d += (double)qr[i] * kr(s)[i];
+            sc[s] = d * scale; m = std::max(m, sc[s]);
+        }
+        if (m == -INFINITY) continue;
+        double l = 0; for (int s = 0; s < S; ++s) if (sc[s] != -INFINITY) l += std::exp(sc[s] - m);
+        g.lse[row] = m + std::log(l); g.q_sees[row] = 1;
+        std::vector<double> p(S, 0), dp(S, 0), o(D, 0);
+        for (int s = 0; s < S; ++s) if (sc[s] != -INFINITY) {
+            p[s] = std::exp(sc[s] - g.lse[row]);
+            for (int i = 0; i < D; ++i) { o[i] += p[s] * vr(s)[i]; dp[s] += (double)dor[i] * vr(s)[i]; }
+        }
+        double di = 0; for (int i = 0; i < D; ++i) di += (double)dor[i] * o[i];
+        for (int s = 0; s < S; ++s) if (p[s] != 0) {
+            const double ds = p[s] * (dp[s] - di);
+            const int kv = ((b*S+s)*Hkv+hk)*D; g.kv_seen[kv / D] = 1;
+            for (int i = 0; i < D; ++i) {
+                g.dq[row*D+i] += scale * ds * kr(s)[i];
+                g.dk[kv+i] += scale * ds * qr[i];
+                g.dv[kv+i] += p[s] * dor[i];
+            }
+        }
+    }
+    return g;
+}
+// Rows of D values with no visible (query, key) pair (`live[r] == 0`) must be exactly zero, and
+// some rows must be live (a case where everything is zero tests nothing).
+void check_zero_rows(const char* what, const std::vector<float>& got, const std::vector<char>& live, int D) {
+    size_t dead = 0, bad = 0, rows = got.size() / D;
+    for (size_t r = 0; r < rows; ++r) {
+        if (live[r]) continue;
+        dead++;
+        for (int d = 0; d < D; ++d) bad += got[r*D+d] != 0;
+    }
+    const bool ok = bad == 0 && dead < rows;
+    printf("%s %s: %zu of %zu rows see nothing, %zu nonzero values there\n", ok ? "ok  " : "FAIL", what, dead, rows, bad);
+    failures += !ok;
+}
+void attn_bwd_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D, int causal, int window, int qoff, int mask_kind, bool bf) {
+    auto q = randv(B*T*Hq*D), k = randv(B*S*Hkv*D), v = randv(B*S*Hkv*D), dout = randv(B*T*Hq*D, -1, 1);
+    std::vector<float> mask(B*S, 1.0f);
+    if (mask_kind) {  // every third key and key 0 dropped (causal query 0 sees none), last batch all dropped
+        for (int s = 0; s < S; ++s) mask[s] = (s % 3 == 1 || s == 0) ? 0.f : 1.f;
+        if (B > 1) for (int s = 0; s < S; ++s) mask[(B-1)*S + s] = 0.f;
+    }
+    const float* mp = mask_kind ? mask.data() : nullptr;
+    const float scale = 1.0f / std::sqrt((float)D);
+    const int rows = B*T*Hq, nq = rows*D, nk = B*S*Hkv*D;
+    std::vector<float> lse(rows, 7.f), delta(rows, 7.f), dq_acc(nq, 7.f), got_dq(nq), got_dk(nk), got_dv(nk);
+    const dim3 fwd{(unsigned)((T + 15) / 16), (unsigned)Hq, (unsigned)B}, bwd{(unsigned)((S + 31) / 32), (unsigned)Hkv, (unsigned)B};
+    if (!bf) {
+        std::vector<float> out(nq), dk(nk, 7.f), dv(nk, 7.f);
+        launch(fwd, {128}, [&] { attention_lse_f32(q.data(), k.data(), v.data(), out.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff, lse.data()); });
+        launch({2}, {64}, [&] { attention_bwd_prep_f32(out.data(), dout.data(), delta.data(), dq_acc.data(), rows, D); });
+        launch(bwd, {128}, [&] { attention_bwd_f32(q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), mp,
+            dq_acc.data(), dk.data(), dv.data(), B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+        got_dq = dq_acc; got_dk = dk; got_dv = dv;
+    } else {
+        auto tob = [](std::vector<float>& x) { std::vector<bf16> r(x.size()); for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); } return r; };
+        auto qb = tob(q), kb = tob(k), vb = tob(v), dob = tob(dout);
+        std::vector<bf16> out(nq), dq(nq), dk(nk, 0x4640), dv(nk, 0x4640);
+        launch(fwd, {128}, [&] { attention_lse_bf16(qb.data(), kb.data(), vb.data(), out.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff, lse.data()); });
+        launch({3}, {32}, [&] { attention_bwd_prep_bf16(out.data(), dob.data(), delta.data(), dq_acc.data(), rows, D); });
+        launch(bwd, {128}, [&] { attention_bwd_bf16(qb.data(), kb.data(), vb.data(), dob.data(), lse.data(), delta.data(), mp,
+            dq_acc.data(), dk.data(), dv.data(), B, T, S, Hq, Hkv, D, scale, causal, window, qoff); });
+        launch({2}, {64}, [&] { cast_f32_bf16(dq_acc.data(), dq.data(), nq); });
+        for (int i = 0; i < nq; ++i) got_dq[i] = host_bf16_f(dq[i]);
+        for (int i = 0; i < nk; ++i) { got_dk[i] = host_bf16_f(dk[i]); got_dv[i] = host_bf16_f(dv[i]); }
+    }
+    const auto want = attn_grad_ref(q, k, v, dout, mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff);
+    // bf16: inputs exact (rounded before the reference), the forward's output and the
+    // gradients rounded to bf16 (8 bits). About twice the worst error seen (f32 1e-5 + 1e-4|w|
+    // passes, bf16 4e-3 + 4e-3|w| fails one dK value).
+    const double atol = bf ? 1e-2 : 2e-5, rtol = bf ? 1e-2 : 2e-4;
+    const char* dt = bf ? "bf16" : "f32";
+    char what[240];
+    snprintf(what, sizeof what, "attention_lse_%s %s lse", dt, name); check(what, lse, want.lse, 1e-5, 1e-5);
+    snprintf(what, sizeof what, "attention_bwd_%s %s dQ", dt, name); check(what, got_dq, want.dq, atol, rtol); check_zero_rows(what, got_dq, want.q_sees, D);
+    snprintf(what, sizeof what, "attention_bwd_%s %s dK", dt, name); check(what, got_dk, want.dk, atol, rtol); check_zero_rows(what, got_dk, want.kv_seen, D);
+    snprintf(what, sizeof what, "attention_bwd_%s %s dV", dt, name); check(what, got_dv, want.dv, atol, rtol); check_zero_rows(what, got_dv, want.kv_seen, D);
+}
+void test_attention_bwd() {
+    // name, B, T, S, Hq, Hkv, D, causal, window, q_offset, mask, bf16
+    attn_bwd_case("causal GQA 2:1 D=64 T=S=37", 1, 37, 37, 2, 1, 64, 1, 0, 0, 0, false);
+    attn_bwd_case("non-causal GQA 4:2 D=40 T=S=45 B=2", 2, 45, 45, 4, 2, 40, 0, 0, 0, 0, false);
+    attn_bwd_case("causal window=7 mask (batch 1 all dropped, query 0 sees none) D=64", 2, 29, 29, 2, 1, 64, 1, 7, 0, 1, false);
+    attn_bwd_case("causal chunk T=17 S=41 q_offset=24 D=40", 1, 17, 41, 2, 1, 40, 1, 0, 24, 0, false);
+    attn_bwd_case("non-causal cross T=9 S=70 mask D=128", 2, 9, 70, 2, 2, 128, 0, 0, 0, 1, false);
+    attn_bwd_case("causal window=10 T=S=70 (query-tile skipping) D=64", 1, 70, 70, 1, 1, 64, 1, 10, 0, 0, false);
+    attn_bwd_case("decode T=1 S=50 q_offset=49 GQA 4:1 D=64", 1, 1, 50, 4, 1, 64, 1, 0, 49, 0, false);
+    attn_bwd_case("causal GQA 4:2 mask D=64 T=S=33", 2, 33, 33, 4, 2, 64, 1, 0, 0, 1, true);
+    attn_bwd_case("causal T=12 S=30 q_offset=18 window=9 D=40", 1, 12, 30, 2, 1, 40, 1, 9, 18, 0, true);
+}
+
 int main() {
     test_cast(); test_embedding(); test_norms(); test_rope(); test_softmax(); test_elementwise();
     test_attention(); test_router(); test_moe(); test_reduce_loss(); test_vocab_parallel_loss();
     test_vectors(); test_strided_copy();
     test_mma_wrappers(); test_attention_tc(); test_attention_decode();
+    test_attention_bwd();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }
