@@ -179,3 +179,47 @@ fn ranks_started_with_torchrun_variables() {
     assert_eq!(job_ids(&outs[0]), job_ids(&outs[1]));
     case.check(&read_out(&out), "torchrun-style tp=2");
 }
+
+/// A launched rank under `--backend cuda` runs on the GPU of its `LOCAL_RANK`. Before any
+/// rendezvous it fails with one clear line: without a driver, naming `--backend cpu`; with one,
+/// for a local rank past the node's GPUs, naming the rank and `--nproc-per-node`.
+#[test]
+fn cuda_ranks_open_the_gpu_of_their_local_rank() {
+    let case = case();
+    let tmp = tempfile::tempdir().unwrap();
+    let tokens = write_tokens(tmp.path(), &case);
+    let out = tmp.path().join("out.json").display().to_string();
+    let port = common::free_port().to_string();
+    let run = |local_rank: usize, needles: &[&str]| {
+        let local = local_rank.to_string();
+        let env = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", local.as_str()),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "localhost"),
+            ("MASTER_PORT", port.as_str()),
+        ];
+        let args = [
+            "run",
+            &llama(),
+            "--tokens",
+            &tokens,
+            "--mesh",
+            "tp=2",
+            "--backend",
+            "cuda",
+            "--out",
+            &out,
+        ];
+        common::fails_with_env(&args, &env, needles);
+    };
+    match shardc::runtime::cuda::cuda_device_count() {
+        Ok(n) => run(n, &["rank 1 is local rank", "--nproc-per-node"]),
+        Err(e) => {
+            assert!(e.is_unavailable(), "{e}");
+            run(1, &["--backend cpu"]);
+        }
+    }
+    assert!(!Path::new(&out).exists(), "no output written");
+}

@@ -22,8 +22,9 @@ use shardc::compiler::compile::{compile, CompileOptions, CompileSpec, Job};
 use shardc::compiler::model::{ForwardOutput, ModelConfig};
 use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::Mesh;
+use shardc::runtime::cuda::comm::nccl::NcclId;
 use shardc::runtime::cuda::{
-    execute_cuda, run_spmd_local_gpu, CudaDevice, CudaOptions, GpuDType, ParamInit,
+    execute_cuda, run_nccl_rank, run_spmd_local_gpu, CudaDevice, CudaOptions, GpuDType, ParamInit,
 };
 use shardc::runtime::launch::{fingerprint_of, ProcessGroup, WorldEnv};
 use shardc::runtime::output::Outputs;
@@ -295,16 +296,16 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     } else if a.mesh.is_none() && !a.strategy.is_empty() {
         bail!("--strategy applies to a sharded run: give --mesh too");
     }
-    let cuda = match a.backend.as_str() {
-        "cpu" => None,
-        "cuda" => Some(cuda_backend(&a)?),
-        other => bail!("backend `{other}` is not available (available: cpu, cuda)"),
-    };
     // A rank of a multi-process job (validated before any work).
     let world = if WorldEnv::detected() {
         Some(WorldEnv::from_env()?)
     } else {
         None
+    };
+    let cuda = match a.backend.as_str() {
+        "cpu" => None,
+        "cuda" => Some(cuda_backend(&a, world.as_ref())?),
+        other => bail!("backend `{other}` is not available (available: cpu, cuda)"),
     };
     if let (None, None, Some(w)) = (&a.mesh, &a.plan, &world) {
         if w.world_size > 1 {
@@ -415,11 +416,59 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let (outputs, how) = match &world {
         _ if cuda.is_some() => {
-            if world.is_some() {
-                bail!("--backend cuda runs one process (--mesh runs every rank on GPU 0); multi-process CUDA runs are not wired into `shardc run` yet");
-            }
             let (dev, opts) = cuda.as_ref().expect("invariant: matched");
-            run_cuda(dev, opts, &plan, &weights, &inputs)?
+            match &world {
+                Some(env) if distributed => {
+                    // Rank 0's NCCL id reaches every rank as the rendezvous' bootstrap bytes.
+                    let fingerprint = fingerprint_of(&plan);
+                    let id = if env.rank == 0 {
+                        Some(NcclId::new()?)
+                    } else {
+                        None
+                    };
+                    let bootstrap = id.as_ref().map(|i| &i.0[..]);
+                    let pg = ProcessGroup::connect(
+                        env,
+                        &plan.mesh,
+                        &fingerprint,
+                        bootstrap,
+                        a.comm_timeout,
+                    )?;
+                    let id = NcclId::from_bootstrap(pg.bootstrap())?;
+                    let params = ParamInit::Weights(&weights);
+                    let out = run_nccl_rank(
+                        dev,
+                        &plan.program,
+                        &plan.mesh,
+                        env.rank,
+                        id,
+                        &params,
+                        &inputs,
+                        opts,
+                    )
+                    .with_context(|| format!("rank {} ({})", env.rank, pg.coords()))?;
+                    if env.rank != 0 {
+                        println!(
+                            "rank {} ({}) of {} done on {}; rank 0 writes {}",
+                            env.rank,
+                            pg.coords(),
+                            env.world_size,
+                            dev.name(),
+                            a.out.display()
+                        );
+                        return Ok(());
+                    }
+                    (
+                        out,
+                        format!(
+                            "mesh {} ({strategies}) as rank 0 of {} processes (nccl, one GPU \
+                             per local rank, {})",
+                            plan.mesh, env.world_size, opts.dtype
+                        ),
+                    )
+                }
+                _ => run_cuda(dev, opts, &plan, &weights, &inputs)?,
+            }
         }
         Some(env) if distributed => {
             // Ranks must agree on the program (not on where each found the model).
@@ -461,10 +510,14 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
     };
     let elapsed = t0.elapsed();
+    let backend = match &cuda {
+        Some((_, opts)) => format!("CUDA, {}", opts.dtype),
+        None => "CPU reference, f32".to_string(),
+    };
     // The summary line, ending with what the run returned.
     let ran = |returned: &str| {
         println!(
-            "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms (CPU reference, f32); {returned} → {}",
+            "ran {} ({} layers) {how}: batch {b} × {t} tokens in {:.1} ms ({backend}); {returned} → {}",
             cfg.arch.name(),
             cfg.layers,
             elapsed.as_secs_f64() * 1e3,
@@ -541,7 +594,10 @@ fn check_finite_output(name: &str, t: &Tensor) -> anyhow::Result<()> {
 
 /// The CUDA device and options for `--backend cuda`, or the clear error of a machine without
 /// a driver (checked before any other work).
-fn cuda_backend(a: &RunArgs) -> anyhow::Result<(Arc<CudaDevice>, CudaOptions)> {
+fn cuda_backend(
+    a: &RunArgs,
+    world: Option<&WorldEnv>,
+) -> anyhow::Result<(Arc<CudaDevice>, CudaOptions)> {
     let Some(dtype) = GpuDType::parse(&a.dtype) else {
         bail!(
             "--dtype {} is not supported by the CUDA backend (f32, bf16)",
@@ -549,7 +605,16 @@ fn cuda_backend(a: &RunArgs) -> anyhow::Result<(Arc<CudaDevice>, CudaOptions)> {
         );
     };
     // Probes for libcuda before any cudarc call: no driver is an error, never a panic.
-    let dev = CudaDevice::open(0).map_err(|e| anyhow::anyhow!("{e}; use --backend cpu"))?;
+    // A rank of a launched job runs on the GPU of its local rank (torchrun's convention).
+    let ordinal = world.map_or(0, |w| w.local_rank);
+    let dev = CudaDevice::open(ordinal).map_err(|e| match world {
+        Some(w) if !e.is_unavailable() => anyhow::anyhow!(
+            "{e}; rank {} is local rank {ordinal} and runs on GPU {ordinal} (one GPU per local \
+             rank: --nproc-per-node at most this node's GPU count)",
+            w.rank
+        ),
+        _ => anyhow::anyhow!("{e}; use --backend cpu"),
+    })?;
     let opts = CudaOptions {
         dtype,
         timeout: a.comm_timeout,

@@ -49,5 +49,5 @@ pub use plan::{
 };
 pub use program::{execute_cuda, graph_blocker, CudaProgram};
 pub use rank::{CudaOptions, CudaRankCtx, ParamInit};
-pub use spmd::{run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
+pub use spmd::{run_nccl_rank, run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
 pub use strided::{contiguous_strides, StridedSpec, MAX_RANK};

@@ -93,13 +93,30 @@ pub fn run_spmd_nccl_threads(
         error,
     })?;
     on_rank_threads(mesh, (0..world).collect(), |rank| {
-        let world_comm = NcclComm::init(dev, rank, world, id, "world", opts.timeout)?;
-        let axes = world_comm.for_mesh(mesh).map_err(|e| CudaError::CommPoll {
-            axis: "world".to_string(),
-            source: Box::new(e),
-        })?;
-        let out = run_rank(dev, program, params, inputs, opts, &axes);
-        drop(axes);
-        out
+        run_nccl_rank(dev, program, mesh, rank, id, params, inputs, opts)
     })
+}
+
+/// Runs `rank` of `mesh` on `dev` with real NCCL communicators: the world communicator from
+/// `id` (rank 0's, the same on every rank), split per mesh axis. One rank of a multi-process
+/// job on its own GPU, or one thread of [`run_spmd_nccl_threads`].
+#[allow(clippy::too_many_arguments)]
+pub fn run_nccl_rank(
+    dev: &Arc<CudaDevice>,
+    program: &Graph,
+    mesh: &Mesh,
+    rank: usize,
+    id: NcclId,
+    params: &ParamInit,
+    inputs: &BTreeMap<String, Tensor>,
+    opts: &CudaOptions,
+) -> Result<BTreeMap<String, Tensor>, CudaError> {
+    let world_comm = NcclComm::init(dev, rank, mesh.world_size(), id, "world", opts.timeout)?;
+    let axes = world_comm.for_mesh(mesh).map_err(|e| CudaError::CommPoll {
+        axis: "world".to_string(),
+        source: Box::new(e),
+    })?;
+    let out = run_rank(dev, program, params, inputs, opts, &axes);
+    drop(axes);
+    out
 }

@@ -119,6 +119,19 @@ impl NcclId {
         Ok(NcclId(bytes))
     }
 
+    /// The id rank 0 sent through the launcher's rendezvous (its bootstrap bytes): exactly
+    /// 128 bytes, else a named error (a rank 0 that sent no NCCL id, or another program).
+    pub fn from_bootstrap(bytes: &[u8]) -> Result<NcclId, CudaError> {
+        let id: [u8; 128] = bytes.try_into().map_err(|_| CudaError::NoDevice {
+            reason: format!(
+                "rank 0 sent {} bootstrap bytes through the rendezvous, not a 128-byte NCCL \
+                 unique id: do all ranks run `--backend cuda`?",
+                bytes.len()
+            ),
+        })?;
+        Ok(NcclId(id))
+    }
+
     fn raw(&self) -> nsys::ncclUniqueId {
         let mut internal = [0 as std::ffi::c_char; 128];
         for (c, b) in internal.iter_mut().zip(self.0.iter()) {
@@ -718,6 +731,25 @@ impl DeviceCommunicator for NcclComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rendezvous carries rank 0's id as bootstrap bytes: 128 of them round-trip, any
+    /// other length (a CPU job's 16-byte job id, nothing) is an error naming the length.
+    #[test]
+    fn nccl_id_from_bootstrap_bytes() {
+        let bytes: Vec<u8> = (0..128u32).map(|i| (i * 7) as u8).collect();
+        let id = NcclId::from_bootstrap(&bytes).expect("128 bytes");
+        assert_eq!(id.0.to_vec(), bytes);
+        assert_eq!(NcclId::from_bootstrap(&id.0).expect("its own bytes"), id);
+        for n in [0, 16, 127, 129] {
+            let e = NcclId::from_bootstrap(&vec![0; n]).expect_err("wrong length");
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("sent {n} bootstrap bytes")),
+                "{text}"
+            );
+            assert!(text.contains("--backend cuda"), "{text}");
+        }
+    }
 
     #[test]
     fn config_is_the_2_30_initializer_made_nonblocking() {
