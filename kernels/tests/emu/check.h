@@ -1,0 +1,41 @@
+// Shared helpers of the emulator tests (each test_*.cpp is its own program): a seeded RNG,
+// the tolerance check against double references, and the host bf16 rounding.
+#pragma once
+#include "shim.h"
+#include <random>
+#include <cfloat>
+static int failures = 0;
+static std::mt19937 rng(42);
+std::vector<float> randv(size_t n, float lo = -2, float hi = 2) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    std::vector<float> v(n); for (auto& x : v) x = d(rng); return v;
+}
+void check(const char* what, const std::vector<float>& got, const std::vector<double>& want, double atol, double rtol) {
+    double worst = 0; size_t wi = 0; bool bad = false;
+    if (got.size() != want.size()) { printf("FAIL %s size\n", what); failures++; return; }
+    for (size_t i = 0; i < got.size(); ++i) {
+        double g = got[i], w = want[i];
+        if (std::isnan(w) && std::isnan(g)) continue;
+        if (std::isinf(w) && g == w) continue;
+        double err = std::fabs(g - w);
+        if (!(err <= atol + rtol * std::fabs(w))) { if (!bad || err > worst) { worst = err; wi = i; } bad = true; }
+    }
+    if (bad) { printf("FAIL %s: at %zu got %g want %g\n", what, wi, got[wi], want[wi]); failures++; }
+    else printf("ok   %s (%zu values)\n", what, got.size());
+}
+// host bf16 reference: nearest with ties to even, computed by comparing candidates in double
+unsigned short host_bf16(float f) {
+    if (std::isnan(f)) { unsigned u; memcpy(&u, &f, 4); return (u >> 16) | 0x40; }
+    unsigned u; memcpy(&u, &f, 4);
+    unsigned short lo = u >> 16, hi = lo + 1;
+    // bf16 value in double; the pattern past the largest finite one counts as 2^128 (IEEE
+    // rounding with an unbounded exponent, then overflow to inf).
+    auto val = [](unsigned short b) { if ((b & 0x7fff) == 0x7f80) return std::copysign(std::ldexp(1.0, 128), (b & 0x8000) ? -1.0 : 1.0);
+        unsigned v = (unsigned)b << 16; float r; memcpy(&r, &v, 4); return (double)r; };
+    if ((u & 0xffff) == 0) return lo;
+    double dl = std::fabs((double)f - val(lo)), dh = std::fabs(val(hi) - (double)f);
+    if (dl < dh) return lo; if (dh < dl) return hi; return (lo & 1) ? hi : lo;
+}
+float host_bf16_f(unsigned short b) { unsigned v = (unsigned)b << 16; float r; memcpy(&r, &v, 4); return r; }
+std::vector<double> dv(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
