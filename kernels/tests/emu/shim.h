@@ -40,6 +40,17 @@ inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; 
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// The explicitly rounded IEEE operations (NVRTC built-ins the optimizer kernels use so that no
+// multiply and add are contracted into an FMA): plain operations here, since g++ on x86-64
+// without -mfma contracts nothing.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
 inline void __trap() { std::fprintf(stderr, "__trap\n"); std::abort(); }
 
 template <class F> void launch(dim3 grid, dim3 block, F kernel) {

@@ -302,40 +302,6 @@ void test_vocab_parallel_loss() {
 // boundary and at lengths off the vector width, and g_vec_accesses tells which path ran: the
 // vector path (with its scalar tail), the scalar fallback, or both across rows.
 
-// A copy of v placed `off` elements past a 16-byte boundary.
-template <class T> struct Placed {
-    std::vector<T> buf; T* p;
-    Placed(const std::vector<T>& v, int off) : buf(v.size() + 16 + off) {
-        const size_t skip = ((16 - ((uintptr_t)buf.data() & 15)) & 15) / sizeof(T);
-        p = buf.data() + skip + off;
-        std::copy(v.begin(), v.end(), p);
-    }
-    std::vector<float> f32(size_t n) const {
-        std::vector<float> r(n);
-        for (size_t i = 0; i < n; ++i) { if constexpr (sizeof(T) == 2) r[i] = host_bf16_f(p[i]); else r[i] = p[i]; }
-        return r;
-    }
-};
-// Rounds x to bf16 in place (so references see the kernel's inputs) and returns the bf16 bits.
-std::vector<bf16> to_bf16(std::vector<float>& x) {
-    std::vector<bf16> r(x.size());
-    for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); }
-    return r;
-}
-template <class T> std::vector<T> as(std::vector<float>& x) {
-    if constexpr (sizeof(T) == 2) return to_bf16(x); else return x;
-}
-long long g_vec_mark = 0;
-void mark_vec() { g_vec_mark = g_vec_accesses.load(); }
-// Fails unless 16-byte accesses happened since mark_vec() exactly when `want`.
-void check_path(const char* what, bool want) {
-    const long long n = g_vec_accesses.load() - g_vec_mark;
-    if ((n > 0) != want) { printf("FAIL %s: %lld vector accesses, wanted %s\n", what, n, want ? "some" : "none"); failures++; }
-    else printf("ok   %s: %s path (%lld vector accesses)\n", what, want ? "vector" : "scalar", n);
-}
-template <class T> constexpr int lanes() { return 16 / sizeof(T); }
-template <class T> const char* tname() { return sizeof(T) == 2 ? "bf16" : "f32"; }
-
 template <class T> void norm_case(int R, int H, int offx, int offw, unsigned block) {
     const bool bf = sizeof(T) == 2; const float eps = 1e-5f;
     const double tol = bf ? 1e-2 : 1e-5;
