@@ -52,7 +52,7 @@ pub fn rope_launch(pairs: usize, dtype: KernelDType) -> LaunchConfig {
 }
 
 /// One block per row (block-stride): rmsnorm, layernorm, add_rmsnorm, softmax, cross_entropy,
-/// cross_entropy_stats, cross_entropy_shard_grad.
+/// cross_entropy_stats, cross_entropy_shard_grad, norm_stats, norm_grad_dx.
 /// Wider rows get wider blocks (a multiple of 32, at most 1024).
 pub fn rows_launch(rows: usize, cols: usize) -> LaunchConfig {
     let threads: u32 = match cols {
@@ -65,6 +65,29 @@ pub fn rows_launch(rows: usize, cols: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks(rows, 1), 1, 1),
         block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Columns per block of the column reductions of norm_grad.cu: a warp's width, lane `l` of
+/// every warp summing column `32·tile + l`.
+pub const COLUMN_TILE: usize = 32;
+/// Rows each warp of a column reduction is given at least, before the block grows a warp.
+pub const COLUMN_ROWS_PER_WARP: usize = 16;
+/// Most warps per block of a column reduction (1024 threads).
+pub const COLUMN_MAX_WARPS: usize = 32;
+
+/// The column reductions `norm_grad_dw_*` and `bias_grad_*` over `[rows, cols]`: one block per
+/// [`COLUMN_TILE`] columns (block-stride beyond the grid cap), one warp per
+/// [`COLUMN_ROWS_PER_WARP`] rows, 1 to [`COLUMN_MAX_WARPS`]. The kernels' sums depend on the
+/// block width only, which depends on `rows` only: a shape always gives the same bits.
+pub fn columns_launch(rows: usize, cols: usize) -> LaunchConfig {
+    let warps = rows
+        .div_ceil(COLUMN_ROWS_PER_WARP)
+        .clamp(1, COLUMN_MAX_WARPS);
+    LaunchConfig {
+        grid_dim: (blocks(cols, COLUMN_TILE), 1, 1),
+        block_dim: (32 * warps as u32, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -820,5 +843,26 @@ mod tests {
         assert_eq!(rope_launch(2048, KernelDType::Bf16).grid_dim, (2, 1, 1));
         assert_eq!(rope_launch(2048, KernelDType::F32).grid_dim, (4, 1, 1));
         assert_eq!(router_launch(10, 8).map(|c| c.grid_dim.0).ok(), Some(3));
+    }
+
+    #[test]
+    fn column_reduction_configs() {
+        // (rows, cols) -> (blocks, threads): a block per 32 columns, a warp per 16 rows.
+        let cases = [
+            ((5, 300), (10, 32)),
+            ((0, 0), (1, 32)),
+            ((17, 32), (1, 64)),
+            ((8192, 4096), (128, 1024)),
+            ((1 << 30, 33), (2, 1024)),
+            ((4, 1 << 40), (MAX_GRID_STRIDE_BLOCKS, 32)),
+        ];
+        for ((rows, cols), (grid, threads)) in cases {
+            let c = columns_launch(rows, cols);
+            assert_eq!(
+                (c.grid_dim, c.block_dim, c.shared_mem_bytes),
+                ((grid, 1, 1), (threads, 1, 1), 0),
+                "{rows} x {cols}"
+            );
+        }
     }
 }

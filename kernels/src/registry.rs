@@ -209,6 +209,19 @@ pub static KERNELS: &[KernelSource] = &[
             "cross_entropy_shard_grad_bf16",
         ]
     ),
+    kernel_source!(
+        "norm_grad",
+        [
+            "norm_stats_f32",
+            "norm_stats_bf16",
+            "norm_grad_dx_f32",
+            "norm_grad_dx_bf16",
+            "norm_grad_dw_f32",
+            "norm_grad_dw_bf16",
+            "bias_grad_f32",
+            "bias_grad_bf16",
+        ]
+    ),
 ];
 
 /// The family named `name` (`"norm"`), if registered.
