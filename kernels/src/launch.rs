@@ -27,7 +27,8 @@ fn blocks(n: usize, per_block: usize) -> u32 {
 }
 
 /// Grid-stride kernels over `n` elements, a thread each: cast, dispatch, combine,
-/// cross_entropy_from_stats (n = rows), the runtime's layout kernels.
+/// cross_entropy_from_stats (n = rows), repeat_grad (n = dx elements), embedding_grad (n =
+/// ids·hidden), the runtime's layout kernels.
 pub fn elementwise_launch(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks(n, ELEMENTWISE_THREADS as usize), 1, 1),
@@ -38,7 +39,7 @@ pub fn elementwise_launch(n: usize) -> LaunchConfig {
 
 /// Grid-stride kernels that move 16-byte vectors (`dtype.vector_lanes()` elements per thread
 /// and step) over `n` elements: unary, scale, add/mul, swiglu, reduce_*, embedding (n =
-/// ids·hidden), generated fused kernels. One
+/// ids·hidden), unary_grad_*, generated fused kernels. One
 /// thread per vector; where a kernel falls back to scalar accesses (unaligned pointers) its
 /// grid-stride loop covers the rest, so the shape is valid either way.
 pub fn vector_launch(n: usize, dtype: KernelDType) -> LaunchConfig {

@@ -222,6 +222,27 @@ pub static KERNELS: &[KernelSource] = &[
             "bias_grad_bf16",
         ]
     ),
+    kernel_source!(
+        "grad",
+        [
+            "unary_grad_gelu_tanh_f32",
+            "unary_grad_gelu_tanh_bf16",
+            "unary_grad_gelu_erf_f32",
+            "unary_grad_gelu_erf_bf16",
+            "unary_grad_silu_f32",
+            "unary_grad_silu_bf16",
+            "unary_grad_relu_f32",
+            "unary_grad_relu_bf16",
+            "unary_grad_exp_f32",
+            "unary_grad_exp_bf16",
+            "unary_grad_neg_f32",
+            "unary_grad_neg_bf16",
+            "repeat_grad_f32",
+            "repeat_grad_bf16",
+            "embedding_grad_f32",
+            "embedding_grad_bf16",
+        ]
+    ),
 ];
 
 /// The family named `name` (`"norm"`), if registered.
@@ -292,6 +313,7 @@ mod tests {
                 "SHARDC_SCALE(",
                 "SHARDC_BINARY(",
                 "SHARDC_SWIGLU(",
+                "SHARDC_UNARY_GRAD(",
             ] {
                 idents_after(src, mac, &mut m);
             }

@@ -1,8 +1,10 @@
-// CPU checks of the training kernels (norm_grad.cu) under the SIMT emulation in shim.h,
-// against double-precision references written from the formulas of the CPU reference
-// (runtime/src/cpu/train/norm.rs, basic.rs). Run with ./run.sh train.
+// CPU checks of the training kernels (norm_grad.cu, grad.cu) under the SIMT emulation in
+// shim.h, against double-precision references written from the formulas of the CPU reference
+// (runtime/src/cpu/train: norm.rs, basic.rs). Run with ./run.sh train.
 #include "check.h"
 #include "cu/norm_grad.cu"
+#include "cu/grad.cu"
+#include <climits>
 
 // Calls the f32 or the bf16 entry point of NAME, by T (in a template on T).
 #define CALL_T(T, NAME, ...) \
@@ -104,8 +106,112 @@ void test_norm_grad() {
     bias_grad_case<bf16>(37, 37, 2, 256);
 }
 
+// ---- grad.cu -----------------------------------------------------------------------------------
+
+// basic.rs `unary_derivative`, in f64.
+double d_gelu_tanh(double x) {
+    const double k = 0.7978845608028654, inner = k * (x + 0.044715 * x * x * x), t = std::tanh(inner);
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x);
+}
+double d_gelu_erf(double x) { return 0.5 * std::erfc(-x * 0.7071067811865476) + x * 0.3989422804014327 * std::exp(-0.5 * x * x); }
+double d_silu(double x) { const double s = 1 / (1 + std::exp(-x)); return s * (1 + x * (1 - s)); }
+double d_relu(double x) { return x > 0 ? 1 : 0; }
+double d_exp(double x) { return std::exp(x); }
+double d_neg(double) { return -1; }
+
+struct UnaryGrad {
+    const char* name;
+    void (*f32)(const float*, const float*, float*, i64);
+    void (*bf)(const bf16*, const bf16*, bf16*, i64);
+    double (*d)(double);
+};
+const UnaryGrad UNARY_GRADS[] = {
+    {"gelu_tanh", unary_grad_gelu_tanh_f32, unary_grad_gelu_tanh_bf16, d_gelu_tanh},
+    {"gelu_erf", unary_grad_gelu_erf_f32, unary_grad_gelu_erf_bf16, d_gelu_erf},
+    {"silu", unary_grad_silu_f32, unary_grad_silu_bf16, d_silu},
+    {"relu", unary_grad_relu_f32, unary_grad_relu_bf16, d_relu},
+    {"exp", unary_grad_exp_f32, unary_grad_exp_bf16, d_exp},
+    {"neg", unary_grad_neg_f32, unary_grad_neg_bf16, d_neg},
+};
+
+// Every unary gradient on n values (x in [-4, 4] plus the kink, tails and overflow points),
+// the buffers `off` elements past a 16-byte boundary; in place over dy when `in_place`.
+template <class T> void unary_grad_case(int n, int off, bool in_place) {
+    const bool bf = sizeof(T) == 2;
+    auto xf = randv(n, -4, 4), gf = randv(n);
+    const float special[] = {0.0f, -0.0f, 1e20f, -1e20f, 100.0f, -100.0f, 12.0f, -12.0f, 0.5f};
+    for (size_t i = 0; i < sizeof special / sizeof *special && i < (size_t)n; ++i) xf[i * 7 % n] = special[i];
+    auto xt = as<T>(xf); auto gt = as<T>(gf);
+    const bool aligned = off * sizeof(T) % 16 == 0;
+    for (const UnaryGrad& u : UNARY_GRADS) {
+        Placed<T> x(xt, off), dy(gt, off), out(std::vector<T>(n), off);
+        T* dx = in_place ? dy.p : out.p;
+        mark_vec();
+        launch({2}, {32}, [&] { if constexpr (sizeof(T) == 2) u.bf(x.p, dy.p, dx, n); else u.f32(x.p, dy.p, dx, n); });
+        char what[128]; snprintf(what, sizeof what, "unary_grad_%s_%s n=%d +%d%s", u.name, tname<T>(), n, off, in_place ? " (over dy)" : "");
+        check_path(what, aligned);
+        std::vector<double> want(n);
+        for (int i = 0; i < n; ++i) want[i] = (float)((double)gf[i] * u.d(xf[i]));  // f32, as the CPU's
+        check(what, (in_place ? dy : out).f32(n), want, bf ? 1e-2 : 2e-6, bf ? 1e-2 : 4e-6);
+    }
+}
+
+// repeat_grad with dy [outer, dim * times, inner], the run of `times` summed per dx element.
+template <class T> void repeat_grad_case(int outer, int dim, int times, int inner) {
+    const bool bf = sizeof(T) == 2;
+    auto gf = randv((size_t)outer * dim * times * inner); auto gt = as<T>(gf);
+    std::vector<T> dx((size_t)outer * dim * inner);
+    std::vector<double> want(dx.size());
+    for (int o = 0; o < outer; ++o) for (int i = 0; i < dim; ++i) for (int k = 0; k < inner; ++k) {
+        double s = 0; for (int t = 0; t < times; ++t) s += gf[((size_t)(o * dim + i) * times + t) * inner + k];
+        want[((size_t)o * dim + i) * inner + k] = s;
+    }
+    launch({2}, {64}, [&] { CALL_T(T, repeat_grad, gt.data(), dx.data(), outer, dim, times, inner); });
+    char what[128]; snprintf(what, sizeof what, "repeat_grad_%s [%d, %d x %d, %d]", tname<T>(), outer, dim, times, inner);
+    check(what, Placed<T>(dx, 0).f32(dx.size()), want, bf ? 1e-2 : 3e-7, bf ? 1e-2 : 3e-7);
+}
+
+// embedding_grad: ids repeated and outside [0, V) (negative, V, far past it); acc starts
+// non-zero to show it adds, and rows no id names keep their bits.
+template <class T> void embedding_grad_case(int H) {
+    const int V = 7;
+    std::vector<int> ids = {3, 0, 6, 3, -1, 7, 3, INT_MIN, 100, 6, INT_MAX, 1};
+    const int n = ids.size();
+    auto gf = randv((size_t)n * H); auto gt = as<T>(gf);
+    auto acc = randv((size_t)V * H); const auto acc0 = acc;
+    std::vector<double> want = dv(acc0);
+    for (int i = 0; i < n; ++i) if (ids[i] >= 0 && ids[i] < V) for (int c = 0; c < H; ++c) want[(size_t)ids[i] * H + c] += gf[(size_t)i * H + c];
+    launch({3}, {32}, [&] { CALL_T(T, embedding_grad, ids.data(), gt.data(), acc.data(), n, V, H); });
+    char what[128]; snprintf(what, sizeof what, "embedding_grad_%s V=%d H=%d (repeats, ids outside [0, V))", tname<T>(), V, H);
+    check(what, acc, want, 4e-7, 4e-7);
+    std::vector<float> untouched; std::vector<double> untouched0;
+    for (int v : {2, 4, 5}) for (int c = 0; c < H; ++c) { untouched.push_back(acc[v * H + c]); untouched0.push_back(acc0[v * H + c]); }
+    snprintf(what, sizeof what, "embedding_grad_%s rows no id names", tname<T>());
+    check(what, untouched, untouched0, 0, 0);
+}
+
+void test_grad() {
+    for (bool in_place : {false, true}) {
+        unary_grad_case<float>(1003, 0, in_place);
+        unary_grad_case<bf16>(1003, 0, in_place);
+    }
+    unary_grad_case<float>(1003, 1, false);
+    unary_grad_case<float>(5, 0, false);
+    unary_grad_case<bf16>(1003, 3, false);
+    unary_grad_case<bf16>(13, 0, false);
+    repeat_grad_case<float>(3, 5, 3, 7);
+    repeat_grad_case<float>(2, 37, 4, 1);
+    repeat_grad_case<float>(1, 3, 1, 300);
+    repeat_grad_case<bf16>(3, 5, 3, 7);
+    repeat_grad_case<bf16>(2, 37, 4, 1);
+    embedding_grad_case<float>(37);
+    embedding_grad_case<float>(300);
+    embedding_grad_case<bf16>(37);
+}
+
 int main() {
     test_norm_grad();
+    test_grad();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }
