@@ -39,7 +39,7 @@ pub fn elementwise_launch(n: usize) -> LaunchConfig {
 
 /// Grid-stride kernels that move 16-byte vectors (`dtype.vector_lanes()` elements per thread
 /// and step) over `n` elements: unary, scale, add/mul, swiglu, reduce_*, embedding (n =
-/// ids·hidden), unary_grad_*, generated fused kernels. One
+/// ids·hidden), unary_grad_*, adam_moment, adamw_update, generated fused kernels. One
 /// thread per vector; where a kernel falls back to scalar accesses (unaligned pointers) its
 /// grid-stride loop covers the rest, so the shape is valid either way.
 pub fn vector_launch(n: usize, dtype: KernelDType) -> LaunchConfig {

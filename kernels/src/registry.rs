@@ -243,6 +243,15 @@ pub static KERNELS: &[KernelSource] = &[
             "embedding_grad_bf16",
         ]
     ),
+    kernel_source!(
+        "optim",
+        [
+            "adam_moment_f32",
+            "adam_moment_bf16",
+            "adamw_update_f32",
+            "adamw_update_bf16",
+        ]
+    ),
 ];
 
 /// The family named `name` (`"norm"`), if registered.

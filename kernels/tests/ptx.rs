@@ -177,6 +177,45 @@ fn attention_backward_assembles_for_sm90() {
     eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
 }
 
+/// The training kernels to PTX and to CUBINs for sm_90. The optimizer's arithmetic must stay
+/// unfused to be bit-identical to the CPU: no floating-point `fma`/`mad` anywhere in optim.cu's
+/// PTX. The row caches of norm_grad.cu stay in registers (no `.local`), and embedding_grad
+/// accumulates with f32 global atomics.
+#[test]
+fn training_kernels_assemble_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let is_float_fma = |l: &str| {
+        let op = l.trim_start();
+        op.starts_with("fma.") || op.starts_with("mad.rn") || op.starts_with("mad.f")
+    };
+    for family in ["norm_grad", "grad", "optim"] {
+        let k = kernel_source(family).expect("invariant: registered");
+        let ptx = PtxCache::disabled()
+            .compile(k.file, &k.source(), ARCH, &[])
+            .unwrap_or_else(|e| panic!("{e}"));
+        for e in k.entries {
+            assert!(ptx.has_entry(e), "{}: no `{e}` in the PTX", k.file);
+        }
+        match family {
+            "optim" => {
+                let fused: Vec<&str> = ptx.ptx.lines().filter(|l| is_float_fma(l)).collect();
+                assert!(fused.is_empty(), "optim.cu contracted: {fused:?}");
+            }
+            "norm_grad" => assert!(!ptx.ptx.contains(".local"), "norm_grad.cu: local memory"),
+            _ => assert!(
+                ptx.ptx.lines().any(|l| l.contains(".global.add.f32")
+                    && (l.contains("red.") || l.contains("atom."))),
+                "grad.cu: no f32 global atomic add in the PTX"
+            ),
+        }
+        let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
+        assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+        eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+    }
+}
+
 /// Inline `asm` is only checked when the PTX is assembled: a CUBIN makes NVRTC run ptxas.
 #[test]
 fn malformed_inline_ptx_fails_the_cubin_build() {

@@ -1,9 +1,11 @@
-// CPU checks of the training kernels (norm_grad.cu, grad.cu) under the SIMT emulation in
-// shim.h, against double-precision references written from the formulas of the CPU reference
-// (runtime/src/cpu/train: norm.rs, basic.rs). Run with ./run.sh train.
+// CPU checks of the training kernels (norm_grad.cu, grad.cu, optim.cu) under the SIMT emulation
+// in shim.h, against double-precision references written from the formulas of the CPU
+// reference (runtime/src/cpu/train: norm.rs, basic.rs, optim.rs); the optimizer kernels
+// against the CPU's own f32 / f64 expressions, bit for bit. Run with ./run.sh train.
 #include "check.h"
 #include "cu/norm_grad.cu"
 #include "cu/grad.cu"
+#include "cu/optim.cu"
 #include <climits>
 
 // Calls the f32 or the bf16 entry point of NAME, by T (in a template on T).
@@ -209,9 +211,87 @@ void test_grad() {
     embedding_grad_case<bf16>(37);
 }
 
+// ---- optim.cu ----------------------------------------------------------------------------------
+
+// optim.rs `moment`, in f32 as Rust evaluates it (no contraction: x86-64 without FMA).
+float cpu_moment(float m, float g, float beta, bool squared) {
+    const float w = (float)(1.0 - (double)beta);
+    return squared ? m * beta + w * g * g : m + w * (g - m);
+}
+
+// Both moments for three betas, out separate or over m, buffers `off` elements past a 16-byte
+// boundary; bit-identical to cpu_moment (rounded once to bf16 for bf16).
+template <class T> void adam_moment_case(int n, int off) {
+    auto mf = randv(n, -1, 1), gf = randv(n, -3, 3);
+    mf[0] = 0; gf[1] = 0; gf[2] = 1e-20f; mf[3] = 1e30f; gf[4] = 1e19f;
+    auto mt = as<T>(mf); auto gt = as<T>(gf);
+    const bool aligned = off * sizeof(T) % 16 == 0;
+    for (float beta : {0.9f, 0.95f, 0.999f}) for (int squared : {0, 1}) for (bool in_place : {false, true}) {
+        Placed<T> m(mt, off), g(gt, off), out(std::vector<T>(n), off);
+        T* o = in_place ? m.p : out.p;
+        const float w = (float)(1.0 - (double)beta);
+        mark_vec();
+        launch({2}, {32}, [&] { CALL_T(T, adam_moment, m.p, g.p, o, n, beta, w, squared); });
+        char what[128]; snprintf(what, sizeof what, "adam_moment_%s beta %g squared %d n=%d +%d%s", tname<T>(), beta, squared, n, off, in_place ? " (over m)" : "");
+        check_path(what, aligned);
+        std::vector<double> want(n);
+        for (int i = 0; i < n; ++i) {
+            const float r = cpu_moment(mf[i], gf[i], beta, squared);
+            want[i] = sizeof(T) == 2 ? host_bf16_f(host_bf16(r)) : r;
+        }
+        check(what, (in_place ? m : out).f32(n), want, 0, 0);
+    }
+}
+
+// optim.rs `update` for step t, f64 from the f32 spec values, rounded to f32.
+struct AdamW { double decay, step_size, bc2_sqrt, eps; };
+AdamW adamw_scalars(float lr, float beta1, float beta2, float eps, float wd, float t) {
+    const double l = lr, b1 = beta1, b2 = beta2;
+    return {1.0 - l * (double)wd, l / (1.0 - std::pow(b1, (double)t)), std::sqrt(1.0 - std::pow(b2, (double)t)), (double)eps};
+}
+float cpu_update(float w, float m, float v, const AdamW& s) {
+    const double denom = std::sqrt((double)v) / s.bc2_sqrt + s.eps;
+    return (float)((double)w * s.decay - s.step_size * (double)m / denom);
+}
+
+template <class T> void adamw_update_case(int n, int off) {
+    auto wf = randv(n, -2, 2), mf = randv(n, -1e-2f, 1e-2f), vf = randv(n, 0, 1e-3f);
+    vf[0] = 0; mf[1] = 0; vf[2] = 0; mf[2] = 0; vf[3] = 1e-30f; wf[4] = 0;
+    auto wt = as<T>(wf); auto mt = as<T>(mf); auto vt = as<T>(vf);
+    const bool aligned = off * sizeof(T) % 16 == 0;
+    const AdamW steps[] = {adamw_scalars(1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1), adamw_scalars(3e-4f, 0.9f, 0.999f, 1e-8f, 0.0f, 7),
+                           adamw_scalars(1e-2f, 0.8f, 0.99f, 1e-6f, 0.01f, 1000)};
+    for (const AdamW& s : steps) for (bool in_place : {false, true}) {
+        Placed<T> w(wt, off), m(mt, off), v(vt, off), out(std::vector<T>(n), off);
+        T* o = in_place ? w.p : out.p;
+        mark_vec();
+        launch({2}, {32}, [&] { CALL_T(T, adamw_update, w.p, m.p, v.p, o, n, s.decay, s.step_size, s.bc2_sqrt, s.eps); });
+        char what[160]; snprintf(what, sizeof what, "adamw_update_%s decay %.3g step_size %.3g bc2_sqrt %.3g n=%d +%d%s", tname<T>(), s.decay, s.step_size, s.bc2_sqrt, n, off, in_place ? " (over w)" : "");
+        check_path(what, aligned);
+        std::vector<double> want(n);
+        for (int i = 0; i < n; ++i) {
+            const float r = cpu_update(wf[i], mf[i], vf[i], s);
+            want[i] = sizeof(T) == 2 ? host_bf16_f(host_bf16(r)) : r;
+        }
+        check(what, (in_place ? w : out).f32(n), want, 0, 0);
+    }
+}
+
+void test_optim() {
+    adam_moment_case<float>(1003, 0);
+    adam_moment_case<float>(1003, 1);
+    adam_moment_case<bf16>(1003, 0);
+    adam_moment_case<bf16>(1003, 5);
+    adamw_update_case<float>(1003, 0);
+    adamw_update_case<float>(1003, 3);
+    adamw_update_case<bf16>(1003, 0);
+    adamw_update_case<bf16>(1003, 2);
+}
+
 int main() {
     test_norm_grad();
     test_grad();
+    test_optim();
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }
