@@ -209,6 +209,21 @@ pub static KERNELS: &[KernelSource] = &[
             "cross_entropy_shard_grad_bf16",
         ]
     ),
+    kernel_source!(
+        "attention_grad",
+        [
+            "attention_probs_f32",
+            "attention_probs_bf16",
+            "attention_grad_ds_f32",
+            "attention_grad_ds_bf16",
+            "attention_grad_dq_f32",
+            "attention_grad_dq_bf16",
+            "attention_grad_dk_f32",
+            "attention_grad_dk_bf16",
+            "attention_grad_dv_f32",
+            "attention_grad_dv_bf16",
+        ]
+    ),
 ];
 
 /// The family named `name` (`"norm"`), if registered.
