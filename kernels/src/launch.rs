@@ -28,8 +28,8 @@ fn blocks(n: usize, per_block: usize) -> u32 {
 
 /// Grid-stride kernels over `n` elements, a thread each: cast, dispatch, combine,
 /// cross_entropy_from_stats (n = rows), the runtime's layout kernels; and, with `n` the output's
-/// element count, attention_grad_dq / dk / dv (each thread sums over S, or over the group's heads
-/// times Tq, for its element).
+/// element count, dispatch_grad, combine_grad_y and attention_grad_dq / dk / dv (each thread sums
+/// over S, or over the group's heads times Tq, for its element).
 pub fn elementwise_launch(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks(n, ELEMENTWISE_THREADS as usize), 1, 1),
@@ -71,7 +71,7 @@ pub fn rows_launch(rows: usize, cols: usize) -> LaunchConfig {
     }
 }
 
-/// `router_*`: one warp per token, 4 warps per block.
+/// `router_*` and `router_grad_*`: one warp per token, 4 warps per block.
 pub fn router_launch(tokens: usize, experts: usize) -> Result<LaunchConfig, KernelError> {
     if experts == 0 || experts > ROUTER_MAX_EXPERTS {
         return Err(KernelError::InvalidLaunch {
@@ -571,6 +571,16 @@ pub fn attention_rows_launch(rows: usize, seq_k: usize) -> LaunchConfig {
     }
 }
 
+/// `combine_grad_gates_*` (moe_grad.cu): one warp per (token, expert) pair, 4 warps per block,
+/// warp-stride beyond the grid cap.
+pub fn combine_grad_gates_launch(tokens: usize, experts: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks(tokens.saturating_mul(experts), 4), 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -857,6 +867,18 @@ mod tests {
             MAX_GRID_STRIDE_BLOCKS
         );
         assert_eq!(attention_rows_launch(0, 37).grid_dim.0, 1);
+    }
+
+    #[test]
+    fn combine_grad_gates_config() {
+        // A warp per (token, expert) pair, 4 per block.
+        let g = combine_grad_gates_launch(6, 8);
+        assert_eq!((g.grid_dim, g.block_dim), ((12, 1, 1), (128, 1, 1)));
+        assert_eq!(combine_grad_gates_launch(0, 8).grid_dim.0, 1);
+        assert_eq!(
+            combine_grad_gates_launch(1 << 40, 8).grid_dim.0,
+            MAX_GRID_STRIDE_BLOCKS
+        );
     }
 
     #[test]

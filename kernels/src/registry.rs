@@ -224,6 +224,19 @@ pub static KERNELS: &[KernelSource] = &[
             "attention_grad_dv_bf16",
         ]
     ),
+    kernel_source!(
+        "moe_grad",
+        [
+            "router_grad_f32",
+            "router_grad_bf16",
+            "dispatch_grad_f32",
+            "dispatch_grad_bf16",
+            "combine_grad_y_f32",
+            "combine_grad_y_bf16",
+            "combine_grad_gates_f32",
+            "combine_grad_gates_bf16",
+        ]
+    ),
 ];
 
 /// The family named `name` (`"norm"`), if registered.
