@@ -28,7 +28,9 @@ fn blocks(n: usize, per_block: usize) -> u32 {
 
 /// Grid-stride kernels over `n` elements, a thread each: cast, dispatch, combine,
 /// cross_entropy_from_stats (n = rows), repeat_grad (n = dx elements), embedding_grad (n =
-/// ids·hidden), the runtime's layout kernels.
+/// ids·hidden), the runtime's layout kernels; and, with `n` the output's element count,
+/// dispatch_grad, combine_grad_y and attention_grad_dq / dk / dv (each thread sums over S, or
+/// over the group's heads times Tq, for its element).
 pub fn elementwise_launch(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks(n, ELEMENTWISE_THREADS as usize), 1, 1),
@@ -93,7 +95,7 @@ pub fn columns_launch(rows: usize, cols: usize) -> LaunchConfig {
     }
 }
 
-/// `router_*`: one warp per token, 4 warps per block.
+/// `router_*` and `router_grad_*`: one warp per token, 4 warps per block.
 pub fn router_launch(tokens: usize, experts: usize) -> Result<LaunchConfig, KernelError> {
     if experts == 0 || experts > ROUTER_MAX_EXPERTS {
         return Err(KernelError::InvalidLaunch {
@@ -567,6 +569,42 @@ pub fn attention_bwd_launch(
     })
 }
 
+/// Keys an `attention_probs_*` / `attention_grad_ds_*` thread keeps in registers between the
+/// passes over its row (`SHARDC_ROW_CACHE` in common.cuh); keys beyond are recomputed.
+pub const ATTENTION_ROWS_KEYS_PER_THREAD: usize = 8;
+/// Fewest threads per block of the attention row kernels.
+pub const ATTENTION_ROWS_MIN_THREADS: u32 = 64;
+/// Most threads per block of the attention row kernels (their block reductions' limit).
+pub const ATTENTION_ROWS_MAX_THREADS: u32 = 1024;
+
+/// `attention_probs_*` and `attention_grad_ds_*` (attention_grad.cu) over `rows = B * Hq * Tq`
+/// rows of `seq_k` keys: one block per row (block-stride beyond the grid cap), with enough
+/// threads (a multiple of 32, 64..=1024) that each holds at most
+/// [`ATTENTION_ROWS_KEYS_PER_THREAD`] keys in registers, up to 8192 keys; longer rows
+/// recompute the keys past the cache. No shared memory beyond the kernels' static reduction
+/// scratch; any head_dim.
+pub fn attention_rows_launch(rows: usize, seq_k: usize) -> LaunchConfig {
+    let per_thread = seq_k.div_ceil(ATTENTION_ROWS_KEYS_PER_THREAD);
+    let threads = u32::try_from(per_thread.div_ceil(32) * 32)
+        .unwrap_or(u32::MAX)
+        .clamp(ATTENTION_ROWS_MIN_THREADS, ATTENTION_ROWS_MAX_THREADS);
+    LaunchConfig {
+        grid_dim: (blocks(rows, 1), 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `combine_grad_gates_*` (moe_grad.cu): one warp per (token, expert) pair, 4 warps per block,
+/// warp-stride beyond the grid cap.
+pub fn combine_grad_gates_launch(tokens: usize, experts: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks(tokens.saturating_mul(experts), 4), 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -823,6 +861,46 @@ mod tests {
         assert_eq!((p.grid_dim, p.block_dim), ((3, 1, 1), (128, 1, 1)));
         assert_eq!(
             attention_bwd_prep_launch(1 << 40).grid_dim.0,
+            MAX_GRID_STRIDE_BLOCKS
+        );
+    }
+
+    #[test]
+    fn attention_grad_configs() {
+        // One block per row; threads for at most 8 keys each, a multiple of 32 in 64..=1024.
+        let c = attention_rows_launch(2 * 4 * 37, 37);
+        assert_eq!((c.grid_dim, c.block_dim), ((296, 1, 1), (64, 1, 1)));
+        assert_eq!(c.shared_mem_bytes, 0);
+        assert_eq!(attention_rows_launch(1, 0).block_dim.0, 64);
+        assert_eq!(attention_rows_launch(1, 512).block_dim.0, 64);
+        assert_eq!(attention_rows_launch(1, 513).block_dim.0, 96);
+        assert_eq!(attention_rows_launch(1, 4096).block_dim.0, 512);
+        assert_eq!(attention_rows_launch(1, 8192).block_dim.0, 1024);
+        assert_eq!(attention_rows_launch(1, 1 << 20).block_dim.0, 1024);
+        for s in [1, 37, 300, 513, 2049, 8191, 8192, 100_000] {
+            let t = attention_rows_launch(3, s).block_dim.0 as usize;
+            assert_eq!(t % 32, 0, "S={s}");
+            assert!(
+                s > 8192 || t * ATTENTION_ROWS_KEYS_PER_THREAD >= s,
+                "S={s}: {t} threads"
+            );
+        }
+        // Rows beyond the grid cap are walked block-stride.
+        assert_eq!(
+            attention_rows_launch(8 * 32 * 4096, 4096).grid_dim.0,
+            MAX_GRID_STRIDE_BLOCKS
+        );
+        assert_eq!(attention_rows_launch(0, 37).grid_dim.0, 1);
+    }
+
+    #[test]
+    fn combine_grad_gates_config() {
+        // A warp per (token, expert) pair, 4 per block.
+        let g = combine_grad_gates_launch(6, 8);
+        assert_eq!((g.grid_dim, g.block_dim), ((12, 1, 1), (128, 1, 1)));
+        assert_eq!(combine_grad_gates_launch(0, 8).grid_dim.0, 1);
+        assert_eq!(
+            combine_grad_gates_launch(1 << 40, 8).grid_dim.0,
             MAX_GRID_STRIDE_BLOCKS
         );
     }

@@ -252,6 +252,34 @@ pub static KERNELS: &[KernelSource] = &[
             "adamw_update_bf16",
         ]
     ),
+    kernel_source!(
+        "attention_grad",
+        [
+            "attention_probs_f32",
+            "attention_probs_bf16",
+            "attention_grad_ds_f32",
+            "attention_grad_ds_bf16",
+            "attention_grad_dq_f32",
+            "attention_grad_dq_bf16",
+            "attention_grad_dk_f32",
+            "attention_grad_dk_bf16",
+            "attention_grad_dv_f32",
+            "attention_grad_dv_bf16",
+        ]
+    ),
+    kernel_source!(
+        "moe_grad",
+        [
+            "router_grad_f32",
+            "router_grad_bf16",
+            "dispatch_grad_f32",
+            "dispatch_grad_bf16",
+            "combine_grad_y_f32",
+            "combine_grad_y_bf16",
+            "combine_grad_gates_f32",
+            "combine_grad_gates_bf16",
+        ]
+    ),
 ];
 
 /// The family named `name` (`"norm"`), if registered.

@@ -380,4 +380,69 @@ __device__ __forceinline__ void attn_load_rows(float* dst, const T* src, int nro
     }
 }
 
+// ---- MoE routing -----------------------------------------------------------------------------
+
+// Largest expert count of the router (a lane's `taken` bits cover experts lane + 32 i, i < 32).
+#define ROUTER_MAX_PER_LANE 32  // experts <= 32 * 32
+
+// One token's top-k selection (moe.cu's router and moe_grad.cu's router_grad share it, so the
+// backward keeps exactly the experts the forward kept): the softmax's max `mx` and `inv_sum`
+// (p_e = router_prob(row, e, mx, inv_sum), in f32), the kept experts as bits of `taken` (bit i:
+// expert lane + 32 i of the calling lane) and `kept_sum`, their probabilities summed in
+// selection order (descending). min(top_k, experts) experts are kept, the largest p first,
+// ties to the lower expert index. Every lane of the warp calls it with the same row (it
+// shuffles); experts <= 32 * ROUTER_MAX_PER_LANE.
+struct RouterTopK {
+    float mx, inv_sum, kept_sum;
+    unsigned int taken;
+};
+
+template <typename T>
+__device__ __forceinline__ float router_prob(const T* row, int e, float mx, float inv_sum) {
+    return expf(load(row, e) - mx) * inv_sum;
+}
+
+template <typename T>
+__device__ __forceinline__ RouterTopK router_top_k(const T* row, int experts, int top_k) {
+    const int lane = threadIdx.x & 31;
+    RouterTopK r;
+    float mx = -SHARDC_INF;
+    for (int e = lane; e < experts; e += 32) mx = fmaxf(mx, load(row, e));
+    r.mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int e = lane; e < experts; e += 32) sum += expf(load(row, e) - r.mx);
+    r.inv_sum = 1.0f / warp_sum(sum);
+
+    r.taken = 0;
+    r.kept_sum = 0.0f;
+    const int k = min(top_k, experts);
+    for (int it = 0; it < k; ++it) {
+        // Best untaken expert of this lane (first max, so the lower index wins ties).
+        float best = -1.0f;
+        int best_e = 0x7fffffff;
+        for (int e = lane, i = 0; e < experts; e += 32, ++i) {
+            if (r.taken & (1u << i)) continue;
+            const float p = router_prob(row, e, r.mx, r.inv_sum);
+            if (p > best) {
+                best = p;
+                best_e = e;
+            }
+        }
+        // Warp argmax with ties to the lower index.
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(SHARDC_FULL_MASK, best, o);
+            const int oe = __shfl_xor_sync(SHARDC_FULL_MASK, best_e, o);
+            if (ob > best || (ob == best && oe < best_e)) {
+                best = ob;
+                best_e = oe;
+            }
+        }
+        if (best_e == 0x7fffffff) break;  // nothing left (cannot happen while it < experts)
+        if ((best_e & 31) == lane) r.taken |= 1u << (best_e >> 5);
+        r.kept_sum += best;
+    }
+    return r;
+}
+
 #endif  // SHARDC_COMMON_CUH

@@ -14,8 +14,6 @@
 //     Grid-stride.
 #include "common.cuh"
 
-#define ROUTER_MAX_PER_LANE 32  // experts <= 32 * 32
-
 template <typename T>
 __device__ __forceinline__ void router_impl(const T* logits, T* gates, i64 tokens, int experts,
                                             int top_k, int normalize) {
@@ -24,46 +22,12 @@ __device__ __forceinline__ void router_impl(const T* logits, T* gates, i64 token
     const i64 warps_total = grid_stride() >> 5;
     for (i64 n = global_thread_id() >> 5; n < tokens; n += warps_total) {
         const T* row = logits + n * experts;
-        // Lane owns experts lane, lane + 32, ...; bit i of `taken` marks expert lane + 32 i.
-        float mx = -SHARDC_INF;
-        for (int e = lane; e < experts; e += 32) mx = fmaxf(mx, load(row, e));
-        mx = warp_max(mx);
-        float sum = 0.0f;
-        for (int e = lane; e < experts; e += 32) sum += expf(load(row, e) - mx);
-        const float inv_sum = 1.0f / warp_sum(sum);
-
-        unsigned int taken = 0;
-        float kept_sum = 0.0f;
-        const int k = min(top_k, experts);
-        for (int it = 0; it < k; ++it) {
-            // Best untaken expert of this lane (first max, so the lower index wins ties).
-            float best = -1.0f;
-            int best_e = 0x7fffffff;
-            for (int e = lane, i = 0; e < experts; e += 32, ++i) {
-                if (taken & (1u << i)) continue;
-                const float p = expf(load(row, e) - mx) * inv_sum;
-                if (p > best) {
-                    best = p;
-                    best_e = e;
-                }
-            }
-            // Warp argmax with ties to the lower index.
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ob = __shfl_xor_sync(SHARDC_FULL_MASK, best, o);
-                const int oe = __shfl_xor_sync(SHARDC_FULL_MASK, best_e, o);
-                if (ob > best || (ob == best && oe < best_e)) {
-                    best = ob;
-                    best_e = oe;
-                }
-            }
-            if (best_e == 0x7fffffff) break;  // nothing left (cannot happen while it < experts)
-            if ((best_e & 31) == lane) taken |= 1u << (best_e >> 5);
-            kept_sum += best;
-        }
-        const float scale = normalize && kept_sum > 0.0f ? 1.0f / kept_sum : 1.0f;
+        const RouterTopK sel = router_top_k(row, experts, top_k);  // common.cuh
+        const float scale = normalize && sel.kept_sum > 0.0f ? 1.0f / sel.kept_sum : 1.0f;
         for (int e = lane, i = 0; e < experts; e += 32, ++i) {
-            const float p = (taken & (1u << i)) ? expf(load(row, e) - mx) * inv_sum * scale : 0.0f;
+            const float p = (sel.taken & (1u << i))
+                                ? router_prob(row, e, sel.mx, sel.inv_sum) * scale
+                                : 0.0f;
             store(gates, n * experts + e, p);
         }
     }
