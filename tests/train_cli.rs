@@ -195,6 +195,14 @@ fn bad_training_arguments_are_one_line_errors() {
         ),
         ("--mesh tp=2 --strategy zero2", "needs a `dp` axis"),
         ("--steps 0", "--steps must be at least 1"),
+        (
+            "--backend tpu",
+            "backend `tpu` is not available (available: cpu, cuda)",
+        ),
+        (
+            "--backend cuda --dtype f16",
+            "--dtype f16 is not supported by the CUDA backend (f32, bf16)",
+        ),
     ];
     let model = train_support::dir("llama").display().to_string();
     for (extra, needle) in cases {
@@ -209,4 +217,26 @@ fn bad_training_arguments_are_one_line_errors() {
         !ok && err.contains("token id 999 at [0][2] is out of range"),
         "{err}"
     );
+}
+
+/// `--backend cuda` trains on a GPU; on a machine without one it fails first with the clear
+/// line naming `--backend cpu`, and a pipeline plan (which the CUDA trainer does not run) is
+/// refused by name where there is one.
+#[test]
+fn cuda_training_without_a_gpu_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = tokens_file(tmp.path(), "llama");
+    let model = train_support::dir("llama").display().to_string();
+    let args = ["train", &model, "--tokens", &ids, "--backend", "cuda"];
+    match shardc::runtime::cuda::cuda_device_count() {
+        Err(e) => {
+            assert!(e.is_unavailable(), "{e}");
+            common::fails_with(&args, &["use --backend cpu"]);
+        }
+        Ok(_) => {
+            let mut pp = args.to_vec();
+            pp.extend(["--mesh", "pp=2", "--micro-batches", "2"]);
+            common::fails_with(&pp, &["pipeline"]);
+        }
+    }
 }

@@ -33,6 +33,9 @@ pub enum TrainError {
     /// A rank failed.
     #[error(transparent)]
     Rank(#[from] RankError),
+    /// Another backend's executor failed (the CUDA backend's `CudaError` or a CUDA rank's).
+    #[error(transparent)]
+    Backend(Box<dyn std::error::Error + Send + Sync>),
     /// The batch does not fit the compiled step.
     #[error("batch is [{batch}, {seq}] but the step was compiled for [{want_batch}, {want_seq}]")]
     BatchShape {
@@ -416,18 +419,60 @@ pub fn train_step(
             }
         }
         None => {
-            let mut inputs = batch_inputs(batch, t.micro_batches);
-            state.add_inputs(&t.params, &mut inputs);
-            if mesh.axes.is_empty() {
-                vec![
-                    execute_with_params(g, &ParamCache::default(), &inputs, &RankCtx::new())
-                        .map_err(|e| at_step(step, e))?,
-                ]
-            } else {
-                run_spmd(g, mesh, weights, &inputs, timeout).map_err(|e| at_step(step, e))?
-            }
+            return train_step_with(plan, state, batch, |inputs| {
+                Ok(if mesh.axes.is_empty() {
+                    vec![execute_with_params(
+                        g,
+                        &ParamCache::default(),
+                        inputs,
+                        &RankCtx::new(),
+                    )?]
+                } else {
+                    run_spmd(g, mesh, weights, inputs, timeout)?
+                })
+            })
         }
     };
+    finish_step(plan, state, step, &outs)
+}
+
+/// One training step of `plan` whose program runs on another backend: `run` executes the
+/// program on the step's global inputs (batch, parameters, AdamW moments, step count; each
+/// rank takes its shard) and returns every rank's outputs in rank order. The outputs are
+/// assembled and committed as [`train_step`] does. Plans with a separate step program
+/// (several micro-batches) or a pipeline are refused by name.
+pub fn train_step_with(
+    plan: &Plan,
+    state: &mut TrainState,
+    batch: &Batch,
+    run: impl FnOnce(&BTreeMap<String, Tensor>) -> Result<Vec<BTreeMap<String, Tensor>>, TrainError>,
+) -> Result<StepOutput, TrainError> {
+    let t = flat_section(plan)?;
+    check_batch(batch, plan.model.batch, plan.model.seq)?;
+    if plan.step.is_some() {
+        return Err(TrainError::PlanKind(format!(
+            "this backend runs training plans of one program per step; the plan accumulates \
+             {} micro-batches through a separate step program (run it on the CPU backend)",
+            t.micro_batches
+        )));
+    }
+    let step = state.step + 1;
+    let mut inputs = batch_inputs(batch, t.micro_batches);
+    state.add_inputs(&t.params, &mut inputs);
+    let outs = run(&inputs).map_err(|e| at_step(step, e))?;
+    finish_step(plan, state, step, &outs)
+}
+
+/// Assembles step `step`'s loss, gradients and updated state from every rank's outputs
+/// `outs` (rank order) and commits the state ([`TrainState::commit`]).
+fn finish_step(
+    plan: &Plan,
+    state: &mut TrainState,
+    step: u64,
+    outs: &[BTreeMap<String, Tensor>],
+) -> Result<StepOutput, TrainError> {
+    let t = flat_section(plan)?;
+    let (g, mesh) = (&plan.program, &plan.mesh);
     let get = |name: &str| -> Result<Tensor, TrainError> {
         let (v, shardings) = match (g.output(name), &plan.step) {
             (Some(v), _) => (v, &plan.shardings),

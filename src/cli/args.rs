@@ -5,7 +5,11 @@ use anyhow::bail;
 use shardc::compiler::compile::CompileOptions;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::shard::Mesh;
+use shardc::runtime::cuda::{CudaDevice, CudaOptions, GpuDType};
+use shardc::runtime::launch::WorldEnv;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Default mesh and strategies of a bare `shardc compile`.
 const DEFAULT_MESH: &str = "dp=2,tp=4";
@@ -195,4 +199,65 @@ pub fn recompute_layers(
         anyhow::bail!("--recompute-num-layers {k} recomputes some layers fully and the others under --recompute: give --recompute none or selective");
     }
     Ok(Some(k))
+}
+
+/// The backend of `run` and `train`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BackendArgs {
+    /// Backend: `cpu` (reference) or `cuda` (one GPU; with `--mesh`, every rank as a virtual
+    /// rank of GPU 0 with the local-gpu communicator; a launched rank runs on the GPU of its
+    /// `LOCAL_RANK`).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// Element type of the CUDA backend (`f32` or `bf16`).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+}
+
+impl Default for BackendArgs {
+    fn default() -> BackendArgs {
+        BackendArgs {
+            backend: "cpu".into(),
+            dtype: "f32".into(),
+        }
+    }
+}
+
+impl BackendArgs {
+    /// `None` for the CPU backend; for `--backend cuda` the device (probed for a driver before
+    /// any other work: none is an error, never a panic) and the options, `timeout` bounding
+    /// every wait on the GPU and on peers. A rank of a launched job opens the GPU of its local
+    /// rank (torchrun's convention).
+    pub fn cuda(
+        &self,
+        world: Option<&WorldEnv>,
+        timeout: Duration,
+    ) -> anyhow::Result<Option<(Arc<CudaDevice>, CudaOptions)>> {
+        match self.backend.as_str() {
+            "cpu" => return Ok(None),
+            "cuda" => {}
+            other => bail!("backend `{other}` is not available (available: cpu, cuda)"),
+        }
+        let Some(dtype) = GpuDType::parse(&self.dtype) else {
+            bail!(
+                "--dtype {} is not supported by the CUDA backend (f32, bf16)",
+                self.dtype
+            );
+        };
+        let ordinal = world.map_or(0, |w| w.local_rank);
+        let dev = CudaDevice::open(ordinal).map_err(|e| match world {
+            Some(w) if !e.is_unavailable() => anyhow::anyhow!(
+                "{e}; rank {} is local rank {ordinal} and runs on GPU {ordinal} (one GPU per \
+                 local rank: --nproc-per-node at most this node's GPU count)",
+                w.rank
+            ),
+            _ => anyhow::anyhow!("{e}; use --backend cpu"),
+        })?;
+        let opts = CudaOptions {
+            dtype,
+            timeout,
+            ..CudaOptions::default()
+        };
+        Ok(Some((dev, opts)))
+    }
 }

@@ -24,7 +24,7 @@ use shardc::compiler::plan::Plan;
 use shardc::compiler::shard::Mesh;
 use shardc::runtime::cuda::comm::nccl::NcclId;
 use shardc::runtime::cuda::{
-    execute_cuda, run_nccl_rank, run_spmd_local_gpu, CudaDevice, CudaOptions, GpuDType, ParamInit,
+    execute_cuda, run_nccl_rank, run_spmd_local_gpu, CudaDevice, CudaOptions, ParamInit,
 };
 use shardc::runtime::launch::{fingerprint_of, ProcessGroup, WorldEnv};
 use shardc::runtime::output::Outputs;
@@ -72,13 +72,8 @@ pub struct RunArgs {
     strategy: Vec<String>,
     #[command(flatten)]
     cp: super::args::CpArgs,
-    /// Backend: `cpu` (reference) or `cuda` (one GPU; with `--mesh`, every rank as a
-    /// virtual rank of GPU 0 with the local-gpu communicator).
-    #[arg(long, default_value = "cpu")]
-    backend: String,
-    /// Element type of the CUDA backend (`f32` or `bf16`).
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[command(flatten)]
+    backend: super::args::BackendArgs,
     /// Seconds a rank waits for a peer (in a collective; multi-process: also at the
     /// rendezvous and connection) before failing.
     #[arg(long, alias = "timeout", value_parser = super::launch::parse_secs, default_value = "60")]
@@ -302,11 +297,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    let cuda = match a.backend.as_str() {
-        "cpu" => None,
-        "cuda" => Some(cuda_backend(&a, world.as_ref())?),
-        other => bail!("backend `{other}` is not available (available: cpu, cuda)"),
-    };
+    let cuda = a.backend.cuda(world.as_ref(), a.comm_timeout)?;
     if let (None, None, Some(w)) = (&a.mesh, &a.plan, &world) {
         if w.world_size > 1 {
             bail!(
@@ -592,37 +583,6 @@ fn check_finite_output(name: &str, t: &Tensor) -> anyhow::Result<()> {
     )
 }
 
-/// The CUDA device and options for `--backend cuda`, or the clear error of a machine without
-/// a driver (checked before any other work).
-fn cuda_backend(
-    a: &RunArgs,
-    world: Option<&WorldEnv>,
-) -> anyhow::Result<(Arc<CudaDevice>, CudaOptions)> {
-    let Some(dtype) = GpuDType::parse(&a.dtype) else {
-        bail!(
-            "--dtype {} is not supported by the CUDA backend (f32, bf16)",
-            a.dtype
-        );
-    };
-    // Probes for libcuda before any cudarc call: no driver is an error, never a panic.
-    // A rank of a launched job runs on the GPU of its local rank (torchrun's convention).
-    let ordinal = world.map_or(0, |w| w.local_rank);
-    let dev = CudaDevice::open(ordinal).map_err(|e| match world {
-        Some(w) if !e.is_unavailable() => anyhow::anyhow!(
-            "{e}; rank {} is local rank {ordinal} and runs on GPU {ordinal} (one GPU per local \
-             rank: --nproc-per-node at most this node's GPU count)",
-            w.rank
-        ),
-        _ => anyhow::anyhow!("{e}; use --backend cpu"),
-    })?;
-    let opts = CudaOptions {
-        dtype,
-        timeout: a.comm_timeout,
-        ..CudaOptions::default()
-    };
-    Ok((dev, opts))
-}
-
 /// `--backend cuda`: an unsharded plan on GPU 0, or a sharded one on virtual ranks of GPU 0
 /// (local-gpu communicator). Returns rank 0's outputs and a description.
 fn run_cuda(
@@ -673,8 +633,10 @@ mod cuda_tests {
             mesh: None,
             strategy: vec![],
             cp: Default::default(),
-            backend: "cuda".into(),
-            dtype: "bf16".into(),
+            backend: super::super::args::BackendArgs {
+                backend: "cuda".into(),
+                dtype: "bf16".into(),
+            },
             comm_timeout: Duration::from_secs(5),
         };
         let err = run(args).expect_err("no model here").to_string();

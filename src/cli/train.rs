@@ -1,5 +1,6 @@
 //! `shardc train`: training steps (causal-LM loss, AdamW) on the CPU reference backend,
-//! unsharded or sharded on thread ranks; prints the loss per step. What runs is a training
+//! unsharded or sharded on thread ranks, or with `--backend cuda` on a GPU (a mesh's ranks as
+//! virtual ranks of GPU 0); prints the loss per step. What runs is a training
 //! plan: the compiled file given by `--plan` (`shardc compile --train -o FILE`; the model
 //! gives the weights), or the model compiled here for `--mesh` and the step flags (which
 //! `--save-plan` writes). A plan with a pipeline runs its chunks on stages, its schedule's
@@ -21,6 +22,7 @@ use shardc::compiler::schedule::pp::{parse_stage_layers, ScheduleKind};
 use shardc::compiler::shard::Mesh;
 use shardc::compiler::train::{PipelineOptions, Precision, TrainOptions};
 use shardc::runtime::checkpoint;
+use shardc::runtime::cuda::CudaTrainer;
 use shardc::runtime::launch::{fingerprint_of, ProcessGroup, WorldEnv};
 use shardc::runtime::output::{Outputs, StagedDir};
 use shardc::runtime::pipeline::{pipeline_step, StageTrainer};
@@ -132,6 +134,8 @@ pub struct TrainArgs {
     /// Seconds a rank waits for its peers in a collective before failing.
     #[arg(long, default_value_t = 60)]
     timeout: u64,
+    #[command(flatten)]
+    backend: super::args::BackendArgs,
     /// Allow an output to replace a file this command reads (e.g. `--save` onto the model's
     /// own directory); the replacement is still atomic.
     #[arg(long)]
@@ -372,6 +376,7 @@ fn compile_plan(
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let adamw = hyper_params(&a)?;
+    let cuda = a.backend.cuda(None, Duration::from_secs(a.timeout))?;
     let outputs = Outputs::new(a.overwrite).inputs([
         Some(a.model.as_path()),
         Some(&a.tokens),
@@ -471,20 +476,44 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         None => (TrainState::load(&plan, &weights)?, None),
     };
     if let Some(env) = &world {
+        if cuda.is_some() {
+            bail!(
+                "--backend cuda trains in one process (a mesh's ranks as virtual ranks of GPU 0); \
+                 a launched rank trains on the CPU backend in this version"
+            );
+        }
         return run_rank(&a, &plan, env, &batch, &weights, (state, locals), &cfg);
     }
+    let mut cuda_trainer = match &cuda {
+        Some((dev, opts)) => Some(CudaTrainer::new(
+            dev.clone(),
+            &plan,
+            &weights,
+            opts.clone(),
+        )?),
+        None => None,
+    };
     let mesh = &plan.mesh;
+    let ranks = if cuda.is_some() {
+        "virtual ranks of one GPU"
+    } else {
+        "thread ranks"
+    };
     let how = if mesh.world_size() == 1 {
         "unsharded".to_string()
     } else {
         format!(
-            "mesh {mesh} ({}) on {} thread ranks",
+            "mesh {mesh} ({}) on {} {ranks}",
             plan.strategies.join(","),
             mesh.world_size()
         )
     };
+    let backend = match &cuda {
+        Some((dev, opts)) => format!("CUDA on {}, {}", dev.name(), opts.dtype),
+        None => "CPU reference, f32".to_string(),
+    };
     println!(
-        "training {} ({} layers) {how}: batch {b} × {t} tokens, {} micro-batch(es), recompute {} (CPU reference, f32)",
+        "training {} ({} layers) {how}: batch {b} × {t} tokens, {} micro-batch(es), recompute {} ({backend})",
         cfg.arch.name(),
         cfg.layers,
         tr.micro_batches,
@@ -531,6 +560,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             let s = pipeline_step(&plan, &mut state, &batch, timeout, &weights)?;
             timelines = s.timelines;
             (s.output, Some(s.peak_activation_bytes))
+        } else if let Some(trainer) = &mut cuda_trainer {
+            (trainer.step(&mut state, &batch)?, None)
         } else {
             (
                 train_step(&plan, &mut state, &batch, &weights, timeout)?,

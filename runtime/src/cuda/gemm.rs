@@ -5,6 +5,11 @@
 //! `TRANSA = T`), its operand "B" is our activation `A`, and `m = N`, `n = M`, `k = K`.
 //! A batched weight `[E,K,N]` with activations `[E,..,M,K]` uses strided batches.
 //!
+//! A weight gradient (`WeightGrad`) contracts over the rows instead: row-major `dB[K,N] =
+//! Aᵀ·dY` is the column-major `dBᵀ[N,K] = dYᵀ·A`, cuBLASLt's "A" being `dY` (`[N,M]`
+//! column-major, as stored) and its "B" being `A` read transposed (`TRANSB = T`), `m = N`,
+//! `n = K`, `k = M`; with `transpose_b` (`dB[N,K] = dYᵀ·A`) the two operands swap roles.
+//!
 //! The cuBLASLt objects (matrix layouts, the matmul descriptor with its epilogue, the
 //! heuristic's algorithm) are built once per [`GemmKey`] with `cublaslt::result::*` and
 //! cached; a call only sets the bias pointer and launches. f32 runs with
@@ -62,11 +67,14 @@ pub struct GemmKey {
     pub n: u64,
     /// Contraction length `K`.
     pub k: u64,
-    /// The weight is stored `[N,K]` (our `transpose_b`).
+    /// cuBLASLt's "A" is read transposed (a forward weight stored `[N,K]`, our
+    /// `transpose_b`).
     pub transa: bool,
-    /// Leading dim of the weight.
+    /// cuBLASLt's "B" is read transposed (a weight gradient's activation or output gradient).
+    pub transb: bool,
+    /// Leading dim of cuBLASLt's "A" (the weight in a forward GEMM).
     pub lda: i64,
-    /// Leading dim of the activation (= K).
+    /// Leading dim of cuBLASLt's "B" (the activation, = K, in a forward GEMM).
     pub ldb: i64,
     /// Leading dim of the result (= N).
     pub ldc: i64,
@@ -86,13 +94,14 @@ impl fmt::Display for GemmKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} [{}x{}]·[{}x{}]{} batch {} {:?}",
+            "{} [{}x{}]{}·[{}x{}]{} batch {} {:?}",
             match self.dtype {
                 GpuDType::F32 => "f32",
                 GpuDType::Bf16 => "bf16",
             },
             self.n,
             self.k,
+            if self.transb { "ᵀ" } else { "" },
             self.k,
             self.m,
             if self.transa { "ᵀ" } else { "" },
@@ -155,6 +164,7 @@ impl GemmKey {
             n: rows as u64,
             k: k as u64,
             transa: transpose_b,
+            transb: false,
             lda: if transpose_b { k as i64 } else { n as i64 },
             ldb: k as i64,
             ldc: n as i64,
@@ -163,6 +173,76 @@ impl GemmKey {
             epilogue,
             align: 256,
         })
+    }
+
+    /// The key of `WeightGrad { transpose_b }(a, dy, b)`: `a` `[.., M, K]` (or `[E, .., M,
+    /// K]`), `dy` `[.., M, N]` (or `[E, .., M, N]`), the gradient `b` `[K,N]`/`[N,K]` (or
+    /// `[E,K,N]`/`[E,N,K]`), summed over the rows. Returns the key and whether cuBLASLt's "A"
+    /// operand is `dy` (`false`: it is `a`); the other operand is its "B".
+    pub fn for_weight_grad(
+        a: &[usize],
+        dy: &[usize],
+        b: &[usize],
+        transpose_b: bool,
+        dtype: GpuDType,
+    ) -> Result<(GemmKey, bool), RuntimeError> {
+        let err = |reason| RuntimeError::Shape {
+            op: "weight_grad",
+            shapes: vec![a.to_vec(), dy.to_vec(), b.to_vec()],
+            reason,
+        };
+        let ar = a.len();
+        if ar < 2
+            || dy.len() != ar
+            || a[..ar - 1] != dy[..ar - 1]
+            || !(b.len() == 2 || b.len() == 3)
+        {
+            return Err(err("expects a[.., M, K], dy[.., M, N], b of rank 2 or 3"));
+        }
+        let (k, n) = (a[ar - 1], dy[ar - 1]);
+        let br = b.len();
+        let want = if transpose_b { [n, k] } else { [k, n] };
+        let batch = if br == 3 { b[0] } else { 1 };
+        if b[br - 2..] != want[..] || (br == 3 && (ar < 3 || a[0] != batch)) {
+            return Err(err("b's shape does not fit a and dy"));
+        }
+        if batch > i32::MAX as usize {
+            return Err(err("batch count beyond i32"));
+        }
+        let rows = a[..ar - 1].iter().product::<usize>() / batch.max(1);
+        // Column-major: the result is bᵀ, [want[1], want[0]]; its "A" is the operand whose
+        // columns are the result's rows.
+        let (m, nn, a_is_dy) = if transpose_b {
+            (k, n, false)
+        } else {
+            (n, k, true)
+        };
+        let strides = if batch > 1 {
+            let (sa, sb) = if a_is_dy {
+                (rows * n, rows * k)
+            } else {
+                (rows * k, rows * n)
+            };
+            (sa as i64, sb as i64, (k * n) as i64)
+        } else {
+            (0, 0, 0)
+        };
+        let key = GemmKey {
+            dtype,
+            m: m as u64,
+            n: nn as u64,
+            k: rows as u64,
+            transa: false,
+            transb: true,
+            lda: m as i64,
+            ldb: nn as i64,
+            ldc: m as i64,
+            batch: batch as i32,
+            strides,
+            epilogue: Epilogue::None,
+            align: 256,
+        };
+        Ok((key, a_is_dy))
     }
 
     /// Multiply-adds × 2: the GEMM's floating-point operations.
@@ -336,7 +416,12 @@ impl GemmCache {
             Ok(l)
         };
         let a = layout(a_rows, a_cols, key.lda, key.strides.0)?;
-        let b = layout(key.k, key.n, key.ldb, key.strides.1)?;
+        let (b_rows, b_cols) = if key.transb {
+            (key.n, key.k)
+        } else {
+            (key.k, key.n)
+        };
+        let b = layout(b_rows, b_cols, key.ldb, key.strides.1)?;
         let c = layout(key.m, key.n, key.ldc, key.strides.2)?;
         let desc = lt::create_matmul_desc(
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -353,7 +438,7 @@ impl GemmCache {
             algo: unsafe { std::mem::zeroed() },
         };
         let transa: i32 = key.transa as i32;
-        let no: i32 = 0;
+        let transb: i32 = key.transb as i32;
         let epi = key.epilogue.cublas();
         // SAFETY: live descriptor; attribute buffers are live locals of the documented sizes
         // (int32 transpose flags, uint32 epilogue enum).
@@ -369,7 +454,7 @@ impl GemmCache {
             )?;
             set(
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                (&no) as *const i32 as *const c_void,
+                (&transb) as *const i32 as *const c_void,
                 std::mem::size_of::<i32>(),
             )?;
             set(
@@ -535,6 +620,63 @@ mod tests {
         assert!(
             GemmKey::for_matmul(&[2, 63], &[64, 3], false, GpuDType::F32, Epilogue::None).is_err()
         );
+    }
+
+    #[test]
+    fn weight_grad_keys_contract_over_the_rows() {
+        // dW[64,176] = x[2,16,64]ᵀ · dy[2,16,176]: cuBLASLt computes dWᵀ = dyᵀ·x, its "A"
+        // dy as stored ([176, 32] column-major), its "B" x read transposed.
+        let (k, a_is_dy) = GemmKey::for_weight_grad(
+            &[2, 16, 64],
+            &[2, 16, 176],
+            &[64, 176],
+            false,
+            GpuDType::F32,
+        )
+        .unwrap();
+        assert!(a_is_dy);
+        assert_eq!(
+            (k.m, k.n, k.k, k.transa, k.transb),
+            (176, 64, 32, false, true)
+        );
+        assert_eq!((k.lda, k.ldb, k.ldc, k.batch), (176, 64, 176, 1));
+        // A weight stored [N, K] (a linear layer's [176, 64]): dW = dyᵀ·x, so "A" is x.
+        let (k, a_is_dy) = GemmKey::for_weight_grad(
+            &[2, 16, 64],
+            &[2, 16, 176],
+            &[176, 64],
+            true,
+            GpuDType::Bf16,
+        )
+        .unwrap();
+        assert!(!a_is_dy);
+        assert_eq!(
+            (k.m, k.n, k.k, k.lda, k.ldb, k.ldc),
+            (64, 176, 32, 64, 176, 64)
+        );
+        assert_eq!(k.flops(), 2.0 * 64.0 * 176.0 * 32.0);
+        // Experts: x[E=4, 2, 16, 64], dy[4, 2, 16, 128], dW[4, 128, 64] per expert.
+        let (k, _) = GemmKey::for_weight_grad(
+            &[4, 2, 16, 64],
+            &[4, 2, 16, 128],
+            &[4, 128, 64],
+            true,
+            GpuDType::F32,
+        )
+        .unwrap();
+        assert_eq!((k.m, k.n, k.k, k.batch), (64, 128, 32, 4));
+        assert_eq!(k.strides, (32 * 64, 32 * 128, 64 * 128));
+        for (a, dy, b) in [
+            (&[2, 16, 64][..], &[2, 16, 176][..], &[176, 64][..]),
+            (&[2, 16, 64], &[2, 15, 176], &[64, 176]),
+            (&[4, 2, 64], &[4, 2, 128], &[3, 64, 128]),
+            (&[64], &[176], &[64, 176]),
+        ] {
+            assert!(
+                GemmKey::for_weight_grad(a, dy, b, false, GpuDType::F32).is_err(),
+                "{a:?} {dy:?} {b:?}"
+            );
+        }
     }
 
     #[test]

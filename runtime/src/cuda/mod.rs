@@ -10,6 +10,8 @@
 //!   `CudaOptions::graphs`, runs replayed from a CUDA graph (programs without collectives).
 //! - [`run_spmd_local_gpu`] / [`run_spmd_nccl_threads`]: every rank of a mesh on one GPU,
 //!   with the `local-gpu` or `nccl` device communicator.
+//! - [`CudaTrainer`]: training steps of a training plan (the backward and AdamW kernels of
+//!   `train_ops.rs`, weight gradients on cuBLASLt), assembled and committed as on the CPU.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), shardc_runtime::cuda::CudaError> {
@@ -31,6 +33,7 @@ mod error;
 mod gemm;
 mod host;
 mod node;
+#[macro_use]
 pub(crate) mod ops;
 mod plan;
 mod program;
@@ -38,6 +41,9 @@ mod rank;
 mod spmd;
 mod strided;
 mod support;
+mod train_node;
+mod train_ops;
+mod trainer;
 
 pub use device::{cuda_device_count, CudaDevice};
 pub use error::CudaError;
@@ -51,3 +57,4 @@ pub use program::{execute_cuda, graph_blocker, CudaProgram};
 pub use rank::{CudaOptions, CudaRankCtx, ParamInit};
 pub use spmd::{run_nccl_rank, run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
 pub use strided::{contiguous_strides, StridedSpec, MAX_RANK};
+pub use trainer::CudaTrainer;

@@ -65,7 +65,7 @@ impl CudaProgram {
             Op::Embedding if !self.local_ids[ids.index()] => {
                 vocab::check_ids(host, self.shape(node.inputs[0])[0])?
             }
-            Op::CrossEntropy { .. } => check_labels(host, vocab_n)?,
+            Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => check_labels(host, vocab_n)?,
             Op::CrossEntropyStats { parts, .. } => check_labels(host, vocab_n * parts)?,
             Op::CrossEntropyShardGrad { .. } => {
                 let shards = self.graph.ty(node.inputs[2]).last() / CROSS_ENTROPY_STATS;
@@ -352,7 +352,9 @@ impl CudaProgram {
                 l.add_rmsnorm(dt, a, b, sum, w, out, n / h.max(1), h, eps.0)
             }
             Op::AgMatMul { .. } | Op::MatMulRs { .. } => self.ring_matmul(v, ctx, l),
-            _ => Err(self.unsupported(v, "no CUDA kernel for this op")),
+            _ => self
+                .run_train_node(v, &node, l)
+                .unwrap_or_else(|| Err(self.unsupported(v, "no CUDA kernel for this op"))),
         }
     }
 

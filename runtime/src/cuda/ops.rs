@@ -39,7 +39,7 @@ macro_rules! launch {
     }};
 }
 
-fn i(n: usize) -> i64 {
+pub(crate) fn i(n: usize) -> i64 {
     n as i64
 }
 

@@ -31,6 +31,7 @@ use super::plan::{
 };
 use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
 use super::support::check_supported;
+use super::train_node::train_scratch_bytes;
 use super::{CudaDevice, CudaError};
 use crate::{RuntimeError, Tensor};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -88,6 +89,9 @@ pub struct CudaProgram {
     pub(super) gemm: Option<GemmCache>,
     pub(super) inputs: Vec<Option<DevBuf>>,
     pub(super) host_i32: Vec<Option<Tensor>>,
+    /// The value of each scalar float input of the last upload (an AdamW step count, read by
+    /// the update's launch).
+    pub(super) host_scalar: Vec<Option<f64>>,
     /// The captured run ([`CudaOptions::graphs`]).
     step_graph: Option<StepGraph>,
     /// The input addresses of the last eager run in graph mode: the next run with the same
@@ -156,6 +160,7 @@ impl CudaProgram {
                     | Op::FusedMatMul { .. }
                     | Op::AgMatMul { .. }
                     | Op::MatMulRs { .. }
+                    | Op::WeightGrad { .. }
             )
         }) {
             Some(GemmCache::new(&compute, dev.compute_capability().0)?)
@@ -187,6 +192,7 @@ impl CudaProgram {
             gemm,
             inputs: (0..graph.len()).map(|_| None).collect(),
             host_i32: vec![None; graph.len()],
+            host_scalar: vec![None; graph.len()],
             step_graph: None,
             graph_warm: None,
         };
@@ -233,11 +239,16 @@ impl CudaProgram {
     fn load_rope_tables(&mut self) -> Result<(), CudaError> {
         for v in self.graph.ids() {
             let node = self.graph.node(v);
-            if let Op::Rope(spec) = &node.op {
-                let d = node.ty.last();
-                let inv = HostData::F32(spec.inv_freq(d));
-                self.rope[v.index()] = Some(inv.upload(&self.compute, "rope frequencies")?);
-            }
+            // The gradient rotates by the negated angles: the frequencies negated.
+            let (spec, sign) = match &node.op {
+                Op::Rope(spec) => (spec, 1.0),
+                Op::RopeGrad(spec) => (spec, -1.0),
+                _ => continue,
+            };
+            let d = node.ty.last();
+            let inv = spec.inv_freq(d).into_iter().map(|f| sign * f).collect();
+            self.rope[v.index()] =
+                Some(HostData::F32(inv).upload(&self.compute, "rope frequencies")?);
         }
         Ok(())
     }
@@ -291,6 +302,9 @@ impl CudaProgram {
             let t = self.input_chunk(name, shards, v, inputs)?;
             if t.as_i32().is_some() {
                 self.host_i32[v.index()] = Some(t.clone());
+            }
+            if let Some([x]) = t.as_f32() {
+                self.host_scalar[v.index()] = Some(*x as f64);
             }
             let data = HostData::of(&t, self.storage[v.index()], node.ty.dtype);
             let what = format!("input `{name}`");
@@ -379,6 +393,17 @@ impl CudaProgram {
                 v,
                 "it communicates, and runs that communicate cannot be captured into a CUDA \
                  graph; run this program without CUDA graphs",
+            ));
+        }
+        if let Some(v) = self
+            .graph
+            .ids()
+            .find(|&v| matches!(self.graph.node(v).op, Op::AdamWUpdate(_)))
+        {
+            return Err(self.unsupported(
+                v,
+                "its step count is a launch argument a CUDA graph would freeze; run training \
+                 steps without CUDA graphs",
             ));
         }
         for v in self.graph.ids() {
@@ -724,7 +749,7 @@ fn scratch_sizes(
             op if op.is_collective() => {
                 comm = comm.max(align(out_bytes.max(x_bytes)) as u64);
             }
-            _ => {}
+            _ => compute = compute.max(train_scratch_bytes(g, node, storage)),
         }
     }
     (compute, comm, ring)

@@ -69,11 +69,25 @@ pub(super) fn check_supported(
             | Op::AddRmsNorm { .. }
             | Op::AgMatMul { .. }
             | Op::MatMulRs { .. }
+            | Op::UnaryGrad(_)
+            | Op::BiasGrad
+            | Op::WeightGrad { .. }
+            | Op::RmsNormGrad { .. }
+            | Op::LayerNormGrad { .. }
+            | Op::RopeGrad(_)
+            | Op::AttentionProbs(_)
+            | Op::AttentionGrad { .. }
+            | Op::EmbeddingGrad
+            | Op::RouterGrad { .. }
+            | Op::DispatchGrad
+            | Op::CombineGrad { .. }
+            | Op::CrossEntropyGrad { .. }
+            | Op::RepeatGrad { .. }
+            | Op::AdamMoment { .. }
+            | Op::AdamWUpdate(_)
     );
     if !known {
-        return Err(bad(
-            "no CUDA kernel for this op (training ops run on the CPU backend)".into(),
-        ));
+        return Err(bad("no CUDA kernel for this op".into()));
     }
     let float_only = matches!(
         node.op,
@@ -90,6 +104,14 @@ pub(super) fn check_supported(
             | Op::AddRmsNorm { .. }
             | Op::AgMatMul { .. }
             | Op::MatMulRs { .. }
+            | Op::UnaryGrad(_)
+            | Op::BiasGrad
+            | Op::WeightGrad { .. }
+            | Op::RmsNormGrad { .. }
+            | Op::LayerNormGrad { .. }
+            | Op::AttentionGrad { .. }
+            | Op::AdamMoment { .. }
+            | Op::AdamWUpdate(_)
     );
     if float_only && node.ty.dtype == DType::I32 {
         return Err(bad("i32 arithmetic (the kernels are f32/bf16)".into()));
@@ -112,7 +134,7 @@ pub(super) fn check_supported(
                 return Err(bad(format!("cast {from} → {to}")));
             }
         }
-        Op::Attention(spec) => {
+        Op::Attention(spec) | Op::AttentionProbs(spec) | Op::AttentionGrad { spec, .. } => {
             if spec.indexed {
                 return Err(bad(
                     "context-parallel attention (query and key indices) runs on the CPU \
@@ -120,7 +142,7 @@ pub(super) fn check_supported(
                         .into(),
                 ));
             }
-            let d = node.ty.last();
+            let d = g.ty(node.inputs[0]).last();
             if d > shardc_kernels::launch::ATTENTION_MAX_HEAD_DIM {
                 return Err(bad(format!("head_dim {d} above 256")));
             }

@@ -1,0 +1,257 @@
+//! The training ops on the compute stream: one node's gradient kernels (`train_ops.rs`), the
+//! weight gradient as a cuBLASLt GEMM contracting over the rows, and the AdamW step. Each
+//! computes what the CPU kernel of the same op (`cpu/train`) computes.
+//!
+//! Scratch: a weight's norm gradient keeps the rows' statistics there, the attention gradient
+//! its f32 `dS`, a bf16 embedding gradient its f32 accumulator, a cross-entropy gradient the
+//! rows' stats, an attention-probabilities node under bf16 its f32 mask
+//! ([`train_scratch_bytes`] sizes each; the program reserves the largest).
+//!
+//! Pre: as for `node.rs`; an `AdamWUpdate`'s step is a scalar program input (its value is read
+//! on the host when the inputs are uploaded).
+
+use super::gemm::GemmKey;
+use super::ops::Launcher;
+use super::plan::Storage;
+use super::program::CudaProgram;
+use super::train_ops::{AdamWConsts, AttnDims, Norm};
+use super::{CudaError, GpuDType};
+use shardc_compiler::ir::{AttnWrt, CombineWrt, Graph, Node, NormWrt, Op, ValueId};
+
+/// Bytes of compute scratch a training node needs (0 for every other node).
+pub(super) fn train_scratch_bytes(g: &Graph, node: &Node, storage: &[Storage]) -> usize {
+    let elem = |v: ValueId| storage[v.index()].size_bytes();
+    let bf16 = storage.contains(&Storage::Float(GpuDType::Bf16));
+    match &node.op {
+        Op::RmsNormGrad {
+            wrt: NormWrt::Weight,
+            ..
+        }
+        | Op::LayerNormGrad {
+            wrt: NormWrt::Weight,
+            ..
+        } => {
+            let x = g.ty(node.inputs[0]);
+            x.numel() / x.last().max(1) * 2 * 4
+        }
+        Op::AttentionGrad {
+            wrt: AttnWrt::Q | AttnWrt::K,
+            ..
+        } => g.ty(node.inputs[4]).numel() * 4,
+        Op::AttentionProbs(_) if bf16 => node.inputs.get(2).map_or(0, |&m| g.ty(m).numel() * 4),
+        Op::EmbeddingGrad if bf16 => node.ty.numel() * 4,
+        Op::CrossEntropyGrad { .. } => {
+            g.ty(node.inputs[1]).numel()
+                * shardc_compiler::ir::CROSS_ENTROPY_STATS
+                * elem(node.inputs[0])
+        }
+        _ => 0,
+    }
+}
+
+impl CudaProgram {
+    /// `[B, T, S, Hq, Hkv, D]` of an attention's `q[B,T,Hq,D]` and `k[B,S,Hkv,D]`.
+    fn attn_dims(&self, q: ValueId, k: ValueId) -> AttnDims {
+        let (q, k) = (self.shape(q), self.shape(k));
+        [q[0], q[1], k[1], q[2], k[2], q[3]]
+    }
+
+    /// `(rows, hidden)` of a `[.., hidden]` value.
+    fn rows_of(&self, v: ValueId) -> (usize, usize) {
+        let h = self.graph.ty(v).last();
+        (self.numel(v) / h.max(1), h)
+    }
+
+    /// Enqueues training node `v`; `None` when `v` is not a training op.
+    pub(super) fn run_train_node(
+        &mut self,
+        v: ValueId,
+        node: &Node,
+        l: &Launcher,
+    ) -> Option<Result<(), CudaError>> {
+        if let Op::WeightGrad { transpose_b } = node.op {
+            return Some(self.weight_grad(v, node, transpose_b, l));
+        }
+        let ins = &node.inputs;
+        let out = self.ptr(v);
+        let n = node.ty.numel();
+        let dt = self.dt();
+        let p = |k: usize| self.ptr(ins[k]);
+        let scratch = self.scratch.ptr;
+        Some(match &node.op {
+            Op::UnaryGrad(u) => l.unary_grad(*u, dt, p(0), p(1), out, n),
+            Op::BiasGrad => l.bias_grad(dt, p(0), out, self.numel(ins[0]) / n.max(1), n),
+            Op::RmsNormGrad { eps, wrt } | Op::LayerNormGrad { eps, wrt } => {
+                let norm = if matches!(node.op, Op::RmsNormGrad { .. }) {
+                    Norm::Rms
+                } else {
+                    Norm::Layer
+                };
+                let (rows, h) = self.rows_of(ins[0]);
+                match wrt {
+                    NormWrt::X => l.norm_grad_dx(norm, dt, p(0), p(1), p(2), out, rows, h, eps.0),
+                    NormWrt::Weight => {
+                        l.norm_grad_dw(norm, dt, p(0), p(2), scratch, out, rows, h, eps.0)
+                    }
+                }
+            }
+            Op::RopeGrad(spec) => {
+                let s = node.ty.shape();
+                let inv = self.rope[v.index()]
+                    .as_ref()
+                    .expect("invariant: rope tables are loaded")
+                    .ptr;
+                l.rope(
+                    spec.style,
+                    dt,
+                    p(0),
+                    out,
+                    p(1),
+                    inv,
+                    [s[0], s[1], s[2], s[3]],
+                )
+            }
+            Op::AttentionProbs(spec) => {
+                let dims = self.attn_dims(ins[0], ins[1]);
+                let mask = match ins.get(2) {
+                    None => Ok(0),
+                    Some(&m) if self.opts.dtype == GpuDType::F32 => Ok(self.ptr(m)),
+                    Some(&m) => l
+                        .convert("cast_bf16_f32", self.ptr(m), scratch, self.numel(m))
+                        .map(|()| scratch),
+                };
+                let q_offset = dims[2] as i64 - dims[1] as i64;
+                mask.and_then(|mask| {
+                    l.attention_probs(
+                        dt,
+                        p(0),
+                        p(1),
+                        mask,
+                        out,
+                        dims,
+                        spec.scale.0,
+                        spec.causal,
+                        spec.window,
+                        q_offset,
+                    )
+                })
+            }
+            Op::AttentionGrad { spec, wrt } => {
+                // (q, k, v, dy, probs)
+                let dims = self.attn_dims(ins[0], ins[1]);
+                let scale = spec.scale.0;
+                match wrt {
+                    AttnWrt::V => l.attention_grad_dv(dt, p(4), p(3), out, dims),
+                    AttnWrt::Q | AttnWrt::K => {
+                        let wrt_q = *wrt == AttnWrt::Q;
+                        let x = if wrt_q { p(1) } else { p(0) };
+                        l.attention_grad_ds(dt, p(2), p(3), p(4), scratch, dims)
+                            .and_then(|()| {
+                                l.attention_grad_qk(wrt_q, dt, scratch, x, out, dims, scale)
+                            })
+                    }
+                }
+            }
+            Op::EmbeddingGrad => {
+                // (ids, dy, table) -> [V, H]
+                let (vocab, hidden) = (node.ty.dim(0), node.ty.last());
+                let n_ids = self.numel(ins[0]);
+                let acc = if self.opts.dtype == GpuDType::F32 {
+                    out
+                } else {
+                    scratch
+                };
+                l.memset(acc, 0, n * 4)
+                    .and_then(|()| l.embedding_grad(dt, p(0), p(1), acc, n_ids, vocab, hidden))
+                    .and_then(|()| match self.opts.dtype {
+                        GpuDType::F32 => Ok(()),
+                        GpuDType::Bf16 => l.convert("cast_f32_bf16", acc, out, n),
+                    })
+            }
+            Op::RouterGrad { top_k, normalize } => {
+                let (tokens, experts) = self.rows_of(ins[0]);
+                l.router_grad(dt, p(0), p(1), out, tokens, experts, *top_k, *normalize)
+            }
+            Op::DispatchGrad => {
+                // (dxe[E,B,T,H], gates[B,T,E]) -> [B,T,H]
+                let (tokens, experts) = self.rows_of(ins[1]);
+                l.dispatch_grad(dt, p(0), p(1), out, (tokens, experts, node.ty.last()))
+            }
+            Op::CombineGrad { wrt } => {
+                // (y[E,B,T,H], gates[B,T,E], dy[B,T,H])
+                let (tokens, experts) = self.rows_of(ins[1]);
+                let dims = (tokens, experts, self.graph.ty(ins[2]).last());
+                match wrt {
+                    CombineWrt::Y => l.combine_grad_y(dt, p(1), p(2), out, dims),
+                    CombineWrt::Gates => l.combine_grad_gates(dt, (p(0), p(1), p(2)), out, dims),
+                }
+            }
+            Op::CrossEntropyGrad { denom } => {
+                // One shard holding the whole vocabulary: its stats, then its gradient.
+                let vocab = node.ty.last();
+                let rows = self.numel(ins[1]);
+                let scale = 1.0 / (*denom).max(1) as f32;
+                self.check_host_values(v).and_then(|()| {
+                    l.cross_entropy_stats(dt, p(0), p(1), scratch, rows, vocab, 0, vocab)?;
+                    l.cross_entropy_shard_grad(
+                        dt,
+                        p(0),
+                        p(1),
+                        scratch,
+                        out,
+                        rows,
+                        vocab,
+                        1,
+                        0,
+                        scale,
+                    )
+                })
+            }
+            Op::RepeatGrad { dim, times } => {
+                let s = node.ty.shape();
+                let outer = s[..*dim].iter().product();
+                let inner = s[dim + 1..].iter().product();
+                l.repeat_grad(dt, p(0), out, outer, s[*dim], *times, inner)
+            }
+            Op::AdamMoment { beta, squared } => {
+                l.adam_moment(dt, p(0), p(1), out, n, beta.0, *squared)
+            }
+            Op::AdamWUpdate(spec) => match self.host_scalar[ins[3].index()] {
+                Some(t) => l.adamw_update(dt, p(0), p(1), p(2), out, n, AdamWConsts::new(spec, t)),
+                None => Err(self.unsupported(
+                    v,
+                    "the step count is not a scalar program input (it is read on the host)",
+                )),
+            },
+            _ => return None,
+        })
+    }
+
+    /// `WeightGrad`: one cuBLASLt GEMM contracting `a` and `dy` over their rows.
+    fn weight_grad(
+        &mut self,
+        v: ValueId,
+        node: &Node,
+        transpose_b: bool,
+        l: &Launcher,
+    ) -> Result<(), CudaError> {
+        let (a, dy, b) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+        let (key, a_is_dy) = GemmKey::for_weight_grad(
+            &self.shape(a),
+            &self.shape(dy),
+            &self.shape(b),
+            transpose_b,
+            self.opts.dtype,
+        )?;
+        let (pa, pdy) = (self.ptr(a), self.ptr(dy));
+        let (first, second) = if a_is_dy { (pdy, pa) } else { (pa, pdy) };
+        let out = self.ptr(v);
+        let gemm = self
+            .gemm
+            .as_mut()
+            .expect("invariant: created for graphs with GEMMs");
+        // SAFETY: live buffers with the key's sizes; the output is this node's own slot.
+        // `gemm` takes cuBLASLt's "B" operand first, then its "A".
+        unsafe { gemm.gemm(&key, second, first, None, out, l.stream) }
+    }
+}

@@ -1,0 +1,94 @@
+//! Training steps on the CUDA backend: the training [`Plan`]'s program (forward, backward and
+//! AdamW in one SPMD program) run on a GPU each step, its outputs assembled and committed by
+//! the CPU trainer's own code (`train::train_step_with`), so a step's loss, gradients and
+//! updated state are checked and kept exactly as on the CPU.
+//!
+//! Unsharded, the prepared program (arena, kernels, GEMM plans) stays on the device from step
+//! to step and only the state and batch travel. On a mesh every rank runs on the one GPU as a
+//! virtual rank with the `local-gpu` communicators, prepared afresh each step. Plans with a
+//! pipeline or with a separate micro-batch step program are refused by name.
+
+use super::ParamInit;
+use super::{run_spmd_local_gpu, CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx};
+use crate::train::{train_step_with, Batch, StepOutput, TrainError, TrainState};
+use crate::Weights;
+use shardc_compiler::plan::Plan;
+use std::sync::Arc;
+
+/// Runs training steps of one plan on a GPU. See the module docs.
+pub struct CudaTrainer<'p> {
+    dev: Arc<CudaDevice>,
+    plan: &'p Plan,
+    weights: &'p Weights,
+    opts: CudaOptions,
+    /// The unsharded program, prepared on the first step.
+    single: Option<CudaProgram>,
+}
+
+fn backend(e: impl std::error::Error + Send + Sync + 'static) -> TrainError {
+    TrainError::Backend(Box::new(e))
+}
+
+impl<'p> CudaTrainer<'p> {
+    /// A trainer of `plan` on `dev` (`weights` gives any parameter the program reads as a
+    /// checkpoint tensor rather than as a step input).
+    pub fn new(
+        dev: Arc<CudaDevice>,
+        plan: &'p Plan,
+        weights: &'p Weights,
+        opts: CudaOptions,
+    ) -> Result<CudaTrainer<'p>, TrainError> {
+        if plan.pipeline.is_some() {
+            return Err(TrainError::PlanKind(
+                "the CUDA backend trains plans without a pipeline (a mesh without pp); run \
+                 pipelines on the CPU backend"
+                    .into(),
+            ));
+        }
+        if plan.train.is_none() {
+            return Err(TrainError::PlanKind(
+                "a forward plan given to the CUDA trainer".into(),
+            ));
+        }
+        Ok(CudaTrainer {
+            dev,
+            plan,
+            weights,
+            opts,
+            single: None,
+        })
+    }
+
+    /// One step: the state and batch up, the program, the outputs down, assembled and
+    /// committed to `state` (left as it was when the step fails or is not finite).
+    pub fn step(
+        &mut self,
+        state: &mut TrainState,
+        batch: &Batch,
+    ) -> Result<StepOutput, TrainError> {
+        let CudaTrainer {
+            dev,
+            plan,
+            weights,
+            opts,
+            single,
+        } = self;
+        let params = ParamInit::Weights(weights);
+        train_step_with(plan, state, batch, |inputs| {
+            if plan.mesh.world_size() > 1 {
+                return run_spmd_local_gpu(dev, &plan.program, &plan.mesh, &params, inputs, opts)
+                    .map_err(backend);
+            }
+            let ctx = CudaRankCtx::new();
+            let program = match single {
+                Some(p) => p,
+                None => single.insert(
+                    CudaProgram::prepare(dev.clone(), &plan.program, &params, &ctx, opts.clone())
+                        .map_err(backend)?,
+                ),
+            };
+            let out: Result<_, CudaError> = program.run(inputs, &ctx);
+            Ok(vec![out.map_err(backend)?])
+        })
+    }
+}
