@@ -48,6 +48,7 @@ pub struct CudaDevice {
     arch: &'static str,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    preloaded: std::sync::Once,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -96,6 +97,7 @@ impl CudaDevice {
             arch,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            preloaded: std::sync::Once::new(),
         }))
     }
 
@@ -168,6 +170,23 @@ impl CudaDevice {
             .expect("invariant: kernel table lock not poisoned")
             .insert(entry.to_owned(), f.clone());
         Ok(f)
+    }
+
+    /// Compiles (through the PTX cache) and loads every kernel family of the registry and the
+    /// layout kernels, with every entry point, once per device, so no run loads a module
+    /// lazily. A family that does not build for this device (tensor-core kernels on an older
+    /// GPU) is skipped at its first failing entry; a run that launches it reports the error.
+    pub fn preload_kernels(&self) {
+        self.preloaded.call_once(|| {
+            let families = shardc_kernels::KERNELS.iter().map(|k| k.entries);
+            for entries in families.chain([LAYOUT_ENTRIES]) {
+                for e in entries {
+                    if self.function(e).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
     }
 
     /// The generated kernel of a fused elementwise expression (`shardc_kernels`'

@@ -367,6 +367,21 @@ impl GemmCache {
         (self.misses, self.hits)
     }
 
+    /// Builds the plan of `key` now (on `stream`'s context) unless it is cached, so the first
+    /// [`GemmCache::gemm`] with that key finds it.
+    pub fn warm(&mut self, key: &GemmKey, stream: &CudaStream) -> Result<(), CudaError> {
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("bind context for cuBLASLt"))?;
+        if !self.plans.contains_key(key) {
+            let p = self.build(key)?;
+            self.misses += 1;
+            self.plans.insert(*key, p);
+        }
+        Ok(())
+    }
+
     /// Builds the plan of `key` if it is not cached yet.
     fn plan(&mut self, key: &GemmKey) -> Result<&GemmPlan, CudaError> {
         if self.plans.contains_key(key) {

@@ -44,6 +44,7 @@ mod support;
 mod train_node;
 mod train_ops;
 mod trainer;
+mod warm;
 
 pub use device::{cuda_device_count, CudaDevice};
 pub use error::CudaError;

@@ -198,6 +198,7 @@ impl CudaProgram {
         };
         p.load_params(params)?;
         p.load_rope_tables()?;
+        p.warm_up()?;
         p.compute
             .synchronize()
             .map_err(CudaError::driver("synchronize after uploading parameters"))?;

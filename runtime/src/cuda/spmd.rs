@@ -43,8 +43,10 @@ fn run_rank<C: DeviceCommunicator>(
     for (axis, c) in comms {
         ctx.insert(axis.clone(), c);
     }
+    // Every rank prepared (kernels loaded, GEMM plans built) before any enqueues a
+    // collective: see `warm.rs`.
     let out = CudaProgram::prepare(dev.clone(), program, params, &ctx, opts.clone())
-        .and_then(|mut p| p.run(inputs, &ctx));
+        .and_then(|mut p| p.barrier(&ctx).and_then(|()| p.run(inputs, &ctx)));
     if let Err(e) = &out {
         for (_, c) in comms {
             c.abort(&e.to_string());
