@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds what the GPU machine runs (it has no Rust toolchain): `gpu_bench` and the `cuda_*` GPU
-# test binaries of shardc-runtime, release, stripped, into .gpu-bin/ at the repository root.
+# Builds what the GPU machine runs (it has no Rust toolchain): `gpu_bench`, the `shardc` CLI and
+# every `cuda_*` GPU test binary of shardc-runtime (runtime/tests/cuda_*.rs), release, stripped,
+# into .gpu-bin/ at the repository root.
 # Run it on any x86-64 machine with the toolchain (no GPU needed), then carry .gpu-bin to the
 # GPU machine and run benches/gpu/run_on_device.sh there (see benches/gpu/README.md).
 set -euo pipefail
@@ -9,8 +10,10 @@ cd "$root"
 out="$root/.gpu-bin"
 mkdir -p "$out"
 cargo build --release -p shardc-benches --bin gpu_bench
-cp target/release/gpu_bench "$out/"
-for t in cuda_nodriver cuda_kernels cuda_models cuda_graphs cuda_comm cuda_nccl; do
+cargo build --release --bin shardc
+cp target/release/gpu_bench target/release/shardc "$out/"
+for f in runtime/tests/cuda_*.rs; do
+    t="$(basename "$f" .rs)"
     exe="$(cargo test --release -p shardc-runtime --test "$t" --no-run --message-format=json 2>/dev/null |
         python3 -c 'import json, sys
 for line in sys.stdin:

@@ -22,10 +22,13 @@
 //!   (`host µs/run`, the launch overhead a graph removes).
 //!
 //! Times are CUDA-event milliseconds per run of the whole (one-op or one-layer) program on the
-//! compute stream, after warm-up. Usage: `gpu_bench [--quick] [--only SECTION]`. Without a GPU
+//! compute stream, after warm-up. Before it is timed, every program runs once and its outputs
+//! are checked against the CPU reference (`check.rs`: on the leading rows, relative L2 below
+//! 2e-2 in bf16, no NaN); a `# check` line reports each, and a failed check fails the section. Usage: `gpu_bench [--quick] [--only SECTION]`. Without a GPU
 //! it prints why and exits with status 2. `benches/gpu/torch_peer.py` prints the same table
 //! for PyTorch eager and torch.compile.
 
+use check::{cpu_outputs, small_inputs, CheckError, Reference};
 use cudarc::driver::{result as drv, sys, DevicePtr};
 use shardc_compiler::ir::{
     AttnSpec, DType, Float, Graph, Op, RopeScaling, RopeSpec, RopeStyle, ShardSpec, TensorType,
@@ -40,6 +43,20 @@ use shardc_runtime::Tensor;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod check;
+
+/// Tokens (rows) of the CPU reference runs that check a program's leading rows.
+const CHECK_TOKENS: usize = 64;
+
+/// A section's failure: the GPU's, or an output that does not match the CPU reference.
+#[derive(Debug, thiserror::Error)]
+enum BenchError {
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error(transparent)]
+    Check(#[from] CheckError),
+}
 
 /// Llama-3-8B dimensions.
 const HIDDEN: usize = 4096;
@@ -90,14 +107,43 @@ impl Rng {
     fn positions(&mut self, b: usize, t: usize) -> Tensor {
         Tensor::i32(vec![b, t], (0..b).flat_map(|_| 0..t as i32).collect())
     }
+
+    /// `ins` with a value for every weight input of `g` it lacks (`weight` nodes): matrices
+    /// uniform in ±0.02, vectors (norm weights) in 1 ± 0.1.
+    fn weights(
+        &mut self,
+        g: &Graph,
+        mut ins: BTreeMap<String, Tensor>,
+    ) -> BTreeMap<String, Tensor> {
+        for v in g.ids() {
+            let Op::Input { name, .. } = &g.node(v).op else {
+                continue;
+            };
+            if ins.contains_key(name) {
+                continue;
+            }
+            let shape = g.ty(v).shape();
+            let t = if shape.len() == 1 {
+                let n = self.tensor(&shape, 0.1);
+                let one = n.as_f32().expect("f32").iter().map(|x| 1.0 + x).collect();
+                Tensor::f32(shape, one)
+            } else {
+                self.tensor(&shape, 0.02)
+            };
+            ins.insert(name.clone(), t);
+        }
+        ins
+    }
 }
 
 fn ty(dt: DType, shape: &[usize]) -> TensorType {
     TensorType::plain(dt, shape)
 }
 
+/// A weight of the program: an input (the benchmark and its CPU check feed the same values;
+/// uploaded before timing like a parameter), filled by [`Rng::weights`].
 fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
-    g.param(name, ty(DType::F32, shape))
+    g.input(name, ty(DType::F32, shape))
 }
 
 fn add(g: &mut Graph, op: Op, ins: &[ValueId], name: &str) -> ValueId {
@@ -131,30 +177,61 @@ impl Bench {
         }
     }
 
-    /// Milliseconds per run of `g` (unsharded) with `inputs`.
+    /// Milliseconds per run of `g` (unsharded) with `inputs`, after its outputs checked out
+    /// against `reference`.
     fn time(
         &self,
-        g: &Graph,
-        inputs: &BTreeMap<String, Tensor>,
+        case: &str,
+        (g, inputs, reference): (&Graph, &BTreeMap<String, Tensor>, &Reference),
         dtype: GpuDType,
         fuse: bool,
         heavy: bool,
-    ) -> Result<f64, CudaError> {
-        self.time_with(g, inputs, opts(dtype, fuse), heavy)
+    ) -> Result<f64, BenchError> {
+        self.time_with(case, (g, inputs, reference), opts(dtype, fuse), heavy)
     }
 
     /// [`Bench::time`] with explicit options.
     fn time_with(
         &self,
-        g: &Graph,
-        inputs: &BTreeMap<String, Tensor>,
+        case: &str,
+        (g, inputs, reference): (&Graph, &BTreeMap<String, Tensor>, &Reference),
         opts: CudaOptions,
         heavy: bool,
-    ) -> Result<f64, CudaError> {
+    ) -> Result<f64, BenchError> {
         let ctx = CudaRankCtx::new();
+        let dt = opts.dtype;
         let mut p = self.prepare(&ctx, g, inputs, 7, opts)?;
+        let got = p.run(inputs, &ctx)?;
+        self.check(case, &got, (g, inputs, reference), dt)?;
         let iters = self.iters(heavy);
-        p.time(&ctx, 2.min(iters), iters)
+        Ok(p.time(&ctx, 2.min(iters), iters)?)
+    }
+
+    /// Checks a run's outputs `got` of `g` on `inputs` against the CPU reference (see
+    /// `check.rs`) and prints the result as a `# check` line.
+    fn check(
+        &self,
+        case: &str,
+        got: &BTreeMap<String, Tensor>,
+        (g, inputs, reference): (&Graph, &BTreeMap<String, Tensor>, &Reference),
+        dt: GpuDType,
+    ) -> Result<(), CheckError> {
+        let (want, how) = match reference {
+            Reference::Prefix(small) => {
+                let ins = small_inputs(small, inputs);
+                (cpu_outputs(case, small, &ins)?, "leading rows")
+            }
+            Reference::Whole => (cpu_outputs(case, g, inputs)?, "whole"),
+        };
+        let e = check::compare(case, got, &want, dt);
+        match &e {
+            Ok(e) => println!(
+                "# check {case} {}: {how}, relative L2 {e:.2e} vs the CPU: ok",
+                dt.name()
+            ),
+            Err(err) => println!("# check {case} {}: FAILED: {err}", dt.name()),
+        }
+        e.map(|_| ())
     }
 
     /// `g` prepared on `ctx` with random parameters from `seed`, `inputs` uploaded.
@@ -206,28 +283,28 @@ impl Bench {
         ("GB/s", gbs, pct(gbs, self.copy_gbs))
     }
 
-    /// The rows `<name> fused` and `<name> unfused` of `section`: `g` (of `shape`) timed with
-    /// and without fusion, each measured by `measure(self, ms)`.
+    /// The rows `<name> fused` and `<name> unfused` of `section`: `g` (of `shape`) checked
+    /// against `reference` and timed with and without fusion, each measured by
+    /// `measure(self, ms)`.
     fn fused_and_unfused(
         &mut self,
         (section, name): (&'static str, &str),
-        g: &Graph,
-        ins: &BTreeMap<String, Tensor>,
+        program: (&Graph, &BTreeMap<String, Tensor>, &Reference),
         (dt, heavy): (GpuDType, bool),
         shape: String,
         measure: impl Fn(&Self, f64) -> Measure,
-    ) -> Result<(), CudaError> {
+    ) -> Result<(), BenchError> {
         for fuse in [true, false] {
-            let ms = self.time(g, ins, dt, fuse, heavy)?;
-            let m = measure(self, ms);
             let case = format!("{name} {}", if fuse { "fused" } else { "unfused" });
+            let ms = self.time(&case, program, dt, fuse, heavy)?;
+            let m = measure(self, ms);
             self.row(section, case, dt, shape.clone(), ms, m);
         }
         Ok(())
     }
 
     /// Device-to-device copy bandwidth (read + write bytes) of a 512 MiB buffer.
-    fn copy(&mut self) -> Result<(), CudaError> {
+    fn copy(&mut self) -> Result<(), BenchError> {
         let bytes = if self.quick { 256 << 20 } else { 512 << 20 };
         let s = self.dev.new_stream()?;
         let drvr = |op: &'static str| {
@@ -269,71 +346,92 @@ impl Bench {
     }
 
     /// Memory-bound kernels at 4096 tokens, GB/s against the copy.
-    fn membound(&mut self) -> Result<(), CudaError> {
+    fn membound(&mut self) -> Result<(), BenchError> {
         let t = if self.quick { 1024 } else { 4096 };
         let mut rng = Rng(0x1234_5678);
         let dt = GpuDType::Bf16;
         let e = dt.size_bytes() as f64;
         // add + RMSNorm (fused: one launch writing the sum and the norm).
-        let mut g = Graph::new();
-        let x = g.input("x", ty(DType::F32, &[1, t, HIDDEN]));
-        let r = g.input("r", ty(DType::F32, &[1, t, HIDDEN]));
-        let w = param(&mut g, "w", &[HIDDEN]);
-        let s = add(&mut g, Op::Add, &[x, r], "sum");
-        let n = add(&mut g, Op::RmsNorm { eps: Float(1e-5) }, &[s, w], "norm");
-        g.set_output("sum", s);
-        g.set_output("norm", n);
+        let add_norm = |t: usize| {
+            let mut g = Graph::new();
+            let x = g.input("x", ty(DType::F32, &[1, t, HIDDEN]));
+            let r = g.input("r", ty(DType::F32, &[1, t, HIDDEN]));
+            let w = param(&mut g, "w", &[HIDDEN]);
+            let s = add(&mut g, Op::Add, &[x, r], "sum");
+            let n = add(&mut g, Op::RmsNorm { eps: Float(1e-5) }, &[s, w], "norm");
+            g.set_output("sum", s);
+            g.set_output("norm", n);
+            g
+        };
+        let g = add_norm(t);
         let ins = BTreeMap::from([
             ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
             ("r".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
         ]);
+        let ins = rng.weights(&g, ins);
+        let check = Reference::Prefix(add_norm(CHECK_TOKENS));
         let elems = (t * HIDDEN) as f64;
         let bytes = 4.0 * elems * e; // minimal traffic: read x, r; write sum, norm
         let shape = format!("[{t},{HIDDEN}]");
         let section = ("membound", "add+rmsnorm");
-        self.fused_and_unfused(section, &g, &ins, (dt, false), shape, |b, ms| {
+        self.fused_and_unfused(section, (&g, &ins, &check), (dt, false), shape, |b, ms| {
             b.gbs(bytes, ms)
         })?;
         // SwiGLU: silu(gate) · up.
-        let mut g = Graph::new();
-        let gate = g.input("gate", ty(DType::F32, &[1, t, FFN]));
-        let up = g.input("up", ty(DType::F32, &[1, t, FFN]));
-        let sl = add(&mut g, Op::Unary(UnaryOp::Silu), &[gate], "silu");
-        let m = add(&mut g, Op::Mul, &[sl, up], "mul");
-        g.set_output("y", m);
+        let swiglu = |t: usize| {
+            let mut g = Graph::new();
+            let gate = g.input("gate", ty(DType::F32, &[1, t, FFN]));
+            let up = g.input("up", ty(DType::F32, &[1, t, FFN]));
+            let sl = add(&mut g, Op::Unary(UnaryOp::Silu), &[gate], "silu");
+            let m = add(&mut g, Op::Mul, &[sl, up], "mul");
+            g.set_output("y", m);
+            g
+        };
+        let g = swiglu(t);
         let ins = BTreeMap::from([
             ("gate".to_string(), rng.tensor(&[1, t, FFN], 2.0)),
             ("up".to_string(), rng.tensor(&[1, t, FFN], 2.0)),
         ]);
+        let check = Reference::Prefix(swiglu(CHECK_TOKENS));
         let elems = (t * FFN) as f64;
         let bytes = 3.0 * elems * e; // minimal traffic: read gate, up; write out
         let shape = format!("[{t},{FFN}]");
         let section = ("membound", "swiglu");
-        self.fused_and_unfused(section, &g, &ins, (dt, false), shape, |b, ms| {
+        self.fused_and_unfused(section, (&g, &ins, &check), (dt, false), shape, |b, ms| {
             b.gbs(bytes, ms)
         })?;
         // RoPE on the query heads.
-        let mut g = Graph::new();
-        let q = g.input("q", ty(DType::F32, &[1, t, HEADS, HEAD_DIM]));
-        let pos = g.input("pos", ty(DType::I32, &[1, t]));
-        let y = add(&mut g, Op::Rope(llama3_rope()), &[q, pos], "rope");
-        g.set_output("y", y);
+        let rope = |t: usize| {
+            let mut g = Graph::new();
+            let q = g.input("q", ty(DType::F32, &[1, t, HEADS, HEAD_DIM]));
+            let pos = g.input("pos", ty(DType::I32, &[1, t]));
+            let y = add(&mut g, Op::Rope(llama3_rope()), &[q, pos], "rope");
+            g.set_output("y", y);
+            g
+        };
+        let g = rope(t);
         let ins = BTreeMap::from([
             ("q".to_string(), rng.tensor(&[1, t, HEADS, HEAD_DIM], 1.0)),
             ("pos".to_string(), rng.positions(1, t)),
         ]);
-        let ms = self.time(&g, &ins, dt, true, false)?;
+        let check = Reference::Prefix(rope(CHECK_TOKENS));
+        let ms = self.time("rope", (&g, &ins, &check), dt, true, false)?;
         let measure = self.gbs(2.0 * (t * HEADS * HEAD_DIM) as f64 * e, ms);
         let shape = format!("[{t},{HEADS},{HEAD_DIM}]");
         self.row("membound", "rope", dt, shape, ms, measure);
         // Softmax over 4096-wide rows.
+        let softmax = |rows: usize| {
+            let mut g = Graph::new();
+            let x = g.input("x", ty(DType::F32, &[rows, 4096]));
+            let y = add(&mut g, Op::Softmax, &[x], "softmax");
+            g.set_output("y", y);
+            g
+        };
         let rows = 4 * t;
-        let mut g = Graph::new();
-        let x = g.input("x", ty(DType::F32, &[rows, 4096]));
-        let y = add(&mut g, Op::Softmax, &[x], "softmax");
-        g.set_output("y", y);
+        let g = softmax(rows);
         let ins = BTreeMap::from([("x".to_string(), rng.tensor(&[rows, 4096], 4.0))]);
-        let ms = self.time(&g, &ins, dt, true, false)?;
+        let check = Reference::Prefix(softmax(CHECK_TOKENS));
+        let ms = self.time("softmax", (&g, &ins, &check), dt, true, false)?;
         let measure = self.gbs(2.0 * (rows * 4096) as f64 * e, ms);
         let shape = format!("[{rows},4096]");
         self.row("membound", "softmax", dt, shape, ms, measure);
@@ -343,24 +441,30 @@ impl Bench {
     /// One GEMM `[m,k]·[n,k]ᵀ` in TFLOP/s.
     fn gemm_case(
         &mut self,
-        m: usize,
-        k: usize,
-        n: usize,
+        name: &str,
+        (m, k, n): (usize, usize, usize),
         dt: GpuDType,
-    ) -> Result<(f64, f64), CudaError> {
-        let mut g = Graph::new();
-        let a = g.input("a", ty(DType::F32, &[m, k]));
-        let w = param(&mut g, "w", &[n, k]);
-        let y = add(&mut g, Op::MatMul { transpose_b: true }, &[a, w], "y");
-        g.set_output("y", y);
-        let ins = BTreeMap::from([("a".to_string(), Rng(99).tensor(&[m, k], 1.0))]);
-        let ms = self.time(&g, &ins, dt, true, true)?;
+    ) -> Result<(f64, f64), BenchError> {
+        let build = |m: usize| {
+            let mut g = Graph::new();
+            let a = g.input("a", ty(DType::F32, &[m, k]));
+            let w = param(&mut g, "w", &[n, k]);
+            let y = add(&mut g, Op::MatMul { transpose_b: true }, &[a, w], "y");
+            g.set_output("y", y);
+            g
+        };
+        let g = build(m);
+        let mut rng = Rng(99);
+        let ins = BTreeMap::from([("a".to_string(), rng.tensor(&[m, k], 1.0))]);
+        let ins = rng.weights(&g, ins);
+        let check = Reference::Prefix(build(CHECK_TOKENS.min(m)));
+        let ms = self.time(name, (&g, &ins, &check), dt, true, true)?;
         Ok((ms, tflops(2.0 * (m * n * k) as f64, ms)))
     }
 
-    fn gemm(&mut self) -> Result<(), CudaError> {
+    fn gemm(&mut self) -> Result<(), BenchError> {
         let big = if self.quick { 4096 } else { 8192 };
-        let (ms, tf) = self.gemm_case(big, big, big, GpuDType::Bf16)?;
+        let (ms, tf) = self.gemm_case("gemm ceiling", (big, big, big), GpuDType::Bf16)?;
         self.gemm_tflops = tf;
         self.row(
             "gemm",
@@ -378,7 +482,7 @@ impl Bench {
             ("gate_up_proj", 2 * FFN, HIDDEN),
             ("down_proj", HIDDEN, FFN),
         ] {
-            let (ms, tf) = self.gemm_case(t, k, n, GpuDType::Bf16)?;
+            let (ms, tf) = self.gemm_case(name, (t, k, n), GpuDType::Bf16)?;
             let measure = self.tflops(tf);
             self.row(
                 "gemm",
@@ -390,7 +494,7 @@ impl Bench {
             );
         }
         let f = if self.quick { 1024 } else { 4096 };
-        let (ms, tf) = self.gemm_case(f, f, f, GpuDType::F32)?;
+        let (ms, tf) = self.gemm_case("gemm fp32", (f, f, f), GpuDType::F32)?;
         self.row(
             "gemm",
             "fp32 (no TF32)",
@@ -402,10 +506,11 @@ impl Bench {
         Ok(())
     }
 
-    fn attention(&mut self) -> Result<(), CudaError> {
+    fn attention(&mut self) -> Result<(), BenchError> {
         let lens: &[usize] = if self.quick { &[1024] } else { &[4096, 16384] };
         for &t in lens {
             let (g, ins) = attention_graph(t, t, 0xabc);
+            let check = Reference::Prefix(attention_graph(CHECK_TOKENS, CHECK_TOKENS, 0).0);
             // The tensor-core kernel (attention_tc_bf16), then the scalar one (attention_bf16).
             for (tensor_core, kernel) in [(true, "tensor cores"), (false, "scalar")] {
                 let run = CudaOptions {
@@ -413,7 +518,8 @@ impl Bench {
                     split_kv_attention: false,
                     ..opts(GpuDType::Bf16, true)
                 };
-                let ms = self.time_with(&g, &ins, run, true)?;
+                let case = format!("attention causal {}k {kernel}", t / 1024);
+                let ms = self.time_with(&case, (&g, &ins, &check), run, true)?;
                 // Causal: half of the 4·T·S·D·H multiply-adds of full attention.
                 let flops = 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
                 let tf = tflops(flops, ms);
@@ -437,14 +543,15 @@ impl Bench {
     /// One decode step's attention (1 query, causal, `q_offset = S - 1`) against an `s`-key
     /// cache, on the split-KV pair (`attention_decode_bf16`) and on the ordinary kernel; GB/s of
     /// the K and V cache read once.
-    fn decode_attention(&mut self, s: usize) -> Result<(), CudaError> {
+    fn decode_attention(&mut self, s: usize) -> Result<(), BenchError> {
         let (g, ins) = attention_graph(1, s, 0xdec0de);
         for (split, kernel) in [(true, "split-KV"), (false, "non-split")] {
             let run = CudaOptions {
                 split_kv_attention: split,
                 ..opts(GpuDType::Bf16, true)
             };
-            let ms = self.time_with(&g, &ins, run, false)?;
+            let case = format!("attention decode {}k {kernel}", s / 1024);
+            let ms = self.time_with(&case, (&g, &ins, &Reference::Whole), run, false)?;
             let bytes = 2.0 * (s * KV_HEADS * HEAD_DIM * 2) as f64;
             let measure = self.gbs(bytes, ms);
             self.row(
@@ -459,19 +566,15 @@ impl Bench {
         Ok(())
     }
 
-    fn layer(&mut self) -> Result<(), CudaError> {
+    fn layer(&mut self) -> Result<(), BenchError> {
         let t = if self.quick { 1024 } else { 4096 };
-        let g = llama_layer(t);
-        let mut rng = Rng(0x77);
-        let ins = BTreeMap::from([
-            ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
-            ("pos".to_string(), rng.positions(1, t)),
-        ]);
+        let (g, ins) = layer_program(t);
+        let check = Reference::Prefix(llama_layer(CHECK_TOKENS));
         let flops = layer_flops(t);
         let section = ("layer", "llama-3-8b layer");
         let run = (GpuDType::Bf16, true);
         let shape = format!("1x{t}");
-        self.fused_and_unfused(section, &g, &ins, run, shape, |b, ms| {
+        self.fused_and_unfused(section, (&g, &ins, &check), run, shape, |b, ms| {
             b.tflops(tflops(flops, ms))
         })?;
         Ok(())
@@ -479,15 +582,11 @@ impl Bench {
 
     /// One layer eager against its CUDA graph replay: a row of device ms per run and a row of
     /// host µs per enqueue for each.
-    fn graphs(&mut self) -> Result<(), CudaError> {
+    fn graphs(&mut self) -> Result<(), BenchError> {
         let big = if self.quick { 1024 } else { 4096 };
         for t in [16, big] {
-            let g = llama_layer(t);
-            let mut rng = Rng(0x77);
-            let ins = BTreeMap::from([
-                ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
-                ("pos".to_string(), rng.positions(1, t)),
-            ]);
+            let (g, ins) = layer_program(t);
+            let check = Reference::Prefix(llama_layer(CHECK_TOKENS.min(t)));
             let iters = self.iters(t == big);
             for graphs in [false, true] {
                 let ctx = CudaRankCtx::new();
@@ -508,6 +607,9 @@ impl Bench {
                 let host_us = start.elapsed().as_secs_f64() * 1e6 / iters as f64;
                 p.synchronize(&ctx)?;
                 let case = format!("layer {}", if graphs { "graph replay" } else { "eager" });
+                // What the last (replayed) run left in the outputs.
+                let what = format!("{case} {t} tokens");
+                self.check(&what, &p.outputs()?, (&g, &ins, &check), GpuDType::Bf16)?;
                 let shape = format!("1x{t}");
                 self.row(
                     "graphs",
@@ -531,7 +633,7 @@ impl Bench {
     }
 
     /// Collective matmuls vs their unfused forms on 2 virtual ranks (local-gpu).
-    fn overlap(&mut self) -> Result<(), CudaError> {
+    fn overlap(&mut self) -> Result<(), BenchError> {
         let t = if self.quick { 1024 } else { 4096 };
         let parts = 2;
         let f = FFN / parts;
@@ -620,6 +722,26 @@ impl Bench {
             g.set_output("y", y);
             g
         };
+        // The CPU references of rank 0's output on the leading rows: the whole product for the
+        // gathers; for the scatters twice it (both ranks hold the same `m`), rank 0's rows.
+        let reference = |gather: bool| {
+            let mut g = Graph::new();
+            let (input, w, k, n) = if gather {
+                ("x", "w_up", HIDDEN, f)
+            } else {
+                ("m", "w_down", f, HIDDEN)
+            };
+            let x = g.input(input, ty(DType::F32, &[1, CHECK_TOKENS, k]));
+            let w = param(&mut g, w, &[n, k]);
+            let y = add(&mut g, Op::MatMul { transpose_b: true }, &[x, w], "y");
+            let y = if gather {
+                y
+            } else {
+                add(&mut g, Op::Scale(Float(2.0)), &[y], "y2")
+            };
+            g.set_output("y", y);
+            g
+        };
         let gemm_flops = 2.0 * (t * f * HIDDEN) as f64;
         for (label, g, (input, global)) in [
             ("ag+gemm", ag(false), ("x", &x_global)),
@@ -627,8 +749,11 @@ impl Bench {
             ("gemm+rs", rs(false), ("m", &m_global)),
             ("MatMulRs", rs(true), ("m", &m_global)),
         ] {
-            let ins = BTreeMap::from([(input.to_string(), global.clone())]);
-            let ms = self.time_ranks(&g, &ins, parts)?;
+            let ins = rng.weights(&g, BTreeMap::from([(input.to_string(), global.clone())]));
+            let (ms, rank0) = self.time_ranks(&g, &ins, parts)?;
+            let check = Reference::Prefix(reference(input == "x"));
+            let case = format!("tp=2 {label} (rank 0)");
+            self.check(&case, &rank0, (&g, &ins, &check), GpuDType::Bf16)?;
             let tf = tflops(gemm_flops, ms);
             let measure = self.tflops(tf);
             self.row(
@@ -643,23 +768,28 @@ impl Bench {
         Ok(())
     }
 
-    /// Milliseconds per run of `g` on `parts` virtual ranks (the slowest rank).
+    /// Milliseconds per run of `g` on `parts` virtual ranks (the slowest rank), and rank 0's
+    /// outputs of a first run.
     fn time_ranks(
         &self,
         g: &Graph,
         inputs: &BTreeMap<String, Tensor>,
         parts: usize,
-    ) -> Result<f64, CudaError> {
+    ) -> Result<(f64, BTreeMap<String, Tensor>), CudaError> {
+        type Timed = (f64, BTreeMap<String, Tensor>);
         let comms = group(&self.dev, "tp", parts, Duration::from_secs(300));
         let iters = self.iters(true);
-        let results: Vec<Result<f64, CudaError>> = std::thread::scope(|s| {
+        let results: Vec<Result<Timed, CudaError>> = std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
                 .map(|c| {
                     s.spawn(move || {
                         let ctx = CudaRankCtx::new().with_axis("tp", &c as &dyn DeviceCommunicator);
                         let mut p = self.prepare(&ctx, g, inputs, 3, opts(GpuDType::Bf16, true))?;
-                        let r = p.time(&ctx, 2.min(iters), iters);
+                        let r = p.barrier(&ctx).and_then(|()| {
+                            let out = p.run(inputs, &ctx)?;
+                            Ok((p.time(&ctx, 2.min(iters), iters)?, out))
+                        });
                         if r.is_err() {
                             c.abort("a rank failed");
                         }
@@ -677,10 +807,13 @@ impl Bench {
                 .collect()
         });
         let mut worst = 0f64;
+        let mut rank0 = None;
         for r in results {
-            worst = worst.max(r?);
+            let (ms, out) = r?;
+            worst = worst.max(ms);
+            rank0.get_or_insert(out);
         }
-        Ok(worst)
+        Ok((worst, rank0.unwrap_or_default()))
     }
 }
 
@@ -746,6 +879,19 @@ fn llama_layer(t: usize) -> Graph {
     let y = add(&mut g, Op::Add, &[h, d], "mlp_residual");
     g.set_output("y", y);
     g
+}
+
+/// One Llama-3-8B decoder layer for `t` tokens with its inputs: the residual stream, the
+/// positions and the weights.
+fn layer_program(t: usize) -> (Graph, BTreeMap<String, Tensor>) {
+    let g = llama_layer(t);
+    let mut rng = Rng(0x77);
+    let ins = BTreeMap::from([
+        ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
+        ("pos".to_string(), rng.positions(1, t)),
+    ]);
+    let ins = rng.weights(&g, ins);
+    (g, ins)
 }
 
 /// Llama-3-8B causal attention, `t` queries against `s` keys (`q_offset = s - t`), with its
@@ -843,7 +989,7 @@ fn main() {
         copy_gbs: 0.0,
         gemm_tflops: 0.0,
     };
-    type Section = fn(&mut Bench) -> Result<(), CudaError>;
+    type Section = fn(&mut Bench) -> Result<(), BenchError>;
     let sections: [(&str, Section); 7] = [
         ("copy", Bench::copy),
         ("membound", Bench::membound),
