@@ -2,14 +2,16 @@
 //! entry point is a clean error (never a panic), and the host-side planning — arena reuse,
 //! fused groups, the GEMM plan-cache keys — on real model programs.
 
+use shardc_compiler::compile::{compile, CompileSpec, Job};
 use shardc_compiler::compile::{compile_forward, CompileOptions};
 use shardc_compiler::ir::Op;
 use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
 use shardc_compiler::shard::Mesh;
+use shardc_compiler::train::{Precision, TrainOptions};
 use shardc_runtime::cuda::comm::nccl::NcclId;
 use shardc_runtime::cuda::{
-    cuda_device_count, plan_arena, plan_memory, Action, CudaDevice, CudaError, Epilogue,
-    FusedGroup, GemmKey, GpuDType,
+    cuda_device_count, flash_candidates, plan_arena, plan_memory, Action, CudaDevice, CudaError,
+    Epilogue, FusedGroup, GemmKey, GpuDType,
 };
 use std::collections::HashSet;
 use std::path::Path;
@@ -181,6 +183,91 @@ fn arena_reuse_and_fusion_on_every_fixture_model() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// A training program's attention backward is planned as flash groups: every `AttentionProbs`
+/// skipped and given no bytes, its three gradients issued at the first of them with slots that
+/// overlap neither each other nor anything the launches read; the arena keeps its invariant and
+/// shrinks by the probabilities. Without fusion the materialised path keeps them.
+#[test]
+fn training_programs_plan_the_attention_backward_without_probabilities() {
+    for (model, mesh) in [
+        ("llama", ""),
+        ("gpt2", ""),
+        ("mixtral", ""),
+        ("llama", "tp=2"),
+    ] {
+        let cfg = config(model);
+        let mesh_v = if mesh.is_empty() {
+            Mesh::single()
+        } else {
+            Mesh::parse(mesh, 8).expect("mesh")
+        };
+        let mut spec = CompileSpec::new(
+            cfg.clone(),
+            model,
+            Job::Train(Box::new(TrainOptions::new(2, 64, mesh_v))),
+        );
+        spec.precision = Precision::f32();
+        let g = compile(&spec).expect("training plan").program;
+        let what = format!("{model} `{mesh}`");
+        assert_eq!(flash_candidates(&g).len(), cfg.layers, "{what}");
+        for dt in [GpuDType::F32, GpuDType::Bf16] {
+            let (fused, plan) = plan_memory(&g, dt, true);
+            let (plain, unfused) = plan_memory(&g, dt, false);
+            assert!(
+                !unfused
+                    .groups
+                    .iter()
+                    .any(|grp| matches!(grp, FusedGroup::AttentionBwd(_))),
+                "{what}: no flash group without fusion"
+            );
+            assert!(
+                fused.total < plain.total,
+                "{what} {dt}: {} vs {}",
+                fused.total,
+                plain.total
+            );
+            let mut groups = 0;
+            for (i, grp) in plan.groups.iter().enumerate() {
+                let FusedGroup::AttentionBwd(f) = grp else {
+                    continue;
+                };
+                groups += 1;
+                assert_eq!(plan.actions[f.probs.index()], Action::Skip, "{what}");
+                assert_eq!(
+                    fused.slots[f.probs.index()],
+                    None,
+                    "{what}: probs have bytes"
+                );
+                assert_eq!(plan.actions[f.head().index()], Action::Fused(i), "{what}");
+                let slots: Vec<_> = f
+                    .grads()
+                    .iter()
+                    .map(|v| fused.slots[v.index()].expect("gradient slot"))
+                    .collect();
+                for (a, sa) in slots.iter().enumerate() {
+                    for sb in &slots[a + 1..] {
+                        assert!(!sa.overlaps(sb), "{what}: gradients share bytes");
+                    }
+                    let mut read = g.node(f.head()).inputs.clone();
+                    read.extend(g.node(f.probs).inputs.get(2));
+                    for op in read {
+                        if let Some(s) = fused.slots[op.index()] {
+                            assert!(!s.overlaps(sa), "{what}: a gradient overlaps operand {op}");
+                        }
+                    }
+                }
+                for v in f.grads() {
+                    if v != f.head() {
+                        assert_eq!(plan.actions[v.index()], Action::Skip, "{what}");
+                    }
+                }
+            }
+            assert_eq!(groups, cfg.layers, "{what} {dt}");
+            assert_eq!(fused.live_overlap(&g), None, "{what} {dt}: values overlap");
         }
     }
 }

@@ -10,7 +10,8 @@ mod cuda_common;
 use cuda_common::*;
 use shardc_compiler::compile::{compile, CompileSpec, Job};
 use shardc_compiler::ir::{
-    AdamWSpec, AttnSpec, AttnWrt, CombineWrt, Float, NormWrt, Op, RopeSpec, RopeStyle, UnaryOp,
+    AdamWSpec, AttnSpec, AttnWrt, CombineWrt, Float, NormWrt, Op, RopeSpec, RopeStyle, TensorType,
+    UnaryOp,
 };
 use shardc_compiler::model::ModelConfig;
 use shardc_compiler::shard::Mesh;
@@ -304,6 +305,102 @@ fn mixture_of_experts_gradients() {
     }
 }
 
+/// `AttentionProbs` and its three gradients as one graph: with fusion they run as the
+/// FlashAttention-2 backward group (no probabilities stored), without it on the materialised
+/// kernels; both against the CPU reference, including Llama-3-8B's attention shape.
+#[test]
+#[ignore = "needs a GPU"]
+fn attention_backward_group_matches_the_materialised_path() {
+    let dev = device();
+    let mut rng = Rng::new(38);
+    // (B, T, S, Hq, Hkv, D, causal, window, mask)
+    let cases = [
+        (1, 37, 37, 2, 1, 64, true, None, false),
+        (2, 45, 45, 4, 2, 40, false, None, true),
+        (2, 29, 29, 2, 1, 64, true, Some(7), true),
+        (1, 17, 41, 2, 1, 40, true, None, false),
+        (1, 512, 512, 32, 8, 128, true, None, false),
+    ];
+    for (b, t, s, hq, hkv, d, causal, window, masked) in cases {
+        let spec = AttnSpec {
+            causal,
+            window,
+            scale: Float(1.0 / (d as f32).sqrt()),
+            indexed: false,
+        };
+        let mut g = shardc_compiler::ir::Graph::new();
+        let ty = |shape: &[usize]| TensorType::plain(shardc_compiler::ir::DType::F32, shape);
+        let q = g.input("q", ty(&[b, t, hq, d]));
+        let k = g.input("k", ty(&[b, s, hkv, d]));
+        let v = g.input("v", ty(&[b, s, hkv, d]));
+        let dy = g.input("dy", ty(&[b, t, hq, d]));
+        let mut pin = vec![q, k];
+        if masked {
+            pin.push(g.input("mask", ty(&[b, s])));
+        }
+        let p = g
+            .add(Op::AttentionProbs(spec), &pin, "probs")
+            .expect("probs");
+        for (wrt, name) in [(AttnWrt::Q, "dq"), (AttnWrt::K, "dk"), (AttnWrt::V, "dv")] {
+            let x = g
+                .add(Op::AttentionGrad { spec, wrt }, &[q, k, v, dy, p], name)
+                .expect("grad");
+            g.set_output(name, x);
+        }
+        assert_eq!(shardc_runtime::cuda::flash_candidates(&g).len(), 1);
+        let mut inputs = std::collections::BTreeMap::from([
+            ("q".to_string(), rng.tensor(&[b, t, hq, d], 1.0)),
+            ("k".to_string(), rng.tensor(&[b, s, hkv, d], 1.0)),
+            ("v".to_string(), rng.tensor(&[b, s, hkv, d], 1.0)),
+            ("dy".to_string(), rng.tensor(&[b, t, hq, d], 1.0)),
+        ]);
+        if masked {
+            let m = (0..b * s)
+                .map(|i| if i % 5 == 3 { 0.0 } else { 1.0 })
+                .collect();
+            inputs.insert("mask".into(), Tensor::f32(vec![b, s], m));
+        }
+        for dt in DTYPES {
+            let ins: std::collections::BTreeMap<String, Tensor> = inputs
+                .iter()
+                .map(|(n, x)| {
+                    let x = if dt == GpuDType::Bf16 {
+                        round_bf16(x)
+                    } else {
+                        x.clone()
+                    };
+                    (n.clone(), x)
+                })
+                .collect();
+            let want = shardc_runtime::execute_with_params(
+                &g,
+                &shardc_runtime::ParamCache::default(),
+                &ins,
+                &shardc_runtime::RankCtx::new(),
+            )
+            .expect("cpu");
+            for fuse in [true, false] {
+                let params = shardc_runtime::cuda::ParamInit::Random {
+                    seed: 1,
+                    scale: 1.0,
+                };
+                let got =
+                    shardc_runtime::cuda::execute_cuda(&dev, &g, &params, &ins, opts(dt, fuse))
+                        .expect("gpu");
+                let (atol, rtol) = tol(dt);
+                for name in ["dq", "dk", "dv"] {
+                    let what = format!(
+                        "{name} B{b} T{t} S{s} Hq{hq} Hkv{hkv} D{d} causal={causal} window={window:?} \
+                         mask={masked} {dt} {}",
+                        if fuse { "flash group" } else { "materialised" }
+                    );
+                    assert_close(&what, &got[name], &want[name], atol * 5.0, rtol);
+                }
+            }
+        }
+    }
+}
+
 /// f32 AdamW on the GPU is the CPU's bit for bit: the moments in f32 without fused
 /// multiply-adds, the update in f64 from the same host constants.
 #[test]
@@ -441,10 +538,17 @@ fn fixture_training_steps_reproduce_the_cpu_trainer() {
         ] {
             let plan = train_plan(model, &cfg, mesh, extra);
             let mut cpu_state = TrainState::load(&plan, &weights).expect("state");
-            for dt in DTYPES {
-                let what = format!("{model} mesh `{mesh}` {extra:?} {dt}");
+            // bf16 and f32 with every fused group (the attention backward as FlashAttention-2),
+            // and f32 on the materialised kernels.
+            for (dt, fuse) in [
+                (GpuDType::F32, true),
+                (GpuDType::F32, false),
+                (GpuDType::Bf16, true),
+            ] {
+                let what = format!("{model} mesh `{mesh}` {extra:?} {dt} fuse={fuse}");
                 let opts = CudaOptions {
                     dtype: dt,
+                    fuse,
                     poison: true,
                     ..CudaOptions::default()
                 };

@@ -30,6 +30,7 @@ pub mod comm;
 mod device;
 mod dtype;
 mod error;
+mod flash;
 mod gemm;
 mod host;
 mod node;
@@ -48,6 +49,7 @@ mod warm;
 
 pub use device::{cuda_device_count, CudaDevice};
 pub use error::CudaError;
+pub use flash::{flash_candidates, FlashBwd};
 pub use gemm::{Epilogue, GemmCache, GemmKey};
 pub use node::cublas_epilogue;
 pub use plan::{

@@ -430,6 +430,7 @@ impl CudaProgram {
                     eps.0,
                 )
             }
+            FusedGroup::AttentionBwd(f) => self.run_flash(f, l),
             FusedGroup::SwiGlu { mul, gate, up, .. } => l.swiglu(
                 dt,
                 self.ptr(*gate),

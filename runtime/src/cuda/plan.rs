@@ -20,6 +20,7 @@
 //!   parameter (no arena slot) stays a device copy.
 
 pub use super::dtype::GpuDType;
+use super::flash::{flash_candidates, FlashBwd};
 use super::gemm::Epilogue;
 use crate::cuda::comm::device::DeviceDType;
 use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Node, Op, TensorType, UnaryOp, ValueId};
@@ -216,6 +217,9 @@ pub enum FusedGroup {
         /// The RmsNorm (tail).
         norm: ValueId,
     },
+    /// `AttentionProbs` and its three `AttentionGrad`s as the FlashAttention-2 backward
+    /// (`flash.rs`): the probabilities skipped (no bytes), the gradients written at the first.
+    AttentionBwd(FlashBwd),
     /// `Unary(silu)(g)` → `Mul(·, u)` as one `swiglu` launch.
     SwiGlu {
         /// The silu (head).
@@ -235,20 +239,31 @@ impl FusedGroup {
         match self {
             FusedGroup::Gemm { mm, .. } => *mm,
             FusedGroup::AddRmsNorm { add, .. } => *add,
+            FusedGroup::AttentionBwd(f) => f.head(),
             FusedGroup::SwiGlu { silu, .. } => *silu,
         }
     }
 
-    /// The node whose slot is written early.
+    /// The node whose slot is written early (the last of them).
     pub fn tail(&self) -> ValueId {
         match self {
             FusedGroup::Gemm { out, .. } => *out,
             FusedGroup::AddRmsNorm { norm, .. } => *norm,
+            FusedGroup::AttentionBwd(f) => f.dq.max(f.dk).max(f.dv),
             FusedGroup::SwiGlu { mul, .. } => *mul,
         }
     }
 
-    /// Short name for reports (`gemm+bias+gelu`, `add+rmsnorm`, `swiglu`).
+    /// Every value the group's launches write.
+    pub fn writes(&self) -> Vec<ValueId> {
+        match self {
+            FusedGroup::AddRmsNorm { add, norm } => vec![*add, *norm],
+            FusedGroup::AttentionBwd(f) => f.grads().to_vec(),
+            other => vec![other.tail()],
+        }
+    }
+
+    /// Short name for reports (`gemm+bias+gelu`, `add+rmsnorm`, `attention_bwd`, `swiglu`).
     pub fn label(&self) -> &'static str {
         match self {
             FusedGroup::Gemm { epilogue, .. } => match epilogue {
@@ -258,6 +273,7 @@ impl FusedGroup {
                 Epilogue::Gelu => "gemm+gelu",
             },
             FusedGroup::AddRmsNorm { .. } => "add+rmsnorm",
+            FusedGroup::AttentionBwd(_) => "attention_bwd",
             FusedGroup::SwiGlu { .. } => "swiglu",
         }
     }
@@ -279,7 +295,7 @@ pub enum Action {
 pub struct FusionPlan {
     /// Per node.
     pub actions: Vec<Action>,
-    /// The groups, in head order.
+    /// The groups (`Action::Fused` indexes them).
     pub groups: Vec<FusedGroup>,
 }
 
@@ -313,6 +329,32 @@ pub fn early_write_ok(
 /// candidate's tail also using its head's operands (the fused launch reads them while writing
 /// the tail); each candidate is then kept only if [`early_write_ok`] holds in that arena.
 pub fn plan_memory(g: &Graph, dt: GpuDType, fuse: bool) -> (ArenaPlan, FusionPlan) {
+    let mut flash = if fuse {
+        flash_candidates(g)
+    } else {
+        Vec::new()
+    };
+    // A flash group whose early writes would clobber a live value (which its shape rules out,
+    // see flash.rs) is dropped and the arena planned again without it.
+    loop {
+        let (arena, plan, rejected) = plan_with(g, dt, fuse, &flash);
+        match rejected {
+            None => return (arena, plan),
+            Some(i) => {
+                flash.remove(i);
+            }
+        }
+    }
+}
+
+/// [`plan_memory`] with the flash groups `flash`: the plan, or the index of a flash group that
+/// cannot write its gradients early in it.
+fn plan_with(
+    g: &Graph,
+    dt: GpuDType,
+    fuse: bool,
+    flash: &[(FlashBwd, Option<ValueId>)],
+) -> (ArenaPlan, FusionPlan, Option<usize>) {
     let n = g.len();
     let candidates = if fuse {
         candidate_groups(g)
@@ -323,6 +365,14 @@ pub fn plan_memory(g: &Graph, dt: GpuDType, fuse: bool) -> (ArenaPlan, FusionPla
     for (group, _) in &candidates {
         let head_ops = g.node(group.head()).inputs.clone();
         ag.nodes[group.tail().index()].inputs.extend(head_ops);
+    }
+    // The probabilities of a flash group take no bytes; its first gradient reads their mask.
+    for (f, mask) in flash {
+        let node = &mut ag.nodes[f.probs.index()];
+        node.ty = TensorType::plain(node.ty.dtype, &[0]);
+        if let Some(m) = mask {
+            ag.nodes[f.head().index()].inputs.push(*m);
+        }
     }
     // An alias takes no bytes of its own; its root stays live while any reader of the alias
     // (or an output naming it) is.
@@ -342,8 +392,11 @@ pub fn plan_memory(g: &Graph, dt: GpuDType, fuse: bool) -> (ArenaPlan, FusionPla
             }
         }
     }
-    let arena = ArenaPlan::of(&ag, n, aliases);
+    let mut arena = ArenaPlan::of(&ag, n, aliases);
     let last = last_uses(&ag);
+    for (f, _) in flash {
+        arena.slots[f.probs.index()] = None;
+    }
     let mut plan = FusionPlan {
         actions: vec![Action::Run; n],
         groups: Vec::new(),
@@ -366,7 +419,22 @@ pub fn plan_memory(g: &Graph, dt: GpuDType, fuse: bool) -> (ArenaPlan, FusionPla
         }
         plan.groups.push(group);
     }
-    (arena, plan)
+    for (i, (f, _)) in flash.iter().enumerate() {
+        let grads = f.grads();
+        let ok = grads
+            .iter()
+            .all(|&v| v == f.head() || early_write_ok(&arena, &last, f.head(), v, &grads));
+        if !ok {
+            return (arena, plan, Some(i));
+        }
+        plan.actions[f.probs.index()] = Action::Skip;
+        for v in grads {
+            plan.actions[v.index()] = Action::Skip;
+        }
+        plan.actions[f.head().index()] = Action::Fused(plan.groups.len());
+        plan.groups.push(FusedGroup::AttentionBwd(*f));
+    }
+    (arena, plan, None)
 }
 
 /// Pattern-matched fused groups (non-overlapping, in head order) with their skipped members.

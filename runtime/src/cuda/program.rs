@@ -23,6 +23,7 @@
 //! executor therefore makes the compute stream wait for any in-flight collective whose buffers
 //! overlap what the launch writes.
 
+use super::flash::flash_scratch_bytes;
 use super::gemm::GemmCache;
 use super::host::{alloc, download, random_values, DevBuf, HostData};
 use super::ops::Launcher;
@@ -145,6 +146,14 @@ impl CudaProgram {
         let arena = alloc(&compute, arena_plan.total as usize, "activation arena")?;
         let (scratch_bytes, comm_half, ring_bytes) =
             scratch_sizes(graph, &storage, dev.sm_count(), opts.split_kv_attention);
+        let scratch_bytes = fusion
+            .groups
+            .iter()
+            .filter_map(|g| match g {
+                FusedGroup::AttentionBwd(f) => Some(flash_scratch_bytes(graph, f, &storage)),
+                _ => None,
+            })
+            .fold(scratch_bytes, usize::max);
         let scratch = alloc(&compute, scratch_bytes, "compute scratch")?;
         let ring = alloc(&compute, ring_bytes, "collective-matmul ring buffers")?;
         let comm_scratch = alloc(&compute, 2 * comm_half as usize, "collective scratch")?;
@@ -514,11 +523,7 @@ impl CudaProgram {
                         }
                         Action::Fused(g) => {
                             let group = self.fusion.groups[g].clone();
-                            let writes: Vec<ValueId> = match &group {
-                                FusedGroup::AddRmsNorm { add, norm } => vec![*add, *norm],
-                                other => vec![other.tail()],
-                            };
-                            self.guard(&mut inflight, &writes)?;
+                            self.guard(&mut inflight, &group.writes())?;
                             self.run_group(&group, lc)
                                 .map_err(|e| self.at_node(group.head(), e))?;
                         }

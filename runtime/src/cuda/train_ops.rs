@@ -8,13 +8,17 @@ use super::CudaError;
 use cudarc::driver::PushKernelArg;
 use shardc_compiler::ir::UnaryOp;
 use shardc_kernels::launch::{
-    attention_rows_launch, columns_launch, combine_grad_gates_launch, elementwise_launch,
-    router_launch, rows_launch, vector_launch,
+    attention_bwd_launch, attention_bwd_prep_launch, attention_launch, attention_rows_launch,
+    columns_launch, combine_grad_gates_launch, elementwise_launch, router_launch, rows_launch,
+    vector_launch,
 };
 use shardc_kernels::{entry_name, KernelDType};
 
 /// `[batch, seq_q, seq_k, heads_q, heads_kv, head_dim]` of an attention and its gradients.
 pub(crate) type AttnDims = [usize; 6];
+
+/// `(scale, causal, window, q_offset)` of an attention.
+pub(crate) type AttnMasking = (f32, bool, Option<usize>, i64);
 
 /// `(tokens, experts, hidden)` of a mixture-of-experts gradient.
 pub(crate) type MoeDims = (usize, usize, usize);
@@ -238,6 +242,64 @@ impl Launcher<'_> {
             &probs, &dy, &dv, &b, &t, &s, &hq, &hkv, &d)
     }
 
+    /// The scalar attention forward of `[q, k, v]` into `out`, also writing each query's f32
+    /// log-sum-exp into `lse[B, T, Hq]` (`attention_lse_*`, for the backward).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_lse(
+        &self,
+        dt: KernelDType,
+        [q, k, v]: [u64; 3],
+        out: u64,
+        mask: u64,
+        lse: u64,
+        dims: AttnDims,
+        masking: AttnMasking,
+    ) -> Result<(), CudaError> {
+        let [b, t, s, hq, hkv, d] = dims;
+        let cfg = attention_launch(b, t, hq, hkv, d)?;
+        let [b, t, s, hq, hkv, d] = [b, t, s, hq, hkv, d].map(|x| x as i32);
+        let (scale, causal, window, off) = int_masking(masking);
+        launch!(self, entry_name("attention_lse", dt), cfg;
+            &q, &k, &v, &out, &mask, &b, &t, &s, &hq, &hkv, &d, &scale, &causal, &window, &off,
+            &lse)
+    }
+
+    /// `delta = rowsum(dout ⊙ out)` per query row (f32) and the f32 dQ accumulator zeroed.
+    pub fn attention_bwd_prep(
+        &self,
+        dt: KernelDType,
+        out: u64,
+        dout: u64,
+        delta: u64,
+        dq_acc: u64,
+        dims: AttnDims,
+    ) -> Result<(), CudaError> {
+        let rows = dims[0] * dims[1] * dims[3];
+        let (r, d) = (i(rows), dims[5] as i32);
+        launch!(self, entry_name("attention_bwd_prep", dt), attention_bwd_prep_launch(rows);
+            &out, &dout, &delta, &dq_acc, &r, &d)
+    }
+
+    /// The FlashAttention-2 backward pass of `[q, k, v, dout]` given the forward's
+    /// `(lse, delta, mask)`: dK and dV written, dQ added into the f32 `dq_acc`.
+    pub fn attention_bwd(
+        &self,
+        dt: KernelDType,
+        [q, k, v, dout]: [u64; 4],
+        (lse, delta, mask): (u64, u64, u64),
+        (dq_acc, dk, dv): (u64, u64, u64),
+        dims: AttnDims,
+        masking: AttnMasking,
+    ) -> Result<(), CudaError> {
+        let [b, t, s, hq, hkv, d] = dims;
+        let cfg = attention_bwd_launch(b, s, hq, hkv, d)?;
+        let [b, t, s, hq, hkv, d] = [b, t, s, hq, hkv, d].map(|x| x as i32);
+        let (scale, causal, window, off) = int_masking(masking);
+        launch!(self, entry_name("attention_bwd", dt), cfg;
+            &q, &k, &v, &dout, &lse, &delta, &mask, &dq_acc, &dk, &dv, &b, &t, &s, &hq, &hkv, &d,
+            &scale, &causal, &window, &off)
+    }
+
     /// The gradient of the router wrt its logits.
     #[allow(clippy::too_many_arguments)]
     pub fn router_grad(
@@ -334,6 +396,12 @@ impl Launcher<'_> {
         launch!(self, entry_name("adamw_update", dt), vector_launch(n, dt);
             &w, &m, &v, &out, &n64, &c.decay, &c.step_size, &c.bc2_sqrt, &c.eps)
     }
+}
+
+/// The int arguments of the attention kernels: `(scale, causal, window (0: none), q_offset)`.
+fn int_masking((scale, causal, window, q_offset): AttnMasking) -> (f32, i32, i32, i32) {
+    let window = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+    (scale, causal as i32, window, q_offset as i32)
 }
 
 #[cfg(test)]

@@ -1,0 +1,222 @@
+//! The attention backward without the probabilities: a training program's `AttentionProbs`
+//! and the three `AttentionGrad` nodes (wrt q, k, v) that read it run as one fused group, the
+//! FlashAttention-2 sequence of `attention_bwd.cu` — the forward again with its log-sum-exp
+//! (`attention_lse_*`, its output into scratch), `D = rowsum(dO ⊙ O)` and the dQ accumulator
+//! zeroed (`attention_bwd_prep_*`), then one pass over key tiles writing dK and dV into their
+//! slots and dQ through the f32 accumulator (`attention_bwd_*`; cast for bf16). The
+//! `[B, Hq, T, S]` probabilities never exist: the planner gives them no bytes.
+//!
+//! A group forms when (see [`flash_candidates`]): the probabilities are used only by the three
+//! gradients, which sit next to each other in program order and take the same q and k; the
+//! attention is not context-parallel (no indices) and its head_dim is at most 128. The three
+//! gradients share every operand, so nothing that lives at the first of them dies before the
+//! last: writing the other two's slots at the first clobbers nothing (the planner still checks
+//! it). Without fusion (`CudaOptions::fuse` off) the materialised kernels run instead.
+
+use super::ops::Launcher;
+use super::plan::{GpuDType, Storage};
+use super::program::CudaProgram;
+use super::CudaError;
+use shardc_compiler::ir::{AttnWrt, Graph, Op, ValueId};
+use shardc_kernels::launch::ATTENTION_BWD_MAX_HEAD_DIM;
+
+/// The values of one attention backward group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashBwd {
+    /// The `AttentionProbs` node (skipped, no bytes).
+    pub probs: ValueId,
+    /// The gradients wrt q, k and v.
+    pub dq: ValueId,
+    /// Wrt k.
+    pub dk: ValueId,
+    /// Wrt v.
+    pub dv: ValueId,
+}
+
+impl FlashBwd {
+    /// The first of the three gradients in program order, where the group is issued.
+    pub fn head(&self) -> ValueId {
+        self.dq.min(self.dk).min(self.dv)
+    }
+
+    /// The three gradients.
+    pub fn grads(&self) -> [ValueId; 3] {
+        [self.dq, self.dk, self.dv]
+    }
+}
+
+/// `v` with reshapes that keep its shape looked through (the training program reads saved
+/// forward values through such reshapes).
+fn through_reshapes(g: &Graph, mut v: ValueId) -> ValueId {
+    while let Op::Reshape = g.node(v).op {
+        let x = g.node(v).inputs[0];
+        if !g.ty(x).same_shape(g.ty(v)) {
+            break;
+        }
+        v = x;
+    }
+    v
+}
+
+/// Every probabilities node of `g` whose backward can run as one group (module docs), with
+/// its key mask (an operand of the probabilities that the group reads at its head). The
+/// probabilities may reach the gradients through shape-keeping reshapes (the program's saved
+/// values), each used only on that path.
+pub fn flash_candidates(g: &Graph) -> Vec<(FlashBwd, Option<ValueId>)> {
+    let users = g.users();
+    let is_output = |v: ValueId| g.outputs.iter().any(|&(_, o)| o == v);
+    let mut out = Vec::new();
+    for p in g.ids() {
+        let node = g.node(p);
+        let Op::AttentionProbs(spec) = &node.op else {
+            continue;
+        };
+        if spec.indexed || g.ty(node.inputs[0]).last() > ATTENTION_BWD_MAX_HEAD_DIM {
+            continue;
+        }
+        // The probabilities and their reshapes, down to the value the gradients read.
+        let mut last = p;
+        let mut ok = !is_output(p);
+        while let [u] = users[last.index()].as_slice() {
+            if !matches!(g.node(*u).op, Op::Reshape) || is_output(*u) {
+                break;
+            }
+            last = *u;
+        }
+        let grads: Vec<(AttnWrt, ValueId)> = users[last.index()]
+            .iter()
+            .filter_map(|&u| match &g.node(u).op {
+                Op::AttentionGrad { spec: s, wrt } if s == spec => Some((*wrt, u)),
+                _ => None,
+            })
+            .collect();
+        ok &= grads.len() == 3 && users[last.index()].len() == 3 && through_reshapes(g, last) == p;
+        let of = |w: AttnWrt| grads.iter().find(|(x, _)| *x == w).map(|(_, u)| *u);
+        let (Some(dq), Some(dk), Some(dv)) = (of(AttnWrt::Q), of(AttnWrt::K), of(AttnWrt::V))
+        else {
+            continue;
+        };
+        let ins = &g.node(dq).inputs;
+        let same = |i: usize| through_reshapes(g, ins[i]) == through_reshapes(g, node.inputs[i]);
+        let mut ids = [dq.index(), dk.index(), dv.index()];
+        ids.sort_unstable();
+        ok &= same(0)
+            && same(1)
+            && ins[4] == last
+            && [dk, dv].iter().all(|&u| g.node(u).inputs == *ins)
+            && ids[2] - ids[0] == 2;
+        if ok {
+            out.push((
+                FlashBwd {
+                    probs: p,
+                    dq,
+                    dk,
+                    dv,
+                },
+                node.inputs.get(2).copied(),
+            ));
+        }
+    }
+    out
+}
+
+/// Bytes of the compute scratch group `f` uses: the recomputed forward output, the
+/// log-sum-exp and `D` rows (f32), and under bf16 the f32 dQ accumulator and the f32 mask.
+pub(super) fn flash_scratch_bytes(g: &Graph, f: &FlashBwd, storage: &[Storage]) -> usize {
+    let layout = FlashScratch::of(g, f, storage);
+    layout.total
+}
+
+/// Where group `f`'s temporaries sit in the compute scratch (byte offsets, 256-aligned).
+struct FlashScratch {
+    out: usize,
+    lse: usize,
+    delta: usize,
+    dq_acc: usize,
+    mask: usize,
+    total: usize,
+}
+
+impl FlashScratch {
+    fn of(g: &Graph, f: &FlashBwd, storage: &[Storage]) -> FlashScratch {
+        let align = |b: usize| b.div_ceil(256) * 256;
+        let q = g.ty(g.node(f.dq).inputs[0]);
+        let rows = q.numel() / q.last().max(1);
+        let elem = storage[f.dq.index()].size_bytes();
+        let bf16 = storage[f.dq.index()] == Storage::Float(GpuDType::Bf16);
+        let mask_len = match g.node(f.probs).inputs.get(2) {
+            Some(&m) if bf16 => g.ty(m).numel() * 4,
+            _ => 0,
+        };
+        let out = 0;
+        let lse = out + align(q.numel() * elem);
+        let delta = lse + align(rows * 4);
+        let dq_acc = delta + align(rows * 4);
+        let mask = dq_acc + if bf16 { align(q.numel() * 4) } else { 0 };
+        FlashScratch {
+            out,
+            lse,
+            delta,
+            dq_acc,
+            mask,
+            total: mask + align(mask_len),
+        }
+    }
+}
+
+impl CudaProgram {
+    /// Issues attention backward group `f` (module docs).
+    pub(super) fn run_flash(&self, f: &FlashBwd, l: &Launcher) -> Result<(), CudaError> {
+        let probs = self.graph.node(f.probs);
+        let Op::AttentionProbs(spec) = &probs.op else {
+            unreachable!("invariant: a flash group starts from AttentionProbs")
+        };
+        // (q, k, v, dy, probs), the same for the three gradients.
+        let ins = self.graph.node(f.dq).inputs.clone();
+        let (q, k) = (self.shape(ins[0]), self.shape(ins[1]));
+        let dims = [q[0], q[1], k[1], q[2], k[2], q[3]];
+        if dims.contains(&0) {
+            // Nothing to attend: every gradient is zero.
+            for v in f.grads() {
+                l.memset(self.ptr(v), 0, self.numel(v) * self.elem(v))?;
+            }
+            return Ok(());
+        }
+        let layout = FlashScratch::of(&self.graph, f, &self.storage);
+        let at = |off: usize| self.scratch.ptr + off as u64;
+        let dt = self.dt();
+        let mask = match probs.inputs.get(2) {
+            None => 0,
+            Some(&m) if self.opts.dtype == GpuDType::F32 => self.ptr(m),
+            Some(&m) => {
+                l.convert("cast_bf16_f32", self.ptr(m), at(layout.mask), self.numel(m))?;
+                at(layout.mask)
+            }
+        };
+        let dq = self.ptr(f.dq);
+        // f32: dQ accumulates in its own slot; bf16: in the f32 scratch, cast after.
+        let dq_acc = match self.opts.dtype {
+            GpuDType::F32 => dq,
+            GpuDType::Bf16 => at(layout.dq_acc),
+        };
+        let p = |i: usize| self.ptr(ins[i]);
+        let q_offset = dims[2] as i64 - dims[1] as i64;
+        let attn = (spec.scale.0, spec.causal, spec.window, q_offset);
+        let (out, lse, delta) = (at(layout.out), at(layout.lse), at(layout.delta));
+        l.attention_lse(dt, [p(0), p(1), p(2)], out, mask, lse, dims, attn)?;
+        l.attention_bwd_prep(dt, out, p(3), delta, dq_acc, dims)?;
+        let grads = (dq_acc, self.ptr(f.dk), self.ptr(f.dv));
+        l.attention_bwd(
+            dt,
+            [p(0), p(1), p(2), p(3)],
+            (lse, delta, mask),
+            grads,
+            dims,
+            attn,
+        )?;
+        if self.opts.dtype == GpuDType::Bf16 {
+            l.convert("cast_f32_bf16", dq_acc, dq, self.numel(f.dq))?;
+        }
+        Ok(())
+    }
+}
