@@ -1,5 +1,6 @@
-//! The element type the CUDA backend computes float tensors in.
+//! The element type the CUDA backend computes float tensors in, and how each value is stored.
 
+use crate::cuda::comm::device::DeviceDType;
 use shardc_compiler::ir::DType;
 use shardc_kernels::KernelDType;
 use std::fmt;
@@ -60,5 +61,42 @@ impl GpuDType {
 impl fmt::Display for GpuDType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// How one value is stored on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// A float value in the backend's dtype.
+    Float(GpuDType),
+    /// Token ids, positions, labels.
+    I32,
+}
+
+impl Storage {
+    /// The storage of a value declared `dtype` under backend dtype `dt`.
+    pub fn of(dtype: DType, dt: GpuDType) -> Storage {
+        if dtype == DType::I32 {
+            Storage::I32
+        } else {
+            Storage::Float(dt)
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            Storage::Float(d) => d.size_bytes(),
+            Storage::I32 => 4,
+        }
+    }
+
+    /// The communicator dtype.
+    pub fn device(self) -> DeviceDType {
+        match self {
+            Storage::Float(GpuDType::F32) => DeviceDType::F32,
+            Storage::Float(GpuDType::Bf16) => DeviceDType::Bf16,
+            Storage::I32 => DeviceDType::I32,
+        }
     }
 }

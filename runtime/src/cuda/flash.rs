@@ -1,6 +1,6 @@
 //! The attention backward without the probabilities: a training program's `AttentionProbs`
 //! and the three `AttentionGrad` nodes (wrt q, k, v) that read it run as one fused group, the
-//! FlashAttention-2 sequence of `attention_bwd.cu` — the forward again with its log-sum-exp
+//! FlashAttention-2 sequence of `attention_bwd.cu` (issued by `train_node.rs`) — the forward again with its log-sum-exp
 //! (`attention_lse_*`, its output into scratch), `D = rowsum(dO ⊙ O)` and the dQ accumulator
 //! zeroed (`attention_bwd_prep_*`), then one pass over key tiles writing dK and dV into their
 //! slots and dQ through the f32 accumulator (`attention_bwd_*`; cast for bf16). The
@@ -13,10 +13,7 @@
 //! last: writing the other two's slots at the first clobbers nothing (the planner still checks
 //! it). Without fusion (`CudaOptions::fuse` off) the materialised kernels run instead.
 
-use super::ops::Launcher;
-use super::plan::{GpuDType, Storage};
-use super::program::CudaProgram;
-use super::CudaError;
+use super::dtype::{GpuDType, Storage};
 use shardc_compiler::ir::{AttnWrt, Graph, Op, ValueId};
 use shardc_kernels::launch::ATTENTION_BWD_MAX_HEAD_DIM;
 
@@ -120,25 +117,22 @@ pub fn flash_candidates(g: &Graph) -> Vec<(FlashBwd, Option<ValueId>)> {
     out
 }
 
-/// Bytes of the compute scratch group `f` uses: the recomputed forward output, the
-/// log-sum-exp and `D` rows (f32), and under bf16 the f32 dQ accumulator and the f32 mask.
-pub(super) fn flash_scratch_bytes(g: &Graph, f: &FlashBwd, storage: &[Storage]) -> usize {
-    let layout = FlashScratch::of(g, f, storage);
-    layout.total
-}
-
-/// Where group `f`'s temporaries sit in the compute scratch (byte offsets, 256-aligned).
-struct FlashScratch {
-    out: usize,
-    lse: usize,
-    delta: usize,
-    dq_acc: usize,
-    mask: usize,
-    total: usize,
+/// Where a group's temporaries sit in the compute scratch (byte offsets, 256-aligned): the
+/// recomputed forward output, the log-sum-exp and `D` rows (f32), and under bf16 the f32 dQ
+/// accumulator and the f32 mask.
+pub(super) struct FlashScratch {
+    pub out: usize,
+    pub lse: usize,
+    pub delta: usize,
+    pub dq_acc: usize,
+    pub mask: usize,
+    /// Bytes in all.
+    pub total: usize,
 }
 
 impl FlashScratch {
-    fn of(g: &Graph, f: &FlashBwd, storage: &[Storage]) -> FlashScratch {
+    /// The layout of group `f` of `g` stored as `storage`.
+    pub fn of(g: &Graph, f: &FlashBwd, storage: &[Storage]) -> FlashScratch {
         let align = |b: usize| b.div_ceil(256) * 256;
         let q = g.ty(g.node(f.dq).inputs[0]);
         let rows = q.numel() / q.last().max(1);
@@ -161,62 +155,5 @@ impl FlashScratch {
             mask,
             total: mask + align(mask_len),
         }
-    }
-}
-
-impl CudaProgram {
-    /// Issues attention backward group `f` (module docs).
-    pub(super) fn run_flash(&self, f: &FlashBwd, l: &Launcher) -> Result<(), CudaError> {
-        let probs = self.graph.node(f.probs);
-        let Op::AttentionProbs(spec) = &probs.op else {
-            unreachable!("invariant: a flash group starts from AttentionProbs")
-        };
-        // (q, k, v, dy, probs), the same for the three gradients.
-        let ins = self.graph.node(f.dq).inputs.clone();
-        let (q, k) = (self.shape(ins[0]), self.shape(ins[1]));
-        let dims = [q[0], q[1], k[1], q[2], k[2], q[3]];
-        if dims.contains(&0) {
-            // Nothing to attend: every gradient is zero.
-            for v in f.grads() {
-                l.memset(self.ptr(v), 0, self.numel(v) * self.elem(v))?;
-            }
-            return Ok(());
-        }
-        let layout = FlashScratch::of(&self.graph, f, &self.storage);
-        let at = |off: usize| self.scratch.ptr + off as u64;
-        let dt = self.dt();
-        let mask = match probs.inputs.get(2) {
-            None => 0,
-            Some(&m) if self.opts.dtype == GpuDType::F32 => self.ptr(m),
-            Some(&m) => {
-                l.convert("cast_bf16_f32", self.ptr(m), at(layout.mask), self.numel(m))?;
-                at(layout.mask)
-            }
-        };
-        let dq = self.ptr(f.dq);
-        // f32: dQ accumulates in its own slot; bf16: in the f32 scratch, cast after.
-        let dq_acc = match self.opts.dtype {
-            GpuDType::F32 => dq,
-            GpuDType::Bf16 => at(layout.dq_acc),
-        };
-        let p = |i: usize| self.ptr(ins[i]);
-        let q_offset = dims[2] as i64 - dims[1] as i64;
-        let attn = (spec.scale.0, spec.causal, spec.window, q_offset);
-        let (out, lse, delta) = (at(layout.out), at(layout.lse), at(layout.delta));
-        l.attention_lse(dt, [p(0), p(1), p(2)], out, mask, lse, dims, attn)?;
-        l.attention_bwd_prep(dt, out, p(3), delta, dq_acc, dims)?;
-        let grads = (dq_acc, self.ptr(f.dk), self.ptr(f.dv));
-        l.attention_bwd(
-            dt,
-            [p(0), p(1), p(2), p(3)],
-            (lse, delta, mask),
-            grads,
-            dims,
-            attn,
-        )?;
-        if self.opts.dtype == GpuDType::Bf16 {
-            l.convert("cast_f32_bf16", dq_acc, dq, self.numel(f.dq))?;
-        }
-        Ok(())
     }
 }

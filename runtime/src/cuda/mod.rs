@@ -39,6 +39,7 @@ pub(crate) mod ops;
 mod plan;
 mod program;
 mod rank;
+mod scratch;
 mod spmd;
 mod strided;
 mod support;

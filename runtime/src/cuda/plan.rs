@@ -19,51 +19,13 @@
 //!   root live until the alias's last use, and skips the node. A reshape of an input or a
 //!   parameter (no arena slot) stays a device copy.
 
-pub use super::dtype::GpuDType;
+pub use super::dtype::{GpuDType, Storage};
 use super::flash::{flash_candidates, FlashBwd};
 use super::gemm::Epilogue;
-use crate::cuda::comm::device::DeviceDType;
 use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Node, Op, TensorType, UnaryOp, ValueId};
 use shardc_compiler::schedule::arena;
 use shardc_kernels::launch::split_kv_reserve_bytes;
 use shardc_kernels::{FusedExpr, FusedUnary};
-
-/// How one value is stored on the device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Storage {
-    /// A float value in the backend's dtype.
-    Float(GpuDType),
-    /// Token ids, positions, labels.
-    I32,
-}
-
-impl Storage {
-    /// The storage of a value declared `dtype` under backend dtype `dt`.
-    pub fn of(dtype: DType, dt: GpuDType) -> Storage {
-        if dtype == DType::I32 {
-            Storage::I32
-        } else {
-            Storage::Float(dt)
-        }
-    }
-
-    /// Bytes per element.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            Storage::Float(d) => d.size_bytes(),
-            Storage::I32 => 4,
-        }
-    }
-
-    /// The communicator dtype.
-    pub fn device(self) -> DeviceDType {
-        match self {
-            Storage::Float(GpuDType::F32) => DeviceDType::F32,
-            Storage::Float(GpuDType::Bf16) => DeviceDType::Bf16,
-            Storage::I32 => DeviceDType::I32,
-        }
-    }
-}
 
 /// A byte range of the arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

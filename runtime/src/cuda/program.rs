@@ -23,16 +23,13 @@
 //! executor therefore makes the compute stream wait for any in-flight collective whose buffers
 //! overlap what the launch writes.
 
-use super::flash::flash_scratch_bytes;
 use super::gemm::GemmCache;
 use super::host::{alloc, download, random_values, DevBuf, HostData};
 use super::ops::Launcher;
-use super::plan::{
-    attention_scratch, plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage,
-};
+use super::plan::{plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage};
 use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
+use super::scratch::scratch_sizes;
 use super::support::check_supported;
-use super::train_node::train_scratch_bytes;
 use super::{CudaDevice, CudaError};
 use crate::{RuntimeError, Tensor};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -144,16 +141,13 @@ impl CudaProgram {
         let compute = dev.new_stream()?;
         let comm = dev.new_stream()?;
         let arena = alloc(&compute, arena_plan.total as usize, "activation arena")?;
-        let (scratch_bytes, comm_half, ring_bytes) =
-            scratch_sizes(graph, &storage, dev.sm_count(), opts.split_kv_attention);
-        let scratch_bytes = fusion
-            .groups
-            .iter()
-            .filter_map(|g| match g {
-                FusedGroup::AttentionBwd(f) => Some(flash_scratch_bytes(graph, f, &storage)),
-                _ => None,
-            })
-            .fold(scratch_bytes, usize::max);
+        let (scratch_bytes, comm_half, ring_bytes) = scratch_sizes(
+            graph,
+            &storage,
+            &fusion,
+            dev.sm_count(),
+            opts.split_kv_attention,
+        );
         let scratch = alloc(&compute, scratch_bytes, "compute scratch")?;
         let ring = alloc(&compute, ring_bytes, "collective-matmul ring buffers")?;
         let comm_scratch = alloc(&compute, 2 * comm_half as usize, "collective scratch")?;
@@ -715,48 +709,4 @@ pub fn execute_cuda(
 ) -> Result<BTreeMap<String, Tensor>, CudaError> {
     let ctx = CudaRankCtx::new();
     CudaProgram::prepare(dev.clone(), graph, params, &ctx, opts)?.run(inputs, &ctx)
-}
-
-/// `(compute scratch bytes, bytes of each of the two collective scratch halves, ring buffer
-/// bytes of the collective matmuls)`.
-fn scratch_sizes(
-    g: &Graph,
-    storage: &[Storage],
-    sm_count: usize,
-    split_kv: bool,
-) -> (usize, u64, usize) {
-    let align = |b: usize| b.div_ceil(256) * 256;
-    let mut compute = 256usize;
-    let mut comm = 256u64;
-    let mut ring = 256usize;
-    for v in g.ids() {
-        let node = g.node(v);
-        let e = storage[v.index()].size_bytes();
-        let x_bytes = node.inputs.first().map_or(0, |&x| g.ty(x).numel() * e);
-        let out_bytes = node.ty.numel() * e;
-        match &node.op {
-            Op::Attention(_) => {
-                compute = compute.max(attention_scratch(g, node, sm_count, split_kv).total());
-            }
-            Op::CrossEntropy { .. } | Op::CrossEntropyFromStats { .. } => {
-                let rows = g.ty(node.inputs[1]).numel();
-                compute = compute.max(align(rows * 4) + 256);
-            }
-            Op::AddRmsNorm { .. } => compute = compute.max(out_bytes),
-            Op::AgMatMul { parts, .. } => {
-                compute = compute.max(out_bytes);
-                ring = ring.max(2 * align(x_bytes));
-                let _ = parts;
-            }
-            Op::MatMulRs { parts, .. } => {
-                compute = compute.max(x_bytes / (*parts).max(1));
-                ring = ring.max(4 * align(out_bytes));
-            }
-            op if op.is_collective() => {
-                comm = comm.max(align(out_bytes.max(x_bytes)) as u64);
-            }
-            _ => compute = compute.max(train_scratch_bytes(g, node, storage)),
-        }
-    }
-    (compute, comm, ring)
 }

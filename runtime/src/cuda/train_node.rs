@@ -5,49 +5,19 @@
 //! Scratch: a weight's norm gradient keeps the rows' statistics there, the attention gradient
 //! its f32 `dS`, a bf16 embedding gradient its f32 accumulator, a cross-entropy gradient the
 //! rows' stats, an attention-probabilities node under bf16 its f32 mask
-//! ([`train_scratch_bytes`] sizes each; the program reserves the largest).
+//! (`scratch.rs` sizes each; the program reserves the largest). Also the attention backward
+//! group of `flash.rs`.
 //!
 //! Pre: as for `node.rs`; an `AdamWUpdate`'s step is a scalar program input (its value is read
 //! on the host when the inputs are uploaded).
 
+use super::flash::{FlashBwd, FlashScratch};
 use super::gemm::GemmKey;
 use super::ops::Launcher;
-use super::plan::Storage;
 use super::program::CudaProgram;
 use super::train_ops::{AdamWConsts, AttnDims, Norm};
 use super::{CudaError, GpuDType};
-use shardc_compiler::ir::{AttnWrt, CombineWrt, Graph, Node, NormWrt, Op, ValueId};
-
-/// Bytes of compute scratch a training node needs (0 for every other node).
-pub(super) fn train_scratch_bytes(g: &Graph, node: &Node, storage: &[Storage]) -> usize {
-    let elem = |v: ValueId| storage[v.index()].size_bytes();
-    let bf16 = storage.contains(&Storage::Float(GpuDType::Bf16));
-    match &node.op {
-        Op::RmsNormGrad {
-            wrt: NormWrt::Weight,
-            ..
-        }
-        | Op::LayerNormGrad {
-            wrt: NormWrt::Weight,
-            ..
-        } => {
-            let x = g.ty(node.inputs[0]);
-            x.numel() / x.last().max(1) * 2 * 4
-        }
-        Op::AttentionGrad {
-            wrt: AttnWrt::Q | AttnWrt::K,
-            ..
-        } => g.ty(node.inputs[4]).numel() * 4,
-        Op::AttentionProbs(_) if bf16 => node.inputs.get(2).map_or(0, |&m| g.ty(m).numel() * 4),
-        Op::EmbeddingGrad if bf16 => node.ty.numel() * 4,
-        Op::CrossEntropyGrad { .. } => {
-            g.ty(node.inputs[1]).numel()
-                * shardc_compiler::ir::CROSS_ENTROPY_STATS
-                * elem(node.inputs[0])
-        }
-        _ => 0,
-    }
-}
+use shardc_compiler::ir::{AttnWrt, CombineWrt, Node, NormWrt, Op, ValueId};
 
 impl CudaProgram {
     /// `[B, T, S, Hq, Hkv, D]` of an attention's `q[B,T,Hq,D]` and `k[B,S,Hkv,D]`.
@@ -253,5 +223,62 @@ impl CudaProgram {
         // SAFETY: live buffers with the key's sizes; the output is this node's own slot.
         // `gemm` takes cuBLASLt's "B" operand first, then its "A".
         unsafe { gemm.gemm(&key, second, first, None, out, l.stream) }
+    }
+}
+
+impl CudaProgram {
+    /// Issues attention backward group `f` (module docs).
+    pub(super) fn run_flash(&self, f: &FlashBwd, l: &Launcher) -> Result<(), CudaError> {
+        let probs = self.graph.node(f.probs);
+        let Op::AttentionProbs(spec) = &probs.op else {
+            unreachable!("invariant: a flash group starts from AttentionProbs")
+        };
+        // (q, k, v, dy, probs), the same for the three gradients.
+        let ins = self.graph.node(f.dq).inputs.clone();
+        let (q, k) = (self.shape(ins[0]), self.shape(ins[1]));
+        let dims = [q[0], q[1], k[1], q[2], k[2], q[3]];
+        if dims.contains(&0) {
+            // Nothing to attend: every gradient is zero.
+            for v in f.grads() {
+                l.memset(self.ptr(v), 0, self.numel(v) * self.elem(v))?;
+            }
+            return Ok(());
+        }
+        let layout = FlashScratch::of(&self.graph, f, &self.storage);
+        let at = |off: usize| self.scratch.ptr + off as u64;
+        let dt = self.dt();
+        let mask = match probs.inputs.get(2) {
+            None => 0,
+            Some(&m) if self.opts.dtype == GpuDType::F32 => self.ptr(m),
+            Some(&m) => {
+                l.convert("cast_bf16_f32", self.ptr(m), at(layout.mask), self.numel(m))?;
+                at(layout.mask)
+            }
+        };
+        let dq = self.ptr(f.dq);
+        // f32: dQ accumulates in its own slot; bf16: in the f32 scratch, cast after.
+        let dq_acc = match self.opts.dtype {
+            GpuDType::F32 => dq,
+            GpuDType::Bf16 => at(layout.dq_acc),
+        };
+        let p = |i: usize| self.ptr(ins[i]);
+        let q_offset = dims[2] as i64 - dims[1] as i64;
+        let attn = (spec.scale.0, spec.causal, spec.window, q_offset);
+        let (out, lse, delta) = (at(layout.out), at(layout.lse), at(layout.delta));
+        l.attention_lse(dt, [p(0), p(1), p(2)], out, mask, lse, dims, attn)?;
+        l.attention_bwd_prep(dt, out, p(3), delta, dq_acc, dims)?;
+        let grads = (dq_acc, self.ptr(f.dk), self.ptr(f.dv));
+        l.attention_bwd(
+            dt,
+            [p(0), p(1), p(2), p(3)],
+            (lse, delta, mask),
+            grads,
+            dims,
+            attn,
+        )?;
+        if self.opts.dtype == GpuDType::Bf16 {
+            l.convert("cast_f32_bf16", dq_acc, dq, self.numel(f.dq))?;
+        }
+        Ok(())
     }
 }
