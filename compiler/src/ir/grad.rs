@@ -342,15 +342,8 @@ pub(super) fn infer(op: &Op, inputs: &[&TensorType]) -> Option<Result<TensorType
         }),
         Op::RepeatGrad { dim, times } => arity(m, inputs, 1, "1").and_then(|_| {
             let x = inputs[0];
-            if *dim >= x.rank() || *times == 0 || x.dim(*dim) % times != 0 {
-                return Err(err(
-                    m,
-                    format!("dim {dim} of {x} is not a multiple of {times}"),
-                ));
-            }
-            let mut t = x.clone();
-            t.dims[*dim].size /= times;
-            Ok(t)
+            x.part(*dim, *times)
+                .ok_or_else(|| err(m, format!("dim {dim} of {x} is not a multiple of {times}")))
         }),
         Op::AdamMoment { .. } => arity(m, inputs, 2, "2")
             .and_then(|_| same(m, inputs[0], inputs[1], "moment and gradient"))
