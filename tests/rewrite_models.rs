@@ -79,9 +79,7 @@ fn deeper(model: &str, layers: usize, dir: &std::path::Path) -> std::path::PathB
     let src = common::fixtures().join(model);
     let out = dir.join(model);
     std::fs::create_dir_all(&out).expect("dir");
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
-            .expect("json");
+    let mut cfg = common::read_json(src.join("config.json"));
     let key = if cfg.get("n_layer").is_some() {
         "n_layer"
     } else {

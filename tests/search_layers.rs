@@ -227,8 +227,7 @@ fn the_cli_writes_a_plan_that_runs() {
         &[],
     );
     assert!(ok, "{err}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&logits).unwrap()).unwrap();
+    let v = common::read_json(&logits);
     let got: Vec<f32> = common::flat_f32(&v["logits"]);
     let d = got
         .iter()

@@ -19,6 +19,13 @@ pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny")
 }
 
+/// The JSON value in the file at `path`.
+pub fn read_json(path: impl AsRef<std::path::Path>) -> Value {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// One reference case.
 pub struct Case {
     pub model: String,
@@ -70,7 +77,7 @@ pub fn cases() -> Vec<Case> {
             .collect();
         files.sort();
         for f in files {
-            let json: Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+            let json = read_json(&f);
             let shape: Vec<usize> = json["logits_shape"]
                 .as_array()
                 .unwrap()
