@@ -937,13 +937,10 @@ fn property(rule: &str, menu_of: &str, min_fired: f64) {
         "{rule}: fired in {fired} of {n} cases"
     );
     assert!(changed > 0.0, "{rule}: no program changed");
-    for r in rules.resolve().expect("rules") {
-        assert!(
-            per_rule.get(r.name()).copied().unwrap_or(0) > 0,
-            "{rule}: rule {} never fired ({per_rule:?})",
-            r.name()
-        );
-    }
+    let resolved = rules.resolve().expect("rules");
+    common::assert_each_counted(&per_rule, resolved.iter().map(|r| r.name()), |name| {
+        format!("{rule}: rule {name} never fired")
+    });
 }
 
 /// One test per rule: `name => (rule, the group whose programs it is drawn on, min share)`.

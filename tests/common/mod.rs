@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use serde_json::Value;
+use shardc::compiler::compile::Compiled;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::shard::ShardedGraph;
 use shardc::runtime::spmd::run_spmd;
@@ -190,6 +191,31 @@ impl Case {
     }
 }
 
+/// Checks every fixture case compiled once per variant: `compile` gives the plan of a case
+/// for a variant (`None` when the variant does not divide the case), which runs on thread
+/// ranks of its mesh, is checked rank by rank and is then handed to `seen`. Returns the runs
+/// checked.
+pub fn check_every_case<V: std::fmt::Debug>(
+    variants: &[V],
+    compile: impl Fn(&ModelConfig, &Case, &V) -> Option<Compiled>,
+    mut seen: impl FnMut(&Compiled),
+) -> usize {
+    let mut ran = 0;
+    for case in cases() {
+        let (cfg, w) = case.load_model();
+        for v in variants {
+            let Some(c) = compile(&cfg, &case, v) else {
+                continue;
+            };
+            let what = format!("{} {} {v:?}", case.model, case.name);
+            case.check_ranks(&c.sharded, &w, &what, &what);
+            seen(&c);
+            ran += 1;
+        }
+    }
+    ran
+}
+
 /// Variables that would turn a plain `shardc run` into a rank (torchrun, Open MPI, PMI) or
 /// trigger `shardc run`'s fault-injection test hook.
 pub const RANK_VARS: &[&str] = &[
@@ -262,6 +288,24 @@ pub fn fails_with_env(args: &[&str], env: &[(&str, &str)], needles: &[&str]) -> 
 /// [`fails_with_env`] with no extra environment.
 pub fn fails_with(args: &[&str], needles: &[&str]) -> String {
     fails_with_env(args, &[], needles)
+}
+
+/// Asserts each of `names` was counted at least once in `counts`; `missing` says what a name
+/// never counted means (`no ag_matmul in any rewritten plan`).
+pub fn assert_each_counted<'a, K>(
+    counts: &BTreeMap<K, usize>,
+    names: impl IntoIterator<Item = &'a str>,
+    missing: impl Fn(&str) -> String,
+) where
+    K: std::borrow::Borrow<str> + Ord + std::fmt::Debug,
+{
+    for name in names {
+        assert!(
+            counts.get(name).copied().unwrap_or(0) > 0,
+            "{}: {counts:?}",
+            missing(name)
+        );
+    }
 }
 
 /// The largest `|a[i] − b[i]|` over the pairs of `a` and `b`; NaN when any difference is.
