@@ -36,9 +36,7 @@ impl Env {
         let src = common::fixtures().join("llama");
         let dir = self.dir.join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let mut cfg: Value =
-            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap())
-                .unwrap();
+        let mut cfg = common::read_json(src.join("config.json"));
         edit(&mut cfg);
         std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
         std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();

@@ -42,8 +42,7 @@ fn edited_model(
 ) -> String {
     let src = llama();
     std::fs::create_dir_all(dir).unwrap();
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut cfg = common::read_json(src.join("config.json"));
     config(&mut cfg);
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();

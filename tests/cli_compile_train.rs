@@ -41,10 +41,6 @@ fn fails(args: &[&str]) -> String {
     err
 }
 
-fn read_json(p: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
-}
-
 fn root(rel: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join(rel)
@@ -147,7 +143,7 @@ fn llama_70b_pipeline_plan_holds_every_parameter_once_and_its_schedule_verifies(
     assert!(sends(0).starts_with("8 sends "), "{out}");
     assert!(sends(1).starts_with("16 sends "), "{out}");
 
-    let plan = read_json(&tmp.path().join("p.json"));
+    let plan = common::read_json(tmp.path().join("p.json"));
     assert_eq!(
         plan["pipeline"]["stages"].as_u64(),
         Some(4),
@@ -243,8 +239,8 @@ fn both_plans(mesh: &str, extra: &[&str]) -> (Value, Value) {
     train.extend_from_slice(extra);
     ok_in(dir, &train);
     (
-        read_json(&dir.join("compiled.json")),
-        read_json(&dir.join("trained.json")),
+        common::read_json(dir.join("compiled.json")),
+        common::read_json(dir.join("trained.json")),
     )
 }
 

@@ -185,7 +185,7 @@ fn the_plan_verifies_and_schedule_draws_it() {
     // 1F1B, p = 2, m = 2, backward = 2 × forward: (p − 1)/(m + p − 1) = 1/3.
     assert!((bubble(&out) - 1.0 / 3.0).abs() < 1e-4, "{out}");
     // The chunk placement agrees with what the plan's JSON says.
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let v = common::read_json(&plan);
     assert_eq!(v["chunks"].as_array().unwrap().len(), 2);
     assert_eq!(v["pipeline_program"].as_array().unwrap().len(), 2);
     assert!(
@@ -196,7 +196,7 @@ fn the_plan_verifies_and_schedule_draws_it() {
 
 /// `plan` with `edit` applied to its JSON `pipeline_program`, written next to it as `name`.
 fn tampered(plan: &Path, name: &str, edit: impl FnOnce(&mut Vec<Vec<Value>>)) -> String {
-    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(plan).unwrap()).unwrap();
+    let mut v = common::read_json(plan);
     let mut prog: Vec<Vec<Value>> = serde_json::from_value(v["pipeline_program"].take()).unwrap();
     edit(&mut prog);
     v["pipeline_program"] = serde_json::to_value(prog).unwrap();

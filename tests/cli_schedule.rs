@@ -58,7 +58,7 @@ fn trace_and_errors() {
     let t = tmp.path().join("trace.json");
     let (ok, _, err) = schedule(&["--schedule", "zb-h1", "--trace", t.to_str().unwrap()]);
     assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&t).unwrap()).unwrap();
+    let v = common::read_json(&t);
     let slices = v["traceEvents"]
         .as_array()
         .unwrap()

@@ -61,8 +61,7 @@ fn cli_run_reproduces_every_fixture() {
         );
         let stdout = String::from_utf8_lossy(&res.stdout);
         assert_eq!(stdout.lines().count(), 1, "one-line summary: {stdout}");
-        let got: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        let got = common::read_json(&out);
         assert_eq!(got["logits_shape"], case.json["logits_shape"]);
         assert_eq!(got["hidden_shape"], case.json["hidden_shape"]);
         let f = |k: &str| -> Vec<f32> {

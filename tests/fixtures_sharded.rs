@@ -6,37 +6,31 @@ mod common;
 use shardc::compiler::compile::compile_forward;
 use shardc::compiler::model::ModelConfig;
 
-const MESHES: &[(&str, &str)] = &[
-    ("tp=2", ""),
-    ("tp=4", ""),
-    ("dp=2", ""),
-    ("dp=2,tp=2", ""),
-    ("tp=2", "sp"),
-    ("tp=4", "sp"),
-    ("dp=2,tp=2", "sp"),
-    ("ep=2", ""),
-    ("ep=2,tp=2", ""),
-    ("ep=4", ""),
-    ("ep=2,tp=2", "sp"),
+const MESHES: &[(&str, &[&str])] = &[
+    ("tp=2", &[]),
+    ("tp=4", &[]),
+    ("dp=2", &[]),
+    ("dp=2,tp=2", &[]),
+    ("tp=2", &["sp"]),
+    ("tp=4", &["sp"]),
+    ("dp=2,tp=2", &["sp"]),
+    ("ep=2", &[]),
+    ("ep=2,tp=2", &[]),
+    ("ep=4", &[]),
+    ("ep=2,tp=2", &["sp"]),
 ];
 
 #[test]
 fn sharded_plans_reproduce_every_fixture() {
-    let mut ran = 0;
-    for case in common::cases() {
-        let (cfg, w) = case.load_model();
-        for &(mesh, extra) in MESHES {
-            let extras: &[&str] = if extra.is_empty() { &[] } else { &[extra] };
-            let opts = common::compile_options(case.batch, case.seq, mesh, extras);
-            // Meshes that do not divide this model or case are errors, checked elsewhere.
-            let Ok(c) = compile_forward(&cfg, &opts) else {
-                continue;
-            };
-            let what = format!("{} {} {mesh} {extra}", case.model, case.name);
-            case.check_ranks(&c.sharded, &w, &what, &format!("mesh {mesh} {extra}"));
-            ran += 1;
-        }
-    }
+    // Meshes that do not divide this model or case are errors, checked elsewhere.
+    let ran = common::check_every_case(
+        MESHES,
+        |cfg, case, &(mesh, extra)| {
+            let opts = common::compile_options(case.batch, case.seq, mesh, extra);
+            compile_forward(cfg, &opts).ok()
+        },
+        |_| {},
+    );
     // Per model: 7 meshes divide batch 2 × 16 (ep ones on mixtral add 3), 2 divide 1 × 37
     // (tp=2, tp=4); llama's left-padded case is a third 2 × 16 case. Exact, so a mesh that
     // silently stops compiling fails here.
@@ -45,23 +39,22 @@ fn sharded_plans_reproduce_every_fixture() {
 
 #[test]
 fn required_meshes_divide_the_fixtures() {
-    let need: &[(&str, &str, &str)] = &[
-        ("llama", "tp=2", ""),
-        ("llama", "tp=4", ""),
-        ("llama", "dp=2,tp=2", ""),
-        ("llama", "tp=2", "sp"),
-        ("llama", "dp=2,tp=2", "sp"),
-        ("gpt2", "tp=2", ""),
-        ("gpt2", "tp=4", ""),
-        ("gpt2", "dp=2,tp=2", "sp"),
-        ("mixtral", "ep=2", ""),
-        ("mixtral", "ep=2,tp=2", ""),
-        ("mixtral", "tp=2", "sp"),
+    let need: &[(&str, &str, &[&str])] = &[
+        ("llama", "tp=2", &[]),
+        ("llama", "tp=4", &[]),
+        ("llama", "dp=2,tp=2", &[]),
+        ("llama", "tp=2", &["sp"]),
+        ("llama", "dp=2,tp=2", &["sp"]),
+        ("gpt2", "tp=2", &[]),
+        ("gpt2", "tp=4", &[]),
+        ("gpt2", "dp=2,tp=2", &["sp"]),
+        ("mixtral", "ep=2", &[]),
+        ("mixtral", "ep=2,tp=2", &[]),
+        ("mixtral", "tp=2", &["sp"]),
     ];
     for &(model, mesh, extra) in need {
         let cfg = ModelConfig::from_path(&common::fixtures().join(model)).unwrap();
-        let extras: &[&str] = if extra.is_empty() { &[] } else { &[extra] };
-        let opts = common::compile_options(2, 16, mesh, extras);
-        compile_forward(&cfg, &opts).unwrap_or_else(|e| panic!("{model} {mesh} {extra}: {e}"));
+        let opts = common::compile_options(2, 16, mesh, extra);
+        compile_forward(&cfg, &opts).unwrap_or_else(|e| panic!("{model} {mesh} {extra:?}: {e}"));
     }
 }

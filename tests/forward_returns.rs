@@ -25,7 +25,7 @@ fn run(dir: &std::path::Path, extra: &[&str]) -> serde_json::Value {
     ];
     args.extend_from_slice(extra);
     common::succeeds(&args);
-    serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
+    common::read_json(&out)
 }
 
 fn floats(v: &serde_json::Value) -> Vec<f32> {
@@ -88,7 +88,7 @@ fn compile_returns_the_last_position_by_default() {
             .find(|l| l.starts_with("total per forward"))
             .unwrap()
             .to_string();
-        let plan = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        let plan = common::read_json(&p);
         (line, plan)
     };
     let gib = |l: &str| gib_after(l, ", ");
@@ -133,9 +133,7 @@ fn the_loss_is_the_transformers_loss_on_every_mesh() {
         &std::fs::read_to_string(fixture.join("reference_b2_s16.json")).unwrap(),
     )
     .unwrap();
-    let train: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture.join("train_b2_s16.json")).unwrap())
-            .unwrap();
+    let train = common::read_json(fixture.join("train_b2_s16.json"));
     let want = train["loss"].as_f64().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let ids = dir.path().join("ids.json");
@@ -155,8 +153,7 @@ fn the_loss_is_the_transformers_loss_on_every_mesh() {
     let loss_of = |extra: &[&str]| -> f64 {
         let (ok, _, err) = run_shardc(&[&run[..], extra].concat(), &[]);
         assert!(ok, "{extra:?}: {err}");
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        let v = common::read_json(&out);
         v["loss"].as_f64().unwrap()
     };
     let meshes: [&[&str]; 4] = [
@@ -182,8 +179,7 @@ fn the_loss_is_the_transformers_loss_on_every_mesh() {
     .concat();
     let (ok, _, err) = run_shardc(&args, &[]);
     assert!(ok, "{err}");
-    let p: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let p = common::read_json(&plan);
     for n in p["program"]["nodes"].as_array().unwrap() {
         let gathers_vocab = n["op"]["op"] == "all_gather"
             && n["ty"]["dims"]

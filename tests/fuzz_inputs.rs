@@ -163,8 +163,7 @@ fn config_sources() -> Vec<(String, Value)> {
     files
         .into_iter()
         .map(|p| {
-            let v = serde_json::from_str(&std::fs::read_to_string(&p).expect("config source"))
-                .expect("config source is JSON");
+            let v = common::read_json(&p);
             (s(&p), v)
         })
         .collect()

@@ -62,6 +62,28 @@ struct Done {
     elapsed: Duration,
 }
 
+impl Done {
+    /// Asserts the process's stderr holds `needle`, naming `what` (the case) otherwise.
+    fn assert_stderr_has(&self, what: impl std::fmt::Display, needle: &str) {
+        assert!(
+            self.stderr.contains(needle),
+            "{what}: `{needle}` not in: {}",
+            self.stderr
+        );
+    }
+
+    /// Asserts the last line of the process's stderr (the launcher's verdict) holds `needle`,
+    /// naming `what` otherwise.
+    fn assert_last_line_has(&self, what: impl std::fmt::Display, needle: &str) {
+        let last = self.stderr.lines().last().unwrap_or_default();
+        assert!(
+            last.contains(needle),
+            "{what}: `{needle}` not in the last line of: {}",
+            self.stderr
+        );
+    }
+}
+
 /// Waits for `child` at most `limit`, killing it past that (then `None`).
 fn wait(mut child: Child, started: Instant, limit: Duration) -> Option<Done> {
     loop {
@@ -259,20 +281,12 @@ fn the_launcher_names_the_failing_rank_and_stops_the_rest() {
         let last = d.stderr.lines().last().unwrap_or_default();
         assert!(last.starts_with("error: "), "{mode}: {}", d.stderr);
         for n in &needles {
-            assert!(last.contains(n), "{mode}: `{n}` not in {last}");
+            d.assert_last_line_has(mode, n);
         }
         // Rank 0's own message came through the launcher, prefixed.
-        assert!(
-            d.stderr
-                .contains("[rank 0] error: rank 0 (mesh coordinates tp=0; groups tp:[0,1]): "),
-            "{mode}: {}",
-            d.stderr
-        );
-        assert!(
-            d.stderr.contains("all_reduce #0 on rank 0 of group `tp`"),
-            "{}",
-            d.stderr
-        );
+        let prefixed = "[rank 0] error: rank 0 (mesh coordinates tp=0; groups tp:[0,1]): ";
+        d.assert_stderr_has(mode, prefixed);
+        d.assert_stderr_has(mode, "all_reduce #0 on rank 0 of group `tp`");
     }
 }
 
@@ -284,12 +298,7 @@ fn the_launcher_kills_a_job_past_its_timeout() {
     let child = launch_failing(tmp.path(), &["--timeout", "2"], 600, (0, "hang"));
     let d = wait(child, t0, Duration::from_secs(2) + SLACK).expect("the launcher hung");
     assert!(!d.status.success());
-    let last = d.stderr.lines().last().unwrap_or_default();
-    assert!(
-        last.contains("ran past its timeout of 2s; killed ranks [0, 1]"),
-        "{}",
-        d.stderr
-    );
+    d.assert_last_line_has("timeout", "ran past its timeout of 2s; killed ranks [0, 1]");
 }
 
 /// A missing rank: the rendezvous times out naming it.
@@ -302,11 +311,9 @@ fn a_rank_that_never_starts_fails_the_rendezvous() {
     let child = spawn_rank(&mut c, 0, 2, "127.0.0.1", free_port());
     let d = wait(child, t0, Duration::from_secs(1) + SLACK).expect("rank 0 hung");
     assert!(!d.status.success());
-    assert!(
-        d.stderr
-            .contains("waiting for ranks [1] to register (registered: [0])"),
-        "{}",
-        d.stderr
+    d.assert_stderr_has(
+        "rank 0",
+        "waiting for ranks [1] to register (registered: [0])",
     );
 }
 
@@ -329,30 +336,21 @@ fn bad_environments_are_named() {
         v.push((var, value));
         v
     };
-    fails_with_env(&args, &without("WORLD_SIZE"), &["WORLD_SIZE is not set"]);
-    fails_with_env(&args, &without("RANK"), &["RANK is not set"]);
-    fails_with_env(&args, &without("MASTER_ADDR"), &["MASTER_ADDR is not set"]);
-    fails_with_env(&args, &without("MASTER_PORT"), &["MASTER_PORT is not set"]);
-    fails_with_env(
-        &args,
-        &with("RANK", "one"),
-        &["RANK=`one`", "non-negative integer"],
-    );
-    fails_with_env(
-        &args,
-        &with("RANK", "2"),
-        &["RANK=`2`", "below WORLD_SIZE=2"],
-    );
-    fails_with_env(
-        &args,
-        &with("MASTER_PORT", "http"),
-        &["MASTER_PORT=`http`", "TCP port"],
-    );
-    fails_with_env(
-        &args,
-        &with("WORLD_SIZE", "4"),
-        &["mesh tp=2 has 2 ranks but WORLD_SIZE is 4"],
-    );
+    for var in ["WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"] {
+        fails_with_env(&args, &without(var), &[&format!("{var} is not set")]);
+    }
+    for (var, value, needles) in [
+        ("RANK", "one", &["RANK=`one`", "non-negative integer"][..]),
+        ("RANK", "2", &["RANK=`2`", "below WORLD_SIZE=2"]),
+        ("MASTER_PORT", "http", &["MASTER_PORT=`http`", "TCP port"]),
+        (
+            "WORLD_SIZE",
+            "4",
+            &["mesh tp=2 has 2 ranks but WORLD_SIZE is 4"],
+        ),
+    ] {
+        fails_with_env(&args, &with(var, value), needles);
+    }
     let no_mesh: Vec<&str> = args
         .iter()
         .copied()
@@ -462,12 +460,8 @@ fn a_rank_with_another_plan_is_refused_at_the_rendezvous() {
         let d = wait(c, t0, limit).expect("no rank may hang");
         assert!(!d.status.success(), "rank {rank}: {}", d.stdout);
         assert!(!d.stderr.contains("panicked"), "rank {rank}: {}", d.stderr);
-        assert!(
-            d.stderr.contains("joined with plan"),
-            "rank {rank}: {}",
-            d.stderr
-        );
-        assert!(d.stderr.contains("same plan"), "rank {rank}: {}", d.stderr);
+        d.assert_stderr_has(format_args!("rank {rank}"), "joined with plan");
+        d.assert_stderr_has(format_args!("rank {rank}"), "same plan");
     }
     assert!(!tmp.path().join("out.json").exists());
 }

@@ -4,7 +4,6 @@
 
 mod common;
 
-use serde_json::Value;
 use shardc::runtime::Tensor;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -44,7 +43,7 @@ fn write_tokens(dir: &Path, case: &common::Case) -> String {
 
 /// Logits and hidden states of an `--out` file, as the executor's outputs.
 fn read_out(path: &Path) -> BTreeMap<String, Tensor> {
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let v = common::read_json(path);
     let t = |name: &str| {
         let shape = v[format!("{name}_shape")]
             .as_array()

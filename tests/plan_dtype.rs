@@ -65,9 +65,7 @@ fn plans_are_accounted_in_their_compute_dtype() {
     let text = std::fs::read_to_string(dir.path().join("bf16.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["dtype"], "bf16");
-    let v32: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("f32.json")).unwrap())
-            .unwrap();
+    let v32 = common::read_json(dir.path().join("f32.json"));
     assert!(v32.get("dtype").is_none());
     // simulate --plan replays in the plan's dtype unless told otherwise.
     let sim = |p: &str, extra: &[&str]| {

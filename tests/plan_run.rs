@@ -112,8 +112,7 @@ fn compiled_forward_plans_reproduce_the_fixtures() {
             args.extend(["--attention-mask", &mask, "--position-ids", &pos]);
             let printed = ok(&args);
             assert!(printed.contains(&format!("mesh {mesh}")), "{printed}");
-            let j: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+            let j = common::read_json(&out);
             let tensor = |k: &str| {
                 let shape: Vec<usize> =
                     serde_json::from_value(j[format!("{k}_shape")].clone()).unwrap();
@@ -151,8 +150,7 @@ fn a_compiled_forward_plan_runs_under_launch() {
     args.extend(["--comm-timeout", "30"]);
     let printed = ok(&args);
     assert!(printed.contains("as rank 0 of 4 processes"), "{printed}");
-    let j: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let j = common::read_json(&out);
     let logits: Vec<f32> = serde_json::from_value(j["logits"].clone()).unwrap();
     let hidden: Vec<f32> = serde_json::from_value(j["hidden"].clone()).unwrap();
     let shape = |k: &str| serde_json::from_value::<Vec<usize>>(j[k].clone()).unwrap();

@@ -40,8 +40,7 @@ fn rewrite_cost(cluster: Option<&str>) -> (String, f64) {
         .parse()
         .unwrap();
     // The plan records it too.
-    let plan: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let plan = common::read_json(&out);
     assert_eq!(plan["rewrite"]["device"], device.as_str());
     (device, compute)
 }

@@ -30,47 +30,43 @@ fn rules(s: &str) -> RewriteOptions {
 
 #[test]
 fn rewritten_plans_reproduce_every_fixture() {
-    let mut ran = 0;
     let mut fired = 0;
     let mut ops: std::collections::BTreeMap<&'static str, usize> = Default::default();
-    for case in common::cases() {
-        let (cfg, w) = case.load_model();
-        for mesh in ["tp=2", "tp=4", "dp=2,tp=2"] {
-            for (extra, sel) in [("", "sequence-parallel"), ("", "all"), ("sp", "all")] {
-                let opts = options(mesh, extra, case.batch, case.seq);
-                // Meshes that do not divide this model or case are errors, checked elsewhere.
-                let Ok(c) = compile_forward_with(&cfg, &opts, &rules(sel)) else {
-                    continue;
-                };
-                let report = c.report.as_ref().expect("rules ran");
-                fired += report.fired.values().sum::<usize>();
-                for n in &c.sharded.graph.nodes {
-                    *ops.entry(n.op.mnemonic()).or_default() += 1;
-                }
-                let what = format!("{} {} {mesh} {extra} {sel}", case.model, case.name);
-                let label = format!("{mesh} {extra} --rewrite {sel}");
-                case.check_ranks(&c.sharded, &w, &what, &label);
-                ran += 1;
+    let variants: Vec<(&str, &str, &str)> = ["tp=2", "tp=4", "dp=2,tp=2"]
+        .into_iter()
+        .flat_map(|mesh| {
+            [("", "sequence-parallel"), ("", "all"), ("sp", "all")]
+                .map(|(extra, sel)| (mesh, extra, sel))
+        })
+        .collect();
+    let ran = common::check_every_case(
+        &variants,
+        |cfg, case, &(mesh, extra, sel)| {
+            // Meshes that do not divide this model or case are errors, checked elsewhere.
+            let opts = options(mesh, extra, case.batch, case.seq);
+            compile_forward_with(cfg, &opts, &rules(sel)).ok()
+        },
+        |c| {
+            let report = c.report.as_ref().expect("rules ran");
+            fired += report.fired.values().sum::<usize>();
+            for n in &c.sharded.graph.nodes {
+                *ops.entry(n.op.mnemonic()).or_default() += 1;
             }
-        }
-    }
+        },
+    );
     eprintln!("{ran} runs; ops: {ops:?}");
     assert!(ran >= 30, "only {ran} rewritten runs");
     assert!(fired > 0, "no rule fired");
     // The runs exercise every op the rewriter creates.
-    for op in [
+    let created = [
         "reduce_scatter",
         "all_gather",
         "ag_matmul",
         "matmul_rs",
         "fused_elementwise",
         "fused_matmul",
-    ] {
-        assert!(
-            ops.get(op).copied().unwrap_or(0) > 0,
-            "no {op} in any rewritten plan: {ops:?}"
-        );
-    }
+    ];
+    common::assert_each_counted(&ops, created, |op| format!("no {op} in any rewritten plan"));
 }
 
 /// A copy of a fixture model with `layers` decoder layers, layer `l` holding the fixture's
@@ -79,9 +75,7 @@ fn deeper(model: &str, layers: usize, dir: &std::path::Path) -> std::path::PathB
     let src = common::fixtures().join(model);
     let out = dir.join(model);
     std::fs::create_dir_all(&out).expect("dir");
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
-            .expect("json");
+    let mut cfg = common::read_json(src.join("config.json"));
     let key = if cfg.get("n_layer").is_some() {
         "n_layer"
     } else {

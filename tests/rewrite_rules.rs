@@ -62,22 +62,6 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
-/// A deterministic pseudo-random stream (SplitMix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
-
 /// The ops a step can add; a group's focus repeats the ones its rules need.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Step {
@@ -168,7 +152,7 @@ struct Builder {
     /// f32 values that later steps may use.
     pool: Vec<ValueId>,
     inputs: BTreeMap<String, Tensor>,
-    rng: Rng,
+    rng: common::Rng,
 }
 
 impl Builder {
@@ -213,7 +197,7 @@ impl Builder {
         }
         let n: usize = global.iter().product();
         let t = if i32s {
-            let v = (0..n).map(|_| (self.rng.next() % 9) as i32).collect();
+            let v = (0..n).map(|_| (self.rng.next_u64() % 9) as i32).collect();
             Tensor::i32(global, v)
         } else {
             let v = (0..n).map(|_| self.rng.unit()).collect();
@@ -780,7 +764,7 @@ fn build(c: &Case, group: &str) -> (ShardedGraph, BTreeMap<String, Tensor>) {
         roles: c.roles,
         pool: Vec::new(),
         inputs: BTreeMap::new(),
-        rng: Rng(c.seed),
+        rng: common::Rng(c.seed),
     };
     let (t, h) = (c.tp * c.t0, c.tp * c.h0);
     let x0 = b.input(&[c.b, t, h], None, true, false);
@@ -937,13 +921,10 @@ fn property(rule: &str, menu_of: &str, min_fired: f64) {
         "{rule}: fired in {fired} of {n} cases"
     );
     assert!(changed > 0.0, "{rule}: no program changed");
-    for r in rules.resolve().expect("rules") {
-        assert!(
-            per_rule.get(r.name()).copied().unwrap_or(0) > 0,
-            "{rule}: rule {} never fired ({per_rule:?})",
-            r.name()
-        );
-    }
+    let resolved = rules.resolve().expect("rules");
+    common::assert_each_counted(&per_rule, resolved.iter().map(|r| r.name()), |name| {
+        format!("{rule}: rule {name} never fired")
+    });
 }
 
 /// One test per rule: `name => (rule, the group whose programs it is drawn on, min share)`.

@@ -40,42 +40,41 @@ fn layer_rules(objective: Objective) -> RewriteOptions {
 /// all compute transformers' logits on every rank.
 #[test]
 fn every_extracted_layout_reproduces_the_fixtures() {
-    let mut ran = 0;
     let mut split_weights = 0;
     let mut fired: std::collections::BTreeMap<String, usize> = Default::default();
-    for case in common::cases() {
-        let (cfg, w) = case.load_model();
-        for mesh in ["tp=2", "dp=2,tp=2"] {
-            for objective in [
-                Objective::Model,
-                Objective::Shuffle(1),
-                Objective::Shuffle(7),
-            ] {
-                let opts = options(mesh, case.batch, case.seq);
-                let Ok(c) = compile_forward_with(&cfg, &opts, &layer_rules(objective)) else {
-                    continue;
-                };
-                let report = c.report.as_ref().expect("rules ran");
-                for (k, v) in &report.fired {
-                    *fired.entry(k.clone()).or_default() += v;
-                }
-                split_weights += c
-                    .sharded
-                    .graph
-                    .nodes
-                    .iter()
-                    .filter(|n| matches!(&n.op, Op::Param(p) if !p.shards.is_empty()))
-                    .count();
-                let what = format!("{} {} {mesh} {objective:?}", case.model, case.name);
-                case.check_ranks(&c.sharded, &w, &what, &what);
-                ran += 1;
+    let objectives = [
+        Objective::Model,
+        Objective::Shuffle(1),
+        Objective::Shuffle(7),
+    ];
+    let variants: Vec<(&str, Objective)> = ["tp=2", "dp=2,tp=2"]
+        .into_iter()
+        .flat_map(|mesh| objectives.map(|objective| (mesh, objective)))
+        .collect();
+    let ran = common::check_every_case(
+        &variants,
+        |cfg, case, &(mesh, objective)| {
+            let opts = options(mesh, case.batch, case.seq);
+            compile_forward_with(cfg, &opts, &layer_rules(objective)).ok()
+        },
+        |c| {
+            let report = c.report.as_ref().expect("rules ran");
+            for (k, v) in &report.fired {
+                *fired.entry(k.clone()).or_default() += v;
             }
-        }
-    }
+            split_weights += c
+                .sharded
+                .graph
+                .nodes
+                .iter()
+                .filter(|n| matches!(&n.op, Op::Param(p) if !p.shards.is_empty()))
+                .count();
+        },
+    );
     eprintln!("{ran} runs, {split_weights} split weights; fired {fired:?}");
     assert!(ran >= 12, "only {ran} runs");
     assert!(split_weights > 0, "no program split a weight");
-    for rule in [
+    let layout_rules = [
         "tp-column",
         "tp-row",
         "slice-leaf",
@@ -83,12 +82,8 @@ fn every_extracted_layout_reproduces_the_fixtures() {
         "gather-sink-rope-heads",
         "gather-sink-attention",
         "reduce-sink-linear",
-    ] {
-        assert!(
-            fired.get(rule).copied().unwrap_or(0) > 0,
-            "{rule} never fired"
-        );
-    }
+    ];
+    common::assert_each_counted(&fired, layout_rules, |rule| format!("{rule} never fired"));
 }
 
 fn search(model: &str, mesh: &str, batch: usize, seq: usize) -> LayerSearch {
@@ -227,8 +222,7 @@ fn the_cli_writes_a_plan_that_runs() {
         &[],
     );
     assert!(ok, "{err}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&logits).unwrap()).unwrap();
+    let v = common::read_json(&logits);
     let got: Vec<f32> = common::flat_f32(&v["logits"]);
     let d = got
         .iter()

@@ -37,19 +37,21 @@ const LLAMA_70B_TRAIN: [&str; 7] = [
     "sp",
 ];
 
+/// The tiny Llama on `dp=2,tp=2` at batch 4 × seq 16, the forward the report and trace tests
+/// simulate.
+const LLAMA_DP2_TP2: [&str; 7] = [
+    "tests/fixtures/hf-tiny/llama",
+    "--mesh",
+    "dp=2,tp=2",
+    "--batch",
+    "4",
+    "--seq",
+    "16",
+];
+
 #[test]
 fn forward_json_has_the_report_keys() {
-    let model = [
-        "tests/fixtures/hf-tiny/llama",
-        "--mesh",
-        "dp=2,tp=2",
-        "--strategy",
-        "sp",
-        "--batch",
-        "4",
-        "--seq",
-        "16",
-    ];
+    let model = [&LLAMA_DP2_TP2[..], &["--strategy", "sp"]].concat();
     let v = ok_json(
         &[
             &["simulate"],
@@ -70,9 +72,7 @@ fn forward_json_has_the_report_keys() {
     // The same plan compiled to a file and replayed with --plan gives the same numbers.
     let dir = tempfile::tempdir().unwrap();
     let plan = dir.path().join("plan.json");
-    let (ok, _, err) =
-        shardc(&[&["compile"], &model[..], &["-o", plan.to_str().unwrap()]].concat());
-    assert!(ok, "{err}");
+    common::succeeds(&[&["compile"], &model[..], &["-o", plan.to_str().unwrap()]].concat());
     let w = ok_json(&["simulate", "--plan", plan.to_str().unwrap(), "--json"]);
     for k in KEYS {
         assert_eq!(v[k], w[k], "{k}");
@@ -118,22 +118,10 @@ fn llama_70b_training_on_1024_h100s() {
 fn trace_opens_as_a_chrome_trace() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace.json");
-    let (ok, out, err) = shardc(&[
-        "simulate",
-        "tests/fixtures/hf-tiny/llama",
-        "--mesh",
-        "dp=2,tp=2",
-        "--batch",
-        "4",
-        "--seq",
-        "16",
-        "--trace",
-        trace.to_str().unwrap(),
-    ]);
-    assert!(ok, "{err}");
+    let trace_flag = ["--trace", trace.to_str().unwrap()];
+    let out = common::succeeds(&[&["simulate"], &LLAMA_DP2_TP2[..], &trace_flag].concat());
     assert!(out.contains("step time"), "{out}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let v = common::read_json(&trace);
     let ev = v["traceEvents"].as_array().unwrap();
     let procs: Vec<i64> = ev
         .iter()
@@ -251,7 +239,7 @@ fn calibrate_needs_the_cuda_backend_or_measurements() {
     let mp = dir.path().join("m.json");
     std::fs::write(&mp, m.to_string()).unwrap();
     let out = dir.path().join("cal.toml");
-    let (ok, stdout, err) = shardc(&[
+    let stdout = common::succeeds(&[
         "calibrate",
         "--measurements",
         mp.to_str().unwrap(),
@@ -260,7 +248,6 @@ fn calibrate_needs_the_cuda_backend_or_measurements() {
         "-o",
         out.to_str().unwrap(),
     ]);
-    assert!(ok, "{err}");
     assert!(stdout.contains("gemm large"), "{stdout}");
     let text = std::fs::read_to_string(&out).unwrap();
     // 2·8192³ / 1.85 ms / 989.4 TFLOP/s.
@@ -310,8 +297,7 @@ fn bad_cluster_and_too_small_cluster_are_clear_errors() {
         "--seq",
         "16",
     ];
-    let (ok, out, err) = shardc(&pipeline);
-    assert!(ok, "{err}");
+    let out = common::succeeds(&pipeline);
     assert!(out.contains("stage  layers"), "{out}");
     let (ok, _, err) = shardc(&[&pipeline[..], &["--stage-layers", "2,2"]].concat());
     assert!(!ok && err.contains("--stage-layers"), "{err}");

@@ -46,8 +46,7 @@ fn training_plan_replay_is_a_training_step() {
         p
     };
     let p2 = plan(2);
-    let file: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&p2).unwrap()).unwrap();
+    let file = common::read_json(&p2);
     let r = json(&["simulate", "--plan", p2.to_str().unwrap(), "--json"]);
     assert_eq!(r["mode"], "train", "{r}");
     assert_eq!(r["micro_batches"], 2);

@@ -4,22 +4,16 @@
 
 mod common;
 
-use common::run_shardc;
-
 mod train_support;
 
 use shardc::compiler::ir::ValueRole;
 use shardc::runtime::Weights;
 use std::path::Path;
 
-fn shardc(args: &[&str]) -> (bool, String, String) {
-    run_shardc(args, &[])
-}
-
-/// `shardc train <fixture model> --tokens <ids> <extra>...`.
-fn train(model: &str, ids: &str, extra: &[&str]) -> (bool, String, String) {
+/// `shardc train <fixture model> --tokens <ids> <extra>...`, which must succeed: its stdout.
+fn train(model: &str, ids: &str, extra: &[&str]) -> String {
     let dir = train_support::dir(model);
-    shardc(&[&["train", dir.to_str().unwrap(), "--tokens", ids], extra].concat())
+    common::succeeds(&[&["train", dir.to_str().unwrap(), "--tokens", ids], extra].concat())
 }
 
 fn tokens_file(dir: &Path, model: &str) -> String {
@@ -52,7 +46,7 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
         let ids = tokens_file(tmp.path(), model);
         let save = tmp.path().join(format!("{model}-trained"));
         let grads = tmp.path().join(format!("{model}-grads.safetensors"));
-        let (ok, out, err) = train(
+        let out = train(
             model,
             &ids,
             &[
@@ -64,7 +58,6 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
                 grads.to_str().unwrap(),
             ],
         );
-        assert!(ok, "{model}: {err}");
         let l = losses(&out);
         let r = train_support::reference(model);
         assert_eq!(l.len(), 3, "{model}: {out}");
@@ -89,7 +82,7 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
         }
         // `shardc run` loads it (config.json copied alongside).
         let out_json = tmp.path().join("out.json");
-        let (ok, _, err) = shardc(&[
+        common::succeeds(&[
             "run",
             save.to_str().unwrap(),
             "--tokens",
@@ -97,7 +90,6 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
             "--out",
             out_json.to_str().unwrap(),
         ]);
-        assert!(ok, "{model}: run on the saved checkpoint: {err}");
 
         // The dumped gradients are the last step's; the first step's equal the fixture's.
         let g = Weights::open(&grads).unwrap();
@@ -116,7 +108,7 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
     let model = "gpt2";
     let ids = tokens_file(tmp.path(), model);
     let grads = tmp.path().join("one.safetensors");
-    let (ok, _, err) = train(
+    train(
         model,
         &ids,
         &[
@@ -128,7 +120,6 @@ fn train_prints_losses_saves_a_loadable_checkpoint_and_dumps_gradients() {
             grads.to_str().unwrap(),
         ],
     );
-    assert!(ok, "{err}");
     let g = Weights::open(&grads).unwrap();
     let r = train_support::reference(model);
     for (name, want) in &r.grads {
@@ -143,7 +134,7 @@ fn sharded_train_reports_the_mesh_and_writes_a_plan() {
     let tmp = tempfile::tempdir().unwrap();
     let ids = tokens_file(tmp.path(), "llama");
     let plan = tmp.path().join("plan.json");
-    let (ok, out, err) = train(
+    let out = train(
         "llama",
         &ids,
         &[
@@ -159,7 +150,6 @@ fn sharded_train_reports_the_mesh_and_writes_a_plan() {
             plan.to_str().unwrap(),
         ],
     );
-    assert!(ok, "{err}");
     assert!(out.contains("mesh tp=2 (tp,sp) on 2 thread ranks"), "{out}");
     let l = losses(&out);
     assert!(
@@ -212,11 +202,8 @@ fn bad_training_arguments_are_one_line_errors() {
     }
     let bad = tmp.path().join("bad.json");
     std::fs::write(&bad, "[[1, 2, 999]]").unwrap();
-    let (ok, _, err) = train("llama", bad.to_str().unwrap(), &[]);
-    assert!(
-        !ok && err.contains("token id 999 at [0][2] is out of range"),
-        "{err}"
-    );
+    let args = ["train", &model, "--tokens", bad.to_str().unwrap()];
+    common::fails_with(&args, &["token id 999 at [0][2] is out of range"]);
 }
 
 /// `--backend cuda` trains on a GPU; on a machine without one it fails first with the clear

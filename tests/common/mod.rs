@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use serde_json::Value;
+use shardc::compiler::compile::Compiled;
 use shardc::compiler::model::ModelConfig;
 use shardc::compiler::shard::ShardedGraph;
 use shardc::runtime::spmd::run_spmd;
@@ -17,6 +18,13 @@ pub const TINY_TP2: [&str; 6] = ["--mesh", "tp=2", "--batch", "2", "--seq", "16"
 /// The repository's fixture directory.
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny")
+}
+
+/// The JSON value in the file at `path`.
+pub fn read_json(path: impl AsRef<std::path::Path>) -> Value {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// One reference case.
@@ -70,7 +78,7 @@ pub fn cases() -> Vec<Case> {
             .collect();
         files.sort();
         for f in files {
-            let json: Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+            let json = read_json(&f);
             let shape: Vec<usize> = json["logits_shape"]
                 .as_array()
                 .unwrap()
@@ -183,6 +191,31 @@ impl Case {
     }
 }
 
+/// Checks every fixture case compiled once per variant: `compile` gives the plan of a case
+/// for a variant (`None` when the variant does not divide the case), which runs on thread
+/// ranks of its mesh, is checked rank by rank and is then handed to `seen`. Returns the runs
+/// checked.
+pub fn check_every_case<V: std::fmt::Debug>(
+    variants: &[V],
+    compile: impl Fn(&ModelConfig, &Case, &V) -> Option<Compiled>,
+    mut seen: impl FnMut(&Compiled),
+) -> usize {
+    let mut ran = 0;
+    for case in cases() {
+        let (cfg, w) = case.load_model();
+        for v in variants {
+            let Some(c) = compile(&cfg, &case, v) else {
+                continue;
+            };
+            let what = format!("{} {} {v:?}", case.model, case.name);
+            case.check_ranks(&c.sharded, &w, &what, &what);
+            seen(&c);
+            ran += 1;
+        }
+    }
+    ran
+}
+
 /// Variables that would turn a plain `shardc run` into a rank (torchrun, Open MPI, PMI) or
 /// trigger `shardc run`'s fault-injection test hook.
 pub const RANK_VARS: &[&str] = &[
@@ -255,6 +288,24 @@ pub fn fails_with_env(args: &[&str], env: &[(&str, &str)], needles: &[&str]) -> 
 /// [`fails_with_env`] with no extra environment.
 pub fn fails_with(args: &[&str], needles: &[&str]) -> String {
     fails_with_env(args, &[], needles)
+}
+
+/// Asserts each of `names` was counted at least once in `counts`; `missing` says what a name
+/// never counted means (`no ag_matmul in any rewritten plan`).
+pub fn assert_each_counted<'a, K>(
+    counts: &BTreeMap<K, usize>,
+    names: impl IntoIterator<Item = &'a str>,
+    missing: impl Fn(&str) -> String,
+) where
+    K: std::borrow::Borrow<str> + Ord + std::fmt::Debug,
+{
+    for name in names {
+        assert!(
+            counts.get(name).copied().unwrap_or(0) > 0,
+            "{}: {counts:?}",
+            missing(name)
+        );
+    }
 }
 
 /// The largest `|a[i] − b[i]|` over the pairs of `a` and `b`; NaN when any difference is.
@@ -383,4 +434,24 @@ pub fn run_ranks(
 ) -> Vec<BTreeMap<String, Tensor>> {
     run_spmd(&sg.graph, &sg.mesh, w, inputs, Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+/// SplitMix64: a small pseudo-random stream, the same on every platform.
+#[derive(Clone, Debug)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[-1, 1)`, in steps of `2^-23`.
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
 }

@@ -7,6 +7,7 @@
 //! was mutated and where the input was saved, so it reproduces without the rest of the run.
 #![allow(dead_code)]
 
+pub use crate::common::Rng;
 use serde_json::{Map, Value};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -19,10 +20,7 @@ use std::time::{Duration, Instant};
 /// The run's seed. Changing it changes every case; keep it fixed so CI is reproducible.
 pub const SEED: u64 = 0x5EED_5A4D_C0DE_F022;
 
-/// SplitMix64: small, fast, and the same on every platform.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
+/// The fuzzers' draws from the tests' SplitMix64 stream.
 impl Rng {
     /// The generator of case `case` of `target`.
     pub fn for_case(target: &str, case: usize) -> Rng {
@@ -33,15 +31,6 @@ impl Rng {
         let mut r = Rng(h ^ (case as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         r.next_u64();
         r
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
     }
 
     /// Uniform in `0..n` (`n > 0`).

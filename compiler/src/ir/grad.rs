@@ -342,15 +342,8 @@ pub(super) fn infer(op: &Op, inputs: &[&TensorType]) -> Option<Result<TensorType
         }),
         Op::RepeatGrad { dim, times } => arity(m, inputs, 1, "1").and_then(|_| {
             let x = inputs[0];
-            if *dim >= x.rank() || *times == 0 || x.dim(*dim) % times != 0 {
-                return Err(err(
-                    m,
-                    format!("dim {dim} of {x} is not a multiple of {times}"),
-                ));
-            }
-            let mut t = x.clone();
-            t.dims[*dim].size /= times;
-            Ok(t)
+            x.part(*dim, *times)
+                .ok_or_else(|| err(m, format!("dim {dim} of {x} is not a multiple of {times}")))
         }),
         Op::AdamMoment { .. } => arity(m, inputs, 2, "2")
             .and_then(|_| same(m, inputs[0], inputs[1], "moment and gradient"))
@@ -375,39 +368,43 @@ mod tests {
     #[test]
     fn adamw_validate_names_the_first_field_out_of_its_domain() {
         assert_eq!(AdamWSpec::default().validate(), Ok(()));
-        let with = |f: fn(&mut AdamWSpec)| {
+        // Each case puts one field out of its domain.
+        type Spoil = fn(&mut AdamWSpec);
+        let bad: [(Spoil, &str); 7] = [
+            (
+                |a| a.lr = Float(f32::NAN),
+                "lr: must be finite and > 0 (found NaN)",
+            ),
+            (
+                |a| a.lr = Float(f32::INFINITY),
+                "lr: must be finite and > 0 (found inf)",
+            ),
+            (
+                |a| a.beta1 = Float(1.5),
+                "beta1: must be in [0, 1) (found 1.5)",
+            ),
+            (
+                |a| a.beta2 = Float(1.0),
+                "beta2: must be in [0, 1) (found 1)",
+            ),
+            (
+                |a| a.beta2 = Float(-0.1),
+                "beta2: must be in [0, 1) (found -0.1)",
+            ),
+            (
+                |a| a.eps = Float(0.0),
+                "eps: must be finite and > 0 (found 0)",
+            ),
+            (
+                |a| a.weight_decay = Float(-1.0),
+                "weight_decay: must be finite and >= 0 (found -1)",
+            ),
+        ];
+        for (spoil, want) in bad {
             let mut a = AdamWSpec::default();
-            f(&mut a);
-            a.validate().unwrap_err().to_string()
-        };
-        assert_eq!(
-            with(|a| a.lr = Float(f32::NAN)),
-            "lr: must be finite and > 0 (found NaN)"
-        );
-        assert_eq!(
-            with(|a| a.lr = Float(f32::INFINITY)),
-            "lr: must be finite and > 0 (found inf)"
-        );
-        assert_eq!(
-            with(|a| a.beta1 = Float(1.5)),
-            "beta1: must be in [0, 1) (found 1.5)"
-        );
-        assert_eq!(
-            with(|a| a.beta2 = Float(1.0)),
-            "beta2: must be in [0, 1) (found 1)"
-        );
-        assert_eq!(
-            with(|a| a.beta2 = Float(-0.1)),
-            "beta2: must be in [0, 1) (found -0.1)"
-        );
-        assert_eq!(
-            with(|a| a.eps = Float(0.0)),
-            "eps: must be finite and > 0 (found 0)"
-        );
-        assert_eq!(
-            with(|a| a.weight_decay = Float(-1.0)),
-            "weight_decay: must be finite and >= 0 (found -1)"
-        );
+            spoil(&mut a);
+            assert_eq!(a.validate().unwrap_err().to_string(), want);
+        }
         // β = 0 (no momentum) and no weight decay are valid.
         let mut a = AdamWSpec::default();
         (a.beta1, a.beta2, a.weight_decay) = (Float(0.0), Float(0.0), Float(0.0));

@@ -1305,15 +1305,12 @@ impl Op {
             Op::ReduceScatter { dim, parts, .. } | Op::LocalSlice { dim, parts, .. } => {
                 arity(self, inputs, 1, "1")?;
                 let x = inputs[0];
-                if *dim >= x.rank() || *parts == 0 || x.dim(*dim) % parts != 0 {
-                    return Err(shape_err(
+                x.part(*dim, *parts).ok_or_else(|| {
+                    shape_err(
                         m,
                         format!("dim {dim} of {x} does not divide into {parts} parts"),
-                    ));
-                }
-                let mut t = x.clone();
-                t.dims[*dim].size /= parts;
-                Ok(t)
+                    )
+                })
             }
             Op::AllGather { dim, parts, .. } => {
                 arity(self, inputs, 1, "1")?;
@@ -1330,18 +1327,16 @@ impl Op {
             } => {
                 arity(self, inputs, 1, "1")?;
                 let x = inputs[0];
-                if *split_dim >= x.rank()
-                    || *concat_dim >= x.rank()
-                    || *parts == 0
-                    || x.dim(*split_dim) % parts != 0
-                {
-                    return Err(shape_err(
+                let bad = || {
+                    shape_err(
                         m,
                         format!("cannot split dim {split_dim} of {x} into {parts}"),
-                    ));
+                    )
+                };
+                if *concat_dim >= x.rank() {
+                    return Err(bad());
                 }
-                let mut t = x.clone();
-                t.dims[*split_dim].size /= parts;
+                let mut t = x.part(*split_dim, *parts).ok_or_else(bad)?;
                 t.dims[*concat_dim].size = mul(m, t.dims[*concat_dim].size, *parts)?;
                 Ok(t)
             }

@@ -67,6 +67,26 @@ mod tests {
         let label = p.name.clone();
         g.add_typed(Op::Param(p), &[], Some(ty), label)
     }
+    /// The whole stored tensor `name`, as a parameter of type `ty`.
+    fn whole(g: &mut Graph, name: &str, ty: TensorType) -> Result<ValueId, IrError> {
+        param(g, ParamSource::whole(name), ty)
+    }
+    /// Rows `start..start + len` of the stored matrix `name`, split by rows over `tp`, as a
+    /// parameter of type `ty`.
+    fn tp_rows(
+        g: &mut Graph,
+        name: &str,
+        start: usize,
+        len: usize,
+        ty: TensorType,
+    ) -> Result<ValueId, IrError> {
+        let src = ParamSource {
+            view: Some(ParamView { dim: 0, start, len }),
+            shards: vec![shard(0, "tp", 2)],
+            ..ParamSource::whole(name)
+        };
+        param(g, src, ty)
+    }
     fn rope(theta: f32, style: RopeStyle, scaling: Option<RopeScaling>) -> Op {
         Op::Rope(RopeSpec {
             theta: Float(theta),
@@ -87,16 +107,8 @@ mod tests {
         let pos = g.input("position_ids", TensorType::plain(I32, &[2, 4]));
         let mask = g.input("attention_mask", t(F32, &bt));
         let labels = g.input("labels \"y\"", t(I32, &bt));
-        let src = ParamSource {
-            view: Some(ParamView {
-                dim: 0,
-                start: 16,
-                len: 16,
-            }),
-            shards: vec![shard(0, "tp", 2)],
-            ..ParamSource::whole("model.embed_tokens.weight")
-        };
-        let emb = param(&mut g, src, t(F32, &[(Vocab, 16), (Hidden, 8)]))?;
+        let emb_ty = t(F32, &[(Vocab, 16), (Hidden, 8)]);
+        let emb = tp_rows(&mut g, "model.embed_tokens.weight", 16, 16, emb_ty)?;
         g.current_layer = Some(0);
         let local = g.add(
             Op::RankOffset {
@@ -107,11 +119,7 @@ mod tests {
             "",
         )?;
         let x = g.add(Op::Embedding, &[emb, local], "embed")?;
-        let wn = param(
-            &mut g,
-            ParamSource::whole("norm.weight"),
-            t(F32, &[(Hidden, 8)]),
-        )?;
+        let wn = whole(&mut g, "norm.weight", t(F32, &[(Hidden, 8)]))?;
         let xn = g.add(Op::RmsNorm { eps: Float(1e-6) }, &[x, wn], "")?;
         let src = ParamSource {
             transposed: true,
@@ -203,11 +211,7 @@ mod tests {
         }
         let s = g.add(Op::Scale(Float(-0.125)), &[m], "")?;
         g.add(Op::Cast(Bf16), &[s], "")?;
-        let lb = param(
-            &mut g,
-            ParamSource::whole("ln.bias"),
-            t(F32, &[(Hidden, 8)]),
-        )?;
+        let lb = whole(&mut g, "ln.bias", t(F32, &[(Hidden, 8)]))?;
         let ln = g.add(Op::LayerNorm { eps: Float(1e-5) }, &[m, wn, lb], "")?;
         let sm = g.add(Op::Softmax, &[ln], "")?;
         let sl = g.add(
@@ -221,11 +225,7 @@ mod tests {
         )?;
         g.add(Op::Concat { dim: 2 }, &[sl, sl], "")?;
         g.add(Op::Repeat { dim: 2, times: 2 }, &[sl], "")?;
-        let we = param(
-            &mut g,
-            ParamSource::whole("gate"),
-            t(F32, &[(Hidden, 8), (Expert, 4)]),
-        )?;
+        let we = whole(&mut g, "gate", t(F32, &[(Hidden, 8), (Expert, 4)]))?;
         let le = g.add(Op::MatMul { transpose_b: false }, &[m, we], "")?;
         let gates = g.add(
             Op::Router {
@@ -255,9 +255,9 @@ mod tests {
         let ey = g.add(Op::MatMul { transpose_b: false }, &[disp, wexp], "")?;
         let comb = g.add(Op::Combine, &[ey, gates], "")?;
         g.current_layer = None;
-        let lm = param(
+        let lm = whole(
             &mut g,
-            ParamSource::whole("lm_head.weight"),
+            "lm_head.weight",
             t(F32, &[(Vocab, 16), (Hidden, 8)]),
         )?;
         let logits = g.add(Op::MatMul { transpose_b: true }, &[comb, lm], "logits")?;
@@ -463,16 +463,7 @@ mod tests {
     fn golden_text() -> Result<(), IrError> {
         let mut g = Graph::new();
         let ids = g.input("input_ids", t(I32, &[(Batch, 2), (Seq, 3)]));
-        let src = ParamSource {
-            view: Some(ParamView {
-                dim: 0,
-                start: 5,
-                len: 5,
-            }),
-            shards: vec![shard(0, "tp", 2)],
-            ..ParamSource::whole("embed")
-        };
-        let emb = param(&mut g, src, t(F32, &[(Vocab, 5), (Hidden, 4)]))?;
+        let emb = tp_rows(&mut g, "embed", 5, 5, t(F32, &[(Vocab, 5), (Hidden, 4)]))?;
         g.current_layer = Some(0);
         let x = g.add(Op::Embedding, &[emb, ids], "embed \"x\"")?;
         let r = g.add(Op::AllReduce { axis: "tp".into() }, &[x], "")?;

@@ -150,6 +150,16 @@ impl TensorType {
     pub fn last(&self) -> usize {
         self.dims.last().map_or(0, |d| d.size)
     }
+    /// One of `parts` equal parts of this type along dim `dim`; `None` when it has no dim
+    /// `dim` or `parts` does not divide it.
+    pub fn part(&self, dim: usize, parts: usize) -> Option<TensorType> {
+        if dim >= self.rank() || parts == 0 || self.dim(dim) % parts != 0 {
+            return None;
+        }
+        let mut t = self.clone();
+        t.dims[dim].size /= parts;
+        Some(t)
+    }
     /// The same type with another dtype.
     pub fn with_dtype(&self, dtype: DType) -> TensorType {
         TensorType {

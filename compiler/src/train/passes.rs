@@ -99,6 +99,44 @@ impl Rebuild {
         Ok(x)
     }
 
+    /// Slices each of `values` (a node of `old` with its label and layer) in turn out of the
+    /// flat `packed`, laid out `flat`, and shapes it as the node (type, role, layout): the
+    /// node's copy.
+    fn unpack(
+        &mut self,
+        old: &ShardedGraph,
+        packed: ValueId,
+        flat: &TensorSharding,
+        values: impl IntoIterator<Item = (ValueId, String, Option<u32>)>,
+    ) -> Result<(), ShardError> {
+        let mut start = 0;
+        for (v, name, layer) in values {
+            let node = old.graph.node(v);
+            let len = node.ty.numel();
+            let slice = self.out.push(
+                Op::Slice { dim: 0, start, len },
+                &[packed],
+                None,
+                format!("{name}.slice"),
+                (layer, node.role),
+                flat.clone(),
+                None,
+            )?;
+            let x = self.out.push(
+                Op::Reshape,
+                &[slice],
+                Some(node.ty.clone()),
+                name,
+                (layer, node.role),
+                old.shardings[v.index()].clone(),
+                None,
+            )?;
+            self.map[v.index()] = Some(x);
+            start += len;
+        }
+        Ok(())
+    }
+
     /// The copy, with `old`'s outputs pointing at their copies.
     fn finish(mut self, old: ShardedGraph) -> ShardedGraph {
         for (name, v) in &old.graph.outputs {
@@ -593,6 +631,7 @@ fn push_ring_grad(
     axes.extend(sg.mesh.axis(axis));
     axes.sort();
     axes.dedup();
+    let flat = TensorSharding::split(1, 0, &axes);
     let packed = rb.out.push(
         Op::RingAttentionGrad {
             spec: r.spec,
@@ -603,37 +642,14 @@ fn push_ring_grad(
         None,
         r.name.clone(),
         (dq.layer, dq.role),
-        TensorSharding::split(1, 0, &axes),
+        flat.clone(),
         Some(ring_provenance(sg, r.k, g.node(r.gone[0]).inputs[1])),
     )?;
-    let mut start = 0;
     // Named as the gradients they are (dk and dv no longer come from a reduce-scatter).
     let names = [r.dq, r.gone[0], r.gone[1]].map(|x| g.node(x).name.clone());
-    for (x, name) in [r.dq, r.dk, r.dv].into_iter().zip(names) {
-        let node = g.node(x);
-        let len = node.ty.numel();
-        let slice = rb.out.push(
-            Op::Slice { dim: 0, start, len },
-            &[packed],
-            None,
-            format!("{name}.slice"),
-            (node.layer, node.role),
-            TensorSharding::split(1, 0, &axes),
-            None,
-        )?;
-        let y = rb.out.push(
-            Op::Reshape,
-            &[slice],
-            Some(node.ty.clone()),
-            name,
-            (node.layer, node.role),
-            sg.shardings[x.index()].clone(),
-            None,
-        )?;
-        rb.map[x.index()] = Some(y);
-        start += len;
-    }
-    Ok(())
+    let grads = [r.dq, r.dk, r.dv].into_iter().zip(names);
+    let grads = grads.map(|(x, name)| (x, name, g.node(x).layer));
+    rb.unpack(sg, packed, &flat, grads)
 }
 
 /// `prefetch`: every parameter all-gather moved to the start of the layer block that runs
@@ -911,39 +927,11 @@ fn emit_bucket(
         flat_s(false),
         Some(prov),
     )?;
-    let mut start = 0;
-    for &i in group {
+    let reduced = group.iter().map(|&i| {
         let ar = members[i].1;
-        let ty = g.ty(ar).clone();
-        let n = ty.numel();
-        let slice = Op::Slice {
-            dim: 0,
-            start,
-            len: n,
-        };
-        let name = g.node(ar).name.clone();
-        let part = r.out.push(
-            slice,
-            &[red],
-            None,
-            format!("{name}.slice"),
-            (None, g.node(ar).role),
-            flat_s(false),
-            None,
-        )?;
-        let x = r.out.push(
-            Op::Reshape,
-            &[part],
-            Some(ty),
-            name,
-            (None, g.node(ar).role),
-            sg.shardings[ar.index()].clone(),
-            None,
-        )?;
-        r.map[ar.index()] = Some(x);
-        start += n;
-    }
-    Ok(())
+        (ar, g.node(ar).name.clone(), None)
+    });
+    r.unpack(sg, red, &flat_s(false), reduced)
 }
 
 #[cfg(test)]

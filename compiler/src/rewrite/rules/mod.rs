@@ -425,11 +425,7 @@ pub(crate) fn sink_reshape(
     let Op::AllGather { dim, parts, .. } = ag else {
         return None;
     };
-    let mut local = ty(eg, class).clone();
-    if local.dims[dim].size % parts != 0 {
-        return None;
-    }
-    local.dims[dim].size /= parts;
+    let local = ty(eg, class).part(dim, parts)?;
     let inner = add_declared(eg, rule, Op::Reshape, local, vec![m[1]], class)?;
     add(eg, rule, ag, vec![inner])
 }

@@ -34,18 +34,7 @@ impl RuleImpl for AgMatMulRule {
         }
     }
     fn apply(&self, eg: &mut SpmdEGraph, _class: Id, m: &[Id]) -> Option<Id> {
-        let (Op::MatMul { transpose_b }, Op::AllGather { axis, dim, parts }) =
-            (op_at(eg, m[0]), op_at(eg, m[1]))
-        else {
-            return None;
-        };
-        let op = Op::AgMatMul {
-            axis,
-            dim,
-            parts,
-            transpose_b,
-        };
-        add(eg, self.name(), op, vec![m[2], m[3]])
+        collective_matmul(eg, self.name(), m[0], m[1], vec![m[2], m[3]])
     }
 }
 
@@ -78,17 +67,36 @@ impl RuleImpl for MatMulRsRule {
         }
     }
     fn apply(&self, eg: &mut SpmdEGraph, _class: Id, m: &[Id]) -> Option<Id> {
-        let (Op::ReduceScatter { axis, dim, parts }, Op::MatMul { transpose_b }) =
-            (op_at(eg, m[0]), op_at(eg, m[1]))
-        else {
-            return None;
-        };
-        let op = Op::MatMulRs {
+        collective_matmul(eg, self.name(), m[1], m[0], vec![m[2], m[3]])
+    }
+}
+
+/// The collective matmul of the matmul `mm` and the collective `c` (an all-gather of its
+/// input: `AgMatMul`; a reduce-scatter of its product: `MatMulRs`) over `operands`.
+fn collective_matmul(
+    eg: &mut SpmdEGraph,
+    rule: &'static str,
+    mm: Id,
+    c: Id,
+    operands: Vec<Id>,
+) -> Option<Id> {
+    let Op::MatMul { transpose_b } = op_at(eg, mm) else {
+        return None;
+    };
+    let op = match op_at(eg, c) {
+        Op::AllGather { axis, dim, parts } => Op::AgMatMul {
             axis,
             dim,
             parts,
             transpose_b,
-        };
-        add(eg, self.name(), op, vec![m[2], m[3]])
-    }
+        },
+        Op::ReduceScatter { axis, dim, parts } => Op::MatMulRs {
+            axis,
+            dim,
+            parts,
+            transpose_b,
+        },
+        _ => return None,
+    };
+    add(eg, rule, op, operands)
 }
