@@ -394,8 +394,12 @@ pub fn attention_plan(
 /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`), for kernels whose launches may ask for
 /// more than [`DEFAULT_MAX_DYNAMIC_SHARED`]; `None` for every other kernel.
 pub fn opt_in_shared_bytes(entry: &str) -> Option<usize> {
-    let widest = ATTENTION_TC_HEAD_DIMS.iter().copied().max().unwrap_or(0);
-    (entry == "attention_tc_bf16").then(|| attention_tc_shared_bytes(widest))
+    let most = |dims: &[usize], bytes: fn(usize) -> usize| dims.iter().map(|&d| bytes(d)).max();
+    match entry {
+        "attention_tc_bf16" => most(&ATTENTION_TC_HEAD_DIMS, attention_tc_shared_bytes),
+        "attention_bwd_tc_bf16" => most(&ATTENTION_BWD_TC_HEAD_DIMS, attention_bwd_tc_shared_bytes),
+        _ => None,
+    }
 }
 
 /// One attention kernel's launch contract: grid (ceil(Tq / block_q), Hq, B) of
@@ -540,33 +544,148 @@ pub fn attention_bwd_launch(
     heads_kv: usize,
     head_dim: usize,
 ) -> Result<LaunchConfig, KernelError> {
-    let bad = |param, value, allowed| KernelError::InvalidLaunch {
-        kernel: "attention_bwd",
-        param,
-        value,
-        allowed,
-    };
-    if !(1..=ATTENTION_BWD_MAX_HEAD_DIM).contains(&head_dim) {
-        return Err(bad("head_dim", head_dim, "1..=128"));
+    SCALAR_ATTENTION_BWD.launch([batch, seq_k, heads_q, heads_kv, head_dim])
+}
+
+/// Keys per block of `attention_bwd_tc_bf16` (`ABTC_BLOCK_K` in attention_bwd_tc.cu), 16 per
+/// warp.
+pub const ATTENTION_BWD_TC_BLOCK_K: usize = 64;
+/// The head widths `attention_bwd_tc_bf16` supports; others go to `attention_bwd_bf16`.
+pub const ATTENTION_BWD_TC_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Queries per tile of `attention_bwd_tc_bf16` for a supported `head_dim` (`AbtcTile<D>::BQ`):
+/// 64 at head_dim 64, 32 at 128, so a warp's dK and dV rows and its scores stay in registers.
+pub fn attention_bwd_tc_block_q(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        64
+    } else {
+        32
     }
-    if heads_kv == 0 || heads_q % heads_kv != 0 {
-        return Err(bad("heads_kv", heads_kv, "a divisor of heads_q"));
-    }
-    let grid = |param, value: usize, max: usize, allowed| match u32::try_from(value) {
-        Ok(v) if value > 0 && value <= max => Ok(v),
-        _ => Err(bad(param, value, allowed)),
+}
+
+/// Dynamic shared memory of `attention_bwd_tc_bf16` for a supported `head_dim`: the block's
+/// 64-key K and V tiles, two buffers each of a query tile's Q and dO, the tile's dSᵀ (64 keys x
+/// [`attention_bwd_tc_block_q`] queries), all bf16, and two buffers of its lse and delta rows
+/// (f32). 57 KiB for 64, 68.5 KiB for 128: above [`DEFAULT_MAX_DYNAMIC_SHARED`], so the
+/// function must be opted in ([`opt_in_shared_bytes`]).
+pub fn attention_bwd_tc_shared_bytes(head_dim: usize) -> usize {
+    let (k, q) = (ATTENTION_BWD_TC_BLOCK_K, attention_bwd_tc_block_q(head_dim));
+    (2 * k * head_dim + 4 * q * head_dim + k * q) * 2 + 2 * 2 * q * 4
+}
+
+/// Whether `attention_bwd_tc_bf16` can run this call: a supported `head_dim` and q, k, v and
+/// dout (device addresses) aligned to [`ATTENTION_TC_ALIGN`] (16-byte `cp.async` rows).
+/// Otherwise use `attention_bwd_bf16`.
+pub fn attention_bwd_tc_supported(head_dim: usize, q: u64, k: u64, v: u64, dout: u64) -> bool {
+    ATTENTION_BWD_TC_HEAD_DIMS.contains(&head_dim)
+        && [q, k, v, dout].iter().all(|p| p % ATTENTION_TC_ALIGN == 0)
+}
+
+/// `attention_bwd_tc_bf16`: grid (ceil(S / 64), Hkv, B) of [`ATTENTION_BWD_THREADS`] threads,
+/// one block per 64 keys of one (batch, KV head), and [`attention_bwd_tc_shared_bytes`]. The
+/// shape is checked first: head_dim 64 or 128, heads_kv a divisor of heads_q, no empty or
+/// oversized grid dimension. The other two launches of the backward (`attention_lse_bf16`,
+/// `attention_bwd_prep_bf16`) are the scalar path's.
+pub fn attention_bwd_tc_launch(
+    batch: usize,
+    seq_k: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+) -> Result<LaunchConfig, KernelError> {
+    TENSOR_CORE_ATTENTION_BWD.launch([batch, seq_k, heads_q, heads_kv, head_dim])
+}
+
+/// The attention backward's entry point for one call and its launch configuration:
+/// `attention_bwd_tc_bf16` when `tensor_core` is allowed, the dtype is bf16, the device is
+/// sm_80 or newer (`sm_major` >= 8) and [`attention_bwd_tc_supported`] holds; otherwise
+/// `attention_bwd_{dtype}` ([`attention_bwd_launch`]). `dims = [batch, seq_k, heads_q,
+/// heads_kv, head_dim]`; `ptrs` are the device addresses of q, k, v and dout. Both kernels take
+/// the same argument list and follow the same three-launch protocol.
+pub fn attention_bwd_kernel(
+    dtype: KernelDType,
+    sm_major: i32,
+    tensor_core: bool,
+    dims: [usize; 5],
+    ptrs: [u64; 4],
+) -> Result<(String, LaunchConfig), KernelError> {
+    let [q, k, v, dout] = ptrs;
+    let kernel = if tensor_core
+        && dtype == KernelDType::Bf16
+        && sm_major >= 8
+        && attention_bwd_tc_supported(dims[4], q, k, v, dout)
+    {
+        &TENSOR_CORE_ATTENTION_BWD
+    } else {
+        &SCALAR_ATTENTION_BWD
     };
-    let key_tiles = seq_k.div_ceil(ATTENTION_BWD_BLOCK_K);
-    Ok(LaunchConfig {
-        grid_dim: (
-            grid("seq_k", key_tiles, i32::MAX as usize, "1..=2^31 key tiles")?,
-            grid("heads_kv", heads_kv, 65_535, "1..=65535")?,
-            grid("batch", batch, 65_535, "1..=65535")?,
-        ),
-        block_dim: (ATTENTION_BWD_THREADS, 1, 1),
-        shared_mem_bytes: u32::try_from(attention_bwd_shared_bytes(head_dim))
-            .expect("invariant: at most 42 KiB for a valid head_dim"),
-    })
+    Ok((entry_name(kernel.name, dtype), kernel.launch(dims)?))
+}
+
+/// One attention backward kernel's launch contract: grid (ceil(S / block_k), Hkv, B) of
+/// [`ATTENTION_BWD_THREADS`] threads and `shared_bytes(head_dim)` of dynamic shared memory.
+struct AttentionBwdKernel {
+    /// Entry point family.
+    name: &'static str,
+    block_k: usize,
+    head_dim_ok: fn(usize) -> bool,
+    /// The head widths `head_dim_ok` accepts, for the error.
+    head_dims: &'static str,
+    /// Dynamic shared memory for a head_dim that passed the check.
+    shared_bytes: fn(usize) -> usize,
+}
+
+/// `attention_bwd_{f32,bf16}` (attention_bwd.cu).
+const SCALAR_ATTENTION_BWD: AttentionBwdKernel = AttentionBwdKernel {
+    name: "attention_bwd",
+    block_k: ATTENTION_BWD_BLOCK_K,
+    head_dim_ok: |d| (1..=ATTENTION_BWD_MAX_HEAD_DIM).contains(&d),
+    head_dims: "1..=128",
+    shared_bytes: attention_bwd_shared_bytes,
+};
+
+/// `attention_bwd_tc_bf16` (attention_bwd_tc.cu).
+const TENSOR_CORE_ATTENTION_BWD: AttentionBwdKernel = AttentionBwdKernel {
+    name: "attention_bwd_tc",
+    block_k: ATTENTION_BWD_TC_BLOCK_K,
+    head_dim_ok: |d| ATTENTION_BWD_TC_HEAD_DIMS.contains(&d),
+    head_dims: "64 or 128",
+    shared_bytes: attention_bwd_tc_shared_bytes,
+};
+
+impl AttentionBwdKernel {
+    /// The launch for `dims = [batch, seq_k, heads_q, heads_kv, head_dim]`, after checking the
+    /// shape.
+    fn launch(&self, dims: [usize; 5]) -> Result<LaunchConfig, KernelError> {
+        let [batch, seq_k, heads_q, heads_kv, head_dim] = dims;
+        let bad = |param, value, allowed| KernelError::InvalidLaunch {
+            kernel: self.name,
+            param,
+            value,
+            allowed,
+        };
+        if !(self.head_dim_ok)(head_dim) {
+            return Err(bad("head_dim", head_dim, self.head_dims));
+        }
+        if heads_kv == 0 || heads_q % heads_kv != 0 {
+            return Err(bad("heads_kv", heads_kv, "a divisor of heads_q"));
+        }
+        let grid = |param, value: usize, max: usize, allowed| match u32::try_from(value) {
+            Ok(v) if value > 0 && value <= max => Ok(v),
+            _ => Err(bad(param, value, allowed)),
+        };
+        let key_tiles = seq_k.div_ceil(self.block_k);
+        Ok(LaunchConfig {
+            grid_dim: (
+                grid("seq_k", key_tiles, i32::MAX as usize, "1..=2^31 key tiles")?,
+                grid("heads_kv", heads_kv, 65_535, "1..=65535")?,
+                grid("batch", batch, 65_535, "1..=65535")?,
+            ),
+            block_dim: (ATTENTION_BWD_THREADS, 1, 1),
+            shared_mem_bytes: u32::try_from((self.shared_bytes)(head_dim))
+                .expect("invariant: at most 69 KiB for a valid head_dim"),
+        })
+    }
 }
 
 /// Keys an `attention_probs_*` / `attention_grad_ds_*` thread keeps in registers between the
@@ -863,6 +982,133 @@ mod tests {
             attention_bwd_prep_launch(1 << 40).grid_dim.0,
             MAX_GRID_STRIDE_BLOCKS
         );
+    }
+
+    #[test]
+    fn tensor_core_attention_bwd_config() {
+        let c = attention_bwd_tc_launch(2, 512, 32, 8, 128).expect("valid shape");
+        assert_eq!(c.grid_dim, (8, 8, 2));
+        assert_eq!(c.block_dim, (128, 1, 1));
+        // K, V: 2 x 64 x 128; Q, dO: 4 x 32 x 128; dSᵀ 64 x 32 (bf16); lse, delta 4 x 32 (f32).
+        assert_eq!(c.shared_mem_bytes, (16_384 + 16_384 + 2_048) * 2 + 512);
+        assert_eq!(
+            attention_bwd_tc_shared_bytes(64),
+            (8_192 + 16_384 + 4_096) * 2 + 1_024
+        );
+        assert_eq!(
+            (attention_bwd_tc_block_q(64), attention_bwd_tc_block_q(128)),
+            (64, 32)
+        );
+        for d in ATTENTION_BWD_TC_HEAD_DIMS {
+            assert!(attention_bwd_tc_shared_bytes(d) > DEFAULT_MAX_DYNAMIC_SHARED);
+        }
+        let c = attention_bwd_tc_launch(2, 130, 4, 2, 64).expect("valid shape");
+        assert_eq!((c.grid_dim, c.shared_mem_bytes), ((3, 2, 2), 58_368));
+        // (batch, seq_k, heads_q, heads_kv, head_dim) and the parameter the error names.
+        let bad = [
+            ([1, 64, 32, 8, 96], "head_dim"),
+            ([1, 64, 32, 8, 40], "head_dim"),
+            ([1, 64, 32, 8, 256], "head_dim"),
+            ([1, 64, 32, 6, 64], "heads_kv"),
+            ([1, 64, 32, 0, 128], "heads_kv"),
+            ([1, 0, 32, 8, 64], "seq_k"),
+            ([0, 64, 32, 8, 64], "batch"),
+            ([1, 64, 32 * 70_000, 70_000, 64], "heads_kv"),
+        ];
+        for ([b, s, hq, hkv, d], want) in bad {
+            match attention_bwd_tc_launch(b, s, hq, hkv, d) {
+                Err(KernelError::InvalidLaunch { kernel, param, .. }) => {
+                    assert_eq!(
+                        (kernel, param),
+                        ("attention_bwd_tc", want),
+                        "{b} {s} {hq} {hkv} {d}"
+                    )
+                }
+                other => panic!("{b} {s} {hq} {hkv} {d}: want an InvalidLaunch, got {other:?}"),
+            }
+        }
+        let aligned = [256, 4096, 1 << 20, 1 << 30];
+        assert!(attention_bwd_tc_supported(64, 256, 4096, 1 << 20, 1 << 30));
+        for i in 0..4 {
+            let mut p = aligned;
+            p[i] += 8;
+            assert!(
+                !attention_bwd_tc_supported(128, p[0], p[1], p[2], p[3]),
+                "{p:?}"
+            );
+        }
+        for d in [32, 40, 80, 96, 256] {
+            assert!(!attention_bwd_tc_supported(d, 0, 0, 0, 0), "head_dim {d}");
+        }
+        assert_eq!(
+            opt_in_shared_bytes("attention_bwd_tc_bf16"),
+            Some(attention_bwd_tc_shared_bytes(128))
+        );
+        assert_eq!(opt_in_shared_bytes("attention_bwd_bf16"), None);
+    }
+
+    #[test]
+    fn attention_bwd_kernel_choice() {
+        let aligned = [256, 4096, 1 << 20, 1 << 30];
+        let pick = |dt, sm, tc, d, ptrs| {
+            attention_bwd_kernel(dt, sm, tc, [1, 100, 32, 8, d], ptrs)
+                .map(|(entry, cfg)| (entry, cfg.grid_dim.0, cfg.shared_mem_bytes))
+                .expect("valid shape")
+        };
+        let (bf16, f32) = (KernelDType::Bf16, KernelDType::F32);
+        let (tc, scalar) = ("attention_bwd_tc_bf16", "attention_bwd_bf16");
+        let tc_bytes = |d| attention_bwd_tc_shared_bytes(d) as u32;
+        let scalar_bytes = |d| attention_bwd_shared_bytes(d) as u32;
+        // (dtype, sm major, allowed, head_dim, q/k/v/dout, entry, key blocks, shared bytes); the
+        // fallbacks: not allowed, f32, pre-Ampere, head_dim, alignment of q and of dout.
+        let cases = [
+            (bf16, 9, true, 128, aligned, tc, 2, tc_bytes(128)),
+            (bf16, 8, true, 64, aligned, tc, 2, tc_bytes(64)),
+            (bf16, 9, false, 128, aligned, scalar, 4, scalar_bytes(128)),
+            (
+                f32,
+                9,
+                true,
+                128,
+                aligned,
+                "attention_bwd_f32",
+                4,
+                scalar_bytes(128),
+            ),
+            (bf16, 7, true, 64, aligned, scalar, 4, scalar_bytes(64)),
+            (bf16, 9, true, 96, aligned, scalar, 4, scalar_bytes(96)),
+            (
+                bf16,
+                9,
+                true,
+                128,
+                [258, 4096, 1 << 20, 1 << 30],
+                scalar,
+                4,
+                scalar_bytes(128),
+            ),
+            (
+                bf16,
+                9,
+                true,
+                64,
+                [256, 4096, 1 << 20, (1 << 30) + 2],
+                scalar,
+                4,
+                scalar_bytes(64),
+            ),
+        ];
+        for (dt, sm, allowed, d, ptrs, entry, blocks, bytes) in cases {
+            let case = format!("{dt:?} sm {sm} allowed {allowed} d {d} {ptrs:?}");
+            assert_eq!(
+                pick(dt, sm, allowed, d, ptrs),
+                (entry.into(), blocks, bytes),
+                "{case}"
+            );
+        }
+        // Past the scalar kernel's head widths there is no kernel at all.
+        assert!(attention_bwd_kernel(bf16, 9, true, [1, 64, 32, 8, 256], aligned).is_err());
+        assert!(attention_bwd_kernel(bf16, 9, true, [1, 64, 32, 6, 128], aligned).is_err());
     }
 
     #[test]

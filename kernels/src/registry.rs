@@ -173,6 +173,7 @@ pub static KERNELS: &[KernelSource] = &[
             "attention_bwd_bf16",
         ]
     ),
+    kernel_source!("attention_bwd_tc", ["attention_bwd_tc_bf16"]),
     kernel_source!(
         "moe",
         [

@@ -177,6 +177,49 @@ fn attention_backward_assembles_for_sm90() {
     eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
 }
 
+/// `attention_bwd_tc` (the tensor-core backward on mma.cuh's inline PTX) to PTX and to a CUBIN
+/// for sm_90: ptxas assembles its `mma.sync`, `ldmatrix` (plain and `.trans`) and `cp.async`,
+/// dQ is added with f32 global atomics, and the fragments and accumulators stay in registers
+/// (no per-thread array indexed at run time).
+#[test]
+fn tensor_core_attention_backward_assembles_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let k = kernel_source("attention_bwd_tc").expect("invariant: registered");
+    let ptx = PtxCache::disabled()
+        .compile(k.file, &k.source(), ARCH, &[])
+        .unwrap_or_else(|e| panic!("{e}"));
+    for instruction in [
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+        "cp.async.cg.shared.global",
+        "cp.async.wait_group",
+    ] {
+        assert!(
+            ptx.ptx.contains(instruction),
+            "no `{instruction}` in the PTX"
+        );
+    }
+    assert!(
+        ptx.ptx
+            .lines()
+            .any(|l| l.contains(".global.add.f32") && (l.contains("red.") || l.contains("atom."))),
+        "no f32 global atomic add in the PTX"
+    );
+    assert!(
+        !ptx.ptx.contains(".local"),
+        "a local-memory array in the PTX"
+    );
+    for e in k.entries {
+        assert!(ptx.has_entry(e), "entry `{e}` missing from the PTX");
+    }
+    let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+    eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+}
+
 /// The training kernels to PTX and to CUBINs for sm_90. The optimizer's arithmetic must stay
 /// unfused to be bit-identical to the CPU: no floating-point `fma`/`mad` anywhere in optim.cu's
 /// PTX. The row caches of norm_grad.cu stay in registers (no `.local`), and embedding_grad
