@@ -379,20 +379,28 @@ fn attention_backward_group_matches_the_materialised_path() {
                 &shardc_runtime::RankCtx::new(),
             )
             .expect("cpu");
-            for fuse in [true, false] {
+            // The flash group on the tensor-core backward (bf16, head_dim 64/128) and on the
+            // scalar one, and the materialised kernels.
+            for (fuse, tensor_core, path) in [
+                (true, true, "flash group"),
+                (true, false, "flash group, scalar"),
+                (false, true, "materialised"),
+            ] {
                 let params = shardc_runtime::cuda::ParamInit::Random {
                     seed: 1,
                     scale: 1.0,
                 };
+                let o = CudaOptions {
+                    tensor_core_attention: tensor_core,
+                    ..opts(dt, fuse)
+                };
                 let got =
-                    shardc_runtime::cuda::execute_cuda(&dev, &g, &params, &ins, opts(dt, fuse))
-                        .expect("gpu");
+                    shardc_runtime::cuda::execute_cuda(&dev, &g, &params, &ins, o).expect("gpu");
                 let (atol, rtol) = tol(dt);
                 for name in ["dq", "dk", "dv"] {
                     let what = format!(
                         "{name} B{b} T{t} S{s} Hq{hq} Hkv{hkv} D{d} causal={causal} window={window:?} \
-                         mask={masked} {dt} {}",
-                        if fuse { "flash group" } else { "materialised" }
+                         mask={masked} {dt} {path}"
                     );
                     assert_close(&what, &got[name], &want[name], atol * 5.0, rtol);
                 }

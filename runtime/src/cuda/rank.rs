@@ -26,9 +26,10 @@ pub struct CudaOptions {
     /// (the communicators' host-side progress and watchdog do not fit in a graph); run them
     /// eagerly. Off by default.
     pub graphs: bool,
-    /// Run bf16 attention on the tensor-core kernel (`attention_tc_bf16`) where it applies
-    /// (head_dim 64 or 128, sm_80 or newer); `false` keeps the scalar `attention_bf16`
-    /// everywhere (comparisons, benchmarks).
+    /// Run bf16 attention on the tensor-core kernels (`attention_tc_bf16` forward,
+    /// `attention_bwd_tc_bf16` for the training backward) where they apply (head_dim 64 or
+    /// 128, sm_80 or newer); `false` keeps the scalar kernels everywhere (comparisons,
+    /// benchmarks).
     pub tensor_core_attention: bool,
     /// Run attention calls that leave the GPU mostly idle (decode: few queries against a long
     /// KV cache) on the split-KV pair `attention_decode_*` (`launch::attention_plan`), its

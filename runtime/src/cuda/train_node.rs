@@ -275,6 +275,7 @@ impl CudaProgram {
             grads,
             dims,
             attn,
+            self.opts.tensor_core_attention,
         )?;
         if self.opts.dtype == GpuDType::Bf16 {
             l.convert("cast_f32_bf16", dq_acc, dq, self.numel(f.dq))?;

@@ -8,7 +8,7 @@ use super::CudaError;
 use cudarc::driver::PushKernelArg;
 use shardc_compiler::ir::UnaryOp;
 use shardc_kernels::launch::{
-    attention_bwd_launch, attention_bwd_prep_launch, attention_launch, attention_rows_launch,
+    attention_bwd_kernel, attention_bwd_prep_launch, attention_launch, attention_rows_launch,
     columns_launch, combine_grad_gates_launch, elementwise_launch, router_launch, rows_launch,
     vector_launch,
 };
@@ -281,7 +281,11 @@ impl Launcher<'_> {
     }
 
     /// The FlashAttention-2 backward pass of `[q, k, v, dout]` given the forward's
-    /// `(lse, delta, mask)`: dK and dV written, dQ added into the f32 `dq_acc`.
+    /// `(lse, delta, mask)`: dK and dV written, dQ added into the f32 `dq_acc`. With
+    /// `tensor_core`, bf16 calls the tensor-core kernel supports (head_dim 64 or 128, sm_80+,
+    /// 16-byte aligned operands) run `attention_bwd_tc_bf16`, the rest the scalar
+    /// `attention_bwd_{dtype}` (`launch::attention_bwd_kernel`).
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_bwd(
         &self,
         dt: KernelDType,
@@ -290,12 +294,15 @@ impl Launcher<'_> {
         (dq_acc, dk, dv): (u64, u64, u64),
         dims: AttnDims,
         masking: AttnMasking,
+        tensor_core: bool,
     ) -> Result<(), CudaError> {
         let [b, t, s, hq, hkv, d] = dims;
-        let cfg = attention_bwd_launch(b, s, hq, hkv, d)?;
+        let major = self.dev.compute_capability().0;
+        let (entry, cfg) =
+            attention_bwd_kernel(dt, major, tensor_core, [b, s, hq, hkv, d], [q, k, v, dout])?;
         let [b, t, s, hq, hkv, d] = [b, t, s, hq, hkv, d].map(|x| x as i32);
         let (scale, causal, window, off) = int_masking(masking);
-        launch!(self, entry_name("attention_bwd", dt), cfg;
+        launch!(self, entry, cfg;
             &q, &k, &v, &dout, &lse, &delta, &mask, &dq_acc, &dk, &dv, &b, &t, &s, &hq, &hkv, &d,
             &scale, &causal, &window, &off)
     }

@@ -6,7 +6,9 @@
 //! inputs the leading block of the full inputs. Every program here is causal or per-row along
 //! its token dim (GEMM rows, norms, elementwise ops, RoPE, causal attention, a causal decoder
 //! layer), so the full run's leading rows must equal the small run's. A program with no such
-//! dim (a decode step: one query against the whole cache) is checked whole.
+//! dim is checked whole when small (a decode step: one query against the whole cache) or, when
+//! not (an attention backward), as the same program at a smaller size on both the GPU and the
+//! CPU, the full run's outputs required finite.
 //!
 //! The comparison is the relative L2 error over every output value, with no NaN or infinity
 //! allowed where the reference is finite: below 2e-2 for bf16 (its 8-bit mantissa against an
@@ -63,6 +65,10 @@ pub enum Reference {
     Prefix(Graph),
     /// The program itself, run whole on the CPU.
     Whole,
+    /// A program with no prefix property (an attention backward: a key's gradient sums over
+    /// every later query) checked at this smaller size, on the GPU with the same options and
+    /// on the CPU, on the leading block of the inputs; the full run's outputs must be finite.
+    Smaller(Graph),
 }
 
 /// The relative L2 error a check allows for `dt`.
@@ -108,6 +114,25 @@ pub fn small_inputs(small: &Graph, full: &BTreeMap<String, Tensor>) -> BTreeMap<
             _ => None,
         })
         .collect()
+}
+
+/// Every float output value of `outputs` finite.
+pub fn finite(case: &str, outputs: &BTreeMap<String, Tensor>) -> Result<(), CheckError> {
+    for (name, t) in outputs {
+        if let Some((index, &value)) = t
+            .as_f32()
+            .and_then(|v| v.iter().enumerate().find(|(_, x)| !x.is_finite()))
+        {
+            return Err(CheckError::NonFinite {
+                case: case.to_string(),
+                output: name.clone(),
+                index,
+                value,
+                want: 0.0,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The CPU reference's outputs of `g` on `inputs`.

@@ -31,8 +31,8 @@
 use check::{cpu_outputs, small_inputs, CheckError, Reference};
 use cudarc::driver::{result as drv, sys, DevicePtr};
 use shardc_compiler::ir::{
-    AttnSpec, DType, Float, Graph, Op, RopeScaling, RopeSpec, RopeStyle, ShardSpec, TensorType,
-    UnaryOp, ValueId,
+    AttnSpec, AttnWrt, DType, Float, Graph, Op, RopeScaling, RopeSpec, RopeStyle, ShardSpec,
+    TensorType, UnaryOp, ValueId,
 };
 use shardc_runtime::cuda::comm::device::DeviceCommunicator;
 use shardc_runtime::cuda::comm::local_gpu::group;
@@ -200,9 +200,21 @@ impl Bench {
     ) -> Result<f64, BenchError> {
         let ctx = CudaRankCtx::new();
         let dt = opts.dtype;
-        let mut p = self.prepare(&ctx, g, inputs, 7, opts)?;
+        let mut p = self.prepare(&ctx, g, inputs, 7, opts.clone())?;
         let got = p.run(inputs, &ctx)?;
-        self.check(case, &got, (g, inputs, reference), dt)?;
+        match reference {
+            Reference::Smaller(small) => {
+                check::finite(case, &got)?;
+                let ins = small_inputs(small, inputs);
+                let small_got = self.prepare(&ctx, small, &ins, 7, opts)?.run(&ins, &ctx)?;
+                let case = format!(
+                    "{case} (at {} values)",
+                    small_got.values().map(|t| t.numel()).sum::<usize>()
+                );
+                self.check(&case, &small_got, (small, &ins, &Reference::Whole), dt)?;
+            }
+            _ => self.check(case, &got, (g, inputs, reference), dt)?,
+        }
         let iters = self.iters(heavy);
         Ok(p.time(&ctx, 2.min(iters), iters)?)
     }
@@ -221,7 +233,7 @@ impl Bench {
                 let ins = small_inputs(small, inputs);
                 (cpu_outputs(case, small, &ins)?, "leading rows")
             }
-            Reference::Whole => (cpu_outputs(case, g, inputs)?, "whole"),
+            Reference::Whole | Reference::Smaller(_) => (cpu_outputs(case, g, inputs)?, "whole"),
         };
         let e = check::compare(case, got, &want, dt);
         match &e {
@@ -534,8 +546,41 @@ impl Bench {
                 );
             }
         }
+        for &t in lens {
+            self.attention_backward(t)?;
+        }
         for &s in lens {
             self.decode_attention(s)?;
+        }
+        Ok(())
+    }
+
+    /// The training backward of causal attention at `t` tokens: `AttentionProbs` and its
+    /// three gradients, which the planner runs as one FlashAttention-2 group (the forward
+    /// recomputed with its log-sum-exp, then dQ, dK, dV; the probabilities never stored), on
+    /// the tensor-core kernel and on the scalar one. TFLOP/s of 2.5× the causal forward's
+    /// FLOPs (FlashAttention-2's accounting of the backward alone), the recomputed forward
+    /// included in the time.
+    fn attention_backward(&mut self, t: usize) -> Result<(), BenchError> {
+        let (g, ins) = attention_bwd_graph(t, 0xb4c);
+        let check = Reference::Smaller(attention_bwd_graph(256, 0).0);
+        for (tensor_core, kernel) in [(true, "tensor cores"), (false, "scalar")] {
+            let run = CudaOptions {
+                tensor_core_attention: tensor_core,
+                ..opts(GpuDType::Bf16, true)
+            };
+            let case = format!("attention backward {}k {kernel}", t / 1024);
+            let ms = self.time_with(&case, (&g, &ins, &check), run, true)?;
+            let flops = 2.5 * 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
+            let measure = self.tflops(tflops(flops, ms));
+            self.row(
+                "attention",
+                format!("bwd causal {}k, {kernel}", t / 1024),
+                GpuDType::Bf16,
+                format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
+                ms,
+                measure,
+            );
         }
         Ok(())
     }
@@ -916,6 +961,42 @@ fn attention_graph(t: usize, s: usize, seed: u64) -> (Graph, BTreeMap<String, Te
     };
     let y = add(&mut g, Op::Attention(spec), &qkv, "attn");
     g.set_output("y", y);
+    let ins = shapes
+        .iter()
+        .map(|(name, shape)| (name.to_string(), rng.tensor(shape, 1.0)))
+        .collect();
+    (g, ins)
+}
+
+/// The backward of Llama-3-8B causal attention at `t` tokens as a training program has it:
+/// the probabilities of `q`, `k` and the gradients wrt q, k and v given the output gradient
+/// `dy`, with its inputs drawn from `seed`.
+fn attention_bwd_graph(t: usize, seed: u64) -> (Graph, BTreeMap<String, Tensor>) {
+    let mut rng = Rng(seed);
+    let mut g = Graph::new();
+    let shapes = [
+        ("q", [1, t, HEADS, HEAD_DIM]),
+        ("k", [1, t, KV_HEADS, HEAD_DIM]),
+        ("v", [1, t, KV_HEADS, HEAD_DIM]),
+        ("dy", [1, t, HEADS, HEAD_DIM]),
+    ];
+    let [q, k, v, dy] = shapes.map(|(name, shape)| g.input(name, ty(DType::F32, &shape)));
+    let spec = AttnSpec {
+        causal: true,
+        window: None,
+        scale: Float(1.0 / (HEAD_DIM as f32).sqrt()),
+        indexed: false,
+    };
+    let p = add(&mut g, Op::AttentionProbs(spec), &[q, k], "probs");
+    for (wrt, name) in [(AttnWrt::Q, "dq"), (AttnWrt::K, "dk"), (AttnWrt::V, "dv")] {
+        let x = add(
+            &mut g,
+            Op::AttentionGrad { spec, wrt },
+            &[q, k, v, dy, p],
+            name,
+        );
+        g.set_output(name, x);
+    }
     let ins = shapes
         .iter()
         .map(|(name, shape)| (name.to_string(), rng.tensor(shape, 1.0)))
