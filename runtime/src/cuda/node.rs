@@ -76,6 +76,23 @@ impl CudaProgram {
         Ok(())
     }
 
+    /// The device address of attention key mask `mask` as the kernels read it (f32 `[B, S]`):
+    /// its own buffer in an f32 run, converted into `at` (scratch) in a bf16 one; 0 for none.
+    pub(super) fn f32_mask(
+        &self,
+        mask: Option<ValueId>,
+        at: u64,
+        l: &Launcher,
+    ) -> Result<u64, CudaError> {
+        match mask {
+            None => Ok(0),
+            Some(m) if self.opts.dtype == GpuDType::F32 => Ok(self.ptr(m)),
+            Some(m) => l
+                .convert("cast_bf16_f32", self.ptr(m), at, self.numel(m))
+                .map(|()| at),
+        }
+    }
+
     pub(super) fn unsupported(&self, v: ValueId, detail: impl Into<String>) -> CudaError {
         let node = self.graph.node(v);
         CudaError::Unsupported {
@@ -235,19 +252,7 @@ impl CudaProgram {
                     self.dev.sm_count(),
                     self.opts.split_kv_attention,
                 );
-                let mask = match ins.get(3) {
-                    None => 0,
-                    Some(&m) if self.opts.dtype == GpuDType::F32 => self.ptr(m),
-                    Some(&m) => {
-                        l.convert(
-                            "cast_bf16_f32",
-                            self.ptr(m),
-                            self.scratch.ptr,
-                            self.numel(m),
-                        )?;
-                        self.scratch.ptr
-                    }
-                };
+                let mask = self.f32_mask(ins.get(3).copied(), self.scratch.ptr, l)?;
                 let dims = [q[0], q[1], k[1], q[2], k[2], q[3]];
                 let workspace = (
                     self.scratch.ptr + scratch.workspace_offset as u64,

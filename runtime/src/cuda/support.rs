@@ -29,91 +29,10 @@ pub(super) fn check_supported(
             .into());
         }
     }
-    let known = matches!(
-        node.op,
-        Op::Input { .. }
-            | Op::Param(_)
-            | Op::Embedding
-            | Op::MatMul { .. }
-            | Op::Add
-            | Op::Mul
-            | Op::Unary(_)
-            | Op::Scale(_)
-            | Op::Cast(_)
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::Rope(_)
-            | Op::Attention(_)
-            | Op::Softmax
-            | Op::Reshape
-            | Op::Transpose { .. }
-            | Op::Slice { .. }
-            | Op::Concat { .. }
-            | Op::Repeat { .. }
-            | Op::Router { .. }
-            | Op::Dispatch
-            | Op::Combine
-            | Op::CrossEntropy { .. }
-            | Op::CrossEntropyStats { .. }
-            | Op::CrossEntropyFromStats { .. }
-            | Op::CrossEntropyShardGrad { .. }
-            | Op::AllReduce { .. }
-            | Op::ReduceScatter { .. }
-            | Op::AllGather { .. }
-            | Op::AllToAll { .. }
-            | Op::Broadcast { .. }
-            | Op::RankOffset { .. }
-            | Op::LocalSlice { .. }
-            | Op::FusedElementwise { .. }
-            | Op::FusedMatMul { .. }
-            | Op::AddRmsNorm { .. }
-            | Op::AgMatMul { .. }
-            | Op::MatMulRs { .. }
-            | Op::UnaryGrad(_)
-            | Op::BiasGrad
-            | Op::WeightGrad { .. }
-            | Op::RmsNormGrad { .. }
-            | Op::LayerNormGrad { .. }
-            | Op::RopeGrad(_)
-            | Op::AttentionProbs(_)
-            | Op::AttentionGrad { .. }
-            | Op::EmbeddingGrad
-            | Op::RouterGrad { .. }
-            | Op::DispatchGrad
-            | Op::CombineGrad { .. }
-            | Op::CrossEntropyGrad { .. }
-            | Op::RepeatGrad { .. }
-            | Op::AdamMoment { .. }
-            | Op::AdamWUpdate(_)
-    );
-    if !known {
+    let Some(operands) = kernel_operands(&node.op) else {
         return Err(bad("no CUDA kernel for this op".into()));
-    }
-    let float_only = matches!(
-        node.op,
-        Op::Add
-            | Op::Mul
-            | Op::Unary(_)
-            | Op::Scale(_)
-            | Op::MatMul { .. }
-            | Op::RmsNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::Softmax
-            | Op::FusedElementwise { .. }
-            | Op::FusedMatMul { .. }
-            | Op::AddRmsNorm { .. }
-            | Op::AgMatMul { .. }
-            | Op::MatMulRs { .. }
-            | Op::UnaryGrad(_)
-            | Op::BiasGrad
-            | Op::WeightGrad { .. }
-            | Op::RmsNormGrad { .. }
-            | Op::LayerNormGrad { .. }
-            | Op::AttentionGrad { .. }
-            | Op::AdamMoment { .. }
-            | Op::AdamWUpdate(_)
-    );
-    if float_only && node.ty.dtype == DType::I32 {
+    };
+    if operands == Operands::FloatOnly && node.ty.dtype == DType::I32 {
         return Err(bad("i32 arithmetic (the kernels are f32/bf16)".into()));
     }
     match &node.op {
@@ -153,6 +72,78 @@ pub(super) fn check_supported(
         _ => {}
     }
     Ok(())
+}
+
+/// What an op's CUDA kernels take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Operands {
+    /// Float tensors only (arithmetic).
+    FloatOnly,
+    /// Any storage: data movement, token ids and labels, collectives.
+    Any,
+}
+
+/// What the CUDA kernels of `op` take, or `None` where the backend has none (context-parallel
+/// ring attention).
+fn kernel_operands(op: &Op) -> Option<Operands> {
+    use Op::*;
+    Some(match op {
+        Add
+        | Mul
+        | Unary(_)
+        | Scale(_)
+        | MatMul { .. }
+        | RmsNorm { .. }
+        | LayerNorm { .. }
+        | Softmax
+        | FusedElementwise { .. }
+        | FusedMatMul { .. }
+        | AddRmsNorm { .. }
+        | AgMatMul { .. }
+        | MatMulRs { .. }
+        | UnaryGrad(_)
+        | BiasGrad
+        | WeightGrad { .. }
+        | RmsNormGrad { .. }
+        | LayerNormGrad { .. }
+        | AttentionGrad { .. }
+        | AdamMoment { .. }
+        | AdamWUpdate(_) => Operands::FloatOnly,
+        Input { .. }
+        | Param(_)
+        | Embedding
+        | Cast(_)
+        | Rope(_)
+        | Attention(_)
+        | Reshape
+        | Transpose { .. }
+        | Slice { .. }
+        | Concat { .. }
+        | Repeat { .. }
+        | Router { .. }
+        | Dispatch
+        | Combine
+        | CrossEntropy { .. }
+        | CrossEntropyStats { .. }
+        | CrossEntropyFromStats { .. }
+        | CrossEntropyShardGrad { .. }
+        | AllReduce { .. }
+        | ReduceScatter { .. }
+        | AllGather { .. }
+        | AllToAll { .. }
+        | Broadcast { .. }
+        | RankOffset { .. }
+        | LocalSlice { .. }
+        | RopeGrad(_)
+        | AttentionProbs(_)
+        | EmbeddingGrad
+        | RouterGrad { .. }
+        | DispatchGrad
+        | CombineGrad { .. }
+        | CrossEntropyGrad { .. }
+        | RepeatGrad { .. } => Operands::Any,
+        _ => return None,
+    })
 }
 
 /// A label ≥ the vocabulary, as the CPU reference reports it.

@@ -83,13 +83,7 @@ impl CudaProgram {
             }
             Op::AttentionProbs(spec) => {
                 let dims = self.attn_dims(ins[0], ins[1]);
-                let mask = match ins.get(2) {
-                    None => Ok(0),
-                    Some(&m) if self.opts.dtype == GpuDType::F32 => Ok(self.ptr(m)),
-                    Some(&m) => l
-                        .convert("cast_bf16_f32", self.ptr(m), scratch, self.numel(m))
-                        .map(|()| scratch),
-                };
+                let mask = self.f32_mask(ins.get(2).copied(), scratch, l);
                 let q_offset = dims[2] as i64 - dims[1] as i64;
                 mask.and_then(|mask| {
                     l.attention_probs(
@@ -247,14 +241,7 @@ impl CudaProgram {
         let layout = FlashScratch::of(&self.graph, f, &self.storage);
         let at = |off: usize| self.scratch.ptr + off as u64;
         let dt = self.dt();
-        let mask = match probs.inputs.get(2) {
-            None => 0,
-            Some(&m) if self.opts.dtype == GpuDType::F32 => self.ptr(m),
-            Some(&m) => {
-                l.convert("cast_bf16_f32", self.ptr(m), at(layout.mask), self.numel(m))?;
-                at(layout.mask)
-            }
-        };
+        let mask = self.f32_mask(probs.inputs.get(2).copied(), at(layout.mask), l)?;
         let dq = self.ptr(f.dq);
         // f32: dQ accumulates in its own slot; bf16: in the f32 scratch, cast after.
         let dq_acc = match self.opts.dtype {
