@@ -271,3 +271,45 @@ fn training_programs_plan_the_attention_backward_without_probabilities() {
         }
     }
 }
+
+/// The activation arena of a Llama-3-8B training step on one GPU (bf16, batch 1, all 32
+/// layers, 2048 and 4096 tokens): the attention backward as flash groups against the materialised
+/// probabilities. Prints the figures BENCHMARKS.md quotes; asserts the probabilities' bytes
+/// are what the flash groups save at least.
+#[test]
+#[ignore = "seconds: run with --ignored --nocapture for the benchmark figure"]
+fn llama3_8b_training_arena_with_and_without_the_flash_backward() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/llama-3-8b.json");
+    let cfg = ModelConfig::from_path(&path).expect("llama-3-8b config");
+    for t in [2048, 4096] {
+        let mut spec = CompileSpec::new(
+            cfg.clone(),
+            "llama-3-8b",
+            Job::Train(Box::new(TrainOptions::new(1, t, Mesh::single()))),
+        );
+        spec.precision = Precision::f32();
+        let g = compile(&spec).expect("training plan").program;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let (flash, _) = plan_memory(&g, GpuDType::Bf16, true);
+        let (plain, _) = plan_memory(&g, GpuDType::Bf16, false);
+        let probs: u64 = g
+            .ids()
+            .filter(|&v| matches!(g.node(v).op, Op::AttentionProbs(_)))
+            .map(|v| g.ty(v).numel() as u64 * 2)
+            .sum();
+        println!(
+            "llama-3-8b, {} layers, 1x{t}, bf16: arena {:.2} GiB with the flash backward, \
+             {:.2} GiB with the probabilities materialised ({:.2} GiB of probabilities)",
+            cfg.layers,
+            gib(flash.total),
+            gib(plain.total),
+            gib(probs)
+        );
+        assert!(
+            plain.total - flash.total >= probs / 2,
+            "{} vs {}",
+            flash.total,
+            plain.total
+        );
+    }
+}
