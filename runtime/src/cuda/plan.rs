@@ -328,13 +328,17 @@ fn plan_with(
         let head_ops = g.node(group.head()).inputs.clone();
         ag.nodes[group.tail().index()].inputs.extend(head_ops);
     }
-    // The probabilities of a flash group take no bytes; its first gradient reads their mask.
+    // The probabilities of a flash group take no bytes; its first gradient reads their mask;
+    // its last "reads" the other two, so the three (written together) never share bytes.
     for (f, mask) in flash {
         let node = &mut ag.nodes[f.probs.index()];
         node.ty = TensorType::plain(node.ty.dtype, &[0]);
         if let Some(m) = mask {
             ag.nodes[f.head().index()].inputs.push(*m);
         }
+        let tail = f.dq.max(f.dk).max(f.dv);
+        let others = f.grads().into_iter().filter(|&v| v != tail);
+        ag.nodes[tail.index()].inputs.extend(others);
     }
     // An alias takes no bytes of its own; its root stays live while any reader of the alias
     // (or an output naming it) is.

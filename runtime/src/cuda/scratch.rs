@@ -6,7 +6,7 @@
 
 use super::dtype::{GpuDType, Storage};
 use super::flash::FlashScratch;
-use super::plan::{attention_scratch, FusedGroup, FusionPlan};
+use super::plan::{attention_scratch, Action, FusedGroup, FusionPlan};
 use shardc_compiler::ir::{AttnWrt, Graph, Node, NormWrt, Op, ValueId};
 
 /// `(compute scratch bytes, bytes of each of the two collective scratch halves, ring buffer
@@ -49,7 +49,12 @@ pub(super) fn scratch_sizes(
             op if op.is_collective() => {
                 comm = comm.max(align(out_bytes.max(x_bytes)) as u64);
             }
-            _ => compute = compute.max(train_scratch_bytes(g, node, storage)),
+            // A node a fused group runs (an attention gradient of a flash group) needs none
+            // of its own: the group's is counted below.
+            _ if fusion.actions[v.index()] == Action::Run => {
+                compute = compute.max(train_scratch_bytes(g, node, storage));
+            }
+            _ => {}
         }
     }
     for grp in &fusion.groups {
@@ -88,5 +93,52 @@ fn train_scratch_bytes(g: &Graph, node: &Node, storage: &[Storage]) -> usize {
                 * elem(node.inputs[0])
         }
         _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::plan::plan_memory;
+    use shardc_compiler::ir::{AttnSpec, DType, Float, TensorType};
+
+    /// An attention backward run as a flash group reserves the group's temporaries, not the
+    /// `[B, H, T, S]` f32 `dS` its gradient nodes would need on their own.
+    #[test]
+    fn flash_groups_reserve_no_probability_sized_scratch() {
+        let (b, t, h, d) = (1, 512, 4, 64);
+        let mut g = Graph::new();
+        let ty = |s: &[usize]| TensorType::plain(DType::F32, s);
+        let q = g.input("q", ty(&[b, t, h, d]));
+        let k = g.input("k", ty(&[b, t, h, d]));
+        let v = g.input("v", ty(&[b, t, h, d]));
+        let dy = g.input("dy", ty(&[b, t, h, d]));
+        let spec = AttnSpec {
+            causal: true,
+            window: None,
+            scale: Float(0.125),
+            indexed: false,
+        };
+        let p = g.add(Op::AttentionProbs(spec), &[q, k], "probs").unwrap();
+        for (wrt, name) in [(AttnWrt::Q, "dq"), (AttnWrt::K, "dk"), (AttnWrt::V, "dv")] {
+            let x = g
+                .add(Op::AttentionGrad { spec, wrt }, &[q, k, v, dy, p], name)
+                .unwrap();
+            g.set_output(name, x);
+        }
+        let storage = vec![Storage::Float(GpuDType::Bf16); g.len()];
+        let ds_bytes = b * h * t * t * 4;
+        let (_, flash) = plan_memory(&g, GpuDType::Bf16, true);
+        let (compute, _, _) = scratch_sizes(&g, &storage, &flash, 132, true);
+        assert!(
+            compute < ds_bytes / 4,
+            "{compute} bytes of scratch with the flash group"
+        );
+        let (_, unfused) = plan_memory(&g, GpuDType::Bf16, false);
+        let (compute, _, _) = scratch_sizes(&g, &storage, &unfused, 132, true);
+        assert!(
+            compute >= ds_bytes,
+            "{compute} bytes for the materialised dS"
+        );
     }
 }

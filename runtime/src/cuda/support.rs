@@ -65,6 +65,21 @@ pub(super) fn check_supported(
             if d > shardc_kernels::launch::ATTENTION_MAX_HEAD_DIM {
                 return Err(bad(format!("head_dim {d} above 256")));
             }
+            if spec.window == Some(0) {
+                return Err(bad(
+                    "a sliding window of 0 keys (the kernels read 0 as no window)".into(),
+                ));
+            }
+            let mask_at = match node.op {
+                Op::Attention(_) => Some(3),
+                Op::AttentionProbs(_) => Some(2),
+                _ => None,
+            };
+            if let Some(&m) = mask_at.and_then(|i| node.inputs.get(i)) {
+                if g.ty(m).dtype == DType::I32 {
+                    return Err(bad("an i32 key mask (the kernels read a float mask)".into()));
+                }
+            }
         }
         Op::AllReduce { .. } | Op::ReduceScatter { .. } if node.ty.dtype == DType::I32 => {
             // NCCL sums i32 natively; local-gpu refuses at run time with a clear error.

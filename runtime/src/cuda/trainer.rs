@@ -6,10 +6,11 @@
 //! Unsharded, the prepared program (arena, kernels, GEMM plans) stays on the device from step
 //! to step and only the state and batch travel. On a mesh every rank runs on the one GPU as a
 //! virtual rank with the `local-gpu` communicators, prepared afresh each step. Plans with a
-//! pipeline or with a separate micro-batch step program are refused by name.
+//! pipeline or with a separate micro-batch step program are refused by name, and so is bf16
+//! (it would store the weights and AdamW moments in bf16: see [`CudaTrainer::new`]).
 
-use super::ParamInit;
 use super::{run_spmd_local_gpu, CudaDevice, CudaError, CudaOptions, CudaProgram, CudaRankCtx};
+use super::{GpuDType, ParamInit};
 use crate::train::{train_step_with, Batch, StepOutput, TrainError, TrainState};
 use crate::Weights;
 use shardc_compiler::plan::Plan;
@@ -48,6 +49,23 @@ impl<'p> CudaTrainer<'p> {
         if plan.train.is_none() {
             return Err(TrainError::PlanKind(
                 "a forward plan given to the CUDA trainer".into(),
+            ));
+        }
+        if opts.dtype == GpuDType::Bf16 {
+            // Every float the backend stores is bf16: the weights and AdamW moments would be
+            // rounded every step, and the updates and weight decay below their half-ulp lost.
+            return Err(TrainError::PlanKind(
+                "the CUDA backend trains in f32 (--dtype f32): in bf16 it would keep the weights \
+                 and AdamW moments in bf16, rounding away small updates and the weight decay \
+                 (mixed precision with f32 master weights is not implemented)"
+                    .into(),
+            ));
+        }
+        if opts.graphs {
+            return Err(TrainError::PlanKind(
+                "a training step's AdamW step count is a launch argument a CUDA graph would \
+                 freeze: train without CUDA graphs"
+                    .into(),
             ));
         }
         Ok(CudaTrainer {
