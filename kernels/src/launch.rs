@@ -176,18 +176,28 @@ pub fn attention_kernel(
     dims: [usize; 5],
     qkv: [u64; 3],
 ) -> Result<(String, LaunchConfig), KernelError> {
-    let head_dim = dims[4];
     let [q, k, v] = qkv;
-    if tensor_core
-        && dtype == KernelDType::Bf16
-        && sm_major >= 8
-        && attention_tc_supported(head_dim, q, k, v)
-    {
-        let cfg = TENSOR_CORE_ATTENTION.launch(dims)?;
-        return Ok((entry_name(TENSOR_CORE_ATTENTION.name, dtype), cfg));
-    }
-    let cfg = SCALAR_ATTENTION.launch(dims)?;
-    Ok((entry_name(SCALAR_ATTENTION.name, dtype), cfg))
+    let supported = attention_tc_supported(dims[4], q, k, v);
+    let pair = [&TENSOR_CORE_ATTENTION, &SCALAR_ATTENTION];
+    choose_attention_kernel(pair, dtype, sm_major, tensor_core && supported, dims)
+}
+
+/// The tensor-core kernel of `pair` when `tensor_core` (allowed and supported for the call),
+/// the dtype is bf16 and the device is sm_80 or newer (`sm_major` >= 8), else the scalar one:
+/// its entry point for `dtype` and its launch for `dims`.
+fn choose_attention_kernel(
+    [tensor_core_kernel, scalar_kernel]: [&AttentionKernel; 2],
+    dtype: KernelDType,
+    sm_major: i32,
+    tensor_core: bool,
+    dims: [usize; 5],
+) -> Result<(String, LaunchConfig), KernelError> {
+    let kernel = if tensor_core && dtype == KernelDType::Bf16 && sm_major >= 8 {
+        tensor_core_kernel
+    } else {
+        scalar_kernel
+    };
+    Ok((entry_name(kernel.name, dtype), kernel.launch(dims)?))
 }
 
 /// Split-KV (flash-decoding) attention, `attention_decode.cu`: taken only when the ordinary
@@ -652,16 +662,9 @@ pub fn attention_bwd_kernel(
     ptrs: [u64; 4],
 ) -> Result<(String, LaunchConfig), KernelError> {
     let [q, k, v, dout] = ptrs;
-    let kernel = if tensor_core
-        && dtype == KernelDType::Bf16
-        && sm_major >= 8
-        && attention_bwd_tc_supported(dims[4], q, k, v, dout)
-    {
-        &TENSOR_CORE_ATTENTION_BWD
-    } else {
-        &SCALAR_ATTENTION_BWD
-    };
-    Ok((entry_name(kernel.name, dtype), kernel.launch(dims)?))
+    let supported = attention_bwd_tc_supported(dims[4], q, k, v, dout);
+    let pair = [&TENSOR_CORE_ATTENTION_BWD, &SCALAR_ATTENTION_BWD];
+    choose_attention_kernel(pair, dtype, sm_major, tensor_core && supported, dims)
 }
 
 /// Keys an `attention_probs_*` / `attention_grad_ds_*` thread keeps in registers between the
@@ -703,6 +706,23 @@ pub fn combine_grad_gates_launch(tokens: usize, experts: usize) -> LaunchConfig 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A launch over (batch, seq, heads_q, heads_kv, head_dim).
+    type AttentionLaunch =
+        fn(usize, usize, usize, usize, usize) -> Result<LaunchConfig, KernelError>;
+
+    /// Each shape of `bad` makes `launch` fail with an InvalidLaunch of `kernel` naming the
+    /// parameter given with it.
+    fn assert_invalid_launches(kernel: &str, launch: AttentionLaunch, bad: &[([usize; 5], &str)]) {
+        for &([b, s, hq, hkv, d], want) in bad {
+            match launch(b, s, hq, hkv, d) {
+                Err(KernelError::InvalidLaunch {
+                    kernel: k, param, ..
+                }) => assert_eq!((k, param), (kernel, want), "{b} {s} {hq} {hkv} {d}"),
+                other => panic!("{b} {s} {hq} {hkv} {d}: want an InvalidLaunch, got {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn attention_config() {
@@ -940,18 +960,7 @@ mod tests {
             ([0, 64, 32, 8, 64], "batch"),
             ([70_000, 64, 32, 8, 64], "batch"),
         ];
-        for ([b, s, hq, hkv, d], want) in bad {
-            match attention_bwd_launch(b, s, hq, hkv, d) {
-                Err(KernelError::InvalidLaunch { kernel, param, .. }) => {
-                    assert_eq!(
-                        (kernel, param),
-                        ("attention_bwd", want),
-                        "{b} {s} {hq} {hkv} {d}"
-                    )
-                }
-                other => panic!("{b} {s} {hq} {hkv} {d}: want an InvalidLaunch, got {other:?}"),
-            }
-        }
+        assert_invalid_launches("attention_bwd", attention_bwd_launch, &bad);
         let p = attention_bwd_prep_launch(9);
         assert_eq!((p.grid_dim, p.block_dim), ((3, 1, 1), (128, 1, 1)));
         assert_eq!(
@@ -991,18 +1000,7 @@ mod tests {
             ([0, 64, 32, 8, 64], "batch"),
             ([1, 64, 32 * 70_000, 70_000, 64], "heads_kv"),
         ];
-        for ([b, s, hq, hkv, d], want) in bad {
-            match attention_bwd_tc_launch(b, s, hq, hkv, d) {
-                Err(KernelError::InvalidLaunch { kernel, param, .. }) => {
-                    assert_eq!(
-                        (kernel, param),
-                        ("attention_bwd_tc", want),
-                        "{b} {s} {hq} {hkv} {d}"
-                    )
-                }
-                other => panic!("{b} {s} {hq} {hkv} {d}: want an InvalidLaunch, got {other:?}"),
-            }
-        }
+        assert_invalid_launches("attention_bwd_tc", attention_bwd_tc_launch, &bad);
         let aligned = [256, 4096, 1 << 20, 1 << 30];
         assert!(attention_bwd_tc_supported(64, 256, 4096, 1 << 20, 1 << 30));
         for i in 0..4 {
