@@ -149,10 +149,9 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
     // The queries that can see any key of the tile (block-uniform: the barriers below are
     // safe), walked in tiles of BQ for each query head of the group.
     const int s_last = min(s0 + ABTC_BLOCK_K, seq_k) - 1;
-    int t_begin = 0;
-    int t_end = seq_q;
-    if (causal) t_begin = max(0, s0 - q_offset);
-    if (window > 0) t_end = min(seq_q, s_last + window - q_offset);
+    const AttnRange queries = attn_queries_seeing(s0, s_last, seq_q, q_offset, causal, window);
+    const int t_begin = queries.begin;
+    const int t_end = queries.end;
     const int per_head = t_end > t_begin ? (t_end - t_begin + BQ - 1) / BQ : 0;
     const int n_tiles = per_head * group;
 

@@ -69,10 +69,9 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
 
     // Keys any query of the block can see (block-uniform: the barriers below are safe).
     const int t_last = min(t0 + ATC_BLOCK_Q, seq_q) - 1;
-    int s_begin = 0;
-    int s_end = seq_k;
-    if (causal) s_end = min(seq_k, t_last + q_offset + 1);
-    if (window > 0) s_begin = max(0, t0 + q_offset - window + 1);
+    const AttnRange keys = attn_keys_seen(t0, t_last, q_offset, causal, window, 0, seq_k);
+    const int s_begin = keys.begin;
+    const int s_end = keys.end;
     const int n_tiles = s_end > s_begin ? (s_end - s_begin + ATC_BLOCK_K - 1) / ATC_BLOCK_K : 0;
 
     // This warp's queries: rows g and g + 8 of its 16.

@@ -377,6 +377,30 @@ __device__ __forceinline__ bool attn_visible(int s, int tp, int causal, int wind
     return (!causal || s <= tp) && (window <= 0 || tp - s < window);
 }
 
+// A half-open range [begin, end) of keys or of queries.
+struct AttnRange {
+    int begin, end;
+};
+
+// The keys of [s_lo, s_hi) that some query t_first .. t_last (at position t + q_offset) may see
+// by attn_visible's rules: a forward block's key walk.
+__device__ __forceinline__ AttnRange attn_keys_seen(int t_first, int t_last, int q_offset,
+                                                    int causal, int window, int s_lo, int s_hi) {
+    AttnRange r{s_lo, s_hi};
+    if (causal) r.end = min(r.end, t_last + q_offset + 1);
+    if (window > 0) r.begin = max(r.begin, t_first + q_offset - window + 1);
+    return r;
+}
+
+// The queries of [0, seq_q) that may see some key s_first .. s_last by attn_visible's rules: a
+// backward block's query walk.
+__device__ __forceinline__ AttnRange attn_queries_seeing(int s_first, int s_last, int seq_q,
+                                                         int q_offset, int causal, int window) {
+    AttnRange r{0, seq_q};
+    if (causal) r.begin = max(0, s_first - q_offset);
+    if (window > 0) r.end = min(seq_q, s_last + window - q_offset);
+    return r;
+}
 
 // Rows [r0, r0 + nrows) of a [B, rows, heads, head_dim] tensor at (b, h) into f32 shared memory
 // dst [nrows][dp], by the whole block: row j, column d at j * dp + d, or j * dp + (d ^ j) with
