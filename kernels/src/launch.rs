@@ -176,18 +176,28 @@ pub fn attention_kernel(
     dims: [usize; 5],
     qkv: [u64; 3],
 ) -> Result<(String, LaunchConfig), KernelError> {
-    let head_dim = dims[4];
     let [q, k, v] = qkv;
-    if tensor_core
-        && dtype == KernelDType::Bf16
-        && sm_major >= 8
-        && attention_tc_supported(head_dim, q, k, v)
-    {
-        let cfg = TENSOR_CORE_ATTENTION.launch(dims)?;
-        return Ok((entry_name(TENSOR_CORE_ATTENTION.name, dtype), cfg));
-    }
-    let cfg = SCALAR_ATTENTION.launch(dims)?;
-    Ok((entry_name(SCALAR_ATTENTION.name, dtype), cfg))
+    let supported = attention_tc_supported(dims[4], q, k, v);
+    let pair = [&TENSOR_CORE_ATTENTION, &SCALAR_ATTENTION];
+    choose_attention_kernel(pair, dtype, sm_major, tensor_core && supported, dims)
+}
+
+/// The tensor-core kernel of `pair` when `tensor_core` (allowed and supported for the call),
+/// the dtype is bf16 and the device is sm_80 or newer (`sm_major` >= 8), else the scalar one:
+/// its entry point for `dtype` and its launch for `dims`.
+fn choose_attention_kernel(
+    [tensor_core_kernel, scalar_kernel]: [&AttentionKernel; 2],
+    dtype: KernelDType,
+    sm_major: i32,
+    tensor_core: bool,
+    dims: [usize; 5],
+) -> Result<(String, LaunchConfig), KernelError> {
+    let kernel = if tensor_core && dtype == KernelDType::Bf16 && sm_major >= 8 {
+        tensor_core_kernel
+    } else {
+        scalar_kernel
+    };
+    Ok((entry_name(kernel.name, dtype), kernel.launch(dims)?))
 }
 
 /// Split-KV (flash-decoding) attention, `attention_decode.cu`: taken only when the ordinary
@@ -402,12 +412,24 @@ pub fn opt_in_shared_bytes(entry: &str) -> Option<usize> {
     }
 }
 
-/// One attention kernel's launch contract: grid (ceil(Tq / block_q), Hq, B) of
-/// [`ATTENTION_THREADS`] threads and `shared_bytes(head_dim)` of dynamic shared memory.
+/// What an attention kernel's blocks own: a tile of queries of one query head (the forwards,
+/// grid (ceil(Tq / tile), Hq, B)) or a tile of keys of one KV head (the backwards, grid
+/// (ceil(S / tile), Hkv, B)).
+#[derive(Clone, Copy)]
+enum AttentionTiles {
+    Queries,
+    Keys,
+}
+
+/// One attention kernel's launch contract: its [`AttentionTiles`] grid of `threads` threads and
+/// `shared_bytes(head_dim)` of dynamic shared memory.
 struct AttentionKernel {
     /// Entry point family.
     name: &'static str,
-    block_q: usize,
+    tiles: AttentionTiles,
+    /// Queries or keys per block.
+    tile: usize,
+    threads: u32,
     head_dim_ok: fn(usize) -> bool,
     /// The head widths `head_dim_ok` accepts, for the error.
     head_dims: &'static str,
@@ -418,7 +440,9 @@ struct AttentionKernel {
 /// `attention_{f32,bf16}` (attention.cu).
 const SCALAR_ATTENTION: AttentionKernel = AttentionKernel {
     name: "attention",
-    block_q: ATTENTION_BLOCK_Q,
+    tiles: AttentionTiles::Queries,
+    tile: ATTENTION_BLOCK_Q,
+    threads: ATTENTION_THREADS,
     head_dim_ok: |d| (1..=ATTENTION_MAX_HEAD_DIM).contains(&d),
     head_dims: "1..=256",
     shared_bytes: attention_shared_bytes,
@@ -434,26 +458,54 @@ const SPLIT_KV_ATTENTION: AttentionKernel = AttentionKernel {
 /// `attention_tc_bf16` (attention_tc.cu).
 const TENSOR_CORE_ATTENTION: AttentionKernel = AttentionKernel {
     name: "attention_tc",
-    block_q: ATTENTION_TC_BLOCK_Q,
+    tiles: AttentionTiles::Queries,
+    tile: ATTENTION_TC_BLOCK_Q,
+    threads: ATTENTION_THREADS,
     head_dim_ok: |d| ATTENTION_TC_HEAD_DIMS.contains(&d),
     head_dims: "64 or 128",
     shared_bytes: attention_tc_shared_bytes,
 };
 
+/// `attention_bwd_{f32,bf16}` (attention_bwd.cu).
+const SCALAR_ATTENTION_BWD: AttentionKernel = AttentionKernel {
+    name: "attention_bwd",
+    tiles: AttentionTiles::Keys,
+    tile: ATTENTION_BWD_BLOCK_K,
+    threads: ATTENTION_BWD_THREADS,
+    head_dim_ok: |d| (1..=ATTENTION_BWD_MAX_HEAD_DIM).contains(&d),
+    head_dims: "1..=128",
+    shared_bytes: attention_bwd_shared_bytes,
+};
+
+/// `attention_bwd_tc_bf16` (attention_bwd_tc.cu).
+const TENSOR_CORE_ATTENTION_BWD: AttentionKernel = AttentionKernel {
+    name: "attention_bwd_tc",
+    tiles: AttentionTiles::Keys,
+    tile: ATTENTION_BWD_TC_BLOCK_K,
+    threads: ATTENTION_BWD_THREADS,
+    head_dim_ok: |d| ATTENTION_BWD_TC_HEAD_DIMS.contains(&d),
+    head_dims: "64 or 128",
+    shared_bytes: attention_bwd_tc_shared_bytes,
+};
+
 impl AttentionKernel {
-    /// The launch for `dims = [batch, seq_q, heads_q, heads_kv, head_dim]`, after checking
-    /// the shape.
+    /// The launch for `dims = [batch, seq, heads_q, heads_kv, head_dim]` (seq: Tq for a
+    /// forward, S for a backward), after checking the shape.
     fn launch(&self, dims: [usize; 5]) -> Result<LaunchConfig, KernelError> {
-        let [batch, seq_q, heads_q, _, head_dim] = dims;
-        self.check_heads(head_dim, heads_q, dims[3])?;
-        let tiles = seq_q.div_ceil(self.block_q);
+        let [batch, seq, heads_q, heads_kv, head_dim] = dims;
+        self.check_heads(head_dim, heads_q, heads_kv)?;
+        let (seq_param, tiles_allowed, heads_param, heads) = match self.tiles {
+            AttentionTiles::Queries => ("seq_q", "1..=2^31 query tiles", "heads_q", heads_q),
+            AttentionTiles::Keys => ("seq_k", "1..=2^31 key tiles", "heads_kv", heads_kv),
+        };
+        let tiles = seq.div_ceil(self.tile);
         Ok(LaunchConfig {
             grid_dim: (
-                self.grid_dim("seq_q", tiles, i32::MAX as usize, "1..=2^31 query tiles")?,
-                self.grid_dim("heads_q", heads_q, 65_535, "1..=65535")?,
+                self.grid_dim(seq_param, tiles, i32::MAX as usize, tiles_allowed)?,
+                self.grid_dim(heads_param, heads, 65_535, "1..=65535")?,
                 self.grid_dim("batch", batch, 65_535, "1..=65535")?,
             ),
-            block_dim: (ATTENTION_THREADS, 1, 1),
+            block_dim: (self.threads, 1, 1),
             shared_mem_bytes: self.shared_bytes_u32(head_dim),
         })
     }
@@ -610,82 +662,9 @@ pub fn attention_bwd_kernel(
     ptrs: [u64; 4],
 ) -> Result<(String, LaunchConfig), KernelError> {
     let [q, k, v, dout] = ptrs;
-    let kernel = if tensor_core
-        && dtype == KernelDType::Bf16
-        && sm_major >= 8
-        && attention_bwd_tc_supported(dims[4], q, k, v, dout)
-    {
-        &TENSOR_CORE_ATTENTION_BWD
-    } else {
-        &SCALAR_ATTENTION_BWD
-    };
-    Ok((entry_name(kernel.name, dtype), kernel.launch(dims)?))
-}
-
-/// One attention backward kernel's launch contract: grid (ceil(S / block_k), Hkv, B) of
-/// [`ATTENTION_BWD_THREADS`] threads and `shared_bytes(head_dim)` of dynamic shared memory.
-struct AttentionBwdKernel {
-    /// Entry point family.
-    name: &'static str,
-    block_k: usize,
-    head_dim_ok: fn(usize) -> bool,
-    /// The head widths `head_dim_ok` accepts, for the error.
-    head_dims: &'static str,
-    /// Dynamic shared memory for a head_dim that passed the check.
-    shared_bytes: fn(usize) -> usize,
-}
-
-/// `attention_bwd_{f32,bf16}` (attention_bwd.cu).
-const SCALAR_ATTENTION_BWD: AttentionBwdKernel = AttentionBwdKernel {
-    name: "attention_bwd",
-    block_k: ATTENTION_BWD_BLOCK_K,
-    head_dim_ok: |d| (1..=ATTENTION_BWD_MAX_HEAD_DIM).contains(&d),
-    head_dims: "1..=128",
-    shared_bytes: attention_bwd_shared_bytes,
-};
-
-/// `attention_bwd_tc_bf16` (attention_bwd_tc.cu).
-const TENSOR_CORE_ATTENTION_BWD: AttentionBwdKernel = AttentionBwdKernel {
-    name: "attention_bwd_tc",
-    block_k: ATTENTION_BWD_TC_BLOCK_K,
-    head_dim_ok: |d| ATTENTION_BWD_TC_HEAD_DIMS.contains(&d),
-    head_dims: "64 or 128",
-    shared_bytes: attention_bwd_tc_shared_bytes,
-};
-
-impl AttentionBwdKernel {
-    /// The launch for `dims = [batch, seq_k, heads_q, heads_kv, head_dim]`, after checking the
-    /// shape.
-    fn launch(&self, dims: [usize; 5]) -> Result<LaunchConfig, KernelError> {
-        let [batch, seq_k, heads_q, heads_kv, head_dim] = dims;
-        let bad = |param, value, allowed| KernelError::InvalidLaunch {
-            kernel: self.name,
-            param,
-            value,
-            allowed,
-        };
-        if !(self.head_dim_ok)(head_dim) {
-            return Err(bad("head_dim", head_dim, self.head_dims));
-        }
-        if heads_kv == 0 || heads_q % heads_kv != 0 {
-            return Err(bad("heads_kv", heads_kv, "a divisor of heads_q"));
-        }
-        let grid = |param, value: usize, max: usize, allowed| match u32::try_from(value) {
-            Ok(v) if value > 0 && value <= max => Ok(v),
-            _ => Err(bad(param, value, allowed)),
-        };
-        let key_tiles = seq_k.div_ceil(self.block_k);
-        Ok(LaunchConfig {
-            grid_dim: (
-                grid("seq_k", key_tiles, i32::MAX as usize, "1..=2^31 key tiles")?,
-                grid("heads_kv", heads_kv, 65_535, "1..=65535")?,
-                grid("batch", batch, 65_535, "1..=65535")?,
-            ),
-            block_dim: (ATTENTION_BWD_THREADS, 1, 1),
-            shared_mem_bytes: u32::try_from((self.shared_bytes)(head_dim))
-                .expect("invariant: at most 69 KiB for a valid head_dim"),
-        })
-    }
+    let supported = attention_bwd_tc_supported(dims[4], q, k, v, dout);
+    let pair = [&TENSOR_CORE_ATTENTION_BWD, &SCALAR_ATTENTION_BWD];
+    choose_attention_kernel(pair, dtype, sm_major, tensor_core && supported, dims)
 }
 
 /// Keys an `attention_probs_*` / `attention_grad_ds_*` thread keeps in registers between the
@@ -727,6 +706,23 @@ pub fn combine_grad_gates_launch(tokens: usize, experts: usize) -> LaunchConfig 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A launch over (batch, seq, heads_q, heads_kv, head_dim).
+    type AttentionLaunch =
+        fn(usize, usize, usize, usize, usize) -> Result<LaunchConfig, KernelError>;
+
+    /// Each shape of `bad` makes `launch` fail with an InvalidLaunch of `kernel` naming the
+    /// parameter given with it.
+    fn assert_invalid_launches(kernel: &str, launch: AttentionLaunch, bad: &[([usize; 5], &str)]) {
+        for &([b, s, hq, hkv, d], want) in bad {
+            match launch(b, s, hq, hkv, d) {
+                Err(KernelError::InvalidLaunch {
+                    kernel: k, param, ..
+                }) => assert_eq!((k, param), (kernel, want), "{b} {s} {hq} {hkv} {d}"),
+                other => panic!("{b} {s} {hq} {hkv} {d}: want an InvalidLaunch, got {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn attention_config() {
@@ -964,18 +960,7 @@ mod tests {
             ([0, 64, 32, 8, 64], "batch"),
             ([70_000, 64, 32, 8, 64], "batch"),
         ];
-        for ([b, s, hq, hkv, d], want) in bad {
-            match attention_bwd_launch(b, s, hq, hkv, d) {
-                Err(KernelError::InvalidLaunch { kernel, param, .. }) => {
-                    assert_eq!(
-                        (kernel, param),
-                        ("attention_bwd", want),
-                        "{b} {s} {hq} {hkv} {d}"
-                    )
-                }
-                other => panic!("{b} {s} {hq} {hkv} {d}: want an InvalidLaunch, got {other:?}"),
-            }
-        }
+        assert_invalid_launches("attention_bwd", attention_bwd_launch, &bad);
         let p = attention_bwd_prep_launch(9);
         assert_eq!((p.grid_dim, p.block_dim), ((3, 1, 1), (128, 1, 1)));
         assert_eq!(
@@ -1015,18 +1000,7 @@ mod tests {
             ([0, 64, 32, 8, 64], "batch"),
             ([1, 64, 32 * 70_000, 70_000, 64], "heads_kv"),
         ];
-        for ([b, s, hq, hkv, d], want) in bad {
-            match attention_bwd_tc_launch(b, s, hq, hkv, d) {
-                Err(KernelError::InvalidLaunch { kernel, param, .. }) => {
-                    assert_eq!(
-                        (kernel, param),
-                        ("attention_bwd_tc", want),
-                        "{b} {s} {hq} {hkv} {d}"
-                    )
-                }
-                other => panic!("{b} {s} {hq} {hkv} {d}: want an InvalidLaunch, got {other:?}"),
-            }
-        }
+        assert_invalid_launches("attention_bwd_tc", attention_bwd_tc_launch, &bad);
         let aligned = [256, 4096, 1 << 20, 1 << 30];
         assert!(attention_bwd_tc_supported(64, 256, 4096, 1 << 20, 1 << 30));
         for i in 0..4 {

@@ -97,6 +97,74 @@ fn every_kernel_source_compiles_for_sm90() {
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
+/// A kernel family's PTX for sm_90, after [`assemble`], and the checks some families add.
+struct Assembled {
+    file: &'static str,
+    ptx: String,
+}
+
+/// `family` to PTX for sm_90, every entry point present, and to a CUBIN (assembled by ptxas, so
+/// its inline PTX, registers and shared memory are checked too).
+fn assemble(family: &str) -> Assembled {
+    let k = kernel_source(family).expect("invariant: registered");
+    let ptx = PtxCache::disabled()
+        .compile(k.file, &k.source(), ARCH, &[])
+        .unwrap_or_else(|e| panic!("{e}"));
+    for e in k.entries {
+        assert!(ptx.has_entry(e), "{}: no `{e}` in the PTX", k.file);
+    }
+    let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+    eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+    Assembled {
+        file: k.file,
+        ptx: ptx.ptx,
+    }
+}
+
+impl Assembled {
+    /// mma.cuh's inline PTX: `mma.sync`, `ldmatrix` (plain and `.trans`) and `cp.async`.
+    fn assert_tensor_core_instructions(&self) -> &Self {
+        for instruction in [
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+            "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+            "cp.async.cg.shared.global",
+            "cp.async.wait_group",
+        ] {
+            assert!(
+                self.ptx.contains(instruction),
+                "{}: no `{instruction}` in the PTX",
+                self.file
+            );
+        }
+        self
+    }
+
+    /// Some f32 global atomic add (`red` or `atom`).
+    fn assert_f32_global_atomic(&self) -> &Self {
+        assert!(
+            self.ptx
+                .lines()
+                .any(|l| l.contains(".global.add.f32")
+                    && (l.contains("red.") || l.contains("atom."))),
+            "{}: no f32 global atomic add in the PTX",
+            self.file
+        );
+        self
+    }
+
+    /// No local memory: no per-thread array is indexed at run time.
+    fn assert_no_local_memory(&self) -> &Self {
+        assert!(
+            !self.ptx.contains(".local"),
+            "{}: a local-memory array in the PTX",
+            self.file
+        );
+        self
+    }
+}
+
 /// `attention_tc` (its `mma.sync`, `ldmatrix` and `cp.async` are inline PTX from mma.cuh) to
 /// PTX and to a CUBIN for sm_90: the CUBIN is assembled by ptxas, so a malformed asm string in
 /// mma.cuh fails here.
@@ -105,25 +173,7 @@ fn tensor_core_attention_assembles_for_sm90() {
     if !nvrtc_present() {
         return;
     }
-    let k = kernel_source("attention_tc").expect("invariant: registered");
-    let ptx = PtxCache::disabled()
-        .compile(k.file, &k.source(), ARCH, &[])
-        .unwrap_or_else(|e| panic!("{e}"));
-    for instruction in [
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-        "cp.async.cg.shared.global",
-        "cp.async.wait_group",
-    ] {
-        assert!(
-            ptx.ptx.contains(instruction),
-            "no `{instruction}` in the PTX"
-        );
-    }
-    let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
-    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
-    eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+    assemble("attention_tc").assert_tensor_core_instructions();
 }
 
 /// The scalar attention and the split-KV decode pair (both on attention.cuh's core) to CUBINs
@@ -134,90 +184,35 @@ fn attention_decode_assembles_for_sm90() {
         return;
     }
     for family in ["attention", "attention_decode"] {
-        let k = kernel_source(family).expect("invariant: registered");
-        let ptx = PtxCache::disabled()
-            .compile(k.file, &k.source(), ARCH, &[])
-            .unwrap_or_else(|e| panic!("{e}"));
-        for e in k.entries {
-            assert!(ptx.has_entry(e), "{}: no `{e}` in the PTX", k.file);
-        }
-        let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
-        assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
-        eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+        assemble(family);
     }
 }
 
 /// `attention_bwd` to PTX and to a CUBIN for sm_90 (ptxas accepts its register and shared
-/// memory use), with its dQ accumulation as f32 global atomics.
+/// memory use), with its dQ accumulation as f32 global atomics and dK, dV and the dQ rows in
+/// registers.
 #[test]
 fn attention_backward_assembles_for_sm90() {
     if !nvrtc_present() {
         return;
     }
-    let k = kernel_source("attention_bwd").expect("invariant: registered");
-    let ptx = PtxCache::disabled()
-        .compile(k.file, &k.source(), ARCH, &[])
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        ptx.ptx
-            .lines()
-            .any(|l| l.contains(".global.add.f32") && (l.contains("red.") || l.contains("atom."))),
-        "no f32 global atomic add in the PTX"
-    );
-    // dK, dV and the dQ rows stay in registers: no per-thread array is indexed at run time.
-    assert!(
-        !ptx.ptx.contains(".local"),
-        "a local-memory array in the PTX"
-    );
-    for e in k.entries {
-        assert!(ptx.has_entry(e), "entry `{e}` missing from the PTX");
-    }
-    let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
-    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
-    eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+    assemble("attention_bwd")
+        .assert_f32_global_atomic()
+        .assert_no_local_memory();
 }
 
 /// `attention_bwd_tc` (the tensor-core backward on mma.cuh's inline PTX) to PTX and to a CUBIN
 /// for sm_90: ptxas assembles its `mma.sync`, `ldmatrix` (plain and `.trans`) and `cp.async`,
-/// dQ is added with f32 global atomics, and the fragments and accumulators stay in registers
-/// (no per-thread array indexed at run time).
+/// dQ is added with f32 global atomics, and the fragments and accumulators stay in registers.
 #[test]
 fn tensor_core_attention_backward_assembles_for_sm90() {
     if !nvrtc_present() {
         return;
     }
-    let k = kernel_source("attention_bwd_tc").expect("invariant: registered");
-    let ptx = PtxCache::disabled()
-        .compile(k.file, &k.source(), ARCH, &[])
-        .unwrap_or_else(|e| panic!("{e}"));
-    for instruction in [
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-        "cp.async.cg.shared.global",
-        "cp.async.wait_group",
-    ] {
-        assert!(
-            ptx.ptx.contains(instruction),
-            "no `{instruction}` in the PTX"
-        );
-    }
-    assert!(
-        ptx.ptx
-            .lines()
-            .any(|l| l.contains(".global.add.f32") && (l.contains("red.") || l.contains("atom."))),
-        "no f32 global atomic add in the PTX"
-    );
-    assert!(
-        !ptx.ptx.contains(".local"),
-        "a local-memory array in the PTX"
-    );
-    for e in k.entries {
-        assert!(ptx.has_entry(e), "entry `{e}` missing from the PTX");
-    }
-    let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
-    assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
-    eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
+    assemble("attention_bwd_tc")
+        .assert_tensor_core_instructions()
+        .assert_f32_global_atomic()
+        .assert_no_local_memory();
 }
 
 /// The training kernels to PTX and to CUBINs for sm_90. The optimizer's arithmetic must stay
@@ -233,30 +228,11 @@ fn training_kernels_assemble_for_sm90() {
         let op = l.trim_start();
         op.starts_with("fma.") || op.starts_with("mad.rn") || op.starts_with("mad.f")
     };
-    for family in ["norm_grad", "grad", "optim"] {
-        let k = kernel_source(family).expect("invariant: registered");
-        let ptx = PtxCache::disabled()
-            .compile(k.file, &k.source(), ARCH, &[])
-            .unwrap_or_else(|e| panic!("{e}"));
-        for e in k.entries {
-            assert!(ptx.has_entry(e), "{}: no `{e}` in the PTX", k.file);
-        }
-        match family {
-            "optim" => {
-                let fused: Vec<&str> = ptx.ptx.lines().filter(|l| is_float_fma(l)).collect();
-                assert!(fused.is_empty(), "optim.cu contracted: {fused:?}");
-            }
-            "norm_grad" => assert!(!ptx.ptx.contains(".local"), "norm_grad.cu: local memory"),
-            _ => assert!(
-                ptx.ptx.lines().any(|l| l.contains(".global.add.f32")
-                    && (l.contains("red.") || l.contains("atom."))),
-                "grad.cu: no f32 global atomic add in the PTX"
-            ),
-        }
-        let cubin = compile_cubin(k.file, &k.source(), ARCH, &[]).unwrap_or_else(|e| panic!("{e}"));
-        assert!(cubin.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
-        eprintln!("{}: {} bytes of CUBIN", k.file, cubin.len());
-    }
+    let optim = assemble("optim");
+    let fused: Vec<&str> = optim.ptx.lines().filter(|l| is_float_fma(l)).collect();
+    assert!(fused.is_empty(), "optim.cu contracted: {fused:?}");
+    assemble("norm_grad").assert_no_local_memory();
+    assemble("grad").assert_f32_global_atomic();
 }
 
 /// Inline `asm` is only checked when the PTX is assembled: a CUBIN makes NVRTC run ptxas.

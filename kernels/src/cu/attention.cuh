@@ -62,10 +62,10 @@ __device__ __forceinline__ void attn_rows(const T* q, const T* k, const T* v, co
     // Keys any row of this block can see (block-uniform, so the barriers below are safe).
     const int t_first = row0 / group;
     const int t_last = (min(row0 + ATTN_BLOCK_Q, rows) - 1) / group;
-    int s_begin = s_lo;
-    int s_end = min(s_hi, seq_k);
-    if (causal) s_end = min(s_end, t_last + q_offset + 1);
-    if (window > 0) s_begin = max(s_begin, t_first + q_offset - window + 1);
+    const AttnRange keys =
+        attn_keys_seen(t_first, t_last, q_offset, causal, window, s_lo, min(s_hi, seq_k));
+    const int s_begin = keys.begin;
+    const int s_end = keys.end;
 
 #pragma unroll
     for (int r = 0; r < ATTN_Q_PER_WARP; ++r) {

@@ -97,10 +97,9 @@ __device__ __forceinline__ void attention_bwd_impl(
     const int s = s0 + lane;
     const bool key_ok = s < seq_k && (mask == nullptr || mask[(i64)b * seq_k + s] != 0.0f);
     const int s_last = min(s0 + ABWD_BLOCK_K, seq_k) - 1;
-    int t_begin = 0;
-    int t_end = seq_q;
-    if (causal) t_begin = max(0, s0 - q_offset);
-    if (window > 0) t_end = min(seq_q, s_last + window - q_offset);
+    const AttnRange queries = attn_queries_seeing(s0, s_last, seq_q, q_offset, causal, window);
+    const int t_begin = queries.begin;
+    const int t_end = queries.end;
 
     float dk_acc[ABWD_KEYS_PER_WARP][ABWD_MAX_CHUNKS], dv_acc[ABWD_KEYS_PER_WARP][ABWD_MAX_CHUNKS];
 #pragma unroll

@@ -51,9 +51,9 @@
 // compute of a tile none of its keys is visible to (writing zeros for its dSᵀ rows). At the end
 // dK * scale and dV are rounded to bf16 and stored. Tiles are stored with 16-byte chunk c of row
 // r at chunk position c ^ (r % 8) (rows of 64 or 128 bf16; c ^ ((r / 2) % 4) for the 32-query
-// dSᵀ rows), so the 8 row addresses of every ldmatrix hit 8 distinct bank groups. Rows past the
-// end of q, k, v or dout are zero-filled by the copy (src-size 0): padding holds zeros, never
-// stale data, and is masked out.
+// dSᵀ rows: mma.cuh's tile_swizzle), so the 8 row addresses of every ldmatrix hit 8 distinct
+// bank groups. Rows past the end of q, k, v or dout are zero-filled by the copy (src-size 0):
+// padding holds zeros, never stale data, and is masked out.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -71,30 +71,6 @@ template <int D>
 struct AbtcTile {
     static constexpr int BQ = D == 64 ? 64 : 32;
 };
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a tile with rows of W bf16 (W = 32,
-// 64 or 128): chunk ^ (row % 8) for rows of at least 8 chunks, chunk ^ ((row / 2) % 4) for rows
-// of 4 (two rows share a 128-byte bank line).
-template <int W>
-__device__ __forceinline__ int abtc_swizzle(int row, int chunk) {
-    return row * W + ((W >= 64 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3)) << 3);
-}
-
-// Starts the copy of the ROWS rows r0 .. r0 + ROWS - 1 of head `h` of a [B, seq, heads, D]
-// tensor into `dst` (swizzled rows of D); rows at or past `row_end` are zero-filled.
-template <int D, int ROWS>
-__device__ __forceinline__ void abtc_load_tile(bf16* dst, const bf16* src, int b, int r0,
-                                               int row_end, int seq, int heads, int h) {
-    constexpr int CHUNKS = D / 8;
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += ABTC_THREADS) {
-        const int j = idx / CHUNKS;
-        const int ch = idx % CHUNKS;
-        const int r = r0 + j;
-        const bool ok = r < row_end;
-        const bf16* from = ok ? src + (((i64)b * seq + r) * heads + h) * D + ch * 8 : src;
-        cp_async_cg16(dst + abtc_swizzle<D>(j, ch), from, ok ? 16 : 0);
-    }
-}
 
 // Stages lse (log2 domain) and delta of queries t0 .. t0 + BQ - 1 of head h: rows at or past
 // t_end, and rows that see no key (lse = -inf), get +inf and 0, so their P and dS are 0.
@@ -123,46 +99,18 @@ template <int D, int BQ>
 __device__ __forceinline__ void abtc_rows_by_queries(float (*acc)[4], const bf16* a_s,
                                                      const bf16* b_s, int kw, int lane) {
     const int mi = lane >> 3;
-#pragma unroll
-    for (int nb = 0; nb < BQ / 8; ++nb) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nb][i] = 0.0f;
-    }
+    mma_zero<BQ / 8>(acc);
 #pragma unroll 1
     for (int ks = 0; ks < D / 16; ++ks) {
         unsigned af[4];  // A fragments: keys kw .. kw + 15, dims 16 ks .. 16 ks + 15
-        ldmatrix_x4(af, a_s + abtc_swizzle<D>(kw + (mi & 1) * 8 + (lane & 7), ks * 2 + (mi >> 1)));
+        ldmatrix_x4(af, a_s + tile_swizzle<D>(kw + (mi & 1) * 8 + (lane & 7), ks * 2 + (mi >> 1)));
 #pragma unroll
         for (int nb = 0; nb < BQ / 8; nb += 2) {
             unsigned bfr[4];  // B fragments of query blocks nb and nb + 1
             const int row = (nb + (mi >> 1)) * 8 + (lane & 7);
-            ldmatrix_x4(bfr, b_s + abtc_swizzle<D>(row, ks * 2 + (mi & 1)));
+            ldmatrix_x4(bfr, b_s + tile_swizzle<D>(row, ks * 2 + (mi & 1)));
             mma_bf16_16816(acc[nb], af, bfr);
             mma_bf16_16816(acc[nb + 1], af, bfr + 2);
-        }
-    }
-}
-
-// acc[D / 8][4] (16 keys x D, C layout) += Xᵀ B with Xᵀ (16 keys x BQ queries, C layout, f32:
-// Pᵀ or dSᵀ) rounded to bf16 as the A operand and B the BQ rows of `b_s` (dO or Q): dV and dK.
-template <int D, int BQ>
-__device__ __forceinline__ void abtc_rows_by_dims(float (*acc)[4], const float (*x)[4],
-                                                  const bf16* b_s, int lane) {
-    const int mi = lane >> 3;
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) {
-        unsigned xf[4];  // A fragments: queries 16 kk .. 16 kk + 15 are blocks 2 kk, 2 kk + 1
-        xf[0] = pack_bf16x2(x[2 * kk][0], x[2 * kk][1]);
-        xf[1] = pack_bf16x2(x[2 * kk][2], x[2 * kk][3]);
-        xf[2] = pack_bf16x2(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-        xf[3] = pack_bf16x2(x[2 * kk + 1][2], x[2 * kk + 1][3]);
-#pragma unroll
-        for (int nb = 0; nb < D / 8; nb += 2) {
-            unsigned bfr[4];  // B fragments of dim blocks nb and nb + 1
-            const int row = kk * 16 + (mi & 1) * 8 + (lane & 7);
-            ldmatrix_x4_trans(bfr, b_s + abtc_swizzle<D>(row, nb + (mi >> 1)));
-            mma_bf16_16816(acc[nb], xf, bfr);
-            mma_bf16_16816(acc[nb + 1], xf, bfr + 2);
         }
     }
 }
@@ -201,10 +149,9 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
     // The queries that can see any key of the tile (block-uniform: the barriers below are
     // safe), walked in tiles of BQ for each query head of the group.
     const int s_last = min(s0 + ABTC_BLOCK_K, seq_k) - 1;
-    int t_begin = 0;
-    int t_end = seq_q;
-    if (causal) t_begin = max(0, s0 - q_offset);
-    if (window > 0) t_end = min(seq_q, s_last + window - q_offset);
+    const AttnRange queries = attn_queries_seeing(s0, s_last, seq_q, q_offset, causal, window);
+    const int t_begin = queries.begin;
+    const int t_end = queries.end;
     const int per_head = t_end > t_begin ? (t_end - t_begin + BQ - 1) / BQ : 0;
     const int n_tiles = per_head * group;
 
@@ -222,10 +169,10 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
 
     if (n_tiles > 0) {
         const int h0 = hk * group;
-        abtc_load_tile<D, ABTC_BLOCK_K>(k_s, k, b, s0, seq_k, seq_k, heads_kv, hk);
-        abtc_load_tile<D, ABTC_BLOCK_K>(v_s, v, b, s0, seq_k, seq_k, heads_kv, hk);
-        abtc_load_tile<D, BQ>(q_s, q, b, t_begin, t_end, seq_q, heads_q, h0);
-        abtc_load_tile<D, BQ>(do_s, dout, b, t_begin, t_end, seq_q, heads_q, h0);
+        cp_async_tile<D, ABTC_BLOCK_K, ABTC_THREADS>(k_s, k, b, s0, seq_k, seq_k, heads_kv, hk);
+        cp_async_tile<D, ABTC_BLOCK_K, ABTC_THREADS>(v_s, v, b, s0, seq_k, seq_k, heads_kv, hk);
+        cp_async_tile<D, BQ, ABTC_THREADS>(q_s, q, b, t_begin, t_end, seq_q, heads_q, h0);
+        cp_async_tile<D, BQ, ABTC_THREADS>(do_s, dout, b, t_begin, t_end, seq_q, heads_q, h0);
         abtc_load_rows<BQ>(lse_s, delta_s, lse, delta, b, t_begin, t_end, seq_q, heads_q, h0);
     }
     cp_async_commit();
@@ -246,9 +193,10 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
             // The other buffers were released by the barrier that ended the previous iteration.
             const int hn = hk * group + (it + 1) / per_head;
             const int tn = t_begin + ((it + 1) % per_head) * BQ;
-            abtc_load_tile<D, BQ>(q_s + (buf ^ 1) * BQ * D, q, b, tn, t_end, seq_q, heads_q, hn);
-            abtc_load_tile<D, BQ>(do_s + (buf ^ 1) * BQ * D, dout, b, tn, t_end, seq_q, heads_q,
-                                  hn);
+            cp_async_tile<D, BQ, ABTC_THREADS>(q_s + (buf ^ 1) * BQ * D, q, b, tn, t_end, seq_q,
+                                               heads_q, hn);
+            cp_async_tile<D, BQ, ABTC_THREADS>(do_s + (buf ^ 1) * BQ * D, dout, b, tn, t_end, seq_q,
+                                               heads_q, hn);
             abtc_load_rows<BQ>(lse_s + (buf ^ 1) * BQ, delta_s + (buf ^ 1) * BQ, lse, delta, b,
                                tn, t_end, seq_q, heads_q, hn);
             cp_async_commit();
@@ -283,7 +231,7 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
                     st[nb][i] = vis ? exp2f(st[nb][i] * scale_log2 - lt[j]) : 0.0f;
                 }
             }
-            abtc_rows_by_dims<D, BQ>(dv_acc, st, dot, lane);  // dV += Pᵀ dO
+            mma_acc_xb<D, BQ>(dv_acc, st, dot, lane);  // dV += Pᵀ dO
 
             // dPᵀ, then dSᵀ in place.
             float dst[QB][4];
@@ -296,14 +244,14 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
                     dst[nb][i] = st[nb][i] * (dst[nb][i] - dt[j]);
                 }
             }
-            abtc_rows_by_dims<D, BQ>(dk_acc, dst, qt, lane);  // dK += dSᵀ Q
+            mma_acc_xb<D, BQ>(dk_acc, dst, qt, lane);  // dK += dSᵀ Q
 
             // dSᵀ rows of the warp's keys to shared memory, two queries per 32-bit store.
 #pragma unroll
             for (int nb = 0; nb < QB; ++nb) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    *(unsigned*)(ds_s + abtc_swizzle<BQ>(kw + g + 8 * r, nb) + 2 * c) =
+                    *(unsigned*)(ds_s + tile_swizzle<BQ>(kw + g + 8 * r, nb) + 2 * c) =
                         pack_bf16x2(dst[nb][2 * r], dst[nb][2 * r + 1]);
                 }
             }
@@ -312,7 +260,7 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
             for (int nb = 0; nb < QB; ++nb) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    *(unsigned*)(ds_s + abtc_swizzle<BQ>(kw + g + 8 * r, nb) + 2 * c) = 0u;
+                    *(unsigned*)(ds_s + tile_swizzle<BQ>(kw + g + 8 * r, nb) + 2 * c) = 0u;
                 }
             }
         }
@@ -324,21 +272,17 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
         const int d0 = (warp / QSLABS) * DQ_DIMS;
         if (t0 + qs * 16 < t_end) {
             float acc[DQ_DIMS / 8][4];
-#pragma unroll
-            for (int nb = 0; nb < DQ_DIMS / 8; ++nb) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[nb][i] = 0.0f;
-            }
+            mma_zero<DQ_DIMS / 8>(acc);
 #pragma unroll 1
             for (int kk = 0; kk < ABTC_BLOCK_K / 16; ++kk) {
                 unsigned af[4];  // A = dS (queries x keys 16 kk ..): the stored dSᵀ, transposed
-                ldmatrix_x4_trans(af, ds_s + abtc_swizzle<BQ>(kk * 16 + (mi >> 1) * 8 + (lane & 7),
+                ldmatrix_x4_trans(af, ds_s + tile_swizzle<BQ>(kk * 16 + (mi >> 1) * 8 + (lane & 7),
                                                               qs * 2 + (mi & 1)));
 #pragma unroll
                 for (int nb = 0; nb < DQ_DIMS / 8; nb += 2) {
                     unsigned bfr[4];  // B = K (keys x dims), dim blocks nb and nb + 1
                     const int row = kk * 16 + (mi & 1) * 8 + (lane & 7);
-                    ldmatrix_x4_trans(bfr, k_s + abtc_swizzle<D>(row, d0 / 8 + nb + (mi >> 1)));
+                    ldmatrix_x4_trans(bfr, k_s + tile_swizzle<D>(row, d0 / 8 + nb + (mi >> 1)));
                     mma_bf16_16816(acc[nb], af, bfr);
                     mma_bf16_16816(acc[nb + 1], af, bfr + 2);
                 }

@@ -33,9 +33,10 @@
 // of a quad (the lanes holding one row); row sums stay per lane until the end. Scores are kept
 // in the log2 domain (scale * log2 e), so exponentials are exp2f. A warp skips the compute of
 // a tile none of its queries can see, and the block only walks visible tiles. Tiles are stored
-// with 16-byte chunk c of row r at chunk position c ^ (r % 8), so the 8 row addresses of every
-// ldmatrix hit 8 distinct bank groups. Rows past the end of q, k or v are zero-filled by the
-// copy (src-size 0), so padding keys hold zeros, never stale data, and are masked out.
+// with 16-byte chunk c of row r at chunk position c ^ (r % 8) (mma.cuh's tile_swizzle), so the
+// 8 row addresses of every ldmatrix hit 8 distinct bank groups. Rows past the end of q, k or v
+// are zero-filled by the copy (src-size 0), so padding keys hold zeros, never stale data, and
+// are masked out.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -43,28 +44,6 @@
 #define ATC_BLOCK_K 64
 #define ATC_THREADS 128
 #define ATC_WARP_Q 16
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a tile with rows of D bf16.
-template <int D>
-__device__ __forceinline__ int atc_swizzle(int row, int chunk) {
-    return row * D + ((chunk ^ (row & 7)) << 3);
-}
-
-// Starts the copy of the 64 rows r0 .. r0 + 63 of head `h` of a [B, seq, heads, D] tensor into
-// `dst`; rows at or past `row_end` are zero-filled.
-template <int D>
-__device__ __forceinline__ void atc_load_tile(bf16* dst, const bf16* src, int b, int r0,
-                                              int row_end, int seq, int heads, int h) {
-    constexpr int CHUNKS = D / 8;
-    for (int idx = threadIdx.x; idx < 64 * CHUNKS; idx += ATC_THREADS) {
-        const int j = idx / CHUNKS;
-        const int ch = idx % CHUNKS;
-        const int r = r0 + j;
-        const bool ok = r < row_end;
-        const bf16* from = ok ? src + (((i64)b * seq + r) * heads + h) * D + ch * 8 : src;
-        cp_async_cg16(dst + atc_swizzle<D>(j, ch), from, ok ? 16 : 0);
-    }
-}
 
 template <int D>
 __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, const bf16* v,
@@ -90,10 +69,9 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
 
     // Keys any query of the block can see (block-uniform: the barriers below are safe).
     const int t_last = min(t0 + ATC_BLOCK_Q, seq_q) - 1;
-    int s_begin = 0;
-    int s_end = seq_k;
-    if (causal) s_end = min(seq_k, t_last + q_offset + 1);
-    if (window > 0) s_begin = max(0, t0 + q_offset - window + 1);
+    const AttnRange keys = attn_keys_seen(t0, t_last, q_offset, causal, window, 0, seq_k);
+    const int s_begin = keys.begin;
+    const int s_end = keys.end;
     const int n_tiles = s_end > s_begin ? (s_end - s_begin + ATC_BLOCK_K - 1) / ATC_BLOCK_K : 0;
 
     // This warp's queries: rows g and g + 8 of its 16.
@@ -101,22 +79,18 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
     const int tw_last = min(tw0 + ATC_WARP_Q, seq_q) - 1;
     const int tq[2] = {tw0 + g, tw0 + g + 8};
 
-    atc_load_tile<D>(q_s, q, b, t0, seq_q, seq_q, heads_q, h);
+    cp_async_tile<D, ATC_BLOCK_Q, ATC_THREADS>(q_s, q, b, t0, seq_q, seq_q, heads_q, h);
     cp_async_commit();
     if (n_tiles > 0) {
-        atc_load_tile<D>(k_s, k, b, s_begin, s_end, seq_k, heads_kv, hk);
-        atc_load_tile<D>(v_s, v, b, s_begin, s_end, seq_k, heads_kv, hk);
+        cp_async_tile<D, ATC_BLOCK_K, ATC_THREADS>(k_s, k, b, s_begin, s_end, seq_k, heads_kv, hk);
+        cp_async_tile<D, ATC_BLOCK_K, ATC_THREADS>(v_s, v, b, s_begin, s_end, seq_k, heads_kv, hk);
     }
     cp_async_commit();
 
     const float scale_log2 = scale * 1.4426950408889634f;
     unsigned qf[D / 16][4];
     float o[D / 8][4];
-#pragma unroll
-    for (int nb = 0; nb < D / 8; ++nb) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[nb][i] = 0.0f;
-    }
+    mma_zero<D / 8>(o);
     float row_max[2] = {-SHARDC_INF, -SHARDC_INF};
     float row_sum[2] = {0.0f, 0.0f};  // this lane's share; the quad's sum is taken at the end
 
@@ -126,10 +100,10 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
         if (it + 1 < n_tiles) {
             // The other buffer was released by the barrier that ended the previous iteration.
             const int next = s0 + ATC_BLOCK_K;
-            atc_load_tile<D>(k_s + (buf ^ 1) * ATC_BLOCK_K * D, k, b, next, s_end, seq_k,
-                             heads_kv, hk);
-            atc_load_tile<D>(v_s + (buf ^ 1) * ATC_BLOCK_K * D, v, b, next, s_end, seq_k,
-                             heads_kv, hk);
+            cp_async_tile<D, ATC_BLOCK_K, ATC_THREADS>(k_s + (buf ^ 1) * ATC_BLOCK_K * D, k, b,
+                                                       next, s_end, seq_k, heads_kv, hk);
+            cp_async_tile<D, ATC_BLOCK_K, ATC_THREADS>(v_s + (buf ^ 1) * ATC_BLOCK_K * D, v, b,
+                                                       next, s_end, seq_k, heads_kv, hk);
             cp_async_commit();
             cp_async_wait<1>();  // all but the tile just issued: Q and this tile have landed
         } else {
@@ -141,7 +115,7 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
                 const int row = warp * ATC_WARP_Q + (mi & 1) * 8 + (lane & 7);
-                ldmatrix_x4(qf[ks], q_s + atc_swizzle<D>(row, ks * 2 + (mi >> 1)));
+                ldmatrix_x4(qf[ks], q_s + tile_swizzle<D>(row, ks * 2 + (mi >> 1)));
             }
         }
 
@@ -155,18 +129,14 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
 
             // S = Q K^T: 8 blocks of 8 keys, C layout.
             float s[8][4];
-#pragma unroll
-            for (int nb = 0; nb < 8; ++nb) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) s[nb][i] = 0.0f;
-            }
+            mma_zero<8>(s);
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
                 for (int nb = 0; nb < 8; nb += 2) {
                     unsigned kf[4];  // B fragments of key blocks nb and nb + 1
                     const int row = (nb + (mi >> 1)) * 8 + (lane & 7);
-                    ldmatrix_x4(kf, kt + atc_swizzle<D>(row, ks * 2 + (mi & 1)));
+                    ldmatrix_x4(kf, kt + tile_swizzle<D>(row, ks * 2 + (mi & 1)));
                     mma_bf16_16816(s[nb], qf[ks], kf);
                     mma_bf16_16816(s[nb + 1], qf[ks], kf + 2);
                 }
@@ -219,24 +189,8 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
                 }
             }
 
-            // O += P V, 16 keys per step; P's A fragments are the S registers of key blocks
-            // 2kk and 2kk + 1.
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                unsigned pf[4];
-                pf[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-                pf[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-                pf[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pf[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-                for (int nb = 0; nb < D / 8; nb += 2) {
-                    unsigned vf[4];  // B fragments of dim blocks nb and nb + 1
-                    const int row = kk * 16 + (mi & 1) * 8 + (lane & 7);
-                    ldmatrix_x4_trans(vf, vt + atc_swizzle<D>(row, nb + (mi >> 1)));
-                    mma_bf16_16816(o[nb], pf, vf);
-                    mma_bf16_16816(o[nb + 1], pf, vf + 2);
-                }
-            }
+            // O += P V, P's A fragments straight from the S registers (mma.cuh).
+            mma_acc_xb<D, ATC_BLOCK_K>(o, s, vt, lane);
         }
         __syncthreads();  // this buffer is free for the copy issued next iteration
     }

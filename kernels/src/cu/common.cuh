@@ -212,6 +212,25 @@ __device__ __forceinline__ void row_next_pass(i64 nv, const uint4* cache, const 
     });
 }
 
+// This thread's share of sum (x - mean)^2 over a row (the second pass of a LayerNorm's
+// statistics): its vectors of the row's first nv from the register cache (memory past it), then
+// its scalar elements past nv * N. block_sum of it is the row's sum.
+template <typename T>
+__device__ __forceinline__ float row_sq_dev(i64 nv, const uint4* cache, const T* row, i64 n,
+                                            float mean) {
+    constexpr int N = VecWidth<T>::N;
+    float sq = 0.0f;
+    row_next_pass(nv, cache, row, [&](i64, const float* f) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) sq += (f[e] - mean) * (f[e] - mean);
+    });
+    for (i64 c = nv * N + threadIdx.x; c < n; c += blockDim.x) {
+        const float d = load(row, c) - mean;
+        sq += d * d;
+    }
+    return sq;
+}
+
 // ---- generated fused elementwise kernels ----------------------------------------------------
 
 // The loop of a generated fused kernel (kernels/src/fused.rs) over its K loaded inputs:
@@ -301,55 +320,53 @@ __device__ __forceinline__ float op_neg(float x) { return -x; }
 
 // ---- warp / block reductions ----------------------------------------------------------------
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(SHARDC_FULL_MASK, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(SHARDC_FULL_MASK, v, o));
-    return v;
-}
+// The two reductions, as the warp and block reductions take them.
+struct SumOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
 
-// Sum of `v` over the whole block, returned to every thread. Every thread of the block must
-// call it (it synchronises). blockDim.x must be a multiple of 32, at most 1024. Safe to call
-// repeatedly: the leading barrier protects the scratch slots from the previous call.
-__device__ __forceinline__ float block_sum(float v) {
+// `v` reduced by `op` over the warp (a butterfly: every lane gets the result).
+template <typename Op>
+__device__ __forceinline__ float warp_reduce(float v, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(SHARDC_FULL_MASK, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp()); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce(v, MaxOp()); }
+
+// `v` reduced by `op` over the whole block, returned to every thread: each warp's result, then
+// warp 0 over those (lanes past the block's warps contribute `identity`). Every thread of the
+// block must call it (it synchronises). blockDim.x must be a multiple of 32, at most 1024. Safe
+// to call repeatedly: the leading barrier protects the scratch slots from the previous call.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, float identity, Op op) {
     __shared__ float scratch[32];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int nwarps = (blockDim.x + 31) >> 5;
-    v = warp_sum(v);
+    v = warp_reduce(v, op);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float w = lane < nwarps ? scratch[lane] : 0.0f;
-        w = warp_sum(w);
+        float w = lane < nwarps ? scratch[lane] : identity;
+        w = warp_reduce(w, op);
         if (lane == 0) scratch[0] = w;
     }
     __syncthreads();
     return scratch[0];
 }
 
-// Maximum of `v` over the whole block; same contract as `block_sum`.
+// Sum of `v` over the whole block; block_reduce's contract.
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, 0.0f, SumOp()); }
+
+// Maximum of `v` over the whole block; block_reduce's contract.
 __device__ __forceinline__ float block_max(float v) {
-    __shared__ float scratch[32];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int nwarps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float w = lane < nwarps ? scratch[lane] : -SHARDC_INF;
-        w = warp_max(w);
-        if (lane == 0) scratch[0] = w;
-    }
-    __syncthreads();
-    return scratch[0];
+    return block_reduce(v, -SHARDC_INF, MaxOp());
 }
 
 // ---- attention masking -----------------------------------------------------------------------
@@ -358,6 +375,31 @@ __device__ __forceinline__ float block_max(float v) {
 // rules (the key mask is checked separately): the forward and backward attention kernels share it.
 __device__ __forceinline__ bool attn_visible(int s, int tp, int causal, int window) {
     return (!causal || s <= tp) && (window <= 0 || tp - s < window);
+}
+
+// A half-open range [begin, end) of keys or of queries.
+struct AttnRange {
+    int begin, end;
+};
+
+// The keys of [s_lo, s_hi) that some query t_first .. t_last (at position t + q_offset) may see
+// by attn_visible's rules: a forward block's key walk.
+__device__ __forceinline__ AttnRange attn_keys_seen(int t_first, int t_last, int q_offset,
+                                                    int causal, int window, int s_lo, int s_hi) {
+    AttnRange r{s_lo, s_hi};
+    if (causal) r.end = min(r.end, t_last + q_offset + 1);
+    if (window > 0) r.begin = max(r.begin, t_first + q_offset - window + 1);
+    return r;
+}
+
+// The queries of [0, seq_q) that may see some key s_first .. s_last by attn_visible's rules: a
+// backward block's query walk.
+__device__ __forceinline__ AttnRange attn_queries_seeing(int s_first, int s_last, int seq_q,
+                                                         int q_offset, int causal, int window) {
+    AttnRange r{0, seq_q};
+    if (causal) r.begin = max(0, s_first - q_offset);
+    if (window > 0) r.end = min(seq_q, s_last + window - q_offset);
+    return r;
 }
 
 // Rows [r0, r0 + nrows) of a [B, rows, heads, head_dim] tensor at (b, h) into f32 shared memory

@@ -19,7 +19,9 @@
 //
 // Under the SIMT emulator (kernels/tests/emu, which defines SHARDC_EMU) the same names are
 // C++ functions that gather the lanes' registers through the warp's barrier; the emulator's
-// unit tests check them against these layouts.
+// unit tests check them against these layouts. The tile helpers at the end (swizzled bf16 tiles,
+// their cp.async copy, X B from accumulator registers) are built on the wrappers and shared by
+// attention_tc.cu and attention_bwd_tc.cu.
 #ifndef SHARDC_MMA_CUH
 #define SHARDC_MMA_CUH
 
@@ -83,4 +85,70 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 #endif  // !SHARDC_EMU
+
+// ---- bf16 tiles in shared memory and the products on them ----------------------------------
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a tile with rows of W bf16 (W = 32, 64
+// or 128): chunk ^ (row % 8) for rows of at least 8 chunks, chunk ^ ((row / 2) % 4) for rows of
+// 4 (two rows share a 128-byte bank line), so the 8 row addresses of every ldmatrix hit 8
+// distinct bank groups.
+template <int W>
+__device__ __forceinline__ int tile_swizzle(int row, int chunk) {
+    return row * W + ((W >= 64 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3)) << 3);
+}
+
+// Starts the copy, by the block's THREADS threads, of the ROWS rows r0 .. r0 + ROWS - 1 of head
+// `h` of a [B, seq, heads, D] tensor into `dst` (rows of D, swizzled as above); rows at or past
+// `row_end` are zero-filled (src-size 0, nothing read). Closed by the caller's cp_async_commit.
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void cp_async_tile(bf16* dst, const bf16* src, int b, int r0,
+                                              int row_end, int seq, int heads, int h) {
+    constexpr int CHUNKS = D / 8;
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int j = idx / CHUNKS;
+        const int ch = idx % CHUNKS;
+        const int r = r0 + j;
+        const bool ok = r < row_end;
+        const bf16* from = ok ? src + (((i64)b * seq + r) * heads + h) * D + ch * 8 : src;
+        cp_async_cg16(dst + tile_swizzle<D>(j, ch), from, ok ? 16 : 0);
+    }
+}
+
+// acc[N][4] = 0: N 8-column blocks of mma accumulators (C layout).
+template <int N>
+__device__ __forceinline__ void mma_zero(float (*acc)[4]) {
+#pragma unroll
+    for (int nb = 0; nb < N; ++nb) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nb][i] = 0.0f;
+    }
+}
+
+// acc[D / 8][4] (16 rows x D, C layout) += X B, by the warp: X (16 rows x K) is the f32
+// accumulators x[K / 8][4] of an earlier mma (C layout), rounded to bf16 as the A operand (the
+// A fragment of columns 16 kk .. 16 kk + 15 is blocks 2 kk and 2 kk + 1), and B is the K rows of
+// the swizzled tile `b_s` (rows of D) by ldmatrix.trans. attention_tc's O += P V and
+// attention_bwd_tc's dV += Pᵀ dO and dK += dSᵀ Q.
+template <int D, int K>
+__device__ __forceinline__ void mma_acc_xb(float (*acc)[4], const float (*x)[4], const bf16* b_s,
+                                           int lane) {
+    const int mi = lane >> 3;  // the 8x8 matrix this lane addresses in an ldmatrix.x4
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        unsigned xf[4];
+        xf[0] = pack_bf16x2(x[2 * kk][0], x[2 * kk][1]);
+        xf[1] = pack_bf16x2(x[2 * kk][2], x[2 * kk][3]);
+        xf[2] = pack_bf16x2(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+        xf[3] = pack_bf16x2(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+#pragma unroll
+        for (int nb = 0; nb < D / 8; nb += 2) {
+            unsigned bfr[4];  // B fragments of column blocks nb and nb + 1
+            const int row = kk * 16 + (mi & 1) * 8 + (lane & 7);
+            ldmatrix_x4_trans(bfr, b_s + tile_swizzle<D>(row, nb + (mi >> 1)));
+            mma_bf16_16816(acc[nb], xf, bfr);
+            mma_bf16_16816(acc[nb + 1], xf, bfr + 2);
+        }
+    }
+}
+
 #endif  // SHARDC_MMA_CUH

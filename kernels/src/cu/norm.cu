@@ -77,15 +77,7 @@ __device__ __forceinline__ void layernorm_impl(const T* x, const T* w, const T* 
         });
         for (i64 c = nv * N + threadIdx.x; c < hidden; c += blockDim.x) s += load(xr, c);
         const float mean = block_sum(s) / (float)hidden;
-        float sq = 0.0f;
-        row_next_pass(nv, cache, xr, [&](i64, const float* f) {
-#pragma unroll
-            for (int e = 0; e < N; ++e) sq += (f[e] - mean) * (f[e] - mean);
-        });
-        for (i64 c = nv * N + threadIdx.x; c < hidden; c += blockDim.x) {
-            const float d = load(xr, c) - mean;
-            sq += d * d;
-        }
+        const float sq = row_sq_dev(nv, cache, xr, hidden, mean);
         const float inv = rsqrtf(block_sum(sq) / (float)hidden + eps);
         row_next_pass(nv, cache, xr, [&](i64 v, float* f) {
             float g[N], h[N];

@@ -48,16 +48,7 @@ __device__ __forceinline__ void row_stats(const T* xr, i64 nv, uint4* cache, i64
     mean = 0.0f;
     if (center) {
         mean = ss / (float)hidden;
-        float sq = 0.0f;
-        row_next_pass(nv, cache, xr, [&](i64, const float* f) {
-#pragma unroll
-            for (int e = 0; e < N; ++e) sq += (f[e] - mean) * (f[e] - mean);
-        });
-        for (i64 c = nv * N + threadIdx.x; c < hidden; c += blockDim.x) {
-            const float d = load(xr, c) - mean;
-            sq += d * d;
-        }
-        ss = block_sum(sq);
+        ss = block_sum(row_sq_dev(nv, cache, xr, hidden, mean));
     }
     rstd = 1.0f / sqrtf(ss / (float)hidden + eps);
 }

@@ -1,7 +1,7 @@
 // Shared helpers of the emulator tests (each test_*.cpp is its own program): a seeded RNG,
-// the tolerance check against double references, the host bf16 rounding, and buffers placed
-// at chosen offsets from a 16-byte boundary with the count telling a kernel's vector path from
-// its scalar fallback.
+// the tolerance checks against double references, the host bf16 rounding, calling a kernel's
+// f32 or bf16 entry point by type, and buffers placed at chosen offsets from a 16-byte boundary
+// with the count telling a kernel's vector path from its scalar fallback.
 #pragma once
 #include "shim.h"
 #include <random>
@@ -24,6 +24,30 @@ void check(const char* what, const std::vector<float>& got, const std::vector<do
     }
     if (bad) { printf("FAIL %s: at %zu got %g want %g\n", what, wi, got[wi], want[wi]); failures++; }
     else printf("ok   %s (%zu values)\n", what, got.size());
+}
+// check() plus how close the worst value came to the tolerance (1 = at the limit), so the
+// tolerances can be kept at about twice the worst error seen (`worst_seen`, over the program).
+static double worst_seen = 0;
+void check_tol(const char* what, const std::vector<float>& got, const std::vector<double>& want, double atol, double rtol) {
+    double w = 0;
+    for (size_t i = 0; i < got.size() && i < want.size(); ++i)
+        if (std::isfinite(want[i])) w = std::max(w, std::fabs(got[i] - want[i]) / (atol + rtol * std::fabs(want[i])));
+    check(what, got, want, atol, rtol);
+    printf("       worst at %.2f of the tolerance\n", w);
+    worst_seen = std::max(worst_seen, w);
+}
+// Rows of `width` values whose `live[r]` is 0 (nothing visible to them) must be exactly zero,
+// and some rows must be live (a case where everything is zero tests nothing).
+void check_dead_rows(const char* what, const std::vector<float>& got, const std::vector<char>& live, size_t width) {
+    size_t dead = 0, bad = 0, rows = got.size() / width;
+    for (size_t r = 0; r < rows; ++r) {
+        if (live[r]) continue;
+        dead++;
+        for (size_t i = 0; i < width; ++i) bad += got[r * width + i] != 0;
+    }
+    const bool ok = bad == 0 && dead < rows;
+    printf("%s %s: %zu of %zu rows see nothing, %zu nonzero values there\n", ok ? "ok  " : "FAIL", what, dead, rows, bad);
+    failures += !ok;
 }
 // host bf16 reference: nearest with ties to even, computed by comparing candidates in double
 unsigned short host_bf16(float f) {
@@ -65,6 +89,15 @@ std::vector<unsigned short> to_bf16(std::vector<float>& x) {
 template <class T> std::vector<T> as(std::vector<float>& x) {
     if constexpr (sizeof(T) == 2) return to_bf16(x); else return x;
 }
+// The f32 values of a kernel's T buffer (bf16 widened, exactly).
+template <class T> std::vector<float> as_f32(const std::vector<T>& x) {
+    std::vector<float> r(x.size());
+    for (size_t i = 0; i < x.size(); ++i) { if constexpr (sizeof(T) == 2) r[i] = host_bf16_f(x[i]); else r[i] = x[i]; }
+    return r;
+}
+// Calls the f32 or the bf16 entry point of NAME, by T (in a template on T).
+#define CALL_T(T, NAME, ...) \
+    do { if constexpr (sizeof(T) == 2) NAME##_bf16(__VA_ARGS__); else NAME##_f32(__VA_ARGS__); } while (0)
 long long g_vec_mark = 0;
 void mark_vec() { g_vec_mark = g_vec_accesses.load(); }
 // Fails unless 16-byte accesses happened since mark_vec() exactly when `want`.

@@ -6,94 +6,12 @@
 // hiding whole rows; head_dim 64 and 128. Queries that see nothing and keys no query sees must
 // be exactly zero.
 #include "check.h"
+#include "attention_ref.h"
 #include "cu/attention.cu"
 #include "cu/attention_bwd.cu"
 #include "cu/attention_bwd_tc.cu"
 
-// check() plus how close the worst value came to the tolerance (1 = at the limit), so the
-// tolerances can be kept at about twice the worst error seen.
-static double worst_seen = 0;
-void check_tol(const char* what, const std::vector<float>& got, const std::vector<double>& want, double atol, double rtol) {
-    double w = 0;
-    for (size_t i = 0; i < got.size() && i < want.size(); ++i)
-        w = std::max(w, std::fabs(got[i] - want[i]) / (atol + rtol * std::fabs(want[i])));
-    check(what, got, want, atol, rtol);
-    printf("       worst at %.2f of the tolerance\n", w);
-    worst_seen = std::max(worst_seen, w);
-}
-
-// Rows of D values whose `live[r]` is 0 must be exactly zero, and some rows must be live.
-void check_dead_rows(const char* what, const std::vector<float>& got, const std::vector<char>& live, int D) {
-    size_t dead = 0, bad = 0, rows = got.size() / D;
-    for (size_t r = 0; r < rows; ++r) {
-        if (live[r]) continue;
-        dead++;
-        for (int d = 0; d < D; ++d) bad += got[r * D + d] != 0;
-    }
-    const bool ok = bad == 0 && dead < rows;
-    printf("%s %s: %zu of %zu rows see nothing, %zu nonzero values there\n", ok ? "ok  " : "FAIL", what, dead, rows, bad);
-    failures += !ok;
-}
-
 struct Case { const char* name; int B, T, S, Hq, Hkv, D, causal, window, qoff, mask_kind; };
-
-// The gradients from the formulas alone, in double: over the visible keys of each query,
-// P = softmax(scale q.kᵀ), O = P.V, Di = rowsum(dO * O), dS = P * (dO.Vᵀ - Di),
-// dQ = scale dS.K, dK = scale dSᵀ.Q, dV = Pᵀ.dO (dK, dV summed over a KV head's query heads).
-struct Grads { std::vector<double> dq, dk, dv; std::vector<char> q_live, kv_live; };
-Grads reference(const Case& z, const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-                const std::vector<float>& dout, const float* mask, double scale) {
-    const int D = z.D;
-    Grads g{std::vector<double>((size_t)z.B * z.T * z.Hq * D, 0), std::vector<double>((size_t)z.B * z.S * z.Hkv * D, 0),
-            std::vector<double>((size_t)z.B * z.S * z.Hkv * D, 0), std::vector<char>(z.B * z.T * z.Hq, 0),
-            std::vector<char>(z.B * z.S * z.Hkv, 0)};
-    for (int b = 0; b < z.B; ++b) for (int t = 0; t < z.T; ++t) for (int h = 0; h < z.Hq; ++h) {
-        const int hk = h / (z.Hq / z.Hkv), tp = t + z.qoff, row = (b * z.T + t) * z.Hq + h;
-        auto kr = [&](int s) { return &k[((size_t)(b * z.S + s) * z.Hkv + hk) * D]; };
-        auto vr = [&](int s) { return &v[((size_t)(b * z.S + s) * z.Hkv + hk) * D]; };
-        const float* qr = &q[(size_t)row * D];
-        const float* dor = &dout[(size_t)row * D];
-        std::vector<int> keys;
-        for (int s = 0; s < z.S; ++s)
-            if ((!z.causal || s <= tp) && (z.window <= 0 || tp - s < z.window) && (!mask || mask[b * z.S + s] != 0)) keys.push_back(s);
-        if (keys.empty()) continue;
-        g.q_live[row] = 1;
-        std::vector<double> sc(keys.size()), dp(keys.size(), 0);
-        double m = -INFINITY;
-        for (size_t j = 0; j < keys.size(); ++j) {
-            double d = 0;
-            for (int i = 0; i < D; ++i) d += (double)qr[i] * kr(keys[j])[i];
-            sc[j] = d * scale;
-            m = std::max(m, sc[j]);
-        }
-        double l = 0;
-        for (double x : sc) l += std::exp(x - m);
-        const double lse = m + std::log(l);
-        double di = 0;
-        for (size_t j = 0; j < keys.size(); ++j) {
-            for (int i = 0; i < D; ++i) dp[j] += (double)dor[i] * vr(keys[j])[i];
-            di += std::exp(sc[j] - lse) * dp[j];  // rowsum(dO * O) = sum_j P_j dP_j
-        }
-        for (size_t j = 0; j < keys.size(); ++j) {
-            const double p = std::exp(sc[j] - lse), ds = p * (dp[j] - di);
-            const size_t kv = ((size_t)(b * z.S + keys[j]) * z.Hkv + hk);
-            g.kv_live[kv] = 1;
-            for (int i = 0; i < D; ++i) {
-                g.dq[(size_t)row * D + i] += scale * ds * kr(keys[j])[i];
-                g.dk[kv * D + i] += scale * ds * qr[i];
-                g.dv[kv * D + i] += p * dor[i];
-            }
-        }
-    }
-    return g;
-}
-
-std::vector<double> dv_of(const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); }
-std::vector<float> from_bf16(const std::vector<bf16>& x) {
-    std::vector<float> r(x.size());
-    for (size_t i = 0; i < x.size(); ++i) r[i] = host_bf16_f(x[i]);
-    return r;
-}
 
 void run_case(const Case& z) {
     const int B = z.B, T = z.T, S = z.S, Hq = z.Hq, Hkv = z.Hkv, D = z.D;
@@ -118,11 +36,11 @@ void run_case(const Case& z) {
     const std::vector<float> dq_zero = dq_acc;
 
     // The tensor-core backward: dk, dv start at 12288, a value the kernel must overwrite.
-    std::vector<bf16> dk(nk, 0x4640), dv(nk, 0x4640);
+    std::vector<bf16> tdk(nk, 0x4640), tdv(nk, 0x4640);
     launch({(unsigned)((S + 63) / 64), (unsigned)Hkv, (unsigned)B}, {128}, [&] {
         attention_bwd_tc_bf16(qb.data(), kb.data(), vb.data(), dob.data(), lse.data(), delta.data(), mp,
-            dq_acc.data(), dk.data(), dv.data(), B, T, S, Hq, Hkv, D, scale, z.causal, z.window, z.qoff); });
-    const auto got_dk = from_bf16(dk), got_dv = from_bf16(dv);
+            dq_acc.data(), tdk.data(), tdv.data(), B, T, S, Hq, Hkv, D, scale, z.causal, z.window, z.qoff); });
+    const auto got_dk = as_f32(tdk), got_dv = as_f32(tdv);
 
     // The scalar kernel on the same inputs, lse and delta.
     std::vector<float> sdq = dq_zero;
@@ -131,7 +49,7 @@ void run_case(const Case& z) {
         attention_bwd_bf16(qb.data(), kb.data(), vb.data(), dob.data(), lse.data(), delta.data(), mp,
             sdq.data(), sdk.data(), sdv.data(), B, T, S, Hq, Hkv, D, scale, z.causal, z.window, z.qoff); });
 
-    const Grads want = reference(z, q, k, v, dout, mp, scale);
+    const AttnGrads want = attn_grad_ref(q, k, v, dout, mp, B, T, S, Hq, Hkv, D, scale, z.causal, z.window, z.qoff);
     // dQ is the f32 accumulator (before the protocol's cast to bf16); dK and dV are bf16.
     // P and dS enter the mma as bf16 (8 bits), as FlashAttention-2 does. About twice the worst
     // error seen (1e-2 + 1e-2|w| passes with the worst value, a dK, at 0.65 of it).
@@ -139,19 +57,19 @@ void run_case(const Case& z) {
     char what[240];
     snprintf(what, sizeof what, "attention_bwd_tc_bf16 %s dQ vs double", z.name);
     check_tol(what, dq_acc, want.dq, atol, rtol);
-    check_dead_rows(what, dq_acc, want.q_live, D);
+    check_dead_rows(what, dq_acc, want.q_sees, D);
     snprintf(what, sizeof what, "attention_bwd_tc_bf16 %s dK vs double", z.name);
     check_tol(what, got_dk, want.dk, atol, rtol);
-    check_dead_rows(what, got_dk, want.kv_live, D);
+    check_dead_rows(what, got_dk, want.kv_seen, D);
     snprintf(what, sizeof what, "attention_bwd_tc_bf16 %s dV vs double", z.name);
     check_tol(what, got_dv, want.dv, atol, rtol);
-    check_dead_rows(what, got_dv, want.kv_live, D);
+    check_dead_rows(what, got_dv, want.kv_seen, D);
     snprintf(what, sizeof what, "attention_bwd_tc_bf16 %s dQ vs attention_bwd_bf16", z.name);
-    check_tol(what, dq_acc, dv_of(sdq), atol, rtol);
+    check_tol(what, dq_acc, dv(sdq), atol, rtol);
     snprintf(what, sizeof what, "attention_bwd_tc_bf16 %s dK vs attention_bwd_bf16", z.name);
-    check_tol(what, got_dk, dv_of(from_bf16(sdk)), atol, rtol);
+    check_tol(what, got_dk, dv(as_f32(sdk)), atol, rtol);
     snprintf(what, sizeof what, "attention_bwd_tc_bf16 %s dV vs attention_bwd_bf16", z.name);
-    check_tol(what, got_dv, dv_of(from_bf16(sdv)), atol, rtol);
+    check_tol(what, got_dv, dv(as_f32(sdv)), atol, rtol);
 }
 
 int main() {

@@ -4,33 +4,9 @@
 // probs -> ds -> dq/dk/dv against the true gradients of attention (q, k, v, dy in double) and
 // O = P.V against the forward kernel attention_*. Rows that see nothing must be exactly zero.
 #include "check.h"
+#include "attention_ref.h"
 #include "cu/attention.cu"
 #include "cu/attention_grad.cu"
-
-// check() plus how close the worst value came to the tolerance (1 = at the limit), so the
-// tolerances can be kept at about twice the worst error seen.
-static double worst_seen = 0;
-void check_tol(const char* what, const std::vector<float>& got, const std::vector<double>& want, double atol, double rtol) {
-    double w = 0;
-    for (size_t i = 0; i < got.size() && i < want.size(); ++i)
-        if (std::isfinite(want[i])) w = std::max(w, std::fabs(got[i] - want[i]) / (atol + rtol * std::fabs(want[i])));
-    check(what, got, want, atol, rtol);
-    printf("       worst at %.2f of the tolerance\n", w);
-    worst_seen = std::max(worst_seen, w);
-}
-
-// Rows of `width` values whose `live[r]` is 0 must be exactly zero, and some rows must be live.
-void check_dead_rows(const char* what, const std::vector<float>& got, const std::vector<char>& live, size_t width) {
-    size_t dead = 0, bad = 0, rows = got.size() / width;
-    for (size_t r = 0; r < rows; ++r) {
-        if (live[r]) continue;
-        dead++;
-        for (size_t i = 0; i < width; ++i) bad += got[r * width + i] != 0;
-    }
-    const bool ok = bad == 0 && dead < rows;
-    printf("%s %s: %zu of %zu rows dead, %zu nonzero values there\n", ok ? "ok  " : "FAIL", what, dead, rows, bad);
-    failures += !ok;
-}
 
 struct Shape { int B, T, S, Hq, Hkv, D; };
 struct Vis { int causal, window, qoff; const float* mask; };
@@ -90,65 +66,6 @@ std::vector<double> dkv_ref(const Shape& z, const std::vector<float>& w, const s
         for (int i = 0; i < z.D; ++i) out[kidx(z, b, s, h / (z.Hq / z.Hkv)) + i] += scale * w[pidx(z, b, h, t) + s] * x[qidx(z, b, t, h) + i];
     return out;
 }
-// The true gradients of attention in double from q, k, v, dy (no intermediate rounding):
-// dq, dk, dv, and which key rows any query sees.
-struct True { std::vector<double> dq, dk, dv; std::vector<char> kv_seen; };
-True true_grads(const Shape& z, const Vis& vis, const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& dy, float scale) {
-    std::vector<char> sees;
-    const auto p = probs_ref(z, vis, q, k, scale, sees);
-    std::vector<float> pf(p.begin(), p.end());  // only for the p != 0 test below
-    True g{std::vector<double>(q.size(), 0), std::vector<double>(k.size(), 0), std::vector<double>(k.size(), 0), std::vector<char>((size_t)z.B * z.S * z.Hkv, 0)};
-    for (int b = 0; b < z.B; ++b) for (int h = 0; h < z.Hq; ++h) for (int t = 0; t < z.T; ++t) {
-        const int j = h / (z.Hq / z.Hkv), row = pidx(z, b, h, t);
-        std::vector<double> dp(z.S, 0); double dot = 0;
-        for (int s = 0; s < z.S; ++s) if (p[row + s] != 0) {
-            for (int i = 0; i < z.D; ++i) dp[s] += (double)dy[qidx(z, b, t, h) + i] * v[kidx(z, b, s, j) + i];
-            dot += p[row + s] * dp[s];
-        }
-        for (int s = 0; s < z.S; ++s) if (p[row + s] != 0) {
-            const double ds = p[row + s] * (dp[s] - dot);
-            g.kv_seen[kidx(z, b, s, j) / z.D] = 1;
-            for (int i = 0; i < z.D; ++i) {
-                g.dq[qidx(z, b, t, h) + i] += scale * ds * k[kidx(z, b, s, j) + i];
-                g.dk[kidx(z, b, s, j) + i] += scale * ds * q[qidx(z, b, t, h) + i];
-                g.dv[kidx(z, b, s, j) + i] += p[row + s] * dy[qidx(z, b, t, h) + i];
-            }
-        }
-    }
-    return g;
-}
-
-template <typename T> struct Buf;
-template <> struct Buf<float> {
-    static std::vector<float> from(std::vector<float>& x) { return x; }
-    static std::vector<float> back(const std::vector<float>& x) { return x; }
-};
-template <> struct Buf<bf16> {
-    // Rounds x to bf16 in place (the reference then sees exactly the kernel's inputs).
-    static std::vector<bf16> from(std::vector<float>& x) {
-        std::vector<bf16> r(x.size());
-        for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); }
-        return r;
-    }
-    static std::vector<float> back(const std::vector<bf16>& x) {
-        std::vector<float> r(x.size()); for (size_t i = 0; i < x.size(); ++i) r[i] = host_bf16_f(x[i]); return r;
-    }
-};
-
-// The entry points by element type, so one case body runs both.
-void probs_t(const float* q, const float* k, const float* m, float* p, const Shape& z, float sc, int c, int w, int o) { attention_probs_f32(q, k, m, p, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, sc, c, w, o); }
-void probs_t(const bf16* q, const bf16* k, const float* m, bf16* p, const Shape& z, float sc, int c, int w, int o) { attention_probs_bf16(q, k, m, p, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, sc, c, w, o); }
-void fwd_t(const float* q, const float* k, const float* v, float* out, const float* m, const Shape& z, float sc, int c, int w, int o) { attention_f32(q, k, v, out, m, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, sc, c, w, o); }
-void fwd_t(const bf16* q, const bf16* k, const bf16* v, bf16* out, const float* m, const Shape& z, float sc, int c, int w, int o) { attention_bf16(q, k, v, out, m, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, sc, c, w, o); }
-void ds_t(const float* v, const float* dy, const float* p, float* ds, const Shape& z) { attention_grad_ds_f32(v, dy, p, ds, z.B, z.T, z.S, z.Hq, z.Hkv, z.D); }
-void ds_t(const bf16* v, const bf16* dy, const bf16* p, float* ds, const Shape& z) { attention_grad_ds_bf16(v, dy, p, ds, z.B, z.T, z.S, z.Hq, z.Hkv, z.D); }
-void dq_t(const float* ds, const float* k, float* dq, const Shape& z, float sc) { attention_grad_dq_f32(ds, k, dq, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, sc); }
-void dq_t(const float* ds, const bf16* k, bf16* dq, const Shape& z, float sc) { attention_grad_dq_bf16(ds, k, dq, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, sc); }
-void dk_t(const float* ds, const float* q, float* dk, const Shape& z, float sc) { attention_grad_dk_f32(ds, q, dk, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, sc); }
-void dk_t(const float* ds, const bf16* q, bf16* dk, const Shape& z, float sc) { attention_grad_dk_bf16(ds, q, dk, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, sc); }
-void dv_t(const float* p, const float* dy, float* dv, const Shape& z) { attention_grad_dv_f32(p, dy, dv, z.B, z.T, z.S, z.Hq, z.Hkv, z.D); }
-void dv_t(const bf16* p, const bf16* dy, bf16* dv, const Shape& z) { attention_grad_dv_bf16(p, dy, dv, z.B, z.T, z.S, z.Hq, z.Hkv, z.D); }
-
 // mask_kind 1: in batch 0 key 0 and every third key hidden (a causal query 0 sees nothing),
 // every other batch row hidden entirely.
 template <typename T>
@@ -165,7 +82,7 @@ void grad_case(const char* name, Shape z, int causal, int window, int qoff, int 
     const float* mp = mask_kind ? mask.data() : nullptr;
     const Vis vis{causal, window, qoff, mp};
     const float scale = 1.0f / std::sqrt((float)z.D);
-    auto qb = Buf<T>::from(q), kb = Buf<T>::from(k), vb = Buf<T>::from(v), dyb = Buf<T>::from(dy);
+    auto qb = as<T>(q), kb = as<T>(k), vb = as<T>(v), dyb = as<T>(dy);
     const size_t np = (size_t)z.B * z.Hq * z.T * z.S;
     // Tolerances (atol, rtol) at about twice the worst error seen. bf16: the inputs are exact
     // (rounded before the references), the outputs rounded to 8 bits; ds is f32 either way.
@@ -177,8 +94,8 @@ void grad_case(const char* name, Shape z, int causal, int window, int qoff, int 
 
     // attention_probs
     std::vector<T> pb(np, (T)7);
-    launch({row_grid}, {row_threads}, [&] { probs_t(qb.data(), kb.data(), mp, pb.data(), z, scale, causal, window, qoff); });
-    const auto p = Buf<T>::back(pb);
+    launch({row_grid}, {row_threads}, [&] { CALL_T(T, attention_probs, qb.data(), kb.data(), mp, pb.data(), z.B, z.T, z.S, z.Hq, z.Hkv, z.D, scale, causal, window, qoff); });
+    const auto p = as_f32(pb);
     std::vector<char> sees;
     const auto want_p = probs_ref(z, vis, q, k, scale, sees);
     snprintf(what, sizeof what, "attention_probs_%s %s", dt, name); check_tol(what, p, want_p, tol_p[0], tol_p[1]);
@@ -193,35 +110,32 @@ void grad_case(const char* name, Shape z, int causal, int window, int qoff, int 
     {
         std::vector<T> ob(q.size());
         const dim3 fwd{(unsigned)((z.T + 15) / 16), (unsigned)z.Hq, (unsigned)z.B};
-        launch(fwd, {128}, [&] { fwd_t(qb.data(), kb.data(), vb.data(), ob.data(), mp, z, scale, causal, window, qoff); });
+        launch(fwd, {128}, [&] { CALL_T(T, attention, qb.data(), kb.data(), vb.data(), ob.data(), mp, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, scale, causal, window, qoff); });
         std::vector<double> o(q.size(), 0);
         for (int b = 0; b < z.B; ++b) for (int h = 0; h < z.Hq; ++h) for (int t = 0; t < z.T; ++t) for (int s = 0; s < z.S; ++s)
             for (int i = 0; i < z.D; ++i) o[qidx(z, b, t, h) + i] += (double)p[pidx(z, b, h, t) + s] * v[kidx(z, b, s, h / (z.Hq / z.Hkv)) + i];
-        snprintf(what, sizeof what, "attention_%s == probs.v %s", dt, name); check_tol(what, Buf<T>::back(ob), o, tol_o[0], tol_o[1]);
+        snprintf(what, sizeof what, "attention_%s == probs.v %s", dt, name); check_tol(what, as_f32(ob), o, tol_o[0], tol_o[1]);
     }
 
     // attention_grad_ds, from the kernel's probabilities
     std::vector<float> ds(np, 7.f);
-    launch({row_grid}, {row_threads}, [&] { ds_t(vb.data(), dyb.data(), pb.data(), ds.data(), z); });
+    launch({row_grid}, {row_threads}, [&] { CALL_T(T, attention_grad_ds, vb.data(), dyb.data(), pb.data(), ds.data(), z.B, z.T, z.S, z.Hq, z.Hkv, z.D); });
     snprintf(what, sizeof what, "attention_grad_ds_%s %s", dt, name); check_tol(what, ds, ds_ref(z, v, dy, p), tol_ds[0], tol_ds[1]);
     check_dead_rows(what, ds, sees, z.S);
 
     // attention_grad_dq / dk / dv, from the kernel's ds and probabilities
     std::vector<T> dqb(q.size(), (T)7), dkb(k.size(), (T)7), dvb(k.size(), (T)7);
-    launch({3}, {64}, [&] { dq_t(ds.data(), kb.data(), dqb.data(), z, scale); });
-    launch({2}, {96}, [&] { dk_t(ds.data(), qb.data(), dkb.data(), z, scale); });
-    launch({4}, {32}, [&] { dv_t(pb.data(), dyb.data(), dvb.data(), z); });
-    const auto dq = Buf<T>::back(dqb), dk = Buf<T>::back(dkb), dv = Buf<T>::back(dvb);
+    launch({3}, {64}, [&] { CALL_T(T, attention_grad_dq, ds.data(), kb.data(), dqb.data(), z.B, z.T, z.S, z.Hq, z.Hkv, z.D, scale); });
+    launch({2}, {96}, [&] { CALL_T(T, attention_grad_dk, ds.data(), qb.data(), dkb.data(), z.B, z.T, z.S, z.Hq, z.Hkv, z.D, scale); });
+    launch({4}, {32}, [&] { CALL_T(T, attention_grad_dv, pb.data(), dyb.data(), dvb.data(), z.B, z.T, z.S, z.Hq, z.Hkv, z.D); });
+    const auto dq = as_f32(dqb), dk = as_f32(dkb), dv = as_f32(dvb);
+    const auto g = attn_grad_ref(q, k, v, dy, mp, z.B, z.T, z.S, z.Hq, z.Hkv, z.D, scale, causal, window, qoff);
     snprintf(what, sizeof what, "attention_grad_dq_%s %s", dt, name); check_tol(what, dq, dq_ref(z, ds, k, scale), atol, rtol);
-    std::vector<char> q_sees(sees.size());  // sees by q row (b, t, h), not probs row (b, h, t)
-    for (int b = 0; b < z.B; ++b) for (int h = 0; h < z.Hq; ++h) for (int t = 0; t < z.T; ++t)
-        q_sees[(b * z.T + t) * z.Hq + h] = sees[(b * z.Hq + h) * z.T + t];
-    check_dead_rows(what, dq, q_sees, z.D);
+    check_dead_rows(what, dq, g.q_sees, z.D);
     snprintf(what, sizeof what, "attention_grad_dk_%s %s", dt, name); check_tol(what, dk, dkv_ref(z, ds, q, scale), atol, rtol);
     snprintf(what, sizeof what, "attention_grad_dv_%s %s", dt, name); check_tol(what, dv, dkv_ref(z, p, dy, 1.0), atol, rtol);
 
     // The chain against the true gradients (f32 only: bf16 rounds P between the steps).
-    const auto g = true_grads(z, vis, q, k, v, dy, scale);
     if (!bf) {
         snprintf(what, sizeof what, "chain dq %s", name); check_tol(what, dq, g.dq, 6e-7, 6e-6);
         snprintf(what, sizeof what, "chain dk %s", name); check_tol(what, dk, g.dk, 6e-7, 6e-6);
@@ -231,27 +145,24 @@ void grad_case(const char* name, Shape z, int causal, int window, int qoff, int 
     snprintf(what, sizeof what, "attention_grad_dv_%s %s", dt, name); check_dead_rows(what, dv, g.kv_seen, z.D);
 }
 
-int main() {
+// The cases, each run in f32 and in bf16.
+struct GradCase { const char* name; Shape z; int causal, window, qoff, mask_kind; unsigned row_grid, row_threads; };
+const GradCase CASES[] = {
     // name, {B, T, S, Hq, Hkv, D}, causal, window, q_offset, mask, row grid, row threads
-    const char* c1 = "causal GQA 2:1 D=64 T=S=37";
-    grad_case<float>(c1, {1, 37, 37, 2, 1, 64}, 1, 0, 0, 0, 5, 64);
-    grad_case<bf16>(c1, {1, 37, 37, 2, 1, 64}, 1, 0, 0, 0, 5, 64);
-    const char* c2 = "non-causal GQA 4:2 D=40 T=S=37 B=2";
-    grad_case<float>(c2, {2, 37, 37, 4, 2, 40}, 0, 0, 0, 0, 7, 32);
-    grad_case<bf16>(c2, {2, 37, 37, 4, 2, 40}, 0, 0, 0, 0, 7, 32);
-    const char* c3 = "causal window=7 mask (batch 1 hidden, query 0 sees none) GQA 4:2 D=40 T=S=37";
-    grad_case<float>(c3, {2, 37, 37, 4, 2, 40}, 1, 7, 0, 1, 6, 64);
-    grad_case<bf16>(c3, {2, 37, 37, 4, 2, 40}, 1, 7, 0, 1, 6, 64);
-    const char* c4 = "causal chunk T=17 S=41 q_offset=24 GQA 2:1 D=64";
-    grad_case<float>(c4, {1, 17, 41, 2, 1, 64}, 1, 0, 24, 0, 4, 64);
-    grad_case<bf16>(c4, {1, 17, 41, 2, 1, 64}, 1, 0, 24, 0, 4, 64);
-    const char* c5 = "decode T=1 S=50 q_offset=49 window=20 GQA 4:2 mask D=64";
-    grad_case<float>(c5, {2, 1, 50, 4, 2, 64}, 1, 20, 49, 1, 3, 32);
-    grad_case<bf16>(c5, {2, 1, 50, 4, 2, 64}, 1, 20, 49, 1, 3, 32);
+    {"causal GQA 2:1 D=64 T=S=37", {1, 37, 37, 2, 1, 64}, 1, 0, 0, 0, 5, 64},
+    {"non-causal GQA 4:2 D=40 T=S=37 B=2", {2, 37, 37, 4, 2, 40}, 0, 0, 0, 0, 7, 32},
+    {"causal window=7 mask (batch 1 hidden, query 0 sees none) GQA 4:2 D=40 T=S=37", {2, 37, 37, 4, 2, 40}, 1, 7, 0, 1, 6, 64},
+    {"causal chunk T=17 S=41 q_offset=24 GQA 2:1 D=64", {1, 17, 41, 2, 1, 64}, 1, 0, 24, 0, 4, 64},
+    {"decode T=1 S=50 q_offset=49 window=20 GQA 4:2 mask D=64", {2, 1, 50, 4, 2, 64}, 1, 20, 49, 1, 3, 32},
     // S past the register cache (32 threads x 8 keys): keys beyond are recomputed.
-    const char* c6 = "causal T=6 S=300 q_offset=294 window=280 GQA 2:1 D=40 (keys past the row cache)";
-    grad_case<float>(c6, {1, 6, 300, 2, 1, 40}, 1, 280, 294, 0, 2, 32);
-    grad_case<bf16>(c6, {1, 6, 300, 2, 1, 40}, 1, 280, 294, 0, 2, 32);
+    {"causal T=6 S=300 q_offset=294 window=280 GQA 2:1 D=40 (keys past the row cache)", {1, 6, 300, 2, 1, 40}, 1, 280, 294, 0, 2, 32},
+};
+
+int main() {
+    for (const GradCase& c : CASES) {
+        grad_case<float>(c.name, c.z, c.causal, c.window, c.qoff, c.mask_kind, c.row_grid, c.row_threads);
+        grad_case<bf16>(c.name, c.z, c.causal, c.window, c.qoff, c.mask_kind, c.row_grid, c.row_threads);
+    }
     printf("worst error at %.2f of its tolerance\n", worst_seen);
     printf("%d failure(s)\n", failures);
     return failures != 0;

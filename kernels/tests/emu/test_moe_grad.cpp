@@ -6,46 +6,6 @@
 #include "cu/moe.cu"
 #include "cu/moe_grad.cu"
 
-// check() plus how close the worst value came to the tolerance (1 = at the limit).
-static double worst_seen = 0;
-void check_tol(const char* what, const std::vector<float>& got, const std::vector<double>& want, double atol, double rtol) {
-    double w = 0;
-    for (size_t i = 0; i < got.size() && i < want.size(); ++i)
-        if (std::isfinite(want[i])) w = std::max(w, std::fabs(got[i] - want[i]) / (atol + rtol * std::fabs(want[i])));
-    check(what, got, want, atol, rtol);
-    printf("       worst at %.2f of the tolerance\n", w);
-    worst_seen = std::max(worst_seen, w);
-}
-
-template <typename T> struct Buf;
-template <> struct Buf<float> {
-    static std::vector<float> from(std::vector<float>& x) { return x; }
-    static std::vector<float> back(const std::vector<float>& x) { return x; }
-};
-template <> struct Buf<bf16> {
-    // Rounds x to bf16 in place (the reference then sees exactly the kernel's inputs).
-    static std::vector<bf16> from(std::vector<float>& x) {
-        std::vector<bf16> r(x.size());
-        for (size_t i = 0; i < x.size(); ++i) { r[i] = host_bf16(x[i]); x[i] = host_bf16_f(r[i]); }
-        return r;
-    }
-    static std::vector<float> back(const std::vector<bf16>& x) {
-        std::vector<float> r(x.size()); for (size_t i = 0; i < x.size(); ++i) r[i] = host_bf16_f(x[i]); return r;
-    }
-};
-
-// The entry points by element type.
-void router_t(const float* l, float* g, long long n, int e, int k, int norm) { router_f32(l, g, n, e, k, norm); }
-void router_t(const bf16* l, bf16* g, long long n, int e, int k, int norm) { router_bf16(l, g, n, e, k, norm); }
-void router_grad_t(const float* l, const float* dg, float* out, long long n, int e, int k, int norm) { router_grad_f32(l, dg, out, n, e, k, norm); }
-void router_grad_t(const bf16* l, const bf16* dg, bf16* out, long long n, int e, int k, int norm) { router_grad_bf16(l, dg, out, n, e, k, norm); }
-void dispatch_grad_t(const float* dxe, const float* g, float* dx, long long n, int e, long long h) { dispatch_grad_f32(dxe, g, dx, n, e, h); }
-void dispatch_grad_t(const bf16* dxe, const bf16* g, bf16* dx, long long n, int e, long long h) { dispatch_grad_bf16(dxe, g, dx, n, e, h); }
-void combine_grad_y_t(const float* g, const float* dy, float* dyy, long long n, int e, long long h) { combine_grad_y_f32(g, dy, dyy, n, e, h); }
-void combine_grad_y_t(const bf16* g, const bf16* dy, bf16* dyy, long long n, int e, long long h) { combine_grad_y_bf16(g, dy, dyy, n, e, h); }
-void combine_grad_gates_t(const float* y, const float* g, const float* dy, float* dg, long long n, int e, long long h) { combine_grad_gates_f32(y, g, dy, dg, n, e, h); }
-void combine_grad_gates_t(const bf16* y, const bf16* g, const bf16* dy, bf16* dg, long long n, int e, long long h) { combine_grad_gates_bf16(y, g, dy, dg, n, e, h); }
-
 // RouterGrad from the CPU formula: p = softmax(logits) in double, kept = the top_k by value,
 // ties to the lower index (equal logits give equal probabilities), S = sum_K p; dp_e =
 // (dg_e - sum_K dg g) / S on K (normalize) or dg_e (not), 0 off K; dlogits = p (dp - p.dp).
@@ -82,19 +42,19 @@ void router_case(int E, int topk, int norm) {
     for (int e = 0; e < E; ++e) lg[1 * E + e] = 0.5f;
     lg[2 * E + 0] = 4.0f; lg[2 * E + 2] = lg[2 * E + 3] = 3.5f;
     for (int e = 0; e < E; ++e) if (e != 0 && e != 2 && e != 3) lg[2 * E + e] = std::min(lg[2 * E + e], 3.0f);
-    auto lgb = Buf<T>::from(lg), dgb = Buf<T>::from(dg);
+    auto lgb = as<T>(lg), dgb = as<T>(dg);
     std::vector<T> out(N * E, (T)7), gates(N * E, (T)7);
-    launch({2}, {64}, [&] { router_grad_t(lgb.data(), dgb.data(), out.data(), N, E, topk, norm); });
-    launch({1}, {96}, [&] { router_t(lgb.data(), gates.data(), N, E, topk, norm); });
+    launch({2}, {64}, [&] { CALL_T(T, router_grad, lgb.data(), dgb.data(), out.data(), N, E, topk, norm); });
+    launch({1}, {96}, [&] { CALL_T(T, router, lgb.data(), gates.data(), N, E, topk, norm); });
     std::vector<char> kept;
     const auto want = router_grad_ref(lg, dg, N, E, topk, norm, kept);
     char what[128];
     snprintf(what, sizeof what, "router_grad_%s experts=%d top_k=%d normalize=%d", bf ? "bf16" : "f32", E, topk, norm);
     // f32: about twice the worst error seen; bf16: the output rounded to 8 bits.
-    check_tol(what, Buf<T>::back(out), want, bf ? 2.5e-3 : 5e-8, bf ? 2.5e-3 : 5e-7);
+    check_tol(what, as_f32(out), want, bf ? 2.5e-3 : 5e-8, bf ? 2.5e-3 : 5e-7);
     // The forward routes exactly the reference's kept experts (so the backward's selection,
     // which is the forward's code, is the CPU's too).
-    const auto g = Buf<T>::back(gates);
+    const auto g = as_f32(gates);
     int wrong = 0;
     for (int i = 0; i < N * E; ++i) wrong += (g[i] != 0) != (kept[i] != 0);
     printf("%s %s: forward gates on the kept experts (%d differ)\n", wrong ? "FAIL" : "ok  ", what, wrong);
@@ -120,7 +80,7 @@ void dispatch_combine_case(int E) {
     auto gates = routed_gates(N, E), dxe = randv(E * N * H), dy = randv(N * H), y = randv(E * N * H);
     // Unrouted slots hold garbage that must not leak in (token 1 is not routed to expert 0).
     dxe[(0 * N + 1) * H + 3] = NAN; y[(0 * N + 1) * H + 5] = NAN;
-    auto gb = Buf<T>::from(gates), dxeb = Buf<T>::from(dxe), dyb = Buf<T>::from(dy), yb = Buf<T>::from(y);
+    auto gb = as<T>(gates), dxeb = as<T>(dxe), dyb = as<T>(dy), yb = as<T>(y);
     // (atol, rtol) at about twice the worst error seen (bf16: outputs rounded to 8 bits): the
     // copies and short sums, then the dot products over hidden.
     const double tol[2] = {bf ? 5e-3 : 1.5e-8, bf ? 5e-3 : 1.5e-7};
@@ -128,27 +88,27 @@ void dispatch_combine_case(int E) {
     char what[128];
 
     std::vector<T> dx(N * H, (T)7);
-    launch({3}, {32}, [&] { dispatch_grad_t(dxeb.data(), gb.data(), dx.data(), N, E, H); });
+    launch({3}, {32}, [&] { CALL_T(T, dispatch_grad, dxeb.data(), gb.data(), dx.data(), N, E, H); });
     std::vector<double> want_dx(N * H, 0);
     for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (gates[n * E + e] != 0)
         for (int c = 0; c < H; ++c) want_dx[n * H + c] += dxe[(e * N + n) * H + c];
-    snprintf(what, sizeof what, "dispatch_grad_%s experts=%d (unrouted NaN ignored)", dt, E); check_tol(what, Buf<T>::back(dx), want_dx, tol[0], tol[1]);
+    snprintf(what, sizeof what, "dispatch_grad_%s experts=%d (unrouted NaN ignored)", dt, E); check_tol(what, as_f32(dx), want_dx, tol[0], tol[1]);
 
     std::vector<T> dyy(E * N * H, (T)7);
-    launch({2}, {64}, [&] { combine_grad_y_t(gb.data(), dyb.data(), dyy.data(), N, E, H); });
+    launch({2}, {64}, [&] { CALL_T(T, combine_grad_y, gb.data(), dyb.data(), dyy.data(), N, E, H); });
     std::vector<double> want_dyy(E * N * H, 0);
     for (int e = 0; e < E; ++e) for (int n = 0; n < N; ++n) if (gates[n * E + e] != 0)
         for (int c = 0; c < H; ++c) want_dyy[(e * N + n) * H + c] = (double)gates[n * E + e] * dy[n * H + c];
-    snprintf(what, sizeof what, "combine_grad_y_%s experts=%d", dt, E); check_tol(what, Buf<T>::back(dyy), want_dyy, tol[0], tol[1]);
+    snprintf(what, sizeof what, "combine_grad_y_%s experts=%d", dt, E); check_tol(what, as_f32(dyy), want_dyy, tol[0], tol[1]);
 
     std::vector<T> dg(N * E, (T)7);
-    launch({2}, {64}, [&] { combine_grad_gates_t(yb.data(), gb.data(), dyb.data(), dg.data(), N, E, H); });
+    launch({2}, {64}, [&] { CALL_T(T, combine_grad_gates, yb.data(), gb.data(), dyb.data(), dg.data(), N, E, H); });
     std::vector<double> want_dg(N * E, 0);
     for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (gates[n * E + e] != 0)
         for (int c = 0; c < H; ++c) want_dg[n * E + e] += (double)dy[n * H + c] * y[(e * N + n) * H + c];
-    snprintf(what, sizeof what, "combine_grad_gates_%s experts=%d (unrouted NaN ignored)", dt, E); check_tol(what, Buf<T>::back(dg), want_dg, tol_dot[0], tol_dot[1]);
+    snprintf(what, sizeof what, "combine_grad_gates_%s experts=%d (unrouted NaN ignored)", dt, E); check_tol(what, as_f32(dg), want_dg, tol_dot[0], tol_dot[1]);
     // Unrouted entries exactly zero.
-    const auto gy = Buf<T>::back(dyy), gg = Buf<T>::back(dg);
+    const auto gy = as_f32(dyy), gg = as_f32(dg);
     int bad = 0;
     for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (gates[n * E + e] == 0) {
         bad += gg[n * E + e] != 0;

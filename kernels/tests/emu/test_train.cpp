@@ -8,10 +8,6 @@
 #include "cu/optim.cu"
 #include <climits>
 
-// Calls the f32 or the bf16 entry point of NAME, by T (in a template on T).
-#define CALL_T(T, NAME, ...) \
-    do { if constexpr (sizeof(T) == 2) NAME##_bf16(__VA_ARGS__); else NAME##_f32(__VA_ARGS__); } while (0)
-
 // ---- norm_grad.cu ------------------------------------------------------------------------------
 
 // Double references of norm.rs for one row: mean, rstd, and dx.
@@ -67,7 +63,7 @@ template <class T> void norm_grad_case(int R, int H, int offx, int offw, unsigne
         launch({3}, {96}, [&] { CALL_T(T, norm_grad_dw, x.p, dy.p, st.data(), dw.data(), R, H); });
         launch({1}, {96}, [&] { CALL_T(T, norm_grad_dw, x.p, dy.p, st.data(), dw2.data(), R, H); });
         snprintf(what, sizeof what, "norm_grad_dw_%s %s R=%d H=%d", tname<T>(), norm, R, H);
-        check(what, Placed<T>(dw, 0).f32(H), want_dw, bf ? 1e-2 : 1.5e-6, bf ? 1e-2 : 1e-6);
+        check(what, as_f32(dw), want_dw, bf ? 1e-2 : 1.5e-6, bf ? 1e-2 : 1e-6);
         const bool same = std::memcmp(dw.data(), dw2.data(), H * sizeof(T)) == 0;
         printf("%s %s: grids 3 and 1 give the same bits\n", same ? "ok  " : "FAIL", what); failures += !same;
     }
@@ -83,7 +79,7 @@ template <class T> void bias_grad_case(int R, int N, unsigned grid, unsigned blo
     launch({grid}, {block}, [&] { CALL_T(T, bias_grad, gt.data(), db.data(), R, N); });
     launch({1}, {block}, [&] { CALL_T(T, bias_grad, gt.data(), db2.data(), R, N); });
     char what[128]; snprintf(what, sizeof what, "bias_grad_%s R=%d N=%d grid %u block %u", tname<T>(), R, N, grid, block);
-    check(what, Placed<T>(db, 0).f32(N), want, bf ? 1e-2 : 2e-6, bf ? 1e-2 : 2e-6);
+    check(what, as_f32(db), want, bf ? 1e-2 : 2e-6, bf ? 1e-2 : 2e-6);
     const bool same = std::memcmp(db.data(), db2.data(), N * sizeof(T)) == 0;
     printf("%s %s: grid 1 gives the same bits\n", same ? "ok  " : "FAIL", what); failures += !same;
 }
