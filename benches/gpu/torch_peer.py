@@ -103,10 +103,18 @@ def sec_copy(a):
     row("copy", "device-to-device", "bf16", f"{nbytes >> 20} MiB", ms, "GB/s", gbs, 100.0)
 
 
+def membound_tokens(a, bytes_per_token):
+    """The fewest tokens (a power of two) moving >= 256 MiB, as gpu_bench picks them."""
+    if a.quick:
+        return 1024
+    n = -(-(256 << 20) // bytes_per_token)
+    return 1 << (n - 1).bit_length()
+
+
 def sec_membound(a):
-    t = 1024 if a.quick else 4096
     it = 3 if a.quick else 50
     bf = torch.bfloat16
+    t = membound_tokens(a, 4 * HIDDEN * 2)
     x = torch.randn(1, t, HIDDEN, device="cuda", dtype=bf)
     r = torch.randn_like(x)
     w = torch.randn(HIDDEN, device="cuda", dtype=bf)
@@ -120,6 +128,7 @@ def sec_membound(a):
         ms = timed(fn, it)
         gbs = bytes_ / (ms * 1e-3) / 1e9
         row("membound", f"add+rmsnorm {label}", "bf16", f"[{t},{HIDDEN}]", ms, "GB/s", gbs, pct(gbs, CEIL["copy"]))
+    t = membound_tokens(a, 3 * FFN * 2)
     gate = torch.randn(1, t, FFN, device="cuda", dtype=bf)
     up = torch.randn_like(gate)
     bytes_ = 3 * t * FFN * 2
@@ -127,6 +136,7 @@ def sec_membound(a):
         ms = timed(fn, it)
         gbs = bytes_ / (ms * 1e-3) / 1e9
         row("membound", f"swiglu {label}", "bf16", f"[{t},{FFN}]", ms, "GB/s", gbs, pct(gbs, CEIL["copy"]))
+    t = membound_tokens(a, 2 * HEADS * HEAD_DIM * 2)
     q = torch.randn(1, t, HEADS, HEAD_DIM, device="cuda", dtype=bf)
     pos = torch.arange(t, device="cuda")[None, :]
     inv = llama3_inv_freq("cuda")
@@ -135,7 +145,7 @@ def sec_membound(a):
         ms = timed(fn, it)
         gbs = bytes_ / (ms * 1e-3) / 1e9
         row("membound", f"rope {label}", "bf16", f"[{t},{HEADS},{HEAD_DIM}]", ms, "GB/s", gbs, pct(gbs, CEIL["copy"]))
-    rows = 4 * t
+    rows = membound_tokens(a, 2 * 4096 * 2)
     s = torch.randn(rows, 4096, device="cuda", dtype=bf) * 4
     bytes_ = 2 * rows * 4096 * 2
     for label, fn in variants(lambda: torch.softmax(s, dim=-1), a.compile):

@@ -357,9 +357,21 @@ impl Bench {
         Ok(())
     }
 
-    /// Memory-bound kernels at 4096 tokens, GB/s against the copy.
+    /// Tokens (rows) of a memory-bound case moving `bytes_per_token` bytes per token: the
+    /// fewest (a power of two) that move at least 256 MiB, so the row is not launch-bound and
+    /// compares with the 512 MiB copy; 1024 with `--quick`.
+    fn membound_tokens(&self, bytes_per_token: usize) -> usize {
+        if self.quick {
+            return 1024;
+        }
+        (256usize << 20)
+            .div_ceil(bytes_per_token)
+            .next_power_of_two()
+    }
+
+    /// Memory-bound kernels at Llama-3-8B widths, each moving at least 256 MiB, GB/s against
+    /// the copy.
     fn membound(&mut self) -> Result<(), BenchError> {
-        let t = if self.quick { 1024 } else { 4096 };
         let mut rng = Rng(0x1234_5678);
         let dt = GpuDType::Bf16;
         let e = dt.size_bytes() as f64;
@@ -375,6 +387,7 @@ impl Bench {
             g.set_output("norm", n);
             g
         };
+        let t = self.membound_tokens(4 * HIDDEN * 2);
         let g = add_norm(t);
         let ins = BTreeMap::from([
             ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
@@ -399,6 +412,7 @@ impl Bench {
             g.set_output("y", m);
             g
         };
+        let t = self.membound_tokens(3 * FFN * 2);
         let g = swiglu(t);
         let ins = BTreeMap::from([
             ("gate".to_string(), rng.tensor(&[1, t, FFN], 2.0)),
@@ -421,6 +435,7 @@ impl Bench {
             g.set_output("y", y);
             g
         };
+        let t = self.membound_tokens(2 * HEADS * HEAD_DIM * 2);
         let g = rope(t);
         let ins = BTreeMap::from([
             ("q".to_string(), rng.tensor(&[1, t, HEADS, HEAD_DIM], 1.0)),
@@ -439,7 +454,7 @@ impl Bench {
             g.set_output("y", y);
             g
         };
-        let rows = 4 * t;
+        let rows = self.membound_tokens(2 * 4096 * 2);
         let g = softmax(rows);
         let ins = BTreeMap::from([("x".to_string(), rng.tensor(&[rows, 4096], 4.0))]);
         let check = Reference::Prefix(softmax(CHECK_TOKENS));
