@@ -308,22 +308,34 @@ mod tests {
     use super::*;
     use std::collections::BTreeSet;
 
-    /// Identifiers that start right after `prefix` and run to the next non-identifier char.
-    fn idents_after<'a>(src: &'a str, prefix: &str, out: &mut BTreeSet<&'a str>) {
-        let mut rest = src;
-        while let Some(p) = rest.find(prefix) {
-            let tail = &rest[p + prefix.len()..];
+    /// The first argument of every `SHARDC_[A-Z0-9_]+(` macro invocation: the entry point a
+    /// wrapper macro defines (`SHARDC_UNARY_GRAD(unary_grad_silu_f32, float, dop_silu)`). The
+    /// macro definitions themselves, whose first parameter is `NAME`, are skipped, as are
+    /// object-like names (`SHARDC_INF`) and longer identifiers that merely contain `SHARDC_`.
+    fn macro_entries<'a>(src: &'a str, out: &mut BTreeSet<&'a str>) {
+        let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        for (i, prefix) in src.match_indices("SHARDC_") {
+            if src[..i].ends_with(ident) {
+                continue;
+            }
+            let tail = &src[i + prefix.len()..];
             let end = tail
-                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
                 .unwrap_or(tail.len());
-            out.insert(&tail[..end]);
-            rest = &tail[end..];
+            let Some(args) = tail[end..].strip_prefix('(').filter(|_| end > 0) else {
+                continue;
+            };
+            let args = args.trim_start();
+            let name = &args[..args.find(|c: char| !ident(c)).unwrap_or(args.len())];
+            if name != "NAME" {
+                out.insert(name);
+            }
         }
     }
 
     /// The entry points a source defines, found textually: `extern "C" __global__ void NAME(`
-    /// (possibly with `__launch_bounds__(..)` and a line break) and `SHARDC_XXX(NAME, ...)`
-    /// macro invocations.
+    /// (possibly with `__launch_bounds__(..)` and a line break) and the first argument of
+    /// `SHARDC_XXX(NAME, ...)` macro invocations ([`macro_entries`]).
     fn defined_entries(src: &str) -> BTreeSet<&str> {
         let mut found = BTreeSet::new();
         for (i, _) in src.match_indices("extern \"C\" __global__") {
@@ -344,20 +356,7 @@ mod tests {
                 found.insert(name);
             }
         }
-        let macro_uses: BTreeSet<&str> = {
-            let mut m = BTreeSet::new();
-            for mac in [
-                "SHARDC_UNARY(",
-                "SHARDC_SCALE(",
-                "SHARDC_BINARY(",
-                "SHARDC_SWIGLU(",
-                "SHARDC_UNARY_GRAD(",
-            ] {
-                idents_after(src, mac, &mut m);
-            }
-            m
-        };
-        found.extend(macro_uses.into_iter().filter(|n| *n != "NAME"));
+        macro_entries(src, &mut found);
         found
     }
 
@@ -373,6 +372,21 @@ mod tests {
                 k.file
             );
         }
+    }
+
+    #[test]
+    fn defined_entries_reads_wrapper_macros() {
+        let src = "#define SHARDC_OP(NAME, T) \\\n\
+                   extern \"C\" __global__ void __launch_bounds__(128) \\\n\
+                   NAME(const T* x) { f(x, -SHARDC_INF); }\n\
+                   SHARDC_OP(op_f32, float)\n\
+                   SHARDC_OP( op_bf16, bf16)\n\
+                   MY_SHARDC_OP(not_an_entry, float)\n\
+                   extern \"C\" __global__ void plain_f32(float* x) {}\n";
+        assert_eq!(
+            defined_entries(src),
+            BTreeSet::from(["op_f32", "op_bf16", "plain_f32"])
+        );
     }
 
     #[test]

@@ -64,38 +64,28 @@ __device__ __forceinline__ void attention_impl(const T* q, const T* k, const T* 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    attention_f32(const float* q, const float* k, const float* v, float* out, const float* mask,
-                  int batch, int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim,
-                  float scale, int causal, int window, int q_offset) {
-    attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                   causal, window, q_offset, nullptr);
-}
+#define SHARDC_ATTENTION(NAME, T)                                                            \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
+        NAME(const T* q, const T* k, const T* v, T* out, const float* mask, int batch,       \
+             int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim, float scale,     \
+             int causal, int window, int q_offset) {                                         \
+        attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, \
+                       scale, causal, window, q_offset, nullptr);                            \
+    }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out, const float* mask,
-                   int batch, int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim,
-                   float scale, int causal, int window, int q_offset) {
-    attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                   causal, window, q_offset, nullptr);
-}
+SHARDC_ATTENTION(attention_f32, float)
+SHARDC_ATTENTION(attention_bf16, bf16)
 
 // The same forward, also writing each query's log-sum-exp of its scaled scores for the backward
 // (attention_bwd.cu): lse [B, Tq, Hq] f32, -inf for a query with no visible key. Same launch.
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    attention_lse_f32(const float* q, const float* k, const float* v, float* out,
-                      const float* mask, int batch, int seq_q, int seq_k, int heads_q,
-                      int heads_kv, int head_dim, float scale, int causal, int window,
-                      int q_offset, float* lse) {
-    attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                   causal, window, q_offset, lse);
-}
+#define SHARDC_ATTENTION_LSE(NAME, T)                                                        \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
+        NAME(const T* q, const T* k, const T* v, T* out, const float* mask, int batch,       \
+             int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim, float scale,     \
+             int causal, int window, int q_offset, float* lse) {                             \
+        attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, \
+                       scale, causal, window, q_offset, lse);                                \
+    }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    attention_lse_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
-                       const float* mask, int batch, int seq_q, int seq_k, int heads_q,
-                       int heads_kv, int head_dim, float scale, int causal, int window,
-                       int q_offset, float* lse) {
-    attention_impl(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                   causal, window, q_offset, lse);
-}
+SHARDC_ATTENTION_LSE(attention_lse_f32, float)
+SHARDC_ATTENTION_LSE(attention_lse_bf16, bf16)

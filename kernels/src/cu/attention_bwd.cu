@@ -211,34 +211,25 @@ __device__ __forceinline__ void attention_bwd_impl(
     }
 }
 
-extern "C" __global__ void attention_bwd_prep_f32(const float* out, const float* dout,
-                                                  float* delta, float* dq_acc, i64 rows,
-                                                  int head_dim) {
-    attention_bwd_prep_impl(out, dout, delta, dq_acc, rows, head_dim);
-}
+#define SHARDC_ATTENTION_BWD_PREP(NAME, T)                                                    \
+    extern "C" __global__ void NAME(const T* out, const T* dout, float* delta, float* dq_acc, \
+                                    i64 rows, int head_dim) {                                 \
+        attention_bwd_prep_impl(out, dout, delta, dq_acc, rows, head_dim);                    \
+    }
 
-extern "C" __global__ void attention_bwd_prep_bf16(const bf16* out, const bf16* dout,
-                                                   float* delta, float* dq_acc, i64 rows,
-                                                   int head_dim) {
-    attention_bwd_prep_impl(out, dout, delta, dq_acc, rows, head_dim);
-}
+SHARDC_ATTENTION_BWD_PREP(attention_bwd_prep_f32, float)
+SHARDC_ATTENTION_BWD_PREP(attention_bwd_prep_bf16, bf16)
 
-extern "C" __global__ void __launch_bounds__(ABWD_THREADS)
-    attention_bwd_f32(const float* q, const float* k, const float* v, const float* dout,
-                      const float* lse, const float* delta, const float* mask, float* dq_acc,
-                      float* dk, float* dv, int batch, int seq_q, int seq_k, int heads_q,
-                      int heads_kv, int head_dim, float scale, int causal, int window,
-                      int q_offset) {
-    attention_bwd_impl(q, k, v, dout, lse, delta, mask, dq_acc, dk, dv, batch, seq_q, seq_k,
-                       heads_q, heads_kv, head_dim, scale, causal, window, q_offset);
-}
+#define SHARDC_ATTENTION_BWD(NAME, T)                                                         \
+    extern "C" __global__ void __launch_bounds__(ABWD_THREADS)                                \
+        NAME(const T* q, const T* k, const T* v, const T* dout, const float* lse,             \
+             const float* delta, const float* mask, float* dq_acc, T* dk, T* dv, int batch,   \
+             int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim, float scale,      \
+             int causal, int window, int q_offset) {                                          \
+        attention_bwd_impl(q, k, v, dout, lse, delta, mask, dq_acc, dk, dv, batch, seq_q,     \
+                           seq_k, heads_q, heads_kv, head_dim, scale, causal, window,         \
+                           q_offset);                                                         \
+    }
 
-extern "C" __global__ void __launch_bounds__(ABWD_THREADS)
-    attention_bwd_bf16(const bf16* q, const bf16* k, const bf16* v, const bf16* dout,
-                       const float* lse, const float* delta, const float* mask, float* dq_acc,
-                       bf16* dk, bf16* dv, int batch, int seq_q, int seq_k, int heads_q,
-                       int heads_kv, int head_dim, float scale, int causal, int window,
-                       int q_offset) {
-    attention_bwd_impl(q, k, v, dout, lse, delta, mask, dq_acc, dk, dv, batch, seq_q, seq_k,
-                       heads_q, heads_kv, head_dim, scale, causal, window, q_offset);
-}
+SHARDC_ATTENTION_BWD(attention_bwd_f32, float)
+SHARDC_ATTENTION_BWD(attention_bwd_bf16, bf16)

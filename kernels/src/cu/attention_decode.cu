@@ -135,34 +135,25 @@ __device__ __forceinline__ void attention_combine_impl(T* out, int batch, int se
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    attention_decode_f32(const float* q, const float* k, const float* v, float* out,
-                         const float* mask, int batch, int seq_q, int seq_k, int heads_q,
-                         int heads_kv, int head_dim, float scale, int causal, int window,
-                         int q_offset, float* ws, int num_splits) {
-    attention_decode_impl(q, k, v, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                          causal, window, q_offset, ws, num_splits);
-}
+#define SHARDC_ATTENTION_DECODE(NAME, T)                                                     \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
+        NAME(const T* q, const T* k, const T* v, T* out, const float* mask, int batch,       \
+             int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim, float scale,     \
+             int causal, int window, int q_offset, float* ws, int num_splits) {              \
+        attention_decode_impl(q, k, v, mask, batch, seq_q, seq_k, heads_q, heads_kv,         \
+                              head_dim, scale, causal, window, q_offset, ws, num_splits);    \
+    }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    attention_decode_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
-                          const float* mask, int batch, int seq_q, int seq_k, int heads_q,
-                          int heads_kv, int head_dim, float scale, int causal, int window,
-                          int q_offset, float* ws, int num_splits) {
-    attention_decode_impl(q, k, v, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale,
-                          causal, window, q_offset, ws, num_splits);
-}
+SHARDC_ATTENTION_DECODE(attention_decode_f32, float)
+SHARDC_ATTENTION_DECODE(attention_decode_bf16, bf16)
 
-extern "C" __global__ void attention_decode_combine_f32(
-    const float* q, const float* k, const float* v, float* out, const float* mask, int batch,
-    int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim, float scale, int causal,
-    int window, int q_offset, float* ws, int num_splits) {
-    attention_combine_impl(out, batch, seq_q, heads_q, head_dim, ws, num_splits);
-}
+#define SHARDC_ATTENTION_DECODE_COMBINE(NAME, T)                                             \
+    extern "C" __global__ void NAME(                                                         \
+        const T* q, const T* k, const T* v, T* out, const float* mask, int batch, int seq_q, \
+        int seq_k, int heads_q, int heads_kv, int head_dim, float scale, int causal,         \
+        int window, int q_offset, float* ws, int num_splits) {                               \
+        attention_combine_impl(out, batch, seq_q, heads_q, head_dim, ws, num_splits);        \
+    }
 
-extern "C" __global__ void attention_decode_combine_bf16(
-    const bf16* q, const bf16* k, const bf16* v, bf16* out, const float* mask, int batch,
-    int seq_q, int seq_k, int heads_q, int heads_kv, int head_dim, float scale, int causal,
-    int window, int q_offset, float* ws, int num_splits) {
-    attention_combine_impl(out, batch, seq_q, heads_q, head_dim, ws, num_splits);
-}
+SHARDC_ATTENTION_DECODE_COMBINE(attention_decode_combine_f32, float)
+SHARDC_ATTENTION_DECODE_COMBINE(attention_decode_combine_bf16, bf16)

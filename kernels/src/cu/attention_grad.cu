@@ -221,67 +221,48 @@ __device__ __forceinline__ void attention_grad_kv_impl(const W* w, const T* x, T
     }
 }
 
-extern "C" __global__ void attention_probs_f32(const float* q, const float* k, const float* mask,
-                                               float* probs, i64 batch, i64 seq_q, i64 seq_k,
-                                               i64 heads_q, i64 heads_kv, i64 head_dim,
-                                               float scale, int causal, i64 window,
-                                               i64 q_offset) {
-    attention_probs_impl(q, k, mask, probs, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
-                         scale, causal, window, q_offset);
-}
-extern "C" __global__ void attention_probs_bf16(const bf16* q, const bf16* k, const float* mask,
-                                                bf16* probs, i64 batch, i64 seq_q, i64 seq_k,
-                                                i64 heads_q, i64 heads_kv, i64 head_dim,
-                                                float scale, int causal, i64 window,
-                                                i64 q_offset) {
-    attention_probs_impl(q, k, mask, probs, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
-                         scale, causal, window, q_offset);
-}
+#define SHARDC_ATTENTION_PROBS(NAME, T)                                                       \
+    extern "C" __global__ void NAME(const T* q, const T* k, const float* mask, T* probs,      \
+                                    i64 batch, i64 seq_q, i64 seq_k, i64 heads_q,             \
+                                    i64 heads_kv, i64 head_dim, float scale, int causal,      \
+                                    i64 window, i64 q_offset) {                               \
+        attention_probs_impl(q, k, mask, probs, batch, seq_q, seq_k, heads_q, heads_kv,       \
+                             head_dim, scale, causal, window, q_offset);                      \
+    }
 
-extern "C" __global__ void attention_grad_ds_f32(const float* v, const float* dy,
-                                                 const float* probs, float* ds, i64 batch,
-                                                 i64 seq_q, i64 seq_k, i64 heads_q,
-                                                 i64 heads_kv, i64 head_dim) {
-    attention_grad_ds_impl(v, dy, probs, ds, batch, seq_q, seq_k, heads_q, heads_kv, head_dim);
-}
-extern "C" __global__ void attention_grad_ds_bf16(const bf16* v, const bf16* dy,
-                                                  const bf16* probs, float* ds, i64 batch,
-                                                  i64 seq_q, i64 seq_k, i64 heads_q,
-                                                  i64 heads_kv, i64 head_dim) {
-    attention_grad_ds_impl(v, dy, probs, ds, batch, seq_q, seq_k, heads_q, heads_kv, head_dim);
-}
+SHARDC_ATTENTION_PROBS(attention_probs_f32, float)
+SHARDC_ATTENTION_PROBS(attention_probs_bf16, bf16)
 
-extern "C" __global__ void attention_grad_dq_f32(const float* ds, const float* k, float* dq,
-                                                 i64 batch, i64 seq_q, i64 seq_k, i64 heads_q,
-                                                 i64 heads_kv, i64 head_dim, float scale) {
-    attention_grad_dq_impl(ds, k, dq, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale);
-}
-extern "C" __global__ void attention_grad_dq_bf16(const float* ds, const bf16* k, bf16* dq,
-                                                  i64 batch, i64 seq_q, i64 seq_k, i64 heads_q,
-                                                  i64 heads_kv, i64 head_dim, float scale) {
-    attention_grad_dq_impl(ds, k, dq, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale);
-}
+#define SHARDC_ATTENTION_GRAD_DS(NAME, T)                                                     \
+    extern "C" __global__ void NAME(const T* v, const T* dy, const T* probs, float* ds,       \
+                                    i64 batch, i64 seq_q, i64 seq_k, i64 heads_q,             \
+                                    i64 heads_kv, i64 head_dim) {                             \
+        attention_grad_ds_impl(v, dy, probs, ds, batch, seq_q, seq_k, heads_q, heads_kv,      \
+                               head_dim);                                                     \
+    }
 
-extern "C" __global__ void attention_grad_dk_f32(const float* ds, const float* q, float* dk,
-                                                 i64 batch, i64 seq_q, i64 seq_k, i64 heads_q,
-                                                 i64 heads_kv, i64 head_dim, float scale) {
-    attention_grad_kv_impl(ds, q, dk, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale);
-}
-extern "C" __global__ void attention_grad_dk_bf16(const float* ds, const bf16* q, bf16* dk,
-                                                  i64 batch, i64 seq_q, i64 seq_k, i64 heads_q,
-                                                  i64 heads_kv, i64 head_dim, float scale) {
-    attention_grad_kv_impl(ds, q, dk, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale);
-}
+SHARDC_ATTENTION_GRAD_DS(attention_grad_ds_f32, float)
+SHARDC_ATTENTION_GRAD_DS(attention_grad_ds_bf16, bf16)
 
-extern "C" __global__ void attention_grad_dv_f32(const float* probs, const float* dy, float* dv,
-                                                 i64 batch, i64 seq_q, i64 seq_k, i64 heads_q,
-                                                 i64 heads_kv, i64 head_dim) {
-    attention_grad_kv_impl(probs, dy, dv, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
-                           1.0f);
-}
-extern "C" __global__ void attention_grad_dv_bf16(const bf16* probs, const bf16* dy, bf16* dv,
-                                                  i64 batch, i64 seq_q, i64 seq_k, i64 heads_q,
-                                                  i64 heads_kv, i64 head_dim) {
-    attention_grad_kv_impl(probs, dy, dv, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
-                           1.0f);
-}
+// One signature for dq (x = k, attention_grad_dq_impl) and dk (x = q, attention_grad_kv_impl).
+#define SHARDC_ATTENTION_GRAD_DQ_DK(NAME, T, IMPL)                                            \
+    extern "C" __global__ void NAME(const float* ds, const T* x, T* dx, i64 batch, i64 seq_q, \
+                                    i64 seq_k, i64 heads_q, i64 heads_kv, i64 head_dim,       \
+                                    float scale) {                                            \
+        IMPL(ds, x, dx, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, scale);             \
+    }
+
+SHARDC_ATTENTION_GRAD_DQ_DK(attention_grad_dq_f32, float, attention_grad_dq_impl)
+SHARDC_ATTENTION_GRAD_DQ_DK(attention_grad_dq_bf16, bf16, attention_grad_dq_impl)
+SHARDC_ATTENTION_GRAD_DQ_DK(attention_grad_dk_f32, float, attention_grad_kv_impl)
+SHARDC_ATTENTION_GRAD_DQ_DK(attention_grad_dk_bf16, bf16, attention_grad_kv_impl)
+
+#define SHARDC_ATTENTION_GRAD_DV(NAME, T)                                                     \
+    extern "C" __global__ void NAME(const T* probs, const T* dy, T* dv, i64 batch, i64 seq_q, \
+                                    i64 seq_k, i64 heads_q, i64 heads_kv, i64 head_dim) {     \
+        attention_grad_kv_impl(probs, dy, dv, batch, seq_q, seq_k, heads_q, heads_kv,         \
+                               head_dim, 1.0f);                                               \
+    }
+
+SHARDC_ATTENTION_GRAD_DV(attention_grad_dv_f32, float)
+SHARDC_ATTENTION_GRAD_DV(attention_grad_dv_bf16, bf16)

@@ -50,12 +50,11 @@ __device__ __forceinline__ void embedding_impl(const T* table, const int* ids, T
     }
 }
 
-extern "C" __global__ void embedding_f32(const float* table, const int* ids, float* out,
-                                         i64 n_ids, i64 vocab, i64 hidden, i64 id_offset) {
-    embedding_impl(table, ids, out, n_ids, vocab, hidden, id_offset);
-}
+#define SHARDC_EMBEDDING(NAME, T)                                                      \
+    extern "C" __global__ void NAME(const T* table, const int* ids, T* out, i64 n_ids, \
+                                    i64 vocab, i64 hidden, i64 id_offset) {            \
+        embedding_impl(table, ids, out, n_ids, vocab, hidden, id_offset);              \
+    }
 
-extern "C" __global__ void embedding_bf16(const bf16* table, const int* ids, bf16* out,
-                                          i64 n_ids, i64 vocab, i64 hidden, i64 id_offset) {
-    embedding_impl(table, ids, out, n_ids, vocab, hidden, id_offset);
-}
+SHARDC_EMBEDDING(embedding_f32, float)
+SHARDC_EMBEDDING(embedding_bf16, bf16)

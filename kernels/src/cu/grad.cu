@@ -45,7 +45,7 @@ __device__ __forceinline__ float dop_neg(float) { return -1.0f; }
 
 #define SHARDC_UNARY_GRAD(NAME, T, DFN)                                              \
     extern "C" __global__ void NAME(const T* x, const T* dy, T* dx, i64 n) {         \
-        map2(x, dy, dx, n, n, [](float v, float g) { return g * DFN(v); });      \
+        map2(x, dy, dx, n, n, [](float v, float g) { return g * DFN(v); });          \
     }
 
 SHARDC_UNARY_GRAD(unary_grad_gelu_tanh_f32, float, dop_gelu_tanh)
@@ -79,14 +79,14 @@ __device__ __forceinline__ void repeat_grad_impl(const T* dy, T* dx, i64 outer, 
     }
 }
 
-extern "C" __global__ void repeat_grad_f32(const float* dy, float* dx, i64 outer, i64 dim,
-                                           i64 times, i64 inner) {
-    repeat_grad_impl(dy, dx, outer, dim, times, inner);
-}
-extern "C" __global__ void repeat_grad_bf16(const bf16* dy, bf16* dx, i64 outer, i64 dim,
-                                            i64 times, i64 inner) {
-    repeat_grad_impl(dy, dx, outer, dim, times, inner);
-}
+#define SHARDC_REPEAT_GRAD(NAME, T)                                                  \
+    extern "C" __global__ void NAME(const T* dy, T* dx, i64 outer, i64 dim,          \
+                                    i64 times, i64 inner) {                          \
+        repeat_grad_impl(dy, dx, outer, dim, times, inner);                          \
+    }
+
+SHARDC_REPEAT_GRAD(repeat_grad_f32, float)
+SHARDC_REPEAT_GRAD(repeat_grad_bf16, bf16)
 
 // ---- embedding_grad --------------------------------------------------------------------------
 
@@ -103,11 +103,11 @@ __device__ __forceinline__ void embedding_grad_impl(const int* ids, const T* dy,
     }
 }
 
-extern "C" __global__ void embedding_grad_f32(const int* ids, const float* dy, float* acc, i64 n,
-                                              i64 vocab, i64 hidden) {
-    embedding_grad_impl(ids, dy, acc, n, vocab, hidden);
-}
-extern "C" __global__ void embedding_grad_bf16(const int* ids, const bf16* dy, float* acc, i64 n,
-                                               i64 vocab, i64 hidden) {
-    embedding_grad_impl(ids, dy, acc, n, vocab, hidden);
-}
+#define SHARDC_EMBEDDING_GRAD(NAME, T)                                               \
+    extern "C" __global__ void NAME(const int* ids, const T* dy, float* acc, i64 n,  \
+                                    i64 vocab, i64 hidden) {                         \
+        embedding_grad_impl(ids, dy, acc, n, vocab, hidden);                         \
+    }
+
+SHARDC_EMBEDDING_GRAD(embedding_grad_f32, float)
+SHARDC_EMBEDDING_GRAD(embedding_grad_bf16, bf16)

@@ -54,14 +54,14 @@ __device__ __forceinline__ void cross_entropy_impl(const T* logits, const int* l
     }
 }
 
-extern "C" __global__ void cross_entropy_f32(const float* logits, const int* labels, float* loss,
-                                             i64 rows, i64 vocab) {
-    cross_entropy_impl(logits, labels, loss, rows, vocab);
-}
-extern "C" __global__ void cross_entropy_bf16(const bf16* logits, const int* labels, float* loss,
-                                              i64 rows, i64 vocab) {
-    cross_entropy_impl(logits, labels, loss, rows, vocab);
-}
+#define SHARDC_CROSS_ENTROPY(NAME, T)                                                       \
+    extern "C" __global__ void NAME(const T* logits, const int* labels, float* loss,        \
+                                    i64 rows, i64 vocab) {                                  \
+        cross_entropy_impl(logits, labels, loss, rows, vocab);                              \
+    }
+
+SHARDC_CROSS_ENTROPY(cross_entropy_f32, float)
+SHARDC_CROSS_ENTROPY(cross_entropy_bf16, bf16)
 
 extern "C" __global__ void loss_sum_f32(const float* loss, float* out, i64 rows, float scale) {
     float s = 0.0f;
@@ -152,33 +152,31 @@ __device__ __forceinline__ void cross_entropy_shard_grad_impl(const T* logits, c
     }
 }
 
-extern "C" __global__ void cross_entropy_stats_f32(const float* logits, const int* labels,
-                                                   float* stats, i64 rows, i64 vocab, i64 lo,
-                                                   i64 total) {
-    cross_entropy_stats_impl(logits, labels, stats, rows, vocab, lo, total);
-}
-extern "C" __global__ void cross_entropy_stats_bf16(const bf16* logits, const int* labels,
-                                                    bf16* stats, i64 rows, i64 vocab, i64 lo,
-                                                    i64 total) {
-    cross_entropy_stats_impl(logits, labels, stats, rows, vocab, lo, total);
-}
-extern "C" __global__ void cross_entropy_from_stats_f32(const float* stats, const int* labels,
-                                                        float* loss, i64 rows, i64 shards) {
-    cross_entropy_from_stats_impl(stats, labels, loss, rows, shards);
-}
-extern "C" __global__ void cross_entropy_from_stats_bf16(const bf16* stats, const int* labels,
-                                                         float* loss, i64 rows, i64 shards) {
-    cross_entropy_from_stats_impl(stats, labels, loss, rows, shards);
-}
-extern "C" __global__ void cross_entropy_shard_grad_f32(const float* logits, const int* labels,
-                                                        const float* stats, float* dx, i64 rows,
-                                                        i64 vocab, i64 shards, i64 lo,
-                                                        float scale) {
-    cross_entropy_shard_grad_impl(logits, labels, stats, dx, rows, vocab, shards, lo, scale);
-}
-extern "C" __global__ void cross_entropy_shard_grad_bf16(const bf16* logits, const int* labels,
-                                                         const bf16* stats, bf16* dx, i64 rows,
-                                                         i64 vocab, i64 shards, i64 lo,
-                                                         float scale) {
-    cross_entropy_shard_grad_impl(logits, labels, stats, dx, rows, vocab, shards, lo, scale);
-}
+#define SHARDC_CROSS_ENTROPY_STATS(NAME, T)                                                 \
+    extern "C" __global__ void NAME(const T* logits, const int* labels, T* stats, i64 rows, \
+                                    i64 vocab, i64 lo, i64 total) {                         \
+        cross_entropy_stats_impl(logits, labels, stats, rows, vocab, lo, total);            \
+    }
+
+SHARDC_CROSS_ENTROPY_STATS(cross_entropy_stats_f32, float)
+SHARDC_CROSS_ENTROPY_STATS(cross_entropy_stats_bf16, bf16)
+
+#define SHARDC_CROSS_ENTROPY_FROM_STATS(NAME, T)                                            \
+    extern "C" __global__ void NAME(const T* stats, const int* labels, float* loss,         \
+                                    i64 rows, i64 shards) {                                 \
+        cross_entropy_from_stats_impl(stats, labels, loss, rows, shards);                   \
+    }
+
+SHARDC_CROSS_ENTROPY_FROM_STATS(cross_entropy_from_stats_f32, float)
+SHARDC_CROSS_ENTROPY_FROM_STATS(cross_entropy_from_stats_bf16, bf16)
+
+#define SHARDC_CROSS_ENTROPY_SHARD_GRAD(NAME, T)                                            \
+    extern "C" __global__ void NAME(const T* logits, const int* labels, const T* stats,     \
+                                    T* dx, i64 rows, i64 vocab, i64 shards, i64 lo,         \
+                                    float scale) {                                          \
+        cross_entropy_shard_grad_impl(logits, labels, stats, dx, rows, vocab, shards, lo,   \
+                                      scale);                                               \
+    }
+
+SHARDC_CROSS_ENTROPY_SHARD_GRAD(cross_entropy_shard_grad_f32, float)
+SHARDC_CROSS_ENTROPY_SHARD_GRAD(cross_entropy_shard_grad_bf16, bf16)

@@ -65,29 +65,23 @@ __device__ __forceinline__ void combine_impl(const T* y, const T* gates, T* out,
     }
 }
 
-extern "C" __global__ void router_f32(const float* logits, float* gates, i64 tokens, int experts,
-                                      int top_k, int normalize) {
-    router_impl(logits, gates, tokens, experts, top_k, normalize);
-}
-extern "C" __global__ void router_bf16(const bf16* logits, bf16* gates, i64 tokens, int experts,
-                                       int top_k, int normalize) {
-    router_impl(logits, gates, tokens, experts, top_k, normalize);
-}
+#define SHARDC_ROUTER(NAME, T)                                                          \
+    extern "C" __global__ void NAME(const T* logits, T* gates, i64 tokens, int experts, \
+                                    int top_k, int normalize) {                         \
+        router_impl(logits, gates, tokens, experts, top_k, normalize);                  \
+    }
 
-extern "C" __global__ void dispatch_f32(const float* x, const float* gates, float* out,
-                                        i64 tokens, int experts, i64 hidden) {
-    dispatch_impl(x, gates, out, tokens, experts, hidden);
-}
-extern "C" __global__ void dispatch_bf16(const bf16* x, const bf16* gates, bf16* out, i64 tokens,
-                                         int experts, i64 hidden) {
-    dispatch_impl(x, gates, out, tokens, experts, hidden);
-}
+SHARDC_ROUTER(router_f32, float)
+SHARDC_ROUTER(router_bf16, bf16)
 
-extern "C" __global__ void combine_f32(const float* y, const float* gates, float* out,
-                                       i64 tokens, int experts, i64 hidden) {
-    combine_impl(y, gates, out, tokens, experts, hidden);
-}
-extern "C" __global__ void combine_bf16(const bf16* y, const bf16* gates, bf16* out, i64 tokens,
-                                        int experts, i64 hidden) {
-    combine_impl(y, gates, out, tokens, experts, hidden);
-}
+// One signature for dispatch (in = x, dispatch_impl) and combine (in = y, combine_impl).
+#define SHARDC_DISPATCH_COMBINE(NAME, T, IMPL)                                          \
+    extern "C" __global__ void NAME(const T* in, const T* gates, T* out, i64 tokens,    \
+                                    int experts, i64 hidden) {                          \
+        IMPL(in, gates, out, tokens, experts, hidden);                                  \
+    }
+
+SHARDC_DISPATCH_COMBINE(dispatch_f32, float, dispatch_impl)
+SHARDC_DISPATCH_COMBINE(dispatch_bf16, bf16, dispatch_impl)
+SHARDC_DISPATCH_COMBINE(combine_f32, float, combine_impl)
+SHARDC_DISPATCH_COMBINE(combine_bf16, bf16, combine_impl)

@@ -121,42 +121,38 @@ __device__ __forceinline__ void combine_grad_gates_impl(const T* y, const T* gat
     }
 }
 
-extern "C" __global__ void router_grad_f32(const float* logits, const float* dgates,
-                                           float* dlogits, i64 tokens, int experts, int top_k,
-                                           int normalize) {
-    router_grad_impl(logits, dgates, dlogits, tokens, experts, top_k, normalize);
-}
-extern "C" __global__ void router_grad_bf16(const bf16* logits, const bf16* dgates,
-                                            bf16* dlogits, i64 tokens, int experts, int top_k,
-                                            int normalize) {
-    router_grad_impl(logits, dgates, dlogits, tokens, experts, top_k, normalize);
-}
+#define SHARDC_ROUTER_GRAD(NAME, T)                                                      \
+    extern "C" __global__ void NAME(const T* logits, const T* dgates, T* dlogits,        \
+                                    i64 tokens, int experts, int top_k, int normalize) { \
+        router_grad_impl(logits, dgates, dlogits, tokens, experts, top_k, normalize);    \
+    }
 
-extern "C" __global__ void dispatch_grad_f32(const float* dxe, const float* gates, float* dx,
-                                             i64 tokens, int experts, i64 hidden) {
-    dispatch_grad_impl(dxe, gates, dx, tokens, experts, hidden);
-}
-extern "C" __global__ void dispatch_grad_bf16(const bf16* dxe, const bf16* gates, bf16* dx,
-                                              i64 tokens, int experts, i64 hidden) {
-    dispatch_grad_impl(dxe, gates, dx, tokens, experts, hidden);
-}
+SHARDC_ROUTER_GRAD(router_grad_f32, float)
+SHARDC_ROUTER_GRAD(router_grad_bf16, bf16)
 
-extern "C" __global__ void combine_grad_y_f32(const float* gates, const float* dy, float* dyy,
-                                              i64 tokens, int experts, i64 hidden) {
-    combine_grad_y_impl(gates, dy, dyy, tokens, experts, hidden);
-}
-extern "C" __global__ void combine_grad_y_bf16(const bf16* gates, const bf16* dy, bf16* dyy,
-                                               i64 tokens, int experts, i64 hidden) {
-    combine_grad_y_impl(gates, dy, dyy, tokens, experts, hidden);
-}
+#define SHARDC_DISPATCH_GRAD(NAME, T)                                                    \
+    extern "C" __global__ void NAME(const T* dxe, const T* gates, T* dx, i64 tokens,     \
+                                    int experts, i64 hidden) {                           \
+        dispatch_grad_impl(dxe, gates, dx, tokens, experts, hidden);                     \
+    }
 
-extern "C" __global__ void combine_grad_gates_f32(const float* y, const float* gates,
-                                                  const float* dy, float* dg, i64 tokens,
-                                                  int experts, i64 hidden) {
-    combine_grad_gates_impl(y, gates, dy, dg, tokens, experts, hidden);
-}
-extern "C" __global__ void combine_grad_gates_bf16(const bf16* y, const bf16* gates,
-                                                   const bf16* dy, bf16* dg, i64 tokens,
-                                                   int experts, i64 hidden) {
-    combine_grad_gates_impl(y, gates, dy, dg, tokens, experts, hidden);
-}
+SHARDC_DISPATCH_GRAD(dispatch_grad_f32, float)
+SHARDC_DISPATCH_GRAD(dispatch_grad_bf16, bf16)
+
+#define SHARDC_COMBINE_GRAD_Y(NAME, T)                                                   \
+    extern "C" __global__ void NAME(const T* gates, const T* dy, T* dyy, i64 tokens,     \
+                                    int experts, i64 hidden) {                           \
+        combine_grad_y_impl(gates, dy, dyy, tokens, experts, hidden);                    \
+    }
+
+SHARDC_COMBINE_GRAD_Y(combine_grad_y_f32, float)
+SHARDC_COMBINE_GRAD_Y(combine_grad_y_bf16, bf16)
+
+#define SHARDC_COMBINE_GRAD_GATES(NAME, T)                                               \
+    extern "C" __global__ void NAME(const T* y, const T* gates, const T* dy, T* dg,      \
+                                    i64 tokens, int experts, i64 hidden) {               \
+        combine_grad_gates_impl(y, gates, dy, dg, tokens, experts, hidden);              \
+    }
+
+SHARDC_COMBINE_GRAD_GATES(combine_grad_gates_f32, float)
+SHARDC_COMBINE_GRAD_GATES(combine_grad_gates_bf16, bf16)

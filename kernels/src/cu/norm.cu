@@ -134,31 +134,29 @@ __device__ __forceinline__ void add_rmsnorm_impl(const T* x, const T* residual, 
     }
 }
 
-extern "C" __global__ void rmsnorm_f32(const float* x, const float* w, float* out, i64 rows,
-                                       i64 hidden, float eps) {
-    rmsnorm_impl(x, w, out, rows, hidden, eps);
-}
-extern "C" __global__ void rmsnorm_bf16(const bf16* x, const bf16* w, bf16* out, i64 rows,
-                                        i64 hidden, float eps) {
-    rmsnorm_impl(x, w, out, rows, hidden, eps);
-}
+#define SHARDC_RMSNORM(NAME, T)                                                            \
+    extern "C" __global__ void NAME(const T* x, const T* w, T* out, i64 rows, i64 hidden,  \
+                                    float eps) {                                           \
+        rmsnorm_impl(x, w, out, rows, hidden, eps);                                        \
+    }
 
-extern "C" __global__ void layernorm_f32(const float* x, const float* w, const float* b,
-                                         float* out, i64 rows, i64 hidden, float eps) {
-    layernorm_impl(x, w, b, out, rows, hidden, eps);
-}
-extern "C" __global__ void layernorm_bf16(const bf16* x, const bf16* w, const bf16* b, bf16* out,
-                                          i64 rows, i64 hidden, float eps) {
-    layernorm_impl(x, w, b, out, rows, hidden, eps);
-}
+SHARDC_RMSNORM(rmsnorm_f32, float)
+SHARDC_RMSNORM(rmsnorm_bf16, bf16)
 
-extern "C" __global__ void add_rmsnorm_f32(const float* x, const float* residual, float* sum_out,
-                                           const float* w, float* out, i64 rows, i64 hidden,
-                                           float eps) {
-    add_rmsnorm_impl(x, residual, sum_out, w, out, rows, hidden, eps);
-}
-extern "C" __global__ void add_rmsnorm_bf16(const bf16* x, const bf16* residual, bf16* sum_out,
-                                            const bf16* w, bf16* out, i64 rows, i64 hidden,
-                                            float eps) {
-    add_rmsnorm_impl(x, residual, sum_out, w, out, rows, hidden, eps);
-}
+#define SHARDC_LAYERNORM(NAME, T)                                                          \
+    extern "C" __global__ void NAME(const T* x, const T* w, const T* b, T* out, i64 rows,  \
+                                    i64 hidden, float eps) {                               \
+        layernorm_impl(x, w, b, out, rows, hidden, eps);                                   \
+    }
+
+SHARDC_LAYERNORM(layernorm_f32, float)
+SHARDC_LAYERNORM(layernorm_bf16, bf16)
+
+#define SHARDC_ADD_RMSNORM(NAME, T)                                                        \
+    extern "C" __global__ void NAME(const T* x, const T* residual, T* sum_out, const T* w, \
+                                    T* out, i64 rows, i64 hidden, float eps) {             \
+        add_rmsnorm_impl(x, residual, sum_out, w, out, rows, hidden, eps);                 \
+    }
+
+SHARDC_ADD_RMSNORM(add_rmsnorm_f32, float)
+SHARDC_ADD_RMSNORM(add_rmsnorm_bf16, bf16)

@@ -166,38 +166,37 @@ __device__ __forceinline__ void bias_grad_impl(const T* dy, T* db, i64 rows, i64
     column_sums(db, rows, n, [&](i64 r, i64 j) { return load(dy, r * n + j); });
 }
 
-extern "C" __global__ void norm_stats_f32(const float* x, float* stats, i64 rows, i64 hidden,
-                                          float eps, int center) {
-    norm_stats_impl(x, stats, rows, hidden, eps, center);
-}
-extern "C" __global__ void norm_stats_bf16(const bf16* x, float* stats, i64 rows, i64 hidden,
-                                           float eps, int center) {
-    norm_stats_impl(x, stats, rows, hidden, eps, center);
-}
+#define SHARDC_NORM_STATS(NAME, T)                                                        \
+    extern "C" __global__ void NAME(const T* x, float* stats, i64 rows, i64 hidden,       \
+                                    float eps, int center) {                              \
+        norm_stats_impl(x, stats, rows, hidden, eps, center);                             \
+    }
 
-extern "C" __global__ void norm_grad_dx_f32(const float* x, const float* w, const float* dy,
-                                            float* dx, i64 rows, i64 hidden, float eps,
-                                            int center) {
-    norm_grad_dx_impl(x, w, dy, dx, rows, hidden, eps, center);
-}
-extern "C" __global__ void norm_grad_dx_bf16(const bf16* x, const bf16* w, const bf16* dy,
-                                             bf16* dx, i64 rows, i64 hidden, float eps,
-                                             int center) {
-    norm_grad_dx_impl(x, w, dy, dx, rows, hidden, eps, center);
-}
+SHARDC_NORM_STATS(norm_stats_f32, float)
+SHARDC_NORM_STATS(norm_stats_bf16, bf16)
 
-extern "C" __global__ void norm_grad_dw_f32(const float* x, const float* dy, const float* stats,
-                                            float* dw, i64 rows, i64 hidden) {
-    norm_grad_dw_impl(x, dy, stats, dw, rows, hidden);
-}
-extern "C" __global__ void norm_grad_dw_bf16(const bf16* x, const bf16* dy, const float* stats,
-                                             bf16* dw, i64 rows, i64 hidden) {
-    norm_grad_dw_impl(x, dy, stats, dw, rows, hidden);
-}
+#define SHARDC_NORM_GRAD_DX(NAME, T)                                                      \
+    extern "C" __global__ void NAME(const T* x, const T* w, const T* dy, T* dx, i64 rows, \
+                                    i64 hidden, float eps, int center) {                  \
+        norm_grad_dx_impl(x, w, dy, dx, rows, hidden, eps, center);                       \
+    }
 
-extern "C" __global__ void bias_grad_f32(const float* dy, float* db, i64 rows, i64 n) {
-    bias_grad_impl(dy, db, rows, n);
-}
-extern "C" __global__ void bias_grad_bf16(const bf16* dy, bf16* db, i64 rows, i64 n) {
-    bias_grad_impl(dy, db, rows, n);
-}
+SHARDC_NORM_GRAD_DX(norm_grad_dx_f32, float)
+SHARDC_NORM_GRAD_DX(norm_grad_dx_bf16, bf16)
+
+#define SHARDC_NORM_GRAD_DW(NAME, T)                                                      \
+    extern "C" __global__ void NAME(const T* x, const T* dy, const float* stats, T* dw,   \
+                                    i64 rows, i64 hidden) {                               \
+        norm_grad_dw_impl(x, dy, stats, dw, rows, hidden);                                \
+    }
+
+SHARDC_NORM_GRAD_DW(norm_grad_dw_f32, float)
+SHARDC_NORM_GRAD_DW(norm_grad_dw_bf16, bf16)
+
+#define SHARDC_BIAS_GRAD(NAME, T)                                                         \
+    extern "C" __global__ void NAME(const T* dy, T* db, i64 rows, i64 n) {                \
+        bias_grad_impl(dy, db, rows, n);                                                  \
+    }
+
+SHARDC_BIAS_GRAD(bias_grad_f32, float)
+SHARDC_BIAS_GRAD(bias_grad_bf16, bf16)

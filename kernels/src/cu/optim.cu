@@ -46,22 +46,21 @@ __device__ __forceinline__ void adamw_update_impl(const T* w, const T* m, const 
     });
 }
 
-extern "C" __global__ void adam_moment_f32(const float* m, const float* g, float* out, i64 n,
-                                           float beta, float one_minus_beta, int squared) {
-    adam_moment_impl(m, g, out, n, beta, one_minus_beta, squared);
-}
-extern "C" __global__ void adam_moment_bf16(const bf16* m, const bf16* g, bf16* out, i64 n,
-                                            float beta, float one_minus_beta, int squared) {
-    adam_moment_impl(m, g, out, n, beta, one_minus_beta, squared);
-}
+#define SHARDC_ADAM_MOMENT(NAME, T)                                                    \
+    extern "C" __global__ void NAME(const T* m, const T* g, T* out, i64 n, float beta, \
+                                    float one_minus_beta, int squared) {               \
+        adam_moment_impl(m, g, out, n, beta, one_minus_beta, squared);                 \
+    }
 
-extern "C" __global__ void adamw_update_f32(const float* w, const float* m, const float* v,
-                                            float* out, i64 n, double decay, double step_size,
-                                            double bc2_sqrt, double eps) {
-    adamw_update_impl(w, m, v, out, n, decay, step_size, bc2_sqrt, eps);
-}
-extern "C" __global__ void adamw_update_bf16(const bf16* w, const bf16* m, const bf16* v,
-                                             bf16* out, i64 n, double decay, double step_size,
-                                             double bc2_sqrt, double eps) {
-    adamw_update_impl(w, m, v, out, n, decay, step_size, bc2_sqrt, eps);
-}
+SHARDC_ADAM_MOMENT(adam_moment_f32, float)
+SHARDC_ADAM_MOMENT(adam_moment_bf16, bf16)
+
+#define SHARDC_ADAMW_UPDATE(NAME, T)                                                   \
+    extern "C" __global__ void NAME(const T* w, const T* m, const T* v, T* out, i64 n, \
+                                    double decay, double step_size, double bc2_sqrt,   \
+                                    double eps) {                                      \
+        adamw_update_impl(w, m, v, out, n, decay, step_size, bc2_sqrt, eps);           \
+    }
+
+SHARDC_ADAMW_UPDATE(adamw_update_f32, float)
+SHARDC_ADAMW_UPDATE(adamw_update_bf16, bf16)

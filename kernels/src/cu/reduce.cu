@@ -23,21 +23,26 @@ __device__ __forceinline__ void reduce_average_impl(T* acc, const T* x, i64 n, f
     map2((const T*)acc, x, acc, n, n, [scale](float a, float b) { return (a + b) * scale; });
 }
 
-extern "C" __global__ void reduce_add_f32(const float* a, const float* b, float* out, i64 n) {
-    reduce_add_impl(a, b, out, n);
-}
-extern "C" __global__ void reduce_add_bf16(const bf16* a, const bf16* b, bf16* out, i64 n) {
-    reduce_add_impl(a, b, out, n);
-}
-extern "C" __global__ void reduce_accumulate_f32(float* acc, const float* x, i64 n) {
-    reduce_accumulate_impl(acc, x, n);
-}
-extern "C" __global__ void reduce_accumulate_bf16(bf16* acc, const bf16* x, i64 n) {
-    reduce_accumulate_impl(acc, x, n);
-}
-extern "C" __global__ void reduce_average_f32(float* acc, const float* x, i64 n, float scale) {
-    reduce_average_impl(acc, x, n, scale);
-}
-extern "C" __global__ void reduce_average_bf16(bf16* acc, const bf16* x, i64 n, float scale) {
-    reduce_average_impl(acc, x, n, scale);
-}
+#define SHARDC_REDUCE_ADD(NAME, T)                                                   \
+    extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 n) {         \
+        reduce_add_impl(a, b, out, n);                                               \
+    }
+
+SHARDC_REDUCE_ADD(reduce_add_f32, float)
+SHARDC_REDUCE_ADD(reduce_add_bf16, bf16)
+
+#define SHARDC_REDUCE_ACCUMULATE(NAME, T)                                            \
+    extern "C" __global__ void NAME(T* acc, const T* x, i64 n) {                     \
+        reduce_accumulate_impl(acc, x, n);                                           \
+    }
+
+SHARDC_REDUCE_ACCUMULATE(reduce_accumulate_f32, float)
+SHARDC_REDUCE_ACCUMULATE(reduce_accumulate_bf16, bf16)
+
+#define SHARDC_REDUCE_AVERAGE(NAME, T)                                               \
+    extern "C" __global__ void NAME(T* acc, const T* x, i64 n, float scale) {        \
+        reduce_average_impl(acc, x, n, scale);                                       \
+    }
+
+SHARDC_REDUCE_AVERAGE(reduce_average_f32, float)
+SHARDC_REDUCE_AVERAGE(reduce_average_bf16, bf16)

@@ -118,23 +118,15 @@ __device__ __forceinline__ void rope_impl(const T* x, T* out, const int* pos,
     }
 }
 
-extern "C" __global__ void rope_half_f32(const float* x, float* out, const int* pos,
-                                         const float* inv_freq, i64 batch, i64 seq, i64 heads,
-                                         i64 head_dim, i64 rot_dim) {
-    rope_impl<float, false>(x, out, pos, inv_freq, batch, seq, heads, head_dim, rot_dim);
-}
-extern "C" __global__ void rope_half_bf16(const bf16* x, bf16* out, const int* pos,
-                                          const float* inv_freq, i64 batch, i64 seq, i64 heads,
-                                          i64 head_dim, i64 rot_dim) {
-    rope_impl<bf16, false>(x, out, pos, inv_freq, batch, seq, heads, head_dim, rot_dim);
-}
-extern "C" __global__ void rope_interleaved_f32(const float* x, float* out, const int* pos,
-                                                const float* inv_freq, i64 batch, i64 seq,
-                                                i64 heads, i64 head_dim, i64 rot_dim) {
-    rope_impl<float, true>(x, out, pos, inv_freq, batch, seq, heads, head_dim, rot_dim);
-}
-extern "C" __global__ void rope_interleaved_bf16(const bf16* x, bf16* out, const int* pos,
-                                                 const float* inv_freq, i64 batch, i64 seq,
-                                                 i64 heads, i64 head_dim, i64 rot_dim) {
-    rope_impl<bf16, true>(x, out, pos, inv_freq, batch, seq, heads, head_dim, rot_dim);
-}
+#define SHARDC_ROPE(NAME, T, INTERLEAVED)                                                      \
+    extern "C" __global__ void NAME(const T* x, T* out, const int* pos, const float* inv_freq, \
+                                    i64 batch, i64 seq, i64 heads, i64 head_dim,               \
+                                    i64 rot_dim) {                                             \
+        rope_impl<T, INTERLEAVED>(x, out, pos, inv_freq, batch, seq, heads, head_dim,          \
+                                  rot_dim);                                                    \
+    }
+
+SHARDC_ROPE(rope_half_f32, float, false)
+SHARDC_ROPE(rope_half_bf16, bf16, false)
+SHARDC_ROPE(rope_interleaved_f32, float, true)
+SHARDC_ROPE(rope_interleaved_bf16, bf16, true)

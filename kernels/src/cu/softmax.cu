@@ -48,9 +48,10 @@ __device__ __forceinline__ void softmax_impl(const T* x, T* out, i64 rows, i64 c
     }
 }
 
-extern "C" __global__ void softmax_f32(const float* x, float* out, i64 rows, i64 cols) {
-    softmax_impl(x, out, rows, cols);
-}
-extern "C" __global__ void softmax_bf16(const bf16* x, bf16* out, i64 rows, i64 cols) {
-    softmax_impl(x, out, rows, cols);
-}
+#define SHARDC_SOFTMAX(NAME, T)                                                      \
+    extern "C" __global__ void NAME(const T* x, T* out, i64 rows, i64 cols) {        \
+        softmax_impl(x, out, rows, cols);                                            \
+    }
+
+SHARDC_SOFTMAX(softmax_f32, float)
+SHARDC_SOFTMAX(softmax_bf16, bf16)
