@@ -76,6 +76,32 @@ impl CudaProgram {
         Ok(())
     }
 
+    /// `Rope` or `RopeGrad` node `v` of style `style` (the gradient rotates by the negated
+    /// angles: its frequency table, loaded at prepare, is negated).
+    pub(super) fn rope_node(
+        &self,
+        v: ValueId,
+        style: shardc_compiler::ir::RopeStyle,
+        l: &Launcher,
+    ) -> Result<(), CudaError> {
+        let node = self.graph.node(v);
+        let s = node.ty.shape();
+        let inv = self.rope[v.index()]
+            .as_ref()
+            .expect("invariant: rope tables are loaded")
+            .ptr;
+        let (x, pos) = (self.ptr(node.inputs[0]), self.ptr(node.inputs[1]));
+        l.rope(
+            style,
+            self.dt(),
+            x,
+            self.ptr(v),
+            pos,
+            inv,
+            [s[0], s[1], s[2], s[3]],
+        )
+    }
+
     /// The device address of attention key mask `mask` as the kernels read it (f32 `[B, S]`):
     /// its own buffer in an f32 run, converted into `at` (scratch) in a bf16 one; 0 for none.
     pub(super) fn f32_mask(
@@ -228,22 +254,7 @@ impl CudaProgram {
                     eps.0,
                 )
             }
-            Op::Rope(spec) => {
-                let s = node.ty.shape();
-                let inv = self.rope[v.index()]
-                    .as_ref()
-                    .expect("invariant: rope tables are loaded")
-                    .ptr;
-                l.rope(
-                    spec.style,
-                    dt,
-                    x,
-                    out,
-                    self.ptr(ins[1]),
-                    inv,
-                    [s[0], s[1], s[2], s[3]],
-                )
-            }
+            Op::Rope(spec) => self.rope_node(v, spec.style, l),
             Op::Attention(spec) => {
                 let (q, k) = (self.shape(ins[0]), self.shape(ins[1]));
                 let scratch = attention_scratch(

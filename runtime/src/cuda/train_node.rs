@@ -65,22 +65,7 @@ impl CudaProgram {
                     }
                 }
             }
-            Op::RopeGrad(spec) => {
-                let s = node.ty.shape();
-                let inv = self.rope[v.index()]
-                    .as_ref()
-                    .expect("invariant: rope tables are loaded")
-                    .ptr;
-                l.rope(
-                    spec.style,
-                    dt,
-                    p(0),
-                    out,
-                    p(1),
-                    inv,
-                    [s[0], s[1], s[2], s[3]],
-                )
-            }
+            Op::RopeGrad(spec) => self.rope_node(v, spec.style, l),
             Op::AttentionProbs(spec) => {
                 let dims = self.attn_dims(ins[0], ins[1]);
                 let mask = self.f32_mask(ins.get(2).copied(), scratch, l);
