@@ -42,6 +42,19 @@ fn f32_reproduces_every_fixture() {
                 p.arena_bytes(),
                 p.fused_groups().len()
             );
+            // Llama's k/v and gate/up, Mixtral's k/v: one batched GEMM each when fused.
+            let siblings = p
+                .fused_groups()
+                .iter()
+                .filter(|grp| grp.label() == "sibling gemms")
+                .count();
+            assert_eq!(
+                siblings > 0,
+                fuse && case.model != "gpt2",
+                "{} {} fuse={fuse}: {siblings} sibling GEMM groups",
+                case.model,
+                case.name
+            );
             // Running again gives the same logits (no state leaks between runs).
             let again = p.run(&case.inputs, &ctx).expect("rerun");
             assert_eq!(

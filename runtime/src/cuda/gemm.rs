@@ -175,6 +175,37 @@ impl GemmKey {
         })
     }
 
+    /// This unbatched, epilogue-free GEMM run `count` times in one call (sibling `MatMul`s,
+    /// `plan::SiblingGemms`): every run reads the same activation (batch stride 0), the weights
+    /// lie `w_stride` elements apart and the results `out_stride` elements apart.
+    pub fn siblings(
+        self,
+        count: usize,
+        w_stride: i64,
+        out_stride: i64,
+    ) -> Result<GemmKey, RuntimeError> {
+        let err = |reason| RuntimeError::Shape {
+            op: "matmul",
+            shapes: vec![vec![self.n as usize, self.k as usize], vec![count]],
+            reason,
+        };
+        if self.batch != 1 || self.epilogue != Epilogue::None {
+            return Err(err("sibling GEMMs are unbatched and take no epilogue"));
+        }
+        let weight = (self.m * self.k) as i64;
+        let result = (self.m * self.n) as i64;
+        if count < 2 || count > i32::MAX as usize || w_stride < weight || out_stride < result {
+            return Err(err(
+                "sibling strides must keep the weights and results apart",
+            ));
+        }
+        Ok(GemmKey {
+            batch: count as i32,
+            strides: (w_stride, 0, out_stride),
+            ..self
+        })
+    }
+
     /// The key of `WeightGrad { transpose_b }(a, dy, b)`: `a` `[.., M, K]` (or `[E, .., M,
     /// K]`), `dy` `[.., M, N]` (or `[E, .., M, N]`), the gradient `b` `[K,N]`/`[N,K]` (or
     /// `[E,K,N]`/`[E,N,K]`), summed over the rows. Returns the key and whether cuBLASLt's "A"
@@ -705,6 +736,39 @@ mod tests {
         let k =
             GemmKey::for_matmul(&[3, 4], &[4, 5], false, GpuDType::F32, Epilogue::None).unwrap();
         assert_ne!(k, GemmKey { align: 4, ..k }, "alignment is part of the key");
+    }
+
+    #[test]
+    fn sibling_keys_batch_one_activation_over_strided_weights() {
+        // k and v of a GQA layer: x [2, 16, 64] by two [32, 64] weights (transposed).
+        let one = GemmKey::for_matmul(
+            &[2, 16, 64],
+            &[32, 64],
+            true,
+            GpuDType::Bf16,
+            Epilogue::None,
+        )
+        .unwrap();
+        let k = one.siblings(2, 32 * 64, 32 * 32).unwrap();
+        assert_eq!((k.batch, k.strides), (2, (32 * 64, 0, 32 * 32)));
+        assert_eq!((k.m, k.n, k.k, k.transa), (one.m, one.n, one.k, one.transa));
+        assert_ne!(k, one, "a sibling GEMM has its own plan");
+        // Overlapping weights or results, a single member, a batched or epilogue base: refused.
+        assert!(one.siblings(2, 32 * 64 - 1, 32 * 32).is_err());
+        assert!(one.siblings(2, 32 * 64, 32 * 32 - 1).is_err());
+        assert!(one.siblings(1, 32 * 64, 32 * 32).is_err());
+        let batched = GemmKey::for_matmul(
+            &[2, 16, 64],
+            &[2, 64, 32],
+            false,
+            GpuDType::F32,
+            Epilogue::None,
+        )
+        .unwrap();
+        assert!(batched.siblings(2, 1 << 20, 1 << 20).is_err());
+        let bias =
+            GemmKey::for_matmul(&[16, 64], &[32, 64], true, GpuDType::F32, Epilogue::Bias).unwrap();
+        assert!(bias.siblings(2, 1 << 20, 1 << 20).is_err());
     }
 
     #[test]

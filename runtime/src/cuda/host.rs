@@ -84,12 +84,25 @@ impl HostData {
         buf: &DevBuf,
         what: &str,
     ) -> Result<(), CudaError> {
+        self.write_at(stream, buf, 0, what)
+    }
+
+    /// Copies the data into `buf` from byte `offset` on (stream-ordered; bytes past the
+    /// buffer's end are an error).
+    pub(super) fn write_at(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &DevBuf,
+        offset: usize,
+        what: &str,
+    ) -> Result<(), CudaError> {
         let bytes = self.bytes();
-        if buf.bytes < bytes {
+        let capacity = buf.bytes.saturating_sub(offset);
+        if capacity < bytes {
             return Err(CudaError::BufferTooSmall {
                 what: what.to_string(),
                 bytes,
-                capacity: buf.bytes,
+                capacity,
             });
         }
         if bytes == 0 {
@@ -100,13 +113,14 @@ impl HostData {
             .bind_to_thread()
             .map_err(CudaError::driver("bind context"))?;
         let s = stream.cu_stream();
-        // SAFETY: `buf` holds at least `bytes` bytes (checked above); a pageable source is
-        // staged before the call returns, so the host vector may be dropped afterwards.
+        let dst = buf.ptr + offset as u64;
+        // SAFETY: `buf` holds at least `offset + bytes` bytes (checked above); a pageable
+        // source is staged before the call returns, so the host vector may be dropped afterwards.
         unsafe {
             match self {
-                HostData::F32(v) => drv::memcpy_htod_async(buf.ptr, v, s),
-                HostData::Bf16(v) => drv::memcpy_htod_async(buf.ptr, v, s),
-                HostData::I32(v) => drv::memcpy_htod_async(buf.ptr, v, s),
+                HostData::F32(v) => drv::memcpy_htod_async(dst, v, s),
+                HostData::Bf16(v) => drv::memcpy_htod_async(dst, v, s),
+                HostData::I32(v) => drv::memcpy_htod_async(dst, v, s),
             }
         }
         .map_err(CudaError::driver(format!("upload {what} ({bytes} bytes)")))

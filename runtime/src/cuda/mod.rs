@@ -55,7 +55,8 @@ pub use gemm::{Epilogue, GemmCache, GemmKey};
 pub use node::cublas_epilogue;
 pub use plan::{
     early_write_ok, fused_expr, last_uses, plan_arena, plan_memory, reshape_aliases, retyped,
-    Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType, Slot, Storage,
+    sibling_stride, Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType, SiblingGemms, Slot,
+    Storage,
 };
 pub use program::{execute_cuda, graph_blocker, CudaProgram};
 pub use rank::{CudaOptions, CudaRankCtx, ParamInit};

@@ -446,6 +446,20 @@ impl CudaProgram {
                     eps.0,
                 )
             }
+            FusedGroup::Siblings(s) => {
+                let node = self.graph.node(s.mms[0]);
+                let (a, w) = (node.inputs[0], node.inputs[1]);
+                let key = self.sibling_key(s)?;
+                let (pa, pw, po) = (self.ptr(a), self.ptr(w), self.ptr(s.mms[0]));
+                let gemm = self
+                    .gemm
+                    .as_mut()
+                    .expect("invariant: created for graphs with MatMul");
+                // SAFETY: the members' weights were uploaded `sibling_stride` apart from the
+                // first's (`load_params`) and their outputs planned as one block of the same
+                // stride (plan.rs), each checked free of every value live from the head on.
+                unsafe { gemm.gemm(&key, pa, pw, None, po, l.stream) }
+            }
             FusedGroup::AttentionBwd(f) => self.run_flash(f, l),
             FusedGroup::SwiGlu { mul, gate, up, .. } => l.swiglu(
                 dt,

@@ -18,6 +18,12 @@
 //!   slot (the first value up a chain of reshapes that is not one), plans the arena with the
 //!   root live until the alias's last use, and skips the node. A reshape of an input or a
 //!   parameter (no arena slot) stays a device copy.
+//! - Sibling GEMMs: `MatMul`s of one activation by parameters of one shape (a grouped-query
+//!   layer's k/v, gate/up; q/k/v without grouped heads) run as one strided-batched GEMM that
+//!   reads the activation once (batch stride 0). Their outputs are planned as one block (the first one's node holds `k` equal
+//!   256-byte-rounded slots, live until the last reader of any of them; the others take no bytes
+//!   of their own) and their weights are uploaded into one buffer the same way
+//!   ([`sibling_stride`]).
 
 pub use super::dtype::{GpuDType, Storage};
 use super::flash::{flash_candidates, FlashBwd};
@@ -56,8 +62,14 @@ pub struct ArenaPlan {
 
 impl ArenaPlan {
     /// The arena `schedule::arena` plans for `ag` (the planning graph of `n` values), with
-    /// each alias in its root's slot.
-    fn of(ag: &Graph, n: usize, aliases: Vec<Option<ValueId>>) -> ArenaPlan {
+    /// the members of each sibling block at their offsets in the block its first member holds,
+    /// and each alias in its root's slot.
+    fn of(
+        ag: &Graph,
+        n: usize,
+        aliases: Vec<Option<ValueId>>,
+        blocks: &[&SiblingGemms],
+    ) -> ArenaPlan {
         let (slots, total) = arena(ag);
         let mut out = vec![None; n];
         for s in slots {
@@ -65,6 +77,16 @@ impl ArenaPlan {
                 offset: s.offset,
                 size: s.size,
             });
+        }
+        for b in blocks {
+            if let Some(base) = out[b.mms[0].index()] {
+                for (i, m) in b.mms.iter().enumerate() {
+                    out[m.index()] = Some(Slot {
+                        offset: base.offset + i as u64 * b.out_stride,
+                        size: b.out_stride,
+                    });
+                }
+            }
         }
         for (v, root) in aliases.iter().enumerate() {
             if let Some(r) = root {
@@ -139,7 +161,7 @@ pub fn retyped(g: &Graph, dt: GpuDType) -> Graph {
 
 /// The arena of `g` stored in `dt`, by `shardc_compiler::schedule::arena`.
 pub fn plan_arena(g: &Graph, dt: GpuDType) -> ArenaPlan {
-    ArenaPlan::of(&retyped(g, dt), g.len(), vec![None; g.len()])
+    ArenaPlan::of(&retyped(g, dt), g.len(), vec![None; g.len()], &[])
 }
 
 /// Index of each value's last use (its own index when unused; `len` for graph outputs), the
@@ -182,6 +204,8 @@ pub enum FusedGroup {
     /// `AttentionProbs` and its three `AttentionGrad`s as the FlashAttention-2 backward
     /// (`flash.rs`): the probabilities skipped (no bytes), the gradients written at the first.
     AttentionBwd(FlashBwd),
+    /// Sibling `MatMul`s as one strided-batched GEMM (see the module docs).
+    Siblings(SiblingGemms),
     /// `Unary(silu)(g)` → `Mul(·, u)` as one `swiglu` launch.
     SwiGlu {
         /// The silu (head).
@@ -202,6 +226,7 @@ impl FusedGroup {
             FusedGroup::Gemm { mm, .. } => *mm,
             FusedGroup::AddRmsNorm { add, .. } => *add,
             FusedGroup::AttentionBwd(f) => f.head(),
+            FusedGroup::Siblings(s) => s.mms[0],
             FusedGroup::SwiGlu { silu, .. } => *silu,
         }
     }
@@ -212,6 +237,7 @@ impl FusedGroup {
             FusedGroup::Gemm { out, .. } => *out,
             FusedGroup::AddRmsNorm { norm, .. } => *norm,
             FusedGroup::AttentionBwd(f) => f.dq.max(f.dk).max(f.dv),
+            FusedGroup::Siblings(s) => s.mms[s.mms.len() - 1],
             FusedGroup::SwiGlu { mul, .. } => *mul,
         }
     }
@@ -221,11 +247,13 @@ impl FusedGroup {
         match self {
             FusedGroup::AddRmsNorm { add, norm } => vec![*add, *norm],
             FusedGroup::AttentionBwd(f) => f.grads().to_vec(),
+            FusedGroup::Siblings(s) => s.mms.clone(),
             other => vec![other.tail()],
         }
     }
 
-    /// Short name for reports (`gemm+bias+gelu`, `add+rmsnorm`, `attention_bwd`, `swiglu`).
+    /// Short name for reports (`gemm+bias+gelu`, `add+rmsnorm`, `attention_bwd`,
+    /// `sibling gemms`, `swiglu`).
     pub fn label(&self) -> &'static str {
         match self {
             FusedGroup::Gemm { epilogue, .. } => match epilogue {
@@ -236,9 +264,27 @@ impl FusedGroup {
             },
             FusedGroup::AddRmsNorm { .. } => "add+rmsnorm",
             FusedGroup::AttentionBwd(_) => "attention_bwd",
+            FusedGroup::Siblings(_) => "sibling gemms",
             FusedGroup::SwiGlu { .. } => "swiglu",
         }
     }
+}
+
+/// `MatMul { transpose_b }` nodes `mms` (in graph order, at least two) of one activation by
+/// distinct parameters of one 2-D shape, run as one GEMM of batch `mms.len()`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SiblingGemms {
+    /// The MatMuls; the first is the head.
+    pub mms: Vec<ValueId>,
+    /// Bytes from one output to the next in the arena (one output's bytes, rounded up to 256).
+    pub out_stride: u64,
+}
+
+/// The distance in bytes between consecutive members of a sibling block holding `bytes` each:
+/// `bytes` rounded up to 256 (every member stays 256-byte aligned, and the distance is a whole
+/// number of elements of any dtype).
+pub fn sibling_stride(bytes: usize) -> u64 {
+    (bytes as u64).div_ceil(256) * 256
 }
 
 /// What the executor does at a node's step.
@@ -319,12 +365,15 @@ fn plan_with(
 ) -> (ArenaPlan, FusionPlan, Option<usize>) {
     let n = g.len();
     let candidates = if fuse {
-        candidate_groups(g)
+        candidate_groups(g, dt)
     } else {
         Vec::new()
     };
     let mut ag = retyped(g, dt);
     for (group, _) in &candidates {
+        if matches!(group, FusedGroup::Siblings(_)) {
+            continue; // planned as a block below
+        }
         let head_ops = g.node(group.head()).inputs.clone();
         ag.nodes[group.tail().index()].inputs.extend(head_ops);
     }
@@ -358,7 +407,34 @@ fn plan_with(
             }
         }
     }
-    let mut arena = ArenaPlan::of(&ag, n, aliases);
+    // A sibling block lives in its first member's node, sized for every member; the others take
+    // no bytes and keep the block live while any of their readers (or an output) is.
+    let blocks: Vec<&SiblingGemms> = candidates
+        .iter()
+        .filter_map(|(group, _)| match group {
+            FusedGroup::Siblings(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    for b in &blocks {
+        let head = b.mms[0];
+        let (dtype, elem) = (ag.ty(head).dtype, ag.ty(head).dtype.size_bytes() as u64);
+        let block = b.mms.len() as u64 * b.out_stride / elem;
+        ag.nodes[head.index()].ty = TensorType::plain(dtype, &[block as usize]);
+        for &m in &b.mms[1..] {
+            ag.nodes[m.index()].ty = TensorType::plain(dtype, &[0]);
+            for user in &mut ag.nodes {
+                if user.inputs.contains(&m) {
+                    user.inputs.push(head);
+                }
+            }
+            if ag.outputs.iter().any(|&(_, o)| o == m) {
+                ag.outputs
+                    .push((format!("{} (sibling block)", g.node(head).name), head));
+            }
+        }
+    }
+    let mut arena = ArenaPlan::of(&ag, n, aliases, &blocks);
     let last = last_uses(&ag);
     for (f, _) in flash {
         arena.slots[f.probs.index()] = None;
@@ -375,7 +451,16 @@ fn plan_with(
     for (group, members) in candidates {
         let mut exclude = members.clone();
         exclude.push(group.head());
-        if !early_write_ok(&arena, &last, group.head(), group.tail(), &exclude) {
+        let head = group.head();
+        let ok = match &group {
+            // Every member is written at the head; its slot was planned as a block, so this
+            // holds by construction, and is checked.
+            FusedGroup::Siblings(s) => s.mms[1..]
+                .iter()
+                .all(|&m| early_write_ok(&arena, &last, head, m, &exclude)),
+            _ => early_write_ok(&arena, &last, head, group.tail(), &exclude),
+        };
+        if !ok {
             continue;
         }
         let gi = plan.groups.len();
@@ -404,7 +489,7 @@ fn plan_with(
 }
 
 /// Pattern-matched fused groups (non-overlapping, in head order) with their skipped members.
-fn candidate_groups(g: &Graph) -> Vec<(FusedGroup, Vec<ValueId>)> {
+fn candidate_groups(g: &Graph, dt: GpuDType) -> Vec<(FusedGroup, Vec<ValueId>)> {
     let n = g.len();
     let users = g.users();
     let is_output = |v: ValueId| g.outputs.iter().any(|&(_, o)| o == v);
@@ -439,7 +524,65 @@ fn candidate_groups(g: &Graph) -> Vec<(FusedGroup, Vec<ValueId>)> {
         }
         out.push((group, members));
     }
+    for s in sibling_gemms(g, dt, &taken, &is_param) {
+        let members = s.mms[1..].to_vec();
+        out.push((FusedGroup::Siblings(s), members));
+    }
     out
+}
+
+/// The sibling GEMMs of `g` stored in `dt` among the `MatMul`s no other group has `taken`: per
+/// activation, the MatMuls with one `transpose_b` by distinct parameters of one 2-D shape and
+/// dtype.
+fn sibling_gemms(
+    g: &Graph,
+    dt: GpuDType,
+    taken: &[bool],
+    is_param: &dyn Fn(ValueId) -> bool,
+) -> Vec<SiblingGemms> {
+    // (activation, transpose_b, weight shape, weight dtype) → its MatMuls.
+    type Key = (ValueId, bool, Vec<usize>, DType);
+    let mut by_key: Vec<(Key, Vec<ValueId>)> = Vec::new();
+    for v in g.ids() {
+        let node = g.node(v);
+        let Op::MatMul { transpose_b } = node.op else {
+            continue;
+        };
+        let (a, w) = (node.inputs[0], node.inputs[1]);
+        if taken[v.index()] || !is_param(w) || g.ty(w).rank() != 2 || node.ty.numel() == 0 {
+            continue;
+        }
+        let key = (a, transpose_b, g.ty(w).shape(), g.ty(w).dtype);
+        match by_key.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, mms)) => {
+                if mms.iter().all(|&m| g.node(m).inputs[1] != w) {
+                    mms.push(v);
+                }
+            }
+            None => by_key.push((key, vec![v])),
+        }
+    }
+    // A parameter has one address: a weight read by two groups' MatMuls (of two activations)
+    // would need one in each block, so the later group is dropped.
+    let mut used = vec![false; g.len()];
+    by_key
+        .into_iter()
+        .filter(|(_, mms)| {
+            let ok = mms.len() >= 2 && mms.iter().all(|&m| !used[g.node(m).inputs[1].index()]);
+            if ok {
+                for &m in mms {
+                    used[g.node(m).inputs[1].index()] = true;
+                }
+            }
+            ok
+        })
+        .map(|(_, mms)| {
+            // One activation by one weight shape: the outputs are of one type.
+            let ty = g.ty(mms[0]);
+            let out_stride = sibling_stride(ty.numel() * Storage::of(ty.dtype, dt).size_bytes());
+            SiblingGemms { mms, out_stride }
+        })
+        .collect()
 }
 
 /// `MatMul` → `Add(bias param [N])` → `gelu_tanh`, any suffix of which exists.
@@ -721,6 +864,65 @@ mod tests {
             no_alias.total
         );
         assert_eq!(plain.live_overlap(&g), None);
+    }
+
+    #[test]
+    fn sibling_gemms_share_an_activation_and_a_weight_shape() {
+        // x·w1, x·w2 (one shape), x·w3 (another), y·w1 (w1 again, another activation), x·z (a
+        // computed right operand): only {x·w1, x·w2} is a group.
+        let mut g = Graph::new();
+        let x = g.input("x", TensorType::plain(DType::F32, &[2, 5, 64]));
+        let y = g.input("y", TensorType::plain(DType::F32, &[2, 5, 64]));
+        let (w1, w2) = (
+            param(&mut g, "w1", &[64, 24]),
+            param(&mut g, "w2", &[64, 24]),
+        );
+        let w3 = param(&mut g, "w3", &[64, 40]);
+        let w4 = param(&mut g, "w4", &[64, 24]);
+        let mm = |g: &mut Graph, a, b, name: &str| {
+            let v = g
+                .add(Op::MatMul { transpose_b: false }, &[a, b], name)
+                .unwrap();
+            g.set_output(name, v);
+            v
+        };
+        let a1 = mm(&mut g, x, w1, "a1");
+        let a3 = mm(&mut g, x, w3, "a3");
+        let a2 = mm(&mut g, x, w2, "a2");
+        let b1 = mm(&mut g, y, w1, "b1");
+        let b4 = mm(&mut g, y, w4, "b4");
+        let z = g.add(Op::Unary(UnaryOp::Exp), &[w2], "z").unwrap();
+        mm(&mut g, x, z, "c");
+        let (arena, plan) = plan_memory(&g, GpuDType::Bf16, true);
+        let siblings: Vec<&SiblingGemms> = plan
+            .groups
+            .iter()
+            .filter_map(|grp| match grp {
+                FusedGroup::Siblings(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        // y·w1 and y·w4 would share w1 with the first group: dropped.
+        assert_eq!(siblings.len(), 1, "{:?}", plan.groups);
+        let s = siblings[0];
+        assert_eq!(s.mms, vec![a1, a2]);
+        assert_eq!(s.out_stride, sibling_stride(2 * 5 * 24 * 2));
+        assert_eq!(plan.actions[a1.index()], Action::Fused(0));
+        assert_eq!(plan.actions[a2.index()], Action::Skip);
+        for v in [a3, b1, b4] {
+            assert_eq!(plan.actions[v.index()], Action::Run);
+        }
+        // The outputs are one block: the second `out_stride` after the first, both outputs of
+        // the graph and live to the end with nothing else in between.
+        let (s1, s2) = (
+            arena.slots[a1.index()].unwrap(),
+            arena.slots[a2.index()].unwrap(),
+        );
+        assert_eq!(s2.offset, s1.offset + s.out_stride);
+        assert_eq!(arena.live_overlap(&g), None);
+        // Without fusion, no group and no block.
+        let (_, off) = plan_memory(&g, GpuDType::Bf16, false);
+        assert!(off.groups.is_empty());
     }
 
     #[test]

@@ -26,7 +26,9 @@
 use super::gemm::GemmCache;
 use super::host::{alloc, download, random_values, DevBuf, HostData};
 use super::ops::Launcher;
-use super::plan::{plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage};
+use super::plan::{
+    plan_memory, sibling_stride, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage,
+};
 use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
 use super::scratch::scratch_sizes;
 use super::support::check_supported;
@@ -59,6 +61,32 @@ struct StepGraph {
 /// the host on every run. `None`: the program can run from a graph.
 pub fn graph_blocker(graph: &Graph) -> Option<ValueId> {
     graph.ids().find(|&v| graph.node(v).op.communicates())
+}
+
+/// The tensor of parameter `src` (of type `ty`) among host `tensors` ([`ParamInit::Host`]).
+fn host_param(
+    tensors: &BTreeMap<String, Tensor>,
+    src: &ParamSource,
+    ty: &shardc_compiler::ir::TensorType,
+) -> Result<Tensor, RuntimeError> {
+    let plain =
+        src.view.is_none() && src.stack.is_none() && !src.transposed && src.shards.is_empty();
+    let t =
+        tensors
+            .get(&src.name)
+            .filter(|_| plain)
+            .ok_or_else(|| RuntimeError::MissingTensor {
+                name: src.name.clone(),
+                file: "the host tensors (whole parameters only)".into(),
+            })?;
+    if t.shape != ty.shape() || t.as_f32().is_none() {
+        return Err(RuntimeError::TensorShape {
+            name: src.name.clone(),
+            expected: ty.shape(),
+            found: t.shape.clone(),
+        });
+    }
+    Ok(t.clone())
 }
 
 /// One rank's graph prepared on a GPU. See the module docs.
@@ -208,34 +236,95 @@ impl CudaProgram {
         Ok(p)
     }
 
+    /// Uploads every parameter once per distinct source, shape and dtype, but the weights of
+    /// each sibling GEMM group, which go into one buffer of their own, [`sibling_stride`] apart
+    /// in the group's order (the batched GEMM's weight stride).
     fn load_params(&mut self, init: &ParamInit) -> Result<(), CudaError> {
-        let mut seen: HashMap<(ParamSource, Vec<usize>, DType), u64> = HashMap::new();
+        type Key = (ParamSource, Vec<usize>, DType);
         let coords = self.coords.clone();
+        // The host data of each distinct parameter, in graph order (the random seeds count
+        // them in that order).
+        let mut distinct: HashMap<Key, usize> = HashMap::new();
+        let mut hosts: Vec<(HostData, String, usize)> = Vec::new();
+        let mut host_of = vec![usize::MAX; self.graph.len()];
         for v in self.graph.params().collect::<Vec<_>>() {
             let node = self.graph.node(v);
             let Op::Param(src) = &node.op else {
                 unreachable!("invariant: Graph::params yields Param nodes")
             };
             let key = (src.clone(), node.ty.shape(), node.ty.dtype);
-            if let Some(&ptr) = seen.get(&key) {
-                self.params[v.index()] = Some(ptr);
+            if let Some(&h) = distinct.get(&key) {
+                host_of[v.index()] = h;
                 continue;
             }
             let t = match init {
                 ParamInit::Weights(w) => {
                     w.load(src, &node.ty, &|axis| coords.get(axis).copied())?
                 }
+                ParamInit::Host(tensors) => host_param(tensors, src, &node.ty)?,
                 ParamInit::Random { seed, scale } => {
-                    let s = seed ^ (self.param_bufs.len() as u64 + 1).wrapping_mul(0x9e37_79b9);
+                    let s = seed ^ (hosts.len() as u64 + 1).wrapping_mul(0x9e37_79b9);
                     Tensor::f32(node.ty.shape(), random_values(s, node.ty.numel(), *scale))
                 }
             };
             let data = HostData::of(&t, self.storage[v.index()], node.ty.dtype);
-            let buf = data.upload(&self.compute, &format!("parameter `{}`", src.name))?;
-            self.param_bytes += t.numel() * self.storage[v.index()].size_bytes();
-            seen.insert(key, buf.ptr);
-            self.params[v.index()] = Some(buf.ptr);
-            self.param_bufs.push(buf);
+            host_of[v.index()] = hosts.len();
+            distinct.insert(key, hosts.len());
+            hosts.push((
+                data,
+                src.name.clone(),
+                t.numel() * self.storage[v.index()].size_bytes(),
+            ));
+        }
+        let mut uploaded: Vec<Option<u64>> = vec![None; hosts.len()];
+        for group in &self.fusion.groups {
+            let FusedGroup::Siblings(s) = group else {
+                continue;
+            };
+            let weights: Vec<ValueId> = s
+                .mms
+                .iter()
+                .map(|&m| self.graph.node(m).inputs[1])
+                .collect();
+            let stride = sibling_stride(hosts[host_of[weights[0].index()]].0.bytes()) as usize;
+            let block = alloc(
+                &self.compute,
+                stride * weights.len(),
+                "sibling GEMM weights",
+            )?;
+            for (i, w) in weights.iter().enumerate() {
+                let (data, name, bytes) = &hosts[host_of[w.index()]];
+                data.write_at(
+                    &self.compute,
+                    &block,
+                    i * stride,
+                    &format!("parameter `{name}`"),
+                )?;
+                self.param_bytes += bytes;
+                let ptr = block.ptr + (i * stride) as u64;
+                self.params[w.index()] = Some(ptr);
+                uploaded[host_of[w.index()]].get_or_insert(ptr);
+            }
+            self.param_bufs.push(block);
+        }
+        for v in self.graph.params().collect::<Vec<_>>() {
+            if self.params[v.index()].is_some() {
+                continue;
+            }
+            let h = host_of[v.index()];
+            let ptr = match uploaded[h] {
+                Some(ptr) => ptr,
+                None => {
+                    let (data, name, bytes) = &hosts[h];
+                    let buf = data.upload(&self.compute, &format!("parameter `{name}`"))?;
+                    self.param_bytes += bytes;
+                    let ptr = buf.ptr;
+                    self.param_bufs.push(buf);
+                    uploaded[h] = Some(ptr);
+                    ptr
+                }
+            };
+            self.params[v.index()] = Some(ptr);
         }
         Ok(())
     }
@@ -709,4 +798,36 @@ pub fn execute_cuda(
 ) -> Result<BTreeMap<String, Tensor>, CudaError> {
     let ctx = CudaRankCtx::new();
     CudaProgram::prepare(dev.clone(), graph, params, &ctx, opts)?.run(inputs, &ctx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardc_compiler::ir::{ParamView, TensorType};
+
+    #[test]
+    fn host_parameters_are_whole_named_f32_tensors() {
+        let ty = TensorType::plain(DType::Bf16, &[2, 3]);
+        let w = Tensor::f32(vec![2, 3], vec![1.0; 6]);
+        let tensors = BTreeMap::from([("w".to_string(), w.clone())]);
+        let whole = ParamSource::whole("w");
+        assert_eq!(host_param(&tensors, &whole, &ty).unwrap(), w);
+        // Missing, not whole, another shape, not f32: each an error naming the tensor.
+        let missing = host_param(&tensors, &ParamSource::whole("v"), &ty).unwrap_err();
+        assert!(missing.to_string().contains("`v`"), "{missing}");
+        let view = ParamSource {
+            view: Some(ParamView {
+                dim: 0,
+                start: 0,
+                len: 1,
+            }),
+            ..whole.clone()
+        };
+        assert!(host_param(&tensors, &view, &ty).is_err());
+        let other = TensorType::plain(DType::F32, &[3, 2]);
+        let shape = host_param(&tensors, &whole, &other).unwrap_err();
+        assert!(shape.to_string().contains("[3, 2]"), "{shape}");
+        let ids = BTreeMap::from([("w".to_string(), Tensor::i32(vec![2, 3], vec![0; 6]))]);
+        assert!(host_param(&ids, &whole, &ty).is_err());
+    }
 }

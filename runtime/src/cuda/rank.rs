@@ -3,7 +3,7 @@
 
 use super::GpuDType;
 use crate::cuda::comm::device::DeviceCommunicator;
-use crate::{RuntimeError, Weights};
+use crate::{RuntimeError, Tensor, Weights};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -12,7 +12,8 @@ use std::time::Duration;
 pub struct CudaOptions {
     /// Element type of every float tensor on the device.
     pub dtype: GpuDType,
-    /// Run fused groups (GEMM epilogues, add+RMSNorm, SwiGLU) as single launches.
+    /// Run fused groups (GEMM epilogues, add+RMSNorm, SwiGLU, sibling GEMMs, the flash
+    /// attention backward) as single launches.
     pub fuse: bool,
     /// Fill the activation arena with NaN bytes (0xFF) before every run, so a kernel that
     /// leaves part of its output unwritten shows up in the results (tests).
@@ -57,6 +58,9 @@ impl Default for CudaOptions {
 pub enum ParamInit<'a> {
     /// A checkpoint (each rank loads its shards).
     Weights(&'a Weights),
+    /// Host tensors by stored name, each the whole parameter in the graph's layout (no view,
+    /// stack, transpose or shards): a benchmark's weights, the same values its CPU check reads.
+    Host(&'a BTreeMap<String, Tensor>),
     /// Deterministic uniform values in `[-scale, scale]` (benchmarks).
     Random {
         /// Generator seed.

@@ -11,7 +11,7 @@
 use super::comm::device::{DeviceBuffer, DeviceCollective, DeviceDType};
 use super::gemm::{pointer_alignment, Epilogue, GemmKey};
 use super::node::cublas_epilogue;
-use super::plan::{fused_expr, Action, FusedGroup};
+use super::plan::{fused_expr, sibling_stride, Action, FusedGroup, SiblingGemms};
 use super::program::CudaProgram;
 use super::rank::CudaRankCtx;
 use super::CudaError;
@@ -30,16 +30,26 @@ impl CudaProgram {
             match self.fusion.actions[v.index()] {
                 Action::Skip => continue,
                 Action::Fused(g) => {
-                    if let FusedGroup::Gemm {
-                        mm,
-                        bias,
-                        out,
-                        epilogue,
-                    } = self.fusion.groups[g]
-                    {
-                        let n = self.graph.node(mm).clone();
-                        let ptrs = [Some(n.inputs[0]), Some(n.inputs[1]), bias, Some(out)];
-                        keys.push(self.matmul_key(&n, epilogue, &ptrs)?);
+                    match &self.fusion.groups[g] {
+                        &FusedGroup::Gemm {
+                            mm,
+                            bias,
+                            out,
+                            epilogue,
+                        } => {
+                            let n = self.graph.node(mm).clone();
+                            let ptrs = [Some(n.inputs[0]), Some(n.inputs[1]), bias, Some(out)];
+                            keys.push(self.matmul_key(&n, epilogue, &ptrs)?);
+                        }
+                        FusedGroup::Siblings(s) => {
+                            let n = self.graph.node(s.mms[0]);
+                            let ptrs = [Some(n.inputs[0]), Some(n.inputs[1]), Some(s.mms[0])];
+                            keys.push(GemmKey {
+                                align: self.alignment(&ptrs),
+                                ..self.sibling_key(s)?
+                            });
+                        }
+                        _ => {}
                     }
                     continue;
                 }
@@ -93,6 +103,30 @@ impl CudaProgram {
 
     /// The GEMM key of MatMul-headed `node` with `epilogue`, aligned for the known pointers
     /// among `ptrs`.
+    /// The GEMM of sibling group `s`: its weights and outputs [`sibling_stride`] apart.
+    pub(super) fn sibling_key(&self, s: &SiblingGemms) -> Result<GemmKey, CudaError> {
+        let node = self.graph.node(s.mms[0]);
+        let Op::MatMul { transpose_b } = node.op else {
+            unreachable!("invariant: sibling groups are MatMuls")
+        };
+        let (a, w) = (node.inputs[0], node.inputs[1]);
+        let w_elem = self.storage[w.index()].size_bytes();
+        let out_elem = self.storage[s.mms[0].index()].size_bytes() as u64;
+        let w_stride = sibling_stride(self.numel(w) * w_elem) / w_elem as u64;
+        let key = GemmKey::for_matmul(
+            &self.shape(a),
+            &self.shape(w),
+            transpose_b,
+            self.opts.dtype,
+            Epilogue::None,
+        )?;
+        Ok(key.siblings(
+            s.mms.len(),
+            w_stride as i64,
+            (s.out_stride / out_elem) as i64,
+        )?)
+    }
+
     fn matmul_key(
         &self,
         node: &Node,

@@ -14,7 +14,7 @@
 //! allowed where the reference is finite: below 2e-2 for bf16 (its 8-bit mantissa against an
 //! f32 reference), 1e-4 for f32.
 
-use shardc_compiler::ir::{Graph, Op};
+use shardc_compiler::ir::{Graph, Op, ParamSource};
 use shardc_runtime::cuda::GpuDType;
 use shardc_runtime::{execute_with_params, ParamCache, RankCtx, RuntimeError, Tensor};
 use std::collections::BTreeMap;
@@ -102,18 +102,34 @@ pub fn prefix(t: &Tensor, shape: &[usize]) -> Tensor {
     }
 }
 
-/// The inputs of `small` cut from `full`'s: each the leading block of its full tensor.
+/// The inputs and parameters of `small` cut from `full`'s: each the leading block of its full
+/// tensor.
 pub fn small_inputs(small: &Graph, full: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
     small
         .ids()
         .filter_map(|v| match &small.node(v).op {
-            Op::Input { name, .. } => {
+            Op::Input { name, .. } | Op::Param(ParamSource { name, .. }) => {
                 let t = full.get(name)?;
                 Some((name.clone(), prefix(t, &small.ty(v).shape())))
             }
             _ => None,
         })
         .collect()
+}
+
+/// `g` with every parameter an input of its name: the CPU reads the benchmark's weights as
+/// inputs, the values the GPU uploaded as parameters.
+fn params_as_inputs(g: &Graph) -> Graph {
+    let mut g = g.clone();
+    for node in &mut g.nodes {
+        if let Op::Param(src) = &node.op {
+            node.op = Op::Input {
+                name: src.name.clone(),
+                shards: Vec::new(),
+            };
+        }
+    }
+    g
 }
 
 /// Every float output value of `outputs` finite.
@@ -141,6 +157,7 @@ pub fn cpu_outputs(
     g: &Graph,
     inputs: &BTreeMap<String, Tensor>,
 ) -> Result<BTreeMap<String, Tensor>, CheckError> {
+    let g = &params_as_inputs(g);
     execute_with_params(g, &ParamCache::default(), inputs, &RankCtx::new()).map_err(|source| {
         CheckError::Cpu {
             case: case.to_string(),
@@ -219,14 +236,15 @@ mod tests {
         assert_eq!(prefix(&ids, &[1, 2]).as_i32().unwrap(), &[5, 6]);
     }
 
-    /// A per-row program's prefix run equals the leading rows of the full run, and the
+    /// A per-row program's prefix run equals the leading rows of the full run (its weight a
+    /// parameter the reference reads from the inputs by name, whole in the prefix too), and the
     /// comparison catches a wrong row, a NaN and a shape that cannot be a prefix.
     #[test]
     fn a_prefix_reference_checks_the_leading_rows() {
         let build = |rows: usize| {
             let mut g = Graph::new();
             let x = g.input("x", TensorType::plain(DType::F32, &[rows, 3]));
-            let w = g.input("w", TensorType::plain(DType::F32, &[3]));
+            let w = g.param("w", TensorType::plain(DType::F32, &[3]));
             let y = g.add(Op::Add, &[x, w], "y").unwrap();
             g.set_output("y", y);
             g
@@ -239,7 +257,9 @@ mod tests {
             ("w".to_string(), Tensor::f32(vec![3], vec![0.5, 1.0, -1.0])),
         ]);
         let (big, small) = (build(4), build(2));
+        assert_eq!(small_inputs(&small, &full)["w"], full["w"]);
         let got = cpu_outputs("full", &big, &full).unwrap();
+        assert_eq!(got["y"].as_f32().unwrap()[..3], [0.5, 2.0, 1.0]);
         let want = cpu_outputs("prefix", &small, &small_inputs(&small, &full)).unwrap();
         assert_eq!(compare("add", &got, &want, GpuDType::F32).unwrap(), 0.0);
         let mut bad = got.clone();

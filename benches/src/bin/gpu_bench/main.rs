@@ -108,17 +108,18 @@ impl Rng {
         Tensor::i32(vec![b, t], (0..b).flat_map(|_| 0..t as i32).collect())
     }
 
-    /// `ins` with a value for every weight input of `g` it lacks (`weight` nodes): matrices
-    /// uniform in ±0.02, vectors (norm weights) in 1 ± 0.1.
+    /// `ins` with a value for every parameter of `g` (its [`param`]s): matrices uniform in
+    /// ±0.02, vectors (norm weights) in 1 ± 0.1.
     fn weights(
         &mut self,
         g: &Graph,
         mut ins: BTreeMap<String, Tensor>,
     ) -> BTreeMap<String, Tensor> {
         for v in g.ids() {
-            let Op::Input { name, .. } = &g.node(v).op else {
+            let Op::Param(src) = &g.node(v).op else {
                 continue;
             };
+            let name = &src.name;
             if ins.contains_key(name) {
                 continue;
             }
@@ -140,10 +141,11 @@ fn ty(dt: DType, shape: &[usize]) -> TensorType {
     TensorType::plain(dt, shape)
 }
 
-/// A weight of the program: an input (the benchmark and its CPU check feed the same values;
-/// uploaded before timing like a parameter), filled by [`Rng::weights`].
+/// A weight of the program: a parameter, uploaded at prepare time from the values
+/// [`Rng::weights`] puts beside the inputs ([`ParamInit::Host`]); the CPU check reads the same
+/// values as inputs (`check::cpu_outputs`).
 fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
-    g.input(name, ty(DType::F32, shape))
+    g.param(name, ty(DType::F32, shape))
 }
 
 fn add(g: &mut Graph, op: Op, ins: &[ValueId], name: &str) -> ValueId {
@@ -200,13 +202,13 @@ impl Bench {
     ) -> Result<f64, BenchError> {
         let ctx = CudaRankCtx::new();
         let dt = opts.dtype;
-        let mut p = self.prepare(&ctx, g, inputs, 7, opts.clone())?;
+        let mut p = self.prepare(&ctx, g, inputs, opts.clone())?;
         let got = p.run(inputs, &ctx)?;
         match reference {
             Reference::Smaller(small) => {
                 check::finite(case, &got)?;
                 let ins = small_inputs(small, inputs);
-                let small_got = self.prepare(&ctx, small, &ins, 7, opts)?.run(&ins, &ctx)?;
+                let small_got = self.prepare(&ctx, small, &ins, opts)?.run(&ins, &ctx)?;
                 let case = format!(
                     "{case} (at {} values)",
                     small_got.values().map(|t| t.numel()).sum::<usize>()
@@ -246,16 +248,15 @@ impl Bench {
         e.map(|_| ())
     }
 
-    /// `g` prepared on `ctx` with random parameters from `seed`, `inputs` uploaded.
+    /// `g` prepared on `ctx` with its parameters from `inputs` (by name), `inputs` uploaded.
     fn prepare<'c>(
         &self,
         ctx: &CudaRankCtx<'c>,
         g: &Graph,
         inputs: &BTreeMap<String, Tensor>,
-        seed: u64,
         opts: CudaOptions,
     ) -> Result<CudaProgram, CudaError> {
-        let params = ParamInit::Random { seed, scale: 0.02 };
+        let params = ParamInit::Host(inputs);
         let mut p = CudaProgram::prepare(self.dev.clone(), g, &params, ctx, opts)?;
         p.upload_inputs(inputs)?;
         Ok(p)
@@ -654,7 +655,7 @@ impl Bench {
                     graphs,
                     ..opts(GpuDType::Bf16, true)
                 };
-                let mut p = self.prepare(&ctx, &g, &ins, 7, o)?;
+                let mut p = self.prepare(&ctx, &g, &ins, o)?;
                 // Two warm-up runs: eager, then (graph mode) the capture.
                 let ms = p.time(&ctx, 2, iters)?;
                 if graphs && !p.has_graph() {
@@ -845,7 +846,7 @@ impl Bench {
                 .map(|c| {
                     s.spawn(move || {
                         let ctx = CudaRankCtx::new().with_axis("tp", &c as &dyn DeviceCommunicator);
-                        let mut p = self.prepare(&ctx, g, inputs, 3, opts(GpuDType::Bf16, true))?;
+                        let mut p = self.prepare(&ctx, g, inputs, opts(GpuDType::Bf16, true))?;
                         let r = p.barrier(&ctx).and_then(|()| {
                             let out = p.run(inputs, &ctx)?;
                             Ok((p.time(&ctx, 2.min(iters), iters)?, out))

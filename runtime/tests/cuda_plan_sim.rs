@@ -1,0 +1,276 @@
+//! The CUDA backend's memory and fusion plan, executed on the CPU: every value is written to
+//! and read back from its arena slot's bytes, a fused group computes everything it writes at
+//! its head (the early writes the GPU does), skipped nodes are not run, and a reshape alias is
+//! read from its root's bytes. The outputs must equal those of the same graph evaluated node by
+//! node with no arena. A plan that lets a later value clobber bytes still to be read, skips a
+//! node something else needs, or misplaces a sibling GEMM's output fails here without a GPU.
+
+use shardc_compiler::compile::{compile, CompileSpec, Job};
+use shardc_compiler::ir::{DType, Graph, Op, ValueId};
+use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
+use shardc_compiler::shard::Mesh;
+use shardc_compiler::train::{Precision, TrainOptions};
+use shardc_runtime::cuda::{plan_memory, Action, ArenaPlan, FusionPlan, GpuDType};
+use shardc_runtime::{eval_op, Buffer, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+fn config(model: &str) -> ModelConfig {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny");
+    ModelConfig::from_path(&dir.join(model)).expect("fixture config")
+}
+
+/// Deterministic host values for every input and parameter of `g`: floats in ±0.1 (norm
+/// weights near 1 would do as well: any values exercise the plan), i32 ids below `ids`.
+fn leaves(g: &Graph, ids: i32) -> HashMap<ValueId, Tensor> {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut out = HashMap::new();
+    for v in g.ids() {
+        let node = g.node(v);
+        if !matches!(node.op, Op::Input { .. } | Op::Param(_)) {
+            continue;
+        }
+        let (shape, n) = (node.ty.shape(), node.ty.numel());
+        let t = if node.ty.dtype == DType::I32 {
+            Tensor::i32(
+                shape,
+                (0..n).map(|_| (next() % ids as u64) as i32).collect(),
+            )
+        } else if node.name.contains("step") {
+            Tensor::f32(shape, vec![1.0; n])
+        } else {
+            let unit = |x: u64| (x >> 40) as f32 / (1u64 << 24) as f32;
+            Tensor::f32(shape, (0..n).map(|_| 0.2 * unit(next()) - 0.1).collect())
+        };
+        out.insert(v, t);
+    }
+    out
+}
+
+/// `g` evaluated node by node, every value kept: the reference.
+fn reference(g: &Graph, leaves: &HashMap<ValueId, Tensor>) -> Vec<Option<Tensor>> {
+    let mut vals: Vec<Option<Tensor>> = vec![None; g.len()];
+    for v in g.ids() {
+        let node = g.node(v);
+        let t = match leaves.get(&v) {
+            Some(t) => t.clone(),
+            None => {
+                let ins: Vec<&Tensor> = node
+                    .inputs
+                    .iter()
+                    .map(|i| vals[i.index()].as_ref().expect("defined"))
+                    .collect();
+                eval_op(&node.op, &ins, &node.ty)
+                    .unwrap_or_else(|e| panic!("{} ({}): {e}", node.name, node.op.mnemonic()))
+            }
+        };
+        vals[v.index()] = Some(t);
+    }
+    vals
+}
+
+/// An f32 run of `g` in the arena of `arena` with the fusion decisions of `fusion`.
+struct Sim<'a> {
+    g: &'a Graph,
+    arena: &'a ArenaPlan,
+    fusion: &'a FusionPlan,
+    leaves: &'a HashMap<ValueId, Tensor>,
+    /// The arena, one 4-byte word per element (f32 bits or i32).
+    bytes: Vec<u32>,
+    /// Whether a value has been written to its slot.
+    written: Vec<bool>,
+}
+
+impl Sim<'_> {
+    fn word(&self, v: ValueId) -> usize {
+        let slot = self.arena.slots[v.index()]
+            .unwrap_or_else(|| panic!("{}: no slot", self.g.node(v).name));
+        (slot.offset / 4) as usize
+    }
+
+    fn store(&mut self, v: ValueId, t: &Tensor) {
+        let slot = self.arena.slots[v.index()].expect("slot");
+        assert!(
+            4 * t.numel() as u64 <= slot.size,
+            "{}: {} elements in a {}-byte slot",
+            self.g.node(v).name,
+            t.numel(),
+            slot.size
+        );
+        let at = self.word(v);
+        let words: Vec<u32> = match &t.data {
+            Buffer::F32(x) => x.iter().map(|f| f.to_bits()).collect(),
+            Buffer::I32(x) => x.iter().map(|&i| i as u32).collect(),
+        };
+        self.bytes[at..at + words.len()].copy_from_slice(&words);
+        self.written[v.index()] = true;
+    }
+
+    /// Value `v` as the GPU would read it now. Inside a fused group (`within`), a value the
+    /// plan never writes (a chain's intermediate, flash probabilities) is computed from its
+    /// operands, as the fused launch does; anywhere else reading one is a planning error.
+    fn load(&self, v: ValueId, within: Option<&mut HashMap<ValueId, Tensor>>) -> Tensor {
+        let node = self.g.node(v);
+        if let Some(t) = self.leaves.get(&v) {
+            return t.clone();
+        }
+        if let Some(root) = self.arena.aliases[v.index()] {
+            let mut t = self.load(root, within);
+            t.shape = node.ty.shape();
+            return t;
+        }
+        if self.written[v.index()] {
+            let (at, n) = (self.word(v), node.ty.numel());
+            let w = &self.bytes[at..at + n];
+            return match node.ty.dtype {
+                DType::I32 => Tensor::i32(node.ty.shape(), w.iter().map(|&x| x as i32).collect()),
+                _ => Tensor::f32(
+                    node.ty.shape(),
+                    w.iter().map(|&x| f32::from_bits(x)).collect(),
+                ),
+            };
+        }
+        let Some(cache) = within else {
+            panic!(
+                "{} ({}) is read before anything wrote it",
+                node.name,
+                node.op.mnemonic()
+            );
+        };
+        if let Some(t) = cache.get(&v) {
+            return t.clone();
+        }
+        let ins: Vec<Tensor> = node
+            .inputs
+            .iter()
+            .map(|&i| self.load(i, Some(&mut *cache)))
+            .collect();
+        let refs: Vec<&Tensor> = ins.iter().collect();
+        let t = eval_op(&node.op, &refs, &node.ty).expect("eval");
+        cache.insert(v, t.clone());
+        t
+    }
+
+    fn run(mut self) -> Vec<(String, Tensor)> {
+        for v in self.g.ids() {
+            if self.leaves.contains_key(&v) {
+                continue;
+            }
+            match self.fusion.actions[v.index()] {
+                Action::Skip => {}
+                Action::Run => {
+                    let node = self.g.node(v);
+                    let ins: Vec<Tensor> =
+                        node.inputs.iter().map(|&i| self.load(i, None)).collect();
+                    let refs: Vec<&Tensor> = ins.iter().collect();
+                    let t = eval_op(&node.op, &refs, &node.ty).expect("eval");
+                    self.store(v, &t);
+                }
+                Action::Fused(i) => {
+                    // Everything the group writes is computed first, then written: the launch
+                    // reads its operands before its results land.
+                    let group = &self.fusion.groups[i];
+                    let mut cache = HashMap::new();
+                    let outs: Vec<(ValueId, Tensor)> = group
+                        .writes()
+                        .into_iter()
+                        .map(|w| (w, self.load(w, Some(&mut cache))))
+                        .collect();
+                    for (w, t) in outs {
+                        self.store(w, &t);
+                    }
+                }
+            }
+        }
+        self.g
+            .outputs
+            .iter()
+            .map(|(name, v)| (name.clone(), self.load(*v, None)))
+            .collect()
+    }
+}
+
+/// Runs `g`'s fused plan in its arena and compares every output with the reference: equal to
+/// the bit (the same CPU kernels in the same order). Returns the fused groups by label.
+fn check(g: &Graph, what: &str, ids: i32) -> HashMap<&'static str, usize> {
+    let leaves = leaves(g, ids);
+    let want = reference(g, &leaves);
+    let mut labels = HashMap::new();
+    for fuse in [false, true] {
+        let (arena, fusion) = plan_memory(g, GpuDType::F32, fuse);
+        let sim = Sim {
+            g,
+            arena: &arena,
+            fusion: &fusion,
+            leaves: &leaves,
+            bytes: vec![0; (arena.total / 4) as usize],
+            written: vec![false; g.len()],
+        };
+        for (name, got) in sim.run() {
+            let v = g
+                .outputs
+                .iter()
+                .find(|(n, _)| *n == name)
+                .expect("output")
+                .1;
+            let want = want[v.index()].as_ref().expect("reference");
+            assert_eq!(got.shape, want.shape, "{what} fuse={fuse}: `{name}`");
+            assert!(
+                got.data == want.data,
+                "{what} fuse={fuse}: output `{name}` differs from the reference"
+            );
+        }
+        if fuse {
+            for grp in &fusion.groups {
+                *labels.entry(grp.label()).or_insert(0) += 1;
+            }
+        }
+    }
+    labels
+}
+
+/// Forward programs of every fixture model: Llama's k/v and gate/up and Mixtral's k/v run as
+/// sibling GEMMs (their outputs one block), next to the other fused groups.
+#[test]
+fn forward_plans_compute_the_graph_in_their_arena() {
+    for (model, siblings) in [("llama", 2), ("mixtral", 1), ("gpt2", 0)] {
+        let cfg = config(model);
+        let g = build_forward(&cfg, BuildOptions::new(2, 8)).expect("graph");
+        let labels = check(&g, model, 16);
+        assert_eq!(
+            labels.get("sibling gemms").copied().unwrap_or(0),
+            siblings * cfg.layers,
+            "{model}: {labels:?}"
+        );
+    }
+}
+
+/// An unsharded training step (forward, backward, AdamW) of Llama: its flash attention
+/// backward groups and every other fused group leave the step's outputs unchanged. Its weights
+/// are inputs (the optimizer updates them), so no sibling GEMMs form.
+#[test]
+fn training_plans_compute_the_step_in_their_arena() {
+    for model in ["llama", "gpt2"] {
+        let cfg = config(model);
+        let mut spec = CompileSpec::new(
+            cfg.clone(),
+            model,
+            Job::Train(Box::new(TrainOptions::new(2, 8, Mesh::single()))),
+        );
+        spec.precision = Precision::f32();
+        let g = compile(&spec).expect("training plan").program;
+        let labels = check(&g, model, 16);
+        assert_eq!(
+            labels.get("attention_bwd").copied(),
+            Some(cfg.layers),
+            "{model}: {labels:?}"
+        );
+        assert_eq!(labels.get("sibling gemms"), None, "{model}: {labels:?}");
+    }
+}
