@@ -186,6 +186,15 @@ pub static KERNELS: &[KernelSource] = &[
         ]
     ),
     kernel_source!(
+        "moe_gemm",
+        [
+            "moe_route_index_f32",
+            "moe_route_index_bf16",
+            "routed_gemm_f32",
+            "routed_gemm_bf16",
+        ]
+    ),
+    kernel_source!(
         "reduce",
         [
             "reduce_add_f32",

@@ -1,0 +1,409 @@
+// moe_gemm.cu: mixture-of-experts expert GEMMs computed only on the tokens routed to each
+// expert. The IR's dispatched activations are [E, N, H], expert-major (N = B*T tokens), with
+// zero rows where a token's gate for the expert is 0 (moe.cu's dispatch); these kernels list
+// each expert's routed tokens once and then multiply only those rows, instead of all E * N.
+//
+// moe_route_index_{f32,bf16}(const T* gates, int* counts, int* rows, i64 tokens, int experts)
+//     gates [tokens, experts]. For each expert e: counts[e] = the number of tokens n with
+//     gates[n * experts + e] != 0, and rows[e * tokens + j] for j < counts[e] = those token
+//     indices in ascending order (deterministic); rows [experts, tokens] past counts[e] are
+//     left unspecified (not written). Launch: one block per expert, gridDim = (experts, 1, 1),
+//     any blockDim.x multiple of 32 (the host uses 256), no dynamic shared memory. The block
+//     walks the tokens in chunks of blockDim.x with a block-wide prefix scan of the flags
+//     (within a warp by xor shuffles, across warps through shared memory).
+//
+// routed_gemm_{f32,bf16}(const T* a,          // [E, tokens, k]
+//                        const T* w,          // [E, k, n], or [E, n, k] when transpose_w != 0
+//                        T* out,              // [E, tokens, n]
+//                        const int* counts,   // [E]          (moe_route_index)
+//                        const int* rows,     // [E, tokens]  (moe_route_index)
+//                        i64 tokens, int k, int n, int transpose_w)
+//     All row-major contiguous. For every expert e and j < counts[e], with r = rows[e * tokens
+//     + j]: out[e, r, :] = a[e, r, :] . w[e] (w[e] read transposed when transpose_w != 0),
+//     accumulated in f32, bf16 output rounded to nearest even. Rows of out not listed are not
+//     written (the caller zero-fills out first); rows past counts[e] are never read.
+//     Launch (exactly): blockDim = (256, 1, 1); gridDim = (ceil(n / BN), ceil(tokens / BM), E);
+//     dynamic shared memory routed_gemm_shared_bytes (launch.rs):
+//       bf16: BM = BN = 128, BK = 32; 2 * (128 + 128) * 32 * 2 + 128 * 4 = 33280 bytes.
+//       f32:  BM = BN = 64, BK = 16;  16 * (65 + 65) * 4 + 64 * 4 = 8576 bytes.
+//     Another block shape traps. bf16 also requires k % 8 == 0, n % 8 == 0 (else it traps) and
+//     a, w, out 16-byte aligned (rows are copied 16 bytes at a time with cp.async); the host
+//     checks with launch::routed_gemm_supported. f32 takes any sizes and alignment.
+//     Within expert e, block (x, y) has the linear index y * gridDim.x + x; the expert's
+//     ceil(counts[e] / BM) * ceil(n / BN) output tiles are handed out in that order, row tiles
+//     in groups of 8 that sweep the column tiles together (so the weight tiles read by a group
+//     are shared in L2), and the blocks past the last tile return at once, so a launch costs
+//     about the routed rows, not tokens * E.
+//
+// Structure of routed_gemm_bf16. A block owns a 128 x 128 tile of out[e]; its 128 token rows
+// (rows[e * tokens + m0 ..]) are staged in shared memory, so the A tile is gathered through
+// them and the result scattered through them. The K dimension is walked in tiles of 32, the A
+// tile (128 rows x 32) and the W tile (32 x 128 for [k, n], 128 x 32 for [n, k]) double-buffered
+// in shared memory with cp.async (the next tile in flight while the current one is computed).
+// 8 warps as 2 x 4, each owning 64 rows x 32 columns: per 16-wide k step 4 A fragments by
+// ldmatrix, 4 B fragments by ldmatrix ([n, k], mma's "col" layout as stored) or ldmatrix.trans
+// ([k, n]), 16 mma.sync m16n8k16 into 64 f32 accumulators per lane. Tiles are stored with
+// 16-byte chunks swizzled (mma.cuh's tile_swizzle) so every ldmatrix hits 8 distinct bank
+// groups. Rows past counts[e], columns past n and k past its end are zero-filled by the copy
+// (src-size 0); the stores are guarded (rows by the staged list, columns by n).
+//
+// routed_gemm_f32 is the same tiling on FMA: 64 x 64 tiles, k in tiles of 16 staged through
+// shared memory (transposed, rows padded to 65 floats), each thread 4 x 4 outputs (rows ty +
+// 16 i, columns tx + 16 j).
+#include "common.cuh"
+#include "mma.cuh"
+
+#define RG_THREADS 256
+#define RG_GROUP_M 8
+// bf16 (tensor cores)
+#define RG_BM 128
+#define RG_BN 128
+#define RG_BK 32
+// f32 (FMA)
+#define RGF_BM 64
+#define RGF_BN 64
+#define RGF_BK 16
+#define RGF_PAD (RGF_BM + 1)
+
+// Two blocks per SM: at most 128 registers a thread. The emulator's __launch_bounds__ takes
+// one argument.
+#ifdef SHARDC_EMU
+#define RG_LAUNCH_BOUNDS __launch_bounds__(RG_THREADS)
+#else
+#define RG_LAUNCH_BOUNDS __launch_bounds__(RG_THREADS, 2)
+#endif
+
+// ---- moe_route_index ---------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ void route_index_impl(const T* gates, int* counts, int* rows,
+                                                 i64 tokens, int experts) {
+    __shared__ int warp_total[32];
+    if ((blockDim.x & 31) != 0 || blockDim.y != 1 || blockDim.z != 1) __trap();
+    const int e = blockIdx.x;
+    if (e >= experts) return;  // uniform over the block
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    int* list = rows + (i64)e * tokens;
+    int listed = 0;  // tokens listed by the chunks before this one (the same in every thread)
+    for (i64 t0 = 0; t0 < tokens; t0 += blockDim.x) {
+        const i64 t = t0 + threadIdx.x;
+        const int flag = t < tokens && load(gates, t * experts + e) != 0.0f;
+        // Inclusive scan of the warp's flags by xor butterflies: after the step with offset o,
+        // `total` is the sum over the aligned 2o lanes around this lane and `incl` this lane's
+        // inclusive prefix within them.
+        int incl = flag;
+        int total = flag;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int other = __shfl_xor_sync(SHARDC_FULL_MASK, total, o);
+            if (lane & o) incl += other;
+            total += other;
+        }
+        if (lane == 0) warp_total[warp] = total;
+        __syncthreads();
+        int before = listed;
+        int chunk = 0;
+        for (int w = 0; w < warps; ++w) {
+            const int s = warp_total[w];
+            if (w < warp) before += s;
+            chunk += s;
+        }
+        if (flag) list[before + incl - 1] = (int)t;
+        listed += chunk;
+        __syncthreads();  // warp_total is rewritten by the next chunk
+    }
+    if (threadIdx.x == 0) counts[e] = listed;
+}
+
+#define SHARDC_MOE_ROUTE_INDEX(NAME, T)                                                     \
+    extern "C" __global__ void NAME(const T* gates, int* counts, int* rows, i64 tokens,     \
+                                    int experts) {                                          \
+        route_index_impl(gates, counts, rows, tokens, experts);                             \
+    }
+
+SHARDC_MOE_ROUTE_INDEX(moe_route_index_f32, float)
+SHARDC_MOE_ROUTE_INDEX(moe_route_index_bf16, bf16)
+
+// ---- routed_gemm: tiles -------------------------------------------------------------------------
+
+// The output tile of this block for an expert with `count` routed rows: its first row (in the
+// routed list) and first column, or false when the block has none (see the header: the
+// expert's tiles in the order of the blocks' linear index, row tiles grouped by RG_GROUP_M).
+template <int BM, int BN>
+__device__ __forceinline__ bool routed_tile(int count, int n, int* m0, int* n0) {
+    const i64 tiles_m = (count + BM - 1) / BM;
+    const i64 tiles_n = (n + BN - 1) / BN;
+    const i64 id = (i64)blockIdx.y * gridDim.x + blockIdx.x;
+    if (id >= tiles_m * tiles_n) return false;
+    const i64 per_group = RG_GROUP_M * tiles_n;
+    const i64 group = id / per_group;
+    const i64 first_m = group * RG_GROUP_M;
+    const i64 group_m = min(tiles_m - first_m, (i64)RG_GROUP_M);
+    const i64 in_group = id - group * per_group;
+    *m0 = (int)(first_m + in_group % group_m) * BM;
+    *n0 = (int)(in_group / group_m) * BN;
+    return true;
+}
+
+// Stages the token rows of list entries m0 .. m0 + ROWS - 1 (-1 past count) in row_s.
+template <int ROWS>
+__device__ __forceinline__ void stage_rows(int* row_s, const int* list, int m0, int count) {
+    for (int j = threadIdx.x; j < ROWS; j += RG_THREADS) {
+        row_s[j] = m0 + j < count ? list[m0 + j] : -1;
+    }
+}
+
+// ---- routed_gemm_bf16: tensor cores ------------------------------------------------------------
+
+// Starts the copies of K tile k0 (A: the block's 128 gathered rows x 32; W: 32 x 128 of [k, n]
+// or 128 x 32 of [n, k]) into a_s and b_s, zero-filling whatever lies past count, k or n.
+// a_row[i] is this thread's A row (rows aj and aj + 64, chunk ach), null past count.
+template <bool TRANS_W>
+__device__ __forceinline__ void rg_issue_tile(bf16* a_s, bf16* b_s, const bf16* const* a_row,
+                                              const bf16* a, const bf16* w_e, int k0, int k,
+                                              int n, int n0) {
+    const int tid = threadIdx.x;
+    const int aj = tid >> 2;
+    const int ach = tid & 3;
+    const int kc = k0 + ach * 8;  // first k of this thread's chunk in the 32-wide rows
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const bool ok = a_row[i] != nullptr && kc < k;
+        cp_async_cg16(a_s + tile_swizzle<RG_BK>(aj + 64 * i, ach), ok ? a_row[i] + kc : a,
+                      ok ? 16 : 0);
+    }
+    if (TRANS_W) {  // W [n, k]: rows n0 + aj (+ 64) of 32 k, like A
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int col = n0 + aj + 64 * i;
+            const bool ok = col < n && kc < k;
+            cp_async_cg16(b_s + tile_swizzle<RG_BK>(aj + 64 * i, ach),
+                          ok ? w_e + (i64)col * k + kc : w_e, ok ? 16 : 0);
+        }
+    } else {  // W [k, n]: rows k0 + bj (+ 16) of 128 n, 16 chunks each
+        const int bj = tid >> 4;
+        const int bch = tid & 15;
+        const int col = n0 + bch * 8;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int kr = k0 + bj + 16 * i;
+            const bool ok = kr < k && col < n;
+            cp_async_cg16(b_s + tile_swizzle<RG_BN>(bj + 16 * i, bch),
+                          ok ? w_e + (i64)kr * n + col : w_e, ok ? 16 : 0);
+        }
+    }
+}
+
+template <bool TRANS_W>
+__device__ __forceinline__ void routed_gemm_tc(const bf16* a, const bf16* w, bf16* out,
+                                               const int* counts, const int* rows, i64 tokens,
+                                               int k, int n) {
+    if ((k & 7) != 0 || (n & 7) != 0) __trap();
+    extern __shared__ float smem[];
+    bf16* a_s = (bf16*)smem;                          // [2][128 x 32]
+    bf16* b_s = a_s + 2 * RG_BM * RG_BK;              // [2][32 x 128] or [2][128 x 32]
+    int* row_s = (int*)(b_s + 2 * RG_BN * RG_BK);     // [128]
+
+    const int e = blockIdx.z;
+    const int count = counts[e];
+    int m0, n0;
+    if (!routed_tile<RG_BM, RG_BN>(count, n, &m0, &n0)) return;  // uniform over the block
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;   // row of the C fragments (and row + 8)
+    const int c = lane & 3;    // column pair of the C fragments
+    const int mi = lane >> 3;  // the 8x8 matrix this lane addresses in an ldmatrix.x4
+    const int wm = warp >> 2;  // the warp's rows: 64 wm .. 64 wm + 63 of the tile
+    const int wn = warp & 3;   // the warp's columns: 32 wn .. 32 wn + 31
+
+    stage_rows<RG_BM>(row_s, rows + (i64)e * tokens, m0, count);
+    __syncthreads();
+
+    const bf16* a_e = a + (i64)e * tokens * k;
+    const bf16* w_e = w + (i64)e * k * n;
+    const bf16* a_row[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = row_s[(tid >> 2) + 64 * i];
+        a_row[i] = r >= 0 ? a_e + (i64)r * k : nullptr;
+    }
+
+    float acc[4][4][4];  // [m block of 16][n block of 8][C fragment]
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) mma_zero<4>(acc[mt]);
+
+    const int k_tiles = (k + RG_BK - 1) / RG_BK;
+    if (k_tiles > 0) {
+        rg_issue_tile<TRANS_W>(a_s, b_s, a_row, a, w_e, 0, k, n, n0);
+        cp_async_commit();
+    }
+    for (int it = 0; it < k_tiles; ++it) {
+        const int buf = it & 1;
+        if (it + 1 < k_tiles) {
+            // The other buffer was released by the barrier that ended the previous iteration.
+            rg_issue_tile<TRANS_W>(a_s + (buf ^ 1) * RG_BM * RG_BK,
+                                   b_s + (buf ^ 1) * RG_BN * RG_BK, a_row, a, w_e,
+                                   (it + 1) * RG_BK, k, n, n0);
+            cp_async_commit();
+            cp_async_wait<1>();  // all but the tile just issued
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // every thread's copies of this tile visible to all
+
+        const bf16* at = a_s + buf * RG_BM * RG_BK;
+        const bf16* bt = b_s + buf * RG_BN * RG_BK;
+#pragma unroll
+        for (int ks = 0; ks < RG_BK / 16; ++ks) {
+            unsigned af[4][4];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                const int row = wm * 64 + mt * 16 + (mi & 1) * 8 + (lane & 7);
+                ldmatrix_x4(af[mt], at + tile_swizzle<RG_BK>(row, ks * 2 + (mi >> 1)));
+            }
+            unsigned bfr[2][4];  // B fragments of column blocks 2p and 2p + 1 of the warp's 4
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                if (TRANS_W) {
+                    const int row = wn * 32 + (2 * p + (mi >> 1)) * 8 + (lane & 7);
+                    ldmatrix_x4(bfr[p], bt + tile_swizzle<RG_BK>(row, ks * 2 + (mi & 1)));
+                } else {
+                    const int row = ks * 16 + (mi & 1) * 8 + (lane & 7);
+                    ldmatrix_x4_trans(bfr[p],
+                                      bt + tile_swizzle<RG_BN>(row, wn * 4 + 2 * p + (mi >> 1)));
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+                for (int nb = 0; nb < 4; ++nb) {
+                    mma_bf16_16816(acc[mt][nb], af[mt], bfr[nb >> 1] + (nb & 1) * 2);
+                }
+            }
+        }
+        __syncthreads();  // this buffer is free for the copy issued next iteration
+    }
+
+    bf16* out_e = out + (i64)e * tokens * n;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row_s[wm * 64 + mt * 16 + g + 8 * h];
+            if (r < 0) continue;
+            bf16* orow = out_e + (i64)r * n;
+#pragma unroll
+            for (int nb = 0; nb < 4; ++nb) {
+                const int col = n0 + wn * 32 + nb * 8 + 2 * c;
+                if (col < n) {
+                    *(unsigned*)(orow + col) =
+                        pack_bf16x2(acc[mt][nb][2 * h], acc[mt][nb][2 * h + 1]);
+                }
+            }
+        }
+    }
+}
+
+// ---- routed_gemm_f32: FMA ----------------------------------------------------------------------
+
+template <bool TRANS_W>
+__device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, float* out,
+                                                const int* counts, const int* rows, i64 tokens,
+                                                int k, int n) {
+    extern __shared__ float smem[];
+    float* a_s = smem;                      // [16][65]: a_s[kk][j] = A[row j][k0 + kk]
+    float* b_s = a_s + RGF_BK * RGF_PAD;    // [16][65]: b_s[kk][col] = W[k0 + kk][n0 + col]
+    int* row_s = (int*)(b_s + RGF_BK * RGF_PAD);  // [64]
+
+    const int e = blockIdx.z;
+    const int count = counts[e];
+    int m0, n0;
+    if (!routed_tile<RGF_BM, RGF_BN>(count, n, &m0, &n0)) return;  // uniform over the block
+
+    const int tid = threadIdx.x;
+    const int tx = tid & 15;  // columns tx + 16 j
+    const int ty = tid >> 4;  // rows ty + 16 i
+
+    stage_rows<RGF_BM>(row_s, rows + (i64)e * tokens, m0, count);
+    __syncthreads();
+
+    const float* a_e = a + (i64)e * tokens * k;
+    const float* w_e = w + (i64)e * k * n;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    }
+
+    for (int k0 = 0; k0 < k; k0 += RGF_BK) {
+        // 64 x 16 of A and 16 x 64 of W, 4 elements a thread each, zeros past the ends.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + RG_THREADS * i;
+            const int j = idx >> 4;   // row of A, or column of a [n, k] W
+            const int kk = idx & 15;  // k within the tile, 16 consecutive per row
+            const int r = row_s[j];
+            const bool kin = k0 + kk < k;
+            a_s[kk * RGF_PAD + j] = r >= 0 && kin ? a_e[(i64)r * k + k0 + kk] : 0.0f;
+            if (TRANS_W) {
+                const int col = n0 + j;
+                b_s[kk * RGF_PAD + j] = col < n && kin ? w_e[(i64)col * k + k0 + kk] : 0.0f;
+            } else {
+                const int kr = idx >> 6;   // k within the tile
+                const int cc = idx & 63;   // column, 64 consecutive per k
+                const bool ok = k0 + kr < k && n0 + cc < n;
+                b_s[kr * RGF_PAD + cc] = ok ? w_e[(i64)(k0 + kr) * n + n0 + cc] : 0.0f;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < RGF_BK; ++kk) {
+            float av[4];
+            float bv[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) av[i] = a_s[kk * RGF_PAD + ty + 16 * i];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) bv[j] = b_s[kk * RGF_PAD + tx + 16 * j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+            }
+        }
+        __syncthreads();
+    }
+
+    float* out_e = out + (i64)e * tokens * n;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = row_s[ty + 16 * i];
+        if (r < 0) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int col = n0 + tx + 16 * j;
+            if (col < n) out_e[(i64)r * n + col] = acc[i][j];
+        }
+    }
+}
+
+// One signature for both dtypes; IMPL is routed_gemm_fma (f32) or routed_gemm_tc (bf16).
+#define SHARDC_ROUTED_GEMM(NAME, T, IMPL)                                                     \
+    extern "C" __global__ void RG_LAUNCH_BOUNDS NAME(const T* a, const T* w, T* out,          \
+                                                     const int* counts, const int* rows,      \
+                                                     i64 tokens, int k, int n,                \
+                                                     int transpose_w) {                       \
+        if (blockDim.x != RG_THREADS || blockDim.y != 1 || blockDim.z != 1) __trap();         \
+        if (transpose_w) {                                                                    \
+            IMPL<true>(a, w, out, counts, rows, tokens, k, n);                                \
+        } else {                                                                              \
+            IMPL<false>(a, w, out, counts, rows, tokens, k, n);                               \
+        }                                                                                     \
+    }
+
+SHARDC_ROUTED_GEMM(routed_gemm_f32, float, routed_gemm_fma)
+SHARDC_ROUTED_GEMM(routed_gemm_bf16, bf16, routed_gemm_tc)

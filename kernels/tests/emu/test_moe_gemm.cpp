@@ -1,0 +1,134 @@
+// moe_gemm.cu under the SIMT emulation: moe_route_index (counts and ascending token lists per
+// expert) against a reference written from the contract, and routed_gemm_{f32,bf16} in both
+// weight layouts against double-precision products of the listed rows, with every unlisted row
+// of out required to keep its sentinel (rows past counts[e] in the list hold other valid token
+// indices, so reading them would show). Sizes are off the tiles (tokens 70/260/1100, k 16/40/72,
+// n 24/136) and the routing has an expert with every token and one with none.
+#include "check.h"
+#include "cu/moe_gemm.cu"
+
+// Tile sizes of routed_gemm (moe_gemm.cu), for the grid.
+template <class T> constexpr int tile_m() { return sizeof(T) == 2 ? RG_BM : RGF_BM; }
+template <class T> constexpr int tile_n() { return sizeof(T) == 2 ? RG_BN : RGF_BN; }
+
+// gates [N, E]: expert 0 routes every token, expert 1 none (when E >= 3), each token also gets
+// about two of the others (top-2-like, random); a few zeros are -0.
+std::vector<float> make_gates(int N, int E) {
+    std::vector<float> g(N * E, 0.f);
+    std::uniform_int_distribution<int> pick(0, E - 1);
+    std::uniform_real_distribution<float> val(0.05f, 1.0f);
+    for (int n = 0; n < N; ++n) {
+        g[n * E + 0] = val(rng);
+        for (int t = 0; t < 2; ++t) {
+            const int e = pick(rng);
+            if (E >= 3 && e == 1) continue;
+            g[n * E + e] = val(rng);
+        }
+        if (n % 7 == 3 && E >= 3) g[n * E + 1] = -0.0f;
+    }
+    return g;
+}
+
+// The contract's routing: counts[e] and the ascending token lists [E, N].
+void route_ref(const std::vector<float>& g, int N, int E, std::vector<int>& counts, std::vector<int>& rows) {
+    counts.assign(E, 0);
+    rows.assign((size_t)E * N, 0);
+    for (int e = 0; e < E; ++e)
+        for (int n = 0; n < N; ++n)
+            if (g[n * E + e] != 0) rows[(size_t)e * N + counts[e]++] = n;
+}
+
+template <class T>
+void route_index_case(int N, int E, unsigned threads) {
+    auto g = make_gates(N, E);
+    auto gb = as<T>(g);
+    std::vector<int> want_counts, want_rows;
+    route_ref(g, N, E, want_counts, want_rows);
+    std::vector<int> counts(E, -7), rows((size_t)E * N, -7);
+    launch({(unsigned)E}, {threads}, [&] { CALL_T(T, moe_route_index, gb.data(), counts.data(), rows.data(), (i64)N, E); });
+    int bad = 0;
+    for (int e = 0; e < E; ++e) {
+        bad += counts[e] != want_counts[e];
+        for (int j = 0; j < want_counts[e] && counts[e] == want_counts[e]; ++j)
+            bad += rows[(size_t)e * N + j] != want_rows[(size_t)e * N + j];
+    }
+    printf("%s moe_route_index_%s tokens=%d experts=%d block=%u: counts", bad ? "FAIL" : "ok  ", tname<T>(), N, E, threads);
+    for (int e = 0; e < E; ++e) printf(" %d", counts[e]);
+    printf(" (%d wrong)\n", bad);
+    failures += bad != 0;
+}
+
+template <class T>
+void gemm_case(int E, int N, int K, int Nout, int trans) {
+    const bool bf = sizeof(T) == 2;
+    auto g = make_gates(N, E);
+    std::vector<int> counts, rows;
+    route_ref(g, N, E, counts, rows);
+    // Past counts[e]: valid token indices the kernel must not read (it would write those rows).
+    for (int e = 0; e < E; ++e)
+        for (int j = counts[e]; j < N; ++j) rows[(size_t)e * N + j] = (j * 5 + e) % N;
+    auto a = randv((size_t)E * N * K, -1, 1), w = randv((size_t)E * K * Nout, -1, 1);
+    Placed<T> ap(as<T>(a), 0), wp(as<T>(w), 0);
+    const float sentinel = 1152.0f;  // exact in bf16
+    std::vector<float> s((size_t)E * N * Nout, sentinel);
+    Placed<T> op(as<T>(s), 0);
+    const dim3 grid{(unsigned)((Nout + tile_n<T>() - 1) / tile_n<T>()),
+                    (unsigned)((N + tile_m<T>() - 1) / tile_m<T>()), (unsigned)E};
+    launch(grid, {RG_THREADS}, [&] {
+        CALL_T(T, routed_gemm, ap.p, wp.p, op.p, counts.data(), rows.data(), (i64)N, K, Nout, trans);
+    });
+    const auto out = op.f32((size_t)E * N * Nout);
+    // Routed rows against the double reference; every other row untouched.
+    std::vector<float> got;
+    std::vector<double> want;
+    std::vector<char> listed((size_t)E * N, 0);
+    for (int e = 0; e < E; ++e) {
+        for (int j = 0; j < counts[e]; ++j) {
+            const int r = rows[(size_t)e * N + j];
+            listed[(size_t)e * N + r] = 1;
+            for (int c = 0; c < Nout; ++c) {
+                double acc = 0;
+                for (int kk = 0; kk < K; ++kk) {
+                    const double wv = trans ? w[((size_t)e * Nout + c) * K + kk] : w[((size_t)e * K + kk) * Nout + c];
+                    acc += (double)a[((size_t)e * N + r) * K + kk] * wv;
+                }
+                want.push_back(acc);
+                got.push_back(out[((size_t)e * N + r) * Nout + c]);
+            }
+        }
+    }
+    char what[160];
+    snprintf(what, sizeof what, "routed_gemm_%s E=%d tokens=%d k=%d n=%d transpose_w=%d", tname<T>(), E, N, K, Nout, trans);
+    // f32: about twice the worst error seen; bf16: the output rounded to 8 bits.
+    check_tol(what, got, want, bf ? 4e-3 : 2e-6, bf ? 4e-3 : 2e-6);
+    size_t touched = 0, unlisted = 0;
+    for (size_t row = 0; row < (size_t)E * N; ++row) {
+        if (listed[row]) continue;
+        unlisted++;
+        for (int c = 0; c < Nout; ++c) touched += out[row * Nout + c] != sentinel;
+    }
+    const bool ok = touched == 0 && unlisted > 0;
+    printf("%s %s: %zu unlisted rows, %zu values written there\n", ok ? "ok  " : "FAIL", what, unlisted, touched);
+    failures += !ok;
+}
+
+int main() {
+    // Tokens off the block (256) and a block narrower than the tokens; an expert with every
+    // token (0) and one with none (1).
+    for (auto [N, E, threads] : {std::tuple{300, 5, 256u}, std::tuple{70, 3, 96u}, std::tuple{256, 4, 256u}, std::tuple{1, 3, 32u}}) {
+        route_index_case<float>(N, E, threads);
+        route_index_case<bf16>(N, E, threads);
+    }
+    // (E, tokens, k, n): one row tile; partial k and n tiles; several row tiles (expert 0 with
+    // 260 tokens: 3 bf16 / 5 f32 row tiles); more row tiles than a group of 8 (1100 tokens).
+    const int shapes[][4] = {{3, 70, 40, 24}, {3, 70, 72, 136}, {4, 260, 40, 136}, {3, 1100, 16, 136}};
+    for (auto& s : shapes) {
+        for (int trans : {0, 1}) {
+            gemm_case<float>(s[0], s[1], s[2], s[3], trans);
+            gemm_case<bf16>(s[0], s[1], s[2], s[3], trans);
+        }
+    }
+    printf("worst error at %.2f of its tolerance\n", worst_seen);
+    printf("%d failure(s)\n", failures);
+    return failures != 0;
+}
