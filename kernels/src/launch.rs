@@ -703,6 +703,86 @@ pub fn combine_grad_gates_launch(tokens: usize, experts: usize) -> LaunchConfig 
     }
 }
 
+/// Threads per block of `moe_route_index_*` (moe_gemm.cu; any multiple of 32 works).
+pub const MOE_ROUTE_INDEX_THREADS: u32 = 256;
+
+/// `moe_route_index_*`: one block per expert (a block-wide prefix scan over its tokens),
+/// [`MOE_ROUTE_INDEX_THREADS`] threads, no dynamic shared memory. Zero experts still launch one
+/// block, which returns at once.
+pub fn moe_route_index_launch(experts: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (u32::try_from(experts.max(1)).unwrap_or(u32::MAX), 1, 1),
+        block_dim: (MOE_ROUTE_INDEX_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Threads per block of `routed_gemm_*` (`RG_THREADS` in moe_gemm.cu); the kernels trap on any
+/// other size.
+pub const ROUTED_GEMM_THREADS: u32 = 256;
+/// K per shared-memory tile of `routed_gemm_bf16` (`RG_BK`).
+pub const ROUTED_GEMM_BF16_BLOCK_K: usize = 32;
+/// K per shared-memory tile of `routed_gemm_f32` (`RGF_BK`).
+pub const ROUTED_GEMM_F32_BLOCK_K: usize = 16;
+/// Alignment in bytes `routed_gemm_bf16` needs of a, w and out (16-byte `cp.async` rows).
+pub const ROUTED_GEMM_ALIGN: u64 = 16;
+
+/// The output tile (routed rows x columns) of one `routed_gemm_*` block: 128 x 128 for bf16
+/// (tensor cores, 8 warps of 64 x 32), 64 x 64 for f32 (FMA, 4 x 4 a thread).
+pub fn routed_gemm_tile(dtype: KernelDType) -> (usize, usize) {
+    match dtype {
+        KernelDType::Bf16 => (128, 128),
+        KernelDType::F32 => (64, 64),
+    }
+}
+
+/// Dynamic shared memory of `routed_gemm_*`, plus the tile's token rows (`i32`): bf16, two
+/// buffers of a 128 x 32 A tile and a 32 x 128 (or 128 x 32) W tile (33 280 bytes); f32, a
+/// 16 x 64 A and W tile with rows padded to 65 floats (8 576 bytes). Both under
+/// [`DEFAULT_MAX_DYNAMIC_SHARED`], so no opt-in.
+pub fn routed_gemm_shared_bytes(dtype: KernelDType) -> usize {
+    let (bm, bn) = routed_gemm_tile(dtype);
+    match dtype {
+        KernelDType::Bf16 => 2 * (bm + bn) * ROUTED_GEMM_BF16_BLOCK_K * 2 + bm * 4,
+        KernelDType::F32 => ROUTED_GEMM_F32_BLOCK_K * 2 * (bm + 1) * 4 + bm * 4,
+    }
+}
+
+/// Whether `routed_gemm_{dtype}` can run this call: always for f32; for bf16, `k` and `n`
+/// multiples of 8 and a, w, out (device addresses) aligned to [`ROUTED_GEMM_ALIGN`]
+/// (`routed_gemm_bf16` copies 16-byte row chunks and traps on `k` or `n` off 8). Otherwise the
+/// caller keeps another path (the dense expert GEMMs).
+pub fn routed_gemm_supported(dtype: KernelDType, k: usize, n: usize, ptrs: [u64; 3]) -> bool {
+    match dtype {
+        KernelDType::F32 => true,
+        KernelDType::Bf16 => {
+            k % 8 == 0 && n % 8 == 0 && ptrs.iter().all(|p| p % ROUTED_GEMM_ALIGN == 0)
+        }
+    }
+}
+
+/// `routed_gemm_*` over `experts` experts of `tokens` tokens with `n` output columns: grid
+/// (ceil(n / BN), ceil(tokens / BM), experts) with the [`routed_gemm_tile`] of `dtype` (each
+/// dimension at least 1), [`ROUTED_GEMM_THREADS`] threads, [`routed_gemm_shared_bytes`].
+/// Blocks beyond an expert's routed tiles return at once, so the cost follows the routed rows.
+/// The grid's y dimension limits `tokens` to 65 535 x BM (8.4 M for bf16, 4.2 M for f32).
+pub fn routed_gemm_launch(
+    dtype: KernelDType,
+    tokens: usize,
+    n: usize,
+    experts: usize,
+) -> LaunchConfig {
+    let (bm, bn) = routed_gemm_tile(dtype);
+    let dim =
+        |count: usize, per: usize| u32::try_from(count.div_ceil(per).max(1)).unwrap_or(u32::MAX);
+    LaunchConfig {
+        grid_dim: (dim(n, bn), dim(tokens, bm), dim(experts, 1)),
+        block_dim: (ROUTED_GEMM_THREADS, 1, 1),
+        shared_mem_bytes: u32::try_from(routed_gemm_shared_bytes(dtype))
+            .expect("invariant: under 48 KiB"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1123,6 +1203,46 @@ mod tests {
             combine_grad_gates_launch(1 << 40, 8).grid_dim.0,
             MAX_GRID_STRIDE_BLOCKS
         );
+    }
+
+    #[test]
+    fn moe_gemm_configs() {
+        let r = moe_route_index_launch(8);
+        assert_eq!((r.grid_dim, r.block_dim), ((8, 1, 1), (256, 1, 1)));
+        assert_eq!(r.shared_mem_bytes, 0);
+        assert_eq!(moe_route_index_launch(0).grid_dim, (1, 1, 1));
+
+        let (bf16, f32) = (KernelDType::Bf16, KernelDType::F32);
+        // Mixtral: 16384 tokens, w1 [8, 4096, 14336].
+        let c = routed_gemm_launch(bf16, 16_384, 14_336, 8);
+        assert_eq!(c.grid_dim, (112, 128, 8));
+        assert_eq!(c.block_dim, (256, 1, 1));
+        assert_eq!(c.shared_mem_bytes, 2 * 256 * 32 * 2 + 128 * 4);
+        // Partial tiles round up; f32 tiles are 64 x 64.
+        assert_eq!(routed_gemm_launch(bf16, 70, 136, 3).grid_dim, (2, 1, 3));
+        let c = routed_gemm_launch(f32, 70, 136, 3);
+        assert_eq!(c.grid_dim, (3, 2, 3));
+        assert_eq!(c.shared_mem_bytes, 16 * 2 * 65 * 4 + 64 * 4);
+        assert_eq!(routed_gemm_launch(f32, 0, 0, 0).grid_dim, (1, 1, 1));
+        for dt in KernelDType::ALL {
+            assert!(routed_gemm_shared_bytes(dt) <= DEFAULT_MAX_DYNAMIC_SHARED);
+            assert_eq!(opt_in_shared_bytes(&entry_name("routed_gemm", dt)), None);
+        }
+
+        let aligned = [256, 4096, 1 << 20];
+        assert!(routed_gemm_supported(bf16, 4096, 14_336, aligned));
+        assert!(routed_gemm_supported(bf16, 40, 24, aligned));
+        // k or n off 8, or any of a, w, out off 16 bytes: bf16 refuses, f32 takes anything.
+        for (k, n) in [(4100, 14_336), (4096, 14_340), (7, 8)] {
+            assert!(!routed_gemm_supported(bf16, k, n, aligned), "k {k} n {n}");
+            assert!(routed_gemm_supported(f32, k, n, aligned), "k {k} n {n}");
+        }
+        for i in 0..3 {
+            let mut p = aligned;
+            p[i] += 8;
+            assert!(!routed_gemm_supported(bf16, 4096, 4096, p), "{p:?}");
+            assert!(routed_gemm_supported(f32, 4096, 4096, p), "{p:?}");
+        }
     }
 
     #[test]
