@@ -101,6 +101,7 @@ fn every_kernel_source_compiles_for_sm90() {
 struct Assembled {
     file: &'static str,
     ptx: String,
+    cubin: Vec<u8>,
 }
 
 /// `family` to PTX for sm_90, every entry point present, and to a CUBIN (assembled by ptxas, so
@@ -119,6 +120,7 @@ fn assemble(family: &str) -> Assembled {
     Assembled {
         file: k.file,
         ptx: ptx.ptx,
+        cubin,
     }
 }
 
@@ -154,6 +156,16 @@ impl Assembled {
         self
     }
 
+    /// ptxas' resource use of `entry`: (registers, stack frame bytes) from the CUBIN's
+    /// `.nv.info` ([`cubin_resources`]). A frame of 0 bytes means no spills and no local arrays.
+    fn resources(&self, entry: &str) -> (u32, u32) {
+        let found = cubin_resources(&self.cubin, entry);
+        let (regs, frame) =
+            found.unwrap_or_else(|| panic!("{}: no resources of `{entry}`", self.file));
+        eprintln!("{entry}: {regs} registers, {frame} bytes of stack frame");
+        (regs, frame)
+    }
+
     /// No local memory: no per-thread array is indexed at run time.
     fn assert_no_local_memory(&self) -> &Self {
         assert!(
@@ -165,6 +177,75 @@ impl Assembled {
     }
 }
 
+/// Little-endian reads at `at` of a CUBIN (checked: `None` past the end).
+fn le_u16(b: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
+}
+fn le_u32(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+fn le_u64(b: &[u8], at: usize) -> Option<usize> {
+    usize::try_from(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?)).ok()
+}
+
+/// The registers (`EIATTR_REGCOUNT`, 0x2f) and stack frame bytes (`EIATTR_FRAME_SIZE`, 0x11)
+/// ptxas recorded for function `entry` in the `.nv.info` section of a CUBIN (a 64-bit ELF):
+/// records of (format u8, attribute u8, u16), the u16 being the byte length of the data that
+/// follows for format 4 (`EIFMT_SVAL`, here a symbol index and a value, u32 each) and the value
+/// itself otherwise.
+fn cubin_resources(elf: &[u8], entry: &str) -> Option<(u32, u32)> {
+    let shoff = le_u64(elf, 0x28)?;
+    let (shentsize, shnum) = (le_u16(elf, 0x3a)? as usize, le_u16(elf, 0x3c)? as usize);
+    let shstrndx = le_u16(elf, 0x3e)? as usize;
+    // (name offset, type, file offset, size, link) of section i
+    let section = |i: usize| -> Option<(usize, u32, usize, usize, usize)> {
+        let h = shoff + i * shentsize;
+        Some((
+            le_u32(elf, h)? as usize,
+            le_u32(elf, h + 4)?,
+            le_u64(elf, h + 24)?,
+            le_u64(elf, h + 32)?,
+            le_u32(elf, h + 40)? as usize,
+        ))
+    };
+    let c_str = |at: usize| -> Option<&str> {
+        let tail = elf.get(at..)?;
+        std::str::from_utf8(&tail[..tail.iter().position(|&b| b == 0)?]).ok()
+    };
+    let names = section(shstrndx)?.2;
+    let (mut info, mut symtab) = (None, None);
+    for i in 0..shnum {
+        let s = section(i)?;
+        match (c_str(names + s.0)?, s.1) {
+            (".nv.info", _) => info = Some(s),
+            (_, 2) => symtab = Some(s), // SHT_SYMTAB
+            _ => {}
+        }
+    }
+    let (info, symtab) = (info?, symtab?);
+    let strings = section(symtab.4)?.2;
+    let symbol =
+        |index: u32| c_str(strings + le_u32(elf, symtab.2 + 24 * index as usize)? as usize);
+    let (mut regs, mut frame) = (None, None);
+    let mut at = info.2;
+    while at + 4 <= info.2 + info.3 {
+        let (format, attr, len) = (elf[at], elf[at + 1], le_u16(elf, at + 2)? as usize);
+        at += 4;
+        if format == 4 {
+            if len == 8 && symbol(le_u32(elf, at)?)? == entry {
+                let value = le_u32(elf, at + 4)?;
+                match attr {
+                    0x2f => regs = Some(value),
+                    0x11 => frame = Some(value),
+                    _ => {}
+                }
+            }
+            at += len;
+        }
+    }
+    Some((regs?, frame?))
+}
+
 /// `attention_tc` (its `mma.sync`, `ldmatrix` and `cp.async` are inline PTX from mma.cuh) to
 /// PTX and to a CUBIN for sm_90: the CUBIN is assembled by ptxas, so a malformed asm string in
 /// mma.cuh fails here.
@@ -174,6 +255,25 @@ fn tensor_core_attention_assembles_for_sm90() {
         return;
     }
     assemble("attention_tc").assert_tensor_core_instructions();
+}
+
+/// `moe_gemm` to PTX and to a CUBIN for sm_90: `routed_gemm_bf16`'s `mma.sync`, `ldmatrix`
+/// (plain for the `[n, k]` weights, `.trans` for `[k, n]`) and `cp.async` assemble, and ptxas
+/// keeps both GEMMs within the 128 registers of two 256-thread blocks per SM
+/// (`__launch_bounds__(256, 2)`) with no stack frame (no spills).
+#[test]
+fn routed_gemm_assembles_for_sm90() {
+    if !nvrtc_present() {
+        return;
+    }
+    let moe = assemble("moe_gemm");
+    moe.assert_tensor_core_instructions()
+        .assert_no_local_memory();
+    for entry in ["routed_gemm_bf16", "routed_gemm_f32"] {
+        let (regs, frame) = moe.resources(entry);
+        assert!(regs <= 128, "{entry}: {regs} registers");
+        assert_eq!(frame, 0, "{entry}: a stack frame (spills)");
+    }
 }
 
 /// The scalar attention and the split-KV decode pair (both on attention.cuh's core) to CUBINs
