@@ -658,6 +658,108 @@ fn planner_fusions_match_the_unfused_graph() {
     }
 }
 
+/// Expert GEMMs on their routed rows (`moe_route_index` + `routed_gemm`) against the dense
+/// ones and the CPU: a MoE block (router, dispatch, both weight layouts, combine) at sizes that
+/// are no tile multiple, with one expert no token chooses; the arena poisoned, so a row the
+/// kernels leave unwritten shows.
+#[test]
+#[ignore = "needs a GPU"]
+fn routed_expert_gemms_match_dense_and_cpu() {
+    let dev = device();
+    let mut rng = Rng::new(11);
+    let (e, t, h, f) = (3, 35, 72, 136);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let w = checkpoint(
+        dir.path(),
+        &[
+            (
+                "w_up",
+                vec![e, f, h],
+                rng.tensor(&[e, f, h], 0.2).as_f32().unwrap().to_vec(),
+            ),
+            (
+                "w_down",
+                vec![e, f, h],
+                rng.tensor(&[e, f, h], 0.1).as_f32().unwrap().to_vec(),
+            ),
+        ],
+    );
+    let mut g = Graph::new();
+    let x = g.input("x", TensorType::plain(DType::F32, &[2, t, h]));
+    let logits = g.input("logits", TensorType::plain(DType::F32, &[2, t, e]));
+    let w_up = param(&mut g, "w_up", &[e, f, h]);
+    let w_down = param(&mut g, "w_down", &[e, f, h]);
+    let gates = g
+        .add(
+            Op::Router {
+                top_k: 1,
+                normalize: false,
+            },
+            &[logits],
+            "gates",
+        )
+        .unwrap();
+    let d = g.add(Op::Dispatch, &[x, gates], "dispatch").unwrap();
+    let up = g
+        .add(Op::MatMul { transpose_b: true }, &[d, w_up], "up")
+        .unwrap();
+    let act = g.add(Op::Unary(UnaryOp::Silu), &[up], "act").unwrap();
+    let down = g
+        .add(Op::MatMul { transpose_b: false }, &[act, w_down], "down")
+        .unwrap();
+    let y = g.add(Op::Combine, &[down, gates], "combine").unwrap();
+    g.set_output("up", up);
+    g.set_output("y", y);
+    // Expert 2 is never chosen.
+    let mut l = rng.tensor(&[2, t, e], 2.0);
+    if let shardc_runtime::Buffer::F32(v) = &mut l.data {
+        for row in v.chunks_mut(e) {
+            row[2] = -100.0;
+        }
+    }
+    let inputs = BTreeMap::from([
+        ("x".to_string(), rng.tensor(&[2, t, h], 1.0)),
+        ("logits".to_string(), l),
+    ]);
+    let want = execute(&g, &w, &inputs, &RankCtx::new()).expect("cpu");
+    for dt in DTYPES {
+        let ctx = CudaRankCtx::new();
+        let mut routed = prepare(&dev, &g, &w, &ctx, opts(dt, true)).expect("prepare routed");
+        let n_routed = routed.routing().gemms.iter().flatten().count();
+        assert_eq!(n_routed, 2, "{dt}: up and down are routed");
+        let got = routed.run(&inputs, &ctx).expect("run routed");
+        let dense_opts = CudaOptions {
+            routed_experts: false,
+            ..opts(dt, true)
+        };
+        let dense = execute_cuda(&dev, &g, &ParamInit::Weights(&w), &inputs, dense_opts)
+            .expect("run dense");
+        let (a, r) = match dt {
+            GpuDType::F32 => (1e-4, 1e-4),
+            GpuDType::Bf16 => (5e-2, 5e-2),
+        };
+        for out in ["up", "y"] {
+            assert_close(
+                &format!("routed {out} {dt} vs cpu"),
+                &got[out],
+                &want[out],
+                a,
+                r,
+            );
+            assert_close(
+                &format!("dense {out} {dt} vs cpu"),
+                &dense[out],
+                &want[out],
+                a,
+                r,
+            );
+        }
+        // Rows of unchosen experts are exactly zero.
+        let up_got = got["up"].as_f32().unwrap();
+        assert!(up_got[2 * 2 * t * f..].iter().all(|&v| v == 0.0), "{dt}");
+    }
+}
+
 /// The checks the GPU tests rely on can fail (these run on any machine): bf16's elementwise
 /// bounds alone would pass an all-zero output where the reference is small, the relative-L2
 /// bound does not; a near tie of the reference's top two logits is not counted either way.

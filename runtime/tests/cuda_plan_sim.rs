@@ -4,13 +4,16 @@
 //! read from its root's bytes. The outputs must equal those of the same graph evaluated node by
 //! node with no arena. A plan that lets a later value clobber bytes still to be read, skips a
 //! node something else needs, or misplaces a sibling GEMM's output fails here without a GPU.
+//! Routed expert GEMMs (`cuda::Routing`) keep only their routed rows, by the gates their source
+//! read when it ran (what `moe_route_index` sees), and every row they drop must be zero in the
+//! dense result.
 
 use shardc_compiler::compile::{compile, CompileSpec, Job};
 use shardc_compiler::ir::{DType, Graph, Op, ValueId};
 use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
 use shardc_compiler::shard::Mesh;
 use shardc_compiler::train::{Precision, TrainOptions};
-use shardc_runtime::cuda::{plan_memory, Action, ArenaPlan, FusionPlan, GpuDType};
+use shardc_runtime::cuda::{plan_memory, Action, ArenaPlan, FusionPlan, GpuDType, Routing};
 use shardc_runtime::{eval_op, Buffer, Tensor};
 use std::collections::HashMap;
 use std::path::Path;
@@ -85,6 +88,11 @@ struct Sim<'a> {
     bytes: Vec<u32>,
     /// Whether a value has been written to its slot.
     written: Vec<bool>,
+    routing: Routing,
+    /// The gates each routing source read when it ran.
+    gates: HashMap<ValueId, Tensor>,
+    /// Rows the routed GEMMs dropped.
+    dropped: usize,
 }
 
 impl Sim<'_> {
@@ -157,7 +165,32 @@ impl Sim<'_> {
         t
     }
 
-    fn run(mut self) -> Vec<(String, Tensor)> {
+    /// Routed GEMM `v`'s result `t` cut to its routed rows: every other row must already be
+    /// zero (the routing's promise), and is written as zero.
+    fn keep_routed_rows(&mut self, v: ValueId, t: &mut Tensor) {
+        let r = self.routing.gemms[v.index()].expect("routed");
+        let gates = self.gates[&r.source].as_f32().expect("f32 gates").to_vec();
+        let Buffer::F32(out) = &mut t.data else {
+            panic!("f32 GEMM")
+        };
+        for e in 0..r.experts {
+            for n in 0..r.tokens {
+                if gates[n * r.experts + e] != 0.0 {
+                    continue;
+                }
+                let row = &mut out[(e * r.tokens + n) * r.n..][..r.n];
+                assert!(
+                    row.iter().all(|&x| x == 0.0),
+                    "{}: expert {e}, token {n} is not routed but its dense row is not zero",
+                    self.g.node(v).name
+                );
+                row.fill(0.0);
+                self.dropped += 1;
+            }
+        }
+    }
+
+    fn run(mut self) -> (Vec<(String, Tensor)>, usize) {
         for v in self.g.ids() {
             if self.leaves.contains_key(&v) {
                 continue;
@@ -169,8 +202,14 @@ impl Sim<'_> {
                     let ins: Vec<Tensor> =
                         node.inputs.iter().map(|&i| self.load(i, None)).collect();
                     let refs: Vec<&Tensor> = ins.iter().collect();
-                    let t = eval_op(&node.op, &refs, &node.ty).expect("eval");
+                    let mut t = eval_op(&node.op, &refs, &node.ty).expect("eval");
+                    if self.routing.gemms[v.index()].is_some() {
+                        self.keep_routed_rows(v, &mut t);
+                    }
                     self.store(v, &t);
+                    if self.routing.sources.iter().any(|&(s, _, _)| s == v) {
+                        self.gates.insert(v, ins[1].clone());
+                    }
                 }
                 Action::Fused(i) => {
                     // Everything the group writes is computed first, then written: the launch
@@ -188,20 +227,24 @@ impl Sim<'_> {
                 }
             }
         }
-        self.g
+        let outs = self
+            .g
             .outputs
             .iter()
             .map(|(name, v)| (name.clone(), self.load(*v, None)))
-            .collect()
+            .collect();
+        (outs, self.dropped)
     }
 }
 
-/// Runs `g`'s fused plan in its arena and compares every output with the reference: equal to
-/// the bit (the same CPU kernels in the same order). Returns the fused groups by label.
-fn check(g: &Graph, what: &str, ids: i32) -> HashMap<&'static str, usize> {
+/// Runs `g`'s plan in its arena, unfused and fused (with routed expert GEMMs), and compares
+/// every output with the reference: equal to the bit (the same CPU kernels in the same order).
+/// Returns the fused groups by label, and the rows the routed GEMMs dropped.
+fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usize) {
     let leaves = leaves(g, ids);
     let want = reference(g, &leaves);
     let mut labels = HashMap::new();
+    let mut dropped = 0;
     for fuse in [false, true] {
         let (arena, fusion) = plan_memory(g, GpuDType::F32, fuse);
         let sim = Sim {
@@ -211,8 +254,13 @@ fn check(g: &Graph, what: &str, ids: i32) -> HashMap<&'static str, usize> {
             leaves: &leaves,
             bytes: vec![0; (arena.total / 4) as usize],
             written: vec![false; g.len()],
+            routing: Routing::of(g, fuse),
+            gates: HashMap::new(),
+            dropped: 0,
         };
-        for (name, got) in sim.run() {
+        let (outs, d) = sim.run();
+        dropped += d;
+        for (name, got) in outs {
             let v = g
                 .outputs
                 .iter()
@@ -232,31 +280,40 @@ fn check(g: &Graph, what: &str, ids: i32) -> HashMap<&'static str, usize> {
             }
         }
     }
-    labels
+    (labels, dropped)
 }
 
 /// Forward programs of every fixture model: Llama's k/v and gate/up and Mixtral's k/v run as
-/// sibling GEMMs (their outputs one block), next to the other fused groups.
+/// sibling GEMMs (their outputs one block), next to the other fused groups; Mixtral's expert
+/// GEMMs on their routed rows (half of them: top-2 of 4 experts).
 #[test]
 fn forward_plans_compute_the_graph_in_their_arena() {
     for (model, siblings) in [("llama", 2), ("mixtral", 1), ("gpt2", 0)] {
         let cfg = config(model);
         let g = build_forward(&cfg, BuildOptions::new(2, 8)).expect("graph");
-        let labels = check(&g, model, 16);
+        let (labels, dropped) = check(&g, model, 16);
         assert_eq!(
             labels.get("sibling gemms").copied().unwrap_or(0),
             siblings * cfg.layers,
             "{model}: {labels:?}"
         );
+        // Mixtral: 3 expert GEMMs a layer, 16 tokens, 2 of 4 experts not chosen per token.
+        let want = if model == "mixtral" {
+            cfg.layers * 3 * 16 * 2
+        } else {
+            0
+        };
+        assert_eq!(dropped, want, "{model}");
     }
 }
 
-/// An unsharded training step (forward, backward, AdamW) of Llama: its flash attention
-/// backward groups and every other fused group leave the step's outputs unchanged. Its weights
-/// are inputs (the optimizer updates them), so no sibling GEMMs form.
+/// An unsharded training step (forward, backward, AdamW): its flash attention backward groups,
+/// every other fused group and (Mixtral) the routed expert GEMMs of the forward and of the
+/// backward's activation gradients leave the step's outputs unchanged. Its weights are inputs
+/// (the optimizer updates them), so no sibling GEMMs form.
 #[test]
 fn training_plans_compute_the_step_in_their_arena() {
-    for model in ["llama", "gpt2"] {
+    for model in ["llama", "gpt2", "mixtral"] {
         let cfg = config(model);
         let mut spec = CompileSpec::new(
             cfg.clone(),
@@ -265,7 +322,13 @@ fn training_plans_compute_the_step_in_their_arena() {
         );
         spec.precision = Precision::f32();
         let g = compile(&spec).expect("training plan").program;
-        let labels = check(&g, model, 16);
+        let (labels, dropped) = check(&g, model, 16);
+        let want = if model == "mixtral" {
+            cfg.layers * 6 * 16 * 2
+        } else {
+            0
+        };
+        assert_eq!(dropped, want, "{model}");
         assert_eq!(
             labels.get("attention_bwd").copied(),
             Some(cfg.layers),

@@ -39,6 +39,7 @@ pub(crate) mod ops;
 mod plan;
 mod program;
 mod rank;
+mod routed;
 mod scratch;
 mod spmd;
 mod strided;
@@ -60,6 +61,7 @@ pub use plan::{
 };
 pub use program::{execute_cuda, graph_blocker, CudaProgram};
 pub use rank::{CudaOptions, CudaRankCtx, ParamInit};
+pub use routed::{zero_rows, RoutedGemm, Routing};
 pub use spmd::{run_nccl_rank, run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
 pub use strided::{contiguous_strides, StridedSpec, MAX_RANK};
 pub use trainer::CudaTrainer;

@@ -11,12 +11,14 @@ use super::ops::Launcher;
 use super::plan::{attention_scratch, fused_expr, FusedGroup, GpuDType};
 use super::program::CudaProgram;
 use super::rank::CudaRankCtx;
+use super::routed::routing_gates;
 use super::strided::StridedSpec;
 use super::support::check_labels;
 use super::CudaError;
 use crate::cpu::vocab;
 use crate::RuntimeError;
 use shardc_compiler::ir::{DType, EwExpr, EwStep, Node, Op, UnaryOp, ValueId, CROSS_ENTROPY_STATS};
+use shardc_kernels::launch::routed_gemm_supported;
 
 /// The cuBLASLt epilogue equal to a `FusedMatMul` epilogue program, if any: `x0 + x1` with a
 /// 1-D `x1` of length N (bias), that then `gelu_tanh`, or `gelu_tanh(x0)`.
@@ -206,6 +208,7 @@ impl CudaProgram {
                     table[1],
                 )
             }
+            Op::MatMul { .. } if self.routed_gemm(v, l)? => Ok(()),
             Op::MatMul { transpose_b } => {
                 let key = GemmKey::for_matmul(
                     &self.shape(ins[0]),
@@ -392,6 +395,46 @@ impl CudaProgram {
             l.loss_sum(loss, sum, rows, scale)?;
             l.convert("cast_f32_bf16", sum, out, 1)
         }
+    }
+
+    /// Runs MatMul `v` as a routed expert GEMM (`routed.rs`) when it is one and the kernel
+    /// takes its operands; `false`: run it densely.
+    fn routed_gemm(&self, v: ValueId, l: &Launcher) -> Result<bool, CudaError> {
+        let Some(r) = self.routing.gemms[v.index()] else {
+            return Ok(false);
+        };
+        let Some(index) = &self.route_index[r.source.index()] else {
+            return Ok(false);
+        };
+        let node = self.graph.node(v);
+        let (a, w, out) = (
+            self.ptr(node.inputs[0]),
+            self.ptr(node.inputs[1]),
+            self.ptr(v),
+        );
+        let dt = self.dt();
+        if !routed_gemm_supported(dt, r.k, r.n, [a, w, out]) {
+            return Ok(false);
+        }
+        // Rows no expert takes stay zero: the dense result there.
+        l.memset(out, 0, self.numel(v) * self.elem(v))?;
+        let rows = index.ptr + 4 * r.experts as u64;
+        l.routed_gemm(dt, [a, w, out], (index.ptr, rows), &r)?;
+        Ok(true)
+    }
+
+    /// After routing source `v` (a `Dispatch` or `CombineGrad { wrt: y }`) has run: its gates'
+    /// per-expert lists of routed rows, for the routed GEMMs that read them.
+    pub(super) fn index_routes(&self, v: ValueId, l: &Launcher) -> Result<(), CudaError> {
+        let Some(index) = &self.route_index[v.index()] else {
+            return Ok(());
+        };
+        let Some(&(_, experts, tokens)) = self.routing.sources.iter().find(|s| s.0 == v) else {
+            return Ok(());
+        };
+        let gates = self.ptr(routing_gates(&self.graph, v));
+        let rows = index.ptr + 4 * experts as u64;
+        l.moe_route_index(self.dt(), gates, index.ptr, rows, tokens, experts)
     }
 
     /// Enqueues one fused group on the compute stream.

@@ -5,13 +5,14 @@
 //! sizes the arguments imply; outputs do not overlap inputs unless the kernel's contract
 //! allows it. Launches are asynchronous on the launcher's stream.
 
+use super::routed::RoutedGemm;
 use super::strided::StridedSpec;
 use super::{CudaDevice, CudaError};
 use cudarc::driver::{result as drv, CudaFunction, CudaStream, PushKernelArg};
 use shardc_compiler::ir::{RopeStyle, UnaryOp};
 use shardc_kernels::launch::{
-    attention_plan, elementwise_launch, loss_sum_launch, rope_launch, router_launch, rows_launch,
-    vector_launch, AttentionPlan,
+    attention_plan, elementwise_launch, loss_sum_launch, moe_route_index_launch, rope_launch,
+    routed_gemm_launch, router_launch, rows_launch, vector_launch, AttentionPlan,
 };
 use shardc_kernels::{entry_name, KernelDType};
 
@@ -300,6 +301,38 @@ impl<'a> Launcher<'a> {
         };
         let (n, e, h) = (i(tokens), experts as i32, i(hidden));
         launch!(self, entry_name(op, dt), elementwise_launch(total); &x, &gates, &out, &n, &e, &h)
+    }
+
+    /// Per-expert lists of routed token rows from `gates [tokens, experts]`: `counts[e]` and
+    /// `rows[e · tokens ..]`, ascending (`moe_gemm.cu`).
+    pub fn moe_route_index(
+        &self,
+        dt: KernelDType,
+        gates: u64,
+        counts: u64,
+        rows: u64,
+        tokens: usize,
+        experts: usize,
+    ) -> Result<(), CudaError> {
+        let (n, e) = (i(tokens), experts as i32);
+        launch!(self, entry_name("moe_route_index", dt), moe_route_index_launch(experts);
+            &gates, &counts, &rows, &n, &e)
+    }
+
+    /// `out[e, r] = a[e, r] · w[e]` for the routed rows `r` of each expert (`(counts, rows)`
+    /// from [`Launcher::moe_route_index`]); other rows untouched (`moe_gemm.cu`).
+    pub fn routed_gemm(
+        &self,
+        dt: KernelDType,
+        [a, w, out]: [u64; 3],
+        (counts, rows): (u64, u64),
+        r: &RoutedGemm,
+    ) -> Result<(), CudaError> {
+        let (n_tok, k, n) = (i(r.tokens), r.k as i32, r.n as i32);
+        let tw = r.transpose_w as i32;
+        let cfg = routed_gemm_launch(dt, r.tokens, r.n, r.experts);
+        launch!(self, entry_name("routed_gemm", dt), cfg;
+            &a, &w, &out, &counts, &rows, &n_tok, &k, &n, &tw)
     }
 
     /// Per-row cross-entropy into an f32 `loss[rows]`.

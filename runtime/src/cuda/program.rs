@@ -30,6 +30,7 @@ use super::plan::{
     plan_memory, sibling_stride, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage,
 };
 use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
+use super::routed::Routing;
 use super::scratch::scratch_sizes;
 use super::support::check_supported;
 use super::{CudaDevice, CudaError};
@@ -111,6 +112,9 @@ pub struct CudaProgram {
     pub(super) param_bufs: Vec<DevBuf>,
     pub(super) param_bytes: usize,
     pub(super) rope: Vec<Option<DevBuf>>,
+    /// The routed expert GEMMs, and each routing source's index buffer (`routed.rs`).
+    pub(super) routing: Routing,
+    pub(super) route_index: Vec<Option<DevBuf>>,
     pub(super) events: Vec<CudaEvent>,
     pub(super) gemm: Option<GemmCache>,
     pub(super) inputs: Vec<Option<DevBuf>>,
@@ -157,6 +161,7 @@ impl CudaProgram {
             .map(|n| Storage::of(n.ty.dtype, dt))
             .collect();
         let (arena_plan, fusion) = plan_memory(graph, dt, opts.fuse);
+        let routing = Routing::of(graph, opts.routed_experts);
         let steps = schedule(graph);
         let n_events = steps
             .iter()
@@ -179,6 +184,11 @@ impl CudaProgram {
         let scratch = alloc(&compute, scratch_bytes, "compute scratch")?;
         let ring = alloc(&compute, ring_bytes, "collective-matmul ring buffers")?;
         let comm_scratch = alloc(&compute, 2 * comm_half as usize, "collective scratch")?;
+        let mut route_index: Vec<Option<DevBuf>> = (0..graph.len()).map(|_| None).collect();
+        for &(source, experts, tokens) in &routing.sources {
+            let bytes = Routing::index_bytes(experts, tokens);
+            route_index[source.index()] = Some(alloc(&compute, bytes, "expert routing index")?);
+        }
         let ctx_ref = dev.context();
         let events = (0..n_events)
             .map(|_| ctx_ref.new_event(None))
@@ -219,6 +229,8 @@ impl CudaProgram {
             param_bufs: Vec::new(),
             param_bytes: 0,
             rope: (0..graph.len()).map(|_| None).collect(),
+            routing,
+            route_index,
             events,
             gemm,
             inputs: (0..graph.len()).map(|_| None).collect(),
@@ -364,6 +376,11 @@ impl CudaProgram {
     /// The fused groups in use.
     pub fn fused_groups(&self) -> &[FusedGroup] {
         &self.fusion.groups
+    }
+
+    /// The expert GEMMs computed on their routed rows only (`routed.rs`).
+    pub fn routing(&self) -> &Routing {
+        &self.routing
     }
 
     /// `(GEMM plans built, GEMM calls served from the plan cache)`.
@@ -599,6 +616,7 @@ impl CudaProgram {
                         Action::Run => {
                             self.guard(&mut inflight, &[v])?;
                             self.run_node(v, ctx, lc).map_err(|e| self.at_node(v, e))?;
+                            self.index_routes(v, lc).map_err(|e| self.at_node(v, e))?;
                             if self.graph.node(v).op.communicates() {
                                 // The ring joined both streams: every earlier collective is done.
                                 inflight.clear();

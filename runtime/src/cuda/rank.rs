@@ -37,6 +37,10 @@ pub struct CudaOptions {
     /// workspace reserved in the compute scratch at prepare time; `false` keeps the ordinary
     /// kernels everywhere (comparisons, benchmarks).
     pub split_kv_attention: bool,
+    /// Compute mixture-of-experts GEMMs on the tokens routed to each expert only
+    /// (`cuda::Routing`: the dense result, at the routed share of the work); `false` runs them
+    /// densely over every token (comparisons, benchmarks).
+    pub routed_experts: bool,
 }
 
 impl Default for CudaOptions {
@@ -49,6 +53,7 @@ impl Default for CudaOptions {
             graphs: false,
             tensor_core_attention: true,
             split_kv_attention: true,
+            routed_experts: true,
         }
     }
 }

@@ -13,6 +13,9 @@
 //!   one decode step (1 query against a 4k / 16k cache), GB/s of the K/V read, on the split-KV
 //!   pair and on the ordinary kernel;
 //! - `layer`: one Llama-3-8B decoder layer forward, bf16, batch 1 × 4096, fused and unfused;
+//! - `moe`: Mixtral-8x7B's expert MLP (8 experts, top-2, SwiGLU) at 4096 tokens, bf16, its
+//!   expert GEMMs on the routed tokens (`CudaOptions::routed_experts`) and dense, TFLOP/s of
+//!   the routed work (what a dense run spends 4× on);
 //! - `overlap`: `AgMatMul` vs all-gather then GEMM, and `MatMulRs` vs GEMM then
 //!   reduce-scatter, on 2 virtual ranks of this GPU (local-gpu communicator), Llama-3-8B MLP
 //!   shapes;
@@ -64,6 +67,8 @@ const HEADS: usize = 32;
 const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
 const FFN: usize = 14336;
+const MOE_EXPERTS: usize = 8;
+const MOE_TOP_K: usize = 2;
 
 struct Bench {
     dev: Arc<CudaDevice>,
@@ -167,6 +172,7 @@ fn opts(dtype: GpuDType, fuse: bool) -> CudaOptions {
         graphs: false,
         tensor_core_attention: true,
         split_kv_attention: true,
+        routed_experts: true,
     }
 }
 
@@ -641,6 +647,35 @@ impl Bench {
         Ok(())
     }
 
+    /// Mixtral-8x7B's expert MLP with its expert GEMMs on the routed tokens and dense.
+    fn moe(&mut self) -> Result<(), BenchError> {
+        let t = if self.quick { 1024 } else { 4096 };
+        let g = moe_block(t);
+        let mut rng = Rng(0x3e);
+        let ins = BTreeMap::from([
+            ("x".to_string(), rng.tensor(&[1, t, HIDDEN], 1.0)),
+            ("logits".to_string(), rng.tensor(&[1, t, MOE_EXPERTS], 2.0)),
+        ]);
+        let ins = rng.weights(&g, ins);
+        let check = Reference::Prefix(moe_block(CHECK_TOKENS));
+        // The routed work: each token through top-k experts' three GEMMs.
+        let flops = 2.0 * (t * MOE_TOP_K * 3 * HIDDEN * FFN) as f64;
+        for routed in [true, false] {
+            let case = format!(
+                "mixtral experts {}",
+                if routed { "routed" } else { "dense" }
+            );
+            let o = CudaOptions {
+                routed_experts: routed,
+                ..opts(GpuDType::Bf16, true)
+            };
+            let ms = self.time_with(&case, (&g, &ins, &check), o, true)?;
+            let m = self.tflops(tflops(flops, ms));
+            self.row("moe", case, GpuDType::Bf16, format!("1x{t}"), ms, m);
+        }
+        Ok(())
+    }
+
     /// One layer eager against its CUDA graph replay: a row of device ms per run and a row of
     /// host µs per enqueue for each.
     fn graphs(&mut self) -> Result<(), BenchError> {
@@ -900,6 +935,33 @@ fn llama3_rope() -> RopeSpec {
     }
 }
 
+/// Mixtral-8x7B's sparse MLP block for `t` tokens (batch 1): router (top-2 of 8, normalised)
+/// on given logits, dispatch, SwiGLU experts (`w1`, `w3` `[E, F, H]`, `w2` `[E, H, F]`, all
+/// read transposed as stored), combine.
+fn moe_block(t: usize) -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", ty(DType::F32, &[1, t, HIDDEN]));
+    let logits = g.input("logits", ty(DType::F32, &[1, t, MOE_EXPERTS]));
+    let router = Op::Router {
+        top_k: MOE_TOP_K,
+        normalize: true,
+    };
+    let gates = add(&mut g, router, &[logits], "gates");
+    let d = add(&mut g, Op::Dispatch, &[x, gates], "dispatch");
+    let mm = Op::MatMul { transpose_b: true };
+    let w1 = param(&mut g, "w1", &[MOE_EXPERTS, FFN, HIDDEN]);
+    let w3 = param(&mut g, "w3", &[MOE_EXPERTS, FFN, HIDDEN]);
+    let w2 = param(&mut g, "w2", &[MOE_EXPERTS, HIDDEN, FFN]);
+    let gate = add(&mut g, mm.clone(), &[d, w1], "gate");
+    let up = add(&mut g, mm.clone(), &[d, w3], "up");
+    let act = add(&mut g, Op::Unary(UnaryOp::Silu), &[gate], "act");
+    let m = add(&mut g, Op::Mul, &[act, up], "gate_mul");
+    let down = add(&mut g, mm, &[m, w2], "down");
+    let y = add(&mut g, Op::Combine, &[down, gates], "combine");
+    g.set_output("y", y);
+    g
+}
+
 /// One Llama-3-8B decoder layer for `t` tokens (batch 1).
 fn llama_layer(t: usize) -> Graph {
     let mut g = Graph::new();
@@ -1087,12 +1149,13 @@ fn main() {
         gemm_tflops: 0.0,
     };
     type Section = fn(&mut Bench) -> Result<(), BenchError>;
-    let sections: [(&str, Section); 7] = [
+    let sections: [(&str, Section); 8] = [
         ("copy", Bench::copy),
         ("membound", Bench::membound),
         ("gemm", Bench::gemm),
         ("attention", Bench::attention),
         ("layer", Bench::layer),
+        ("moe", Bench::moe),
         ("overlap", Bench::overlap),
         ("graphs", Bench::graphs),
     ];
@@ -1102,7 +1165,10 @@ fn main() {
         let needed = only.as_deref().is_none_or(|o| o == name)
             || (name == "copy" && only.as_deref() == Some("membound"))
             || (name == "gemm"
-                && matches!(only.as_deref(), Some("attention" | "layer" | "overlap")));
+                && matches!(
+                    only.as_deref(),
+                    Some("attention" | "layer" | "moe" | "overlap")
+                ));
         if !needed {
             continue;
         }

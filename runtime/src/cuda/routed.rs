@@ -1,0 +1,269 @@
+//! Mixture-of-experts GEMMs on the routed tokens only, planned on the host (unit-tested on
+//! CPU).
+//!
+//! The IR keeps MoE dense: `Dispatch(x, gates)` is `[E, B, T, H]` with the rows of the tokens
+//! an expert was not chosen for set to zero, and every expert GEMM runs over all `B·T` rows, E
+//! times the work of the routed tokens (4× for Mixtral's top-2 of 8). Here a value's rows are
+//! known zero wherever its *source*'s gates are zero, by propagation from the sources:
+//!
+//! - `Dispatch(x, gates)` and `CombineGrad { wrt: y }(y, gates, dy)` (the backward's `dy`
+//!   for the expert outputs, zero where the gate is) are sources;
+//! - a `MatMul` of zero-row `a` by per-expert weights `[E, .., ..]` keeps them (a zero row
+//!   times a matrix);
+//! - SiLU, ReLU, GeLU, negation, scaling and casts map 0 to 0; `UnaryGrad(x, dy)` is `dy ·
+//!   f'(x)`; a `Mul` by a zero-row operand of the output's shape, an `Add` of two zero-row
+//!   values of one source, and a `Reshape` keeping the expert dim first and the row width last
+//!   keep them.
+//!
+//! Every `MatMul` of a zero-row activation by per-expert weights is a [`RoutedGemm`]: the
+//! source's gates are turned into per-expert lists of routed token rows right after the source
+//! runs (`moe_route_index`, into a buffer of the source's), and the GEMM computes those rows
+//! only (`routed_gemm`), writing zeros elsewhere: the dense result exactly, as long as the
+//! operands are finite (a non-finite value in a row the gates exclude would turn that row's
+//! dense result non-finite, while here it stays zero; the combine skips those rows either way).
+//!
+//! Weight gradients (`WeightGrad`) of the experts stay dense.
+
+use shardc_compiler::ir::{CombineWrt, Graph, Op, UnaryOp, ValueId};
+
+/// One expert GEMM computed on its routed rows: `a [E, tokens, k] · w[e]` (w `[E, k, n]`, or
+/// `[E, n, k]` with `transpose_w`) into `[E, tokens, n]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoutedGemm {
+    /// The source whose gates route the rows (a `Dispatch` or `CombineGrad { wrt: y }`).
+    pub source: ValueId,
+    /// Experts (the leading dim of both operands).
+    pub experts: usize,
+    /// Rows per expert (`B·T`).
+    pub tokens: usize,
+    /// Contraction length.
+    pub k: usize,
+    /// Output columns.
+    pub n: usize,
+    /// The weights are `[E, n, k]`.
+    pub transpose_w: bool,
+}
+
+/// The routing of a graph's expert GEMMs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Routing {
+    /// Per value: the routed GEMM it is computed as, if any.
+    pub gemms: Vec<Option<RoutedGemm>>,
+    /// The sources some routed GEMM reads the routing of, with their `(experts, tokens)`: each
+    /// gets an index buffer (`counts[E]`, `rows[E · tokens]` i32), filled when it has run.
+    pub sources: Vec<(ValueId, usize, usize)>,
+}
+
+impl Routing {
+    /// The routed GEMMs of `g` (none when `enabled` is false).
+    pub fn of(g: &Graph, enabled: bool) -> Routing {
+        let mut gemms = vec![None; g.len()];
+        let mut sources: Vec<(ValueId, usize, usize)> = Vec::new();
+        if !enabled {
+            return Routing { gemms, sources };
+        }
+        let zero = zero_rows(g);
+        for v in g.ids() {
+            let node = g.node(v);
+            let Op::MatMul { transpose_b } = node.op else {
+                continue;
+            };
+            let (a, w) = (node.inputs[0], node.inputs[1]);
+            let Some(source) = zero[a.index()] else {
+                continue;
+            };
+            let (sa, sw) = (g.ty(a).shape(), g.ty(w).shape());
+            let (experts, k) = (sa[0], sa[sa.len() - 1]);
+            let n = node.ty.last();
+            let want_w = if transpose_b {
+                [experts, n, k]
+            } else {
+                [experts, k, n]
+            };
+            if sw != want_w || experts == 0 || k == 0 {
+                continue;
+            }
+            let tokens = g.ty(a).numel() / (experts * k);
+            let gates = routing_gates(g, source);
+            if g.ty(gates).numel() != experts * tokens {
+                continue;
+            }
+            gemms[v.index()] = Some(RoutedGemm {
+                source,
+                experts,
+                tokens,
+                k,
+                n,
+                transpose_w: transpose_b,
+            });
+            if !sources.iter().any(|&(s, _, _)| s == source) {
+                sources.push((source, experts, tokens));
+            }
+        }
+        Routing { gemms, sources }
+    }
+
+    /// Bytes of the index buffer of a source with `experts` and `tokens`.
+    pub fn index_bytes(experts: usize, tokens: usize) -> usize {
+        4 * (experts + experts * tokens)
+    }
+}
+
+/// The gates input of routing source `s` (`Dispatch`'s second operand, `CombineGrad`'s).
+pub fn routing_gates(g: &Graph, s: ValueId) -> ValueId {
+    g.node(s).inputs[1]
+}
+
+/// Per value, the source whose zero gates make the value's `(expert, token)` rows zero (see
+/// the module docs), or `None`.
+pub fn zero_rows(g: &Graph) -> Vec<Option<ValueId>> {
+    let mut zero: Vec<Option<ValueId>> = vec![None; g.len()];
+    for v in g.ids() {
+        let node = g.node(v);
+        let ins = &node.inputs;
+        let of = |i: usize| ins.get(i).and_then(|x| zero[x.index()]);
+        let same_shape = |i: usize| ins.get(i).is_some_and(|&x| g.ty(x).same_shape(&node.ty));
+        zero[v.index()] = match &node.op {
+            Op::Dispatch => Some(v),
+            Op::CombineGrad { wrt: CombineWrt::Y } => Some(v),
+            Op::MatMul { .. } => {
+                let (a, w) = (g.ty(ins[0]).shape(), g.ty(ins[1]).shape());
+                of(0).filter(|_| w.len() == 3 && a.len() >= 3 && a[0] == w[0])
+            }
+            Op::Unary(UnaryOp::Silu | UnaryOp::Relu | UnaryOp::GeluTanh | UnaryOp::GeluErf)
+            | Op::Unary(UnaryOp::Neg)
+            | Op::Scale(_)
+            | Op::Cast(_) => of(0),
+            Op::UnaryGrad(_) => of(1).filter(|_| same_shape(1)),
+            Op::Mul => of(0)
+                .filter(|_| same_shape(0))
+                .or_else(|| of(1).filter(|_| same_shape(1))),
+            Op::Add => of(0).filter(|&s| of(1) == Some(s) && same_shape(0) && same_shape(1)),
+            Op::Reshape => {
+                let (i, o) = (g.ty(ins[0]).shape(), node.ty.shape());
+                of(0).filter(|_| {
+                    i.len() >= 2 && o.len() >= 2 && i[0] == o[0] && i.last() == o.last()
+                })
+            }
+            _ => None,
+        };
+    }
+    zero
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardc_compiler::compile::{compile, CompileSpec, Job};
+    use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
+    use shardc_compiler::shard::Mesh;
+    use shardc_compiler::train::{Precision, TrainOptions};
+
+    fn fixture(model: &str) -> ModelConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hf-tiny")
+            .join(model);
+        ModelConfig::from_path(&dir).expect("fixture config")
+    }
+
+    fn names(g: &Graph, r: &Routing) -> Vec<String> {
+        g.ids()
+            .filter(|v| r.gemms[v.index()].is_some())
+            .map(|v| g.node(v).name.clone())
+            .collect()
+    }
+
+    #[test]
+    fn mixtral_forward_routes_its_three_expert_gemms_per_layer() {
+        let cfg = fixture("mixtral");
+        let g = build_forward(&cfg, BuildOptions::new(2, 8)).unwrap();
+        let r = Routing::of(&g, true);
+        let routed = names(&g, &r);
+        assert_eq!(routed.len(), 3 * cfg.layers, "{routed:?}");
+        for proj in ["gate_proj", "up_proj", "down_proj"] {
+            assert!(routed.iter().any(|n| n.ends_with(proj)), "{routed:?}");
+        }
+        // One index per layer, from its dispatch; E = 4 experts, 16 tokens.
+        assert_eq!(r.sources.len(), cfg.layers);
+        for &(s, e, t) in &r.sources {
+            assert!(matches!(g.node(s).op, Op::Dispatch));
+            assert_eq!((e, t), (4, 16));
+        }
+        let down = g
+            .ids()
+            .find(|&v| g.node(v).name.ends_with("0.moe.down_proj"))
+            .unwrap();
+        let gemm = r.gemms[down.index()].unwrap();
+        assert_eq!((gemm.k, gemm.n, gemm.transpose_w), (128, 64, true));
+        // Disabled, or a dense model: nothing routed.
+        assert!(Routing::of(&g, false).gemms.iter().all(Option::is_none));
+        let llama = build_forward(&fixture("llama"), BuildOptions::new(2, 8)).unwrap();
+        assert!(Routing::of(&llama, true).sources.is_empty());
+    }
+
+    #[test]
+    fn mixtral_training_routes_the_backward_data_gemms_too() {
+        let cfg = fixture("mixtral");
+        let mut spec = CompileSpec::new(
+            cfg.clone(),
+            "mixtral",
+            Job::Train(Box::new(TrainOptions::new(2, 8, Mesh::single()))),
+        );
+        spec.precision = Precision::f32();
+        let g = compile(&spec).unwrap().program;
+        let r = Routing::of(&g, true);
+        let routed = names(&g, &r);
+        // Forward: gate, up, down; backward: the three activation gradients (`.da`).
+        assert_eq!(routed.len(), 6 * cfg.layers, "{routed:?}");
+        assert_eq!(
+            routed.iter().filter(|n| n.ends_with(".da")).count(),
+            3 * cfg.layers
+        );
+        assert_eq!(r.sources.len(), 2 * cfg.layers);
+        // Weight gradients stay dense.
+        for v in g.ids() {
+            if matches!(g.node(v).op, Op::WeightGrad { .. }) {
+                assert!(r.gemms[v.index()].is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn propagation_stops_where_zero_rows_are_not_kept() {
+        use shardc_compiler::ir::{DType, TensorType};
+        let mut g = Graph::new();
+        let f = |s: &[usize]| TensorType::plain(DType::F32, s);
+        let x = g.input("x", f(&[1, 6, 8]));
+        let gates = g.input("gates", f(&[1, 6, 2]));
+        let d = g.add(Op::Dispatch, &[x, gates], "d").unwrap();
+        let w = g.param("w", f(&[2, 8, 4]));
+        let mm = g
+            .add(Op::MatMul { transpose_b: false }, &[d, w], "mm")
+            .unwrap();
+        let e = g.add(Op::Unary(UnaryOp::Exp), &[mm], "exp").unwrap();
+        let s = g.add(Op::Unary(UnaryOp::Silu), &[mm], "silu").unwrap();
+        let bias = g.param("bias", f(&[4]));
+        let b = g.add(Op::Add, &[s, bias], "biased").unwrap();
+        let w2 = g.param("w2", f(&[2, 4, 8]));
+        let after_exp = g
+            .add(Op::MatMul { transpose_b: false }, &[e, w2], "m2")
+            .unwrap();
+        let after_bias = g
+            .add(Op::MatMul { transpose_b: false }, &[b, w2], "m3")
+            .unwrap();
+        let after_silu = g
+            .add(Op::MatMul { transpose_b: false }, &[s, w2], "m4")
+            .unwrap();
+        let z = zero_rows(&g);
+        assert_eq!(z[mm.index()], Some(d));
+        assert_eq!(z[s.index()], Some(d));
+        assert_eq!(z[e.index()], None, "exp(0) = 1");
+        assert_eq!(z[b.index()], None, "a bias fills the zero rows");
+        let r = Routing::of(&g, true);
+        assert!(r.gemms[mm.index()].is_some());
+        assert!(r.gemms[after_silu.index()].is_some());
+        assert!(r.gemms[after_exp.index()].is_none());
+        assert!(r.gemms[after_bias.index()].is_none());
+        assert_eq!(r.sources, vec![(d, 2, 6)]);
+    }
+}
