@@ -220,30 +220,19 @@ __device__ __forceinline__ void attention_bwd_tc_impl(
             // Sᵀ, then Pᵀ in place.
             float st[QB][4];
             abtc_rows_by_queries<D, BQ>(st, k_s, qt, kw, lane);
-#pragma unroll
-            for (int nb = 0; nb < QB; ++nb) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int j = nb * 8 + 2 * c + (i & 1);
-                    const int r = i >> 1;
-                    const bool vis =
-                        key_ok[r] && attn_visible(key[r], t0 + j + q_offset, causal, window);
-                    st[nb][i] = vis ? exp2f(st[nb][i] * scale_log2 - lt[j]) : 0.0f;
-                }
-            }
+            mma_for_each<QB>(lane, [&](int nb, int i, int j, int r) {
+                const bool vis =
+                    key_ok[r] && attn_visible(key[r], t0 + j + q_offset, causal, window);
+                st[nb][i] = vis ? exp2f(st[nb][i] * scale_log2 - lt[j]) : 0.0f;
+            });
             mma_acc_xb<D, BQ>(dv_acc, st, dot, lane);  // dV += Pᵀ dO
 
             // dPᵀ, then dSᵀ in place.
             float dst[QB][4];
             abtc_rows_by_queries<D, BQ>(dst, v_s, dot, kw, lane);
-#pragma unroll
-            for (int nb = 0; nb < QB; ++nb) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int j = nb * 8 + 2 * c + (i & 1);
-                    dst[nb][i] = st[nb][i] * (dst[nb][i] - dt[j]);
-                }
-            }
+            mma_for_each<QB>(lane, [&](int nb, int i, int j, int) {
+                dst[nb][i] = st[nb][i] * (dst[nb][i] - dt[j]);
+            });
             mma_acc_xb<D, BQ>(dk_acc, dst, qt, lane);  // dK += dSᵀ Q
 
             // dSᵀ rows of the warp's keys to shared memory, two queries per 32-bit store.

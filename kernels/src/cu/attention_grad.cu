@@ -67,6 +67,20 @@ struct AgRow {
     }
 };
 
+// Element i of a [B, L, H, D] tensor (q, dy, dq with L = T; k, v, dk, dv with L = S) as
+// (b, l, h, d).
+struct AgElem {
+    i64 b, l, h, d;
+    __device__ __forceinline__ AgElem(i64 i, i64 len, i64 heads, i64 head_dim) {
+        d = i % head_dim;
+        const i64 blh = i / head_dim;
+        h = blh % heads;
+        const i64 bl = blh / heads;
+        l = bl % len;
+        b = bl / len;
+    }
+};
+
 // sum_d x[d] * y[d] in f32, d ascending.
 template <typename T>
 __device__ __forceinline__ float ag_dot(const T* x, const T* y, i64 head_dim) {
@@ -174,12 +188,7 @@ __device__ __forceinline__ void attention_grad_dq_impl(const float* ds, const T*
     const i64 group = heads_q / heads_kv;
     const i64 total = batch * seq_q * heads_q * head_dim;
     for (i64 i = global_thread_id(); i < total; i += grid_stride()) {
-        const i64 d = i % head_dim;
-        const i64 bth = i / head_dim;  // (b, t, h)
-        const i64 h = bth % heads_q;
-        const i64 bt = bth / heads_q;
-        const i64 t = bt % seq_q;
-        const i64 b = bt / seq_q;
+        const auto [b, t, h, d] = AgElem(i, seq_q, heads_q, head_dim);
         const float* ds_row = ds + ((b * heads_q + h) * seq_q + t) * seq_k;
         const T* k_col = k + (b * seq_k * heads_kv + h / group) * head_dim + d;
         float acc = 0.0f;
@@ -202,12 +211,7 @@ __device__ __forceinline__ void attention_grad_kv_impl(const W* w, const T* x, T
     const i64 group = heads_q / heads_kv;
     const i64 total = batch * seq_k * heads_kv * head_dim;
     for (i64 i = global_thread_id(); i < total; i += grid_stride()) {
-        const i64 d = i % head_dim;
-        const i64 bsj = i / head_dim;  // (b, s, j)
-        const i64 j = bsj % heads_kv;
-        const i64 bs = bsj / heads_kv;
-        const i64 s = bs % seq_k;
-        const i64 b = bs / seq_k;
+        const auto [b, s, j, d] = AgElem(i, seq_k, heads_kv, head_dim);
         float acc = 0.0f;
         for (i64 h = j * group; h < (j + 1) * group; ++h) {
             const W* w_col = w + (b * heads_q + h) * seq_q * seq_k + s;

@@ -54,14 +54,6 @@ __device__ __forceinline__ void cross_entropy_impl(const T* logits, const int* l
     }
 }
 
-#define SHARDC_CROSS_ENTROPY(NAME, T)                                                       \
-    extern "C" __global__ void NAME(const T* logits, const int* labels, float* loss,        \
-                                    i64 rows, i64 vocab) {                                  \
-        cross_entropy_impl(logits, labels, loss, rows, vocab);                              \
-    }
-
-SHARDC_CROSS_ENTROPY(cross_entropy_f32, float)
-SHARDC_CROSS_ENTROPY(cross_entropy_bf16, bf16)
 
 extern "C" __global__ void loss_sum_f32(const float* loss, float* out, i64 rows, float scale) {
     float s = 0.0f;
@@ -161,14 +153,18 @@ __device__ __forceinline__ void cross_entropy_shard_grad_impl(const T* logits, c
 SHARDC_CROSS_ENTROPY_STATS(cross_entropy_stats_f32, float)
 SHARDC_CROSS_ENTROPY_STATS(cross_entropy_stats_bf16, bf16)
 
-#define SHARDC_CROSS_ENTROPY_FROM_STATS(NAME, T)                                            \
-    extern "C" __global__ void NAME(const T* stats, const int* labels, float* loss,         \
-                                    i64 rows, i64 shards) {                                 \
-        cross_entropy_from_stats_impl(stats, labels, loss, rows, shards);                   \
+// One signature for cross_entropy (in = logits, n = vocab; cross_entropy_impl) and
+// cross_entropy_from_stats (in = stats, n = shards; cross_entropy_from_stats_impl).
+#define SHARDC_CROSS_ENTROPY(NAME, T, IMPL)                                                 \
+    extern "C" __global__ void NAME(const T* in, const int* labels, float* loss, i64 rows,  \
+                                    i64 n) {                                                \
+        IMPL(in, labels, loss, rows, n);                                                    \
     }
 
-SHARDC_CROSS_ENTROPY_FROM_STATS(cross_entropy_from_stats_f32, float)
-SHARDC_CROSS_ENTROPY_FROM_STATS(cross_entropy_from_stats_bf16, bf16)
+SHARDC_CROSS_ENTROPY(cross_entropy_f32, float, cross_entropy_impl)
+SHARDC_CROSS_ENTROPY(cross_entropy_bf16, bf16, cross_entropy_impl)
+SHARDC_CROSS_ENTROPY(cross_entropy_from_stats_f32, float, cross_entropy_from_stats_impl)
+SHARDC_CROSS_ENTROPY(cross_entropy_from_stats_bf16, bf16, cross_entropy_from_stats_impl)
 
 #define SHARDC_CROSS_ENTROPY_SHARD_GRAD(NAME, T)                                            \
     extern "C" __global__ void NAME(const T* logits, const int* labels, const T* stats,     \

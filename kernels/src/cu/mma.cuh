@@ -124,6 +124,19 @@ __device__ __forceinline__ void mma_zero(float (*acc)[4]) {
     }
 }
 
+// Calls f(nb, i, col, half) for each of this lane's accumulators acc[nb][i] of N 8-column blocks
+// (C layout): column col = 8 nb + 2c + (i & 1) of row g (half 0) or g + 8 (half 1), with
+// half = i / 2. Unrolled, so nb and i index register arrays with constants.
+template <int N, typename F>
+__device__ __forceinline__ void mma_for_each(int lane, F f) {
+    const int c = lane & 3;
+#pragma unroll
+    for (int nb = 0; nb < N; ++nb) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f(nb, i, nb * 8 + 2 * c + (i & 1), i >> 1);
+    }
+}
+
 // acc[D / 8][4] (16 rows x D, C layout) += X B, by the warp: X (16 rows x K) is the f32
 // accumulators x[K / 8][4] of an earlier mma (C layout), rounded to bf16 as the A operand (the
 // A fragment of columns 16 kk .. 16 kk + 15 is blocks 2 kk and 2 kk + 1), and B is the K rows of

@@ -130,23 +130,18 @@ __device__ __forceinline__ void combine_grad_gates_impl(const T* y, const T* gat
 SHARDC_ROUTER_GRAD(router_grad_f32, float)
 SHARDC_ROUTER_GRAD(router_grad_bf16, bf16)
 
-#define SHARDC_DISPATCH_GRAD(NAME, T)                                                    \
-    extern "C" __global__ void NAME(const T* dxe, const T* gates, T* dx, i64 tokens,     \
+// One signature for dispatch_grad (a = dxe, b = gates, out = dx; dispatch_grad_impl) and
+// combine_grad_y (a = gates, b = dy, out = dyy; combine_grad_y_impl).
+#define SHARDC_DISPATCH_COMBINE_GRAD(NAME, T, IMPL)                                      \
+    extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 tokens,          \
                                     int experts, i64 hidden) {                           \
-        dispatch_grad_impl(dxe, gates, dx, tokens, experts, hidden);                     \
+        IMPL(a, b, out, tokens, experts, hidden);                                        \
     }
 
-SHARDC_DISPATCH_GRAD(dispatch_grad_f32, float)
-SHARDC_DISPATCH_GRAD(dispatch_grad_bf16, bf16)
-
-#define SHARDC_COMBINE_GRAD_Y(NAME, T)                                                   \
-    extern "C" __global__ void NAME(const T* gates, const T* dy, T* dyy, i64 tokens,     \
-                                    int experts, i64 hidden) {                           \
-        combine_grad_y_impl(gates, dy, dyy, tokens, experts, hidden);                    \
-    }
-
-SHARDC_COMBINE_GRAD_Y(combine_grad_y_f32, float)
-SHARDC_COMBINE_GRAD_Y(combine_grad_y_bf16, bf16)
+SHARDC_DISPATCH_COMBINE_GRAD(dispatch_grad_f32, float, dispatch_grad_impl)
+SHARDC_DISPATCH_COMBINE_GRAD(dispatch_grad_bf16, bf16, dispatch_grad_impl)
+SHARDC_DISPATCH_COMBINE_GRAD(combine_grad_y_f32, float, combine_grad_y_impl)
+SHARDC_DISPATCH_COMBINE_GRAD(combine_grad_y_bf16, bf16, combine_grad_y_impl)
 
 #define SHARDC_COMBINE_GRAD_GATES(NAME, T)                                               \
     extern "C" __global__ void NAME(const T* y, const T* gates, const T* dy, T* dg,      \

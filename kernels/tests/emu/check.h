@@ -107,4 +107,17 @@ void check_path(const char* what, bool want) {
     else printf("ok   %s: %s path (%lld vector accesses)\n", what, want ? "vector" : "scalar", n);
 }
 template <class T> constexpr int lanes() { return 16 / sizeof(T); }
+// Whether some of the R rows of H elements at x can take a row kernel's vector path: the row
+// start (and w, the weights, unless null) 16-byte aligned and H at least one vector.
+template <class T> bool any_row_vectors(const T* x, int R, int H, const void* w = nullptr) {
+    bool any = false;
+    for (int r = 0; r < R; ++r) any |= ((uintptr_t)(x + (size_t)r * H) & 15) == 0 && ((uintptr_t)w & 15) == 0 && H >= lanes<T>();
+    return any;
+}
+// Fails unless a and b hold the same bits (a kernel's result on two launch shapes that must not
+// change it); `how` names the two.
+template <class T> void check_same_bits(const char* what, const char* how, const std::vector<T>& a, const std::vector<T>& b) {
+    const bool same = a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+    printf("%s %s: %s the same bits\n", same ? "ok  " : "FAIL", what, how); failures += !same;
+}
 template <class T> const char* tname() { return sizeof(T) == 2 ? "bf16" : "f32"; }

@@ -309,8 +309,7 @@ template <class T> void norm_case(int R, int H, int offx, int offw, unsigned blo
     auto xt = as<T>(xf); auto rt = as<T>(rf); auto wt = as<T>(wf); auto bt = as<T>(bfv);
     Placed<T> x(xt, offx), res(rt, offx), w(wt, offw), b(bt, offw), out(std::vector<T>(R * H), offx);
     // Rows that can take vectors: the row start and the weights 16-byte aligned.
-    bool any_vec = false;
-    for (int r = 0; r < R; ++r) any_vec |= ((uintptr_t)(x.p + (size_t)r * H) & 15) == 0 && ((uintptr_t)w.p & 15) == 0 && H >= lanes<T>();
+    const bool any_vec = any_row_vectors(x.p, R, H, w.p);
     char what[160];
     std::vector<double> want(R * H);
     mark_vec();
@@ -347,8 +346,7 @@ template <class T> void softmax_case(int R, int C, int off, unsigned block) {
     xf[5] = -INFINITY;
     auto xt = as<T>(xf);
     Placed<T> x(xt, off), out(std::vector<T>(R * C), off);
-    bool any_vec = false;
-    for (int r = 0; r < R; ++r) any_vec |= ((uintptr_t)(x.p + (size_t)r * C) & 15) == 0 && C >= lanes<T>();
+    const bool any_vec = any_row_vectors(x.p, R, C);
     mark_vec();
     launch({2}, {block}, [&] { CALL_T(T, softmax, x.p, out.p, R, C); });
     char what[128]; snprintf(what, sizeof what, "softmax_%s C=%d x+%d block %u (all -inf row)", tname<T>(), C, off, block);

@@ -29,8 +29,7 @@ template <class T> void norm_grad_case(int R, int H, int offx, int offw, unsigne
     auto xf = randv(R * H, -1.5f, 2.5f), wf = randv(H), gf = randv(R * H);
     auto xt = as<T>(xf); auto wt = as<T>(wf); auto gt = as<T>(gf);
     Placed<T> x(xt, offx), w(wt, offw), dy(gt, offx), dx(std::vector<T>(R * H), offx);
-    bool any_vec = false;
-    for (int r = 0; r < R; ++r) any_vec |= ((uintptr_t)(x.p + (size_t)r * H) & 15) == 0 && ((uintptr_t)w.p & 15) == 0 && H >= lanes<T>();
+    const bool any_vec = any_row_vectors(x.p, R, H, w.p);
     for (int center : {0, 1}) {
         const char* norm = center ? "layernorm" : "rmsnorm";
         char what[160];
@@ -64,8 +63,7 @@ template <class T> void norm_grad_case(int R, int H, int offx, int offw, unsigne
         launch({1}, {96}, [&] { CALL_T(T, norm_grad_dw, x.p, dy.p, st.data(), dw2.data(), R, H); });
         snprintf(what, sizeof what, "norm_grad_dw_%s %s R=%d H=%d", tname<T>(), norm, R, H);
         check(what, as_f32(dw), want_dw, bf ? 1e-2 : 1.5e-6, bf ? 1e-2 : 1e-6);
-        const bool same = std::memcmp(dw.data(), dw2.data(), H * sizeof(T)) == 0;
-        printf("%s %s: grids 3 and 1 give the same bits\n", same ? "ok  " : "FAIL", what); failures += !same;
+        check_same_bits(what, "grids 3 and 1 give", dw, dw2);
     }
 }
 
@@ -80,8 +78,7 @@ template <class T> void bias_grad_case(int R, int N, unsigned grid, unsigned blo
     launch({1}, {block}, [&] { CALL_T(T, bias_grad, gt.data(), db2.data(), R, N); });
     char what[128]; snprintf(what, sizeof what, "bias_grad_%s R=%d N=%d grid %u block %u", tname<T>(), R, N, grid, block);
     check(what, as_f32(db), want, bf ? 1e-2 : 2e-6, bf ? 1e-2 : 2e-6);
-    const bool same = std::memcmp(db.data(), db2.data(), N * sizeof(T)) == 0;
-    printf("%s %s: grid 1 gives the same bits\n", same ? "ok  " : "FAIL", what); failures += !same;
+    check_same_bits(what, "grid 1 gives", db, db2);
 }
 
 void test_norm_grad() {
