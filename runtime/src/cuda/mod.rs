@@ -65,3 +65,12 @@ pub use routed::{zero_rows, RoutedGemm, Routing};
 pub use spmd::{run_nccl_rank, run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
 pub use strided::{contiguous_strides, StridedSpec, MAX_RANK};
 pub use trainer::CudaTrainer;
+
+/// The config of hf-tiny fixture `model` (the planning unit tests).
+#[cfg(test)]
+fn fixture(model: &str) -> shardc_compiler::model::ModelConfig {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/hf-tiny")
+        .join(model);
+    shardc_compiler::model::ModelConfig::from_path(&dir).expect("fixture config")
+}

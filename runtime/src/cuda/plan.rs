@@ -767,15 +767,9 @@ pub(super) fn attention_scratch(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::fixture;
     use shardc_compiler::ir::{Float, TensorType};
-    use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
-
-    fn fixture(model: &str) -> ModelConfig {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/hf-tiny")
-            .join(model);
-        ModelConfig::from_path(&dir).expect("fixture config")
-    }
+    use shardc_compiler::model::{build_forward, BuildOptions};
 
     fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
         g.param(name, TensorType::plain(DType::F32, shape))

@@ -154,17 +154,11 @@ pub fn zero_rows(g: &Graph) -> Vec<Option<ValueId>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::fixture;
     use shardc_compiler::compile::{compile, CompileSpec, Job};
-    use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
+    use shardc_compiler::model::{build_forward, BuildOptions};
     use shardc_compiler::shard::Mesh;
     use shardc_compiler::train::{Precision, TrainOptions};
-
-    fn fixture(model: &str) -> ModelConfig {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/hf-tiny")
-            .join(model);
-        ModelConfig::from_path(&dir).expect("fixture config")
-    }
 
     fn names(g: &Graph, r: &Routing) -> Vec<String> {
         g.ids()
