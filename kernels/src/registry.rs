@@ -192,6 +192,8 @@ pub static KERNELS: &[KernelSource] = &[
             "moe_route_index_bf16",
             "routed_gemm_f32",
             "routed_gemm_bf16",
+            "routed_weight_grad_f32",
+            "routed_weight_grad_bf16",
         ]
     ),
     kernel_source!(

@@ -1,7 +1,8 @@
 // moe_gemm.cu: mixture-of-experts expert GEMMs computed only on the tokens routed to each
 // expert. The IR's dispatched activations are [E, N, H], expert-major (N = B*T tokens), with
 // zero rows where a token's gate for the expert is 0 (moe.cu's dispatch); these kernels list
-// each expert's routed tokens once and then multiply only those rows, instead of all E * N.
+// each expert's routed tokens once and then multiply only those rows, instead of all E * N;
+// the training backward's expert weight gradients likewise sum over those rows only.
 //
 // moe_route_index_{f32,bf16}(const T* gates, int* counts, int* rows, i64 tokens, int experts)
 //     gates [tokens, experts]. For each expert e: counts[e] = the number of tokens n with
@@ -50,6 +51,45 @@
 // routed_gemm_f32 is the same tiling on FMA: 64 x 64 tiles, k in tiles of 16 staged through
 // shared memory (transposed, rows padded to 65 floats), each thread 4 x 4 outputs (rows ty +
 // 16 i, columns tx + 16 j).
+//
+// routed_weight_grad_{f32,bf16}(const T* a,          // [E, tokens, k]
+//                               const T* dy,         // [E, tokens, n]
+//                               T* dw,               // [E, k, n], or [E, n, k] when transpose_w
+//                               const int* counts,   // [E]          (moe_route_index)
+//                               const int* rows,     // [E, tokens]  (moe_route_index)
+//                               i64 tokens, int k, int n, int transpose_w)
+//     The experts' weight gradients on their routed rows: all row-major contiguous; for every
+//     expert e, with R_e = { rows[e * tokens + j] : j < counts[e] },
+//       dw[e][i][c] (transpose_w == 0) or dw[e][c][i] (transpose_w != 0)
+//         = sum over r in R_e of a[e, r, i] * dy[e, r, c],
+//     accumulated in f32 without atomics (deterministic; f32 sums each element over the rows in
+//     ascending j), bf16 output rounded to nearest even. Every element of dw is written (zeros
+//     for an expert with counts[e] == 0); rows of a and dy not in R_e are never read (they may
+//     hold anything, NaN included), nor are list entries past counts[e].
+//     Launch (exactly): blockDim = (256, 1, 1); gridDim = (ceil(n / BN), ceil(k / BM), E), block
+//     (x, y, z) owning the BM x BN tile of dw[z] at k rows y * BM.., n columns x * BN.. (in dw's
+//     own layout for transpose_w); dynamic shared memory routed_weight_grad_shared_bytes
+//     (launch.rs):
+//       bf16: BM = BN = 128, 32 rows a chunk; 2 * 2 * 32 * 128 * 2 + 256 * 4 = 33792 bytes.
+//       f32:  BM = BN = 64, 16 rows a chunk;  2 * 16 * 64 * 4 + 256 * 4 = 9216 bytes.
+//     Another block shape traps. bf16 requires k % 8 == 0, n % 8 == 0 (else it traps) and a, dy,
+//     dw 16-byte aligned (16-byte cp.async copies and stores); the host checks with
+//     launch::routed_weight_grad_supported. f32 takes any sizes and alignment.
+//
+// Structure of routed_weight_grad_bf16: a GEMM with M = k, N = n and the contraction over the
+// expert's routed rows. The list is walked in chunks of 32 rows; the token rows of 256 list
+// entries at a time (8 chunks) are staged in shared memory (-1 past counts[e]) and the chunk's
+// rows of a (32 x 128 k) and dy (32 x 128 n) are gathered through them with cp.async, double-
+// buffered (the next chunk in flight while the current one is computed), zero-filled past
+// counts[e], k or n. 8 warps as 2 x 4, each owning 64 k x 32 n of the tile: per 16-row step 4 A
+// fragments of aᵀ and 4 B fragments of dy, both by ldmatrix.trans from the row-major tiles (as
+// routed_gemm reads [k, n] weights), 16 mma.sync m16n8k16 into 64 f32 accumulators per lane.
+// The result is rounded to bf16 into shared memory (the freed chunk buffers) in dw's layout,
+// [k][n] or transposed to [n][k], and stored as whole 16-byte chunks, guarded by k and n.
+//
+// routed_weight_grad_f32 is the same on FMA: 64 x 64 tiles, chunks of 16 rows of a and dy
+// staged in shared memory, each thread 4 x 4 outputs (k rows ki + 16 i, n columns ni + 16 q,
+// the half warp's 16 lanes along dw's rows so the stores are coalesced in either layout).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -407,3 +447,273 @@ __device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, 
 
 SHARDC_ROUTED_GEMM(routed_gemm_f32, float, routed_gemm_fma)
 SHARDC_ROUTED_GEMM(routed_gemm_bf16, bf16, routed_gemm_tc)
+
+// ---- routed_weight_grad: tiles ------------------------------------------------------------------
+
+// The K loop of routed_weight_grad walks the expert's routed list in chunks of BK rows; the
+// token rows of RWG_WINDOW consecutive list entries (one per thread) are staged in shared
+// memory at a time (-1 past count), refreshed every RWG_WINDOW / BK chunks.
+#define RWG_WINDOW RG_THREADS
+
+// ---- routed_weight_grad_bf16: tensor cores -----------------------------------------------------
+
+// Starts the copies of the row chunk whose staged token rows are rw[0 .. RG_BK - 1] (-1 past
+// count): A tile = a[e, r, k0 .. k0 + 127], D tile = dy[e, r, n0 .. n0 + 127], both RG_BK x 128
+// (rows of 16 chunks), zero-filled where the row is -1 or the chunk lies past k or n.
+__device__ __forceinline__ void rwg_issue_chunk(bf16* a_s, bf16* d_s, const int* rw,
+                                                const bf16* a_e, const bf16* dy_e, int k, int n,
+                                                int k0, int n0) {
+    const int tid = threadIdx.x;
+    const int bj = tid >> 4;   // rows bj and bj + 16 of the chunk
+    const int bch = tid & 15;  // 16-byte chunk of the row
+    const int kc = k0 + bch * 8;
+    const int nc = n0 + bch * 8;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int j = bj + 16 * i;
+        const int r = rw[j];
+        const bool aok = r >= 0 && kc < k;
+        const bool dok = r >= 0 && nc < n;
+        cp_async_cg16(a_s + tile_swizzle<RG_BM>(j, bch), aok ? a_e + (i64)r * k + kc : a_e,
+                      aok ? 16 : 0);
+        cp_async_cg16(d_s + tile_swizzle<RG_BN>(j, bch), dok ? dy_e + (i64)r * n + nc : dy_e,
+                      dok ? 16 : 0);
+    }
+}
+
+template <bool TRANS_W>
+__device__ __forceinline__ void routed_weight_grad_tc(const bf16* a, const bf16* dy, bf16* dw,
+                                                      const int* counts, const int* rows,
+                                                      i64 tokens, int k, int n) {
+    if ((k & 7) != 0 || (n & 7) != 0) __trap();
+    extern __shared__ float smem[];
+    bf16* a_s = (bf16*)smem;                        // [2][32 rows x 128 k]
+    bf16* d_s = a_s + 2 * RG_BK * RG_BM;            // [2][32 rows x 128 n]
+    int* row_s = (int*)(d_s + 2 * RG_BK * RG_BN);   // [RWG_WINDOW]
+
+    const int e = blockIdx.z;
+    const int k0 = blockIdx.y * RG_BM;
+    const int n0 = blockIdx.x * RG_BN;
+    if (k0 >= k || n0 >= n) return;  // uniform over the block (only for a grid too large)
+    const int count = counts[e];
+    const int* list = rows + (i64)e * tokens;
+    const bf16* a_e = a + (i64)e * tokens * k;
+    const bf16* dy_e = dy + (i64)e * tokens * n;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;   // row of the C fragments (and row + 8)
+    const int c = lane & 3;    // column pair of the C fragments
+    const int mi = lane >> 3;  // the 8x8 matrix this lane addresses in an ldmatrix.x4
+    const int wm = warp >> 2;  // the warp's k rows: 64 wm .. 64 wm + 63 of the tile
+    const int wn = warp & 3;   // the warp's n columns: 32 wn .. 32 wn + 31
+
+    float acc[4][4][4];  // [k block of 16][n block of 8][C fragment]
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) mma_zero<4>(acc[mt]);
+
+    const int chunks = (count + RG_BK - 1) / RG_BK;
+    if (chunks > 0) {
+        stage_rows<RWG_WINDOW>(row_s, list, 0, count);
+        __syncthreads();
+        rwg_issue_chunk(a_s, d_s, row_s, a_e, dy_e, k, n, k0, n0);
+        cp_async_commit();
+    }
+    for (int it = 0; it < chunks; ++it) {
+        const int buf = it & 1;
+        if (it + 1 < chunks) {
+            const int j1 = (it + 1) * RG_BK;
+            if (j1 % RWG_WINDOW == 0) {
+                // The window's last rows were read when chunk `it` was issued, before the
+                // barriers of the previous iteration.
+                stage_rows<RWG_WINDOW>(row_s, list, j1, count);
+                __syncthreads();
+            }
+            // The other buffer was released by the barrier that ended the previous iteration.
+            rwg_issue_chunk(a_s + (buf ^ 1) * RG_BK * RG_BM, d_s + (buf ^ 1) * RG_BK * RG_BN,
+                            row_s + j1 % RWG_WINDOW, a_e, dy_e, k, n, k0, n0);
+            cp_async_commit();
+            cp_async_wait<1>();  // all but the chunk just issued
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // every thread's copies of this chunk visible to all
+
+        const bf16* at = a_s + buf * RG_BK * RG_BM;
+        const bf16* dt = d_s + buf * RG_BK * RG_BN;
+#pragma unroll
+        for (int ks = 0; ks < RG_BK / 16; ++ks) {
+            // A = aᵀ (k x rows): the tile holds it transposed (rows x k), so ldmatrix.trans;
+            // matrix mi covers rows ks * 16 + 8 (mi >> 1) .. + 7 and k 8 (mi & 1) .. + 7.
+            unsigned af[4][4];
+            const int arow = ks * 16 + (mi >> 1) * 8 + (lane & 7);
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                ldmatrix_x4_trans(af[mt],
+                                  at + tile_swizzle<RG_BM>(arow, wm * 8 + mt * 2 + (mi & 1)));
+            }
+            // B = dy (rows x n), as routed_gemm's [k, n] weights.
+            unsigned bfr[2][4];  // B fragments of column blocks 2p and 2p + 1 of the warp's 4
+            const int brow = ks * 16 + (mi & 1) * 8 + (lane & 7);
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                ldmatrix_x4_trans(bfr[p],
+                                  dt + tile_swizzle<RG_BN>(brow, wn * 4 + 2 * p + (mi >> 1)));
+            }
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+                for (int nb = 0; nb < 4; ++nb) {
+                    mma_bf16_16816(acc[mt][nb], af[mt], bfr[nb >> 1] + (nb & 1) * 2);
+                }
+            }
+        }
+        __syncthreads();  // this buffer is free for the copy issued next iteration
+    }
+
+    // The 128 x 128 tile goes through shared memory (bf16, swizzled, in dw's layout: k rows of
+    // n, or n rows of k), so the global stores are whole 16-byte chunks. The tile buffers are
+    // free: the loop ended with a barrier (and no chunk means they were never used).
+    bf16* o_s = a_s;  // 128 x 128: the A and D buffers, both halves
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int kl = wm * 64 + mt * 16 + g + 8 * h;
+#pragma unroll
+            for (int nb = 0; nb < 4; ++nb) {
+                const int nl = wn * 32 + nb * 8 + 2 * c;
+                const float v0 = acc[mt][nb][2 * h];
+                const float v1 = acc[mt][nb][2 * h + 1];
+                if (TRANS_W) {
+                    o_s[tile_swizzle<RG_BM>(nl, kl >> 3) + (kl & 7)] = f32_to_bf16(v0);
+                    o_s[tile_swizzle<RG_BM>(nl + 1, kl >> 3) + (kl & 7)] = f32_to_bf16(v1);
+                } else {
+                    *(unsigned*)(o_s + tile_swizzle<RG_BN>(kl, nl >> 3) + (nl & 7)) =
+                        pack_bf16x2(v0, v1);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    // dw[e] rows r0 + rr (up to `rows_end`) of `width`, chunks from column c0 (up to `cols_end`)
+    const int r0 = TRANS_W ? n0 : k0;
+    const int c0 = TRANS_W ? k0 : n0;
+    const int rows_end = TRANS_W ? n : k;
+    const int width = TRANS_W ? k : n;
+    bf16* dw_e = dw + (i64)e * k * n;
+    for (int idx = tid; idx < RG_BM * (RG_BN / 8); idx += RG_THREADS) {
+        const int rr = idx >> 4;
+        const int ch = idx & 15;
+        const int row = r0 + rr;
+        const int col = c0 + ch * 8;
+        if (row < rows_end && col < width) {
+            *(uint4*)(dw_e + (i64)row * width + col) =
+                *(const uint4*)(o_s + tile_swizzle<RG_BN>(rr, ch));
+        }
+    }
+}
+
+// ---- routed_weight_grad_f32: FMA ---------------------------------------------------------------
+
+template <bool TRANS_W>
+__device__ __forceinline__ void routed_weight_grad_fma(const float* a, const float* dy,
+                                                       float* dw, const int* counts,
+                                                       const int* rows, i64 tokens, int k,
+                                                       int n) {
+    extern __shared__ float smem[];
+    float* a_s = smem;                          // [16][64]: a_s[j][i] = a[e, row j, k0 + i]
+    float* d_s = a_s + RGF_BK * RGF_BM;         // [16][64]: d_s[j][c] = dy[e, row j, n0 + c]
+    int* row_s = (int*)(d_s + RGF_BK * RGF_BN); // [RWG_WINDOW]
+
+    const int e = blockIdx.z;
+    const int k0 = blockIdx.y * RGF_BM;
+    const int n0 = blockIdx.x * RGF_BN;
+    if (k0 >= k || n0 >= n) return;  // uniform over the block (only for a grid too large)
+    const int count = counts[e];
+    const int* list = rows + (i64)e * tokens;
+    const float* a_e = a + (i64)e * tokens * k;
+    const float* dy_e = dy + (i64)e * tokens * n;
+
+    // Thread tid owns k rows ki + 16 i and n columns ni + 16 q; the 16 lanes of a half warp
+    // run along dw's rows (n for [k, n], k for [n, k]), so the stores are coalesced.
+    const int tid = threadIdx.x;
+    const int ki = TRANS_W ? tid & 15 : tid >> 4;
+    const int ni = TRANS_W ? tid >> 4 : tid & 15;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    }
+
+    for (int j0 = 0; j0 < count; j0 += RGF_BK) {
+        if (j0 % RWG_WINDOW == 0) {
+            // The previous window was last read before the barrier that ended the last chunk.
+            stage_rows<RWG_WINDOW>(row_s, list, j0, count);
+            __syncthreads();
+        }
+        // 16 rows x 64 of a and of dy, 4 elements a thread each, zeros past the ends.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + RG_THREADS * i;
+            const int j = idx >> 6;    // row of the chunk
+            const int cc = idx & 63;   // k (a) or n (dy) within the tile
+            const int r = row_s[j0 % RWG_WINDOW + j];
+            a_s[idx] = r >= 0 && k0 + cc < k ? a_e[(i64)r * k + k0 + cc] : 0.0f;
+            d_s[idx] = r >= 0 && n0 + cc < n ? dy_e[(i64)r * n + n0 + cc] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < RGF_BK; ++j) {
+            float av[4];
+            float dv[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) av[i] = a_s[j * RGF_BM + ki + 16 * i];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) dv[q] = d_s[j * RGF_BN + ni + 16 * q];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[i][q] = fmaf(av[i], dv[q], acc[i][q]);
+            }
+        }
+        __syncthreads();
+    }
+
+    float* dw_e = dw + (i64)e * k * n;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int kr = k0 + ki + 16 * i;
+        if (kr >= k) continue;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int col = n0 + ni + 16 * q;
+            if (col >= n) continue;
+            if (TRANS_W) {
+                dw_e[(i64)col * k + kr] = acc[i][q];
+            } else {
+                dw_e[(i64)kr * n + col] = acc[i][q];
+            }
+        }
+    }
+}
+
+// One signature for both dtypes; IMPL is routed_weight_grad_fma (f32) or routed_weight_grad_tc
+// (bf16).
+#define SHARDC_ROUTED_WEIGHT_GRAD(NAME, T, IMPL)                                              \
+    extern "C" __global__ void RG_LAUNCH_BOUNDS NAME(const T* a, const T* dy, T* dw,          \
+                                                     const int* counts, const int* rows,      \
+                                                     i64 tokens, int k, int n,                \
+                                                     int transpose_w) {                       \
+        if (blockDim.x != RG_THREADS || blockDim.y != 1 || blockDim.z != 1) __trap();         \
+        if (transpose_w) {                                                                    \
+            IMPL<true>(a, dy, dw, counts, rows, tokens, k, n);                                \
+        } else {                                                                              \
+            IMPL<false>(a, dy, dw, counts, rows, tokens, k, n);                               \
+        }                                                                                     \
+    }
+
+SHARDC_ROUTED_WEIGHT_GRAD(routed_weight_grad_f32, float, routed_weight_grad_fma)
+SHARDC_ROUTED_WEIGHT_GRAD(routed_weight_grad_bf16, bf16, routed_weight_grad_tc)
