@@ -143,6 +143,32 @@ impl Assembled {
         self
     }
 
+    /// The PTX of kernel `entry`: from its `.entry` line to the next `.entry` (or the end).
+    /// Device functions are inlined, so this holds everything the kernel runs.
+    fn entry_ptx(&self, entry: &str) -> &str {
+        let line = self
+            .ptx
+            .lines()
+            .find(|l| l.contains(&format!(".entry {entry}(")))
+            .unwrap_or_else(|| panic!("{}: no `.entry {entry}`", self.file));
+        let start = line.as_ptr() as usize - self.ptx.as_ptr() as usize;
+        let body = &self.ptx[start + line.len()..];
+        &self.ptx[start..start + line.len() + body.find(".entry ").unwrap_or(body.len())]
+    }
+
+    /// Each of `instructions` somewhere in the PTX of kernel `entry`.
+    fn assert_entry_uses(&self, entry: &str, instructions: &[&str]) -> &Self {
+        let body = self.entry_ptx(entry);
+        for instruction in instructions {
+            assert!(
+                body.contains(instruction),
+                "{}: no `{instruction}` in `{entry}`",
+                self.file
+            );
+        }
+        self
+    }
+
     /// Some f32 global atomic add (`red` or `atom`).
     fn assert_f32_global_atomic(&self) -> &Self {
         assert!(
@@ -257,9 +283,10 @@ fn tensor_core_attention_assembles_for_sm90() {
     assemble("attention_tc").assert_tensor_core_instructions();
 }
 
-/// `moe_gemm` to PTX and to a CUBIN for sm_90: `routed_gemm_bf16`'s `mma.sync`, `ldmatrix`
-/// (plain for the `[n, k]` weights, `.trans` for `[k, n]`) and `cp.async` assemble, and ptxas
-/// keeps both GEMMs within the 128 registers of two 256-thread blocks per SM
+/// `moe_gemm` to PTX and to a CUBIN for sm_90: the `mma.sync`, `ldmatrix` (plain for
+/// `routed_gemm_bf16`'s `[n, k]` weights, `.trans` for its `[k, n]` weights and for both of
+/// `routed_weight_grad_bf16`'s operands) and `cp.async` of the bf16 GEMMs assemble, and ptxas
+/// keeps all four GEMMs within the 128 registers of two 256-thread blocks per SM
 /// (`__launch_bounds__(256, 2)`) with no stack frame (no spills).
 #[test]
 fn routed_gemm_assembles_for_sm90() {
@@ -268,8 +295,23 @@ fn routed_gemm_assembles_for_sm90() {
     }
     let moe = assemble("moe_gemm");
     moe.assert_tensor_core_instructions()
-        .assert_no_local_memory();
-    for entry in ["routed_gemm_bf16", "routed_gemm_f32"] {
+        .assert_no_local_memory()
+        // The weight gradient's own: aᵀ and dy both by ldmatrix.trans, double-buffered copies.
+        .assert_entry_uses(
+            "routed_weight_grad_bf16",
+            &[
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+                "cp.async.cg.shared.global",
+                "cp.async.wait_group 1",
+            ],
+        );
+    for entry in [
+        "routed_gemm_bf16",
+        "routed_gemm_f32",
+        "routed_weight_grad_bf16",
+        "routed_weight_grad_f32",
+    ] {
         let (regs, frame) = moe.resources(entry);
         assert!(regs <= 128, "{entry}: {regs} registers");
         assert_eq!(frame, 0, "{entry}: a stack frame (spills)");
