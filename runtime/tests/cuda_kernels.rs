@@ -658,8 +658,9 @@ fn planner_fusions_match_the_unfused_graph() {
     }
 }
 
-/// Expert GEMMs on their routed rows (`moe_route_index` + `routed_gemm`) against the dense
-/// ones and the CPU: a MoE block (router, dispatch, both weight layouts, combine) at sizes that
+/// Expert GEMMs on their routed rows (`moe_route_index` + `routed_gemm`, and the weight
+/// gradients by `routed_weight_grad`) against the dense ones and the CPU: a MoE block (router,
+/// dispatch, both weight layouts, combine) and weight gradients of both layouts, at sizes that
 /// are no tile multiple, with one expert no token chooses; the arena poisoned, so a row the
 /// kernels leave unwritten shows.
 #[test]
@@ -708,8 +709,25 @@ fn routed_expert_gemms_match_dense_and_cpu() {
         .add(Op::MatMul { transpose_b: false }, &[act, w_down], "down")
         .unwrap();
     let y = g.add(Op::Combine, &[down, gates], "combine").unwrap();
+    // Weight gradients with routed operands ([E, f, h] from dyᵀ·a, and from aᵀ·dy).
+    let dw_up = g
+        .add(
+            Op::WeightGrad { transpose_b: true },
+            &[d, up, w_up],
+            "dw_up",
+        )
+        .unwrap();
+    let dw_down = g
+        .add(
+            Op::WeightGrad { transpose_b: false },
+            &[act, down, w_down],
+            "dw_down",
+        )
+        .unwrap();
     g.set_output("up", up);
     g.set_output("y", y);
+    g.set_output("dw_up", dw_up);
+    g.set_output("dw_down", dw_down);
     // Expert 2 is never chosen.
     let mut l = rng.tensor(&[2, t, e], 2.0);
     if let shardc_runtime::Buffer::F32(v) = &mut l.data {
@@ -727,6 +745,8 @@ fn routed_expert_gemms_match_dense_and_cpu() {
         let mut routed = prepare(&dev, &g, &w, &ctx, opts(dt, true)).expect("prepare routed");
         let n_routed = routed.routing().gemms.iter().flatten().count();
         assert_eq!(n_routed, 2, "{dt}: up and down are routed");
+        let n_wg = routed.routing().weight_grads.iter().flatten().count();
+        assert_eq!(n_wg, 2, "{dt}: both weight gradients are routed");
         let got = routed.run(&inputs, &ctx).expect("run routed");
         let dense_opts = CudaOptions {
             routed_experts: false,
@@ -738,7 +758,7 @@ fn routed_expert_gemms_match_dense_and_cpu() {
             GpuDType::F32 => (1e-4, 1e-4),
             GpuDType::Bf16 => (5e-2, 5e-2),
         };
-        for out in ["up", "y"] {
+        for out in ["up", "y", "dw_up", "dw_down"] {
             assert_close(
                 &format!("routed {out} {dt} vs cpu"),
                 &got[out],

@@ -12,7 +12,8 @@ use cudarc::driver::{result as drv, CudaFunction, CudaStream, PushKernelArg};
 use shardc_compiler::ir::{RopeStyle, UnaryOp};
 use shardc_kernels::launch::{
     attention_plan, elementwise_launch, loss_sum_launch, moe_route_index_launch, rope_launch,
-    routed_gemm_launch, router_launch, rows_launch, vector_launch, AttentionPlan,
+    routed_gemm_launch, routed_weight_grad_launch, router_launch, rows_launch, vector_launch,
+    AttentionPlan,
 };
 use shardc_kernels::{entry_name, KernelDType};
 
@@ -333,6 +334,23 @@ impl<'a> Launcher<'a> {
         let cfg = routed_gemm_launch(dt, r.tokens, r.n, r.experts);
         launch!(self, entry_name("routed_gemm", dt), cfg;
             &a, &w, &out, &counts, &rows, &n_tok, &k, &n, &tw)
+    }
+
+    /// `dw[e] = Σ a[e, r]ᵀ · dy[e, r]` over the routed rows `r` of each expert (`(counts,
+    /// rows)` from [`Launcher::moe_route_index`]), `[E, k, n]` or (`transpose_w`) `[E, n, k]`,
+    /// every element written (`moe_gemm.cu`).
+    pub fn routed_weight_grad(
+        &self,
+        dt: KernelDType,
+        [a, dy, dw]: [u64; 3],
+        (counts, rows): (u64, u64),
+        r: &RoutedGemm,
+    ) -> Result<(), CudaError> {
+        let (n_tok, k, n) = (i(r.tokens), r.k as i32, r.n as i32);
+        let tw = r.transpose_w as i32;
+        let cfg = routed_weight_grad_launch(dt, r.k, r.n, r.experts);
+        launch!(self, entry_name("routed_weight_grad", dt), cfg;
+            &a, &dy, &dw, &counts, &rows, &n_tok, &k, &n, &tw)
     }
 
     /// Per-row cross-entropy into an f32 `loss[rows]`.

@@ -22,12 +22,15 @@
 //! operands are finite (a non-finite value in a row the gates exclude would turn that row's
 //! dense result non-finite, while here it stays zero; the combine skips those rows either way).
 //!
-//! Weight gradients (`WeightGrad`) of the experts stay dense.
+//! A `WeightGrad` of per-expert weights `[E, .., ..]` whose `dy` (or else `a`) has zero rows
+//! sums over the routed rows only (`routed_weight_grad`): the other rows add nothing.
 
 use shardc_compiler::ir::{CombineWrt, Graph, Op, UnaryOp, ValueId};
 
 /// One expert GEMM computed on its routed rows: `a [E, tokens, k] · w[e]` (w `[E, k, n]`, or
-/// `[E, n, k]` with `transpose_w`) into `[E, tokens, n]`.
+/// `[E, n, k]` with `transpose_w`) into `[E, tokens, n]`; or, for a weight gradient, `a [E,
+/// tokens, k]` and `dy [E, tokens, n]` contracted over the routed rows into `[E, k, n]` (`[E,
+/// n, k]` with `transpose_w`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RoutedGemm {
     /// The source whose gates route the rows (a `Dispatch` or `CombineGrad { wrt: y }`).
@@ -49,6 +52,8 @@ pub struct RoutedGemm {
 pub struct Routing {
     /// Per value: the routed GEMM it is computed as, if any.
     pub gemms: Vec<Option<RoutedGemm>>,
+    /// Per value: the routed weight gradient it is computed as, if any.
+    pub weight_grads: Vec<Option<RoutedGemm>>,
     /// The sources some routed GEMM reads the routing of, with their `(experts, tokens)`: each
     /// gets an index buffer (`counts[E]`, `rows[E · tokens]` i32), filled when it has run.
     pub sources: Vec<(ValueId, usize, usize)>,
@@ -57,14 +62,39 @@ pub struct Routing {
 impl Routing {
     /// The routed GEMMs of `g` (none when `enabled` is false).
     pub fn of(g: &Graph, enabled: bool) -> Routing {
-        let mut gemms = vec![None; g.len()];
-        let mut sources: Vec<(ValueId, usize, usize)> = Vec::new();
+        let mut r = Routing {
+            gemms: vec![None; g.len()],
+            weight_grads: vec![None; g.len()],
+            sources: Vec::new(),
+        };
         if !enabled {
-            return Routing { gemms, sources };
+            return r;
         }
         let zero = zero_rows(g);
         for v in g.ids() {
             let node = g.node(v);
+            if let Op::WeightGrad { transpose_b } = node.op {
+                let (a, dy) = (node.inputs[0], node.inputs[1]);
+                let Some(source) = zero[dy.index()].or(zero[a.index()]) else {
+                    continue;
+                };
+                let (sa, sd) = (g.ty(a).shape(), g.ty(dy).shape());
+                let (experts, k, n) = (sa[0], sa[sa.len() - 1], sd[sd.len() - 1]);
+                let want = if transpose_b {
+                    [experts, n, k]
+                } else {
+                    [experts, k, n]
+                };
+                if node.ty.shape() != want || sd[0] != experts || experts == 0 || k == 0 {
+                    continue;
+                }
+                let tokens = g.ty(a).numel() / (experts * k);
+                if g.ty(dy).numel() != experts * tokens * n {
+                    continue;
+                }
+                r.add(g, v, true, source, (experts, tokens, k, n), transpose_b);
+                continue;
+            }
             let Op::MatMul { transpose_b } = node.op else {
                 continue;
             };
@@ -84,23 +114,42 @@ impl Routing {
                 continue;
             }
             let tokens = g.ty(a).numel() / (experts * k);
-            let gates = routing_gates(g, source);
-            if g.ty(gates).numel() != experts * tokens {
-                continue;
-            }
-            gemms[v.index()] = Some(RoutedGemm {
-                source,
-                experts,
-                tokens,
-                k,
-                n,
-                transpose_w: transpose_b,
-            });
-            if !sources.iter().any(|&(s, _, _)| s == source) {
-                sources.push((source, experts, tokens));
-            }
+            r.add(g, v, false, source, (experts, tokens, k, n), transpose_b);
         }
-        Routing { gemms, sources }
+        r
+    }
+
+    /// Records `v` as a routed GEMM (or weight gradient) of `source`'s rows, when the source's
+    /// gates are `[.., E]` over the same tokens.
+    fn add(
+        &mut self,
+        g: &Graph,
+        v: ValueId,
+        weight_grad: bool,
+        source: ValueId,
+        (experts, tokens, k, n): (usize, usize, usize, usize),
+        transpose_w: bool,
+    ) {
+        if g.ty(routing_gates(g, source)).numel() != experts * tokens {
+            return;
+        }
+        let gemm = RoutedGemm {
+            source,
+            experts,
+            tokens,
+            k,
+            n,
+            transpose_w,
+        };
+        let slot = if weight_grad {
+            &mut self.weight_grads
+        } else {
+            &mut self.gemms
+        };
+        slot[v.index()] = Some(gemm);
+        if !self.sources.iter().any(|&(s, _, _)| s == source) {
+            self.sources.push((source, experts, tokens));
+        }
     }
 
     /// Bytes of the index buffer of a source with `experts` and `tokens`.
@@ -214,10 +263,18 @@ mod tests {
             3 * cfg.layers
         );
         assert_eq!(r.sources.len(), 2 * cfg.layers);
-        // Weight gradients stay dense.
+        // The three expert weight gradients too, over the rows of the backward's source.
+        let wg: Vec<RoutedGemm> = g.ids().filter_map(|v| r.weight_grads[v.index()]).collect();
+        assert_eq!(wg.len(), 3 * cfg.layers);
+        for w in &wg {
+            assert!(matches!(g.node(w.source).op, Op::CombineGrad { .. }));
+            assert!(w.transpose_w, "HF expert weights are [E, out, in]");
+        }
+        // Every other weight gradient stays dense.
         for v in g.ids() {
-            if matches!(g.node(v).op, Op::WeightGrad { .. }) {
-                assert!(r.gemms[v.index()].is_none());
+            if matches!(g.node(v).op, Op::WeightGrad { .. }) && r.weight_grads[v.index()].is_none()
+            {
+                assert_eq!(g.ty(g.node(v).inputs[2]).rank(), 2, "{}", g.node(v).name);
             }
         }
     }

@@ -18,6 +18,7 @@ use super::program::CudaProgram;
 use super::train_ops::{AdamWConsts, AttnDims, Norm};
 use super::{CudaError, GpuDType};
 use shardc_compiler::ir::{AttnWrt, CombineWrt, Node, NormWrt, Op, ValueId};
+use shardc_kernels::launch::routed_weight_grad_supported;
 
 impl CudaProgram {
     /// `[B, T, S, Hq, Hkv, D]` of an attention's `q[B,T,Hq,D]` and `k[B,S,Hkv,D]`.
@@ -176,7 +177,9 @@ impl CudaProgram {
         })
     }
 
-    /// `WeightGrad`: one cuBLASLt GEMM contracting `a` and `dy` over their rows.
+    /// `WeightGrad`: one cuBLASLt GEMM contracting `a` and `dy` over their rows, or, for
+    /// experts' weights whose rows are routed (`routed.rs`), `routed_weight_grad` over the
+    /// routed rows only.
     fn weight_grad(
         &mut self,
         v: ValueId,
@@ -185,6 +188,15 @@ impl CudaProgram {
         l: &Launcher,
     ) -> Result<(), CudaError> {
         let (a, dy, b) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+        if let Some(r) = self.routing.weight_grads[v.index()] {
+            let ptrs = [self.ptr(a), self.ptr(dy), self.ptr(v)];
+            if let Some(index) = &self.route_index[r.source.index()] {
+                if routed_weight_grad_supported(self.dt(), r.k, r.n, ptrs) {
+                    let rows = index.ptr + 4 * r.experts as u64;
+                    return l.routed_weight_grad(self.dt(), ptrs, (index.ptr, rows), &r);
+                }
+            }
+        }
         let (key, a_is_dy) = GemmKey::for_weight_grad(
             &self.shape(a),
             &self.shape(dy),
