@@ -161,7 +161,9 @@ impl CudaProgram {
             .map(|n| Storage::of(n.ty.dtype, dt))
             .collect();
         let (arena_plan, fusion) = plan_memory(graph, dt, opts.fuse);
-        let routing = Routing::of(graph, opts.routed_experts);
+        let mut routing = Routing::of(graph, opts.routed_experts);
+        // A source's index is filled after it runs as a node of its own.
+        routing.keep_sources(|s| fusion.actions[s.index()] == Action::Run);
         let steps = schedule(graph);
         let n_events = steps
             .iter()

@@ -152,6 +152,19 @@ impl Routing {
         }
     }
 
+    /// Keeps only the sources `runs` accepts (those the executor runs as nodes of their own,
+    /// after which it fills their index) and the routed GEMMs of those.
+    pub fn keep_sources(&mut self, runs: impl Fn(ValueId) -> bool) {
+        self.sources.retain(|&(s, _, _)| runs(s));
+        let kept = |x: &mut Option<RoutedGemm>| {
+            if x.is_some_and(|r| !runs(r.source)) {
+                *x = None;
+            }
+        };
+        self.gemms.iter_mut().for_each(&kept);
+        self.weight_grads.iter_mut().for_each(&kept);
+    }
+
     /// Bytes of the index buffer of a source with `experts` and `tokens`.
     pub fn index_bytes(experts: usize, tokens: usize) -> usize {
         4 * (experts + experts * tokens)
@@ -316,5 +329,10 @@ mod tests {
         assert!(r.gemms[after_exp.index()].is_none());
         assert!(r.gemms[after_bias.index()].is_none());
         assert_eq!(r.sources, vec![(d, 2, 6)]);
+        // A source the executor would not run by itself takes its GEMMs with it.
+        let mut r = r;
+        r.keep_sources(|s| s != d);
+        assert!(r.sources.is_empty());
+        assert!(r.gemms.iter().all(Option::is_none));
     }
 }
