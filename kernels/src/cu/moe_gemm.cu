@@ -105,6 +105,28 @@
 #define RGF_BK 16
 #define RGF_PAD (RGF_BM + 1)
 
+// acc[i][j] += sum over kk < RGF_BK of a[kk * a_ld + 16 * i] * b[kk * b_ld + 16 * j]: a thread's
+// 4 x 4 outputs of a 64 x 64 f32 tile from the block's k-major shared tiles (`a`, `b` already
+// offset to the thread's first row and column), FMAs in kk order. Shared by routed_gemm_f32
+// and routed_weight_grad_f32.
+__device__ __forceinline__ void rgf_fma_4x4(const float* a, int a_ld, const float* b, int b_ld,
+                                            float (&acc)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < RGF_BK; ++kk) {
+        float av[4];
+        float bv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) av[i] = a[kk * a_ld + 16 * i];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) bv[j] = b[kk * b_ld + 16 * j];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+        }
+    }
+}
+
 // Two blocks per SM: at most 128 registers a thread. The emulator's __launch_bounds__ takes
 // one argument.
 #ifdef SHARDC_EMU
@@ -192,6 +214,20 @@ template <int ROWS>
 __device__ __forceinline__ void stage_rows(int* row_s, const int* list, int m0, int count) {
     for (int j = threadIdx.x; j < ROWS; j += RG_THREADS) {
         row_s[j] = m0 + j < count ? list[m0 + j] : -1;
+    }
+}
+
+// A warp's 16-wide k step of its 64 x 32 tile: acc[mt][nb] (16 x 8 f32 C fragments) += A
+// fragment mt (16 x 16) times B column block nb (16 x 8, block nb's two registers at
+// bfr[nb / 2] + 2 * (nb % 2)). Shared by routed_gemm_bf16 and routed_weight_grad_bf16.
+__device__ __forceinline__ void rg_mma_4x4(float (&acc)[4][4][4], const unsigned (&af)[4][4],
+                                           const unsigned (&bfr)[2][4]) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) {
+            mma_bf16_16816(acc[mt][nb], af[mt], bfr[nb >> 1] + (nb & 1) * 2);
+        }
     }
 }
 
@@ -317,13 +353,7 @@ __device__ __forceinline__ void routed_gemm_tc(const bf16* a, const bf16* w, bf1
                                       bt + tile_swizzle<RG_BN>(row, wn * 4 + 2 * p + (mi >> 1)));
                 }
             }
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt) {
-#pragma unroll
-                for (int nb = 0; nb < 4; ++nb) {
-                    mma_bf16_16816(acc[mt][nb], af[mt], bfr[nb >> 1] + (nb & 1) * 2);
-                }
-            }
+            rg_mma_4x4(acc, af, bfr);
         }
         __syncthreads();  // this buffer is free for the copy issued next iteration
     }
@@ -401,20 +431,7 @@ __device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, 
             }
         }
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < RGF_BK; ++kk) {
-            float av[4];
-            float bv[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) av[i] = a_s[kk * RGF_PAD + ty + 16 * i];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) bv[j] = b_s[kk * RGF_PAD + tx + 16 * j];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-            }
-        }
+        rgf_fma_4x4(a_s + ty, RGF_PAD, b_s + tx, RGF_PAD, acc);
         __syncthreads();
     }
 
@@ -431,22 +448,6 @@ __device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, 
     }
 }
 
-// One signature for both dtypes; IMPL is routed_gemm_fma (f32) or routed_gemm_tc (bf16).
-#define SHARDC_ROUTED_GEMM(NAME, T, IMPL)                                                     \
-    extern "C" __global__ void RG_LAUNCH_BOUNDS NAME(const T* a, const T* w, T* out,          \
-                                                     const int* counts, const int* rows,      \
-                                                     i64 tokens, int k, int n,                \
-                                                     int transpose_w) {                       \
-        if (blockDim.x != RG_THREADS || blockDim.y != 1 || blockDim.z != 1) __trap();         \
-        if (transpose_w) {                                                                    \
-            IMPL<true>(a, w, out, counts, rows, tokens, k, n);                                \
-        } else {                                                                              \
-            IMPL<false>(a, w, out, counts, rows, tokens, k, n);                               \
-        }                                                                                     \
-    }
-
-SHARDC_ROUTED_GEMM(routed_gemm_f32, float, routed_gemm_fma)
-SHARDC_ROUTED_GEMM(routed_gemm_bf16, bf16, routed_gemm_tc)
 
 // ---- routed_weight_grad: tiles ------------------------------------------------------------------
 
@@ -561,13 +562,7 @@ __device__ __forceinline__ void routed_weight_grad_tc(const bf16* a, const bf16*
                 ldmatrix_x4_trans(bfr[p],
                                   dt + tile_swizzle<RG_BN>(brow, wn * 4 + 2 * p + (mi >> 1)));
             }
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt) {
-#pragma unroll
-                for (int nb = 0; nb < 4; ++nb) {
-                    mma_bf16_16816(acc[mt][nb], af[mt], bfr[nb >> 1] + (nb & 1) * 2);
-                }
-            }
+            rg_mma_4x4(acc, af, bfr);
         }
         __syncthreads();  // this buffer is free for the copy issued next iteration
     }
@@ -665,20 +660,7 @@ __device__ __forceinline__ void routed_weight_grad_fma(const float* a, const flo
             d_s[idx] = r >= 0 && n0 + cc < n ? dy_e[(i64)r * n + n0 + cc] : 0.0f;
         }
         __syncthreads();
-#pragma unroll
-        for (int j = 0; j < RGF_BK; ++j) {
-            float av[4];
-            float dv[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) av[i] = a_s[j * RGF_BM + ki + 16 * i];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) dv[q] = d_s[j * RGF_BN + ni + 16 * q];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) acc[i][q] = fmaf(av[i], dv[q], acc[i][q]);
-            }
-        }
+        rgf_fma_4x4(a_s + ki, RGF_BM, d_s + ni, RGF_BN, acc);
         __syncthreads();
     }
 
@@ -700,20 +682,23 @@ __device__ __forceinline__ void routed_weight_grad_fma(const float* a, const flo
     }
 }
 
-// One signature for both dtypes; IMPL is routed_weight_grad_fma (f32) or routed_weight_grad_tc
-// (bf16).
-#define SHARDC_ROUTED_WEIGHT_GRAD(NAME, T, IMPL)                                              \
-    extern "C" __global__ void RG_LAUNCH_BOUNDS NAME(const T* a, const T* dy, T* dw,          \
+// One signature for the four GEMM entries (a, the weights or dy, the output, the routing lists,
+// sizes, layout); IMPL is routed_gemm_fma / routed_gemm_tc (f32 / bf16) or routed_weight_grad_fma
+// / routed_weight_grad_tc.
+#define SHARDC_ROUTED(NAME, T, IMPL)                                                          \
+    extern "C" __global__ void RG_LAUNCH_BOUNDS NAME(const T* a, const T* b, T* out,          \
                                                      const int* counts, const int* rows,      \
                                                      i64 tokens, int k, int n,                \
                                                      int transpose_w) {                       \
         if (blockDim.x != RG_THREADS || blockDim.y != 1 || blockDim.z != 1) __trap();         \
         if (transpose_w) {                                                                    \
-            IMPL<true>(a, dy, dw, counts, rows, tokens, k, n);                                \
+            IMPL<true>(a, b, out, counts, rows, tokens, k, n);                                \
         } else {                                                                              \
-            IMPL<false>(a, dy, dw, counts, rows, tokens, k, n);                               \
+            IMPL<false>(a, b, out, counts, rows, tokens, k, n);                               \
         }                                                                                     \
     }
 
-SHARDC_ROUTED_WEIGHT_GRAD(routed_weight_grad_f32, float, routed_weight_grad_fma)
-SHARDC_ROUTED_WEIGHT_GRAD(routed_weight_grad_bf16, bf16, routed_weight_grad_tc)
+SHARDC_ROUTED(routed_gemm_f32, float, routed_gemm_fma)
+SHARDC_ROUTED(routed_gemm_bf16, bf16, routed_gemm_tc)
+SHARDC_ROUTED(routed_weight_grad_f32, float, routed_weight_grad_fma)
+SHARDC_ROUTED(routed_weight_grad_bf16, bf16, routed_weight_grad_tc)
