@@ -243,7 +243,62 @@ def sec_layer(a):
             row("layer", f"llama-3-8b layer {label}", "bf16", f"1x{t}", ms, "TFLOP/s", tf, pct(tf, CEIL["gemm"]))
 
 
-SECTIONS = [("copy", sec_copy), ("membound", sec_membound), ("gemm", sec_gemm), ("attention", sec_attention), ("layer", sec_layer)]
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+
+
+def moe_routed(x, logits, w1, w3, w2):
+    """Mixtral's sparse MoE block as transformers runs it: top-2 of softmax, renormalised, then
+    per expert the routed tokens gathered, the SwiGLU expert applied, scattered back weighted."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    gate, sel = torch.topk(probs, MOE_TOP_K, dim=-1)
+    gate = (gate / gate.sum(dim=-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    for e in range(MOE_EXPERTS):
+        idx, slot = torch.where(sel == e)
+        if idx.numel() == 0:
+            continue
+        h = x[idx]
+        y = (F.silu(h @ w1[e].T) * (h @ w3[e].T)) @ w2[e].T
+        out.index_add_(0, idx, y * gate[idx, slot, None])
+    return out
+
+
+def moe_dense(x, logits, w1, w3, w2):
+    """The same block with every expert over every token (zero gates off the top 2)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    gate, sel = torch.topk(probs, MOE_TOP_K, dim=-1)
+    gate = gate / gate.sum(dim=-1, keepdim=True)
+    dense = torch.zeros_like(probs).scatter(-1, sel, gate).to(x.dtype)  # [t, E]
+    h = F.silu(torch.einsum("th,efh->etf", x, w1)) * torch.einsum("th,efh->etf", x, w3)
+    y = torch.einsum("etf,ehf->eth", h, w2)
+    return torch.einsum("eth,te->th", y, dense)
+
+
+def sec_moe(a):
+    t = 1024 if a.quick else 4096
+    it = 3 if a.quick else 10
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(t, HIDDEN, **kw)
+    logits = 2 * torch.randn(t, MOE_EXPERTS, **kw)
+    w1 = 0.02 * torch.randn(MOE_EXPERTS, FFN, HIDDEN, **kw)
+    w3 = 0.02 * torch.randn(MOE_EXPERTS, FFN, HIDDEN, **kw)
+    w2 = 0.02 * torch.randn(MOE_EXPERTS, HIDDEN, FFN, **kw)
+    flops = 2 * t * MOE_TOP_K * 3 * HIDDEN * FFN  # the routed work, as gpu_bench counts it
+    with torch.no_grad():
+        for label, fn in [("routed eager", moe_routed), ("dense eager", moe_dense)]:
+            ms = timed(lambda: fn(x, logits, w1, w3, w2), it)
+            tf = flops / (ms * 1e-3) / 1e12
+            row("moe", f"mixtral experts {label}", "bf16", f"1x{t}", ms, "TFLOP/s", tf, pct(tf, CEIL["gemm"]))
+
+
+SECTIONS = [
+    ("copy", sec_copy),
+    ("membound", sec_membound),
+    ("gemm", sec_gemm),
+    ("attention", sec_attention),
+    ("layer", sec_layer),
+    ("moe", sec_moe),
+]
 
 
 def main():
@@ -257,7 +312,7 @@ def main():
         sys.exit(2)
     print(f"# torch_peer on {torch.cuda.get_device_name()} (torch {torch.__version__}), {'quick shapes' if a.quick else 'Llama-3-8B shapes'}")
     header()
-    needs = {"membound": "copy", "attention": "gemm", "layer": "gemm"}
+    needs = {"membound": "copy", "attention": "gemm", "layer": "gemm", "moe": "gemm"}
     failed = False
     for name, fn in SECTIONS:
         if a.only and name != a.only and needs.get(a.only) != name:
