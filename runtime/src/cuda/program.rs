@@ -252,93 +252,92 @@ impl CudaProgram {
 
     /// Uploads every parameter once per distinct source, shape and dtype, but the weights of
     /// each sibling GEMM group, which go into one buffer of their own, [`sibling_stride`] apart
-    /// in the group's order (the batched GEMM's weight stride).
+    /// in the group's order (the batched GEMM's weight stride). One host tensor is held at a
+    /// time.
     fn load_params(&mut self, init: &ParamInit) -> Result<(), CudaError> {
         type Key = (ParamSource, Vec<usize>, DType);
-        let coords = self.coords.clone();
-        // The host data of each distinct parameter, in graph order (the random seeds count
-        // them in that order).
+        let params: Vec<ValueId> = self.graph.params().collect();
+        // The distinct parameters, in graph order (the random seeds count them in that order),
+        // and the one each parameter node reads.
         let mut distinct: HashMap<Key, usize> = HashMap::new();
-        let mut hosts: Vec<(HostData, String, usize)> = Vec::new();
+        let mut firsts: Vec<ValueId> = Vec::new();
         let mut host_of = vec![usize::MAX; self.graph.len()];
-        for v in self.graph.params().collect::<Vec<_>>() {
+        for &v in &params {
             let node = self.graph.node(v);
             let Op::Param(src) = &node.op else {
                 unreachable!("invariant: Graph::params yields Param nodes")
             };
             let key = (src.clone(), node.ty.shape(), node.ty.dtype);
-            if let Some(&h) = distinct.get(&key) {
-                host_of[v.index()] = h;
+            let h = *distinct.entry(key).or_insert_with(|| {
+                firsts.push(v);
+                firsts.len() - 1
+            });
+            host_of[v.index()] = h;
+        }
+        // Each sibling group's weight buffer, and the slots in it each distinct parameter fills.
+        let mut slots: Vec<Vec<(ValueId, u64)>> = vec![Vec::new(); firsts.len()];
+        for group in &self.fusion.groups {
+            let FusedGroup::Siblings(s) = group else {
                 continue;
+            };
+            let w0 = self.graph.node(s.mms[0]).inputs[1];
+            let bytes = self.numel(w0) * self.storage[w0.index()].size_bytes();
+            let stride = sibling_stride(bytes);
+            let block = alloc(
+                &self.compute,
+                stride as usize * s.mms.len(),
+                "sibling GEMM weights",
+            )?;
+            for (i, &m) in s.mms.iter().enumerate() {
+                let w = self.graph.node(m).inputs[1];
+                slots[host_of[w.index()]].push((w, block.ptr + i as u64 * stride));
             }
+            self.param_bufs.push(block);
+        }
+        let coords = self.coords.clone();
+        let mut ptr_of: Vec<u64> = vec![0; firsts.len()];
+        for (h, &v) in firsts.iter().enumerate() {
+            let node = self.graph.node(v);
+            let Op::Param(src) = &node.op else {
+                unreachable!("invariant: Graph::params yields Param nodes")
+            };
             let t = match init {
                 ParamInit::Weights(w) => {
                     w.load(src, &node.ty, &|axis| coords.get(axis).copied())?
                 }
                 ParamInit::Host(tensors) => host_param(tensors, src, &node.ty)?,
                 ParamInit::Random { seed, scale } => {
-                    let s = seed ^ (hosts.len() as u64 + 1).wrapping_mul(0x9e37_79b9);
+                    let s = seed ^ (h as u64 + 1).wrapping_mul(0x9e37_79b9);
                     Tensor::f32(node.ty.shape(), random_values(s, node.ty.numel(), *scale))
                 }
             };
             let data = HostData::of(&t, self.storage[v.index()], node.ty.dtype);
-            host_of[v.index()] = hosts.len();
-            distinct.insert(key, hosts.len());
-            hosts.push((
-                data,
-                src.name.clone(),
-                t.numel() * self.storage[v.index()].size_bytes(),
-            ));
-        }
-        let mut uploaded: Vec<Option<u64>> = vec![None; hosts.len()];
-        for group in &self.fusion.groups {
-            let FusedGroup::Siblings(s) = group else {
-                continue;
-            };
-            let weights: Vec<ValueId> = s
-                .mms
-                .iter()
-                .map(|&m| self.graph.node(m).inputs[1])
-                .collect();
-            let stride = sibling_stride(hosts[host_of[weights[0].index()]].0.bytes()) as usize;
-            let block = alloc(
-                &self.compute,
-                stride * weights.len(),
-                "sibling GEMM weights",
-            )?;
-            for (i, w) in weights.iter().enumerate() {
-                let (data, name, bytes) = &hosts[host_of[w.index()]];
-                data.write_at(
-                    &self.compute,
-                    &block,
-                    i * stride,
-                    &format!("parameter `{name}`"),
-                )?;
-                self.param_bytes += bytes;
-                let ptr = block.ptr + (i * stride) as u64;
+            let what = format!("parameter `{}`", src.name);
+            self.param_bytes += data.bytes();
+            if slots[h].is_empty() {
+                let buf = data.upload(&self.compute, &what)?;
+                ptr_of[h] = buf.ptr;
+                self.param_bufs.push(buf);
+            }
+            // A sibling weight is written into its slot of each group that reads it (through
+            // the buffer that holds the slot); its other readers use the first slot.
+            for &(w, ptr) in &slots[h] {
+                let buf = self
+                    .param_bufs
+                    .iter()
+                    .find(|b| (b.ptr..b.ptr + b.bytes as u64).contains(&ptr))
+                    .expect("invariant: the slot lies in a sibling weight buffer");
+                data.write_at(&self.compute, buf, (ptr - buf.ptr) as usize, &what)?;
                 self.params[w.index()] = Some(ptr);
-                uploaded[host_of[w.index()]].get_or_insert(ptr);
             }
-            self.param_bufs.push(block);
+            if let Some(&(_, ptr)) = slots[h].first() {
+                ptr_of[h] = ptr;
+            }
         }
-        for v in self.graph.params().collect::<Vec<_>>() {
-            if self.params[v.index()].is_some() {
-                continue;
+        for &v in &params {
+            if self.params[v.index()].is_none() {
+                self.params[v.index()] = Some(ptr_of[host_of[v.index()]]);
             }
-            let h = host_of[v.index()];
-            let ptr = match uploaded[h] {
-                Some(ptr) => ptr,
-                None => {
-                    let (data, name, bytes) = &hosts[h];
-                    let buf = data.upload(&self.compute, &format!("parameter `{name}`"))?;
-                    self.param_bytes += bytes;
-                    let ptr = buf.ptr;
-                    self.param_bufs.push(buf);
-                    uploaded[h] = Some(ptr);
-                    ptr
-                }
-            };
-            self.params[v.index()] = Some(ptr);
         }
         Ok(())
     }
