@@ -18,7 +18,6 @@ use super::CudaError;
 use crate::cpu::vocab;
 use crate::RuntimeError;
 use shardc_compiler::ir::{DType, EwExpr, EwStep, Node, Op, UnaryOp, ValueId, CROSS_ENTROPY_STATS};
-use shardc_kernels::launch::routed_gemm_supported;
 
 /// The cuBLASLt epilogue equal to a `FusedMatMul` epilogue program, if any: `x0 + x1` with a
 /// 1-D `x1` of length N (bias), that then `gelu_tanh`, or `gelu_tanh(x0)`.
@@ -400,10 +399,7 @@ impl CudaProgram {
     /// Runs MatMul `v` as a routed expert GEMM (`routed.rs`) when it is one and the kernel
     /// takes its operands; `false`: run it densely.
     fn routed_gemm(&self, v: ValueId, l: &Launcher) -> Result<bool, CudaError> {
-        let Some(r) = self.routing.gemms[v.index()] else {
-            return Ok(false);
-        };
-        let Some(index) = &self.route_index[r.source.index()] else {
+        let Some(r) = self.runs_routed(v) else {
             return Ok(false);
         };
         let node = self.graph.node(v);
@@ -412,14 +408,9 @@ impl CudaProgram {
             self.ptr(node.inputs[1]),
             self.ptr(v),
         );
-        let dt = self.dt();
-        if !routed_gemm_supported(dt, r.k, r.n, [a, w, out]) {
-            return Ok(false);
-        }
         // Rows no expert takes stay zero: the dense result there.
         l.memset(out, 0, self.numel(v) * self.elem(v))?;
-        let rows = index.ptr + 4 * r.experts as u64;
-        l.routed_gemm(dt, [a, w, out], (index.ptr, rows), &r)?;
+        l.routed_gemm(self.dt(), [a, w, out], self.route_lists(&r), &r)?;
         Ok(true)
     }
 

@@ -18,7 +18,6 @@ use super::program::CudaProgram;
 use super::train_ops::{AdamWConsts, AttnDims, Norm};
 use super::{CudaError, GpuDType};
 use shardc_compiler::ir::{AttnWrt, CombineWrt, Node, NormWrt, Op, ValueId};
-use shardc_kernels::launch::routed_weight_grad_supported;
 
 impl CudaProgram {
     /// `[B, T, S, Hq, Hkv, D]` of an attention's `q[B,T,Hq,D]` and `k[B,S,Hkv,D]`.
@@ -188,14 +187,9 @@ impl CudaProgram {
         l: &Launcher,
     ) -> Result<(), CudaError> {
         let (a, dy, b) = (node.inputs[0], node.inputs[1], node.inputs[2]);
-        if let Some(r) = self.routing.weight_grads[v.index()] {
+        if let Some(r) = self.runs_routed(v) {
             let ptrs = [self.ptr(a), self.ptr(dy), self.ptr(v)];
-            if let Some(index) = &self.route_index[r.source.index()] {
-                if routed_weight_grad_supported(self.dt(), r.k, r.n, ptrs) {
-                    let rows = index.ptr + 4 * r.experts as u64;
-                    return l.routed_weight_grad(self.dt(), ptrs, (index.ptr, rows), &r);
-                }
-            }
+            return l.routed_weight_grad(self.dt(), ptrs, self.route_lists(&r), &r);
         }
         let (key, a_is_dy) = GemmKey::for_weight_grad(
             &self.shape(a),

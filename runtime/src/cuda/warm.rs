@@ -14,9 +14,11 @@ use super::node::cublas_epilogue;
 use super::plan::{fused_expr, sibling_stride, Action, FusedGroup, SiblingGemms};
 use super::program::CudaProgram;
 use super::rank::CudaRankCtx;
+use super::routed::RoutedGemm;
 use super::CudaError;
 use crate::comm::ReduceOp;
 use shardc_compiler::ir::{Node, Op, ValueId};
+use shardc_kernels::launch::{routed_gemm_supported, routed_weight_grad_supported};
 
 impl CudaProgram {
     /// Loads every kernel module and every fused kernel the program uses and builds the
@@ -56,6 +58,8 @@ impl CudaProgram {
                 Action::Run => {}
             }
             match &node.op {
+                // A routed expert GEMM or weight gradient the routed kernels take needs no plan.
+                Op::MatMul { .. } | Op::WeightGrad { .. } if self.runs_routed(v).is_some() => {}
                 Op::MatMul { .. } => {
                     let ptrs = [Some(node.inputs[0]), Some(node.inputs[1]), Some(v)];
                     keys.push(self.matmul_key(&node, Epilogue::None, &ptrs)?);
@@ -103,6 +107,32 @@ impl CudaProgram {
 
     /// The GEMM key of MatMul-headed `node` with `epilogue`, aligned for the known pointers
     /// among `ptrs`.
+    /// How `v` runs on the routed kernels (`routed.rs`), if it does: a routed GEMM or weight
+    /// gradient whose source has an index, with operands the kernel takes.
+    pub(super) fn runs_routed(&self, v: ValueId) -> Option<RoutedGemm> {
+        let (gemm, wg) = (
+            self.routing.gemms[v.index()],
+            self.routing.weight_grads[v.index()],
+        );
+        let r = gemm.or(wg)?;
+        let ins = &self.graph.node(v).inputs;
+        let ptrs = [self.ptr(ins[0]), self.ptr(ins[1]), self.ptr(v)];
+        let takes = if gemm.is_some() {
+            routed_gemm_supported(self.dt(), r.k, r.n, ptrs)
+        } else {
+            routed_weight_grad_supported(self.dt(), r.k, r.n, ptrs)
+        };
+        (self.route_index[r.source.index()].is_some() && takes).then_some(r)
+    }
+
+    /// The device addresses of the counts and row lists of `r`'s routing source.
+    pub(super) fn route_lists(&self, r: &RoutedGemm) -> (u64, u64) {
+        let index = self.route_index[r.source.index()]
+            .as_ref()
+            .map_or(0, |b| b.ptr);
+        (index, index + 4 * r.experts as u64)
+    }
+
     /// The GEMM of sibling group `s`: its weights and outputs [`sibling_stride`] apart.
     pub(super) fn sibling_key(&self, s: &SiblingGemms) -> Result<GemmKey, CudaError> {
         let node = self.graph.node(s.mms[0]);
