@@ -105,10 +105,9 @@ impl CudaProgram {
         Ok(())
     }
 
-    /// The GEMM key of MatMul-headed `node` with `epilogue`, aligned for the known pointers
-    /// among `ptrs`.
     /// How `v` runs on the routed kernels (`routed.rs`), if it does: a routed GEMM or weight
-    /// gradient whose source has an index, with operands the kernel takes.
+    /// gradient whose source has an index, with operands the kernel takes. `None` too while an
+    /// operand is an input not uploaded yet (at prepare time: its alignment is not known).
     pub(super) fn runs_routed(&self, v: ValueId) -> Option<RoutedGemm> {
         let (gemm, wg) = (
             self.routing.gemms[v.index()],
@@ -116,7 +115,12 @@ impl CudaProgram {
         );
         let r = gemm.or(wg)?;
         let ins = &self.graph.node(v).inputs;
-        let ptrs = [self.ptr(ins[0]), self.ptr(ins[1]), self.ptr(v)];
+        let known = |x: ValueId| {
+            let pending = matches!(self.graph.node(x).op, Op::Input { .. })
+                && self.inputs[x.index()].is_none();
+            (!pending).then(|| self.ptr(x))
+        };
+        let ptrs = [known(ins[0])?, known(ins[1])?, known(v)?];
         let takes = if gemm.is_some() {
             routed_gemm_supported(self.dt(), r.k, r.n, ptrs)
         } else {
@@ -157,6 +161,8 @@ impl CudaProgram {
         )?)
     }
 
+    /// The GEMM key of MatMul-headed `node` with `epilogue`, aligned for the known pointers
+    /// among `ptrs`.
     fn matmul_key(
         &self,
         node: &Node,
