@@ -727,8 +727,11 @@ pub const ROUTED_GEMM_F32_BLOCK_K: usize = 16;
 /// Alignment in bytes `routed_gemm_bf16` needs of a, w and out (16-byte `cp.async` rows).
 pub const ROUTED_GEMM_ALIGN: u64 = 16;
 
-/// The output tile (routed rows x columns) of one `routed_gemm_*` block: 128 x 128 for bf16
-/// (tensor cores, 8 warps of 64 x 32), 64 x 64 for f32 (FMA, 4 x 4 a thread).
+/// The output tile of one `routed_gemm_*` block (routed rows x columns) and of one
+/// `routed_weight_grad_*` block (k rows x n columns of `dw[e]`): 128 x 128 for bf16 (tensor
+/// cores, 8 warps of 64 x 32), 64 x 64 for f32 (FMA, 4 x 4 a thread). The weight gradient
+/// contracts over the routed rows in chunks of [`ROUTED_GEMM_BF16_BLOCK_K`] (bf16) or
+/// [`ROUTED_GEMM_F32_BLOCK_K`] (f32) rows.
 pub fn routed_gemm_tile(dtype: KernelDType) -> (usize, usize) {
     match dtype {
         KernelDType::Bf16 => (128, 128),
@@ -748,10 +751,11 @@ pub fn routed_gemm_shared_bytes(dtype: KernelDType) -> usize {
     }
 }
 
-/// Whether `routed_gemm_{dtype}` can run this call: always for f32; for bf16, `k` and `n`
-/// multiples of 8 and a, w, out (device addresses) aligned to [`ROUTED_GEMM_ALIGN`]
-/// (`routed_gemm_bf16` copies 16-byte row chunks and traps on `k` or `n` off 8). Otherwise the
-/// caller keeps another path (the dense expert GEMMs).
+/// Whether `routed_gemm_{dtype}` (operands a, w, out) or `routed_weight_grad_{dtype}` (a, dy,
+/// dw) can run this call: always for f32; for bf16, `k` and `n` multiples of 8 and the three
+/// device addresses aligned to [`ROUTED_GEMM_ALIGN`] (both bf16 kernels move 16-byte row
+/// chunks and trap on `k` or `n` off 8). Otherwise the caller keeps another path (the dense
+/// expert GEMMs).
 pub fn routed_gemm_supported(dtype: KernelDType, k: usize, n: usize, ptrs: [u64; 3]) -> bool {
     match dtype {
         KernelDType::F32 => true,
@@ -772,14 +776,26 @@ pub fn routed_gemm_launch(
     n: usize,
     experts: usize,
 ) -> LaunchConfig {
+    routed_tiles_launch(dtype, tokens, n, experts, routed_gemm_shared_bytes(dtype))
+}
+
+/// The grid of both routed families: (ceil(n / BN), ceil(rows / BM), experts) tiles of
+/// [`routed_gemm_tile`] (each dimension at least 1), [`ROUTED_GEMM_THREADS`] threads, `shared`
+/// bytes (under 48 KiB).
+fn routed_tiles_launch(
+    dtype: KernelDType,
+    rows: usize,
+    n: usize,
+    experts: usize,
+    shared: usize,
+) -> LaunchConfig {
     let (bm, bn) = routed_gemm_tile(dtype);
     let dim =
         |count: usize, per: usize| u32::try_from(count.div_ceil(per).max(1)).unwrap_or(u32::MAX);
     LaunchConfig {
-        grid_dim: (dim(n, bn), dim(tokens, bm), dim(experts, 1)),
+        grid_dim: (dim(n, bn), dim(rows, bm), dim(experts, 1)),
         block_dim: (ROUTED_GEMM_THREADS, 1, 1),
-        shared_mem_bytes: u32::try_from(routed_gemm_shared_bytes(dtype))
-            .expect("invariant: under 48 KiB"),
+        shared_mem_bytes: u32::try_from(shared).expect("invariant: under 48 KiB"),
     }
 }
 
@@ -787,20 +803,12 @@ pub fn routed_gemm_launch(
 /// routed list's row indices are read into shared memory this many at a time.
 pub const ROUTED_WEIGHT_GRAD_ROW_WINDOW: usize = 256;
 
-/// The tile of `dw[e]` (k rows x n columns) one `routed_weight_grad_*` block owns, the same as
-/// [`routed_gemm_tile`]: 128 x 128 for bf16 (tensor cores, 8 warps of 64 x 32), 64 x 64 for f32
-/// (FMA, 4 x 4 a thread). The contraction runs over the expert's routed rows in chunks of
-/// [`ROUTED_GEMM_BF16_BLOCK_K`] (bf16) or [`ROUTED_GEMM_F32_BLOCK_K`] (f32) rows.
-pub fn routed_weight_grad_tile(dtype: KernelDType) -> (usize, usize) {
-    routed_gemm_tile(dtype)
-}
-
 /// Dynamic shared memory of `routed_weight_grad_*`, plus the staged window of token rows
 /// ([`ROUTED_WEIGHT_GRAD_ROW_WINDOW`] `i32`): bf16, two buffers of a 32-row chunk of a (x 128
 /// k) and of dy (x 128 n), reused for the bf16 output tile (33 792 bytes); f32, one 16-row chunk
 /// of a and of dy x 64 (9 216 bytes). Both under [`DEFAULT_MAX_DYNAMIC_SHARED`], so no opt-in.
 pub fn routed_weight_grad_shared_bytes(dtype: KernelDType) -> usize {
-    let (bk, bn) = routed_weight_grad_tile(dtype);
+    let (bk, bn) = routed_gemm_tile(dtype);
     let rows = ROUTED_WEIGHT_GRAD_ROW_WINDOW * 4;
     match dtype {
         KernelDType::Bf16 => 2 * (bk + bn) * ROUTED_GEMM_BF16_BLOCK_K * 2 + rows,
@@ -808,21 +816,8 @@ pub fn routed_weight_grad_shared_bytes(dtype: KernelDType) -> usize {
     }
 }
 
-/// Whether `routed_weight_grad_{dtype}` can run this call: always for f32; for bf16, `k` and
-/// `n` multiples of 8 and a, dy, dw (device addresses) aligned to [`ROUTED_GEMM_ALIGN`] (the
-/// bf16 kernel copies a and dy rows and stores dw rows in 16-byte chunks, and traps on `k` or
-/// `n` off 8) — the same conditions as [`routed_gemm_supported`].
-pub fn routed_weight_grad_supported(
-    dtype: KernelDType,
-    k: usize,
-    n: usize,
-    ptrs: [u64; 3],
-) -> bool {
-    routed_gemm_supported(dtype, k, n, ptrs)
-}
-
 /// `routed_weight_grad_*` for `dw` `[experts, k, n]` (or `[experts, n, k]`): grid
-/// (ceil(n / BN), ceil(k / BK), experts) with the [`routed_weight_grad_tile`] (BK x BN) of
+/// (ceil(n / BN), ceil(k / BK), experts) with the [`routed_gemm_tile`] (BK x BN) of
 /// `dtype` (each dimension at least 1), [`ROUTED_GEMM_THREADS`] threads,
 /// [`routed_weight_grad_shared_bytes`]. Every block writes its whole tile of `dw[e]` (zeros for
 /// an expert without routed rows), its cost following `counts[e]`. The grid's y dimension
@@ -833,15 +828,7 @@ pub fn routed_weight_grad_launch(
     n: usize,
     experts: usize,
 ) -> LaunchConfig {
-    let (bk, bn) = routed_weight_grad_tile(dtype);
-    let dim =
-        |count: usize, per: usize| u32::try_from(count.div_ceil(per).max(1)).unwrap_or(u32::MAX);
-    LaunchConfig {
-        grid_dim: (dim(n, bn), dim(k, bk), dim(experts, 1)),
-        block_dim: (ROUTED_GEMM_THREADS, 1, 1),
-        shared_mem_bytes: u32::try_from(routed_weight_grad_shared_bytes(dtype))
-            .expect("invariant: under 48 KiB"),
-    }
+    routed_tiles_launch(dtype, k, n, experts, routed_weight_grad_shared_bytes(dtype))
 }
 
 #[cfg(test)]
@@ -1322,29 +1309,13 @@ mod tests {
         assert_eq!(c.shared_mem_bytes, 16 * 128 * 4 + 256 * 4);
         assert_eq!(launch(f32, 0, 0, 0).grid_dim, (1, 1, 1));
         for dt in KernelDType::ALL {
-            assert_eq!(routed_weight_grad_tile(dt), routed_gemm_tile(dt));
             assert!(routed_weight_grad_shared_bytes(dt) <= DEFAULT_MAX_DYNAMIC_SHARED);
             assert_eq!(
                 opt_in_shared_bytes(&entry_name("routed_weight_grad", dt)),
                 None
             );
         }
-
-        let supported = routed_weight_grad_supported;
-        let aligned = [256, 4096, 1 << 20];
-        assert!(supported(bf16, 4096, 14_336, aligned));
-        assert!(supported(bf16, 40, 24, aligned));
-        // k or n off 8, or any of a, dy, dw off 16 bytes: bf16 refuses, f32 takes anything.
-        for (k, n) in [(4100, 14_336), (4096, 14_340), (7, 8)] {
-            assert!(!supported(bf16, k, n, aligned), "k {k} n {n}");
-            assert!(supported(f32, k, n, aligned), "k {k} n {n}");
-        }
-        for i in 0..3 {
-            let mut p = aligned;
-            p[i] += 8;
-            assert!(!supported(bf16, 4096, 4096, p), "{p:?}");
-            assert!(supported(f32, 4096, 4096, p), "{p:?}");
-        }
+        // Which calls the kernel takes: `routed_gemm_supported`, tested in `moe_gemm_configs`.
     }
 
     #[test]

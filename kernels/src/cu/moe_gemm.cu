@@ -74,7 +74,7 @@
 //       f32:  BM = BN = 64, 16 rows a chunk;  2 * 16 * 64 * 4 + 256 * 4 = 9216 bytes.
 //     Another block shape traps. bf16 requires k % 8 == 0, n % 8 == 0 (else it traps) and a, dy,
 //     dw 16-byte aligned (16-byte cp.async copies and stores); the host checks with
-//     launch::routed_weight_grad_supported. f32 takes any sizes and alignment.
+//     launch::routed_gemm_supported (both families). f32 takes any sizes and alignment.
 //
 // Structure of routed_weight_grad_bf16: a GEMM with M = k, N = n and the contraction over the
 // expert's routed rows. The list is walked in chunks of 32 rows; the token rows of 256 list

@@ -18,7 +18,7 @@ use super::routed::RoutedGemm;
 use super::CudaError;
 use crate::comm::ReduceOp;
 use shardc_compiler::ir::{Node, Op, ValueId};
-use shardc_kernels::launch::{routed_gemm_supported, routed_weight_grad_supported};
+use shardc_kernels::launch::routed_gemm_supported;
 
 impl CudaProgram {
     /// Loads every kernel module and every fused kernel the program uses and builds the
@@ -121,11 +121,7 @@ impl CudaProgram {
             (!pending).then(|| self.ptr(x))
         };
         let ptrs = [known(ins[0])?, known(ins[1])?, known(v)?];
-        let takes = if gemm.is_some() {
-            routed_gemm_supported(self.dt(), r.k, r.n, ptrs)
-        } else {
-            routed_weight_grad_supported(self.dt(), r.k, r.n, ptrs)
-        };
+        let takes = routed_gemm_supported(self.dt(), r.k, r.n, ptrs);
         (self.route_index[r.source.index()].is_some() && takes).then_some(r)
     }
 
