@@ -20,10 +20,10 @@
 //!   parameter (no arena slot) stays a device copy.
 //! - Sibling GEMMs: `MatMul`s of one activation by parameters of one shape (a grouped-query
 //!   layer's k/v, gate/up; q/k/v without grouped heads) run as one strided-batched GEMM that
-//!   reads the activation once (batch stride 0). Their outputs are planned as one block (the first one's node holds `k` equal
-//!   256-byte-rounded slots, live until the last reader of any of them; the others take no bytes
-//!   of their own) and their weights are uploaded into one buffer the same way
-//!   ([`sibling_stride`]).
+//!   reads the activation once (batch stride 0). Their outputs are planned as one block (the
+//!   first one's node holds `k` equal 256-byte-rounded slots, live until the last reader of any
+//!   of them; the others take no bytes of their own) and their weights are uploaded into one
+//!   buffer the same way ([`sibling_stride`]).
 
 pub use super::dtype::{GpuDType, Storage};
 use super::flash::{flash_candidates, FlashBwd};
@@ -394,17 +394,7 @@ fn plan_with(
     let aliases = reshape_aliases(g, dt);
     for (v, root) in aliases.iter().enumerate() {
         if let Some(r) = root {
-            let node = &mut ag.nodes[v];
-            node.ty = TensorType::plain(node.ty.dtype, &[0]);
-            for user in &mut ag.nodes {
-                if user.inputs.iter().any(|i| i.index() == v) {
-                    user.inputs.push(*r);
-                }
-            }
-            if g.outputs.iter().any(|&(_, o)| o.index() == v) {
-                ag.outputs
-                    .push((format!("{} (aliased)", g.node(*r).name), *r));
-            }
+            lives_in(&mut ag, ValueId(v as u32), *r, "aliased");
         }
     }
     // A sibling block lives in its first member's node, sized for every member; the others take
@@ -422,16 +412,7 @@ fn plan_with(
         let block = b.mms.len() as u64 * b.out_stride / elem;
         ag.nodes[head.index()].ty = TensorType::plain(dtype, &[block as usize]);
         for &m in &b.mms[1..] {
-            ag.nodes[m.index()].ty = TensorType::plain(dtype, &[0]);
-            for user in &mut ag.nodes {
-                if user.inputs.contains(&m) {
-                    user.inputs.push(head);
-                }
-            }
-            if ag.outputs.iter().any(|&(_, o)| o == m) {
-                ag.outputs
-                    .push((format!("{} (sibling block)", g.node(head).name), head));
-            }
+            lives_in(&mut ag, m, head, "sibling block");
         }
     }
     let mut arena = ArenaPlan::of(&ag, n, aliases, &blocks);
@@ -486,6 +467,22 @@ fn plan_with(
         plan.groups.push(FusedGroup::AttentionBwd(*f));
     }
     (arena, plan, None)
+}
+
+/// In planning graph `ag`, `v` takes no bytes of its own and lives in `holder`'s: every reader
+/// of `v` (and an output naming it, as `holder (why)`) keeps `holder` live.
+fn lives_in(ag: &mut Graph, v: ValueId, holder: ValueId, why: &str) {
+    let node = &mut ag.nodes[v.index()];
+    node.ty = TensorType::plain(node.ty.dtype, &[0]);
+    for user in &mut ag.nodes {
+        if user.inputs.contains(&v) {
+            user.inputs.push(holder);
+        }
+    }
+    if ag.outputs.iter().any(|&(_, o)| o == v) {
+        let name = format!("{} ({why})", ag.node(holder).name);
+        ag.outputs.push((name, holder));
+    }
 }
 
 /// Pattern-matched fused groups (non-overlapping, in head order) with their skipped members.
