@@ -489,9 +489,9 @@ impl CudaProgram {
                     .gemm
                     .as_mut()
                     .expect("invariant: created for graphs with MatMul");
-                // SAFETY: the members' weights were uploaded `sibling_stride` apart from the
-                // first's (`load_params`) and their outputs planned as one block of the same
-                // stride (plan.rs), each checked free of every value live from the head on.
+                // SAFETY: the members' weights were uploaded `w_stride` apart from the
+                // first's (`load_params`) and their outputs planned as one block, `out_stride`
+                // apart (plan.rs), each checked free of every value live from the head on.
                 unsafe { gemm.gemm(&key, pa, pw, None, po, l.stream) }
             }
             FusedGroup::AttentionBwd(f) => self.run_flash(f, l),

@@ -278,6 +278,8 @@ pub struct SiblingGemms {
     pub mms: Vec<ValueId>,
     /// Bytes from one output to the next in the arena (one output's bytes, rounded up to 256).
     pub out_stride: u64,
+    /// Bytes from one weight to the next in the group's weight buffer (likewise).
+    pub w_stride: u64,
 }
 
 /// The distance in bytes between consecutive members of a sibling block holding `bytes` each:
@@ -574,10 +576,17 @@ fn sibling_gemms(
             ok
         })
         .map(|(_, mms)| {
-            // One activation by one weight shape: the outputs are of one type.
-            let ty = g.ty(mms[0]);
-            let out_stride = sibling_stride(ty.numel() * Storage::of(ty.dtype, dt).size_bytes());
-            SiblingGemms { mms, out_stride }
+            // One activation by one weight shape: the outputs are of one type, the weights too.
+            let stride = |ty: &TensorType| {
+                sibling_stride(ty.numel() * Storage::of(ty.dtype, dt).size_bytes())
+            };
+            let out_stride = stride(g.ty(mms[0]));
+            let w_stride = stride(g.ty(g.node(mms[0]).inputs[1]));
+            SiblingGemms {
+                mms,
+                out_stride,
+                w_stride,
+            }
         })
         .collect()
 }
@@ -898,6 +907,7 @@ mod tests {
         let s = siblings[0];
         assert_eq!(s.mms, vec![a1, a2]);
         assert_eq!(s.out_stride, sibling_stride(2 * 5 * 24 * 2));
+        assert_eq!(s.w_stride, sibling_stride(64 * 24 * 2));
         assert_eq!(plan.actions[a1.index()], Action::Fused(0));
         assert_eq!(plan.actions[a2.index()], Action::Skip);
         for v in [a3, b1, b4] {

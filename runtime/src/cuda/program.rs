@@ -26,9 +26,7 @@
 use super::gemm::GemmCache;
 use super::host::{alloc, download, random_values, DevBuf, HostData};
 use super::ops::Launcher;
-use super::plan::{
-    plan_memory, sibling_stride, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage,
-};
+use super::plan::{plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage};
 use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
 use super::routed::Routing;
 use super::scratch::scratch_sizes;
@@ -251,7 +249,7 @@ impl CudaProgram {
     }
 
     /// Uploads every parameter once per distinct source, shape and dtype, but the weights of
-    /// each sibling GEMM group, which go into one buffer of their own, [`sibling_stride`] apart
+    /// each sibling GEMM group, which go into one buffer of their own, `SiblingGemms::w_stride` apart
     /// in the group's order (the batched GEMM's weight stride). One host tensor is held at a
     /// time.
     fn load_params(&mut self, init: &ParamInit) -> Result<(), CudaError> {
@@ -280,9 +278,7 @@ impl CudaProgram {
             let FusedGroup::Siblings(s) = group else {
                 continue;
             };
-            let w0 = self.graph.node(s.mms[0]).inputs[1];
-            let bytes = self.numel(w0) * self.storage[w0.index()].size_bytes();
-            let stride = sibling_stride(bytes);
+            let stride = s.w_stride;
             let block = alloc(
                 &self.compute,
                 stride as usize * s.mms.len(),

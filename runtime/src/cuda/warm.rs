@@ -11,7 +11,7 @@
 use super::comm::device::{DeviceBuffer, DeviceCollective, DeviceDType};
 use super::gemm::{pointer_alignment, Epilogue, GemmKey};
 use super::node::cublas_epilogue;
-use super::plan::{fused_expr, sibling_stride, Action, FusedGroup, SiblingGemms};
+use super::plan::{fused_expr, Action, FusedGroup, SiblingGemms};
 use super::program::CudaProgram;
 use super::rank::CudaRankCtx;
 use super::routed::RoutedGemm;
@@ -133,16 +133,15 @@ impl CudaProgram {
         (index, index + 4 * r.experts as u64)
     }
 
-    /// The GEMM of sibling group `s`: its weights and outputs [`sibling_stride`] apart.
+    /// The GEMM of sibling group `s`: its weights and outputs `w_stride` / `out_stride` apart.
     pub(super) fn sibling_key(&self, s: &SiblingGemms) -> Result<GemmKey, CudaError> {
         let node = self.graph.node(s.mms[0]);
         let Op::MatMul { transpose_b } = node.op else {
             unreachable!("invariant: sibling groups are MatMuls")
         };
         let (a, w) = (node.inputs[0], node.inputs[1]);
-        let w_elem = self.storage[w.index()].size_bytes();
+        let w_elem = self.storage[w.index()].size_bytes() as u64;
         let out_elem = self.storage[s.mms[0].index()].size_bytes() as u64;
-        let w_stride = sibling_stride(self.numel(w) * w_elem) / w_elem as u64;
         let key = GemmKey::for_matmul(
             &self.shape(a),
             &self.shape(w),
@@ -152,7 +151,7 @@ impl CudaProgram {
         )?;
         Ok(key.siblings(
             s.mms.len(),
-            w_stride as i64,
+            (s.w_stride / w_elem) as i64,
             (s.out_stride / out_elem) as i64,
         )?)
     }
