@@ -410,7 +410,7 @@ impl CudaProgram {
         );
         // Rows no expert takes stay zero: the dense result there.
         l.memset(out, 0, self.numel(v) * self.elem(v))?;
-        l.routed_gemm(self.dt(), [a, w, out], self.route_lists(&r), &r)?;
+        l.routed(self.dt(), false, [a, w, out], self.route_lists(&r), &r)?;
         Ok(true)
     }
 

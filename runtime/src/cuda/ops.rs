@@ -320,37 +320,32 @@ impl<'a> Launcher<'a> {
             &gates, &counts, &rows, &n, &e)
     }
 
-    /// `out[e, r] = a[e, r] · w[e]` for the routed rows `r` of each expert (`(counts, rows)`
-    /// from [`Launcher::moe_route_index`]); other rows untouched (`moe_gemm.cu`).
-    pub fn routed_gemm(
+    /// One of `moe_gemm.cu`'s routed expert kernels over the routed rows `r` of each expert
+    /// (`(counts, rows)` from [`Launcher::moe_route_index`]), operands `[a, b, out]`:
+    /// `routed_gemm`, `out[e, r] = a[e, r] · b[e]` (other rows untouched), or with
+    /// `weight_grad` `routed_weight_grad`, `out[e] = Σ_r a[e, r]ᵀ · b[e, r]` (`b` = dy), `[E, k,
+    /// n]` or (`transpose_w`) `[E, n, k]`, every element written.
+    pub fn routed(
         &self,
         dt: KernelDType,
-        [a, w, out]: [u64; 3],
+        weight_grad: bool,
+        [a, b, out]: [u64; 3],
         (counts, rows): (u64, u64),
         r: &RoutedGemm,
     ) -> Result<(), CudaError> {
         let (n_tok, k, n) = (i(r.tokens), r.k as i32, r.n as i32);
         let tw = r.transpose_w as i32;
-        let cfg = routed_gemm_launch(dt, r.tokens, r.n, r.experts);
-        launch!(self, entry_name("routed_gemm", dt), cfg;
-            &a, &w, &out, &counts, &rows, &n_tok, &k, &n, &tw)
-    }
-
-    /// `dw[e] = Σ a[e, r]ᵀ · dy[e, r]` over the routed rows `r` of each expert (`(counts,
-    /// rows)` from [`Launcher::moe_route_index`]), `[E, k, n]` or (`transpose_w`) `[E, n, k]`,
-    /// every element written (`moe_gemm.cu`).
-    pub fn routed_weight_grad(
-        &self,
-        dt: KernelDType,
-        [a, dy, dw]: [u64; 3],
-        (counts, rows): (u64, u64),
-        r: &RoutedGemm,
-    ) -> Result<(), CudaError> {
-        let (n_tok, k, n) = (i(r.tokens), r.k as i32, r.n as i32);
-        let tw = r.transpose_w as i32;
-        let cfg = routed_weight_grad_launch(dt, r.k, r.n, r.experts);
-        launch!(self, entry_name("routed_weight_grad", dt), cfg;
-            &a, &dy, &dw, &counts, &rows, &n_tok, &k, &n, &tw)
+        let (op, cfg) = if weight_grad {
+            let cfg = routed_weight_grad_launch(dt, r.k, r.n, r.experts);
+            ("routed_weight_grad", cfg)
+        } else {
+            (
+                "routed_gemm",
+                routed_gemm_launch(dt, r.tokens, r.n, r.experts),
+            )
+        };
+        launch!(self, entry_name(op, dt), cfg;
+            &a, &b, &out, &counts, &rows, &n_tok, &k, &n, &tw)
     }
 
     /// Per-row cross-entropy into an f32 `loss[rows]`.

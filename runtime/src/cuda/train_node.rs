@@ -189,7 +189,7 @@ impl CudaProgram {
         let (a, dy, b) = (node.inputs[0], node.inputs[1], node.inputs[2]);
         if let Some(r) = self.runs_routed(v) {
             let ptrs = [self.ptr(a), self.ptr(dy), self.ptr(v)];
-            return l.routed_weight_grad(self.dt(), ptrs, self.route_lists(&r), &r);
+            return l.routed(self.dt(), true, ptrs, self.route_lists(&r), &r);
         }
         let (key, a_is_dy) = GemmKey::for_weight_grad(
             &self.shape(a),
