@@ -73,48 +73,50 @@ impl Routing {
         let zero = zero_rows(g);
         for v in g.ids() {
             let node = g.node(v);
-            if let Op::WeightGrad { transpose_b } = node.op {
-                let (a, dy) = (node.inputs[0], node.inputs[1]);
-                let Some(source) = zero[dy.index()].or(zero[a.index()]) else {
-                    continue;
-                };
-                let (sa, sd) = (g.ty(a).shape(), g.ty(dy).shape());
-                let (experts, k, n) = (sa[0], sa[sa.len() - 1], sd[sd.len() - 1]);
-                let want = if transpose_b {
-                    [experts, n, k]
-                } else {
-                    [experts, k, n]
-                };
-                if node.ty.shape() != want || sd[0] != experts || experts == 0 || k == 0 {
-                    continue;
+            let a = node.inputs.first().copied();
+            // The per-expert weight-shaped value (the MatMul's weights, the weight gradient
+            // itself), the `[E, tokens, n]`-shaped one (the MatMul's output, the gradient's dy)
+            // and the source of the zero rows.
+            let (transpose_b, weight_grad, weight, wide, source) = match node.op {
+                Op::MatMul { transpose_b } => (
+                    transpose_b,
+                    false,
+                    node.inputs[1],
+                    v,
+                    a.and_then(|a| zero[a.index()]),
+                ),
+                Op::WeightGrad { transpose_b } => {
+                    let (a, dy) = (node.inputs[0], node.inputs[1]);
+                    let source = zero[dy.index()].or(zero[a.index()]);
+                    (transpose_b, true, v, dy, source)
                 }
-                let tokens = g.ty(a).numel() / (experts * k);
-                if g.ty(dy).numel() != experts * tokens * n {
-                    continue;
-                }
-                r.add(g, v, true, source, (experts, tokens, k, n), transpose_b);
-                continue;
-            }
-            let Op::MatMul { transpose_b } = node.op else {
+                _ => continue,
+            };
+            let (Some(source), Some(a)) = (source, a) else {
                 continue;
             };
-            let (a, w) = (node.inputs[0], node.inputs[1]);
-            let Some(source) = zero[a.index()] else {
-                continue;
-            };
-            let (sa, sw) = (g.ty(a).shape(), g.ty(w).shape());
-            let (experts, k) = (sa[0], sa[sa.len() - 1]);
-            let n = node.ty.last();
-            let want_w = if transpose_b {
+            let (sa, sn) = (g.ty(a).shape(), g.ty(wide).shape());
+            let (experts, k, n) = (sa[0], sa[sa.len() - 1], sn[sn.len() - 1]);
+            let want = if transpose_b {
                 [experts, n, k]
             } else {
                 [experts, k, n]
             };
-            if sw != want_w || experts == 0 || k == 0 {
+            if g.ty(weight).shape() != want || sn[0] != experts || experts == 0 || k == 0 {
                 continue;
             }
             let tokens = g.ty(a).numel() / (experts * k);
-            r.add(g, v, false, source, (experts, tokens, k, n), transpose_b);
+            if g.ty(wide).numel() != experts * tokens * n {
+                continue;
+            }
+            r.add(
+                g,
+                v,
+                weight_grad,
+                source,
+                (experts, tokens, k, n),
+                transpose_b,
+            );
         }
         r
     }
