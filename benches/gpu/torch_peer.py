@@ -191,8 +191,8 @@ def sec_attention(a):
         tf = 2 * HEADS * t * t * HEAD_DIM / (ms * 1e-3) / 1e12
         row("attention", f"sdpa causal {t // 1024}k", "bf16", f"1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}", ms, "TFLOP/s", tf, pct(tf, CEIL["gemm"]))
     # The backward alone (SDPA's flash backward, from the saved output and log-sum-exp), 2.5x
-    # the causal forward's FLOPs as FlashAttention-2 counts it; gpu_bench's rows include its
-    # recomputed forward.
+    # the causal forward's FLOPs as FlashAttention-2 counts it; gpu_bench's bwd rows include
+    # its recomputed forward.
     for t in lens:
         q = torch.randn(1, HEADS, t, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(1, KV_HEADS, t, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -203,6 +203,14 @@ def sec_attention(a):
         ms = timed(fn, it)
         tf = 2.5 * 2 * HEADS * t * t * HEAD_DIM / (ms * 1e-3) / 1e12
         row("attention", f"sdpa bwd causal {t // 1024}k", "bf16", f"1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}", ms, "TFLOP/s", tf, pct(tf, CEIL["gemm"]))
+        # Forward and backward, as a training step runs them (gpu_bench's fwd+bwd rows: the
+        # backward reads the forward's output and lse), 3.5x the causal forward's FLOPs.
+        def fwd_bwd():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return torch.autograd.grad(o, (q, k, v), dout)
+        ms = timed(fwd_bwd, it)
+        tf = 3.5 * 2 * HEADS * t * t * HEAD_DIM / (ms * 1e-3) / 1e12
+        row("attention", f"sdpa fwd+bwd causal {t // 1024}k", "bf16", f"1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}", ms, "TFLOP/s", tf, pct(tf, CEIL["gemm"]))
 
 
 class LlamaLayer(torch.nn.Module):

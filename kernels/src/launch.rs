@@ -182,6 +182,23 @@ pub fn attention_kernel(
     choose_attention_kernel(pair, dtype, sm_major, tensor_core && supported, dims)
 }
 
+/// [`attention_kernel`] for the forwards that also write each query's log-sum-exp (a trailing
+/// `float* lse`, `[B, Tq, Hq]` f32, natural log): `attention_tc_lse_bf16` or
+/// `attention_lse_{dtype}`, under the same conditions and with the same launches. Never the
+/// split-KV path: its partial results carry no lse.
+pub fn attention_lse_kernel(
+    dtype: KernelDType,
+    sm_major: i32,
+    tensor_core: bool,
+    dims: [usize; 5],
+    qkv: [u64; 3],
+) -> Result<(String, LaunchConfig), KernelError> {
+    let [q, k, v] = qkv;
+    let supported = attention_tc_supported(dims[4], q, k, v);
+    let pair = [&TENSOR_CORE_ATTENTION_LSE, &SCALAR_ATTENTION_LSE];
+    choose_attention_kernel(pair, dtype, sm_major, tensor_core && supported, dims)
+}
+
 /// The tensor-core kernel of `pair` when `tensor_core` (allowed and supported for the call),
 /// the dtype is bf16 and the device is sm_80 or newer (`sm_major` >= 8), else the scalar one:
 /// its entry point for `dtype` and its launch for `dims`.
@@ -406,7 +423,9 @@ pub fn attention_plan(
 pub fn opt_in_shared_bytes(entry: &str) -> Option<usize> {
     let most = |dims: &[usize], bytes: fn(usize) -> usize| dims.iter().map(|&d| bytes(d)).max();
     match entry {
-        "attention_tc_bf16" => most(&ATTENTION_TC_HEAD_DIMS, attention_tc_shared_bytes),
+        "attention_tc_bf16" | "attention_tc_lse_bf16" => {
+            most(&ATTENTION_TC_HEAD_DIMS, attention_tc_shared_bytes)
+        }
         "attention_bwd_tc_bf16" => most(&ATTENTION_BWD_TC_HEAD_DIMS, attention_bwd_tc_shared_bytes),
         _ => None,
     }
@@ -464,6 +483,18 @@ const TENSOR_CORE_ATTENTION: AttentionKernel = AttentionKernel {
     head_dim_ok: |d| ATTENTION_TC_HEAD_DIMS.contains(&d),
     head_dims: "64 or 128",
     shared_bytes: attention_tc_shared_bytes,
+};
+
+/// `attention_lse_{f32,bf16}` (attention.cu): the scalar forward that also writes the lse.
+const SCALAR_ATTENTION_LSE: AttentionKernel = AttentionKernel {
+    name: "attention_lse",
+    ..SCALAR_ATTENTION
+};
+
+/// `attention_tc_lse_bf16` (attention_tc.cu): the tensor-core forward that also writes the lse.
+const TENSOR_CORE_ATTENTION_LSE: AttentionKernel = AttentionKernel {
+    name: "attention_tc_lse",
+    ..TENSOR_CORE_ATTENTION
 };
 
 /// `attention_bwd_{f32,bf16}` (attention_bwd.cu).
@@ -636,8 +667,8 @@ pub fn attention_bwd_tc_supported(head_dim: usize, q: u64, k: u64, v: u64, dout:
 /// `attention_bwd_tc_bf16`: grid (ceil(S / 64), Hkv, B) of [`ATTENTION_BWD_THREADS`] threads,
 /// one block per 64 keys of one (batch, KV head), and [`attention_bwd_tc_shared_bytes`]. The
 /// shape is checked first: head_dim 64 or 128, heads_kv a divisor of heads_q, no empty or
-/// oversized grid dimension. The other two launches of the backward (`attention_lse_bf16`,
-/// `attention_bwd_prep_bf16`) are the scalar path's.
+/// oversized grid dimension. The other two launches of the backward are the forward with its
+/// lse ([`attention_lse_kernel`]) and `attention_bwd_prep_bf16`.
 pub fn attention_bwd_tc_launch(
     batch: usize,
     seq_k: usize,
@@ -921,7 +952,49 @@ mod tests {
         let bf16 = KernelDType::Bf16;
         assert!(attention_kernel(bf16, 9, true, [1, 1, 32, 8, 300], aligned).is_err());
         assert_eq!(opt_in_shared_bytes("attention_tc_bf16"), Some(80 * 1024));
+        assert_eq!(
+            opt_in_shared_bytes("attention_tc_lse_bf16"),
+            Some(80 * 1024)
+        );
         assert_eq!(opt_in_shared_bytes("attention_bf16"), None);
+    }
+
+    #[test]
+    fn attention_lse_kernel_follows_the_forward_choice() {
+        let aligned = [256, 4096, 1 << 20];
+        let (bf16, f32) = (KernelDType::Bf16, KernelDType::F32);
+        // (dtype, sm major, allowed, head_dim, q/k/v, entry).
+        let cases = [
+            (bf16, 9, true, 128, aligned, "attention_tc_lse_bf16"),
+            (bf16, 9, false, 128, aligned, "attention_lse_bf16"),
+            (bf16, 7, true, 64, aligned, "attention_lse_bf16"),
+            (bf16, 9, true, 96, aligned, "attention_lse_bf16"),
+            (
+                bf16,
+                9,
+                true,
+                128,
+                [256, 4098, 1 << 20],
+                "attention_lse_bf16",
+            ),
+            (f32, 9, true, 128, aligned, "attention_lse_f32"),
+        ];
+        for (dt, sm, allowed, d, qkv, entry) in cases {
+            let dims = [2, 100, 32, 8, d];
+            let (got, cfg) = attention_lse_kernel(dt, sm, allowed, dims, qkv).expect("valid");
+            let (plain, plain_cfg) = attention_kernel(dt, sm, allowed, dims, qkv).expect("valid");
+            assert_eq!(got, entry, "{dt:?} sm {sm} allowed {allowed} d {d}");
+            // The same kernel family and launch as the plain forward.
+            assert_eq!(got.replace("_lse", ""), plain);
+            assert_eq!(
+                (cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes),
+                (
+                    plain_cfg.grid_dim,
+                    plain_cfg.block_dim,
+                    plain_cfg.shared_mem_bytes
+                )
+            );
+        }
     }
 
     #[test]

@@ -154,7 +154,10 @@ pub static KERNELS: &[KernelSource] = &[
             "attention_lse_bf16",
         ]
     ),
-    kernel_source!("attention_tc", ["attention_tc_bf16"]),
+    kernel_source!(
+        "attention_tc",
+        ["attention_tc_bf16", "attention_tc_lse_bf16"]
+    ),
     kernel_source!(
         "attention_decode",
         [

@@ -274,13 +274,23 @@ fn cubin_resources(elf: &[u8], entry: &str) -> Option<(u32, u32)> {
 
 /// `attention_tc` (its `mma.sync`, `ldmatrix` and `cp.async` are inline PTX from mma.cuh) to
 /// PTX and to a CUBIN for sm_90: the CUBIN is assembled by ptxas, so a malformed asm string in
-/// mma.cuh fails here.
+/// mma.cuh fails here. Both entries (with and without the lse rows) without spills, the lse
+/// costing at most a few registers.
 #[test]
 fn tensor_core_attention_assembles_for_sm90() {
     if !nvrtc_present() {
         return;
     }
-    assemble("attention_tc").assert_tensor_core_instructions();
+    let tc = assemble("attention_tc");
+    tc.assert_tensor_core_instructions();
+    let (plain, frame) = tc.resources("attention_tc_bf16");
+    assert_eq!(frame, 0, "attention_tc_bf16: a stack frame (spills)");
+    let (lse, frame) = tc.resources("attention_tc_lse_bf16");
+    assert_eq!(frame, 0, "attention_tc_lse_bf16: a stack frame (spills)");
+    assert!(
+        lse <= plain + 8,
+        "attention_tc_lse_bf16: {lse} registers, {plain} without lse"
+    );
 }
 
 /// `moe_gemm` to PTX and to a CUBIN for sm_90: the `mma.sync`, `ldmatrix` (plain for

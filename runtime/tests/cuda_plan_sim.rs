@@ -7,7 +7,9 @@
 //! Routed expert GEMMs (`cuda::Routing`) keep only their routed rows, by the gates their source
 //! read when it ran (what `moe_route_index` sees), and every row they drop must be zero in the
 //! dense result; a routed weight gradient sums over the routed rows only, so the rows it skips
-//! of its zero-row operand must be zero.
+//! of its zero-row operand must be zero. A forward attention whose output and lse rows a flash
+//! backward group reads writes the lse rows (here a marker) into the tail of its slot; when the
+//! group runs, the output must still equal the reference and the marker must be intact.
 
 use shardc_compiler::compile::{compile, CompileSpec, Job};
 use shardc_compiler::ir::{DType, Graph, Op, ValueId};
@@ -15,7 +17,8 @@ use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
 use shardc_compiler::shard::Mesh;
 use shardc_compiler::train::{Precision, TrainOptions};
 use shardc_runtime::cuda::{
-    plan_memory, zero_rows, Action, ArenaPlan, FusionPlan, GpuDType, RoutedGemm, Routing,
+    plan_memory, zero_rows, Action, ArenaPlan, FlashBwd, FusedGroup, FusionPlan, GpuDType,
+    RoutedGemm, Routing,
 };
 use shardc_runtime::{eval_op, Buffer, Tensor};
 use std::collections::HashMap;
@@ -87,6 +90,8 @@ struct Sim<'a> {
     arena: &'a ArenaPlan,
     fusion: &'a FusionPlan,
     leaves: &'a HashMap<ValueId, Tensor>,
+    /// Every value of the reference run.
+    want: &'a [Option<Tensor>],
     /// The arena, one 4-byte word per element (f32 bits or i32).
     bytes: Vec<u32>,
     /// Whether a value has been written to its slot.
@@ -202,6 +207,21 @@ impl Sim<'_> {
         }
     }
 
+    /// The words of forward attention `a`'s saved lse rows in the arena, and the marker each
+    /// one holds once `a` ran (the GPU writes the lse there).
+    fn lse_words(&self, a: ValueId) -> (std::ops::Range<usize>, impl Fn(usize) -> u32) {
+        let at = self
+            .fusion
+            .saved_lse(self.g, a, GpuDType::F32)
+            .expect("saved lse");
+        let ty = &self.g.node(a).ty;
+        let start = self.word(a) + at / 4;
+        let tag = a.index() as u32;
+        (start..start + ty.numel() / ty.last(), move |i: usize| {
+            0x7fc0_0000 ^ (tag << 12) ^ i as u32
+        })
+    }
+
     fn run(mut self) -> (Vec<(String, Tensor)>, usize) {
         for v in self.g.ids() {
             if self.leaves.contains_key(&v) {
@@ -229,6 +249,13 @@ impl Sim<'_> {
                         self.skip_rows(&name, &r, &mut ins[i].clone());
                     }
                     self.store(v, &t);
+                    if self.fusion.saved_lse(self.g, v, GpuDType::F32).is_some() {
+                        let (words, mark) = self.lse_words(v);
+                        let start = words.start;
+                        for w in words {
+                            self.bytes[w] = mark(w - start);
+                        }
+                    }
                     if self.routing.sources.iter().any(|&(s, _, _)| s == v) {
                         self.gates.insert(v, ins[1].clone());
                     }
@@ -237,6 +264,24 @@ impl Sim<'_> {
                     // Everything the group writes is computed first, then written: the launch
                     // reads its operands before its results land.
                     let group = &self.fusion.groups[i];
+                    if let FusedGroup::AttentionBwd(FlashBwd {
+                        forward: Some(a), ..
+                    }) = group
+                    {
+                        let name = &self.g.node(*a).name;
+                        let o = self.load(*a, None);
+                        let want = self.want[a.index()].as_ref().expect("reference");
+                        assert!(
+                            o.data == want.data,
+                            "{name}: output clobbered before its backward"
+                        );
+                        let (words, mark) = self.lse_words(*a);
+                        let start = words.start;
+                        assert!(
+                            words.into_iter().all(|w| self.bytes[w] == mark(w - start)),
+                            "{name}: lse rows clobbered before its backward"
+                        );
+                    }
                     let mut cache = HashMap::new();
                     let outs: Vec<(ValueId, Tensor)> = group
                         .writes()
@@ -274,6 +319,7 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
             arena: &arena,
             fusion: &fusion,
             leaves: &leaves,
+            want: &want,
             bytes: vec![0; (arena.total / 4) as usize],
             written: vec![false; g.len()],
             routing: Routing::of(g, fuse),
@@ -300,6 +346,14 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
         if fuse {
             for grp in &fusion.groups {
                 *labels.entry(grp.label()).or_insert(0) += 1;
+                if let FusedGroup::AttentionBwd(FlashBwd {
+                    forward: Some(_), ..
+                }) = grp
+                {
+                    *labels
+                        .entry("attention_bwd from saved forward")
+                        .or_insert(0) += 1;
+                }
             }
         }
     }
@@ -353,11 +407,37 @@ fn training_plans_compute_the_step_in_their_arena() {
             0
         };
         assert_eq!(dropped, want, "{model}");
-        assert_eq!(
-            labels.get("attention_bwd").copied(),
-            Some(cfg.layers),
-            "{model}: {labels:?}"
-        );
+        // Every layer's backward reads its forward's output and lse.
+        for label in ["attention_bwd", "attention_bwd from saved forward"] {
+            assert_eq!(
+                labels.get(label).copied(),
+                Some(cfg.layers),
+                "{model}: {labels:?}"
+            );
+        }
         assert_eq!(labels.get("sibling gemms"), None, "{model}: {labels:?}");
+    }
+}
+
+/// Under activation recompute the backward's flash groups read the recomputed forward
+/// attention (the one of the q, k, v they differentiate by), and selective recompute too.
+#[test]
+fn recompute_plans_read_the_recomputed_forward_attention() {
+    use shardc_compiler::autodiff::Recompute;
+    for recompute in [Recompute::Full, Recompute::Selective] {
+        let cfg = config("llama");
+        let mut opts = TrainOptions::new(2, 8, Mesh::single());
+        opts.recompute = recompute;
+        let mut spec = CompileSpec::new(cfg.clone(), "llama", Job::Train(Box::new(opts)));
+        spec.precision = Precision::f32();
+        let g = compile(&spec).expect("training plan").program;
+        let (labels, _) = check(&g, &format!("llama {recompute:?}"), 16);
+        for label in ["attention_bwd", "attention_bwd from saved forward"] {
+            assert_eq!(
+                labels.get(label).copied(),
+                Some(cfg.layers),
+                "{recompute:?}: {labels:?}"
+            );
+        }
     }
 }

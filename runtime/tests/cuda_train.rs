@@ -307,7 +307,9 @@ fn mixture_of_experts_gradients() {
 
 /// `AttentionProbs` and its three gradients as one graph: with fusion they run as the
 /// FlashAttention-2 backward group (no probabilities stored), without it on the materialised
-/// kernels; both against the CPU reference, including Llama-3-8B's attention shape.
+/// kernels; both against the CPU reference, including Llama-3-8B's attention shape. Each graph
+/// also with the forward attention of the same q, k, v (and mask) ahead of it, whose output and
+/// lse rows the group then reads instead of running the forward again.
 #[test]
 #[ignore = "needs a GPU"]
 fn attention_backward_group_matches_the_materialised_path() {
@@ -321,7 +323,10 @@ fn attention_backward_group_matches_the_materialised_path() {
         (1, 17, 41, 2, 1, 40, true, None, false),
         (1, 512, 512, 32, 8, 128, true, None, false),
     ];
-    for (b, t, s, hq, hkv, d, causal, window, masked) in cases {
+    let with_forward = [false, true];
+    for ((b, t, s, hq, hkv, d, causal, window, masked), forward) in
+        cases.into_iter().flat_map(|c| with_forward.map(|f| (c, f)))
+    {
         let spec = AttnSpec {
             causal,
             window,
@@ -338,6 +343,15 @@ fn attention_backward_group_matches_the_materialised_path() {
         if masked {
             pin.push(g.input("mask", ty(&[b, s])));
         }
+        let mut outputs = vec!["dq", "dk", "dv"];
+        let y = forward.then(|| {
+            let mut ins = vec![q, k, v];
+            ins.extend(&pin[2..]);
+            let y = g.add(Op::Attention(spec), &ins, "y").expect("attention");
+            g.set_output("y", y);
+            outputs.push("y");
+            y
+        });
         let p = g
             .add(Op::AttentionProbs(spec), &pin, "probs")
             .expect("probs");
@@ -347,7 +361,12 @@ fn attention_backward_group_matches_the_materialised_path() {
                 .expect("grad");
             g.set_output(name, x);
         }
-        assert_eq!(shardc_runtime::cuda::flash_candidates(&g).len(), 1);
+        let groups = shardc_runtime::cuda::flash_candidates(&g);
+        assert_eq!(groups.len(), 1);
+        assert_eq!(
+            groups[0].0.forward, y,
+            "the group reads the forward when there is one"
+        );
         let mut inputs = std::collections::BTreeMap::from([
             ("q".to_string(), rng.tensor(&[b, t, hq, d], 1.0)),
             ("k".to_string(), rng.tensor(&[b, s, hkv, d], 1.0)),
@@ -397,10 +416,10 @@ fn attention_backward_group_matches_the_materialised_path() {
                 let got =
                     shardc_runtime::cuda::execute_cuda(&dev, &g, &params, &ins, o).expect("gpu");
                 let (atol, rtol) = tol(dt);
-                for name in ["dq", "dk", "dv"] {
+                for &name in &outputs {
                     let what = format!(
                         "{name} B{b} T{t} S{s} Hq{hq} Hkv{hkv} D{d} causal={causal} window={window:?} \
-                         mask={masked} {dt} {path}"
+                         mask={masked} forward={forward} {dt} {path}"
                     );
                     assert_close(&what, &got[name], &want[name], atol * 5.0, rtol);
                 }

@@ -16,6 +16,9 @@
 // prefill; a query with no visible key outputs zeros. The host picks this kernel for bf16 on
 // sm_80 or newer when head_dim is 64 or 128 and q, k, v are 16-byte aligned, and attention_bf16
 // otherwise (shardc_kernels::launch::attention_kernel).
+// attention_tc_lse_bf16: the same with a trailing `float* lse` ([B, Tq, Hq] f32), as
+// attention_lse_bf16 (attention.cu): each query's log-sum-exp of its scaled visible scores
+// (natural log, -inf when none), for the backward.
 //
 // Launch (exactly): blockDim = (128, 1, 1); gridDim = (ceil(Tq / 64), Hq, B);
 // dynamic shared memory = 640 * D bytes (40 KiB for D = 64, 80 KiB for D = 128: above 48 KiB
@@ -50,7 +53,7 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
                                                   bf16* out, const float* mask, int batch,
                                                   int seq_q, int seq_k, int heads_q,
                                                   int heads_kv, float scale, int causal,
-                                                  int window, int q_offset) {
+                                                  int window, int q_offset, float* lse) {
     extern __shared__ float smem[];
     bf16* q_s = (bf16*)smem;                  // [64][D]
     bf16* k_s = q_s + ATC_BLOCK_Q * D;        // [2][64][D]
@@ -204,7 +207,12 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
         const int t = tq[r];
         if (t >= seq_q) continue;
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const i64 row_base = (((i64)b * seq_q + t) * heads_q + h) * D;
+        const i64 row = ((i64)b * seq_q + t) * heads_q + h;
+        const i64 row_base = row * D;
+        // The natural-log lse of the scaled scores: row_max and l are in the log2 domain.
+        if (lse != nullptr && c == 0) {
+            lse[row] = l > 0.0f ? (row_max[r] + log2f(l)) * 0.6931471805599453f : -SHARDC_INF;
+        }
 #pragma unroll
         for (int nb = 0; nb < D / 8; ++nb) {
             const int d = nb * 8 + 2 * c;
@@ -214,22 +222,45 @@ __device__ __forceinline__ void attention_tc_impl(const bf16* q, const bf16* k, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATC_THREADS)
-    attention_tc_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
-                      const float* mask, int batch, int seq_q, int seq_k, int heads_q,
-                      int heads_kv, int head_dim, float scale, int causal, int window,
-                      int q_offset) {
+__device__ __forceinline__ void attention_tc_entry(const bf16* q, const bf16* k, const bf16* v,
+                                                   bf16* out, const float* mask, int batch,
+                                                   int seq_q, int seq_k, int heads_q,
+                                                   int heads_kv, int head_dim, float scale,
+                                                   int causal, int window, int q_offset,
+                                                   float* lse) {
     if (blockDim.x != ATC_THREADS || blockDim.y != 1 || blockDim.z != 1 || heads_kv <= 0 ||
         heads_q % heads_kv != 0) {
         __trap();
     }
     if (head_dim == 64) {
         attention_tc_impl<64>(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv,
-                              scale, causal, window, q_offset);
+                              scale, causal, window, q_offset, lse);
     } else if (head_dim == 128) {
         attention_tc_impl<128>(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv,
-                               scale, causal, window, q_offset);
+                               scale, causal, window, q_offset, lse);
     } else {
         __trap();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATC_THREADS)
+    attention_tc_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
+                      const float* mask, int batch, int seq_q, int seq_k, int heads_q,
+                      int heads_kv, int head_dim, float scale, int causal, int window,
+                      int q_offset) {
+    attention_tc_entry(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
+                       scale, causal, window, q_offset, nullptr);
+}
+
+// The same forward, also writing each query's natural-log log-sum-exp of its scaled scores for
+// the backward (attention_bwd.cu, attention_bwd_tc.cu) or a later one (a training step keeps
+// it with the output): lse [B, Tq, Hq] f32, -inf for a query with no visible key. The
+// trailing argument and its meaning are attention_lse_bf16's (attention.cu). Same launch.
+extern "C" __global__ void __launch_bounds__(ATC_THREADS)
+    attention_tc_lse_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* out,
+                          const float* mask, int batch, int seq_q, int seq_k, int heads_q,
+                          int heads_kv, int head_dim, float scale, int causal, int window,
+                          int q_offset, float* lse) {
+    attention_tc_entry(q, k, v, out, mask, batch, seq_q, seq_k, heads_q, heads_kv, head_dim,
+                       scale, causal, window, q_offset, lse);
 }

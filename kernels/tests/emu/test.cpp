@@ -718,6 +718,17 @@ void attn_tc_case(const char* name, int B, int T, int S, int Hq, int Hkv, int D,
     check(what, got, dv(sc), 1e-2, 1e-2);
     snprintf(what, sizeof what, "attention_tc_bf16 %s", name);
     check_zero_rows(what, got, want, D);
+    // The lse entry: the same output to the bit, and each query's lse (natural log) against
+    // the double reference (-inf exactly where a query sees no key).
+    std::vector<bf16> ob2(ob.size(), 0x4640);
+    std::vector<float> lse(B*T*Hq, 7.f);
+    launch({(unsigned)((T + 63) / 64), (unsigned)Hq, (unsigned)B}, {128}, [&] {
+        attention_tc_lse_bf16(qb.data(), kb.data(), vb.data(), ob2.data(), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff, lse.data()); });
+    snprintf(what, sizeof what, "attention_tc_lse_bf16 %s output", name);
+    check(what, as_f32(ob2), dv(got), 0, 0);
+    const auto grads = attn_grad_ref(q, k, v, std::vector<float>(q.size(), 0.f), mp, B, T, S, Hq, Hkv, D, scale, causal, window, qoff);
+    snprintf(what, sizeof what, "attention_tc_lse_bf16 %s lse", name);
+    check(what, lse, grads.lse, 1e-4, 1e-4);
 }
 void test_attention_tc() {
     // name, B, T, S, Hq, Hkv, D, causal, window, q_offset, mask

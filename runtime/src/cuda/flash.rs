@@ -12,6 +12,13 @@
 //! gradients share every operand, so nothing that lives at the first of them dies before the
 //! last: writing the other two's slots at the first clobbers nothing (the planner still checks
 //! it). Without fusion (`CudaOptions::fuse` off) the materialised kernels run instead.
+//!
+//! The forward is not run again when the program's own forward attention of the same q, k, v
+//! and mask is there (FlashAttention-2 keeps O and the log-sum-exp from the forward): that node
+//! ([`FlashBwd::forward`]) runs the lse-writing kernel into one slot holding its output and,
+//! [`saved_lse_offset`] bytes in, the lse rows; the planner keeps the slot live until the group,
+//! which reads both from there. Without such a node (its output not kept, or a backward of its
+//! own) the group runs the forward into scratch first.
 
 use super::dtype::{GpuDType, Storage};
 use shardc_compiler::ir::{AttnWrt, Graph, Op, ValueId};
@@ -28,6 +35,21 @@ pub struct FlashBwd {
     pub dk: ValueId,
     /// Wrt v.
     pub dv: ValueId,
+    /// The forward `Attention` node whose output and lse the group reads, if any (module docs).
+    pub forward: Option<ValueId>,
+}
+
+/// Byte offset of the lse rows (f32, one per query and head) in the slot of a forward
+/// attention node `attention` of `g` that keeps them for a backward group
+/// ([`FlashBwd::forward`]): its output stored as `dt`, rounded up to 256 bytes.
+pub fn saved_lse_offset(g: &Graph, attention: ValueId, dt: GpuDType) -> usize {
+    (g.ty(attention).numel() * dt.size_bytes()).div_ceil(256) * 256
+}
+
+/// Bytes of the slot of such a forward attention node: its output, then its lse rows.
+pub fn saved_forward_bytes(g: &Graph, attention: ValueId, dt: GpuDType) -> usize {
+    let ty = g.ty(attention);
+    saved_lse_offset(g, attention, dt) + 4 * (ty.numel() / ty.last().max(1))
 }
 
 impl FlashBwd {
@@ -103,23 +125,54 @@ pub fn flash_candidates(g: &Graph) -> Vec<(FlashBwd, Option<ValueId>)> {
             && [dk, dv].iter().all(|&u| g.node(u).inputs == *ins)
             && ids[2] - ids[0] == 2;
         if ok {
-            out.push((
-                FlashBwd {
-                    probs: p,
-                    dq,
-                    dk,
-                    dv,
-                },
-                node.inputs.get(2).copied(),
-            ));
+            let mut f = FlashBwd {
+                probs: p,
+                dq,
+                dk,
+                dv,
+                forward: None,
+            };
+            f.forward = saved_forward(g, &f, &out);
+            out.push((f, node.inputs.get(2).copied()));
         }
     }
     out
 }
 
+/// The forward attention node group `f` of `g` can read its output and lse from: the last
+/// `Attention` before the group with the probabilities' spec whose q, k, v and mask are the
+/// group's (looked through shape-keeping reshapes), not already the forward of a group in
+/// `taken`.
+fn saved_forward(
+    g: &Graph,
+    f: &FlashBwd,
+    taken: &[(FlashBwd, Option<ValueId>)],
+) -> Option<ValueId> {
+    let Op::AttentionProbs(spec) = &g.node(f.probs).op else {
+        return None;
+    };
+    let grad = &g.node(f.dq).inputs;
+    let probs = &g.node(f.probs).inputs;
+    let root = |v: ValueId| through_reshapes(g, v);
+    (0..f.head().index())
+        .rev()
+        .map(|i| ValueId(i as u32))
+        .find(|&a| {
+            let node = g.node(a);
+            let Op::Attention(s) = &node.op else {
+                return false;
+            };
+            s == spec
+                && node.inputs.len() == probs.len() + 1
+                && (0..3).all(|i| root(node.inputs[i]) == root(grad[i]))
+                && node.inputs.get(3).map(|&m| root(m)) == probs.get(2).map(|&m| root(m))
+        })
+        .filter(|&a| !taken.iter().any(|(t, _)| t.forward == Some(a)))
+}
+
 /// Where a group's temporaries sit in the compute scratch (byte offsets, 256-aligned): the
-/// recomputed forward output, the log-sum-exp and `D` rows (f32), and under bf16 the f32 dQ
-/// accumulator and the f32 mask.
+/// recomputed forward output and the log-sum-exp (no bytes when the group reads its forward's),
+/// the `D` rows (f32), and under bf16 the f32 dQ accumulator and the f32 mask.
 pub(super) struct FlashScratch {
     pub out: usize,
     pub lse: usize,
@@ -142,9 +195,10 @@ impl FlashScratch {
             Some(&m) if bf16 => g.ty(m).numel() * 4,
             _ => 0,
         };
+        let recompute = f.forward.is_none() as usize;
         let out = 0;
-        let lse = out + align(q.numel() * elem);
-        let delta = lse + align(rows * 4);
+        let lse = out + recompute * align(q.numel() * elem);
+        let delta = lse + recompute * align(rows * 4);
         let dq_acc = delta + align(rows * 4);
         let mask = dq_acc + if bf16 { align(q.numel() * 4) } else { 0 };
         FlashScratch {

@@ -267,6 +267,15 @@ impl CudaProgram {
                 );
                 let mask = self.f32_mask(ins.get(3).copied(), self.scratch.ptr, l)?;
                 let dims = [q[0], q[1], k[1], q[2], k[2], q[3]];
+                let q_offset = k[1] as i64 - q[1] as i64;
+                // A backward group reads this output and its lse rows (flash.rs).
+                if let Some(at) = self.fusion.saved_lse(&self.graph, v, self.opts.dtype) {
+                    let masking = (spec.scale.0, spec.causal, spec.window, q_offset);
+                    let (k, vv) = (self.ptr(ins[1]), self.ptr(ins[2]));
+                    let lse = out + at as u64;
+                    let tc = self.opts.tensor_core_attention;
+                    return l.attention_lse(dt, [x, k, vv], out, mask, lse, dims, masking, tc);
+                }
                 let workspace = (
                     self.scratch.ptr + scratch.workspace_offset as u64,
                     scratch.workspace_bytes,
@@ -282,7 +291,7 @@ impl CudaProgram {
                     spec.scale.0,
                     spec.causal,
                     spec.window,
-                    k[1] as i64 - q[1] as i64,
+                    q_offset,
                     self.opts.tensor_core_attention,
                     workspace,
                 )

@@ -26,7 +26,7 @@
 //!   buffer the same way ([`sibling_stride`]).
 
 pub use super::dtype::{GpuDType, Storage};
-use super::flash::{flash_candidates, FlashBwd};
+use super::flash::{flash_candidates, saved_forward_bytes, saved_lse_offset, FlashBwd};
 use super::gemm::Epilogue;
 use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Node, Op, TensorType, UnaryOp, ValueId};
 use shardc_compiler::schedule::arena;
@@ -309,6 +309,18 @@ pub struct FusionPlan {
     pub groups: Vec<FusedGroup>,
 }
 
+impl FusionPlan {
+    /// Where forward attention node `v` of `g` (stored as `dt`) writes its lse rows, as a byte
+    /// offset into its own slot, when an attention backward group reads them
+    /// ([`FlashBwd::forward`]); `None` when it writes none.
+    pub fn saved_lse(&self, g: &Graph, v: ValueId, dt: GpuDType) -> Option<usize> {
+        self.groups
+            .iter()
+            .any(|grp| matches!(grp, FusedGroup::AttentionBwd(f) if f.forward == Some(v)))
+            .then(|| saved_lse_offset(g, v, dt))
+    }
+}
+
 /// Whether writing `tail`'s slot while issuing `head` is safe: no value other than those in
 /// `exclude` that is live somewhere in `[head, tail)` (defined before `tail`, last used at or
 /// after `head`) overlaps `tail`'s slot.
@@ -379,17 +391,26 @@ fn plan_with(
         let head_ops = g.node(group.head()).inputs.clone();
         ag.nodes[group.tail().index()].inputs.extend(head_ops);
     }
-    // The probabilities of a flash group take no bytes; its first gradient reads their mask;
-    // its last "reads" the other two, so the three (written together) never share bytes.
+    // The probabilities of a flash group take no bytes; its last gradient "reads" their mask
+    // (the launch reads it while writing all three) and the other two gradients, so the three
+    // (written together) never share bytes.
     for (f, mask) in flash {
         let node = &mut ag.nodes[f.probs.index()];
         node.ty = TensorType::plain(node.ty.dtype, &[0]);
-        if let Some(m) = mask {
-            ag.nodes[f.head().index()].inputs.push(*m);
-        }
         let tail = f.dq.max(f.dk).max(f.dv);
+        if let Some(m) = mask {
+            ag.nodes[tail.index()].inputs.push(*m);
+        }
         let others = f.grads().into_iter().filter(|&v| v != tail);
         ag.nodes[tail.index()].inputs.extend(others);
+        // A forward attention the group reads holds its output and lse rows in one slot, live
+        // until the group's last gradient (the launch reads it while writing all three).
+        if let Some(a) = f.forward {
+            let node = &mut ag.nodes[a.index()];
+            let elems = saved_forward_bytes(g, a, dt) / node.ty.dtype.size_bytes();
+            node.ty = TensorType::plain(node.ty.dtype, &[elems]);
+            ag.nodes[tail.index()].inputs.push(a);
+        }
     }
     // An alias takes no bytes of its own; its root stays live while any reader of the alias
     // (or an output naming it) is.
@@ -779,6 +800,49 @@ mod tests {
 
     fn param(g: &mut Graph, name: &str, shape: &[usize]) -> ValueId {
         g.param(name, TensorType::plain(DType::F32, shape))
+    }
+
+    /// A bf16 training step: each layer's flash group reads its forward attention, whose slot
+    /// holds the bf16 output, then (256 bytes rounded) the f32 lse rows, and shares no byte with
+    /// the group's gradients. Without fusion no forward writes an lse.
+    #[test]
+    fn flash_groups_read_their_forwards_output_and_lse() {
+        use shardc_compiler::compile::{compile, CompileSpec, Job};
+        use shardc_compiler::shard::Mesh;
+        use shardc_compiler::train::TrainOptions;
+        let cfg = fixture("llama");
+        let opts = TrainOptions::new(2, 16, Mesh::single());
+        let spec = CompileSpec::new(cfg.clone(), "llama", Job::Train(Box::new(opts)));
+        let g = compile(&spec).expect("training step").program;
+        let dt = GpuDType::Bf16;
+        let (arena, plan) = plan_memory(&g, dt, true);
+        let mut groups = 0;
+        for grp in &plan.groups {
+            let FusedGroup::AttentionBwd(f) = grp else {
+                continue;
+            };
+            let a = f.forward.expect("the forward attention is kept");
+            assert!(matches!(g.node(a).op, Op::Attention(_)));
+            let ty = g.ty(a);
+            let out = (ty.numel() * 2).div_ceil(256) * 256;
+            assert_eq!(plan.saved_lse(&g, a, dt), Some(out));
+            let slot = arena.slots[a.index()].expect("slot");
+            let want = (out + 4 * ty.numel() / ty.last()).div_ceil(256) * 256;
+            assert_eq!(slot.size, want as u64, "{}", g.node(a).name);
+            for d in f.grads() {
+                let ds = arena.slots[d.index()].expect("gradient slot");
+                assert!(
+                    !slot.overlaps(&ds),
+                    "{} and {}",
+                    g.node(a).name,
+                    g.node(d).name
+                );
+            }
+            groups += 1;
+        }
+        assert_eq!(groups, cfg.layers);
+        let (_, unfused) = plan_memory(&g, dt, false);
+        assert!(g.ids().all(|v| unfused.saved_lse(&g, v, dt).is_none()));
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! Pre: as for `node.rs`; an `AdamWUpdate`'s step is a scalar program input (its value is read
 //! on the host when the inputs are uploaded).
 
-use super::flash::{FlashBwd, FlashScratch};
+use super::flash::{saved_lse_offset, FlashBwd, FlashScratch};
 use super::gemm::GemmKey;
 use super::ops::Launcher;
 use super::program::CudaProgram;
@@ -242,8 +242,23 @@ impl CudaProgram {
         let p = |i: usize| self.ptr(ins[i]);
         let q_offset = dims[2] as i64 - dims[1] as i64;
         let attn = (spec.scale.0, spec.causal, spec.window, q_offset);
-        let (out, lse, delta) = (at(layout.out), at(layout.lse), at(layout.delta));
-        l.attention_lse(dt, [p(0), p(1), p(2)], out, mask, lse, dims, attn)?;
+        let tc = self.opts.tensor_core_attention;
+        // The forward's output and lse where it kept them, else the forward run again.
+        let (out, lse) = match f.forward {
+            Some(a) => {
+                let o = self.ptr(a);
+                (
+                    o,
+                    o + saved_lse_offset(&self.graph, a, self.opts.dtype) as u64,
+                )
+            }
+            None => {
+                let (out, lse) = (at(layout.out), at(layout.lse));
+                l.attention_lse(dt, [p(0), p(1), p(2)], out, mask, lse, dims, attn, tc)?;
+                (out, lse)
+            }
+        };
+        let delta = at(layout.delta);
         l.attention_bwd_prep(dt, out, p(3), delta, dq_acc, dims)?;
         let grads = (dq_acc, self.ptr(f.dk), self.ptr(f.dv));
         l.attention_bwd(
@@ -253,7 +268,7 @@ impl CudaProgram {
             grads,
             dims,
             attn,
-            self.opts.tensor_core_attention,
+            tc,
         )?;
         if self.opts.dtype == GpuDType::Bf16 {
             l.convert("cast_f32_bf16", dq_acc, dq, self.numel(f.dq))?;

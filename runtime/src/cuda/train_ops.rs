@@ -8,7 +8,7 @@ use super::CudaError;
 use cudarc::driver::PushKernelArg;
 use shardc_compiler::ir::UnaryOp;
 use shardc_kernels::launch::{
-    attention_bwd_kernel, attention_bwd_prep_launch, attention_launch, attention_rows_launch,
+    attention_bwd_kernel, attention_bwd_prep_launch, attention_lse_kernel, attention_rows_launch,
     columns_launch, combine_grad_gates_launch, elementwise_launch, router_launch, rows_launch,
     vector_launch,
 };
@@ -242,8 +242,10 @@ impl Launcher<'_> {
             &probs, &dy, &dv, &b, &t, &s, &hq, &hkv, &d)
     }
 
-    /// The scalar attention forward of `[q, k, v]` into `out`, also writing each query's f32
-    /// log-sum-exp into `lse[B, T, Hq]` (`attention_lse_*`, for the backward).
+    /// The attention forward of `[q, k, v]` into `out`, also writing each query's f32
+    /// log-sum-exp into `lse[B, T, Hq]` (for the backward): `attention_tc_lse_bf16` where
+    /// `tensor_core` allows and the call is supported, else `attention_lse_{dtype}`
+    /// (`launch::attention_lse_kernel`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_lse(
         &self,
@@ -254,12 +256,15 @@ impl Launcher<'_> {
         lse: u64,
         dims: AttnDims,
         masking: AttnMasking,
+        tensor_core: bool,
     ) -> Result<(), CudaError> {
         let [b, t, s, hq, hkv, d] = dims;
-        let cfg = attention_launch(b, t, hq, hkv, d)?;
+        let major = self.dev.compute_capability().0;
+        let (entry, cfg) =
+            attention_lse_kernel(dt, major, tensor_core, [b, t, hq, hkv, d], [q, k, v])?;
         let [b, t, s, hq, hkv, d] = [b, t, s, hq, hkv, d].map(|x| x as i32);
         let (scale, causal, window, off) = int_masking(masking);
-        launch!(self, entry_name("attention_lse", dt), cfg;
+        launch!(self, entry, cfg;
             &q, &k, &v, &out, &mask, &b, &t, &s, &hq, &hkv, &d, &scale, &causal, &window, &off,
             &lse)
     }

@@ -578,26 +578,37 @@ impl Bench {
     }
 
     /// The training backward of causal attention at `t` tokens: `AttentionProbs` and its
-    /// three gradients, which the planner runs as one FlashAttention-2 group (the forward
-    /// recomputed with its log-sum-exp, then dQ, dK, dV; the probabilities never stored), on
-    /// the tensor-core kernel and on the scalar one. TFLOP/s of 2.5× the causal forward's
-    /// FLOPs (FlashAttention-2's accounting of the backward alone), the recomputed forward
-    /// included in the time.
+    /// three gradients, which the planner runs as one FlashAttention-2 group (dQ, dK, dV; the
+    /// probabilities never stored).
+    ///
+    /// - Backward alone, with no forward node in the program: the group runs the forward again
+    ///   for its output and log-sum-exp, on the tensor-core kernel and on the scalar one.
+    ///   TFLOP/s of 2.5× the causal forward's FLOPs (FlashAttention-2's accounting of the
+    ///   backward alone), the recomputed forward included in the time.
+    /// - Forward and backward, as a training step has them: the forward attention keeps its
+    ///   output and lse rows in its slot and the group reads them (no forward run twice), on
+    ///   tensor cores. TFLOP/s of 3.5× the causal forward's FLOPs.
     fn attention_backward(&mut self, t: usize) -> Result<(), BenchError> {
-        let (g, ins) = attention_bwd_graph(t, 0xb4c);
-        let check = Reference::Smaller(attention_bwd_graph(256, 0).0);
-        for (tensor_core, kernel) in [(true, "tensor cores"), (false, "scalar")] {
+        for (forward, tensor_core, kernel) in [
+            (false, true, "tensor cores"),
+            (false, false, "scalar"),
+            (true, true, "tensor cores"),
+        ] {
+            let (g, ins) = attention_bwd_graph(t, 0xb4c, forward);
+            let check = Reference::Smaller(attention_bwd_graph(256, 0, forward).0);
             let run = CudaOptions {
                 tensor_core_attention: tensor_core,
                 ..opts(GpuDType::Bf16, true)
             };
-            let case = format!("attention backward {}k {kernel}", t / 1024);
+            let what = if forward { "fwd+bwd" } else { "bwd" };
+            let case = format!("attention {what} {}k {kernel}", t / 1024);
             let ms = self.time_with(&case, (&g, &ins, &check), run, true)?;
-            let flops = 2.5 * 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
+            let passes = if forward { 3.5 } else { 2.5 };
+            let flops = passes * 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
             let measure = self.tflops(tflops(flops, ms));
             self.row(
                 "attention",
-                format!("bwd causal {}k, {kernel}", t / 1024),
+                format!("{what} causal {}k, {kernel}", t / 1024),
                 GpuDType::Bf16,
                 format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
                 ms,
@@ -1048,8 +1059,9 @@ fn attention_graph(t: usize, s: usize, seed: u64) -> (Graph, BTreeMap<String, Te
 
 /// The backward of Llama-3-8B causal attention at `t` tokens as a training program has it:
 /// the probabilities of `q`, `k` and the gradients wrt q, k and v given the output gradient
-/// `dy`, with its inputs drawn from `seed`.
-fn attention_bwd_graph(t: usize, seed: u64) -> (Graph, BTreeMap<String, Tensor>) {
+/// `dy`, with its inputs drawn from `seed`; with `forward`, also the forward attention of the
+/// same q, k, v (output `y`), whose output and lse the backward then reads.
+fn attention_bwd_graph(t: usize, seed: u64, forward: bool) -> (Graph, BTreeMap<String, Tensor>) {
     let mut rng = Rng(seed);
     let mut g = Graph::new();
     let shapes = [
@@ -1065,6 +1077,10 @@ fn attention_bwd_graph(t: usize, seed: u64) -> (Graph, BTreeMap<String, Tensor>)
         scale: Float(1.0 / (HEAD_DIM as f32).sqrt()),
         indexed: false,
     };
+    if forward {
+        let y = add(&mut g, Op::Attention(spec), &[q, k, v], "y");
+        g.set_output("y", y);
+    }
     let p = add(&mut g, Op::AttentionProbs(spec), &[q, k], "probs");
     for (wrt, name) in [(AttnWrt::Q, "dq"), (AttnWrt::K, "dk"), (AttnWrt::V, "dv")] {
         let x = add(
@@ -1180,5 +1196,31 @@ fn main() {
     println!("# {} rows", b.rows.len());
     if failed {
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardc_runtime::cuda::{plan_memory, FusedGroup};
+
+    /// The attention backward rows time what they say: without a forward node the group runs
+    /// the forward again; with one, it reads that node's output and lse.
+    #[test]
+    fn attention_backward_graphs_plan_one_group_reading_the_forward_when_there() {
+        for forward in [false, true] {
+            let (g, _) = attention_bwd_graph(256, 0, forward);
+            let (_, plan) = plan_memory(&g, GpuDType::Bf16, true);
+            let groups: Vec<_> = plan
+                .groups
+                .iter()
+                .filter_map(|grp| match grp {
+                    FusedGroup::AttentionBwd(f) => Some(f.forward),
+                    _ => None,
+                })
+                .collect();
+            let y = g.outputs.iter().find(|(n, _)| n == "y").map(|&(_, v)| v);
+            assert_eq!(groups, vec![y], "forward {forward}");
+        }
     }
 }
