@@ -103,6 +103,8 @@ struct Sim<'a> {
     gates: HashMap<ValueId, Tensor>,
     /// Rows the routed GEMMs dropped.
     dropped: usize,
+    /// Rows the routed GEMMs left unwritten (NaN here).
+    unwritten: usize,
 }
 
 impl Sim<'_> {
@@ -176,34 +178,51 @@ impl Sim<'_> {
     }
 
     /// Routed GEMM `v`'s result `t` cut to its routed rows: every other row must already be
-    /// zero (the routing's promise), and is written as zero.
+    /// zero (the routing's promise), and is written as zero, or as NaN where the GPU leaves it
+    /// unwritten (`Routing::unfilled`: whatever the arena held; nothing may read it).
     fn keep_routed_rows(&mut self, v: ValueId, t: &mut Tensor) {
         let r = self.routing.gemms[v.index()].expect("routed");
         let name = self.g.node(v).name.clone();
-        self.skip_rows(&name, &r, t);
+        self.skip_rows(&name, &r, t, false);
+        self.dropped += self.unrouted(&r).len();
+        if self.routing.unfilled[v.index()].is_some() {
+            let width = t.numel() / (r.experts * r.tokens);
+            let Buffer::F32(out) = &mut t.data else {
+                panic!("f32 result")
+            };
+            for (e, n) in self.unrouted(&r) {
+                out[(e * r.tokens + n) * width..][..width].fill(f32::NAN);
+                self.unwritten += 1;
+            }
+        }
     }
 
-    /// The rows of `t` (`[E, tokens, width]`) that `r`'s source did not route: each must be
-    /// zero, and is set to zero and counted.
-    fn skip_rows(&mut self, name: &str, r: &RoutedGemm, t: &mut Tensor) {
-        let gates = self.gates[&r.source].as_f32().expect("f32 gates").to_vec();
+    /// The `(expert, token)` rows `r`'s source did not route.
+    fn unrouted(&self, r: &RoutedGemm) -> Vec<(usize, usize)> {
+        let gates = self.gates[&r.source].as_f32().expect("f32 gates");
+        (0..r.experts)
+            .flat_map(|e| (0..r.tokens).map(move |n| (e, n)))
+            .filter(|&(e, n)| gates[n * r.experts + e] == 0.0)
+            .collect()
+    }
+
+    /// The rows of `t` (`[E, tokens, width]`) that `r`'s source did not route, set to zero
+    /// (what the routed kernels, reading the routed rows only, see): each must be zero, or (an
+    /// operand, `garbage_ok`) left unwritten by a routed GEMM upstream (all NaN here).
+    fn skip_rows(&self, name: &str, r: &RoutedGemm, t: &mut Tensor, garbage_ok: bool) {
         let width = t.numel() / (r.experts * r.tokens);
+        let rows = self.unrouted(r);
         let Buffer::F32(out) = &mut t.data else {
             panic!("f32 operand")
         };
-        for e in 0..r.experts {
-            for n in 0..r.tokens {
-                if gates[n * r.experts + e] != 0.0 {
-                    continue;
-                }
-                let row = &mut out[(e * r.tokens + n) * width..][..width];
-                assert!(
-                    row.iter().all(|&x| x == 0.0),
-                    "{name}: expert {e}, token {n} is not routed but its row is not zero"
-                );
-                row.fill(0.0);
-                self.dropped += 1;
-            }
+        for (e, n) in rows {
+            let row = &mut out[(e * r.tokens + n) * width..][..width];
+            let unwritten = garbage_ok && row.iter().all(|x| x.is_nan());
+            assert!(
+                unwritten || row.iter().all(|&x| x == 0.0),
+                "{name}: expert {e}, token {n} is not routed but its row is not zero"
+            );
+            row.fill(0.0);
         }
     }
 
@@ -222,7 +241,7 @@ impl Sim<'_> {
         })
     }
 
-    fn run(mut self) -> (Vec<(String, Tensor)>, usize) {
+    fn run(mut self) -> (Vec<(String, Tensor)>, usize, usize) {
         for v in self.g.ids() {
             if self.leaves.contains_key(&v) {
                 continue;
@@ -231,22 +250,30 @@ impl Sim<'_> {
                 Action::Skip => {}
                 Action::Run => {
                     let node = self.g.node(v);
-                    let ins: Vec<Tensor> =
+                    let mut ins: Vec<Tensor> =
                         node.inputs.iter().map(|&i| self.load(i, None)).collect();
+                    // A routed GEMM reads its activation's routed rows only; a routed weight
+                    // gradient both operands' (those with zero rows).
+                    let (gemm, wg) = (
+                        self.routing.gemms[v.index()],
+                        self.routing.weight_grads[v.index()],
+                    );
+                    if let Some(r) = gemm.or(wg) {
+                        let operands = if gemm.is_some() { 1 } else { 2 };
+                        for (i, x) in ins.iter_mut().enumerate().take(operands) {
+                            let id = node.inputs[i];
+                            if self.zero[id.index()].is_some() {
+                                self.skip_rows(&self.g.node(id).name, &r, x, true);
+                            }
+                        }
+                        if wg.is_some() {
+                            self.dropped += self.unrouted(&r).len();
+                        }
+                    }
                     let refs: Vec<&Tensor> = ins.iter().collect();
                     let mut t = eval_op(&node.op, &refs, &node.ty).expect("eval");
-                    if self.routing.gemms[v.index()].is_some() {
+                    if gemm.is_some() {
                         self.keep_routed_rows(v, &mut t);
-                    }
-                    if let Some(r) = self.routing.weight_grads[v.index()] {
-                        // The operand whose rows the routing zeroes: dy if it has them, else a.
-                        let i = if self.zero[node.inputs[1].index()] == Some(r.source) {
-                            1
-                        } else {
-                            0
-                        };
-                        let name = self.g.node(node.inputs[i]).name.clone();
-                        self.skip_rows(&name, &r, &mut ins[i].clone());
                     }
                     self.store(v, &t);
                     if self.fusion.saved_lse(self.g, v, GpuDType::F32).is_some() {
@@ -300,18 +327,19 @@ impl Sim<'_> {
             .iter()
             .map(|(name, v)| (name.clone(), self.load(*v, None)))
             .collect();
-        (outs, self.dropped)
+        (outs, self.dropped, self.unwritten)
     }
 }
 
 /// Runs `g`'s plan in its arena, unfused and fused (with routed expert GEMMs), and compares
 /// every output with the reference: equal to the bit (the same CPU kernels in the same order).
-/// Returns the fused groups by label, and the rows the routed GEMMs dropped.
-fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usize) {
+/// Returns the fused groups by label, the rows the routed GEMMs dropped and the rows they left
+/// unwritten (NaN in the run; the outputs equal to the bit show nothing read them).
+fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usize, usize) {
     let leaves = leaves(g, ids);
     let want = reference(g, &leaves);
     let mut labels = HashMap::new();
-    let mut dropped = 0;
+    let (mut dropped, mut unwritten) = (0, 0);
     for fuse in [false, true] {
         let (arena, fusion) = plan_memory(g, GpuDType::F32, fuse);
         let sim = Sim {
@@ -326,9 +354,11 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
             zero: zero_rows(g),
             gates: HashMap::new(),
             dropped: 0,
+            unwritten: 0,
         };
-        let (outs, d) = sim.run();
+        let (outs, d, u) = sim.run();
         dropped += d;
+        unwritten += u;
         for (name, got) in outs {
             let v = g
                 .outputs
@@ -357,18 +387,19 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
             }
         }
     }
-    (labels, dropped)
+    (labels, dropped, unwritten)
 }
 
 /// Forward programs of every fixture model: Llama's k/v and gate/up and Mixtral's k/v run as
 /// sibling GEMMs (their outputs one block), next to the other fused groups; Mixtral's expert
-/// GEMMs on their routed rows (half of them: top-2 of 4 experts).
+/// GEMMs on their routed rows (half of them: top-2 of 4 experts), none writing the other rows:
+/// the combine skips them.
 #[test]
 fn forward_plans_compute_the_graph_in_their_arena() {
     for (model, siblings) in [("llama", 2), ("mixtral", 1), ("gpt2", 0)] {
         let cfg = config(model);
         let g = build_forward(&cfg, BuildOptions::new(2, 8)).expect("graph");
-        let (labels, dropped) = check(&g, model, 16);
+        let (labels, dropped, unwritten) = check(&g, model, 16);
         assert_eq!(
             labels.get("sibling gemms").copied().unwrap_or(0),
             siblings * cfg.layers,
@@ -381,12 +412,14 @@ fn forward_plans_compute_the_graph_in_their_arena() {
             0
         };
         assert_eq!(dropped, want, "{model}");
+        assert_eq!(unwritten, want, "{model}");
     }
 }
 
 /// An unsharded training step (forward, backward, AdamW): its flash attention backward groups,
 /// every other fused group and (Mixtral) the routed expert GEMMs of the forward and of the
-/// backward's activation gradients leave the step's outputs unchanged. Its weights are inputs
+/// backward's activation gradients, their unrouted rows unwritten, leave the step's outputs
+/// unchanged. Its weights are inputs
 /// (the optimizer updates them), so no sibling GEMMs form.
 #[test]
 fn training_plans_compute_the_step_in_their_arena() {
@@ -399,14 +432,16 @@ fn training_plans_compute_the_step_in_their_arena() {
         );
         spec.precision = Precision::f32();
         let g = compile(&spec).expect("training plan").program;
-        let (labels, dropped) = check(&g, model, 16);
-        // Mixtral: 6 expert GEMMs (forward, activation gradients) and 3 weight gradients.
-        let want = if model == "mixtral" {
-            cfg.layers * 9 * 16 * 2
+        let (labels, dropped, unwritten) = check(&g, model, 16);
+        // Mixtral: 6 expert GEMMs (forward, activation gradients) and 3 weight gradients; no
+        // GEMM writes its unrouted rows (every reader skips them).
+        let per_layer = if model == "mixtral" {
+            cfg.layers * 16 * 2
         } else {
             0
         };
-        assert_eq!(dropped, want, "{model}");
+        assert_eq!(dropped, 9 * per_layer, "{model}");
+        assert_eq!(unwritten, 6 * per_layer, "{model}");
         // Every layer's backward reads its forward's output and lse.
         for label in ["attention_bwd", "attention_bwd from saved forward"] {
             assert_eq!(
@@ -431,7 +466,7 @@ fn recompute_plans_read_the_recomputed_forward_attention() {
         let mut spec = CompileSpec::new(cfg.clone(), "llama", Job::Train(Box::new(opts)));
         spec.precision = Precision::f32();
         let g = compile(&spec).expect("training plan").program;
-        let (labels, _) = check(&g, &format!("llama {recompute:?}"), 16);
+        let (labels, _, _) = check(&g, &format!("llama {recompute:?}"), 16);
         for label in ["attention_bwd", "attention_bwd from saved forward"] {
             assert_eq!(
                 labels.get(label).copied(),

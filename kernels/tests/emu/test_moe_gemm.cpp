@@ -1,7 +1,7 @@
 // moe_gemm.cu under the SIMT emulation: moe_route_index (counts and ascending token lists per
 // expert) against a reference written from the contract, and routed_gemm_{f32,bf16} in both
-// weight layouts against double-precision products of the listed rows, with every unlisted row
-// of out required to keep its sentinel (rows past counts[e] in the list hold other valid token
+// weight layouts against double-precision products of the listed rows (the unlisted rows of the
+// activation NaN), with every unlisted row of out required to keep its sentinel (rows past counts[e] in the list hold other valid token
 // indices, so reading them would show). Sizes are off the tiles (tokens 70/260/1100, k 16/40/72,
 // n 24/136) and the routing has an expert with every token and one with none.
 #include "check.h"
@@ -68,6 +68,12 @@ void gemm_case(int E, int N, int K, int Nout, int trans) {
     for (int e = 0; e < E; ++e)
         for (int j = counts[e]; j < N; ++j) rows[(size_t)e * N + j] = (j * 5 + e) % N;
     auto a = randv((size_t)E * N * K, -1, 1), w = randv((size_t)E * K * Nout, -1, 1);
+    // Unrouted rows of a hold NaN (what an upstream routed GEMM that did not write them may
+    // leave there): reading one would turn a result non-finite.
+    for (int e = 0; e < E; ++e)
+        for (int n = 0; n < N; ++n)
+            if (g[(size_t)n * E + e] == 0)
+                for (int kk = 0; kk < K; ++kk) a[((size_t)e * N + n) * K + kk] = NAN;
     Placed<T> ap(as<T>(a), 0), wp(as<T>(w), 0);
     const float sentinel = 1152.0f;  // exact in bf16
     std::vector<float> s((size_t)E * N * Nout, sentinel);

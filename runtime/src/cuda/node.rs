@@ -417,8 +417,14 @@ impl CudaProgram {
             self.ptr(node.inputs[1]),
             self.ptr(v),
         );
-        // Rows no expert takes stay zero: the dense result there.
-        l.memset(out, 0, self.numel(v) * self.elem(v))?;
+        // Rows no expert takes are zero (the dense result there), unless nothing reads them
+        // and the readers relied on for that run routed too (`Routing::unfilled`).
+        let unread = self.routing.unfilled[v.index()]
+            .as_ref()
+            .is_some_and(|must| must.iter().all(|&u| self.runs_routed(u).is_some()));
+        if !unread {
+            l.memset(out, 0, self.numel(v) * self.elem(v))?;
+        }
         l.routed(self.dt(), false, [a, w, out], self.route_lists(&r), &r)?;
         Ok(true)
     }

@@ -161,7 +161,7 @@ impl CudaProgram {
         let (arena_plan, fusion) = plan_memory(graph, dt, opts.fuse);
         let mut routing = Routing::of(graph, opts.routed_experts);
         // A source's index is filled after it runs as a node of its own.
-        routing.keep_sources(|s| fusion.actions[s.index()] == Action::Run);
+        routing.keep_sources(graph, |s| fusion.actions[s.index()] == Action::Run);
         let steps = schedule(graph);
         let n_events = steps
             .iter()

@@ -24,6 +24,13 @@
 //!
 //! A `WeightGrad` of per-expert weights `[E, .., ..]` whose `dy` (or else `a`) has zero rows
 //! sums over the routed rows only (`routed_weight_grad`): the other rows add nothing.
+//!
+//! A routed GEMM leaves its unrouted rows unwritten (no zero-fill, whatever the arena held)
+//! where nothing reads them ([`Routing::unfilled`]): every reader, followed through
+//! row-preserving ops of the same gates' rows, skips the rows the gates exclude — a routed
+//! GEMM or weight gradient (which must then run on the routed kernels), `Combine`,
+//! `DispatchGrad` or `CombineGrad` of those gates — and the value is no graph output. Mixtral's
+//! expert MLP then writes no zeros at all, forward or backward.
 
 use shardc_compiler::ir::{CombineWrt, Graph, Op, UnaryOp, ValueId};
 
@@ -57,6 +64,10 @@ pub struct Routing {
     /// The sources some routed GEMM reads the routing of, with their `(experts, tokens)`: each
     /// gets an index buffer (`counts[E]`, `rows[E · tokens]` i32), filled when it has run.
     pub sources: Vec<(ValueId, usize, usize)>,
+    /// Per routed GEMM whose unrouted rows nothing reads (module docs): the routed GEMMs and
+    /// weight gradients among the readers, which must run on the routed kernels for its rows to
+    /// be left unwritten; `None` where the rows must be zero-filled.
+    pub unfilled: Vec<Option<Vec<ValueId>>>,
 }
 
 impl Routing {
@@ -66,6 +77,7 @@ impl Routing {
             gemms: vec![None; g.len()],
             weight_grads: vec![None; g.len()],
             sources: Vec::new(),
+            unfilled: vec![None; g.len()],
         };
         if !enabled {
             return r;
@@ -118,7 +130,27 @@ impl Routing {
                 transpose_b,
             );
         }
+        r.plan_unfilled(g);
         r
+    }
+
+    /// Fills [`Routing::unfilled`] for the routed GEMMs of `g`.
+    fn plan_unfilled(&mut self, g: &Graph) {
+        let walk = ReaderWalk {
+            g,
+            routing: self,
+            zero: zero_rows(g),
+            users: g.users(),
+        };
+        let unfilled = g
+            .ids()
+            .map(|v| {
+                self.gemms[v.index()]?;
+                let mut must = Vec::new();
+                walk.unread(v, &mut must).then_some(must)
+            })
+            .collect();
+        self.unfilled = unfilled;
     }
 
     /// Records `v` as a routed GEMM (or weight gradient) of `source`'s rows, when the source's
@@ -155,8 +187,8 @@ impl Routing {
     }
 
     /// Keeps only the sources `runs` accepts (those the executor runs as nodes of their own,
-    /// after which it fills their index) and the routed GEMMs of those.
-    pub fn keep_sources(&mut self, runs: impl Fn(ValueId) -> bool) {
+    /// after which it fills their index) and the routed GEMMs of those (of graph `g`).
+    pub fn keep_sources(&mut self, g: &Graph, runs: impl Fn(ValueId) -> bool) {
         self.sources.retain(|&(s, _, _)| runs(s));
         let kept = |x: &mut Option<RoutedGemm>| {
             if x.is_some_and(|r| !runs(r.source)) {
@@ -165,6 +197,7 @@ impl Routing {
         };
         self.gemms.iter_mut().for_each(&kept);
         self.weight_grads.iter_mut().for_each(&kept);
+        self.plan_unfilled(g);
     }
 
     /// Bytes of the index buffer of a source with `experts` and `tokens`.
@@ -176,6 +209,91 @@ impl Routing {
 /// The gates input of routing source `s` (`Dispatch`'s second operand, `CombineGrad`'s).
 pub fn routing_gates(g: &Graph, s: ValueId) -> ValueId {
     g.node(s).inputs[1]
+}
+
+/// Which values' unrouted rows are read by nothing (see [`Routing::unfilled`]).
+struct ReaderWalk<'a> {
+    g: &'a Graph,
+    routing: &'a Routing,
+    zero: Vec<Option<ValueId>>,
+    users: Vec<Vec<ValueId>>,
+}
+
+impl ReaderWalk<'_> {
+    /// The gates whose zeros make `x`'s rows zero (through shape-keeping reshapes: a training
+    /// step's backward reads the saved gates through one).
+    fn gates(&self, x: ValueId) -> Option<ValueId> {
+        self.zero[x.index()].map(|s| self.root(routing_gates(self.g, s)))
+    }
+
+    /// `v` with reshapes that keep its shape looked through.
+    fn root(&self, mut v: ValueId) -> ValueId {
+        let g = self.g;
+        while matches!(g.node(v).op, Op::Reshape) && g.ty(g.node(v).inputs[0]).same_shape(g.ty(v)) {
+            v = g.node(v).inputs[0];
+        }
+        v
+    }
+
+    /// Whether no reader of `x`'s unrouted rows sees them (garbage there changes nothing the
+    /// program computes): `x` is no graph output and every reader skips those rows or is a
+    /// row-preserving op of the same gates' rows whose own unrouted rows nothing reads. The
+    /// routed GEMMs and weight gradients relied on (they skip the rows only on the routed
+    /// kernels) are pushed onto `must`.
+    fn unread(&self, x: ValueId, must: &mut Vec<ValueId>) -> bool {
+        let g = self.g;
+        let Some(gates) = self.gates(x) else {
+            return false;
+        };
+        if g.outputs.iter().any(|&(_, o)| o == x) {
+            return false;
+        }
+        self.users[x.index()].iter().all(|&u| {
+            let node = g.node(u);
+            let at = |i: usize| node.inputs.get(i) == Some(&x);
+            let only_at = |i: usize| {
+                node.inputs
+                    .iter()
+                    .enumerate()
+                    .all(|(j, &y)| y != x || j == i)
+            };
+            let same_rows = self.gates(u) == Some(gates);
+            let routed = |r: Option<RoutedGemm>| {
+                r.is_some_and(|r| self.root(routing_gates(g, r.source)) == gates)
+            };
+            match node.op {
+                // Skip the rows whose gate is zero (moe.cu, moe_grad.cu; CombineGrad wrt y
+                // reads no y at all).
+                Op::Combine | Op::DispatchGrad | Op::CombineGrad { .. } => {
+                    only_at(0) && self.root(node.inputs[1]) == gates
+                }
+                // On the routed kernels: the routed rows only.
+                Op::MatMul { .. } if routed(self.routing.gemms[u.index()]) && only_at(0) => {
+                    must.push(u);
+                    true
+                }
+                Op::WeightGrad { .. } if routed(self.routing.weight_grads[u.index()]) && !at(2) => {
+                    must.push(u);
+                    true
+                }
+                // Row by row (a dense expert GEMM by its activation; elementwise ops of
+                // operands of the output's shape; reshapes keeping the rows): garbage stays in
+                // the unrouted rows of the result.
+                Op::MatMul { .. } => same_rows && only_at(0) && self.unread(u, must),
+                Op::Unary(_)
+                | Op::Scale(_)
+                | Op::Cast(_)
+                | Op::UnaryGrad(_)
+                | Op::Mul
+                | Op::Add
+                | Op::Reshape => {
+                    let rows_kept = matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty);
+                    same_rows && rows_kept && self.unread(u, must)
+                }
+                _ => false,
+            }
+        })
+    }
 }
 
 /// Per value, the source whose zero gates make the value's `(expert, token)` rows zero (see
@@ -331,9 +449,46 @@ mod tests {
         assert!(r.gemms[after_exp.index()].is_none());
         assert!(r.gemms[after_bias.index()].is_none());
         assert_eq!(r.sources, vec![(d, 2, 6)]);
+        // Unrouted rows left unwritten only where nothing reads them: `mm`'s are read by exp
+        // and by the bias add (whose rows are not zero); `m4` has no reader.
+        assert_eq!(r.unfilled[mm.index()], None);
+        assert_eq!(r.unfilled[after_silu.index()], Some(vec![]));
+        assert_eq!(r.unfilled[d.index()], None, "only routed GEMMs");
+        // Through silu into a routed GEMM (which must then run routed) and a combine of the
+        // same gates: unread; a combine of other gates, or an output, reads them.
+        let mut g2 = g.clone();
+        let other = g2.input("other", f(&[1, 6, 2]));
+        let m5 = g2
+            .add(Op::MatMul { transpose_b: false }, &[d, w], "m5")
+            .unwrap();
+        let s5 = g2.add(Op::Unary(UnaryOp::Silu), &[m5], "s5").unwrap();
+        let m6 = g2
+            .add(Op::MatMul { transpose_b: false }, &[s5, w2], "m6")
+            .unwrap();
+        let c6 = g2.add(Op::Combine, &[m6, gates], "c6").unwrap();
+        g2.set_output("c6", c6);
+        let m7 = g2
+            .add(Op::MatMul { transpose_b: false }, &[d, w], "m7")
+            .unwrap();
+        let c7 = g2.add(Op::Combine, &[m7, other], "c7").unwrap();
+        g2.set_output("c7", c7);
+        let r2 = Routing::of(&g2, true);
+        assert_eq!(r2.unfilled[m5.index()], Some(vec![m6]));
+        assert_eq!(r2.unfilled[m6.index()], Some(vec![]));
+        assert_eq!(r2.unfilled[m7.index()], None, "combined by other gates");
+        let m8 = g2
+            .add(Op::MatMul { transpose_b: false }, &[d, w], "m8")
+            .unwrap();
+        g2.add(Op::Softmax, &[m8], "sm8").unwrap();
+        let r2 = Routing::of(&g2, true);
+        assert_eq!(r2.unfilled[m8.index()], None, "a softmax reads every row");
+        g2.set_output("m6", m6);
+        let r2 = Routing::of(&g2, true);
+        assert_eq!(r2.unfilled[m6.index()], None, "an output");
+        assert_eq!(r2.unfilled[m5.index()], Some(vec![m6]));
         // A source the executor would not run by itself takes its GEMMs with it.
         let mut r = r;
-        r.keep_sources(|s| s != d);
+        r.keep_sources(&g, |s| s != d);
         assert!(r.sources.is_empty());
         assert!(r.gemms.iter().all(Option::is_none));
     }
