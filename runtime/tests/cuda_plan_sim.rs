@@ -1,15 +1,18 @@
-//! The CUDA backend's memory and fusion plan, executed on the CPU: every value is written to
-//! and read back from its arena slot's bytes, a fused group computes everything it writes at
-//! its head (the early writes the GPU does), skipped nodes are not run, and a reshape alias is
-//! read from its root's bytes. The outputs must equal those of the same graph evaluated node by
-//! node with no arena. A plan that lets a later value clobber bytes still to be read, skips a
-//! node something else needs, or misplaces a sibling GEMM's output fails here without a GPU.
+//! The CUDA backend's memory and fusion plan, executed on the CPU, for f32 and for bf16
+//! storage: every value is written to its arena slot, whose 2-byte cells record who wrote them
+//! (an element covers its storage size), and read back only while every cell of it still names
+//! it; a fused group computes everything it writes at its head (the early writes the GPU does),
+//! skipped nodes are not run, and a reshape alias is read from its root's cells. The outputs
+//! must equal those of the same graph evaluated node by node with no arena. A plan that lets a
+//! later value clobber bytes still to be read (the error names both), skips a node something
+//! else needs, or misplaces a sibling GEMM's output fails here without a GPU.
 //! Routed expert GEMMs (`cuda::Routing`) keep only their routed rows, by the gates their source
 //! read when it ran (what `moe_route_index` sees), and every row they drop must be zero in the
 //! dense result; a routed weight gradient sums over the routed rows only, so the rows it skips
-//! of its zero-row operand must be zero. A forward attention whose output and lse rows a flash
-//! backward group reads writes the lse rows (here a marker) into the tail of its slot; when the
-//! group runs, the output must still equal the reference and the marker must be intact.
+//! of its zero-row operand must be zero. A routed GEMM whose unrouted rows nothing reads leaves
+//! them unwritten: they read as NaN, and the outputs still equal the reference. A forward
+//! attention whose output and lse rows a flash backward group reads marks the lse rows' cells in
+//! the tail of its slot; when the group runs, the output and the marks must be intact.
 
 use shardc_compiler::compile::{compile, CompileSpec, Job};
 use shardc_compiler::ir::{DType, Graph, Op, ValueId};
@@ -18,7 +21,7 @@ use shardc_compiler::shard::Mesh;
 use shardc_compiler::train::{Precision, TrainOptions};
 use shardc_runtime::cuda::{
     plan_memory, zero_rows, Action, ArenaPlan, FlashBwd, FusedGroup, FusionPlan, GpuDType,
-    RoutedGemm, Routing,
+    RoutedGemm, Routing, Storage,
 };
 use shardc_runtime::{eval_op, Buffer, Tensor};
 use std::collections::HashMap;
@@ -84,16 +87,37 @@ fn reference(g: &Graph, leaves: &HashMap<ValueId, Tensor>) -> Vec<Option<Tensor>
     vals
 }
 
-/// An f32 run of `g` in the arena of `arena` with the fusion decisions of `fusion`.
+/// Who last wrote a 2-byte cell of the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cell {
+    Empty,
+    /// Element `.1` of a value.
+    Elem(ValueId, usize),
+    /// Row `.1` of the lse rows a forward attention keeps for its backward.
+    Lse(ValueId, usize),
+}
+
+/// A run of `g` in the arena of `arena` (planned for storage dtype `dt`) with the fusion
+/// decisions of `fusion`. The arena is tracked cell by cell (2 bytes): each element of a value
+/// covers its storage size (2 bytes in bf16, 4 in f32 and for i32) at its slot's offset, and
+/// records who wrote it; a read of a value requires every cell of it to still name it, so any
+/// plan that lets a later value clobber bytes still to be read fails, at either dtype. The
+/// values themselves are kept in f32, so the outputs equal the reference's to the bit.
 struct Sim<'a> {
     g: &'a Graph,
+    dt: GpuDType,
     arena: &'a ArenaPlan,
     fusion: &'a FusionPlan,
     leaves: &'a HashMap<ValueId, Tensor>,
     /// Every value of the reference run.
     want: &'a [Option<Tensor>],
-    /// The arena, one 4-byte word per element (f32 bits or i32).
-    bytes: Vec<u32>,
+    /// The arena's 2-byte cells.
+    cells: Vec<Cell>,
+    /// What each value was written as.
+    values: HashMap<ValueId, Tensor>,
+    /// Per value written in part (a routed GEMM's unrouted rows): the elements not written,
+    /// NaN when read (whatever the arena held).
+    unwritten_elems: HashMap<ValueId, Vec<bool>>,
     /// Whether a value has been written to its slot.
     written: Vec<bool>,
     routing: Routing,
@@ -108,28 +132,64 @@ struct Sim<'a> {
 }
 
 impl Sim<'_> {
-    fn word(&self, v: ValueId) -> usize {
+    /// The first cell of `v`'s slot and the cells per element.
+    fn cells_of(&self, v: ValueId) -> (usize, usize) {
         let slot = self.arena.slots[v.index()]
             .unwrap_or_else(|| panic!("{}: no slot", self.g.node(v).name));
-        (slot.offset / 4) as usize
+        let elem = Storage::of(self.g.node(v).ty.dtype, self.dt).size_bytes();
+        ((slot.offset / 2) as usize, elem / 2)
     }
 
-    fn store(&mut self, v: ValueId, t: &Tensor) {
+    /// Writes `t` as `v`'s value, but for the elements `skip` names.
+    fn store(&mut self, v: ValueId, t: &Tensor, skip: Option<Vec<bool>>) {
         let slot = self.arena.slots[v.index()].expect("slot");
+        let (at, per) = self.cells_of(v);
         assert!(
-            4 * t.numel() as u64 <= slot.size,
+            (2 * per * t.numel()) as u64 <= slot.size,
             "{}: {} elements in a {}-byte slot",
             self.g.node(v).name,
             t.numel(),
             slot.size
         );
-        let at = self.word(v);
-        let words: Vec<u32> = match &t.data {
-            Buffer::F32(x) => x.iter().map(|f| f.to_bits()).collect(),
-            Buffer::I32(x) => x.iter().map(|&i| i as u32).collect(),
+        for i in 0..t.numel() {
+            if skip.as_ref().is_some_and(|s| s[i]) {
+                continue;
+            }
+            self.cells[at + i * per..at + (i + 1) * per].fill(Cell::Elem(v, i));
+        }
+        match skip {
+            Some(s) => self.unwritten_elems.insert(v, s),
+            None => self.unwritten_elems.remove(&v),
         };
-        self.bytes[at..at + words.len()].copy_from_slice(&words);
+        self.values.insert(v, t.clone());
         self.written[v.index()] = true;
+    }
+
+    /// `v`'s value read from its cells: each must still name `v` (or be one `v` left
+    /// unwritten, NaN in the value already).
+    fn read_cells(&self, v: ValueId) -> Tensor {
+        let t = self.values[&v].clone();
+        let (at, per) = self.cells_of(v);
+        let skip = self.unwritten_elems.get(&v);
+        for i in 0..t.numel() {
+            if skip.is_some_and(|s| s[i]) {
+                continue;
+            }
+            for &c in &self.cells[at + i * per..at + (i + 1) * per] {
+                if c != Cell::Elem(v, i) {
+                    let by = match c {
+                        Cell::Elem(w, _) | Cell::Lse(w, _) => self.g.node(w).name.as_str(),
+                        Cell::Empty => "nothing",
+                    };
+                    panic!(
+                        "{} ({:?}): element {i} was overwritten by {by} before this read",
+                        self.g.node(v).name,
+                        self.dt
+                    );
+                }
+            }
+        }
+        t
     }
 
     /// Value `v` as the GPU would read it now. Inside a fused group (`within`), a value the
@@ -146,15 +206,7 @@ impl Sim<'_> {
             return t;
         }
         if self.written[v.index()] {
-            let (at, n) = (self.word(v), node.ty.numel());
-            let w = &self.bytes[at..at + n];
-            return match node.ty.dtype {
-                DType::I32 => Tensor::i32(node.ty.shape(), w.iter().map(|&x| x as i32).collect()),
-                _ => Tensor::f32(
-                    node.ty.shape(),
-                    w.iter().map(|&x| f32::from_bits(x)).collect(),
-                ),
-            };
+            return self.read_cells(v);
         }
         let Some(cache) = within else {
             panic!(
@@ -180,21 +232,25 @@ impl Sim<'_> {
     /// Routed GEMM `v`'s result `t` cut to its routed rows: every other row must already be
     /// zero (the routing's promise), and is written as zero, or as NaN where the GPU leaves it
     /// unwritten (`Routing::unfilled`: whatever the arena held; nothing may read it).
-    fn keep_routed_rows(&mut self, v: ValueId, t: &mut Tensor) {
+    /// Returns the elements left unwritten, if any.
+    fn keep_routed_rows(&mut self, v: ValueId, t: &mut Tensor) -> Option<Vec<bool>> {
         let r = self.routing.gemms[v.index()].expect("routed");
         let name = self.g.node(v).name.clone();
         self.skip_rows(&name, &r, t, false);
         self.dropped += self.unrouted(&r).len();
-        if self.routing.unfilled[v.index()].is_some() {
-            let width = t.numel() / (r.experts * r.tokens);
-            let Buffer::F32(out) = &mut t.data else {
-                panic!("f32 result")
-            };
-            for (e, n) in self.unrouted(&r) {
-                out[(e * r.tokens + n) * width..][..width].fill(f32::NAN);
-                self.unwritten += 1;
-            }
+        self.routing.unfilled[v.index()].as_ref()?;
+        let width = t.numel() / (r.experts * r.tokens);
+        let mut skip = vec![false; t.numel()];
+        let Buffer::F32(out) = &mut t.data else {
+            panic!("f32 result")
+        };
+        for (e, n) in self.unrouted(&r) {
+            let row = (e * r.tokens + n) * width..(e * r.tokens + n + 1) * width;
+            out[row.clone()].fill(f32::NAN);
+            skip[row].fill(true);
+            self.unwritten += 1;
         }
+        Some(skip)
     }
 
     /// The `(expert, token)` rows `r`'s source did not route.
@@ -226,19 +282,16 @@ impl Sim<'_> {
         }
     }
 
-    /// The words of forward attention `a`'s saved lse rows in the arena, and the marker each
-    /// one holds once `a` ran (the GPU writes the lse there).
-    fn lse_words(&self, a: ValueId) -> (std::ops::Range<usize>, impl Fn(usize) -> u32) {
+    /// The cells of forward attention `a`'s saved lse rows (f32, 2 cells each), from its
+    /// slot's start.
+    fn lse_cells(&self, a: ValueId) -> std::ops::Range<usize> {
         let at = self
             .fusion
-            .saved_lse(self.g, a, GpuDType::F32)
+            .saved_lse(self.g, a, self.dt)
             .expect("saved lse");
         let ty = &self.g.node(a).ty;
-        let start = self.word(a) + at / 4;
-        let tag = a.index() as u32;
-        (start..start + ty.numel() / ty.last(), move |i: usize| {
-            0x7fc0_0000 ^ (tag << 12) ^ i as u32
-        })
+        let start = self.cells_of(a).0 + at / 2;
+        start..start + 2 * (ty.numel() / ty.last())
     }
 
     fn run(mut self) -> (Vec<(String, Tensor)>, usize, usize) {
@@ -272,15 +325,13 @@ impl Sim<'_> {
                     }
                     let refs: Vec<&Tensor> = ins.iter().collect();
                     let mut t = eval_op(&node.op, &refs, &node.ty).expect("eval");
-                    if gemm.is_some() {
-                        self.keep_routed_rows(v, &mut t);
-                    }
-                    self.store(v, &t);
-                    if self.fusion.saved_lse(self.g, v, GpuDType::F32).is_some() {
-                        let (words, mark) = self.lse_words(v);
-                        let start = words.start;
-                        for w in words {
-                            self.bytes[w] = mark(w - start);
+                    let skip = gemm.and_then(|_| self.keep_routed_rows(v, &mut t));
+                    self.store(v, &t, skip);
+                    if self.fusion.saved_lse(self.g, v, self.dt).is_some() {
+                        let cells = self.lse_cells(v);
+                        let start = cells.start;
+                        for c in cells {
+                            self.cells[c] = Cell::Lse(v, (c - start) / 2);
                         }
                     }
                     if self.routing.sources.iter().any(|&(s, _, _)| s == v) {
@@ -302,10 +353,12 @@ impl Sim<'_> {
                             o.data == want.data,
                             "{name}: output clobbered before its backward"
                         );
-                        let (words, mark) = self.lse_words(*a);
-                        let start = words.start;
+                        let cells = self.lse_cells(*a);
+                        let start = cells.start;
                         assert!(
-                            words.into_iter().all(|w| self.bytes[w] == mark(w - start)),
+                            cells
+                                .into_iter()
+                                .all(|c| self.cells[c] == Cell::Lse(*a, (c - start) / 2)),
                             "{name}: lse rows clobbered before its backward"
                         );
                     }
@@ -316,7 +369,7 @@ impl Sim<'_> {
                         .map(|w| (w, self.load(w, Some(&mut cache))))
                         .collect();
                     for (w, t) in outs {
-                        self.store(w, &t);
+                        self.store(w, &t, None);
                     }
                 }
             }
@@ -331,8 +384,9 @@ impl Sim<'_> {
     }
 }
 
-/// Runs `g`'s plan in its arena, unfused and fused (with routed expert GEMMs), and compares
-/// every output with the reference: equal to the bit (the same CPU kernels in the same order).
+/// Runs `g`'s plan in its arena, unfused and fused (with routed expert GEMMs), planned for f32
+/// and for bf16 storage, and compares every output with the reference: equal to the bit (the
+/// same CPU kernels in the same order; the cells only track who wrote the bytes).
 /// Returns the fused groups by label, the rows the routed GEMMs dropped and the rows they left
 /// unwritten (NaN in the run; the outputs equal to the bit show nothing read them).
 fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usize, usize) {
@@ -340,15 +394,21 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
     let want = reference(g, &leaves);
     let mut labels = HashMap::new();
     let (mut dropped, mut unwritten) = (0, 0);
-    for fuse in [false, true] {
-        let (arena, fusion) = plan_memory(g, GpuDType::F32, fuse);
+    for (dt, fuse) in [GpuDType::F32, GpuDType::Bf16]
+        .into_iter()
+        .flat_map(|dt| [(dt, false), (dt, true)])
+    {
+        let (arena, fusion) = plan_memory(g, dt, fuse);
         let sim = Sim {
             g,
+            dt,
             arena: &arena,
             fusion: &fusion,
             leaves: &leaves,
             want: &want,
-            bytes: vec![0; (arena.total / 4) as usize],
+            cells: vec![Cell::Empty; (arena.total / 2) as usize],
+            values: HashMap::new(),
+            unwritten_elems: HashMap::new(),
             written: vec![false; g.len()],
             routing: Routing::of(g, fuse),
             zero: zero_rows(g),
@@ -357,8 +417,10 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
             unwritten: 0,
         };
         let (outs, d, u) = sim.run();
-        dropped += d;
-        unwritten += u;
+        if dt == GpuDType::F32 {
+            dropped += d;
+            unwritten += u;
+        }
         for (name, got) in outs {
             let v = g
                 .outputs
@@ -367,13 +429,13 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
                 .expect("output")
                 .1;
             let want = want[v.index()].as_ref().expect("reference");
-            assert_eq!(got.shape, want.shape, "{what} fuse={fuse}: `{name}`");
+            assert_eq!(got.shape, want.shape, "{what} {dt:?} fuse={fuse}: `{name}`");
             assert!(
                 got.data == want.data,
-                "{what} fuse={fuse}: output `{name}` differs from the reference"
+                "{what} {dt:?} fuse={fuse}: output `{name}` differs from the reference"
             );
         }
-        if fuse {
+        if fuse && dt == GpuDType::F32 {
             for grp in &fusion.groups {
                 *labels.entry(grp.label()).or_insert(0) += 1;
                 if let FusedGroup::AttentionBwd(FlashBwd {
