@@ -193,6 +193,7 @@ fn bad_training_arguments_are_one_line_errors() {
             "--backend cuda --dtype f16",
             "--dtype f16 is not supported by the CUDA backend (f32, bf16)",
         ),
+        ("--cuda-graphs", "--cuda-graphs needs --backend cuda"),
     ];
     let model = train_support::dir("llama").display().to_string();
     for (extra, needle) in cases {

@@ -7,7 +7,8 @@
 #
 # `cli` (part of `test`): `shardc run` and `shardc train` with --backend cuda against --backend
 # cpu on the hf-tiny fixtures, unsharded and on tp=2 virtual ranks (logits within 1e-3,
-# losses within 1e-4, f32).
+# losses within 1e-4, f32), and 5 training steps with --cuda-graphs against eager ones (the
+# same printed losses).
 #
 # Binaries come from .gpu-bin/ (benches/gpu/build.sh), or $SHARDC_GPU_BIN.
 set -uo pipefail
@@ -86,6 +87,19 @@ sys.exit(0 if ok else 1)
 PY
                 [[ $? -eq 0 ]] || echo "$tag compare" >>"$cli/failed"
             done
+            # Five steps eager and with --cuda-graphs (steps 3-5 replayed): the same losses.
+            for graphs in "" "--cuda-graphs"; do
+                "$bin/shardc" train "$dir" --tokens "$cli/$model-ids.json" --steps 5 --backend cuda \
+                    $graphs >"$cli/$model-graphs${graphs:+-on}.txt" || echo "$model train $graphs" >>"$cli/failed"
+            done
+            a="$(grep -o 'loss [-0-9.e]*' "$cli/$model-graphs.txt")"
+            b="$(grep -o 'loss [-0-9.e]*' "$cli/$model-graphs-on.txt")"
+            if [[ -n "$a" && "$a" == "$b" ]]; then
+                echo "$model: 5 training steps with --cuda-graphs print the eager losses: ok"
+            else
+                echo "$model: --cuda-graphs losses [$b] differ from eager [$a]: FAILED"
+                echo "$model graphs compare" >>"$cli/failed"
+            fi
         done
     } 2>&1 | tee "$out/cli.log"
     # The block ran in a pipeline's subshell: its failures come back through this file.

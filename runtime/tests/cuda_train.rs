@@ -611,7 +611,57 @@ fn fixture_training_steps_reproduce_the_cpu_trainer() {
     }
 }
 
-/// A pipeline plan, bf16 and CUDA graphs are refused by name before anything runs.
+/// Unsharded training steps with CUDA graphs (the first eager, the second captured, the rest
+/// replayed) give the eager steps' losses, gradients and weights to the bit: the replays write
+/// each step's state and batch into the captured buffers and read each step's AdamW constants.
+#[test]
+#[ignore = "needs a GPU"]
+fn training_steps_replayed_as_cuda_graphs_equal_eager_steps() {
+    let dev = device();
+    for model in ["llama", "mixtral"] {
+        let dir = fixtures().join(model);
+        let cfg = ModelConfig::from_path(&dir).expect("config");
+        let weights = Weights::open(&dir).expect("weights");
+        let batch = fixture_batch(model);
+        let plan = train_plan(model, &cfg, "", &[]);
+        let run = |graphs: bool| {
+            let opts = CudaOptions {
+                graphs,
+                ..CudaOptions::default()
+            };
+            let mut trainer =
+                CudaTrainer::new(dev.clone(), &plan, &weights, opts).expect("trainer");
+            let mut state = TrainState::load(&plan, &weights).expect("state");
+            let steps: Vec<StepOutput> = (1..=5)
+                .map(|step| {
+                    trainer
+                        .step(&mut state, &batch)
+                        .unwrap_or_else(|e| panic!("{model} graphs={graphs} step {step}: {e}"))
+                })
+                .collect();
+            (steps, state)
+        };
+        let (eager, eager_state) = run(false);
+        let (graphs, graph_state) = run(true);
+        for (step, (a, b)) in eager.iter().zip(&graphs).enumerate() {
+            assert_eq!(
+                a.loss.to_bits(),
+                b.loss.to_bits(),
+                "{model} step {}",
+                step + 1
+            );
+            assert_eq!(grads_rel_l2(a, b), 0.0, "{model} step {}", step + 1);
+        }
+        for (name, w) in &eager_state.params {
+            assert_eq!(
+                &graph_state.params[name], w,
+                "{model}: {name} after 5 steps"
+            );
+        }
+    }
+}
+
+/// A pipeline plan, bf16, and CUDA graphs on a mesh are refused by name before anything runs.
 #[test]
 #[ignore = "needs a GPU"]
 fn unsupported_training_plans_are_refused_by_name() {
@@ -629,27 +679,23 @@ fn unsupported_training_plans_are_refused_by_name() {
         .expect("refused");
     assert!(err.to_string().contains("pipeline"), "{err}");
     let plan = train_plan("llama", &cfg, "", &[]);
-    for (opts, needle) in [
-        (
-            CudaOptions {
-                dtype: GpuDType::Bf16,
-                ..CudaOptions::default()
-            },
-            "--dtype f32",
-        ),
-        (
-            CudaOptions {
-                graphs: true,
-                ..CudaOptions::default()
-            },
-            "without CUDA graphs",
-        ),
-    ] {
-        let err = CudaTrainer::new(dev.clone(), &plan, &weights, opts)
-            .err()
-            .expect("refused");
-        assert!(err.to_string().contains(needle), "{err}");
-    }
+    let bf16 = CudaOptions {
+        dtype: GpuDType::Bf16,
+        ..CudaOptions::default()
+    };
+    let err = CudaTrainer::new(dev.clone(), &plan, &weights, bf16)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("--dtype f32"), "{err}");
+    let graphs = CudaOptions {
+        graphs: true,
+        ..CudaOptions::default()
+    };
+    let tp = train_plan("llama", &cfg, "tp=2", &[]);
+    let err = CudaTrainer::new(dev.clone(), &tp, &weights, graphs)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("CUDA graphs"), "{err}");
 }
 
 /// A training step at Llama-3-8B's layer scale: one decoder layer of Llama-3-8B (hidden 4096,

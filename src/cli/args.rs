@@ -212,6 +212,11 @@ pub struct BackendArgs {
     /// Element type of the CUDA backend (`f32` or `bf16`).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// Replay the program's launches as a CUDA graph (`--backend cuda`, one rank: a mesh's
+    /// ranks communicate, which a graph cannot capture): the second run is captured and later
+    /// runs replay it, so `train` saves the host's launch work from its third step on.
+    #[arg(long)]
+    pub cuda_graphs: bool,
 }
 
 impl Default for BackendArgs {
@@ -219,6 +224,7 @@ impl Default for BackendArgs {
         BackendArgs {
             backend: "cpu".into(),
             dtype: "f32".into(),
+            cuda_graphs: false,
         }
     }
 }
@@ -234,6 +240,7 @@ impl BackendArgs {
         timeout: Duration,
     ) -> anyhow::Result<Option<(Arc<CudaDevice>, CudaOptions)>> {
         match self.backend.as_str() {
+            "cpu" if self.cuda_graphs => bail!("--cuda-graphs needs --backend cuda"),
             "cpu" => return Ok(None),
             "cuda" => {}
             other => bail!("backend `{other}` is not available (available: cpu, cuda)"),
@@ -256,6 +263,7 @@ impl BackendArgs {
         let opts = CudaOptions {
             dtype,
             timeout,
+            graphs: self.cuda_graphs,
             ..CudaOptions::default()
         };
         Ok(Some((dev, opts)))

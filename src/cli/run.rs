@@ -636,6 +636,7 @@ mod cuda_tests {
             backend: super::super::args::BackendArgs {
                 backend: "cuda".into(),
                 dtype: "bf16".into(),
+                cuda_graphs: false,
             },
             comm_timeout: Duration::from_secs(5),
         };

@@ -11,9 +11,11 @@
 //       squared == 0: out = m + w * (g - m)            (the first moment: PyTorch's lerp_)
 //       squared != 0: out = (m * beta) + ((w * g) * g)  (the second: mul_(beta).addcmul_(g, g, w))
 //     out may alias m or g.
-// adamw_update_{f32,bf16}(const T* w, const T* m, const T* v, T* out, i64 n, double decay,
-//                         double step_size, double bc2_sqrt, double eps)
-//     w, m, v, out [n]; in f64 from the exactly widened inputs:
+// adamw_update_{f32,bf16}(const T* w, const T* m, const T* v, T* out, i64 n,
+//                         const double* consts)
+//     w, m, v, out [n]; consts = {decay, step_size, bc2_sqrt, eps} in device memory (written
+//     by the host before each step, so a captured CUDA graph reads each step's values); in f64
+//     from the exactly widened inputs:
 //       out = (w * decay) - ((step_size * m) / (sqrt(v) / bc2_sqrt + eps))
 //     rounded to f32 (then to bf16 for T = bf16, as the CPU's f32 result cast to bf16). The host
 //     computes, in f64 as optim.rs `update` does: decay = 1 - lr * weight_decay,
@@ -35,8 +37,8 @@ __device__ __forceinline__ void adam_moment_impl(const T* m, const T* g, T* out,
 
 template <typename T>
 __device__ __forceinline__ void adamw_update_impl(const T* w, const T* m, const T* v, T* out,
-                                                  i64 n, double decay, double step_size,
-                                                  double bc2_sqrt, double eps) {
+                                                  i64 n, const double* consts) {
+    const double decay = consts[0], step_size = consts[1], bc2_sqrt = consts[2], eps = consts[3];
     const T* in[] = {w, m, v};
     const i64 len[] = {n, n, n};
     fused_elementwise<3, T>(in, len, out, n, [=](const float* x) {
@@ -57,9 +59,8 @@ SHARDC_ADAM_MOMENT(adam_moment_bf16, bf16)
 
 #define SHARDC_ADAMW_UPDATE(NAME, T)                                                   \
     extern "C" __global__ void NAME(const T* w, const T* m, const T* v, T* out, i64 n, \
-                                    double decay, double step_size, double bc2_sqrt,   \
-                                    double eps) {                                      \
-        adamw_update_impl(w, m, v, out, n, decay, step_size, bc2_sqrt, eps);           \
+                                    const double* consts) {                            \
+        adamw_update_impl(w, m, v, out, n, consts);                                    \
     }
 
 SHARDC_ADAMW_UPDATE(adamw_update_f32, float)

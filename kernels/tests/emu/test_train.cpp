@@ -258,7 +258,8 @@ template <class T> void adamw_update_case(int n, int off) {
         Placed<T> w(wt, off), m(mt, off), v(vt, off), out(std::vector<T>(n), off);
         T* o = in_place ? w.p : out.p;
         mark_vec();
-        launch({2}, {32}, [&] { CALL_T(T, adamw_update, w.p, m.p, v.p, o, n, s.decay, s.step_size, s.bc2_sqrt, s.eps); });
+        const double consts[4] = {s.decay, s.step_size, s.bc2_sqrt, s.eps};
+        launch({2}, {32}, [&] { CALL_T(T, adamw_update, w.p, m.p, v.p, o, n, consts); });
         char what[160]; snprintf(what, sizeof what, "adamw_update_%s decay %.3g step_size %.3g bc2_sqrt %.3g n=%d +%d%s", tname<T>(), s.decay, s.step_size, s.bc2_sqrt, n, off, in_place ? " (over w)" : "");
         check_path(what, aligned);
         std::vector<double> want(n);

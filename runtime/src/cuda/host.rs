@@ -42,6 +42,8 @@ pub(super) enum HostData {
     F32(Vec<f32>),
     Bf16(Vec<half::bf16>),
     I32(Vec<i32>),
+    /// Launch constants kept in device memory (AdamW's).
+    F64(Vec<f64>),
 }
 
 impl HostData {
@@ -66,6 +68,7 @@ impl HostData {
             HostData::F32(v) => 4 * v.len(),
             HostData::Bf16(v) => 2 * v.len(),
             HostData::I32(v) => 4 * v.len(),
+            HostData::F64(v) => 8 * v.len(),
         }
     }
 
@@ -121,6 +124,7 @@ impl HostData {
                 HostData::F32(v) => drv::memcpy_htod_async(dst, v, s),
                 HostData::Bf16(v) => drv::memcpy_htod_async(dst, v, s),
                 HostData::I32(v) => drv::memcpy_htod_async(dst, v, s),
+                HostData::F64(v) => drv::memcpy_htod_async(dst, v, s),
             }
         }
         .map_err(CudaError::driver(format!("upload {what} ({bytes} bytes)")))

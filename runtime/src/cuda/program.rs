@@ -31,6 +31,7 @@ use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
 use super::routed::Routing;
 use super::scratch::scratch_sizes;
 use super::support::check_supported;
+use super::train_ops::AdamWConsts;
 use super::{CudaDevice, CudaError};
 use crate::{RuntimeError, Tensor};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -117,9 +118,12 @@ pub struct CudaProgram {
     pub(super) gemm: Option<GemmCache>,
     pub(super) inputs: Vec<Option<DevBuf>>,
     pub(super) host_i32: Vec<Option<Tensor>>,
-    /// The value of each scalar float input of the last upload (an AdamW step count, read by
-    /// the update's launch).
+    /// The value of each scalar float input of the last upload (an AdamW step count).
     pub(super) host_scalar: Vec<Option<f64>>,
+    /// Per `AdamWUpdate`: its step's constants (`AdamWConsts::words`), written with the inputs
+    /// of each run, so a captured CUDA graph reads each step's; `None` until a run's step
+    /// count is known.
+    pub(super) adamw_consts: Vec<Option<DevBuf>>,
     /// The captured run ([`CudaOptions::graphs`]).
     step_graph: Option<StepGraph>,
     /// The input addresses of the last eager run in graph mode: the next run with the same
@@ -236,6 +240,7 @@ impl CudaProgram {
             inputs: (0..graph.len()).map(|_| None).collect(),
             host_i32: vec![None; graph.len()],
             host_scalar: vec![None; graph.len()],
+            adamw_consts: (0..graph.len()).map(|_| None).collect(),
             step_graph: None,
             graph_warm: None,
         };
@@ -421,6 +426,28 @@ impl CudaProgram {
                 _ => self.inputs[v.index()] = Some(data.upload(&self.compute, &what)?),
             }
         }
+        self.write_adamw_consts()
+    }
+
+    /// Each `AdamWUpdate`'s constants for the step count just uploaded, into its buffer
+    /// (stream-ordered after the previous run, which read the previous step's).
+    fn write_adamw_consts(&mut self) -> Result<(), CudaError> {
+        for v in self.graph.ids().collect::<Vec<_>>() {
+            let node = self.graph.node(v);
+            let Op::AdamWUpdate(spec) = &node.op else {
+                continue;
+            };
+            let Some(t) = node.inputs.get(3).and_then(|s| self.host_scalar[s.index()]) else {
+                self.adamw_consts[v.index()] = None;
+                continue;
+            };
+            let data = HostData::F64(AdamWConsts::new(spec, t).words().to_vec());
+            let what = format!("the AdamW constants of `{}`", node.name);
+            match &self.adamw_consts[v.index()] {
+                Some(buf) => data.write(&self.compute, buf, &what)?,
+                None => self.adamw_consts[v.index()] = Some(data.upload(&self.compute, &what)?),
+            }
+        }
         Ok(())
     }
 
@@ -500,17 +527,6 @@ impl CudaProgram {
                 v,
                 "it communicates, and runs that communicate cannot be captured into a CUDA \
                  graph; run this program without CUDA graphs",
-            ));
-        }
-        if let Some(v) = self
-            .graph
-            .ids()
-            .find(|&v| matches!(self.graph.node(v).op, Op::AdamWUpdate(_)))
-        {
-            return Err(self.unsupported(
-                v,
-                "its step count is a launch argument a CUDA graph would freeze; run training \
-                 steps without CUDA graphs",
             ));
         }
         for v in self.graph.ids() {

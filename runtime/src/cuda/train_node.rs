@@ -15,7 +15,7 @@ use super::flash::{saved_lse_offset, FlashBwd, FlashScratch};
 use super::gemm::GemmKey;
 use super::ops::Launcher;
 use super::program::CudaProgram;
-use super::train_ops::{AdamWConsts, AttnDims, Norm};
+use super::train_ops::{AttnDims, Norm};
 use super::{CudaError, GpuDType};
 use shardc_compiler::ir::{AttnWrt, CombineWrt, Node, NormWrt, Op, ValueId};
 
@@ -165,8 +165,9 @@ impl CudaProgram {
             Op::AdamMoment { beta, squared } => {
                 l.adam_moment(dt, p(0), p(1), out, n, beta.0, *squared)
             }
-            Op::AdamWUpdate(spec) => match self.host_scalar[ins[3].index()] {
-                Some(t) => l.adamw_update(dt, p(0), p(1), p(2), out, n, AdamWConsts::new(spec, t)),
+            // The step's constants were written to the node's buffer with the inputs.
+            Op::AdamWUpdate(_) => match &self.adamw_consts[v.index()] {
+                Some(c) => l.adamw_update(dt, p(0), p(1), p(2), out, n, c.ptr),
                 None => Err(self.unsupported(
                     v,
                     "the step count is not a scalar program input (it is read on the host)",

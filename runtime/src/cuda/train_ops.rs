@@ -47,6 +47,11 @@ pub(crate) struct AdamWConsts {
 }
 
 impl AdamWConsts {
+    /// The constants in the order `adamw_update_*` reads them from device memory.
+    pub fn words(&self) -> [f64; 4] {
+        [self.decay, self.step_size, self.bc2_sqrt, self.eps]
+    }
+
     /// The constants of step `t` under `spec`, computed exactly as the CPU reference does.
     pub fn new(spec: &shardc_compiler::ir::AdamWSpec, t: f64) -> AdamWConsts {
         let (lr, b1, b2) = (spec.lr.0 as f64, spec.beta1.0 as f64, spec.beta2.0 as f64);
@@ -392,7 +397,8 @@ impl Launcher<'_> {
             &m, &g, &out, &n64, &beta, &one_minus, &sq)
     }
 
-    /// The AdamW parameter update from the updated moments.
+    /// The AdamW parameter update from the updated moments, its step's constants read from
+    /// `consts` (device memory holding [`AdamWConsts::words`]).
     #[allow(clippy::too_many_arguments)]
     pub fn adamw_update(
         &self,
@@ -402,11 +408,11 @@ impl Launcher<'_> {
         v: u64,
         out: u64,
         n: usize,
-        c: AdamWConsts,
+        consts: u64,
     ) -> Result<(), CudaError> {
         let n64 = i(n);
         launch!(self, entry_name("adamw_update", dt), vector_launch(n, dt);
-            &w, &m, &v, &out, &n64, &c.decay, &c.step_size, &c.bc2_sqrt, &c.eps)
+            &w, &m, &v, &out, &n64, &consts)
     }
 }
 

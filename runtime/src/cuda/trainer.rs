@@ -4,7 +4,9 @@
 //! updated state are checked and kept exactly as on the CPU.
 //!
 //! Unsharded, the prepared program (arena, kernels, GEMM plans) stays on the device from step
-//! to step and only the state and batch travel. On a mesh every rank runs on the one GPU as a
+//! to step and only the state and batch travel; with [`CudaOptions::graphs`] the third step on
+//! replays the second's CUDA graph (the state and batch are written into the same buffers, and
+//! AdamW reads each step's constants from device memory). On a mesh every rank runs on the one GPU as a
 //! virtual rank with the `local-gpu` communicators, prepared afresh each step. Plans with a
 //! pipeline or with a separate micro-batch step program are refused by name, and so is bf16
 //! (it would store the weights and AdamW moments in bf16: see [`CudaTrainer::new`]).
@@ -51,6 +53,13 @@ impl<'p> CudaTrainer<'p> {
                 "a forward plan given to the CUDA trainer".into(),
             ));
         }
+        if opts.graphs && plan.mesh.world_size() > 1 {
+            return Err(TrainError::PlanKind(
+                "CUDA graphs capture one rank's launches: a mesh's ranks communicate, and runs \
+                 that communicate cannot be captured (train on a mesh without CUDA graphs)"
+                    .into(),
+            ));
+        }
         if opts.dtype == GpuDType::Bf16 {
             // Every float the backend stores is bf16: the weights and AdamW moments would be
             // rounded every step, and the updates and weight decay below their half-ulp lost.
@@ -58,13 +67,6 @@ impl<'p> CudaTrainer<'p> {
                 "the CUDA backend trains in f32 (--dtype f32): in bf16 it would keep the weights \
                  and AdamW moments in bf16, rounding away small updates and the weight decay \
                  (mixed precision with f32 master weights is not implemented)"
-                    .into(),
-            ));
-        }
-        if opts.graphs {
-            return Err(TrainError::PlanKind(
-                "a training step's AdamW step count is a launch argument a CUDA graph would \
-                 freeze: train without CUDA graphs"
                     .into(),
             ));
         }
