@@ -662,10 +662,18 @@ fn planner_fusions_match_the_unfused_graph() {
 /// gradients by `routed_weight_grad`) against the dense ones and the CPU: a MoE block (router,
 /// dispatch, both weight layouts, combine) and weight gradients of both layouts, at sizes that
 /// are no tile multiple, with one expert no token chooses; the arena poisoned, so a row the
-/// kernels leave unwritten shows.
+/// kernels leave unwritten shows. Twice: with `up` an output (stored dense), and without (then
+/// `up` and `act` are stored packed, `routed.rs`, and read packed by the down projection and
+/// both weight gradients).
 #[test]
 #[ignore = "needs a GPU"]
 fn routed_expert_gemms_match_dense_and_cpu() {
+    for up_is_output in [true, false] {
+        routed_expert_gemms_case(up_is_output);
+    }
+}
+
+fn routed_expert_gemms_case(up_is_output: bool) {
     let dev = device();
     let mut rng = Rng::new(11);
     let (e, t, h, f) = (3, 35, 72, 136);
@@ -724,7 +732,9 @@ fn routed_expert_gemms_match_dense_and_cpu() {
             "dw_down",
         )
         .unwrap();
-    g.set_output("up", up);
+    if up_is_output {
+        g.set_output("up", up);
+    }
     g.set_output("y", y);
     g.set_output("dw_up", dw_up);
     g.set_output("dw_down", dw_down);
@@ -747,6 +757,12 @@ fn routed_expert_gemms_match_dense_and_cpu() {
         assert_eq!(n_routed, 2, "{dt}: up and down are routed");
         let n_wg = routed.routing().weight_grads.iter().flatten().count();
         assert_eq!(n_wg, 2, "{dt}: both weight gradients are routed");
+        let n_packed = routed.routing().packed.iter().flatten().count();
+        let want_packed = if up_is_output { 0 } else { 2 };
+        assert_eq!(
+            n_packed, want_packed,
+            "{dt}: up and act packed unless up is an output"
+        );
         let got = routed.run(&inputs, &ctx).expect("run routed");
         let dense_opts = CudaOptions {
             routed_experts: false,
@@ -758,7 +774,12 @@ fn routed_expert_gemms_match_dense_and_cpu() {
             GpuDType::F32 => (1e-4, 1e-4),
             GpuDType::Bf16 => (5e-2, 5e-2),
         };
-        for out in ["up", "y", "dw_up", "dw_down"] {
+        let outs: &[&str] = if up_is_output {
+            &["up", "y", "dw_up", "dw_down"]
+        } else {
+            &["y", "dw_up", "dw_down"]
+        };
+        for &out in outs {
             assert_close(
                 &format!("routed {out} {dt} vs cpu"),
                 &got[out],
@@ -775,8 +796,10 @@ fn routed_expert_gemms_match_dense_and_cpu() {
             );
         }
         // Rows of unchosen experts are exactly zero.
-        let up_got = got["up"].as_f32().unwrap();
-        assert!(up_got[2 * 2 * t * f..].iter().all(|&v| v == 0.0), "{dt}");
+        if up_is_output {
+            let up_got = got["up"].as_f32().unwrap();
+            assert!(up_got[2 * 2 * t * f..].iter().all(|&v| v == 0.0), "{dt}");
+        }
     }
 }
 

@@ -20,7 +20,7 @@ use shardc_compiler::model::{build_forward, BuildOptions, ModelConfig};
 use shardc_compiler::shard::Mesh;
 use shardc_compiler::train::{Precision, TrainOptions};
 use shardc_runtime::cuda::{
-    plan_memory, zero_rows, Action, ArenaPlan, FlashBwd, FusedGroup, FusionPlan, GpuDType,
+    plan_memory_routed, zero_rows, Action, ArenaPlan, FlashBwd, FusedGroup, FusionPlan, GpuDType,
     RoutedGemm, Routing, Storage,
 };
 use shardc_runtime::{eval_op, Buffer, Tensor};
@@ -140,28 +140,69 @@ impl Sim<'_> {
         ((slot.offset / 2) as usize, elem / 2)
     }
 
-    /// Writes `t` as `v`'s value, but for the elements `skip` names.
+    /// Where each element of `v` sits in its slot, in elements: its own index for a dense
+    /// value; for a packed one (`Routing::packed`) within its routed row's packed row (expert by
+    /// expert, each expert's tokens in order), `None` for a row its gates do not route.
+    fn positions(&self, v: ValueId) -> Vec<Option<usize>> {
+        let n = self.g.ty(v).numel();
+        let Some(p) = self.routing.packed[v.index()] else {
+            return (0..n).map(Some).collect();
+        };
+        let gates = self.gates[&p.source].as_f32().expect("f32 gates");
+        let experts = self.g.ty(v).shape()[0];
+        let tokens = n / (experts * p.width);
+        let mut row_of = vec![None; experts * tokens];
+        let mut next = 0;
+        for e in 0..experts {
+            for t in 0..tokens {
+                if gates[t * experts + e] != 0.0 {
+                    row_of[e * tokens + t] = Some(next);
+                    next += 1;
+                }
+            }
+        }
+        assert!(
+            next <= p.rows,
+            "{}: {next} routed rows in a packing of {}",
+            self.g.node(v).name,
+            p.rows
+        );
+        (0..n)
+            .map(|i| row_of[i / p.width].map(|r| r * p.width + i % p.width))
+            .collect()
+    }
+
+    /// Writes `t` as `v`'s value, but for the elements `skip` names and those a packed value
+    /// does not hold (all NaN in the value: whatever the arena held).
     fn store(&mut self, v: ValueId, t: &Tensor, skip: Option<Vec<bool>>) {
         let slot = self.arena.slots[v.index()].expect("slot");
         let (at, per) = self.cells_of(v);
+        let stored = self.routing.stored_numel(self.g, v);
         assert!(
-            (2 * per * t.numel()) as u64 <= slot.size,
-            "{}: {} elements in a {}-byte slot",
+            (2 * per * stored) as u64 <= slot.size,
+            "{}: {stored} elements in a {}-byte slot",
             self.g.node(v).name,
-            t.numel(),
             slot.size
         );
-        for i in 0..t.numel() {
-            if skip.as_ref().is_some_and(|s| s[i]) {
-                continue;
+        let pos = self.positions(v);
+        let unwritten: Vec<bool> = (0..t.numel())
+            .map(|i| pos[i].is_none() || skip.as_ref().is_some_and(|s| s[i]))
+            .collect();
+        let mut t = t.clone();
+        if let Buffer::F32(x) = &mut t.data {
+            for (x, &u) in x.iter_mut().zip(&unwritten) {
+                if u {
+                    *x = f32::NAN;
+                }
             }
-            self.cells[at + i * per..at + (i + 1) * per].fill(Cell::Elem(v, i));
         }
-        match skip {
-            Some(s) => self.unwritten_elems.insert(v, s),
-            None => self.unwritten_elems.remove(&v),
-        };
-        self.values.insert(v, t.clone());
+        for (i, p) in pos.iter().enumerate() {
+            if let (Some(p), false) = (p, unwritten[i]) {
+                self.cells[at + p * per..at + (p + 1) * per].fill(Cell::Elem(v, i));
+            }
+        }
+        self.unwritten_elems.insert(v, unwritten);
+        self.values.insert(v, t);
         self.written[v.index()] = true;
     }
 
@@ -170,12 +211,13 @@ impl Sim<'_> {
     fn read_cells(&self, v: ValueId) -> Tensor {
         let t = self.values[&v].clone();
         let (at, per) = self.cells_of(v);
-        let skip = self.unwritten_elems.get(&v);
+        let skip = &self.unwritten_elems[&v];
+        let pos = self.positions(v);
         for i in 0..t.numel() {
-            if skip.is_some_and(|s| s[i]) {
+            let Some(p) = pos[i].filter(|_| !skip[i]) else {
                 continue;
-            }
-            for &c in &self.cells[at + i * per..at + (i + 1) * per] {
+            };
+            for &c in &self.cells[at + p * per..at + (p + 1) * per] {
                 if c != Cell::Elem(v, i) {
                     let by = match c {
                         Cell::Elem(w, _) | Cell::Lse(w, _) => self.g.node(w).name.as_str(),
@@ -238,7 +280,10 @@ impl Sim<'_> {
         let name = self.g.node(v).name.clone();
         self.skip_rows(&name, &r, t, false);
         self.dropped += self.unrouted(&r).len();
-        self.routing.unfilled[v.index()].as_ref()?;
+        let packed = self.routing.packed[v.index()].is_some();
+        if self.routing.unfilled[v.index()].is_none() && !packed {
+            return None;
+        }
         let width = t.numel() / (r.experts * r.tokens);
         let mut skip = vec![false; t.numel()];
         let Buffer::F32(out) = &mut t.data else {
@@ -398,7 +443,14 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
         .into_iter()
         .flat_map(|dt| [(dt, false), (dt, true)])
     {
-        let (arena, fusion) = plan_memory(g, dt, fuse);
+        let routing = Routing::of(g, fuse, dt);
+        let (arena, fusion) = plan_memory_routed(g, dt, fuse, &routing.packed);
+        if fuse && dt == GpuDType::F32 {
+            let packed = routing.packed.iter().flatten().count();
+            if packed > 0 {
+                labels.insert("packed values", packed);
+            }
+        }
         let sim = Sim {
             g,
             dt,
@@ -410,7 +462,7 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
             values: HashMap::new(),
             unwritten_elems: HashMap::new(),
             written: vec![false; g.len()],
-            routing: Routing::of(g, fuse),
+            routing,
             zero: zero_rows(g),
             gates: HashMap::new(),
             dropped: 0,
@@ -455,7 +507,7 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
 /// Forward programs of every fixture model: Llama's k/v and gate/up and Mixtral's k/v run as
 /// sibling GEMMs (their outputs one block), next to the other fused groups; Mixtral's expert
 /// GEMMs on their routed rows (half of them: top-2 of 4 experts), none writing the other rows:
-/// the combine skips them.
+/// the combine skips them; the `[E, tokens, ffn]` values stored as their routed rows only.
 #[test]
 fn forward_plans_compute_the_graph_in_their_arena() {
     for (model, siblings) in [("llama", 2), ("mixtral", 1), ("gpt2", 0)] {
@@ -475,6 +527,13 @@ fn forward_plans_compute_the_graph_in_their_arena() {
         };
         assert_eq!(dropped, want, "{model}");
         assert_eq!(unwritten, want, "{model}");
+        // Mixtral: gate, up, silu and the SwiGLU product stored packed.
+        let packed = if model == "mixtral" {
+            4 * cfg.layers
+        } else {
+            0
+        };
+        assert_eq!(labels.get("packed values").copied().unwrap_or(0), packed);
     }
 }
 
@@ -504,6 +563,15 @@ fn training_plans_compute_the_step_in_their_arena() {
         };
         assert_eq!(dropped, 9 * per_layer, "{model}");
         assert_eq!(unwritten, 6 * per_layer, "{model}");
+        // Mixtral: the forward's four [E, tokens, ffn] values, their saved views, and the
+        // backward's four (the down projection's activation gradient, the SwiGLU product's two,
+        // silu's) stored packed.
+        let packed = if model == "mixtral" {
+            12 * cfg.layers
+        } else {
+            0
+        };
+        assert_eq!(labels.get("packed values").copied().unwrap_or(0), packed);
         // Every layer's backward reads its forward's output and lse.
         for label in ["attention_bwd", "attention_bwd from saved forward"] {
             assert_eq!(

@@ -18,11 +18,17 @@
 //                        T* out,              // [E, tokens, n]
 //                        const int* counts,   // [E]          (moe_route_index)
 //                        const int* rows,     // [E, tokens]  (moe_route_index)
-//                        i64 tokens, int k, int n, int transpose_w)
+//                        i64 tokens, int k, int n, int transpose_w, int packed)
 //     All row-major contiguous. For every expert e and j < counts[e], with r = rows[e * tokens
 //     + j]: out[e, r, :] = a[e, r, :] . w[e] (w[e] read transposed when transpose_w != 0),
 //     accumulated in f32, bf16 output rounded to nearest even. Rows of out not listed are not
-//     written (the caller zero-fills out first); rows past counts[e] are never read.
+//     written (the caller zero-fills out first where they are read); rows past counts[e] are
+//     never read.
+//     Packed operands (bit 0 of `packed`: a, bit 1: out): [rows, k] (or [rows, n]) holding only
+//     the routed rows, expert by expert, each expert's in its list's order: expert e's row j is
+//     row counts[0] + ... + counts[e - 1] + j (a [E, tokens, ..] operand's is e * tokens + r).
+//     A packed operand needs room for counts[0] + ... + counts[E - 1] rows; nothing past them
+//     is read or written.
 //     Launch (exactly): blockDim = (256, 1, 1); gridDim = (ceil(n / BN), ceil(tokens / BM), E);
 //     dynamic shared memory routed_gemm_shared_bytes (launch.rs):
 //       bf16: BM = BN = 128, BK = 32; 2 * (128 + 128) * 32 * 2 + 128 * 4 = 33280 bytes.
@@ -57,7 +63,9 @@
 //                               T* dw,               // [E, k, n], or [E, n, k] when transpose_w
 //                               const int* counts,   // [E]          (moe_route_index)
 //                               const int* rows,     // [E, tokens]  (moe_route_index)
-//                               i64 tokens, int k, int n, int transpose_w)
+//                               i64 tokens, int k, int n, int transpose_w, int packed)
+//     a or dy may be packed as in routed_gemm (bit 0 of `packed`: a, bit 1: dy), expert e's
+//     row j (its j-th listed token r) read there instead of row r of [E, tokens, ..].
 //     The experts' weight gradients on their routed rows: all row-major contiguous; for every
 //     expert e, with R_e = { rows[e * tokens + j] : j < counts[e] },
 //       dw[e][i][c] (transpose_w == 0) or dw[e][c][i] (transpose_w != 0)
@@ -217,6 +225,28 @@ __device__ __forceinline__ void stage_rows(int* row_s, const int* list, int m0, 
     }
 }
 
+// Where one operand's rows of expert e lie. Dense ([E, tokens, width]): row e * tokens + the
+// token. Packed ([rows, width], the experts' routed rows back to back in expert order, each
+// expert's in its list's order): row offs_e + the list position, offs_e = counts[0] + ... +
+// counts[e - 1].
+struct RowMap {
+    i64 base;
+    bool packed;
+};
+
+__device__ __forceinline__ RowMap row_map(const int* counts, int e, i64 tokens, bool packed) {
+    i64 offs = 0;
+    if (packed) {
+        for (int i = 0; i < e; ++i) offs += counts[i];
+    }
+    return RowMap{packed ? offs : (i64)e * tokens, packed};
+}
+
+// The row of list position `pos`, whose token is `token`.
+__device__ __forceinline__ i64 map_row(RowMap m, int token, int pos) {
+    return m.base + (m.packed ? pos : token);
+}
+
 // A warp's 16-wide k step of its 64 x 32 tile: acc[mt][nb] (16 x 8 f32 C fragments) += A
 // fragment mt (16 x 16) times B column block nb (16 x 8, block nb's two registers at
 // bfr[nb / 2] + 2 * (nb % 2)). Shared by routed_gemm_bf16 and routed_weight_grad_bf16.
@@ -275,7 +305,7 @@ __device__ __forceinline__ void rg_issue_tile(bf16* a_s, bf16* b_s, const bf16* 
 template <bool TRANS_W>
 __device__ __forceinline__ void routed_gemm_tc(const bf16* a, const bf16* w, bf16* out,
                                                const int* counts, const int* rows, i64 tokens,
-                                               int k, int n) {
+                                               int k, int n, int packed) {
     if ((k & 7) != 0 || (n & 7) != 0) __trap();
     extern __shared__ float smem[];
     bf16* a_s = (bf16*)smem;                          // [2][128 x 32]
@@ -299,13 +329,15 @@ __device__ __forceinline__ void routed_gemm_tc(const bf16* a, const bf16* w, bf1
     stage_rows<RG_BM>(row_s, rows + (i64)e * tokens, m0, count);
     __syncthreads();
 
-    const bf16* a_e = a + (i64)e * tokens * k;
+    const RowMap am = row_map(counts, e, tokens, packed & 1);
+    const RowMap om = row_map(counts, e, tokens, packed & 2);
     const bf16* w_e = w + (i64)e * k * n;
     const bf16* a_row[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int r = row_s[(tid >> 2) + 64 * i];
-        a_row[i] = r >= 0 ? a_e + (i64)r * k : nullptr;
+        const int j = (tid >> 2) + 64 * i;
+        const int r = row_s[j];
+        a_row[i] = r >= 0 ? a + map_row(am, r, m0 + j) * k : nullptr;
     }
 
     float acc[4][4][4];  // [m block of 16][n block of 8][C fragment]
@@ -358,14 +390,14 @@ __device__ __forceinline__ void routed_gemm_tc(const bf16* a, const bf16* w, bf1
         __syncthreads();  // this buffer is free for the copy issued next iteration
     }
 
-    bf16* out_e = out + (i64)e * tokens * n;
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = row_s[wm * 64 + mt * 16 + g + 8 * h];
+            const int j = wm * 64 + mt * 16 + g + 8 * h;
+            const int r = row_s[j];
             if (r < 0) continue;
-            bf16* orow = out_e + (i64)r * n;
+            bf16* orow = out + map_row(om, r, m0 + j) * n;
 #pragma unroll
             for (int nb = 0; nb < 4; ++nb) {
                 const int col = n0 + wn * 32 + nb * 8 + 2 * c;
@@ -383,7 +415,7 @@ __device__ __forceinline__ void routed_gemm_tc(const bf16* a, const bf16* w, bf1
 template <bool TRANS_W>
 __device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, float* out,
                                                 const int* counts, const int* rows, i64 tokens,
-                                                int k, int n) {
+                                                int k, int n, int packed) {
     extern __shared__ float smem[];
     float* a_s = smem;                      // [16][65]: a_s[kk][j] = A[row j][k0 + kk]
     float* b_s = a_s + RGF_BK * RGF_PAD;    // [16][65]: b_s[kk][col] = W[k0 + kk][n0 + col]
@@ -401,7 +433,8 @@ __device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, 
     stage_rows<RGF_BM>(row_s, rows + (i64)e * tokens, m0, count);
     __syncthreads();
 
-    const float* a_e = a + (i64)e * tokens * k;
+    const RowMap am = row_map(counts, e, tokens, packed & 1);
+    const RowMap om = row_map(counts, e, tokens, packed & 2);
     const float* w_e = w + (i64)e * k * n;
     float acc[4][4];
 #pragma unroll
@@ -419,7 +452,7 @@ __device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, 
             const int kk = idx & 15;  // k within the tile, 16 consecutive per row
             const int r = row_s[j];
             const bool kin = k0 + kk < k;
-            a_s[kk * RGF_PAD + j] = r >= 0 && kin ? a_e[(i64)r * k + k0 + kk] : 0.0f;
+            a_s[kk * RGF_PAD + j] = r >= 0 && kin ? a[map_row(am, r, m0 + j) * k + k0 + kk] : 0.0f;
             if (TRANS_W) {
                 const int col = n0 + j;
                 b_s[kk * RGF_PAD + j] = col < n && kin ? w_e[(i64)col * k + k0 + kk] : 0.0f;
@@ -435,15 +468,15 @@ __device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, 
         __syncthreads();
     }
 
-    float* out_e = out + (i64)e * tokens * n;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int r = row_s[ty + 16 * i];
         if (r < 0) continue;
+        float* orow = out + map_row(om, r, m0 + ty + 16 * i) * n;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int col = n0 + tx + 16 * j;
-            if (col < n) out_e[(i64)r * n + col] = acc[i][j];
+            if (col < n) orow[col] = acc[i][j];
         }
     }
 }
@@ -459,11 +492,12 @@ __device__ __forceinline__ void routed_gemm_fma(const float* a, const float* w, 
 // ---- routed_weight_grad_bf16: tensor cores -----------------------------------------------------
 
 // Starts the copies of the row chunk whose staged token rows are rw[0 .. RG_BK - 1] (-1 past
-// count): A tile = a[e, r, k0 .. k0 + 127], D tile = dy[e, r, n0 .. n0 + 127], both RG_BK x 128
-// (rows of 16 chunks), zero-filled where the row is -1 or the chunk lies past k or n.
-__device__ __forceinline__ void rwg_issue_chunk(bf16* a_s, bf16* d_s, const int* rw,
-                                                const bf16* a_e, const bf16* dy_e, int k, int n,
-                                                int k0, int n0) {
+// count), list positions pos0 ..: A tile = a's row (am) k0 .. k0 + 127, D tile = dy's row (dm)
+// n0 .. n0 + 127, both RG_BK x 128 (rows of 16 chunks), zero-filled where the row is -1 or the
+// chunk lies past k or n.
+__device__ __forceinline__ void rwg_issue_chunk(bf16* a_s, bf16* d_s, const int* rw, int pos0,
+                                                const bf16* a, RowMap am, const bf16* dy,
+                                                RowMap dm, int k, int n, int k0, int n0) {
     const int tid = threadIdx.x;
     const int bj = tid >> 4;   // rows bj and bj + 16 of the chunk
     const int bch = tid & 15;  // 16-byte chunk of the row
@@ -475,17 +509,17 @@ __device__ __forceinline__ void rwg_issue_chunk(bf16* a_s, bf16* d_s, const int*
         const int r = rw[j];
         const bool aok = r >= 0 && kc < k;
         const bool dok = r >= 0 && nc < n;
-        cp_async_cg16(a_s + tile_swizzle<RG_BM>(j, bch), aok ? a_e + (i64)r * k + kc : a_e,
-                      aok ? 16 : 0);
-        cp_async_cg16(d_s + tile_swizzle<RG_BN>(j, bch), dok ? dy_e + (i64)r * n + nc : dy_e,
-                      dok ? 16 : 0);
+        cp_async_cg16(a_s + tile_swizzle<RG_BM>(j, bch),
+                      aok ? a + map_row(am, r, pos0 + j) * k + kc : a, aok ? 16 : 0);
+        cp_async_cg16(d_s + tile_swizzle<RG_BN>(j, bch),
+                      dok ? dy + map_row(dm, r, pos0 + j) * n + nc : dy, dok ? 16 : 0);
     }
 }
 
 template <bool TRANS_W>
 __device__ __forceinline__ void routed_weight_grad_tc(const bf16* a, const bf16* dy, bf16* dw,
                                                       const int* counts, const int* rows,
-                                                      i64 tokens, int k, int n) {
+                                                      i64 tokens, int k, int n, int packed) {
     if ((k & 7) != 0 || (n & 7) != 0) __trap();
     extern __shared__ float smem[];
     bf16* a_s = (bf16*)smem;                        // [2][32 rows x 128 k]
@@ -498,8 +532,8 @@ __device__ __forceinline__ void routed_weight_grad_tc(const bf16* a, const bf16*
     if (k0 >= k || n0 >= n) return;  // uniform over the block (only for a grid too large)
     const int count = counts[e];
     const int* list = rows + (i64)e * tokens;
-    const bf16* a_e = a + (i64)e * tokens * k;
-    const bf16* dy_e = dy + (i64)e * tokens * n;
+    const RowMap am = row_map(counts, e, tokens, packed & 1);
+    const RowMap dm = row_map(counts, e, tokens, packed & 2);
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -518,7 +552,7 @@ __device__ __forceinline__ void routed_weight_grad_tc(const bf16* a, const bf16*
     if (chunks > 0) {
         stage_rows<RWG_WINDOW>(row_s, list, 0, count);
         __syncthreads();
-        rwg_issue_chunk(a_s, d_s, row_s, a_e, dy_e, k, n, k0, n0);
+        rwg_issue_chunk(a_s, d_s, row_s, 0, a, am, dy, dm, k, n, k0, n0);
         cp_async_commit();
     }
     for (int it = 0; it < chunks; ++it) {
@@ -533,7 +567,7 @@ __device__ __forceinline__ void routed_weight_grad_tc(const bf16* a, const bf16*
             }
             // The other buffer was released by the barrier that ended the previous iteration.
             rwg_issue_chunk(a_s + (buf ^ 1) * RG_BK * RG_BM, d_s + (buf ^ 1) * RG_BK * RG_BN,
-                            row_s + j1 % RWG_WINDOW, a_e, dy_e, k, n, k0, n0);
+                            row_s + j1 % RWG_WINDOW, j1, a, am, dy, dm, k, n, k0, n0);
             cp_async_commit();
             cp_async_wait<1>();  // all but the chunk just issued
         } else {
@@ -616,7 +650,7 @@ template <bool TRANS_W>
 __device__ __forceinline__ void routed_weight_grad_fma(const float* a, const float* dy,
                                                        float* dw, const int* counts,
                                                        const int* rows, i64 tokens, int k,
-                                                       int n) {
+                                                       int n, int packed) {
     extern __shared__ float smem[];
     float* a_s = smem;                          // [16][64]: a_s[j][i] = a[e, row j, k0 + i]
     float* d_s = a_s + RGF_BK * RGF_BM;         // [16][64]: d_s[j][c] = dy[e, row j, n0 + c]
@@ -628,8 +662,8 @@ __device__ __forceinline__ void routed_weight_grad_fma(const float* a, const flo
     if (k0 >= k || n0 >= n) return;  // uniform over the block (only for a grid too large)
     const int count = counts[e];
     const int* list = rows + (i64)e * tokens;
-    const float* a_e = a + (i64)e * tokens * k;
-    const float* dy_e = dy + (i64)e * tokens * n;
+    const RowMap am = row_map(counts, e, tokens, packed & 1);
+    const RowMap dm = row_map(counts, e, tokens, packed & 2);
 
     // Thread tid owns k rows ki + 16 i and n columns ni + 16 q; the 16 lanes of a half warp
     // run along dw's rows (n for [k, n], k for [n, k]), so the stores are coalesced.
@@ -656,8 +690,8 @@ __device__ __forceinline__ void routed_weight_grad_fma(const float* a, const flo
             const int j = idx >> 6;    // row of the chunk
             const int cc = idx & 63;   // k (a) or n (dy) within the tile
             const int r = row_s[j0 % RWG_WINDOW + j];
-            a_s[idx] = r >= 0 && k0 + cc < k ? a_e[(i64)r * k + k0 + cc] : 0.0f;
-            d_s[idx] = r >= 0 && n0 + cc < n ? dy_e[(i64)r * n + n0 + cc] : 0.0f;
+            a_s[idx] = r >= 0 && k0 + cc < k ? a[map_row(am, r, j0 + j) * k + k0 + cc] : 0.0f;
+            d_s[idx] = r >= 0 && n0 + cc < n ? dy[map_row(dm, r, j0 + j) * n + n0 + cc] : 0.0f;
         }
         __syncthreads();
         rgf_fma_4x4(a_s + ki, RGF_BM, d_s + ni, RGF_BN, acc);
@@ -689,12 +723,12 @@ __device__ __forceinline__ void routed_weight_grad_fma(const float* a, const flo
     extern "C" __global__ void RG_LAUNCH_BOUNDS NAME(const T* a, const T* b, T* out,          \
                                                      const int* counts, const int* rows,      \
                                                      i64 tokens, int k, int n,                \
-                                                     int transpose_w) {                       \
+                                                     int transpose_w, int packed) {           \
         if (blockDim.x != RG_THREADS || blockDim.y != 1 || blockDim.z != 1) __trap();         \
         if (transpose_w) {                                                                    \
-            IMPL<true>(a, b, out, counts, rows, tokens, k, n);                                \
+            IMPL<true>(a, b, out, counts, rows, tokens, k, n, packed);                        \
         } else {                                                                              \
-            IMPL<false>(a, b, out, counts, rows, tokens, k, n);                               \
+            IMPL<false>(a, b, out, counts, rows, tokens, k, n, packed);                       \
         }                                                                                     \
     }
 

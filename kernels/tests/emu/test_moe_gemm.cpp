@@ -1,7 +1,8 @@
 // moe_gemm.cu under the SIMT emulation: moe_route_index (counts and ascending token lists per
 // expert) against a reference written from the contract, and routed_gemm_{f32,bf16} in both
 // weight layouts against double-precision products of the listed rows (the unlisted rows of the
-// activation NaN), with every unlisted row of out required to keep its sentinel (rows past counts[e] in the list hold other valid token
+// activation NaN), dense or packed (a, out or both: the routed rows back to back, spare rows
+// past them), with every unlisted row of out required to keep its sentinel (rows past counts[e] in the list hold other valid token
 // indices, so reading them would show). Sizes are off the tiles (tokens 70/260/1100, k 16/40/72,
 // n 24/136) and the routing has an expert with every token and one with none.
 #include "check.h"
@@ -59,7 +60,7 @@ void route_index_case(int N, int E, unsigned threads) {
 }
 
 template <class T>
-void gemm_case(int E, int N, int K, int Nout, int trans) {
+void gemm_case(int E, int N, int K, int Nout, int trans, int packed) {
     const bool bf = sizeof(T) == 2;
     auto g = make_gates(N, E);
     std::vector<int> counts, rows;
@@ -74,41 +75,61 @@ void gemm_case(int E, int N, int K, int Nout, int trans) {
         for (int n = 0; n < N; ++n)
             if (g[(size_t)n * E + e] == 0)
                 for (int kk = 0; kk < K; ++kk) a[((size_t)e * N + n) * K + kk] = NAN;
-    Placed<T> ap(as<T>(a), 0), wp(as<T>(w), 0);
+    // Packed operands: the routed rows back to back (expert e's row j at offs[e] + j), then
+    // 3 spare rows (NaN in a, the sentinel in out) that must stay unread and unwritten.
+    std::vector<size_t> offs(E, 0);
+    for (int e = 1; e < E; ++e) offs[e] = offs[e - 1] + counts[e - 1];
+    const size_t total = offs[E - 1] + counts[E - 1], cap = total + 3;
+    auto dense_row = [&](int e, int j) { return (size_t)e * N + rows[(size_t)e * N + j]; };
+    auto out_row = [&](int e, int j) { return packed & 2 ? offs[e] + j : dense_row(e, j); };
+    auto at = as<T>(a);  // rounds a to T in place
+    std::vector<T> ab = at;
+    if (packed & 1) {
+        ab.assign(cap * K, (T)0);
+        std::vector<float> spare(K, NAN);
+        auto sp = as<T>(spare);
+        for (size_t r = total; r < cap; ++r) std::copy(sp.begin(), sp.end(), ab.begin() + r * K);
+        for (int e = 0; e < E; ++e)
+            for (int j = 0; j < counts[e]; ++j)
+                std::copy_n(at.begin() + dense_row(e, j) * K, K, ab.begin() + (offs[e] + j) * K);
+    }
+    Placed<T> ap(ab, 0), wp(as<T>(w), 0);
     const float sentinel = 1152.0f;  // exact in bf16
-    std::vector<float> s((size_t)E * N * Nout, sentinel);
+    const size_t out_rows = packed & 2 ? cap : (size_t)E * N;
+    std::vector<float> s(out_rows * Nout, sentinel);
     Placed<T> op(as<T>(s), 0);
     const dim3 grid{(unsigned)((Nout + tile_n<T>() - 1) / tile_n<T>()),
                     (unsigned)((N + tile_m<T>() - 1) / tile_m<T>()), (unsigned)E};
     launch(grid, {RG_THREADS}, [&] {
-        CALL_T(T, routed_gemm, ap.p, wp.p, op.p, counts.data(), rows.data(), (i64)N, K, Nout, trans);
+        CALL_T(T, routed_gemm, ap.p, wp.p, op.p, counts.data(), rows.data(), (i64)N, K, Nout, trans, packed);
     });
-    const auto out = op.f32((size_t)E * N * Nout);
+    const auto out = op.f32(out_rows * Nout);
     // Routed rows against the double reference; every other row untouched.
     std::vector<float> got;
     std::vector<double> want;
-    std::vector<char> listed((size_t)E * N, 0);
+    std::vector<char> listed(out_rows, 0);
     for (int e = 0; e < E; ++e) {
         for (int j = 0; j < counts[e]; ++j) {
-            const int r = rows[(size_t)e * N + j];
-            listed[(size_t)e * N + r] = 1;
+            const size_t r = dense_row(e, j), o = out_row(e, j);
+            listed[o] = 1;
             for (int c = 0; c < Nout; ++c) {
                 double acc = 0;
                 for (int kk = 0; kk < K; ++kk) {
                     const double wv = trans ? w[((size_t)e * Nout + c) * K + kk] : w[((size_t)e * K + kk) * Nout + c];
-                    acc += (double)a[((size_t)e * N + r) * K + kk] * wv;
+                    acc += (double)a[r * K + kk] * wv;
                 }
                 want.push_back(acc);
-                got.push_back(out[((size_t)e * N + r) * Nout + c]);
+                got.push_back(out[o * Nout + c]);
             }
         }
     }
-    char what[160];
-    snprintf(what, sizeof what, "routed_gemm_%s E=%d tokens=%d k=%d n=%d transpose_w=%d", tname<T>(), E, N, K, Nout, trans);
+    char what[200];
+    snprintf(what, sizeof what, "routed_gemm_%s E=%d tokens=%d k=%d n=%d transpose_w=%d packed a=%d out=%d",
+             tname<T>(), E, N, K, Nout, trans, packed & 1, (packed >> 1) & 1);
     // f32: about twice the worst error seen; bf16: the output rounded to 8 bits.
     check_tol(what, got, want, bf ? 4e-3 : 2e-6, bf ? 4e-3 : 2e-6);
     size_t touched = 0, unlisted = 0;
-    for (size_t row = 0; row < (size_t)E * N; ++row) {
+    for (size_t row = 0; row < out_rows; ++row) {
         if (listed[row]) continue;
         unlisted++;
         for (int c = 0; c < Nout; ++c) touched += out[row * Nout + c] != sentinel;
@@ -130,8 +151,15 @@ int main() {
     const int shapes[][4] = {{3, 70, 40, 24}, {3, 70, 72, 136}, {4, 260, 40, 136}, {3, 1100, 16, 136}};
     for (auto& s : shapes) {
         for (int trans : {0, 1}) {
-            gemm_case<float>(s[0], s[1], s[2], s[3], trans);
-            gemm_case<bf16>(s[0], s[1], s[2], s[3], trans);
+            gemm_case<float>(s[0], s[1], s[2], s[3], trans, 0);
+            gemm_case<bf16>(s[0], s[1], s[2], s[3], trans, 0);
+        }
+    }
+    // Packed a, packed out, both (the rows of an expert back to back, offsets from counts).
+    for (auto& s : {shapes[1], shapes[2]}) {
+        for (int packed : {1, 2, 3}) {
+            gemm_case<float>(s[0], s[1], s[2], s[3], packed == 2, packed);
+            gemm_case<bf16>(s[0], s[1], s[2], s[3], packed != 2, packed);
         }
     }
     printf("worst error at %.2f of its tolerance\n", worst_seen);

@@ -5,7 +5,8 @@
 // list entries past counts[e] name such rows, so any read outside the routed rows shows; dw is
 // pre-filled with a sentinel that every element must lose. Sizes are off the tiles (tokens
 // 70/130/300, k 40/72/136, n 24/136), and 300 routed rows take 10 bf16 / 19 f32 row chunks and
-// a second window of staged row indices.
+// a second window of staged row indices. a and dy are also given packed (the routed rows back
+// to back, spare NaN rows after them), each and both.
 #include "check.h"
 #include "cu/moe_gemm.cu"
 
@@ -39,7 +40,7 @@ void make_routing(int N, int E, std::vector<int>& counts, std::vector<int>& rows
 }
 
 template <class T>
-void weight_grad_case(int E, int N, int K, int Nout, int trans) {
+void weight_grad_case(int E, int N, int K, int Nout, int trans, int packed) {
     const bool bf = sizeof(T) == 2;
     std::vector<int> counts, rows;
     make_routing(N, E, counts, rows);
@@ -53,14 +54,31 @@ void weight_grad_case(int E, int N, int K, int Nout, int trans) {
         for (int i = 0; i < K; ++i) a[row * K + i] = NAN;
         for (int c = 0; c < Nout; ++c) dy[row * Nout + c] = NAN;
     }
-    Placed<T> ap(as<T>(a), 0), dyp(as<T>(dy), 0);
+    // Packed operands (bit 0: a, bit 1: dy): the routed rows back to back, expert e's row j at
+    // offs[e] + j, then 3 spare rows of NaN.
+    std::vector<size_t> offs(E, 0);
+    for (int e = 1; e < E; ++e) offs[e] = offs[e - 1] + counts[e - 1];
+    const size_t cap = offs[E - 1] + counts[E - 1] + 3;
+    auto pack = [&](std::vector<T> dense, int width, bool on) {
+        if (!on) return dense;
+        std::vector<float> nan(width, NAN);
+        auto spare = as<T>(nan);
+        std::vector<T> p(cap * width);
+        for (size_t r = 0; r < cap; ++r) std::copy(spare.begin(), spare.end(), p.begin() + r * width);
+        for (int e = 0; e < E; ++e)
+            for (int j = 0; j < counts[e]; ++j)
+                std::copy_n(dense.begin() + ((size_t)e * N + rows[(size_t)e * N + j]) * width, width,
+                            p.begin() + (offs[e] + j) * width);
+        return p;
+    };
+    Placed<T> ap(pack(as<T>(a), K, packed & 1), 0), dyp(pack(as<T>(dy), Nout, packed & 2), 0);
     const float sentinel = 1152.0f;  // exact in bf16
     std::vector<float> s((size_t)E * K * Nout, sentinel);
     Placed<T> wp(as<T>(s), 0);
     const dim3 grid{(unsigned)((Nout + tile_n<T>() - 1) / tile_n<T>()),
                     (unsigned)((K + tile_k<T>() - 1) / tile_k<T>()), (unsigned)E};
     launch(grid, {RG_THREADS}, [&] {
-        CALL_T(T, routed_weight_grad, ap.p, dyp.p, wp.p, counts.data(), rows.data(), (i64)N, K, Nout, trans);
+        CALL_T(T, routed_weight_grad, ap.p, dyp.p, wp.p, counts.data(), rows.data(), (i64)N, K, Nout, trans, packed);
     });
     const auto dw = wp.f32((size_t)E * K * Nout);
     std::vector<float> got;
@@ -85,9 +103,9 @@ void weight_grad_case(int E, int N, int K, int Nout, int trans) {
             }
         }
     }
-    char what[160];
-    snprintf(what, sizeof what, "routed_weight_grad_%s E=%d tokens=%d k=%d n=%d transpose_w=%d counts",
-             tname<T>(), E, N, K, Nout, trans);
+    char what[200];
+    snprintf(what, sizeof what, "routed_weight_grad_%s E=%d tokens=%d k=%d n=%d transpose_w=%d packed a=%d dy=%d counts",
+             tname<T>(), E, N, K, Nout, trans, packed & 1, (packed >> 1) & 1);
     for (int e = 0; e < E; ++e) snprintf(what + strlen(what), sizeof what - strlen(what), " %d", counts[e]);
     // f32: about twice the worst error seen (sums of up to 300 products); bf16: the output
     // rounded to 8 bits.
@@ -105,8 +123,15 @@ int main() {
     const int shapes[][4] = {{3, 70, 40, 24}, {4, 300, 72, 136}, {3, 130, 136, 24}};
     for (auto& s : shapes) {
         for (int trans : {0, 1}) {
-            weight_grad_case<float>(s[0], s[1], s[2], s[3], trans);
-            weight_grad_case<bf16>(s[0], s[1], s[2], s[3], trans);
+            weight_grad_case<float>(s[0], s[1], s[2], s[3], trans, 0);
+            weight_grad_case<bf16>(s[0], s[1], s[2], s[3], trans, 0);
+        }
+    }
+    // Packed a, packed dy, both; 300 rows cross the staged window.
+    for (auto& s : {shapes[0], shapes[1]}) {
+        for (int packed : {1, 2, 3}) {
+            weight_grad_case<float>(s[0], s[1], s[2], s[3], packed == 2, packed);
+            weight_grad_case<bf16>(s[0], s[1], s[2], s[3], packed != 2, packed);
         }
     }
     printf("worst error at %.2f of its tolerance\n", worst_seen);

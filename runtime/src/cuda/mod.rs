@@ -55,13 +55,13 @@ pub use flash::{flash_candidates, FlashBwd};
 pub use gemm::{Epilogue, GemmCache, GemmKey};
 pub use node::cublas_epilogue;
 pub use plan::{
-    early_write_ok, fused_expr, last_uses, plan_arena, plan_memory, reshape_aliases, retyped,
-    sibling_stride, Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType, SiblingGemms, Slot,
-    Storage,
+    early_write_ok, fused_expr, last_uses, plan_arena, plan_memory, plan_memory_routed,
+    reshape_aliases, retyped, sibling_stride, Action, ArenaPlan, FusedGroup, FusionPlan, GpuDType,
+    SiblingGemms, Slot, Storage,
 };
 pub use program::{execute_cuda, graph_blocker, CudaProgram};
 pub use rank::{CudaOptions, CudaRankCtx, ParamInit};
-pub use routed::{zero_rows, RoutedGemm, Routing};
+pub use routed::{zero_rows, Packed, RoutedGemm, Routing};
 pub use spmd::{run_nccl_rank, run_spmd_local_gpu, run_spmd_nccl_threads, CudaRankError};
 pub use strided::{contiguous_strides, StridedSpec, MAX_RANK};
 pub use trainer::CudaTrainer;

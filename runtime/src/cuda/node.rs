@@ -148,7 +148,7 @@ impl CudaProgram {
         let node = self.graph.node(v).clone();
         let ins = &node.inputs;
         let out = self.ptr(v);
-        let n = node.ty.numel();
+        let n = self.numel(v);
         let dt = self.dt();
         let x = ins.first().map(|&i| self.ptr(i)).unwrap_or(0);
         match &node.op {
@@ -409,6 +409,7 @@ impl CudaProgram {
     /// takes its operands; `false`: run it densely.
     fn routed_gemm(&self, v: ValueId, l: &Launcher) -> Result<bool, CudaError> {
         let Some(r) = self.runs_routed(v) else {
+            self.no_dense_fallback(v)?;
             return Ok(false);
         };
         let node = self.graph.node(v);
@@ -418,15 +419,39 @@ impl CudaProgram {
             self.ptr(v),
         );
         // Rows no expert takes are zero (the dense result there), unless nothing reads them
-        // and the readers relied on for that run routed too (`Routing::unfilled`).
-        let unread = self.routing.unfilled[v.index()]
-            .as_ref()
-            .is_some_and(|must| must.iter().all(|&u| self.runs_routed(u).is_some()));
+        // and the readers relied on for that run routed too (`Routing::unfilled`), or the
+        // output is packed (it holds the routed rows only).
+        let packed = self.routing.packed_flags(&self.graph, v);
+        let unread = packed & 2 != 0
+            || self.routing.unfilled[v.index()]
+                .as_ref()
+                .is_some_and(|must| must.iter().all(|&u| self.runs_routed(u).is_some()));
         if !unread {
             l.memset(out, 0, self.numel(v) * self.elem(v))?;
         }
-        l.routed(self.dt(), false, [a, w, out], self.route_lists(&r), &r)?;
+        l.routed(
+            self.dt(),
+            false,
+            [a, w, out],
+            self.route_lists(&r),
+            &r,
+            packed,
+        )?;
         Ok(true)
+    }
+
+    /// An expert GEMM or weight gradient about to run densely: an error when it reads or writes
+    /// a packed value (those hold the routed rows only, which the routed kernels alone address;
+    /// they fall back only when an operand's address is not 16-byte aligned).
+    pub(super) fn no_dense_fallback(&self, v: ValueId) -> Result<(), CudaError> {
+        if !self.routing.touches_packed(&self.graph, v) {
+            return Ok(());
+        }
+        Err(self.unsupported(
+            v,
+            "an operand holds packed expert rows but the routed kernel does not take this call \
+             (an operand's address is not 16-byte aligned); run with routed experts off",
+        ))
     }
 
     /// After routing source `v` (a `Dispatch` or `CombineGrad { wrt: y }`) has run: its gates'

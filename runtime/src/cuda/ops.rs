@@ -324,7 +324,8 @@ impl<'a> Launcher<'a> {
     /// (`(counts, rows)` from [`Launcher::moe_route_index`]), operands `[a, b, out]`:
     /// `routed_gemm`, `out[e, r] = a[e, r] · b[e]` (other rows untouched), or with
     /// `weight_grad` `routed_weight_grad`, `out[e] = Σ_r a[e, r]ᵀ · b[e, r]` (`b` = dy), `[E, k,
-    /// n]` or (`transpose_w`) `[E, n, k]`, every element written.
+    /// n]` or (`transpose_w`) `[E, n, k]`, every element written. `packed` flags the operands
+    /// held as packed rows (`Routing::packed_flags`).
     pub fn routed(
         &self,
         dt: KernelDType,
@@ -332,6 +333,7 @@ impl<'a> Launcher<'a> {
         [a, b, out]: [u64; 3],
         (counts, rows): (u64, u64),
         r: &RoutedGemm,
+        packed: i32,
     ) -> Result<(), CudaError> {
         let (n_tok, k, n) = (i(r.tokens), r.k as i32, r.n as i32);
         let tw = r.transpose_w as i32;
@@ -345,7 +347,7 @@ impl<'a> Launcher<'a> {
             )
         };
         launch!(self, entry_name(op, dt), cfg;
-            &a, &b, &out, &counts, &rows, &n_tok, &k, &n, &tw)
+            &a, &b, &out, &counts, &rows, &n_tok, &k, &n, &tw, &packed)
     }
 
     /// Per-row cross-entropy into an f32 `loss[rows]`.

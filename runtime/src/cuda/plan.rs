@@ -28,6 +28,7 @@
 pub use super::dtype::{GpuDType, Storage};
 use super::flash::{flash_candidates, saved_forward_bytes, saved_lse_offset, FlashBwd};
 use super::gemm::Epilogue;
+use super::routed::Packed;
 use shardc_compiler::ir::{DType, EwExpr, EwStep, Graph, Node, Op, TensorType, UnaryOp, ValueId};
 use shardc_compiler::schedule::arena;
 use shardc_kernels::launch::split_kv_reserve_bytes;
@@ -351,6 +352,17 @@ pub fn early_write_ok(
 /// candidate's tail also using its head's operands (the fused launch reads them while writing
 /// the tail); each candidate is then kept only if [`early_write_ok`] holds in that arena.
 pub fn plan_memory(g: &Graph, dt: GpuDType, fuse: bool) -> (ArenaPlan, FusionPlan) {
+    plan_memory_routed(g, dt, fuse, &[])
+}
+
+/// [`plan_memory`] with the values `packed` names (`Routing::packed`; an empty slice for none)
+/// given only the bytes of their packed rows.
+pub fn plan_memory_routed(
+    g: &Graph,
+    dt: GpuDType,
+    fuse: bool,
+    packed: &[Option<Packed>],
+) -> (ArenaPlan, FusionPlan) {
     let mut flash = if fuse {
         flash_candidates(g)
     } else {
@@ -359,7 +371,7 @@ pub fn plan_memory(g: &Graph, dt: GpuDType, fuse: bool) -> (ArenaPlan, FusionPla
     // A flash group whose early writes would clobber a live value (which its shape rules out,
     // see flash.rs) is dropped and the arena planned again without it.
     loop {
-        let (arena, plan, rejected) = plan_with(g, dt, fuse, &flash);
+        let (arena, plan, rejected) = plan_with(g, dt, fuse, &flash, packed);
         match rejected {
             None => return (arena, plan),
             Some(i) => {
@@ -376,6 +388,7 @@ fn plan_with(
     dt: GpuDType,
     fuse: bool,
     flash: &[(FlashBwd, Option<ValueId>)],
+    packed: &[Option<Packed>],
 ) -> (ArenaPlan, FusionPlan, Option<usize>) {
     let n = g.len();
     let candidates = if fuse {
@@ -384,6 +397,12 @@ fn plan_with(
         Vec::new()
     };
     let mut ag = retyped(g, dt);
+    for (v, p) in packed.iter().enumerate() {
+        if let Some(p) = p {
+            let node = &mut ag.nodes[v];
+            node.ty = TensorType::plain(node.ty.dtype, &[p.numel()]);
+        }
+    }
     for (group, _) in &candidates {
         if matches!(group, FusedGroup::Siblings(_)) {
             continue; // planned as a block below

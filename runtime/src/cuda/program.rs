@@ -26,7 +26,7 @@
 use super::gemm::GemmCache;
 use super::host::{alloc, download, random_values, DevBuf, HostData};
 use super::ops::Launcher;
-use super::plan::{plan_memory, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage};
+use super::plan::{plan_memory_routed, Action, ArenaPlan, FusedGroup, FusionPlan, Slot, Storage};
 use super::rank::{CudaOptions, CudaRankCtx, ParamInit};
 use super::routed::Routing;
 use super::scratch::scratch_sizes;
@@ -162,10 +162,16 @@ impl CudaProgram {
             .iter()
             .map(|n| Storage::of(n.ty.dtype, dt))
             .collect();
-        let (arena_plan, fusion) = plan_memory(graph, dt, opts.fuse);
-        let mut routing = Routing::of(graph, opts.routed_experts);
-        // A source's index is filled after it runs as a node of its own.
+        let mut routing = Routing::of(graph, opts.routed_experts, dt);
+        let (mut arena_plan, mut fusion) =
+            plan_memory_routed(graph, dt, opts.fuse, &routing.packed);
+        // A source's index is filled when it runs as a node of its own (then the packing may
+        // change, and the arena with it).
+        let packed = routing.packed.clone();
         routing.keep_sources(graph, |s| fusion.actions[s.index()] == Action::Run);
+        if routing.packed != packed {
+            (arena_plan, fusion) = plan_memory_routed(graph, dt, opts.fuse, &routing.packed);
+        }
         let steps = schedule(graph);
         let n_events = steps
             .iter()
@@ -495,8 +501,9 @@ impl CudaProgram {
         self.graph.ty(v).shape()
     }
 
+    /// Elements `v` occupies on the device (a packed value's routed rows only, `routed.rs`).
     pub(super) fn numel(&self, v: ValueId) -> usize {
-        self.graph.ty(v).numel()
+        self.routing.stored_numel(&self.graph, v)
     }
 
     /// Enqueues every step on the streams (no host synchronisation), or with

@@ -31,8 +31,21 @@
 //! GEMM or weight gradient (which must then run on the routed kernels), `Combine`,
 //! `DispatchGrad` or `CombineGrad` of those gates — and the value is no graph output. Mixtral's
 //! expert MLP then writes no zeros at all, forward or backward.
+//!
+//! Packed values ([`Routing::packed`]): a zero-row value whose writer and readers all work on
+//! the routed rows only is stored as those rows alone, `tokens · top_k` rows (each token has at
+//! most top_k non-zero gates) instead of `E · tokens`: expert e's routed rows back to back from
+//! row `counts[0] + … + counts[e − 1]`, in its list's order. Its writer is a routed GEMM (the
+//! packed output of `routed_gemm`) or a row-by-row op of packed operands (silu, the SwiGLU
+//! product, their gradients: elementwise kernels over the packed rows), and its readers are
+//! routed GEMMs and weight gradients (packed operands of the routed kernels) or such row-by-row
+//! ops; it is no graph output. Mixtral's `[E, tokens, ffn]` activations are packed, forward and
+//! backward (a quarter of the bytes for top-2 of 8); the `[E, tokens, hidden]` values around
+//! the dispatch and combine stay dense.
 
+use super::dtype::GpuDType;
 use shardc_compiler::ir::{CombineWrt, Graph, Op, UnaryOp, ValueId};
+use shardc_kernels::launch::routed_gemm_supported;
 
 /// One expert GEMM computed on its routed rows: `a [E, tokens, k] · w[e]` (w `[E, k, n]`, or
 /// `[E, n, k]` with `transpose_w`) into `[E, tokens, n]`; or, for a weight gradient, `a [E,
@@ -54,6 +67,25 @@ pub struct RoutedGemm {
     pub transpose_w: bool,
 }
 
+/// A value stored packed (see the module docs): `rows` rows of `width`, the routed rows of the
+/// lists of `source`'s gates, expert by expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Packed {
+    /// The routing source whose gates route the rows.
+    pub source: ValueId,
+    /// Rows held (`tokens · top_k`, the most the gates can route).
+    pub rows: usize,
+    /// Elements per row.
+    pub width: usize,
+}
+
+impl Packed {
+    /// Elements stored.
+    pub fn numel(&self) -> usize {
+        self.rows * self.width
+    }
+}
+
 /// The routing of a graph's expert GEMMs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Routing {
@@ -68,16 +100,20 @@ pub struct Routing {
     /// weight gradients among the readers, which must run on the routed kernels for its rows to
     /// be left unwritten; `None` where the rows must be zero-filled.
     pub unfilled: Vec<Option<Vec<ValueId>>>,
+    /// Per value: how it is stored packed (module docs), if it is.
+    pub packed: Vec<Option<Packed>>,
 }
 
 impl Routing {
-    /// The routed GEMMs of `g` (none when `enabled` is false).
-    pub fn of(g: &Graph, enabled: bool) -> Routing {
+    /// The routed GEMMs of `g`, its values stored as `dt`, and its packed values (none of
+    /// either when `enabled` is false).
+    pub fn of(g: &Graph, enabled: bool, dt: GpuDType) -> Routing {
         let mut r = Routing {
             gemms: vec![None; g.len()],
             weight_grads: vec![None; g.len()],
             sources: Vec::new(),
             unfilled: vec![None; g.len()],
+            packed: vec![None; g.len()],
         };
         if !enabled {
             return r;
@@ -131,7 +167,130 @@ impl Routing {
             );
         }
         r.plan_unfilled(g);
+        r.plan_packed(g, dt);
         r
+    }
+
+    /// Elements value `v` of `g` occupies on the device: its packed rows, or all of it.
+    pub fn stored_numel(&self, g: &Graph, v: ValueId) -> usize {
+        self.packed[v.index()].map_or_else(|| g.ty(v).numel(), |p| p.numel())
+    }
+
+    /// `packed` flags of routed GEMM or weight gradient `v` for `moe_gemm.cu` (bit 0: its `a`
+    /// is packed; bit 1: its output, or a weight gradient's `dy`).
+    pub fn packed_flags(&self, g: &Graph, v: ValueId) -> i32 {
+        let ins = &g.node(v).inputs;
+        let second = if self.weight_grads[v.index()].is_some() {
+            ins[1]
+        } else {
+            v
+        };
+        i32::from(self.packed[ins[0].index()].is_some())
+            | (i32::from(self.packed[second.index()].is_some()) << 1)
+    }
+
+    /// Whether routed GEMM or weight gradient `v` reads or writes a packed value (and so has
+    /// no dense fallback).
+    pub fn touches_packed(&self, g: &Graph, v: ValueId) -> bool {
+        (self.gemms[v.index()].is_some() || self.weight_grads[v.index()].is_some())
+            && self.packed_flags(g, v) != 0
+    }
+
+    /// Fills [`Routing::packed`] (module docs): every candidate, then those whose writer or a
+    /// reader does not take packed rows dropped until none is.
+    fn plan_packed(&mut self, g: &Graph, dt: GpuDType) {
+        let walk = ReaderWalk {
+            g,
+            routing: self,
+            zero: zero_rows(g),
+            users: g.users(),
+        };
+        let is_output = |v: ValueId| g.outputs.iter().any(|&(_, o)| o == v);
+        // The routed kernels run this GEMM's shape (bf16 wants k, n multiples of 8; pointers
+        // are aligned: arena slots, packed rows of such widths, device allocations).
+        let takes = |r: RoutedGemm| routed_gemm_supported(dt.kernel(), r.k, r.n, [0; 3]);
+        let row_local = |op: &Op| {
+            matches!(
+                op,
+                Op::Unary(_)
+                    | Op::Scale(_)
+                    | Op::Cast(_)
+                    | Op::UnaryGrad(_)
+                    | Op::Mul
+                    | Op::Add
+                    | Op::Reshape
+            )
+        };
+        let mut packed: Vec<Option<Packed>> = vec![None; g.len()];
+        for v in g.ids() {
+            let (Some(source), Some(gates)) = (walk.zero[v.index()], walk.gates(v)) else {
+                continue;
+            };
+            let node = g.node(v);
+            let writer = match node.op {
+                Op::MatMul { .. } => self.gemms[v.index()].is_some_and(takes),
+                ref op => row_local(op),
+            };
+            let shape = node.ty.shape();
+            let (Some(&experts), Some(&width), Some(top_k)) =
+                (shape.first(), shape.last(), top_k(g, gates))
+            else {
+                continue;
+            };
+            let indexed = self.sources.iter().any(|&(s, _, _)| s == source);
+            let empty = experts == 0 || width == 0;
+            if !writer || !indexed || empty || is_output(v) || shape.len() < 3 || top_k >= experts {
+                continue;
+            }
+            let tokens = node.ty.numel() / (experts * width);
+            packed[v.index()] = Some(Packed {
+                source,
+                rows: tokens * top_k,
+                width,
+            });
+        }
+        loop {
+            let mut changed = false;
+            for v in g.ids() {
+                if packed[v.index()].is_none() {
+                    continue;
+                }
+                let node = g.node(v);
+                let gates = walk.gates(v);
+                let ok_packed = |x: ValueId| packed[x.index()].is_some() && walk.gates(x) == gates;
+                // A row-by-row writer reads packed operands of its own shape only.
+                let writes = matches!(node.op, Op::MatMul { .. })
+                    || node.inputs.iter().all(|&x| {
+                        ok_packed(x)
+                            && (matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty))
+                    });
+                let read = walk.users[v.index()].iter().all(|&u| {
+                    let un = g.node(u);
+                    let only_at =
+                        |i: usize| un.inputs.iter().enumerate().all(|(j, &y)| y != v || j == i);
+                    let routed = |r: Option<RoutedGemm>| {
+                        r.is_some_and(|r| {
+                            takes(r) && walk.root(routing_gates(g, r.source)) == gates.unwrap()
+                        })
+                    };
+                    match un.op {
+                        Op::MatMul { .. } if routed(self.gemms[u.index()]) => only_at(0),
+                        Op::WeightGrad { .. } if routed(self.weight_grads[u.index()]) => {
+                            un.inputs.get(2) != Some(&v)
+                        }
+                        ref op => row_local(op) && ok_packed(u),
+                    }
+                });
+                if !(writes && read) {
+                    packed[v.index()] = None;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        self.packed = packed;
     }
 
     /// Fills [`Routing::unfilled`] for the routed GEMMs of `g`.
@@ -198,6 +357,12 @@ impl Routing {
         self.gemms.iter_mut().for_each(&kept);
         self.weight_grads.iter_mut().for_each(&kept);
         self.plan_unfilled(g);
+        let sources = &self.sources;
+        for p in &mut self.packed {
+            if p.is_some_and(|p| !sources.iter().any(|&(s, _, _)| s == p.source)) {
+                *p = None;
+            }
+        }
     }
 
     /// Bytes of the index buffer of a source with `experts` and `tokens`.
@@ -209,6 +374,14 @@ impl Routing {
 /// The gates input of routing source `s` (`Dispatch`'s second operand, `CombineGrad`'s).
 pub fn routing_gates(g: &Graph, s: ValueId) -> ValueId {
     g.node(s).inputs[1]
+}
+
+/// The `top_k` of the router whose output `gates` is (through shape-keeping reshapes).
+fn top_k(g: &Graph, gates: ValueId) -> Option<usize> {
+    match g.node(gates).op {
+        Op::Router { top_k, .. } => Some(top_k),
+        _ => None,
+    }
 }
 
 /// Which values' unrouted rows are read by nothing (see [`Routing::unfilled`]).
@@ -353,7 +526,7 @@ mod tests {
     fn mixtral_forward_routes_its_three_expert_gemms_per_layer() {
         let cfg = fixture("mixtral");
         let g = build_forward(&cfg, BuildOptions::new(2, 8)).unwrap();
-        let r = Routing::of(&g, true);
+        let r = Routing::of(&g, true, GpuDType::F32);
         let routed = names(&g, &r);
         assert_eq!(routed.len(), 3 * cfg.layers, "{routed:?}");
         for proj in ["gate_proj", "up_proj", "down_proj"] {
@@ -372,9 +545,12 @@ mod tests {
         let gemm = r.gemms[down.index()].unwrap();
         assert_eq!((gemm.k, gemm.n, gemm.transpose_w), (128, 64, true));
         // Disabled, or a dense model: nothing routed.
-        assert!(Routing::of(&g, false).gemms.iter().all(Option::is_none));
+        assert!(Routing::of(&g, false, GpuDType::F32)
+            .gemms
+            .iter()
+            .all(Option::is_none));
         let llama = build_forward(&fixture("llama"), BuildOptions::new(2, 8)).unwrap();
-        assert!(Routing::of(&llama, true).sources.is_empty());
+        assert!(Routing::of(&llama, true, GpuDType::F32).sources.is_empty());
     }
 
     #[test]
@@ -387,7 +563,7 @@ mod tests {
         );
         spec.precision = Precision::f32();
         let g = compile(&spec).unwrap().program;
-        let r = Routing::of(&g, true);
+        let r = Routing::of(&g, true, GpuDType::F32);
         let routed = names(&g, &r);
         // Forward: gate, up, down; backward: the three activation gradients (`.da`).
         assert_eq!(routed.len(), 6 * cfg.layers, "{routed:?}");
@@ -410,6 +586,63 @@ mod tests {
                 assert_eq!(g.ty(g.node(v).inputs[2]).rank(), 2, "{}", g.node(v).name);
             }
         }
+    }
+
+    /// Mixtral training: the `[E, tokens, ffn]` values are packed (`tokens · top_k` rows), and
+    /// each expert GEMM and weight gradient is told which of its operands are.
+    #[test]
+    fn mixtral_training_packs_its_ffn_wide_expert_values() {
+        let cfg = fixture("mixtral");
+        let mut spec = CompileSpec::new(
+            cfg.clone(),
+            "mixtral",
+            Job::Train(Box::new(TrainOptions::new(2, 8, Mesh::single()))),
+        );
+        spec.precision = Precision::f32();
+        let g = compile(&spec).unwrap().program;
+        let r = Routing::of(&g, true, GpuDType::Bf16);
+        let by_name = |name: &str| {
+            g.ids()
+                .find(|&v| g.node(v).name == name)
+                .unwrap_or_else(|| panic!("{name}"))
+        };
+        let packed = |name: &str| r.packed[by_name(name).index()];
+        for name in [
+            "layers.0.moe.gate_proj",
+            "layers.0.moe.up_proj",
+            "layers.0.moe.act",
+            "layers.0.moe.gate_mul",
+            "bwd.layers.0.moe.down_proj.da",
+            "bwd.layers.0.moe.act.dx",
+        ] {
+            let p = packed(name).unwrap_or_else(|| panic!("{name} not packed"));
+            // 16 tokens, top-2 of 4 experts: 32 rows of ffn 128 instead of 64.
+            assert_eq!((p.rows, p.width), (32, cfg.ffn), "{name}");
+        }
+        for name in ["layers.0.moe.dispatch", "layers.0.moe.down_proj"] {
+            assert_eq!(
+                packed(name),
+                None,
+                "{name}: hidden-wide, read by the combine"
+            );
+        }
+        // (a, out) for GEMMs, (a, dy) for weight gradients.
+        for (name, flags) in [
+            ("layers.0.moe.gate_proj", 2),
+            ("layers.0.moe.down_proj", 1),
+            ("bwd.layers.0.moe.down_proj.da", 2),
+            ("bwd.layers.0.moe.up_proj.da", 1),
+            ("grad.layers.0.moe.down_proj.weight", 1),
+            ("grad.layers.0.moe.up_proj.weight", 2),
+        ] {
+            assert_eq!(r.packed_flags(&g, by_name(name)), flags, "{name}");
+        }
+        // Their device footprint follows.
+        let gate = by_name("layers.0.moe.gate_proj");
+        assert_eq!(r.stored_numel(&g, gate) * 2, g.ty(gate).numel());
+        // Without routing nothing is packed.
+        let off = Routing::of(&g, false, GpuDType::Bf16);
+        assert!(off.packed.iter().all(Option::is_none));
     }
 
     #[test]
@@ -443,7 +676,7 @@ mod tests {
         assert_eq!(z[s.index()], Some(d));
         assert_eq!(z[e.index()], None, "exp(0) = 1");
         assert_eq!(z[b.index()], None, "a bias fills the zero rows");
-        let r = Routing::of(&g, true);
+        let r = Routing::of(&g, true, GpuDType::F32);
         assert!(r.gemms[mm.index()].is_some());
         assert!(r.gemms[after_silu.index()].is_some());
         assert!(r.gemms[after_exp.index()].is_none());
@@ -472,7 +705,7 @@ mod tests {
             .unwrap();
         let c7 = g2.add(Op::Combine, &[m7, other], "c7").unwrap();
         g2.set_output("c7", c7);
-        let r2 = Routing::of(&g2, true);
+        let r2 = Routing::of(&g2, true, GpuDType::F32);
         assert_eq!(r2.unfilled[m5.index()], Some(vec![m6]));
         assert_eq!(r2.unfilled[m6.index()], Some(vec![]));
         assert_eq!(r2.unfilled[m7.index()], None, "combined by other gates");
@@ -480,10 +713,10 @@ mod tests {
             .add(Op::MatMul { transpose_b: false }, &[d, w], "m8")
             .unwrap();
         g2.add(Op::Softmax, &[m8], "sm8").unwrap();
-        let r2 = Routing::of(&g2, true);
+        let r2 = Routing::of(&g2, true, GpuDType::F32);
         assert_eq!(r2.unfilled[m8.index()], None, "a softmax reads every row");
         g2.set_output("m6", m6);
-        let r2 = Routing::of(&g2, true);
+        let r2 = Routing::of(&g2, true, GpuDType::F32);
         assert_eq!(r2.unfilled[m6.index()], None, "an output");
         assert_eq!(r2.unfilled[m5.index()], Some(vec![m6]));
         // A source the executor would not run by itself takes its GEMMs with it.

@@ -44,7 +44,7 @@ impl CudaProgram {
         }
         let ins = &node.inputs;
         let out = self.ptr(v);
-        let n = node.ty.numel();
+        let n = self.numel(v);
         let dt = self.dt();
         let p = |k: usize| self.ptr(ins[k]);
         let scratch = self.scratch.ptr;
@@ -190,8 +190,10 @@ impl CudaProgram {
         let (a, dy, b) = (node.inputs[0], node.inputs[1], node.inputs[2]);
         if let Some(r) = self.runs_routed(v) {
             let ptrs = [self.ptr(a), self.ptr(dy), self.ptr(v)];
-            return l.routed(self.dt(), true, ptrs, self.route_lists(&r), &r);
+            let packed = self.routing.packed_flags(&self.graph, v);
+            return l.routed(self.dt(), true, ptrs, self.route_lists(&r), &r, packed);
         }
+        self.no_dense_fallback(v)?;
         let (key, a_is_dy) = GemmKey::for_weight_grad(
             &self.shape(a),
             &self.shape(dy),

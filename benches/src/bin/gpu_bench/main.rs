@@ -1223,4 +1223,25 @@ mod tests {
             assert_eq!(groups, vec![y], "forward {forward}");
         }
     }
+
+    /// The `moe` section's routed row times packed expert activations: gate, up, silu and the
+    /// SwiGLU product hold `tokens · top_k` rows, a quarter of the dense `[E, tokens, F]`.
+    #[test]
+    fn moe_block_stores_its_ffn_wide_activations_packed() {
+        use shardc_runtime::cuda::Routing;
+        let g = moe_block(64);
+        let r = Routing::of(&g, true, GpuDType::Bf16);
+        let packed: Vec<&str> = g
+            .ids()
+            .filter(|v| r.packed[v.index()].is_some())
+            .map(|v| g.node(v).name.as_str())
+            .collect();
+        assert_eq!(packed, ["gate", "up", "act", "gate_mul"]);
+        for v in g.ids().filter(|v| r.packed[v.index()].is_some()) {
+            assert_eq!(
+                r.stored_numel(&g, v) * MOE_EXPERTS / MOE_TOP_K,
+                g.ty(v).numel()
+            );
+        }
+    }
 }
