@@ -167,35 +167,25 @@ pub fn attention_tc_supported(head_dim: usize, q: u64, k: u64, v: u64) -> bool {
 /// The attention entry point for one call and its launch configuration:
 /// `attention_tc_bf16` when `tensor_core` is allowed, the dtype is bf16, the device is sm_80 or
 /// newer (`sm_major` >= 8) and [`attention_tc_supported`] holds; otherwise `attention_{dtype}`.
-/// `dims = [batch, seq_q, heads_q, heads_kv, head_dim]`; `qkv` are the device addresses of q,
-/// k and v. Both kernels take the same argument list.
+/// With `lse`, the entries that also write each query's log-sum-exp (a trailing `float* lse`,
+/// `[B, Tq, Hq]` f32, natural log), `attention_tc_lse_bf16` or `attention_lse_{dtype}`, under
+/// the same conditions and with the same launches. `dims = [batch, seq_q, heads_q, heads_kv,
+/// head_dim]`; `qkv` are the device addresses of q, k and v. The kernels of a pair take the
+/// same argument list. (Never the split-KV path, whose partial results carry no lse.)
 pub fn attention_kernel(
     dtype: KernelDType,
     sm_major: i32,
     tensor_core: bool,
+    lse: bool,
     dims: [usize; 5],
-    qkv: [u64; 3],
+    [q, k, v]: [u64; 3],
 ) -> Result<(String, LaunchConfig), KernelError> {
-    let [q, k, v] = qkv;
     let supported = attention_tc_supported(dims[4], q, k, v);
-    let pair = [&TENSOR_CORE_ATTENTION, &SCALAR_ATTENTION];
-    choose_attention_kernel(pair, dtype, sm_major, tensor_core && supported, dims)
-}
-
-/// [`attention_kernel`] for the forwards that also write each query's log-sum-exp (a trailing
-/// `float* lse`, `[B, Tq, Hq]` f32, natural log): `attention_tc_lse_bf16` or
-/// `attention_lse_{dtype}`, under the same conditions and with the same launches. Never the
-/// split-KV path: its partial results carry no lse.
-pub fn attention_lse_kernel(
-    dtype: KernelDType,
-    sm_major: i32,
-    tensor_core: bool,
-    dims: [usize; 5],
-    qkv: [u64; 3],
-) -> Result<(String, LaunchConfig), KernelError> {
-    let [q, k, v] = qkv;
-    let supported = attention_tc_supported(dims[4], q, k, v);
-    let pair = [&TENSOR_CORE_ATTENTION_LSE, &SCALAR_ATTENTION_LSE];
+    let pair = if lse {
+        [&TENSOR_CORE_ATTENTION_LSE, &SCALAR_ATTENTION_LSE]
+    } else {
+        [&TENSOR_CORE_ATTENTION, &SCALAR_ATTENTION]
+    };
     choose_attention_kernel(pair, dtype, sm_major, tensor_core && supported, dims)
 }
 
@@ -404,6 +394,7 @@ pub fn attention_plan(
         dtype,
         sm_major,
         tensor_core,
+        false,
         [batch, seq_q, heads_q, heads_kv, head_dim],
         qkv,
     )?;
@@ -668,7 +659,7 @@ pub fn attention_bwd_tc_supported(head_dim: usize, q: u64, k: u64, v: u64, dout:
 /// one block per 64 keys of one (batch, KV head), and [`attention_bwd_tc_shared_bytes`]. The
 /// shape is checked first: head_dim 64 or 128, heads_kv a divisor of heads_q, no empty or
 /// oversized grid dimension. The other two launches of the backward are the forward with its
-/// lse ([`attention_lse_kernel`]) and `attention_bwd_prep_bf16`.
+/// lse ([`attention_kernel`] with `lse`) and `attention_bwd_prep_bf16`.
 pub fn attention_bwd_tc_launch(
     batch: usize,
     seq_k: usize,
@@ -899,8 +890,15 @@ mod tests {
     #[test]
     fn tensor_core_attention_config() {
         let aligned = [256, 4096, 1 << 20];
-        let (entry, c) = attention_kernel(KernelDType::Bf16, 9, true, [2, 65, 32, 8, 128], aligned)
-            .expect("valid shape");
+        let (entry, c) = attention_kernel(
+            KernelDType::Bf16,
+            9,
+            true,
+            false,
+            [2, 65, 32, 8, 128],
+            aligned,
+        )
+        .expect("valid shape");
         assert_eq!(entry, "attention_tc_bf16");
         assert_eq!(c.grid_dim, (2, 32, 2));
         assert_eq!(c.block_dim, (128, 1, 1));
@@ -924,7 +922,7 @@ mod tests {
     fn attention_kernel_choice() {
         let aligned = [256, 4096, 1 << 20];
         let pick = |dt, sm, tc, d, qkv| {
-            attention_kernel(dt, sm, tc, [1, 100, 32, 8, d], qkv)
+            attention_kernel(dt, sm, tc, false, [1, 100, 32, 8, d], qkv)
                 .map(|(entry, cfg)| (entry, cfg.grid_dim.0))
                 .expect("valid shape")
         };
@@ -950,7 +948,7 @@ mod tests {
             );
         }
         let bf16 = KernelDType::Bf16;
-        assert!(attention_kernel(bf16, 9, true, [1, 1, 32, 8, 300], aligned).is_err());
+        assert!(attention_kernel(bf16, 9, true, false, [1, 1, 32, 8, 300], aligned).is_err());
         assert_eq!(opt_in_shared_bytes("attention_tc_bf16"), Some(80 * 1024));
         assert_eq!(
             opt_in_shared_bytes("attention_tc_lse_bf16"),
@@ -981,8 +979,9 @@ mod tests {
         ];
         for (dt, sm, allowed, d, qkv, entry) in cases {
             let dims = [2, 100, 32, 8, d];
-            let (got, cfg) = attention_lse_kernel(dt, sm, allowed, dims, qkv).expect("valid");
-            let (plain, plain_cfg) = attention_kernel(dt, sm, allowed, dims, qkv).expect("valid");
+            let (got, cfg) = attention_kernel(dt, sm, allowed, true, dims, qkv).expect("valid");
+            let (plain, plain_cfg) =
+                attention_kernel(dt, sm, allowed, false, dims, qkv).expect("valid");
             assert_eq!(got, entry, "{dt:?} sm {sm} allowed {allowed} d {d}");
             // The same kernel family and launch as the plain forward.
             assert_eq!(got.replace("_lse", ""), plain);

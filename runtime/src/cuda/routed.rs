@@ -209,18 +209,6 @@ impl Routing {
         // The routed kernels run this GEMM's shape (bf16 wants k, n multiples of 8; pointers
         // are aligned: arena slots, packed rows of such widths, device allocations).
         let takes = |r: RoutedGemm| routed_gemm_supported(dt.kernel(), r.k, r.n, [0; 3]);
-        let row_local = |op: &Op| {
-            matches!(
-                op,
-                Op::Unary(_)
-                    | Op::Scale(_)
-                    | Op::Cast(_)
-                    | Op::UnaryGrad(_)
-                    | Op::Mul
-                    | Op::Add
-                    | Op::Reshape
-            )
-        };
         let mut packed: Vec<Option<Packed>> = vec![None; g.len()];
         for v in g.ids() {
             let (Some(source), Some(gates)) = (walk.zero[v.index()], walk.gates(v)) else {
@@ -229,7 +217,7 @@ impl Routing {
             let node = g.node(v);
             let writer = match node.op {
                 Op::MatMul { .. } => self.gemms[v.index()].is_some_and(takes),
-                ref op => row_local(op),
+                ref op => row_by_row(op),
             };
             let shape = node.ty.shape();
             let (Some(&experts), Some(&width), Some(top_k)) =
@@ -278,7 +266,7 @@ impl Routing {
                         Op::WeightGrad { .. } if routed(self.weight_grads[u.index()]) => {
                             un.inputs.get(2) != Some(&v)
                         }
-                        ref op => row_local(op) && ok_packed(u),
+                        ref op => row_by_row(op) && ok_packed(u),
                     }
                 });
                 if !(writes && read) {
@@ -376,6 +364,22 @@ pub fn routing_gates(g: &Graph, s: ValueId) -> ValueId {
     g.node(s).inputs[1]
 }
 
+/// The ops that compute a row of their result from the same row of their operands (for the
+/// operands of the result's shape; a reshape that keeps the expert dim and the row width):
+/// elementwise maps and products, and views.
+fn row_by_row(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_)
+            | Op::Scale(_)
+            | Op::Cast(_)
+            | Op::UnaryGrad(_)
+            | Op::Mul
+            | Op::Add
+            | Op::Reshape
+    )
+}
+
 /// The `top_k` of the router whose output `gates` is (through shape-keeping reshapes).
 fn top_k(g: &Graph, gates: ValueId) -> Option<usize> {
     match g.node(gates).op {
@@ -453,13 +457,7 @@ impl ReaderWalk<'_> {
                 // operands of the output's shape; reshapes keeping the rows): garbage stays in
                 // the unrouted rows of the result.
                 Op::MatMul { .. } => same_rows && only_at(0) && self.unread(u, must),
-                Op::Unary(_)
-                | Op::Scale(_)
-                | Op::Cast(_)
-                | Op::UnaryGrad(_)
-                | Op::Mul
-                | Op::Add
-                | Op::Reshape => {
+                ref op if row_by_row(op) => {
                     let rows_kept = matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty);
                     same_rows && rows_kept && self.unread(u, must)
                 }
@@ -553,8 +551,8 @@ mod tests {
         assert!(Routing::of(&llama, true, GpuDType::F32).sources.is_empty());
     }
 
-    #[test]
-    fn mixtral_training_routes_the_backward_data_gemms_too() {
+    /// The fixture Mixtral's unsharded f32 training step.
+    fn mixtral_training() -> (shardc_compiler::model::ModelConfig, Graph) {
         let cfg = fixture("mixtral");
         let mut spec = CompileSpec::new(
             cfg.clone(),
@@ -562,7 +560,12 @@ mod tests {
             Job::Train(Box::new(TrainOptions::new(2, 8, Mesh::single()))),
         );
         spec.precision = Precision::f32();
-        let g = compile(&spec).unwrap().program;
+        (cfg, compile(&spec).unwrap().program)
+    }
+
+    #[test]
+    fn mixtral_training_routes_the_backward_data_gemms_too() {
+        let (cfg, g) = mixtral_training();
         let r = Routing::of(&g, true, GpuDType::F32);
         let routed = names(&g, &r);
         // Forward: gate, up, down; backward: the three activation gradients (`.da`).
@@ -592,14 +595,7 @@ mod tests {
     /// each expert GEMM and weight gradient is told which of its operands are.
     #[test]
     fn mixtral_training_packs_its_ffn_wide_expert_values() {
-        let cfg = fixture("mixtral");
-        let mut spec = CompileSpec::new(
-            cfg.clone(),
-            "mixtral",
-            Job::Train(Box::new(TrainOptions::new(2, 8, Mesh::single()))),
-        );
-        spec.precision = Precision::f32();
-        let g = compile(&spec).unwrap().program;
+        let (cfg, g) = mixtral_training();
         let r = Routing::of(&g, true, GpuDType::Bf16);
         let by_name = |name: &str| {
             g.ids()

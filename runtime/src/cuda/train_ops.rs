@@ -8,7 +8,7 @@ use super::CudaError;
 use cudarc::driver::PushKernelArg;
 use shardc_compiler::ir::UnaryOp;
 use shardc_kernels::launch::{
-    attention_bwd_kernel, attention_bwd_prep_launch, attention_lse_kernel, attention_rows_launch,
+    attention_bwd_kernel, attention_bwd_prep_launch, attention_kernel, attention_rows_launch,
     columns_launch, combine_grad_gates_launch, elementwise_launch, router_launch, rows_launch,
     vector_launch,
 };
@@ -250,7 +250,7 @@ impl Launcher<'_> {
     /// The attention forward of `[q, k, v]` into `out`, also writing each query's f32
     /// log-sum-exp into `lse[B, T, Hq]` (for the backward): `attention_tc_lse_bf16` where
     /// `tensor_core` allows and the call is supported, else `attention_lse_{dtype}`
-    /// (`launch::attention_lse_kernel`).
+    /// (`launch::attention_kernel` with `lse`).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_lse(
         &self,
@@ -266,7 +266,7 @@ impl Launcher<'_> {
         let [b, t, s, hq, hkv, d] = dims;
         let major = self.dev.compute_capability().0;
         let (entry, cfg) =
-            attention_lse_kernel(dt, major, tensor_core, [b, t, hq, hkv, d], [q, k, v])?;
+            attention_kernel(dt, major, tensor_core, true, [b, t, hq, hkv, d], [q, k, v])?;
         let [b, t, s, hq, hkv, d] = [b, t, s, hq, hkv, d].map(|x| x as i32);
         let (scale, causal, window, off) = int_masking(masking);
         launch!(self, entry, cfg;
