@@ -193,6 +193,8 @@ pub static KERNELS: &[KernelSource] = &[
         [
             "moe_route_index_f32",
             "moe_route_index_bf16",
+            "moe_route_positions_f32",
+            "moe_route_positions_bf16",
             "routed_gemm_f32",
             "routed_gemm_bf16",
             "routed_weight_grad_f32",

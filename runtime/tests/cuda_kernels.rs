@@ -662,9 +662,9 @@ fn planner_fusions_match_the_unfused_graph() {
 /// gradients by `routed_weight_grad`) against the dense ones and the CPU: a MoE block (router,
 /// dispatch, both weight layouts, combine) and weight gradients of both layouts, at sizes that
 /// are no tile multiple, with one expert no token chooses; the arena poisoned, so a row the
-/// kernels leave unwritten shows. Twice: with `up` an output (stored dense), and without (then
-/// `up` and `act` are stored packed, `routed.rs`, and read packed by the down projection and
-/// both weight gradients).
+/// kernels leave unwritten shows. The dispatch and `down` are stored packed (`routed.rs`: the
+/// routed rows only), written and read through the packed rows' map and by the routed kernels;
+/// `up` and `act` too when `up` is no output (the case is run both ways).
 #[test]
 #[ignore = "needs a GPU"]
 fn routed_expert_gemms_match_dense_and_cpu() {
@@ -758,11 +758,9 @@ fn routed_expert_gemms_case(up_is_output: bool) {
         let n_wg = routed.routing().weight_grads.iter().flatten().count();
         assert_eq!(n_wg, 2, "{dt}: both weight gradients are routed");
         let n_packed = routed.routing().packed.iter().flatten().count();
-        let want_packed = if up_is_output { 0 } else { 2 };
-        assert_eq!(
-            n_packed, want_packed,
-            "{dt}: up and act packed unless up is an output"
-        );
+        // The dispatch and down always; up and act unless up is an output.
+        let want_packed = if up_is_output { 2 } else { 4 };
+        assert_eq!(n_packed, want_packed, "{dt}: packed values");
         let got = routed.run(&inputs, &ctx).expect("run routed");
         let dense_opts = CudaOptions {
             routed_experts: false,

@@ -371,6 +371,10 @@ impl Sim<'_> {
                     let refs: Vec<&Tensor> = ins.iter().collect();
                     let mut t = eval_op(&node.op, &refs, &node.ty).expect("eval");
                     let skip = gemm.and_then(|_| self.keep_routed_rows(v, &mut t));
+                    // A source's gates route the rows of what it writes (packed or not).
+                    if self.routing.sources.iter().any(|&(s, _, _)| s == v) {
+                        self.gates.insert(v, ins[1].clone());
+                    }
                     self.store(v, &t, skip);
                     if self.fusion.saved_lse(self.g, v, self.dt).is_some() {
                         let cells = self.lse_cells(v);
@@ -378,9 +382,6 @@ impl Sim<'_> {
                         for c in cells {
                             self.cells[c] = Cell::Lse(v, (c - start) / 2);
                         }
-                    }
-                    if self.routing.sources.iter().any(|&(s, _, _)| s == v) {
-                        self.gates.insert(v, ins[1].clone());
                     }
                 }
                 Action::Fused(i) => {
@@ -507,7 +508,7 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
 /// Forward programs of every fixture model: Llama's k/v and gate/up and Mixtral's k/v run as
 /// sibling GEMMs (their outputs one block), next to the other fused groups; Mixtral's expert
 /// GEMMs on their routed rows (half of them: top-2 of 4 experts), none writing the other rows:
-/// the combine skips them; the `[E, tokens, ffn]` values stored as their routed rows only.
+/// the combine skips them; the `[E, tokens, ·]` values stored as their routed rows only.
 #[test]
 fn forward_plans_compute_the_graph_in_their_arena() {
     for (model, siblings) in [("llama", 2), ("mixtral", 1), ("gpt2", 0)] {
@@ -527,9 +528,10 @@ fn forward_plans_compute_the_graph_in_their_arena() {
         };
         assert_eq!(dropped, want, "{model}");
         assert_eq!(unwritten, want, "{model}");
-        // Mixtral: gate, up, silu and the SwiGLU product stored packed.
+        // Mixtral: the dispatch, gate, up, silu, the SwiGLU product and the down projection
+        // stored packed.
         let packed = if model == "mixtral" {
-            4 * cfg.layers
+            6 * cfg.layers
         } else {
             0
         };
@@ -563,11 +565,12 @@ fn training_plans_compute_the_step_in_their_arena() {
         };
         assert_eq!(dropped, 9 * per_layer, "{model}");
         assert_eq!(unwritten, 6 * per_layer, "{model}");
-        // Mixtral: the forward's four [E, tokens, ffn] values, their saved views, and the
-        // backward's four (the down projection's activation gradient, the SwiGLU product's two,
-        // silu's) stored packed.
+        // Mixtral: every [E, tokens, ·] value stored packed: the forward's six, their saved
+        // views, and the backward's eight (the combine's gradient, the down projection's
+        // activation gradient, the SwiGLU product's two, silu's, the gate and up projections'
+        // and their sum).
         let packed = if model == "mixtral" {
-            12 * cfg.layers
+            20 * cfg.layers
         } else {
             0
         };

@@ -487,4 +487,10 @@ __device__ __forceinline__ RouterTopK router_top_k(const T* row, int experts, in
     return r;
 }
 
+// The row of expert e's token n in an [experts, tokens, ..] operand: dense, or packed (pos).
+__device__ __forceinline__ i64 expert_row(const int* pos, i64 n, int e, i64 tokens,
+                                         int experts) {
+    return pos != nullptr ? (i64)pos[n * experts + e] : (i64)e * tokens + n;
+}
+
 #endif  // SHARDC_COMMON_CUH

@@ -13,6 +13,13 @@
 //     walks the tokens in chunks of blockDim.x with a block-wide prefix scan of the flags
 //     (within a warp by xor shuffles, across warps through shared memory).
 //
+// moe_route_positions_{f32,bf16}(const T* gates, const int* counts, const int* rows, int* pos,
+//                                i64 tokens, int experts)
+//     After moe_route_index, the inverse map of the packed rows: pos [tokens, experts],
+//     pos[n * experts + e] = counts[0] + ... + counts[e - 1] + j where n is entry j of expert
+//     e's list, -1 where gates[n * experts + e] == 0 (what dispatch, combine and their
+//     gradients read a packed operand through, moe.cu). Same launch as moe_route_index.
+//
 // routed_gemm_{f32,bf16}(const T* a,          // [E, tokens, k]
 //                        const T* w,          // [E, k, n], or [E, n, k] when transpose_w != 0
 //                        T* out,              // [E, tokens, n]
@@ -195,6 +202,34 @@ __device__ __forceinline__ void route_index_impl(const T* gates, int* counts, in
 
 SHARDC_MOE_ROUTE_INDEX(moe_route_index_f32, float)
 SHARDC_MOE_ROUTE_INDEX(moe_route_index_bf16, bf16)
+
+// After moe_route_index: pos[n * experts + e] = the packed row of expert e's token n (its
+// list position plus counts[0] + ... + counts[e - 1]), -1 where the gate is zero.
+template <typename T>
+__device__ __forceinline__ void route_positions_impl(const T* gates, const int* counts,
+                                                     const int* rows, int* pos, i64 tokens,
+                                                     int experts) {
+    const int e = blockIdx.x;
+    if (e >= experts) return;
+    i64 offs = 0;
+    for (int i = 0; i < e; ++i) offs += counts[i];
+    for (i64 n = threadIdx.x; n < tokens; n += blockDim.x) {
+        if (load(gates, n * experts + e) == 0.0f) pos[n * experts + e] = -1;
+    }
+    const int* list = rows + (i64)e * tokens;
+    for (int j = threadIdx.x; j < counts[e]; j += blockDim.x) {
+        pos[(i64)list[j] * experts + e] = (int)(offs + j);
+    }
+}
+
+#define SHARDC_MOE_ROUTE_POSITIONS(NAME, T)                                                 \
+    extern "C" __global__ void NAME(const T* gates, const int* counts, const int* rows,     \
+                                    int* pos, i64 tokens, int experts) {                    \
+        route_positions_impl(gates, counts, rows, pos, tokens, experts);                    \
+    }
+
+SHARDC_MOE_ROUTE_POSITIONS(moe_route_positions_f32, float)
+SHARDC_MOE_ROUTE_POSITIONS(moe_route_positions_bf16, bf16)
 
 // ---- routed_gemm: tiles -------------------------------------------------------------------------
 

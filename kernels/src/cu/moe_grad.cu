@@ -31,6 +31,8 @@
 //     otherwise); launch::combine_grad_gates_launch.
 //     The two combine gradients take CombineGrad's operands in its order (y, gates, dy), less
 //     the one the gradient does not need.
+// Each takes a trailing `const int* pos`: null for dense [experts, tokens, hidden] operands, or
+// moe_route_positions' map for packed ones (moe.cu's header).
 #include "common.cuh"
 
 template <typename T>
@@ -73,13 +75,17 @@ __device__ __forceinline__ void router_grad_impl(const T* logits, const T* dgate
 
 template <typename T>
 __device__ __forceinline__ void dispatch_grad_impl(const T* dxe, const T* gates, T* dx,
-                                                   i64 tokens, int experts, i64 hidden) {
+                                                   i64 tokens, int experts, i64 hidden,
+                                                   const int* pos) {
     const i64 total = tokens * hidden;
     for (i64 i = global_thread_id(); i < total; i += grid_stride()) {
         const i64 n = i / hidden;
+        const i64 c = i - n * hidden;
         float acc = 0.0f;
         for (int e = 0; e < experts; ++e) {
-            if (load(gates, n * experts + e) != 0.0f) acc += load(dxe, (i64)e * total + i);
+            if (load(gates, n * experts + e) != 0.0f) {
+                acc += load(dxe, expert_row(pos, n, e, tokens, experts) * hidden + c);
+            }
         }
         store(dx, i, acc);
     }
@@ -87,7 +93,21 @@ __device__ __forceinline__ void dispatch_grad_impl(const T* dxe, const T* gates,
 
 template <typename T>
 __device__ __forceinline__ void combine_grad_y_impl(const T* gates, const T* dy, T* dyy,
-                                                    i64 tokens, int experts, i64 hidden) {
+                                                    i64 tokens, int experts, i64 hidden,
+                                                    const int* pos) {
+    if (pos != nullptr) {  // the routed rows only
+        for (i64 i = global_thread_id(); i < tokens * hidden; i += grid_stride()) {
+            const i64 n = i / hidden;
+            for (int e = 0; e < experts; ++e) {
+                const int p = pos[n * experts + e];
+                if (p >= 0) {
+                    store(dyy, (i64)p * hidden + (i - n * hidden),
+                          load(gates, n * experts + e) * load(dy, i));
+                }
+            }
+        }
+        return;
+    }
     const i64 per_expert = tokens * hidden;
     const i64 total = (i64)experts * per_expert;
     for (i64 i = global_thread_id(); i < total; i += grid_stride()) {
@@ -102,7 +122,7 @@ __device__ __forceinline__ void combine_grad_y_impl(const T* gates, const T* dy,
 template <typename T>
 __device__ __forceinline__ void combine_grad_gates_impl(const T* y, const T* gates, const T* dy,
                                                         T* dg, i64 tokens, int experts,
-                                                        i64 hidden) {
+                                                        i64 hidden, const int* pos) {
     if (blockDim.x % 32 != 0) __trap();
     const int lane = threadIdx.x & 31;
     const i64 warps_total = grid_stride() >> 5;
@@ -112,7 +132,7 @@ __device__ __forceinline__ void combine_grad_gates_impl(const T* y, const T* gat
         const i64 e = i - n * experts;
         float acc = 0.0f;
         if (load(gates, i) != 0.0f) {  // warp-uniform
-            const T* y_row = y + (e * tokens + n) * hidden;
+            const T* y_row = y + expert_row(pos, n, (int)e, tokens, experts) * hidden;
             const T* dy_row = dy + n * hidden;
             for (i64 c = lane; c < hidden; c += 32) acc += load(dy_row, c) * load(y_row, c);
             acc = warp_sum(acc);
@@ -134,8 +154,8 @@ SHARDC_ROUTER_GRAD(router_grad_bf16, bf16)
 // combine_grad_y (a = gates, b = dy, out = dyy; combine_grad_y_impl).
 #define SHARDC_DISPATCH_COMBINE_GRAD(NAME, T, IMPL)                                      \
     extern "C" __global__ void NAME(const T* a, const T* b, T* out, i64 tokens,          \
-                                    int experts, i64 hidden) {                           \
-        IMPL(a, b, out, tokens, experts, hidden);                                        \
+                                    int experts, i64 hidden, const int* pos) {           \
+        IMPL(a, b, out, tokens, experts, hidden, pos);                                   \
     }
 
 SHARDC_DISPATCH_COMBINE_GRAD(dispatch_grad_f32, float, dispatch_grad_impl)
@@ -145,8 +165,8 @@ SHARDC_DISPATCH_COMBINE_GRAD(combine_grad_y_bf16, bf16, combine_grad_y_impl)
 
 #define SHARDC_COMBINE_GRAD_GATES(NAME, T)                                               \
     extern "C" __global__ void NAME(const T* y, const T* gates, const T* dy, T* dg,      \
-                                    i64 tokens, int experts, i64 hidden) {               \
-        combine_grad_gates_impl(y, gates, dy, dg, tokens, experts, hidden);              \
+                                    i64 tokens, int experts, i64 hidden, const int* pos) { \
+        combine_grad_gates_impl(y, gates, dy, dg, tokens, experts, hidden, pos);         \
     }
 
 SHARDC_COMBINE_GRAD_GATES(combine_grad_gates_f32, float)

@@ -121,3 +121,16 @@ template <class T> void check_same_bits(const char* what, const char* how, const
     printf("%s %s: %s the same bits\n", same ? "ok  " : "FAIL", what, how); failures += !same;
 }
 template <class T> const char* tname() { return sizeof(T) == 2 ? "bf16" : "f32"; }
+
+// The packed row of each (token n, expert e) that gates [N, E] route (expert by expert, each
+// expert's tokens ascending: moe_route_positions' map), -1 where the gate is zero; *rows gets
+// how many there are.
+std::vector<int> packed_positions(const std::vector<float>& g, int N, int E, int* rows) {
+    std::vector<int> pos((size_t)N * E, -1);
+    int next = 0;
+    for (int e = 0; e < E; ++e)
+        for (int n = 0; n < N; ++n)
+            if (g[(size_t)n * E + e] != 0) pos[(size_t)n * E + e] = next++;
+    *rows = next;
+    return pos;
+}

@@ -225,16 +225,29 @@ void test_moe() {
     auto x = randv(N*H); std::vector<float> gates(N*E, 0.f);
     for (int n = 0; n < N; ++n) { gates[n*E + n % E] = 0.7f; gates[n*E + (n+1) % E] = 0.3f; }
     std::vector<float> disp(E*N*H, 9.f);
-    launch({2}, {32}, [&] { dispatch_f32(x.data(), gates.data(), disp.data(), N, E, H); });
+    launch({2}, {32}, [&] { dispatch_f32(x.data(), gates.data(), disp.data(), N, E, H, nullptr); });
     std::vector<double> want(E*N*H, 0);
     for (int e = 0; e < E; ++e) for (int n = 0; n < N; ++n) if (gates[n*E+e] != 0) for (int c = 0; c < H; ++c) want[(e*N+n)*H+c] = x[n*H+c];
     check("dispatch_f32", disp, want, 0, 0);
     auto y = randv(E*N*H); y[(2*N+0)*H] = NAN;  // expert 2 not routed for token 0: must not leak
     std::vector<float> comb(N*H);
-    launch({1}, {32}, [&] { combine_f32(y.data(), gates.data(), comb.data(), N, E, H); });
+    launch({1}, {32}, [&] { combine_f32(y.data(), gates.data(), comb.data(), N, E, H, nullptr); });
     std::vector<double> wc(N*H, 0);
     for (int n = 0; n < N; ++n) for (int c = 0; c < H; ++c) for (int e = 0; e < E; ++e) if (gates[n*E+e] != 0) wc[n*H+c] += gates[n*E+e] * y[(e*N+n)*H+c];
     check("combine_f32 (unrouted NaN ignored)", comb, wc, 1e-6, 1e-6);
+    // Packed: the routed rows only (moe_route_positions' map), 2 spare rows after them.
+    int rows = 0;
+    const auto pos = packed_positions(gates, N, E, &rows);
+    std::vector<float> pd((rows + 2) * H, 9.f);
+    launch({2}, {32}, [&] { dispatch_f32(x.data(), gates.data(), pd.data(), N, E, H, pos.data()); });
+    std::vector<double> wp((rows + 2) * H, 9.0);
+    for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (pos[n*E+e] >= 0) for (int c = 0; c < H; ++c) wp[pos[n*E+e]*H+c] = x[n*H+c];
+    check("dispatch_f32 packed (spare rows untouched)", pd, wp, 0, 0);
+    std::vector<float> py((rows + 2) * H, NAN);
+    for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (pos[n*E+e] >= 0) for (int c = 0; c < H; ++c) py[pos[n*E+e]*H+c] = y[(e*N+n)*H+c];
+    std::vector<float> pc(N*H);
+    launch({1}, {32}, [&] { combine_f32(py.data(), gates.data(), pc.data(), N, E, H, pos.data()); });
+    check("combine_f32 packed", pc, wc, 1e-6, 1e-6);
 }
 
 void test_reduce_loss() {

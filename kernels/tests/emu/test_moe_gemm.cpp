@@ -57,6 +57,15 @@ void route_index_case(int N, int E, unsigned threads) {
     for (int e = 0; e < E; ++e) printf(" %d", counts[e]);
     printf(" (%d wrong)\n", bad);
     failures += bad != 0;
+    // The packed rows' map from those lists.
+    int total = 0;
+    const auto want_pos = packed_positions(g, N, E, &total);
+    std::vector<int> pos((size_t)N * E, 12345);
+    launch({(unsigned)E}, {threads}, [&] { CALL_T(T, moe_route_positions, gb.data(), counts.data(), rows.data(), pos.data(), (i64)N, E); });
+    int wrong = 0;
+    for (size_t i = 0; i < pos.size(); ++i) wrong += pos[i] != want_pos[i];
+    printf("%s moe_route_positions_%s tokens=%d experts=%d: %d routed rows, %d positions wrong\n", wrong ? "FAIL" : "ok  ", tname<T>(), N, E, total, wrong);
+    failures += wrong != 0;
 }
 
 template <class T>

@@ -87,35 +87,57 @@ void dispatch_combine_case(int E) {
     const double tol_dot[2] = {bf ? 5e-3 : 4e-7, bf ? 5e-3 : 4e-6};
     char what[128];
 
+    // Packed operands (moe_route_positions' map): the routed rows only, then 2 spare NaN rows.
+    int prow = 0;
+    const auto pos = packed_positions(gates, N, E, &prow);
+    auto pack = [&](const std::vector<T>& dense) {
+        std::vector<float> nan((prow + 2) * H, NAN);
+        std::vector<T> p = as<T>(nan);
+        for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (pos[n * E + e] >= 0)
+            std::copy_n(dense.begin() + ((size_t)e * N + n) * H, H, p.begin() + (size_t)pos[n * E + e] * H);
+        return p;
+    };
+    for (bool packed : {false, true}) {
+    const int* pp = packed ? pos.data() : nullptr;
+    const char* how = packed ? " packed" : "";
+    std::vector<T> dxe_in = packed ? pack(dxeb) : dxeb, y_in = packed ? pack(yb) : yb;
     std::vector<T> dx(N * H, (T)7);
-    launch({3}, {32}, [&] { CALL_T(T, dispatch_grad, dxeb.data(), gb.data(), dx.data(), N, E, H); });
+    launch({3}, {32}, [&] { CALL_T(T, dispatch_grad, dxe_in.data(), gb.data(), dx.data(), N, E, H, pp); });
     std::vector<double> want_dx(N * H, 0);
     for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (gates[n * E + e] != 0)
         for (int c = 0; c < H; ++c) want_dx[n * H + c] += dxe[(e * N + n) * H + c];
-    snprintf(what, sizeof what, "dispatch_grad_%s experts=%d (unrouted NaN ignored)", dt, E); check_tol(what, as_f32(dx), want_dx, tol[0], tol[1]);
+    snprintf(what, sizeof what, "dispatch_grad_%s%s experts=%d (unrouted NaN ignored)", dt, how, E); check_tol(what, as_f32(dx), want_dx, tol[0], tol[1]);
 
     std::vector<T> dyy(E * N * H, (T)7);
-    launch({2}, {64}, [&] { CALL_T(T, combine_grad_y, gb.data(), dyb.data(), dyy.data(), N, E, H); });
+    launch({2}, {64}, [&] { CALL_T(T, combine_grad_y, gb.data(), dyb.data(), dyy.data(), N, E, H, pp); });
     std::vector<double> want_dyy(E * N * H, 0);
     for (int e = 0; e < E; ++e) for (int n = 0; n < N; ++n) if (gates[n * E + e] != 0)
         for (int c = 0; c < H; ++c) want_dyy[(e * N + n) * H + c] = (double)gates[n * E + e] * dy[n * H + c];
-    snprintf(what, sizeof what, "combine_grad_y_%s experts=%d", dt, E); check_tol(what, as_f32(dyy), want_dyy, tol[0], tol[1]);
+    if (packed) {  // the packed rows, and the initial values past them (never written)
+        const auto untouched = as_f32(std::vector<T>(E * N * H, (T)7));
+        std::vector<double> w(untouched.begin(), untouched.end());
+        for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (pos[n * E + e] >= 0)
+            for (int c = 0; c < H; ++c) w[(size_t)pos[n * E + e] * H + c] = want_dyy[((size_t)e * N + n) * H + c];
+        want_dyy = w;
+    }
+    snprintf(what, sizeof what, "combine_grad_y_%s%s experts=%d", dt, how, E); check_tol(what, as_f32(dyy), want_dyy, tol[0], tol[1]);
 
     std::vector<T> dg(N * E, (T)7);
-    launch({2}, {64}, [&] { CALL_T(T, combine_grad_gates, yb.data(), gb.data(), dyb.data(), dg.data(), N, E, H); });
+    launch({2}, {64}, [&] { CALL_T(T, combine_grad_gates, y_in.data(), gb.data(), dyb.data(), dg.data(), N, E, H, pp); });
     std::vector<double> want_dg(N * E, 0);
     for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (gates[n * E + e] != 0)
         for (int c = 0; c < H; ++c) want_dg[n * E + e] += (double)dy[n * H + c] * y[(e * N + n) * H + c];
-    snprintf(what, sizeof what, "combine_grad_gates_%s experts=%d (unrouted NaN ignored)", dt, E); check_tol(what, as_f32(dg), want_dg, tol_dot[0], tol_dot[1]);
-    // Unrouted entries exactly zero.
+    snprintf(what, sizeof what, "combine_grad_gates_%s%s experts=%d (unrouted NaN ignored)", dt, how, E); check_tol(what, as_f32(dg), want_dg, tol_dot[0], tol_dot[1]);
+    // Unrouted entries exactly zero (dense: dyy's unrouted rows too).
     const auto gy = as_f32(dyy), gg = as_f32(dg);
     int bad = 0;
     for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (gates[n * E + e] == 0) {
         bad += gg[n * E + e] != 0;
-        for (int c = 0; c < H; ++c) bad += gy[(e * N + n) * H + c] != 0;
+        if (!packed) for (int c = 0; c < H; ++c) bad += gy[(e * N + n) * H + c] != 0;
     }
-    printf("%s combine_grad_%s experts=%d: %d nonzero values at unrouted slots\n", bad ? "FAIL" : "ok  ", dt, E, bad);
+    printf("%s combine_grad_%s%s experts=%d: %d nonzero values at unrouted slots\n", bad ? "FAIL" : "ok  ", dt, how, E, bad);
     failures += bad != 0;
+    }
 }
 
 int main() {

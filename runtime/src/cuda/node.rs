@@ -314,7 +314,17 @@ impl CudaProgram {
                     ("combine", (s[1] * s[2], s[0], s[3]))
                 };
                 let (tokens, experts, hidden) = dims;
-                l.moe_move(op, dt, x, self.ptr(ins[1]), out, tokens, experts, hidden)
+                // The [E, tokens, H] side: the dispatch's output, the combine's input.
+                let expert_major = if node.op == Op::Dispatch { v } else { ins[0] };
+                let pos = self.positions_of(expert_major);
+                l.moe_move(
+                    op,
+                    dt,
+                    [x, self.ptr(ins[1]), out, pos],
+                    tokens,
+                    experts,
+                    hidden,
+                )
             }
             Op::CrossEntropy { denom } => {
                 let vocab_n = self.graph.ty(ins[0]).last();
@@ -454,8 +464,9 @@ impl CudaProgram {
         ))
     }
 
-    /// After routing source `v` (a `Dispatch` or `CombineGrad { wrt: y }`) has run: its gates'
-    /// per-expert lists of routed rows, for the routed GEMMs that read them.
+    /// Before routing source `v` (a `Dispatch` or `CombineGrad { wrt: y }`) runs: its gates'
+    /// per-expert lists of routed rows, for the routed GEMMs that read them, and the packed
+    /// rows' map, for the source itself when it writes packed and for what reads packed values.
     pub(super) fn index_routes(&self, v: ValueId, l: &Launcher) -> Result<(), CudaError> {
         let Some(index) = &self.route_index[v.index()] else {
             return Ok(());
@@ -465,7 +476,8 @@ impl CudaProgram {
         };
         let gates = self.ptr(routing_gates(&self.graph, v));
         let rows = index.ptr + 4 * experts as u64;
-        l.moe_route_index(self.dt(), gates, index.ptr, rows, tokens, experts)
+        let pos = rows + 4 * (experts * tokens) as u64;
+        l.moe_route_index(self.dt(), gates, [index.ptr, rows, pos], tokens, experts)
     }
 
     /// Enqueues one fused group on the compute stream.

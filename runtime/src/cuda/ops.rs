@@ -282,42 +282,43 @@ impl<'a> Launcher<'a> {
     }
 
     /// `dispatch` (`op = "dispatch"`, out `[E, N, H]`) or `combine` (`op = "combine"`, out
-    /// `[N, H]`).
-    #[allow(clippy::too_many_arguments)]
+    /// `[N, H]`); `pos` (non-zero) the packed rows' map of a packed `[E, N, H]` side.
     pub fn moe_move(
         &self,
         op: &str,
         dt: KernelDType,
-        x: u64,
-        gates: u64,
-        out: u64,
+        [x, gates, out, pos]: [u64; 4],
         tokens: usize,
         experts: usize,
         hidden: usize,
     ) -> Result<(), CudaError> {
-        let total = if op == "dispatch" {
+        let total = if op == "dispatch" && pos == 0 {
             experts * tokens * hidden
         } else {
             tokens * hidden
         };
         let (n, e, h) = (i(tokens), experts as i32, i(hidden));
-        launch!(self, entry_name(op, dt), elementwise_launch(total); &x, &gates, &out, &n, &e, &h)
+        launch!(self, entry_name(op, dt), elementwise_launch(total);
+            &x, &gates, &out, &n, &e, &h, &pos)
     }
 
     /// Per-expert lists of routed token rows from `gates [tokens, experts]`: `counts[e]` and
-    /// `rows[e · tokens ..]`, ascending (`moe_gemm.cu`).
+    /// `rows[e · tokens ..]`, ascending, then the packed rows' map `pos[tokens · experts]`
+    /// (`moe_gemm.cu`'s `moe_route_index` and `moe_route_positions`).
     pub fn moe_route_index(
         &self,
         dt: KernelDType,
         gates: u64,
-        counts: u64,
-        rows: u64,
+        [counts, rows, pos]: [u64; 3],
         tokens: usize,
         experts: usize,
     ) -> Result<(), CudaError> {
         let (n, e) = (i(tokens), experts as i32);
-        launch!(self, entry_name("moe_route_index", dt), moe_route_index_launch(experts);
-            &gates, &counts, &rows, &n, &e)
+        let cfg = moe_route_index_launch(experts);
+        launch!(self, entry_name("moe_route_index", dt), cfg;
+            &gates, &counts, &rows, &n, &e)?;
+        launch!(self, entry_name("moe_route_positions", dt), cfg;
+            &gates, &counts, &rows, &pos, &n, &e)
     }
 
     /// One of `moe_gemm.cu`'s routed expert kernels over the routed rows `r` of each expert

@@ -635,8 +635,8 @@ impl CudaProgram {
                         Action::Skip => {}
                         Action::Run => {
                             self.guard(&mut inflight, &[v])?;
-                            self.run_node(v, ctx, lc).map_err(|e| self.at_node(v, e))?;
                             self.index_routes(v, lc).map_err(|e| self.at_node(v, e))?;
+                            self.run_node(v, ctx, lc).map_err(|e| self.at_node(v, e))?;
                             if self.graph.node(v).op.communicates() {
                                 // The ring joined both streams: every earlier collective is done.
                                 inflight.clear();

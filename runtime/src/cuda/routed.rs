@@ -39,9 +39,11 @@
 //! packed output of `routed_gemm`) or a row-by-row op of packed operands (silu, the SwiGLU
 //! product, their gradients: elementwise kernels over the packed rows), and its readers are
 //! routed GEMMs and weight gradients (packed operands of the routed kernels) or such row-by-row
-//! ops; it is no graph output. Mixtral's `[E, tokens, ffn]` activations are packed, forward and
-//! backward (a quarter of the bytes for top-2 of 8); the `[E, tokens, hidden]` values around
-//! the dispatch and combine stay dense.
+//! ops; it is no graph output. The dispatch and the combine's gradient wrt its experts' outputs
+//! write packed, and the combine, the dispatch's gradient and the combine's gradient wrt the
+//! gates read packed, through the map `pos[token, expert]` of packed rows each routing source's
+//! index holds (`moe_route_positions`). So every `[E, tokens, ·]` value of Mixtral's expert
+//! MLP is packed, forward and backward: a quarter of the bytes for top-2 of 8.
 
 use super::dtype::GpuDType;
 use shardc_compiler::ir::{CombineWrt, Graph, Op, UnaryOp, ValueId};
@@ -217,6 +219,8 @@ impl Routing {
             let node = g.node(v);
             let writer = match node.op {
                 Op::MatMul { .. } => self.gemms[v.index()].is_some_and(takes),
+                // Through the packed rows' map (moe.cu, moe_grad.cu).
+                Op::Dispatch | Op::CombineGrad { .. } => true,
                 ref op => row_by_row(op),
             };
             let shape = node.ty.shape();
@@ -247,11 +251,12 @@ impl Routing {
                 let gates = walk.gates(v);
                 let ok_packed = |x: ValueId| packed[x.index()].is_some() && walk.gates(x) == gates;
                 // A row-by-row writer reads packed operands of its own shape only.
-                let writes = matches!(node.op, Op::MatMul { .. })
-                    || node.inputs.iter().all(|&x| {
-                        ok_packed(x)
-                            && (matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty))
-                    });
+                let writes = matches!(
+                    node.op,
+                    Op::MatMul { .. } | Op::Dispatch | Op::CombineGrad { .. }
+                ) || node.inputs.iter().all(|&x| {
+                    ok_packed(x) && (matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty))
+                });
                 let read = walk.users[v.index()].iter().all(|&u| {
                     let un = g.node(u);
                     let only_at =
@@ -262,6 +267,9 @@ impl Routing {
                         })
                     };
                     match un.op {
+                        Op::Combine | Op::DispatchGrad | Op::CombineGrad { .. } => {
+                            only_at(0) && Some(walk.root(un.inputs[1])) == gates
+                        }
                         Op::MatMul { .. } if routed(self.gemms[u.index()]) => only_at(0),
                         Op::WeightGrad { .. } if routed(self.weight_grads[u.index()]) => {
                             un.inputs.get(2) != Some(&v)
@@ -353,9 +361,10 @@ impl Routing {
         }
     }
 
-    /// Bytes of the index buffer of a source with `experts` and `tokens`.
+    /// Bytes of the index buffer of a source with `experts` and `tokens`: `counts[E]`, the
+    /// lists `rows[E · tokens]` and the packed rows' map `pos[tokens · E]` (i32).
     pub fn index_bytes(experts: usize, tokens: usize) -> usize {
-        4 * (experts + experts * tokens)
+        4 * (experts + 2 * experts * tokens)
     }
 }
 
@@ -591,10 +600,10 @@ mod tests {
         }
     }
 
-    /// Mixtral training: the `[E, tokens, ffn]` values are packed (`tokens · top_k` rows), and
+    /// Mixtral training: every `[E, tokens, ·]` value is packed (`tokens · top_k` rows), and
     /// each expert GEMM and weight gradient is told which of its operands are.
     #[test]
-    fn mixtral_training_packs_its_ffn_wide_expert_values() {
+    fn mixtral_training_packs_its_expert_values() {
         let (cfg, g) = mixtral_training();
         let r = Routing::of(&g, true, GpuDType::Bf16);
         let by_name = |name: &str| {
@@ -603,35 +612,33 @@ mod tests {
                 .unwrap_or_else(|| panic!("{name}"))
         };
         let packed = |name: &str| r.packed[by_name(name).index()];
-        for name in [
-            "layers.0.moe.gate_proj",
-            "layers.0.moe.up_proj",
-            "layers.0.moe.act",
-            "layers.0.moe.gate_mul",
-            "bwd.layers.0.moe.down_proj.da",
-            "bwd.layers.0.moe.act.dx",
+        // 16 tokens, top-2 of 4 experts: 32 rows instead of 64.
+        for (name, width) in [
+            ("layers.0.moe.dispatch", cfg.hidden),
+            ("layers.0.moe.gate_proj", cfg.ffn),
+            ("layers.0.moe.up_proj", cfg.ffn),
+            ("layers.0.moe.act", cfg.ffn),
+            ("layers.0.moe.gate_mul", cfg.ffn),
+            ("layers.0.moe.down_proj", cfg.hidden),
+            ("bwd.layers.0.moe.combine.dy", cfg.hidden),
+            ("bwd.layers.0.moe.down_proj.da", cfg.ffn),
+            ("bwd.layers.0.moe.act.dx", cfg.ffn),
+            ("bwd.layers.0.moe.up_proj.da", cfg.hidden),
         ] {
             let p = packed(name).unwrap_or_else(|| panic!("{name} not packed"));
-            // 16 tokens, top-2 of 4 experts: 32 rows of ffn 128 instead of 64.
-            assert_eq!((p.rows, p.width), (32, cfg.ffn), "{name}");
+            assert_eq!((p.rows, p.width), (32, width), "{name}");
         }
-        for name in ["layers.0.moe.dispatch", "layers.0.moe.down_proj"] {
-            assert_eq!(
-                packed(name),
-                None,
-                "{name}: hidden-wide, read by the combine"
-            );
-        }
-        // (a, out) for GEMMs, (a, dy) for weight gradients.
-        for (name, flags) in [
-            ("layers.0.moe.gate_proj", 2),
-            ("layers.0.moe.down_proj", 1),
-            ("bwd.layers.0.moe.down_proj.da", 2),
-            ("bwd.layers.0.moe.up_proj.da", 1),
-            ("grad.layers.0.moe.down_proj.weight", 1),
-            ("grad.layers.0.moe.up_proj.weight", 2),
+        // Every expert GEMM and weight gradient reads and writes packed rows ((a, out) for
+        // GEMMs, (a, dy) for weight gradients).
+        for name in [
+            "layers.0.moe.gate_proj",
+            "layers.0.moe.down_proj",
+            "bwd.layers.0.moe.down_proj.da",
+            "bwd.layers.0.moe.up_proj.da",
+            "grad.layers.0.moe.down_proj.weight",
+            "grad.layers.0.moe.up_proj.weight",
         ] {
-            assert_eq!(r.packed_flags(&g, by_name(name)), flags, "{name}");
+            assert_eq!(r.packed_flags(&g, by_name(name)), 3, "{name}");
         }
         // Their device footprint follows.
         let gate = by_name("layers.0.moe.gate_proj");

@@ -124,15 +124,26 @@ impl CudaProgram {
             Op::DispatchGrad => {
                 // (dxe[E,B,T,H], gates[B,T,E]) -> [B,T,H]
                 let (tokens, experts) = self.rows_of(ins[1]);
-                l.dispatch_grad(dt, p(0), p(1), out, (tokens, experts, node.ty.last()))
+                let pos = self.positions_of(ins[0]);
+                l.dispatch_grad(
+                    dt,
+                    [p(0), p(1), out, pos],
+                    (tokens, experts, node.ty.last()),
+                )
             }
             Op::CombineGrad { wrt } => {
                 // (y[E,B,T,H], gates[B,T,E], dy[B,T,H])
                 let (tokens, experts) = self.rows_of(ins[1]);
                 let dims = (tokens, experts, self.graph.ty(ins[2]).last());
                 match wrt {
-                    CombineWrt::Y => l.combine_grad_y(dt, p(1), p(2), out, dims),
-                    CombineWrt::Gates => l.combine_grad_gates(dt, (p(0), p(1), p(2)), out, dims),
+                    CombineWrt::Y => {
+                        let pos = self.positions_of(v);
+                        l.combine_grad_y(dt, [p(1), p(2), out, pos], dims)
+                    }
+                    CombineWrt::Gates => {
+                        let pos = self.positions_of(ins[0]);
+                        l.combine_grad_gates(dt, (p(0), p(1), p(2)), out, pos, dims)
+                    }
                 }
             }
             Op::CrossEntropyGrad { denom } => {

@@ -340,28 +340,26 @@ impl Launcher<'_> {
     pub fn dispatch_grad(
         &self,
         dt: KernelDType,
-        dxe: u64,
-        gates: u64,
-        dx: u64,
+        [dxe, gates, dx, pos]: [u64; 4],
         (tokens, experts, hidden): MoeDims,
     ) -> Result<(), CudaError> {
         let (n, e, h) = (i(tokens), experts as i32, i(hidden));
         launch!(self, entry_name("dispatch_grad", dt), elementwise_launch(tokens * hidden);
-            &dxe, &gates, &dx, &n, &e, &h)
+            &dxe, &gates, &dx, &n, &e, &h, &pos)
     }
 
     /// The gradient of `combine` wrt the expert outputs: `dyy[e, n] = gates[n, e] · dy[n]`.
     pub fn combine_grad_y(
         &self,
         dt: KernelDType,
-        gates: u64,
-        dy: u64,
-        dyy: u64,
+        [gates, dy, dyy, pos]: [u64; 4],
         (tokens, experts, hidden): MoeDims,
     ) -> Result<(), CudaError> {
         let (n, e, h) = (i(tokens), experts as i32, i(hidden));
-        launch!(self, entry_name("combine_grad_y", dt), elementwise_launch(experts * tokens * hidden);
-            &gates, &dy, &dyy, &n, &e, &h)
+        // Packed: one thread per (token, column), over the token's experts.
+        let total = if pos == 0 { experts } else { 1 } * tokens * hidden;
+        launch!(self, entry_name("combine_grad_y", dt), elementwise_launch(total);
+            &gates, &dy, &dyy, &n, &e, &h, &pos)
     }
 
     /// The gradient of `combine` wrt the gates: `dg[n, e] = dy[n] · y[e, n]` where kept.
@@ -370,11 +368,12 @@ impl Launcher<'_> {
         dt: KernelDType,
         (y, gates, dy): (u64, u64, u64),
         dg: u64,
+        pos: u64,
         (tokens, experts, hidden): MoeDims,
     ) -> Result<(), CudaError> {
         let (n, e, h) = (i(tokens), experts as i32, i(hidden));
         launch!(self, entry_name("combine_grad_gates", dt), combine_grad_gates_launch(tokens, experts);
-            &y, &gates, &dy, &dg, &n, &e, &h)
+            &y, &gates, &dy, &dg, &n, &e, &h, &pos)
     }
 
     /// An Adam moment update: `m + (1 − β)(g − m)`, or `β·m + (1 − β)·g²` when `squared`.

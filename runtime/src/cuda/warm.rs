@@ -133,6 +133,22 @@ impl CudaProgram {
         (index, index + 4 * r.experts as u64)
     }
 
+    /// The packed rows' map (`pos[tokens · E]`, `moe_route_positions`) a dispatch, combine or
+    /// gradient of them goes through for its `[E, tokens, ·]` operand `x`: 0 (none) when `x` is
+    /// dense.
+    pub(super) fn positions_of(&self, x: ValueId) -> u64 {
+        let Some(p) = self.routing.packed[x.index()] else {
+            return 0;
+        };
+        let Some(&(_, experts, tokens)) = self.routing.sources.iter().find(|s| s.0 == p.source)
+        else {
+            return 0;
+        };
+        self.route_index[p.source.index()]
+            .as_ref()
+            .map_or(0, |b| b.ptr + 4 * (experts + experts * tokens) as u64)
+    }
+
     /// The GEMM of sibling group `s`: its weights and outputs `w_stride` / `out_stride` apart.
     pub(super) fn sibling_key(&self, s: &SiblingGemms) -> Result<GemmKey, CudaError> {
         let node = self.graph.node(s.mms[0]);

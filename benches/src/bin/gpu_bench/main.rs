@@ -1224,10 +1224,11 @@ mod tests {
         }
     }
 
-    /// The `moe` section's routed row times packed expert activations: gate, up, silu and the
-    /// SwiGLU product hold `tokens · top_k` rows, a quarter of the dense `[E, tokens, F]`.
+    /// The `moe` section's routed row times packed expert values: the dispatch, gate, up, silu,
+    /// the SwiGLU product and the down projection hold `tokens · top_k` rows, a quarter of the
+    /// dense `[E, tokens, ·]`.
     #[test]
-    fn moe_block_stores_its_ffn_wide_activations_packed() {
+    fn moe_block_stores_its_expert_values_packed() {
         use shardc_runtime::cuda::Routing;
         let g = moe_block(64);
         let r = Routing::of(&g, true, GpuDType::Bf16);
@@ -1236,7 +1237,10 @@ mod tests {
             .filter(|v| r.packed[v.index()].is_some())
             .map(|v| g.node(v).name.as_str())
             .collect();
-        assert_eq!(packed, ["gate", "up", "act", "gate_mul"]);
+        assert_eq!(
+            packed,
+            ["dispatch", "gate", "up", "act", "gate_mul", "down"]
+        );
         for v in g.ids().filter(|v| r.packed[v.index()].is_some()) {
             assert_eq!(
                 r.stored_numel(&g, v) * MOE_EXPERTS / MOE_TOP_K,
