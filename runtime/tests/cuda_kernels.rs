@@ -32,6 +32,26 @@ fn check(op: &Op, ins: &[&Tensor], dt: GpuDType, atol: f32, rtol: f32, what: &st
     assert_close(&format!("{what} {dt}"), &got, &want, atol, rtol);
 }
 
+/// The driver reports each kernel's parameter sizes (`cuFuncGetParamInfo`, CUDA 12.4+), which
+/// every launch is checked against: pointers and i64 are 8 bytes, ints and floats 4.
+#[test]
+#[ignore = "needs a GPU"]
+fn kernel_parameter_sizes_are_known_to_the_launch_check() {
+    let dev = device();
+    for (entry, want) in [
+        ("cast_f32_bf16", &[8, 8, 8][..]),
+        ("adamw_update_f32", &[8, 8, 8, 8, 8, 8]),
+        ("routed_gemm_bf16", &[8, 8, 8, 8, 8, 8, 4, 4, 4, 4]),
+        (
+            "attention_tc_lse_bf16",
+            &[8, 8, 8, 8, 8, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 8],
+        ),
+    ] {
+        let k = dev.kernel(entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        assert_eq!(k.params.as_deref(), Some(want), "{entry}");
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn unary_scale_and_binary() {

@@ -47,8 +47,61 @@ pub struct CudaDevice {
     sm_count: usize,
     arch: &'static str,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    functions: Mutex<HashMap<String, Kernel>>,
+    /// `cuDriverGetVersion` (e.g. 13000), 0 when unknown.
+    driver_version: i32,
     preloaded: std::sync::Once,
+}
+
+/// A loaded kernel and the byte size of each of its parameters, as the driver reports them
+/// (`cuFuncGetParamInfo`, CUDA 12.4+); `None` where the driver cannot say.
+#[derive(Clone)]
+pub struct Kernel {
+    /// The function.
+    pub function: CudaFunction,
+    /// Its parameters' sizes in bytes, in order.
+    pub params: Option<Arc<[usize]>>,
+}
+
+/// The byte size of each parameter of `f` (`cuFuncGetParamInfo`), or `None` when the driver
+/// (older than 12.4: `driver_version`) or the function cannot say.
+fn param_sizes(f: &CudaFunction, driver_version: i32) -> Option<Arc<[usize]>> {
+    if driver_version < 12040 {
+        return None;
+    }
+    let mut sizes = Vec::new();
+    for index in 0..1024 {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: a loaded function of a live context; the out-pointers are locals.
+        let r = unsafe {
+            cudarc::driver::sys::cuFuncGetParamInfo(f.cu_function(), index, &mut offset, &mut size)
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            break;
+        }
+        sizes.push(size);
+    }
+    // Every kernel here takes parameters: none reported means the query is not supported.
+    (!sizes.is_empty()).then(|| sizes.into())
+}
+
+/// `Ok` when a launch of kernel `entry` passes arguments of the sizes the kernel's parameters
+/// have (`params`, from [`Kernel::params`]; `None`: not known, not checked), else an error naming
+/// the kernel and both lists: what a wrong argument list would otherwise do is read past the
+/// argument array or hand a kernel the wrong bytes.
+pub(crate) fn check_launch_args(
+    entry: &str,
+    params: Option<&[usize]>,
+    passed: &[usize],
+) -> Result<(), CudaError> {
+    match params {
+        Some(p) if p != passed => Err(CudaError::LaunchArgs {
+            entry: entry.to_string(),
+            params: p.to_vec(),
+            passed: passed.to_vec(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -97,6 +150,16 @@ impl CudaDevice {
             arch,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            driver_version: {
+                let mut v = 0;
+                // SAFETY: an out-pointer to a local; the driver is loaded (the context exists).
+                let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+                if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                    v
+                } else {
+                    0
+                }
+            },
             preloaded: std::sync::Once::new(),
         }))
     }
@@ -141,13 +204,18 @@ impl CudaDevice {
     /// The kernel `entry` (`rmsnorm_bf16`, `strided_copy_b4`, ...), compiling and loading its
     /// source on first use.
     pub fn function(&self, entry: &str) -> Result<CudaFunction, CudaError> {
-        if let Some(f) = self
+        self.kernel(entry).map(|k| k.function)
+    }
+
+    /// [`CudaDevice::function`] with its parameters' sizes ([`Kernel`]).
+    pub fn kernel(&self, entry: &str) -> Result<Kernel, CudaError> {
+        if let Some(k) = self
             .functions
             .lock()
             .expect("invariant: kernel table lock not poisoned")
             .get(entry)
         {
-            return Ok(f.clone());
+            return Ok(k.clone());
         }
         let module = self.module_for(entry)?;
         let f = module
@@ -165,11 +233,15 @@ impl CudaDevice {
             )
             .map_err(CudaError::driver(what))?;
         }
+        let k = Kernel {
+            params: param_sizes(&f, self.driver_version),
+            function: f,
+        };
         self.functions
             .lock()
             .expect("invariant: kernel table lock not poisoned")
-            .insert(entry.to_owned(), f.clone());
-        Ok(f)
+            .insert(entry.to_owned(), k.clone());
+        Ok(k)
     }
 
     /// Compiles (through the PTX cache) and loads every kernel family of the registry and the
@@ -203,7 +275,7 @@ impl CudaDevice {
             .expect("invariant: kernel table lock not poisoned")
             .get(&name)
         {
-            return Ok(f.clone());
+            return Ok(f.function.clone());
         }
         let src = generate_fused_kernel(&name, expr, dt);
         let ptx = shardc_kernels::compile(&format!("{name}.cu"), &src, self.arch, &[])?.to_ptx();
@@ -213,10 +285,14 @@ impl CudaDevice {
         let f = module
             .load_function(&name)
             .map_err(CudaError::driver(format!("load kernel {name}")))?;
+        let k = Kernel {
+            params: param_sizes(&f, self.driver_version),
+            function: f.clone(),
+        };
         self.functions
             .lock()
             .expect("invariant: kernel table lock not poisoned")
-            .insert(name, f.clone());
+            .insert(name, k);
         Ok(f)
     }
 
@@ -252,6 +328,30 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A launch whose argument sizes differ from the kernel's parameters (a missing, extra or
+    /// wrongly sized argument) is an error naming the kernel and both lists; a match, or a
+    /// driver that reports no parameters, passes.
+    #[test]
+    fn launch_arguments_are_checked_against_the_kernel() {
+        let params = [8, 8, 8, 8, 4];
+        assert!(check_launch_args("k", Some(&params), &[8, 8, 8, 8, 4]).is_ok());
+        assert!(check_launch_args("k", None, &[8]).is_ok());
+        for passed in [&[8, 8, 8, 8][..], &[8, 8, 8, 8, 4, 8], &[8, 8, 8, 8, 8]] {
+            let e =
+                check_launch_args("adamw_update_f32", Some(&params), passed).expect_err("mismatch");
+            let msg = e.to_string();
+            assert!(msg.contains("`adamw_update_f32`"), "{msg}");
+            assert!(
+                msg.contains("takes 5 parameters of [8, 8, 8, 8, 4] bytes"),
+                "{msg}"
+            );
+            assert!(
+                msg.contains(&format!("passes {} of {passed:?}", passed.len())),
+                "{msg}"
+            );
+        }
+    }
 
     /// Without a driver (this CI machine) opening fails cleanly; with one it succeeds.
     #[test]

@@ -101,6 +101,21 @@ pub enum CudaError {
         /// Bytes of the buffer.
         capacity: usize,
     },
+    /// A launch whose arguments do not match the compiled kernel's parameters.
+    #[error(
+        "launch of kernel `{entry}`: it takes {} parameters of {params:?} bytes, the launch \
+         passes {} of {passed:?} bytes",
+        params.len(),
+        passed.len()
+    )]
+    LaunchArgs {
+        /// The kernel's entry point.
+        entry: String,
+        /// Its parameters' sizes (bytes).
+        params: Vec<usize>,
+        /// The arguments' sizes (bytes).
+        passed: Vec<usize>,
+    },
     /// An op (or this use of it) has no CUDA implementation.
     #[error("node {node} `{name}` ({op}): not supported by the CUDA backend: {detail}")]
     Unsupported {

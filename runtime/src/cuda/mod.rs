@@ -49,7 +49,7 @@ mod train_ops;
 mod trainer;
 mod warm;
 
-pub use device::{cuda_device_count, CudaDevice};
+pub use device::{cuda_device_count, CudaDevice, Kernel};
 pub use error::CudaError;
 pub use flash::{flash_candidates, FlashBwd};
 pub use gemm::{Epilogue, GemmCache, GemmKey};

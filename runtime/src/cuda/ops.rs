@@ -29,11 +29,15 @@ pub(crate) struct Launcher<'a> {
 macro_rules! launch {
     ($self:expr, $entry:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
         let entry: &str = &$entry;
-        let f = $self.dev.function(entry)?;
-        let mut b = $self.stream.launch_builder(&f);
+        let k = $self.dev.kernel(entry)?;
+        // The arguments' sizes against the kernel's parameters, where the driver reports them.
+        let passed = [$(std::mem::size_of_val($arg)),*];
+        crate::cuda::device::check_launch_args(entry, k.params.as_deref(), &passed)?;
+        let mut b = $self.stream.launch_builder(&k.function);
         $( b.arg($arg); )*
         // SAFETY: the argument list matches the kernel's signature in its .cu contract (each
-        // call site passes the documented types in order); the pointers are valid per the
+        // call site passes the documented types in order, and their sizes were checked against
+        // the compiled kernel's where the driver reports them); the pointers are valid per the
         // module's pre-condition; the launch shape is the one the contract requires.
         unsafe { b.launch($cfg) }
             .map(|_| ())
