@@ -1248,4 +1248,20 @@ mod tests {
             );
         }
     }
+
+    /// The section's activation arena at 4096 tokens, bf16: 960 MiB routed (packed) against
+    /// 3840 MiB dense, the top-2-of-8 quarter.
+    #[test]
+    fn moe_block_arena_is_a_quarter_of_the_dense_one() {
+        use shardc_runtime::cuda::{plan_memory_routed, Routing};
+        let g = moe_block(4096);
+        let arena = |routed: bool| {
+            let r = Routing::of(&g, routed, GpuDType::Bf16);
+            plan_memory_routed(&g, GpuDType::Bf16, true, &r.packed)
+                .0
+                .total
+        };
+        let mib = |b: u64| b >> 20;
+        assert_eq!((mib(arena(true)), mib(arena(false))), (960, 3840));
+    }
 }
