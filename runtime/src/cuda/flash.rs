@@ -58,6 +58,11 @@ impl FlashBwd {
         self.dq.min(self.dk).min(self.dv)
     }
 
+    /// The last of the three gradients in program order.
+    pub fn tail(&self) -> ValueId {
+        self.dq.max(self.dk).max(self.dv)
+    }
+
     /// The three gradients.
     pub fn grads(&self) -> [ValueId; 3] {
         [self.dq, self.dk, self.dv]
@@ -66,7 +71,7 @@ impl FlashBwd {
 
 /// `v` with reshapes that keep its shape looked through (the training program reads saved
 /// forward values through such reshapes).
-fn through_reshapes(g: &Graph, mut v: ValueId) -> ValueId {
+pub(super) fn through_reshapes(g: &Graph, mut v: ValueId) -> ValueId {
     while let Op::Reshape = g.node(v).op {
         let x = g.node(v).inputs[0];
         if !g.ty(x).same_shape(g.ty(v)) {

@@ -11,7 +11,7 @@ use super::ops::Launcher;
 use super::plan::{attention_scratch, fused_expr, FusedGroup, GpuDType};
 use super::program::CudaProgram;
 use super::rank::CudaRankCtx;
-use super::routed::routing_gates;
+use super::routed::{routing_gates, Routing};
 use super::strided::StridedSpec;
 use super::support::check_labels;
 use super::CudaError;
@@ -475,9 +475,8 @@ impl CudaProgram {
             return Ok(());
         };
         let gates = self.ptr(routing_gates(&self.graph, v));
-        let rows = index.ptr + 4 * experts as u64;
-        let pos = rows + 4 * (experts * tokens) as u64;
-        l.moe_route_index(self.dt(), gates, [index.ptr, rows, pos], tokens, experts)
+        let parts = Routing::index_parts(index.ptr, experts, tokens);
+        l.moe_route_index(self.dt(), gates, parts, tokens, experts)
     }
 
     /// Enqueues one fused group on the compute stream.

@@ -237,7 +237,7 @@ impl FusedGroup {
         match self {
             FusedGroup::Gemm { out, .. } => *out,
             FusedGroup::AddRmsNorm { norm, .. } => *norm,
-            FusedGroup::AttentionBwd(f) => f.dq.max(f.dk).max(f.dv),
+            FusedGroup::AttentionBwd(f) => f.tail(),
             FusedGroup::Siblings(s) => s.mms[s.mms.len() - 1],
             FusedGroup::SwiGlu { mul, .. } => *mul,
         }
@@ -416,7 +416,7 @@ fn plan_with(
     for (f, mask) in flash {
         let node = &mut ag.nodes[f.probs.index()];
         node.ty = TensorType::plain(node.ty.dtype, &[0]);
-        let tail = f.dq.max(f.dk).max(f.dv);
+        let tail = f.tail();
         if let Some(m) = mask {
             ag.nodes[tail.index()].inputs.push(*m);
         }

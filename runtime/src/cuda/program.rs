@@ -168,7 +168,7 @@ impl CudaProgram {
         // A source's index is filled when it runs as a node of its own (then the packing may
         // change, and the arena with it).
         let packed = routing.packed.clone();
-        routing.keep_sources(graph, |s| fusion.actions[s.index()] == Action::Run);
+        routing.keep_sources(graph, dt, |s| fusion.actions[s.index()] == Action::Run);
         if routing.packed != packed {
             (arena_plan, fusion) = plan_memory_routed(graph, dt, opts.fuse, &routing.packed);
         }

@@ -46,6 +46,7 @@
 //! MLP is packed, forward and backward: a quarter of the bytes for top-2 of 8.
 
 use super::dtype::GpuDType;
+use super::flash::through_reshapes;
 use shardc_compiler::ir::{CombineWrt, Graph, Op, UnaryOp, ValueId};
 use shardc_kernels::launch::routed_gemm_supported;
 
@@ -168,9 +169,26 @@ impl Routing {
                 transpose_b,
             );
         }
-        r.plan_unfilled(g);
-        r.plan_packed(g, dt);
+        r.plan_rows(g, dt);
         r
+    }
+
+    /// Fills [`Routing::unfilled`] and [`Routing::packed`] for the routed GEMMs of `g`.
+    fn plan_rows(&mut self, g: &Graph, dt: GpuDType) {
+        let walk = ReaderWalk {
+            g,
+            zero: zero_rows(g),
+            users: g.users(),
+        };
+        self.unfilled = g
+            .ids()
+            .map(|v| {
+                self.gemms[v.index()]?;
+                let mut must = Vec::new();
+                walk.unread(self, v, &mut must).then_some(must)
+            })
+            .collect();
+        self.packed = walk.packed(self, dt);
     }
 
     /// Elements value `v` of `g` occupies on the device: its packed rows, or all of it.
@@ -196,116 +214,6 @@ impl Routing {
     pub fn touches_packed(&self, g: &Graph, v: ValueId) -> bool {
         (self.gemms[v.index()].is_some() || self.weight_grads[v.index()].is_some())
             && self.packed_flags(g, v) != 0
-    }
-
-    /// Fills [`Routing::packed`] (module docs): every candidate, then those whose writer or a
-    /// reader does not take packed rows dropped until none is.
-    fn plan_packed(&mut self, g: &Graph, dt: GpuDType) {
-        let walk = ReaderWalk {
-            g,
-            routing: self,
-            zero: zero_rows(g),
-            users: g.users(),
-        };
-        let is_output = |v: ValueId| g.outputs.iter().any(|&(_, o)| o == v);
-        // The routed kernels run this GEMM's shape (bf16 wants k, n multiples of 8; pointers
-        // are aligned: arena slots, packed rows of such widths, device allocations).
-        let takes = |r: RoutedGemm| routed_gemm_supported(dt.kernel(), r.k, r.n, [0; 3]);
-        let mut packed: Vec<Option<Packed>> = vec![None; g.len()];
-        for v in g.ids() {
-            let (Some(source), Some(gates)) = (walk.zero[v.index()], walk.gates(v)) else {
-                continue;
-            };
-            let node = g.node(v);
-            let writer = match node.op {
-                Op::MatMul { .. } => self.gemms[v.index()].is_some_and(takes),
-                // Through the packed rows' map (moe.cu, moe_grad.cu).
-                Op::Dispatch | Op::CombineGrad { .. } => true,
-                ref op => row_by_row(op),
-            };
-            let shape = node.ty.shape();
-            let (Some(&experts), Some(&width), Some(top_k)) =
-                (shape.first(), shape.last(), top_k(g, gates))
-            else {
-                continue;
-            };
-            let indexed = self.sources.iter().any(|&(s, _, _)| s == source);
-            let empty = experts == 0 || width == 0;
-            if !writer || !indexed || empty || is_output(v) || shape.len() < 3 || top_k >= experts {
-                continue;
-            }
-            let tokens = node.ty.numel() / (experts * width);
-            packed[v.index()] = Some(Packed {
-                source,
-                rows: tokens * top_k,
-                width,
-            });
-        }
-        loop {
-            let mut changed = false;
-            for v in g.ids() {
-                if packed[v.index()].is_none() {
-                    continue;
-                }
-                let node = g.node(v);
-                let gates = walk.gates(v);
-                let ok_packed = |x: ValueId| packed[x.index()].is_some() && walk.gates(x) == gates;
-                // A row-by-row writer reads packed operands of its own shape only.
-                let writes = matches!(
-                    node.op,
-                    Op::MatMul { .. } | Op::Dispatch | Op::CombineGrad { .. }
-                ) || node.inputs.iter().all(|&x| {
-                    ok_packed(x) && (matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty))
-                });
-                let read = walk.users[v.index()].iter().all(|&u| {
-                    let un = g.node(u);
-                    let only_at =
-                        |i: usize| un.inputs.iter().enumerate().all(|(j, &y)| y != v || j == i);
-                    let routed = |r: Option<RoutedGemm>| {
-                        r.is_some_and(|r| {
-                            takes(r) && walk.root(routing_gates(g, r.source)) == gates.unwrap()
-                        })
-                    };
-                    match un.op {
-                        Op::Combine | Op::DispatchGrad | Op::CombineGrad { .. } => {
-                            only_at(0) && Some(walk.root(un.inputs[1])) == gates
-                        }
-                        Op::MatMul { .. } if routed(self.gemms[u.index()]) => only_at(0),
-                        Op::WeightGrad { .. } if routed(self.weight_grads[u.index()]) => {
-                            un.inputs.get(2) != Some(&v)
-                        }
-                        ref op => row_by_row(op) && ok_packed(u),
-                    }
-                });
-                if !(writes && read) {
-                    packed[v.index()] = None;
-                    changed = true;
-                }
-            }
-            if !changed {
-                break;
-            }
-        }
-        self.packed = packed;
-    }
-
-    /// Fills [`Routing::unfilled`] for the routed GEMMs of `g`.
-    fn plan_unfilled(&mut self, g: &Graph) {
-        let walk = ReaderWalk {
-            g,
-            routing: self,
-            zero: zero_rows(g),
-            users: g.users(),
-        };
-        let unfilled = g
-            .ids()
-            .map(|v| {
-                self.gemms[v.index()]?;
-                let mut must = Vec::new();
-                walk.unread(v, &mut must).then_some(must)
-            })
-            .collect();
-        self.unfilled = unfilled;
     }
 
     /// Records `v` as a routed GEMM (or weight gradient) of `source`'s rows, when the source's
@@ -342,8 +250,9 @@ impl Routing {
     }
 
     /// Keeps only the sources `runs` accepts (those the executor runs as nodes of their own,
-    /// after which it fills their index) and the routed GEMMs of those (of graph `g`).
-    pub fn keep_sources(&mut self, g: &Graph, runs: impl Fn(ValueId) -> bool) {
+    /// after which it fills their index) and the routed GEMMs of those, and plans the rows of
+    /// graph `g` (stored as `dt`) again for them.
+    pub fn keep_sources(&mut self, g: &Graph, dt: GpuDType, runs: impl Fn(ValueId) -> bool) {
         self.sources.retain(|&(s, _, _)| runs(s));
         let kept = |x: &mut Option<RoutedGemm>| {
             if x.is_some_and(|r| !runs(r.source)) {
@@ -352,19 +261,20 @@ impl Routing {
         };
         self.gemms.iter_mut().for_each(&kept);
         self.weight_grads.iter_mut().for_each(&kept);
-        self.plan_unfilled(g);
-        let sources = &self.sources;
-        for p in &mut self.packed {
-            if p.is_some_and(|p| !sources.iter().any(|&(s, _, _)| s == p.source)) {
-                *p = None;
-            }
-        }
+        self.plan_rows(g, dt);
     }
 
     /// Bytes of the index buffer of a source with `experts` and `tokens`: `counts[E]`, the
     /// lists `rows[E · tokens]` and the packed rows' map `pos[tokens · E]` (i32).
     pub fn index_bytes(experts: usize, tokens: usize) -> usize {
         4 * (experts + 2 * experts * tokens)
+    }
+
+    /// The device addresses of the three parts of an index buffer at `base` (see
+    /// [`Routing::index_bytes`]): `[counts, rows, pos]`.
+    pub fn index_parts(base: u64, experts: usize, tokens: usize) -> [u64; 3] {
+        let rows = base + 4 * experts as u64;
+        [base, rows, rows + 4 * (experts * tokens) as u64]
     }
 }
 
@@ -397,10 +307,27 @@ fn top_k(g: &Graph, gates: ValueId) -> Option<usize> {
     }
 }
 
-/// Which values' unrouted rows are read by nothing (see [`Routing::unfilled`]).
+/// How a reader reads the unrouted rows of one of its operands (see [`ReaderWalk::reader`]).
+enum Reader {
+    /// It skips them: a combine, the dispatch's gradient or a combine's gradient of the same
+    /// gates (moe.cu, moe_grad.cu; the gradient wrt y reads no y at all).
+    Skips,
+    /// A routed GEMM (by its activation) or weight gradient of the same gates: it skips them
+    /// on the routed kernels.
+    Routed(RoutedGemm),
+    /// Each row of its result from the same row of the operand, of the same gates' rows: a
+    /// row-by-row op of operands of its shape (a reshape keeping the rows), or a dense expert
+    /// GEMM by its activation. What the operand holds there lands in the result's unrouted
+    /// rows.
+    RowByRow,
+    /// It reads them.
+    Reads,
+}
+
+/// Which values' unrouted rows are read by nothing ([`Routing::unfilled`]), and which values
+/// can be stored packed ([`Routing::packed`]).
 struct ReaderWalk<'a> {
     g: &'a Graph,
-    routing: &'a Routing,
     zero: Vec<Option<ValueId>>,
     users: Vec<Vec<ValueId>>,
 }
@@ -409,16 +336,47 @@ impl ReaderWalk<'_> {
     /// The gates whose zeros make `x`'s rows zero (through shape-keeping reshapes: a training
     /// step's backward reads the saved gates through one).
     fn gates(&self, x: ValueId) -> Option<ValueId> {
-        self.zero[x.index()].map(|s| self.root(routing_gates(self.g, s)))
+        self.zero[x.index()].map(|s| through_reshapes(self.g, routing_gates(self.g, s)))
     }
 
-    /// `v` with reshapes that keep its shape looked through.
-    fn root(&self, mut v: ValueId) -> ValueId {
+    /// How `u` reads the unrouted rows of its operand `x`, whose rows `gates` route.
+    fn reader(&self, routing: &Routing, x: ValueId, u: ValueId, gates: ValueId) -> Reader {
         let g = self.g;
-        while matches!(g.node(v).op, Op::Reshape) && g.ty(g.node(v).inputs[0]).same_shape(g.ty(v)) {
-            v = g.node(v).inputs[0];
+        let node = g.node(u);
+        let only_at = |i: usize| {
+            node.inputs
+                .iter()
+                .enumerate()
+                .all(|(j, &y)| y != x || j == i)
+        };
+        let routed = |r: Option<RoutedGemm>| {
+            r.filter(|r| through_reshapes(g, routing_gates(g, r.source)) == gates)
+        };
+        let same_rows = self.gates(u) == Some(gates);
+        match node.op {
+            Op::Combine | Op::DispatchGrad | Op::CombineGrad { .. }
+                if only_at(0) && through_reshapes(g, node.inputs[1]) == gates =>
+            {
+                Reader::Skips
+            }
+            Op::MatMul { .. } if only_at(0) => match routed(routing.gemms[u.index()]) {
+                Some(r) => Reader::Routed(r),
+                None if same_rows => Reader::RowByRow,
+                None => Reader::Reads,
+            },
+            Op::WeightGrad { .. } if node.inputs.get(2) != Some(&x) => {
+                routed(routing.weight_grads[u.index()]).map_or(Reader::Reads, Reader::Routed)
+            }
+            ref op if row_by_row(op) => {
+                let rows_kept = matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty);
+                if same_rows && rows_kept {
+                    Reader::RowByRow
+                } else {
+                    Reader::Reads
+                }
+            }
+            _ => Reader::Reads,
         }
-        v
     }
 
     /// Whether no reader of `x`'s unrouted rows sees them (garbage there changes nothing the
@@ -426,7 +384,7 @@ impl ReaderWalk<'_> {
     /// row-preserving op of the same gates' rows whose own unrouted rows nothing reads. The
     /// routed GEMMs and weight gradients relied on (they skip the rows only on the routed
     /// kernels) are pushed onto `must`.
-    fn unread(&self, x: ValueId, must: &mut Vec<ValueId>) -> bool {
+    fn unread(&self, routing: &Routing, x: ValueId, must: &mut Vec<ValueId>) -> bool {
         let g = self.g;
         let Some(gates) = self.gates(x) else {
             return false;
@@ -434,45 +392,94 @@ impl ReaderWalk<'_> {
         if g.outputs.iter().any(|&(_, o)| o == x) {
             return false;
         }
-        self.users[x.index()].iter().all(|&u| {
-            let node = g.node(u);
-            let at = |i: usize| node.inputs.get(i) == Some(&x);
-            let only_at = |i: usize| {
-                node.inputs
-                    .iter()
-                    .enumerate()
-                    .all(|(j, &y)| y != x || j == i)
-            };
-            let same_rows = self.gates(u) == Some(gates);
-            let routed = |r: Option<RoutedGemm>| {
-                r.is_some_and(|r| self.root(routing_gates(g, r.source)) == gates)
-            };
-            match node.op {
-                // Skip the rows whose gate is zero (moe.cu, moe_grad.cu; CombineGrad wrt y
-                // reads no y at all).
-                Op::Combine | Op::DispatchGrad | Op::CombineGrad { .. } => {
-                    only_at(0) && self.root(node.inputs[1]) == gates
-                }
-                // On the routed kernels: the routed rows only.
-                Op::MatMul { .. } if routed(self.routing.gemms[u.index()]) && only_at(0) => {
+        self.users[x.index()]
+            .iter()
+            .all(|&u| match self.reader(routing, x, u, gates) {
+                Reader::Skips => true,
+                Reader::Routed(_) => {
                     must.push(u);
                     true
                 }
-                Op::WeightGrad { .. } if routed(self.routing.weight_grads[u.index()]) && !at(2) => {
-                    must.push(u);
-                    true
-                }
-                // Row by row (a dense expert GEMM by its activation; elementwise ops of
-                // operands of the output's shape; reshapes keeping the rows): garbage stays in
-                // the unrouted rows of the result.
-                Op::MatMul { .. } => same_rows && only_at(0) && self.unread(u, must),
-                ref op if row_by_row(op) => {
-                    let rows_kept = matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty);
-                    same_rows && rows_kept && self.unread(u, must)
-                }
-                _ => false,
+                Reader::RowByRow => self.unread(routing, u, must),
+                Reader::Reads => false,
+            })
+    }
+
+    /// The values of `g` stored packed (module docs): every candidate, then those whose writer
+    /// or a reader does not take packed rows dropped until none is.
+    fn packed(&self, routing: &Routing, dt: GpuDType) -> Vec<Option<Packed>> {
+        let g = self.g;
+        let is_output = |v: ValueId| g.outputs.iter().any(|&(_, o)| o == v);
+        // The routed kernels run this GEMM's shape (bf16 wants k, n multiples of 8; pointers
+        // are aligned: arena slots, packed rows of such widths, device allocations).
+        let takes = |r: RoutedGemm| routed_gemm_supported(dt.kernel(), r.k, r.n, [0; 3]);
+        let mut packed: Vec<Option<Packed>> = vec![None; g.len()];
+        for v in g.ids() {
+            let (Some(source), Some(gates)) = (self.zero[v.index()], self.gates(v)) else {
+                continue;
+            };
+            let node = g.node(v);
+            let writer = match node.op {
+                Op::MatMul { .. } => routing.gemms[v.index()].is_some_and(takes),
+                // Through the packed rows' map (moe.cu, moe_grad.cu).
+                Op::Dispatch | Op::CombineGrad { .. } => true,
+                ref op => row_by_row(op),
+            };
+            let shape = node.ty.shape();
+            let (Some(&experts), Some(&width), Some(top_k)) =
+                (shape.first(), shape.last(), top_k(g, gates))
+            else {
+                continue;
+            };
+            let indexed = routing.sources.iter().any(|&(s, _, _)| s == source);
+            let empty = experts == 0 || width == 0;
+            if !writer || !indexed || empty || is_output(v) || shape.len() < 3 || top_k >= experts {
+                continue;
             }
-        })
+            let tokens = node.ty.numel() / (experts * width);
+            packed[v.index()] = Some(Packed {
+                source,
+                rows: tokens * top_k,
+                width,
+            });
+        }
+        loop {
+            let mut changed = false;
+            for v in g.ids() {
+                if packed[v.index()].is_none() {
+                    continue;
+                }
+                let node = g.node(v);
+                let Some(gates) = self.gates(v) else {
+                    continue;
+                };
+                let ok_packed =
+                    |x: ValueId| packed[x.index()].is_some() && self.gates(x) == Some(gates);
+                // A row-by-row writer reads packed operands of its own shape only.
+                let writes = matches!(
+                    node.op,
+                    Op::MatMul { .. } | Op::Dispatch | Op::CombineGrad { .. }
+                ) || node.inputs.iter().all(|&x| {
+                    ok_packed(x) && (matches!(node.op, Op::Reshape) || g.ty(x).same_shape(&node.ty))
+                });
+                let read = self.users[v.index()].iter().all(|&u| {
+                    match self.reader(routing, v, u, gates) {
+                        Reader::Skips => true,
+                        Reader::Routed(r) => takes(r),
+                        Reader::RowByRow => ok_packed(u),
+                        Reader::Reads => false,
+                    }
+                });
+                if !(writes && read) {
+                    packed[v.index()] = None;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        packed
     }
 }
 
@@ -724,7 +731,7 @@ mod tests {
         assert_eq!(r2.unfilled[m5.index()], Some(vec![m6]));
         // A source the executor would not run by itself takes its GEMMs with it.
         let mut r = r;
-        r.keep_sources(&g, |s| s != d);
+        r.keep_sources(&g, GpuDType::F32, |s| s != d);
         assert!(r.sources.is_empty());
         assert!(r.gemms.iter().all(Option::is_none));
     }

@@ -14,7 +14,7 @@ use super::node::cublas_epilogue;
 use super::plan::{fused_expr, Action, FusedGroup, SiblingGemms};
 use super::program::CudaProgram;
 use super::rank::CudaRankCtx;
-use super::routed::RoutedGemm;
+use super::routed::{RoutedGemm, Routing};
 use super::CudaError;
 use crate::comm::ReduceOp;
 use shardc_compiler::ir::{Node, Op, ValueId};
@@ -130,7 +130,8 @@ impl CudaProgram {
         let index = self.route_index[r.source.index()]
             .as_ref()
             .map_or(0, |b| b.ptr);
-        (index, index + 4 * r.experts as u64)
+        let [counts, rows, _] = Routing::index_parts(index, r.experts, r.tokens);
+        (counts, rows)
     }
 
     /// The packed rows' map (`pos[tokens · E]`, `moe_route_positions`) a dispatch, combine or
@@ -146,7 +147,7 @@ impl CudaProgram {
         };
         self.route_index[p.source.index()]
             .as_ref()
-            .map_or(0, |b| b.ptr + 4 * (experts + experts * tokens) as u64)
+            .map_or(0, |b| Routing::index_parts(b.ptr, experts, tokens)[2])
     }
 
     /// The GEMM of sibling group `s`: its weights and outputs `w_stride` / `out_stride` apart.
