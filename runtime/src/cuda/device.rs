@@ -57,10 +57,19 @@ pub struct CudaDevice {
 /// (`cuFuncGetParamInfo`, CUDA 12.4+); `None` where the driver cannot say.
 #[derive(Clone)]
 pub struct Kernel {
+    /// Its entry point.
+    pub name: Arc<str>,
     /// The function.
     pub function: CudaFunction,
     /// Its parameters' sizes in bytes, in order.
     pub params: Option<Arc<[usize]>>,
+}
+
+impl Kernel {
+    /// `Ok` when a launch passes arguments of `passed` byte sizes ([`check_launch_args`]).
+    pub(crate) fn check_args(&self, passed: &[usize]) -> Result<(), CudaError> {
+        check_launch_args(&self.name, self.params.as_deref(), passed)
+    }
 }
 
 /// The byte size of each parameter of `f` (`cuFuncGetParamInfo`), or `None` when the driver
@@ -89,7 +98,7 @@ fn param_sizes(f: &CudaFunction, driver_version: i32) -> Option<Arc<[usize]>> {
 /// have (`params`, from [`Kernel::params`]; `None`: not known, not checked), else an error naming
 /// the kernel and both lists: what a wrong argument list would otherwise do is read past the
 /// argument array or hand a kernel the wrong bytes.
-pub(crate) fn check_launch_args(
+fn check_launch_args(
     entry: &str,
     params: Option<&[usize]>,
     passed: &[usize],
@@ -209,13 +218,8 @@ impl CudaDevice {
 
     /// [`CudaDevice::function`] with its parameters' sizes ([`Kernel`]).
     pub fn kernel(&self, entry: &str) -> Result<Kernel, CudaError> {
-        if let Some(k) = self
-            .functions
-            .lock()
-            .expect("invariant: kernel table lock not poisoned")
-            .get(entry)
-        {
-            return Ok(k.clone());
+        if let Some(k) = self.loaded(entry) {
+            return Ok(k);
         }
         let module = self.module_for(entry)?;
         let f = module
@@ -233,15 +237,30 @@ impl CudaDevice {
             )
             .map_err(CudaError::driver(what))?;
         }
+        Ok(self.remember(entry, f))
+    }
+
+    /// Kernel `name` if it is loaded.
+    fn loaded(&self, name: &str) -> Option<Kernel> {
+        self.functions
+            .lock()
+            .expect("invariant: kernel table lock not poisoned")
+            .get(name)
+            .cloned()
+    }
+
+    /// Records loaded function `f` as kernel `name`, with its parameters' sizes.
+    fn remember(&self, name: &str, f: CudaFunction) -> Kernel {
         let k = Kernel {
+            name: name.into(),
             params: param_sizes(&f, self.driver_version),
             function: f,
         };
         self.functions
             .lock()
             .expect("invariant: kernel table lock not poisoned")
-            .insert(entry.to_owned(), k.clone());
-        Ok(k)
+            .insert(name.to_owned(), k.clone());
+        k
     }
 
     /// Compiles (through the PTX cache) and loads every kernel family of the registry and the
@@ -263,19 +282,10 @@ impl CudaDevice {
 
     /// The generated kernel of a fused elementwise expression (`shardc_kernels`'
     /// `generate_fused_kernel`), compiled and loaded on first use.
-    pub fn fused_function(
-        &self,
-        expr: &FusedExpr,
-        dt: KernelDType,
-    ) -> Result<CudaFunction, CudaError> {
+    pub fn fused_function(&self, expr: &FusedExpr, dt: KernelDType) -> Result<Kernel, CudaError> {
         let name = expr.kernel_name(dt);
-        if let Some(f) = self
-            .functions
-            .lock()
-            .expect("invariant: kernel table lock not poisoned")
-            .get(&name)
-        {
-            return Ok(f.function.clone());
+        if let Some(k) = self.loaded(&name) {
+            return Ok(k);
         }
         let src = generate_fused_kernel(&name, expr, dt);
         let ptx = shardc_kernels::compile(&format!("{name}.cu"), &src, self.arch, &[])?.to_ptx();
@@ -285,15 +295,7 @@ impl CudaDevice {
         let f = module
             .load_function(&name)
             .map_err(CudaError::driver(format!("load kernel {name}")))?;
-        let k = Kernel {
-            params: param_sizes(&f, self.driver_version),
-            function: f.clone(),
-        };
-        self.functions
-            .lock()
-            .expect("invariant: kernel table lock not poisoned")
-            .insert(name, k);
-        Ok(f)
+        Ok(self.remember(&name, f))
     }
 
     /// Compiles (through the PTX cache) and loads the source defining `entry`.

@@ -5,10 +5,11 @@
 //! sizes the arguments imply; outputs do not overlap inputs unless the kernel's contract
 //! allows it. Launches are asynchronous on the launcher's stream.
 
+use super::device::Kernel;
 use super::routed::RoutedGemm;
 use super::strided::StridedSpec;
 use super::{CudaDevice, CudaError};
-use cudarc::driver::{result as drv, CudaFunction, CudaStream, PushKernelArg};
+use cudarc::driver::{result as drv, CudaStream, PushKernelArg};
 use shardc_compiler::ir::{RopeStyle, UnaryOp};
 use shardc_kernels::launch::{
     attention_plan, elementwise_launch, loss_sum_launch, moe_route_index_launch, rope_launch,
@@ -31,8 +32,7 @@ macro_rules! launch {
         let entry: &str = &$entry;
         let k = $self.dev.kernel(entry)?;
         // The arguments' sizes against the kernel's parameters, where the driver reports them.
-        let passed = [$(std::mem::size_of_val($arg)),*];
-        crate::cuda::device::check_launch_args(entry, k.params.as_deref(), &passed)?;
+        k.check_args(&[$(std::mem::size_of_val($arg)),*])?;
         let mut b = $self.stream.launch_builder(&k.function);
         $( b.arg($arg); )*
         // SAFETY: the argument list matches the kernel's signature in its .cu contract (each
@@ -467,7 +467,7 @@ impl<'a> Launcher<'a> {
     /// expr(in_j[i % len_j])` over `inputs = [(ptr, len)]` (every `len >= 1`).
     pub fn fused(
         &self,
-        f: &CudaFunction,
+        f: &Kernel,
         dt: KernelDType,
         inputs: &[(u64, usize)],
         out: u64,
@@ -479,7 +479,13 @@ impl<'a> Launcher<'a> {
         let ptrs: Vec<u64> = inputs.iter().map(|p| p.0).collect();
         let lens: Vec<i64> = inputs.iter().map(|p| i(p.1.max(1))).collect();
         let n64 = i(n);
-        let mut b = self.stream.launch_builder(f);
+        // The arguments' sizes, as pushed below, against the kernel's parameters.
+        let passed: Vec<usize> = (ptrs.iter().map(std::mem::size_of_val))
+            .chain([std::mem::size_of_val(&out), std::mem::size_of_val(&n64)])
+            .chain(lens.iter().map(std::mem::size_of_val))
+            .collect();
+        f.check_args(&passed)?;
+        let mut b = self.stream.launch_builder(&f.function);
         for p in &ptrs {
             b.arg(p);
         }
