@@ -134,3 +134,23 @@ std::vector<int> packed_positions(const std::vector<float>& g, int N, int E, int
     *rows = next;
     return pos;
 }
+
+// A packed [E, N, width] operand made from `dense`: packed row pos[n * E + e] (packed_positions'
+// map) holds dense row e * N + n, for the `rows` routed rows; then `spare` rows of `fill`.
+template <class T>
+std::vector<T> pack_rows(const std::vector<T>& dense, const std::vector<int>& pos, int N, int E,
+                         int width, int rows, int spare, T fill) {
+    std::vector<T> p((size_t)(rows + spare) * width, fill);
+    for (int n = 0; n < N; ++n)
+        for (int e = 0; e < E; ++e)
+            if (pos[(size_t)n * E + e] >= 0)
+                std::copy_n(dense.begin() + ((size_t)e * N + n) * width, width,
+                            p.begin() + (size_t)pos[(size_t)n * E + e] * width);
+    return p;
+}
+
+// NaN as a T (f32, or bf16 bits).
+template <class T> T nan_as() {
+    std::vector<float> v{NAN};
+    return as<T>(v)[0];
+}

@@ -243,8 +243,7 @@ void test_moe() {
     std::vector<double> wp((rows + 2) * H, 9.0);
     for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (pos[n*E+e] >= 0) for (int c = 0; c < H; ++c) wp[pos[n*E+e]*H+c] = x[n*H+c];
     check("dispatch_f32 packed (spare rows untouched)", pd, wp, 0, 0);
-    std::vector<float> py((rows + 2) * H, NAN);
-    for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (pos[n*E+e] >= 0) for (int c = 0; c < H; ++c) py[pos[n*E+e]*H+c] = y[(e*N+n)*H+c];
+    const auto py = pack_rows(y, pos, N, E, H, rows, 2, (float)NAN);
     std::vector<float> pc(N*H);
     launch({1}, {32}, [&] { combine_f32(py.data(), gates.data(), pc.data(), N, E, H, pos.data()); });
     check("combine_f32 packed", pc, wc, 1e-6, 1e-6);

@@ -84,25 +84,18 @@ void gemm_case(int E, int N, int K, int Nout, int trans, int packed) {
         for (int n = 0; n < N; ++n)
             if (g[(size_t)n * E + e] == 0)
                 for (int kk = 0; kk < K; ++kk) a[((size_t)e * N + n) * K + kk] = NAN;
-    // Packed operands: the routed rows back to back (expert e's row j at offs[e] + j), then
+    // Packed operands: the routed rows back to back (expert by expert, each list's order), then
     // 3 spare rows (NaN in a, the sentinel in out) that must stay unread and unwritten.
-    std::vector<size_t> offs(E, 0);
-    for (int e = 1; e < E; ++e) offs[e] = offs[e - 1] + counts[e - 1];
-    const size_t total = offs[E - 1] + counts[E - 1], cap = total + 3;
+    int total = 0;
+    const auto pos = packed_positions(g, N, E, &total);
+    const size_t cap = total + 3;
     auto dense_row = [&](int e, int j) { return (size_t)e * N + rows[(size_t)e * N + j]; };
-    auto out_row = [&](int e, int j) { return packed & 2 ? offs[e] + j : dense_row(e, j); };
+    auto out_row = [&](int e, int j) {
+        return packed & 2 ? (size_t)pos[(size_t)rows[(size_t)e * N + j] * E + e] : dense_row(e, j);
+    };
     auto at = as<T>(a);  // rounds a to T in place
-    std::vector<T> ab = at;
-    if (packed & 1) {
-        ab.assign(cap * K, (T)0);
-        std::vector<float> spare(K, NAN);
-        auto sp = as<T>(spare);
-        for (size_t r = total; r < cap; ++r) std::copy(sp.begin(), sp.end(), ab.begin() + r * K);
-        for (int e = 0; e < E; ++e)
-            for (int j = 0; j < counts[e]; ++j)
-                std::copy_n(at.begin() + dense_row(e, j) * K, K, ab.begin() + (offs[e] + j) * K);
-    }
-    Placed<T> ap(ab, 0), wp(as<T>(w), 0);
+    Placed<T> ap(packed & 1 ? pack_rows(at, pos, N, E, K, total, 3, nan_as<T>()) : at, 0);
+    Placed<T> wp(as<T>(w), 0);
     const float sentinel = 1152.0f;  // exact in bf16
     const size_t out_rows = packed & 2 ? cap : (size_t)E * N;
     std::vector<float> s(out_rows * Nout, sentinel);

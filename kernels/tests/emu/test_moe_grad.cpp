@@ -90,13 +90,7 @@ void dispatch_combine_case(int E) {
     // Packed operands (moe_route_positions' map): the routed rows only, then 2 spare NaN rows.
     int prow = 0;
     const auto pos = packed_positions(gates, N, E, &prow);
-    auto pack = [&](const std::vector<T>& dense) {
-        std::vector<float> nan((prow + 2) * H, NAN);
-        std::vector<T> p = as<T>(nan);
-        for (int n = 0; n < N; ++n) for (int e = 0; e < E; ++e) if (pos[n * E + e] >= 0)
-            std::copy_n(dense.begin() + ((size_t)e * N + n) * H, H, p.begin() + (size_t)pos[n * E + e] * H);
-        return p;
-    };
+    auto pack = [&](const std::vector<T>& dense) { return pack_rows(dense, pos, N, E, H, prow, 2, nan_as<T>()); };
     for (bool packed : {false, true}) {
     const int* pp = packed ? pos.data() : nullptr;
     const char* how = packed ? " packed" : "";

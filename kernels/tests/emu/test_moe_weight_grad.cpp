@@ -54,22 +54,15 @@ void weight_grad_case(int E, int N, int K, int Nout, int trans, int packed) {
         for (int i = 0; i < K; ++i) a[row * K + i] = NAN;
         for (int c = 0; c < Nout; ++c) dy[row * Nout + c] = NAN;
     }
-    // Packed operands (bit 0: a, bit 1: dy): the routed rows back to back, expert e's row j at
-    // offs[e] + j, then 3 spare rows of NaN.
-    std::vector<size_t> offs(E, 0);
-    for (int e = 1; e < E; ++e) offs[e] = offs[e - 1] + counts[e - 1];
-    const size_t cap = offs[E - 1] + counts[E - 1] + 3;
-    auto pack = [&](std::vector<T> dense, int width, bool on) {
-        if (!on) return dense;
-        std::vector<float> nan(width, NAN);
-        auto spare = as<T>(nan);
-        std::vector<T> p(cap * width);
-        for (size_t r = 0; r < cap; ++r) std::copy(spare.begin(), spare.end(), p.begin() + r * width);
-        for (int e = 0; e < E; ++e)
-            for (int j = 0; j < counts[e]; ++j)
-                std::copy_n(dense.begin() + ((size_t)e * N + rows[(size_t)e * N + j]) * width, width,
-                            p.begin() + (offs[e] + j) * width);
-        return p;
+    // Packed operands (bit 0: a, bit 1: dy): the routed rows back to back, expert by expert in
+    // each list's order (expert e's entry j at counts[0] + ... + counts[e - 1] + j), then 3
+    // spare rows of NaN.
+    std::vector<int> pos((size_t)N * E, -1);
+    int total = 0;
+    for (int e = 0; e < E; ++e)
+        for (int j = 0; j < counts[e]; ++j) pos[(size_t)rows[(size_t)e * N + j] * E + e] = total++;
+    auto pack = [&](const std::vector<T>& dense, int width, bool on) {
+        return on ? pack_rows(dense, pos, N, E, width, total, 3, nan_as<T>()) : dense;
     };
     Placed<T> ap(pack(as<T>(a), K, packed & 1), 0), dyp(pack(as<T>(dy), Nout, packed & 2), 0);
     const float sentinel = 1152.0f;  // exact in bf16
