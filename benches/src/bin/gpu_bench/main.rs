@@ -589,31 +589,30 @@ impl Bench {
     ///   output and lse rows in its slot and the group reads them (no forward run twice), on
     ///   tensor cores. TFLOP/s of 3.5× the causal forward's FLOPs.
     fn attention_backward(&mut self, t: usize) -> Result<(), BenchError> {
-        for (forward, tensor_core, kernel) in [
-            (false, true, "tensor cores"),
-            (false, false, "scalar"),
-            (true, true, "tensor cores"),
-        ] {
+        let both: &[(bool, &str)] = &[(true, "tensor cores"), (false, "scalar")];
+        for (forward, kernels) in [(false, both), (true, &both[..1])] {
             let (g, ins) = attention_bwd_graph(t, 0xb4c, forward);
             let check = Reference::Smaller(attention_bwd_graph(256, 0, forward).0);
-            let run = CudaOptions {
-                tensor_core_attention: tensor_core,
-                ..opts(GpuDType::Bf16, true)
-            };
             let what = if forward { "fwd+bwd" } else { "bwd" };
-            let case = format!("attention {what} {}k {kernel}", t / 1024);
-            let ms = self.time_with(&case, (&g, &ins, &check), run, true)?;
             let passes = if forward { 3.5 } else { 2.5 };
-            let flops = passes * 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
-            let measure = self.tflops(tflops(flops, ms));
-            self.row(
-                "attention",
-                format!("{what} causal {}k, {kernel}", t / 1024),
-                GpuDType::Bf16,
-                format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
-                ms,
-                measure,
-            );
+            for &(tensor_core, kernel) in kernels {
+                let run = CudaOptions {
+                    tensor_core_attention: tensor_core,
+                    ..opts(GpuDType::Bf16, true)
+                };
+                let case = format!("attention {what} {}k {kernel}", t / 1024);
+                let ms = self.time_with(&case, (&g, &ins, &check), run, true)?;
+                let flops = passes * 2.0 * (HEADS * t * t * HEAD_DIM) as f64;
+                let measure = self.tflops(tflops(flops, ms));
+                self.row(
+                    "attention",
+                    format!("{what} causal {}k, {kernel}", t / 1024),
+                    GpuDType::Bf16,
+                    format!("1x{t} h{HEADS}/{KV_HEADS} d{HEAD_DIM}"),
+                    ms,
+                    measure,
+                );
+            }
         }
         Ok(())
     }
