@@ -113,13 +113,10 @@ struct Sim<'a> {
     want: &'a [Option<Tensor>],
     /// The arena's 2-byte cells.
     cells: Vec<Cell>,
-    /// What each value was written as.
-    values: HashMap<ValueId, Tensor>,
-    /// Per value written in part (a routed GEMM's unrouted rows): the elements not written,
-    /// NaN when read (whatever the arena held).
-    unwritten_elems: HashMap<ValueId, Vec<bool>>,
-    /// Whether a value has been written to its slot.
-    written: Vec<bool>,
+    /// Each value written to its slot: what it was written as, and the elements left
+    /// unwritten (a routed GEMM's unrouted rows, a packed value's unstored ones), NaN in it
+    /// (whatever the arena held).
+    written: HashMap<ValueId, (Tensor, Vec<bool>)>,
     routing: Routing,
     /// `cuda::zero_rows` of the graph.
     zero: Vec<Option<ValueId>>,
@@ -201,17 +198,14 @@ impl Sim<'_> {
                 self.cells[at + p * per..at + (p + 1) * per].fill(Cell::Elem(v, i));
             }
         }
-        self.unwritten_elems.insert(v, unwritten);
-        self.values.insert(v, t);
-        self.written[v.index()] = true;
+        self.written.insert(v, (t, unwritten));
     }
 
     /// `v`'s value read from its cells: each must still name `v` (or be one `v` left
     /// unwritten, NaN in the value already).
     fn read_cells(&self, v: ValueId) -> Tensor {
-        let t = self.values[&v].clone();
+        let (t, skip) = &self.written[&v];
         let (at, per) = self.cells_of(v);
-        let skip = &self.unwritten_elems[&v];
         let pos = self.positions(v);
         for i in 0..t.numel() {
             let Some(p) = pos[i].filter(|_| !skip[i]) else {
@@ -231,7 +225,7 @@ impl Sim<'_> {
                 }
             }
         }
-        t
+        t.clone()
     }
 
     /// Value `v` as the GPU would read it now. Inside a fused group (`within`), a value the
@@ -247,7 +241,7 @@ impl Sim<'_> {
             t.shape = node.ty.shape();
             return t;
         }
-        if self.written[v.index()] {
+        if self.written.contains_key(&v) {
             return self.read_cells(v);
         }
         let Some(cache) = within else {
@@ -460,9 +454,7 @@ fn check(g: &Graph, what: &str, ids: i32) -> (HashMap<&'static str, usize>, usiz
             leaves: &leaves,
             want: &want,
             cells: vec![Cell::Empty; (arena.total / 2) as usize],
-            values: HashMap::new(),
-            unwritten_elems: HashMap::new(),
-            written: vec![false; g.len()],
+            written: HashMap::new(),
             routing,
             zero: zero_rows(g),
             gates: HashMap::new(),
